@@ -1,0 +1,134 @@
+"""Shared benchmark machinery: cases, timing, ceilings, the environment stamp, CSV output.
+
+An op's benchmark module (``bench/ops_<family>.py``) only describes cases; timing, roofline
+fractions and reporting happen here, the same way for every op. Timing follows
+/work/.library/device/METHOD.md: warm-up first, CUDA-event timing via ``triton.testing.do_bench``
+(median), inputs rotated so that a small case is not timed out of L2, stock and ours in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import itertools
+import math
+import platform
+from typing import Any, Callable, Iterator
+
+import torch
+
+L2_BYTES = 50 * 2**20  # H100's L2; rotating over more than twice this defeats it
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark point: several implementations of the same op on the same inputs.
+
+    ``impls`` maps a name to a zero-argument callable; "stock" is the baseline every ratio uses.
+    ``bytes`` is the fewest bytes the op must move (inputs read once, outputs written once) and
+    ``flops`` its arithmetic; either may be 0 when it does not apply. ``errors`` maps impl names
+    to their relative error against float64 (filled by the case's author, optional).
+    """
+
+    op: str
+    shape: str
+    dtype: torch.dtype
+    variant: str
+    impls: dict[str, Callable[[], Any]]
+    bytes: int = 0
+    flops: int = 0
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}[{self.shape},{str(self.dtype).removeprefix('torch.')},{self.variant}]"
+
+
+def rotating(make: Callable[[], Any], bytes_per_set: int) -> Callable[[], Any]:
+    """A callable returning the next of enough input sets (built by ``make``) to exceed L2 twice."""
+    n = max(1, min(32, math.ceil(2 * L2_BYTES / max(bytes_per_set, 1))))
+    sets = [make() for _ in range(n)]
+    cycle = itertools.cycle(sets)
+    return lambda: next(cycle)
+
+
+def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` on the GPU (do_bench's warm-up and rep are in ms)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+@functools.cache
+def copy_ceiling_gbps() -> float:
+    """Measured device-to-device copy bandwidth, bytes read + written per second, in GB/s."""
+    n = 1 << 28  # 512 MiB of fp16 each way
+    src = torch.randn(n, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+@functools.cache
+def matmul_ceiling_tflops(dtype: torch.dtype = torch.float16) -> float:
+    """Measured dense matmul rate at 8192³ in TFLOP/s."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = time_ms(lambda: a @ b)
+    return 2 * n**3 / ms / 1e9
+
+
+def environment() -> dict[str, str]:
+    """Device, versions and date: stamped on every result row."""
+    import diffusers
+    import triton
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "device": dev,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "triton": triton.__version__,
+        "diffusers": diffusers.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def measure(case: Case, warmup: int = 25, rep: int = 100) -> Iterator[dict[str, Any]]:
+    """Time every impl of ``case``; yield one result row per impl."""
+    times = {name: time_ms(fn, warmup, rep) for name, fn in case.impls.items()}
+    stock = times.get("stock")
+    copy_bw = copy_ceiling_gbps()
+    mm = matmul_ceiling_tflops()
+    for name, ms in times.items():
+        gbps = case.bytes / ms / 1e6 if case.bytes else float("nan")
+        tflops = case.flops / ms / 1e9 if case.flops else float("nan")
+        yield {
+            "op": case.op,
+            "shape": case.shape,
+            "dtype": str(case.dtype).removeprefix("torch."),
+            "variant": case.variant,
+            "impl": name,
+            "ms": round(ms, 5),
+            "speedup_vs_stock": round(stock / ms, 3) if stock else float("nan"),
+            "GB/s": round(gbps, 1),
+            "pct_copy_bw": round(100 * gbps / copy_bw, 1) if case.bytes else float("nan"),
+            "TFLOP/s": round(tflops, 2),
+            "pct_matmul": round(100 * tflops / mm, 1) if case.flops else float("nan"),
+            "rel_err": case.errors.get(name, float("nan")),
+            **{k: v for k, v in case.extra.items()},
+        }
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "-" if math.isnan(v) else (f"{v:.3e}" if 0 < abs(v) < 1e-2 else f"{v:g}")
+        return str(v)
+
+    table = [columns] + [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table)

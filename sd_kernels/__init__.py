@@ -1,0 +1,36 @@
+"""sd-kernels: Triton kernels for Stable Diffusion in diffusers, as a drop-in, reversible patch.
+
+    import sd_kernels
+    sd_kernels.patch(pipe)            # route the UNet and VAE through our kernels
+    with sd_kernels.patched(pipe): ...
+    sd_kernels.unpatch(pipe)          # bit-identical to never patched
+    sd_kernels.ops.group_norm(x, 32, w, b, activation="silu")
+
+Submodules load on first use, so ``import sd_kernels`` stays cheap and does not import Triton
+(TRITON_INTERPRET must be decided before Triton decorates our kernels).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["patch", "unpatch", "patched", "get_profile", "list_profiles", "ops", "reference", "models"]
+
+_LAZY = {
+    "patch": ("sd_kernels.patches", "patch"),
+    "unpatch": ("sd_kernels.patches", "unpatch"),
+    "patched": ("sd_kernels.patches", "patched"),
+    "get_profile": ("sd_kernels.profiles", "get_profile"),
+    "list_profiles": ("sd_kernels.profiles", "list_profiles"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in ("ops", "reference", "models", "dispatch", "profiles", "patches", "testing"):
+        return importlib.import_module(f"sd_kernels.{name}")
+    raise AttributeError(f"module 'sd_kernels' has no attribute {name!r}")

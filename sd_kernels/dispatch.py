@@ -1,0 +1,93 @@
+"""The one place that decides, per call, whether an op runs its Triton kernel or the reference.
+
+Every public op in ``sd_kernels.ops`` asks ``use_kernel`` once per call and then runs either its
+Triton launcher or the function of the same name in ``sd_kernels.reference``. A fallback is never
+silent: the first time an (op, reason) pair falls back it is logged, and ``fallbacks()`` counts them.
+
+``SD_KERNELS_BACKEND`` overrides the choice: ``auto`` (default), ``triton`` (a kernel that cannot
+run raises instead of falling back) or ``reference`` (never run a kernel).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("sd_kernels")
+
+BACKENDS = ("auto", "triton", "reference")
+_fallbacks: collections.Counter = collections.Counter()
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel was explicitly requested (SD_KERNELS_BACKEND=triton) but cannot run this call."""
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_missing() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f"triton is not importable ({exc})"
+    return None
+
+
+def backend() -> str:
+    mode = os.environ.get("SD_KERNELS_BACKEND", "auto")
+    if mode not in BACKENDS:
+        raise ValueError(f"SD_KERNELS_BACKEND must be one of {BACKENDS}, got {mode!r}")
+    return mode
+
+
+def _device_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        return f"inputs on several devices {sorted(map(str, devices))}"
+    (device,) = devices
+    if device.type == "cuda":
+        return _triton_missing()
+    if device.type == "cpu" and interpreting():
+        return _triton_missing()
+    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device.type}"
+
+
+def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None = None) -> bool:
+    """Decide whether ``op`` runs its Triton kernel on these inputs.
+
+    ``unsupported`` is the op's own reason why its kernel cannot take this call (a shape or dtype
+    off its ground), or None. Returns False (run the reference) or True (run the kernel).
+    """
+    mode = backend()
+    if mode == "reference":
+        return False
+    reason = unsupported or _device_reason(tensors)
+    if reason is None:
+        from sd_kernels.profiles import active_profile
+
+        reason = active_profile().disabled_reason(op)
+    if reason is None:
+        return True
+    if mode == "triton":
+        raise KernelUnavailable(f"{op}: {reason}")
+    if _fallbacks[(op, reason)] == 0:
+        log.warning("sd_kernels: %s runs the PyTorch reference: %s", op, reason)
+    _fallbacks[(op, reason)] += 1
+    return False
+
+
+def fallbacks() -> dict[tuple[str, str], int]:
+    """How often each (op, reason) fell back to the reference since start (or the last reset)."""
+    return dict(_fallbacks)
+
+
+def reset_fallbacks() -> None:
+    _fallbacks.clear()

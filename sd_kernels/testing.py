@@ -1,0 +1,98 @@
+"""Helpers for judging kernels: poisoned outputs and errors measured against float64.
+
+The rule the tests follow: a kernel's error against a float64 oracle may be at most a small multiple
+of the error stock PyTorch makes on the same inputs at the same dtype (``stock``), with a floor of a
+few units of the dtype's rounding so that an exact stock op does not demand more than exactness.
+Benchmarks use the same functions to report errors next to timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+# Unit roundoff of each dtype's storage format: the error of rounding one value.
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (floats) in place, so that any element a kernel fails to write shows."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64; inf if x has NaN/inf where ref is finite."""
+    x64, ref64 = x.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    if not torch.isfinite(x64[torch.isfinite(ref64)]).all():
+        return math.inf
+    finite = torch.isfinite(ref64)
+    num = (x64[finite] - ref64[finite]).norm().item()
+    den = ref64[finite].norm().item()
+    return num / den if den > 0 else num
+
+
+@dataclasses.dataclass
+class ErrorReport:
+    ours: float
+    stock: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.ours <= self.tolerance
+
+    def __str__(self) -> str:
+        return f"rel. error ours {self.ours:.3e}, stock {self.stock:.3e}, tolerance {self.tolerance:.3e}"
+
+
+def judge(
+    ours: torch.Tensor,
+    stock: torch.Tensor,
+    ref64: torch.Tensor,
+    *,
+    factor: float = 4.0,
+    floor_ulps: float = 2.0,
+) -> ErrorReport:
+    """Error of ``ours`` and ``stock`` against the float64 ``ref64``, and the tolerance for ours:
+    ``max(factor · stock error, floor_ulps · unit roundoff of ours' dtype)``."""
+    e_ours, e_stock = rel_err(ours, ref64), rel_err(stock, ref64)
+    floor = floor_ulps * UNIT_ROUNDOFF[ours.dtype]
+    return ErrorReport(e_ours, e_stock, max(factor * e_stock, floor))
+
+
+def assert_close_to_reference(
+    ours: torch.Tensor,
+    stock: torch.Tensor,
+    ref64: torch.Tensor,
+    *,
+    factor: float = 4.0,
+    floor_ulps: float = 2.0,
+) -> ErrorReport:
+    """Fail unless ``ours`` has the reference's shape and dtype of ``stock``, no NaN where the
+    reference is finite, and an error within ``judge``'s tolerance."""
+    assert ours.shape == ref64.shape, f"shape {tuple(ours.shape)} != reference {tuple(ref64.shape)}"
+    assert ours.dtype == stock.dtype, f"dtype {ours.dtype} != stock {stock.dtype}"
+    report = judge(ours, stock, ref64, factor=factor, floor_ulps=floor_ulps)
+    assert report.ok, str(report)
+    return report
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def non_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The same values as ``x`` in a strided view (every other element of a doubled last dim)."""
+    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+    view = wide[..., ::2]
+    view.copy_(x)
+    return view
