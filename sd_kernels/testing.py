@@ -96,3 +96,11 @@ def non_contiguous(x: torch.Tensor) -> torch.Tensor:
     view = wide[..., ::2]
     view.copy_(x)
     return view
+
+
+def psnr(a, b, peak: float = 1.0) -> float:
+    """Peak signal-to-noise ratio in dB between two images with values in [0, peak] (arrays or tensors)."""
+    ta = torch.as_tensor(a, dtype=torch.float64)
+    tb = torch.as_tensor(b, dtype=torch.float64)
+    mse = torch.mean((ta - tb) ** 2).item()
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine: install offline, run the GPU tests, the per-op benchmarks and
+# the SD1.5 demo, write everything to OUT_DIR, print a short table last.
+#   bash bench/gpu.sh OUT_DIR [bench.run options, e.g. --quick --only group_norm,attention]
+# Needs ./.whl with the wheels the GPU image lacks (../shared/gpu/wheels.sh), carried along.
+set -uo pipefail
+out=${1:?usage: bench/gpu.sh OUT_DIR [--quick] [--only FAMILIES]}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import diffusers" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+    || { echo "gpu.sh: could not install the carried wheels in .whl" >&2; exit 1; }
+  export PYTHONPATH=$PWD/.site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+  || { echo "gpu.sh: could not install sd-kernels" >&2; exit 1; }
+
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
+  python3 -m sd_kernels.cli info; } 2>&1 | tee "$out/gpu.txt"
+
+python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+python3 -m bench.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+python3 -m sd_kernels.cli demo --steps 20 --out "$out/demo.png" 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
+demo_rc=${PIPESTATUS[0]}
+
+echo
+echo "== GPU tests:  $(tail -n 1 "$out/gpu-tests.log")"
+echo "== demo:       $(grep -E '^(stock|patched)' "$out/demo.log" | tr '\n' ' ')"
+echo "== benchmarks (ours vs stock, fp16):"
+python3 - "$out/ops.csv" <<'PY'
+import csv, sys
+try:
+    rows = list(csv.DictReader(open(sys.argv[1])))
+except FileNotFoundError:
+    sys.exit("no ops.csv")
+for r in rows:
+    if r["impl"] != "stock":
+        print(f'{r["op"]:<24} {r["shape"]:<22} {r["variant"]:<10} {r["impl"]:<14} {float(r["ms"]):8.4f} ms '
+              f'{float(r["speedup_vs_stock"]):6.2f}x  {r["pct_copy_bw"]:>6}% bw  {r["TFLOP/s"]:>7} TF/s')
+PY
+exit $(( tests_rc || bench_rc || demo_rc ))

@@ -1,0 +1,178 @@
+"""Stable Diffusion pipelines with random weights, built offline from configs shipped in the package.
+
+No hub access is needed: ``sd_kernels/configs/<name>.json`` holds the UNet, VAE, text encoder(s)
+and scheduler configs of SD1.5, SD2.1, SDXL and two tiny test models; the CLIP tokenizer is
+generated (a byte-level vocabulary with no merges: every character is a token). The weights are
+random, so images are noise-like: good for speed, memory and fidelity measurements, not for art.
+
+``load_pipeline`` also takes a local directory written by ``save_pretrained`` (or a hub id where
+the hub is reachable) for real checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import pathlib
+import tempfile
+from importlib import resources
+from typing import Any
+
+import torch
+
+_TEXT_ENCODER_CLASSES = {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection"}
+
+
+def list_configs() -> list[str]:
+    files = resources.files("sd_kernels.configs").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def load_config(name: str) -> dict[str, Any]:
+    """The shipped config ``name`` (see ``list_configs``) as a dict."""
+    known = list_configs()
+    if name not in known:
+        raise ValueError(f"unknown model config {name!r}; known configs: {', '.join(known)}")
+    return json.loads(resources.files("sd_kernels.configs").joinpath(f"{name}.json").read_text())
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for bytes (GPT-2's construction)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    order = list(printable)
+    for b in range(256):
+        if b not in printable:
+            order.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    by_byte = dict(zip(order, codes))
+    return [chr(by_byte[b]) for b in range(256)]
+
+
+def write_tokenizer(directory: str | os.PathLike) -> pathlib.Path:
+    """Write a minimal CLIP tokenizer (vocab.json, merges.txt, tokenizer_config.json) to ``directory``."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    alphabet = _byte_level_alphabet()
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({c + "</w>": 256 + i for i, c in enumerate(alphabet)})
+    vocab.update({"<|startoftext|>": 512, "<|endoftext|>": 513})
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+               "unk_token": "<|endoftext|>"}
+    config = {"model_max_length": 77, "tokenizer_class": "CLIPTokenizer", **special}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@functools.cache
+def _tokenizer_dir() -> str:
+    return str(write_tokenizer(tempfile.mkdtemp(prefix="sd_kernels_tokenizer_")))
+
+
+def make_tokenizer():
+    from transformers import CLIPTokenizer
+
+    return CLIPTokenizer.from_pretrained(_tokenizer_dir())
+
+
+def _text_encoder(kind: str, cfg: dict[str, Any]):
+    import transformers
+
+    # The generated tokenizer's specials; the pooled output is read at the eos position.
+    config = transformers.CLIPTextConfig(**cfg, bos_token_id=512, eos_token_id=513, pad_token_id=513)
+    return getattr(transformers, _TEXT_ENCODER_CLASSES[kind])(config)
+
+
+def _scheduler(cfg: dict[str, Any]):
+    import diffusers
+
+    cfg = dict(cfg)
+    return getattr(diffusers, cfg.pop("class")).from_config(cfg)
+
+
+def build_model(name: str, part: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """One random-weight part (``unet``, ``vae``, ``text_encoder``, ``text_encoder_2``) of config ``name``.
+
+    ``device="meta"`` builds it without memory, e.g. to count parameters.
+    """
+    import diffusers
+
+    cfg = load_config(name)
+    if part not in cfg or part in ("scheduler", "pipeline"):
+        parts = [p for p in cfg if p in ("unet", "vae", *_TEXT_ENCODER_CLASSES)]
+        raise ValueError(f"config {name!r} has no model part {part!r}; parts: {', '.join(parts)}")
+    with torch.device(device):
+        if part == "unet":
+            model = diffusers.UNet2DConditionModel.from_config(cfg["unet"])
+        elif part == "vae":
+            model = diffusers.AutoencoderKL.from_config(cfg["vae"])
+        else:
+            model = _text_encoder(part, cfg[part])
+    if dtype != torch.float32:
+        with _quiet_diffusers():  # it warns about keep-in-fp32 modules even when there are none
+            model = model.to(dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _quiet_diffusers():
+    from diffusers.utils import logging as dlog
+
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(level)
+
+
+def build_pipeline(
+    name: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A complete diffusers pipeline of config ``name`` with random weights (seeded), fully offline."""
+    import diffusers
+
+    cfg = load_config(name)
+    torch.manual_seed(seed)
+    parts = {p: build_model(name, p, device, dtype) for p in ("unet", "vae", *_TEXT_ENCODER_CLASSES) if p in cfg}
+    parts["scheduler"] = _scheduler(cfg["scheduler"])
+    parts["tokenizer"] = make_tokenizer()
+    if "text_encoder_2" in parts:
+        parts["tokenizer_2"] = make_tokenizer()
+    pipeline_cls = getattr(diffusers, cfg["pipeline"])
+    if cfg["pipeline"] == "StableDiffusionPipeline":
+        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    return pipeline_cls(**parts)
+
+
+def load_pipeline(
+    name_or_path: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A shipped config name (random weights), a local directory (``save_pretrained`` output) or a
+    hub id (needs the hub) → a pipeline on ``device`` in ``dtype``."""
+    if name_or_path in list_configs():
+        return build_pipeline(name_or_path, device, dtype, seed)
+    import diffusers
+
+    local = os.path.isdir(name_or_path)
+    if not local and (name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", "", 1)):
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a shipped config ({', '.join(list_configs())}) nor a directory"
+        )
+    pipe = diffusers.DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype, local_files_only=local)
+    return pipe.to(device)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,86 @@
+import logging
+
+import pytest
+import torch
+
+from sd_kernels import dispatch, profiles
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    dispatch.reset_fallbacks()
+    monkeypatch.delenv("SD_KERNELS_BACKEND", raising=False)
+    yield
+    dispatch.reset_fallbacks()
+
+
+def test_interpreter_runs_kernels_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.use_kernel("some_op", torch.ones(2))
+
+
+def test_cpu_without_interpreter_falls_back_logged_once(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        for _ in range(3):
+            assert not dispatch.use_kernel("some_op", torch.ones(2))
+    assert len([r for r in caplog.records if "some_op" in r.getMessage()]) == 1
+    ((key, count),) = dispatch.fallbacks().items()
+    assert key[0] == "some_op" and "CUDA" in key[1] and count == 3
+
+
+def test_op_reason_wins_and_is_reported(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.use_kernel("some_op", torch.ones(2), unsupported="head dim 600 > 256")
+    assert ("some_op", "head dim 600 > 256") in dispatch.fallbacks()
+
+
+def test_forced_triton_raises_instead_of_falling_back(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "triton")
+    with pytest.raises(dispatch.KernelUnavailable, match="some_op"):
+        dispatch.use_kernel("some_op", torch.ones(2))
+
+
+def test_forced_reference_never_runs_kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert not dispatch.use_kernel("some_op", torch.ones(2))
+    assert dispatch.fallbacks() == {}
+
+
+def test_bad_backend_value(monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "fast")
+    with pytest.raises(ValueError, match="auto"):
+        dispatch.use_kernel("some_op", torch.ones(2))
+
+
+def test_mixed_devices_fall_back(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.use_kernel("some_op", torch.ones(2), torch.ones(2, device="meta"))
+
+
+def test_profile_can_disable_an_op(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    off = profiles.Profile("test-off", "disables some_op", disabled_ops=frozenset({"some_op"}))
+    monkeypatch.setattr(profiles, "_active", off)
+    assert not dispatch.use_kernel("some_op", torch.ones(2))
+    assert dispatch.use_kernel("other_op", torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "capability, name", [(None, "cpu"), ((9, 0), "hopper"), ((8, 6), "ampere"), ((7, 5), "cuda"), ((6, 1), "cpu")]
+)
+def test_profile_detection(capability, name):
+    assert profiles.detect_profile(capability).name == name
+
+
+def test_unknown_profile_lists_known():
+    with pytest.raises(ValueError, match="hopper"):
+        profiles.get_profile("mali")
+
+
+def test_profile_env_override(monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_PROFILE", "ampere")
+    assert profiles.get_profile().name == "ampere"
+    assert profiles.get_profile("hopper").name == "hopper"  # the argument beats the environment

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from sd_kernels import models
+
+
+def test_configs_shipped():
+    assert {"sd15", "sd21", "sdxl", "tiny", "tiny-xl"} <= set(models.list_configs())
+
+
+def test_unknown_config_lists_known():
+    with pytest.raises(ValueError, match="known configs: .*sd15"):
+        models.build_pipeline("sd9")
+
+
+def test_unknown_part():
+    with pytest.raises(ValueError, match="parts: unet, vae, text_encoder"):
+        models.build_model("sd15", "text_encoder_2", "meta")
+
+
+# Parameter counts of the real checkpoints' models (SD1.5 UNet: 859.5 M; SD2.1: 865.9 M; SDXL: 2567.5 M).
+@pytest.mark.parametrize(
+    "name, part, millions",
+    [("sd15", "unet", 859.52), ("sd15", "vae", 83.65), ("sd15", "text_encoder", 123.06),
+     ("sd21", "unet", 865.91), ("sd21", "text_encoder", 340.39), ("sdxl", "unet", 2567.46),
+     ("sdxl", "text_encoder_2", 694.66)],
+)
+def test_architecture_sizes(name, part, millions):
+    model = models.build_model(name, part, device="meta")
+    assert models.count_parameters(model) / 1e6 == pytest.approx(millions, abs=0.01)
+
+
+def test_tokenizer_is_offline_and_clip_shaped():
+    tok = models.make_tokenizer()
+    ids = tok("A photo!", padding="max_length", max_length=77, truncation=True).input_ids
+    assert len(ids) == 77 and ids[0] == tok.bos_token_id and tok.eos_token_id in ids
+
+
+def _run(pipe, **kw):
+    gen = torch.Generator().manual_seed(0)
+    return pipe("a photo", num_inference_steps=2, generator=gen, output_type="np", **kw).images
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl"])
+def test_random_pipeline_runs(name):
+    pipe = models.build_pipeline(name)
+    images = _run(pipe)
+    assert images.shape == (1, 64, 64, 3) and (images >= 0).all() and (images <= 1).all()
+
+
+def test_seeded_weights_are_reproducible():
+    a = models.build_pipeline("tiny", seed=3).unet
+    b = models.build_pipeline("tiny", seed=3).unet
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_save_and_load_from_directory(tmp_path):
+    pipe = models.build_pipeline("tiny")
+    pipe.save_pretrained(tmp_path / "pipe")
+    loaded = models.load_pipeline(str(tmp_path / "pipe"))
+    assert type(loaded) is type(pipe)
+    assert torch.equal(torch.as_tensor(_run(pipe)), torch.as_tensor(_run(loaded)))
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a shipped config"):
+        models.load_pipeline(str(tmp_path / "nope"))

@@ -1,0 +1,58 @@
+"""The judging helpers must catch what they are there to catch."""
+
+import math
+
+import pytest
+import torch
+
+from sd_kernels import reference
+from sd_kernels.testing import assert_close_to_reference, judge, non_contiguous, poison_, psnr, rel_err
+
+
+def _gelu_cases(dtype):
+    x = torch.randn(64, 33, dtype=dtype)
+    ref64 = reference.gelu(*reference.upcast(x))
+    stock = reference.gelu(x)
+    return x, stock, ref64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_stock_passes_its_own_bar(dtype):
+    _, stock, ref64 = _gelu_cases(dtype)
+    assert_close_to_reference(stock, stock, ref64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_an_error_of_a_few_ulps_everywhere_fails(dtype):
+    _, stock, ref64 = _gelu_cases(dtype)
+    wrong = (stock.double() * (1 + 16 * torch.finfo(dtype).eps)).to(dtype)
+    assert not judge(wrong, stock, ref64).ok
+
+
+def test_one_unwritten_element_fails():
+    _, stock, ref64 = _gelu_cases(torch.float16)
+    out = stock.clone()
+    poison_(out.view(-1)[7:8])
+    assert rel_err(out, ref64) == math.inf
+    with pytest.raises(AssertionError):
+        assert_close_to_reference(out, stock, ref64)
+
+
+def test_wrong_dtype_or_shape_fails():
+    _, stock, ref64 = _gelu_cases(torch.float16)
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_close_to_reference(stock.float(), stock, ref64)
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close_to_reference(stock[:-1], stock[:-1], ref64)
+
+
+def test_non_contiguous_keeps_values():
+    x = torch.randn(3, 5)
+    y = non_contiguous(x)
+    assert not y.is_contiguous() and torch.equal(x, y)
+
+
+def test_psnr():
+    a = torch.rand(8, 8, 3)
+    assert psnr(a, a) == math.inf
+    assert 19 < psnr(a, a + 0.1) < 21  # mse 0.01 → 20 dB
