@@ -1,8 +1,9 @@
 """Run the per-op microbenchmarks on the GPU and write one CSV: ``python -m bench.run --out DIR``.
 
-Each ``bench/ops_<family>.py`` module exposes ``cases(quick: bool) -> Iterator[Case]``; this runs
-them all (or ``--only``), stamps every row with device, versions and date, writes ``ops.csv`` and
-prints a short table.
+Each ``bench/ops_<family>.py`` module exposes ``cases(quick: bool) -> Iterator[Case]`` and may list
+in ``EXTRAS`` the names of zero-argument functions returning JSON-able tables (printed as ``EXTRA``
+lines). This runs them all (or ``--only``), stamps every row with device, versions and date, writes
+``ops.csv`` and prints a short table.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     rep = 30 if args.quick else 100
     for fam in chosen:
         mod = importlib.import_module(f"bench.ops_{fam}")
+        for name in getattr(mod, "EXTRAS", ()):  # tables beside the timings, e.g. the paper's figures
+            try:
+                print(f"EXTRA {fam}.{name} " + json.dumps(getattr(mod, name)(), default=str))
+            except Exception as exc:
+                print(f"FAILED extra {fam}.{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         for case in mod.cases(args.quick):
             try:
                 new = list(common.measure(case, rep=rep))

@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import tempfile
 from importlib import resources
 from typing import Any
@@ -166,12 +167,14 @@ def load_pipeline(
     import diffusers
 
     local = os.path.isdir(name_or_path)
-    if not local and (name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", "", 1)):
+    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path) is not None  # "owner/name"
+    if not local and not hub_id:
         raise FileNotFoundError(
             f"{name_or_path!r} is neither a shipped config ({', '.join(list_configs())}) nor a directory"
         )
-    pipe = diffusers.DiffusionPipeline.from_pretrained(name_or_path, torch_dtype=dtype, local_files_only=local)
-    return pipe.to(device)
+    # Cast after loading: the dtype keyword of from_pretrained changed name across diffusers releases.
+    pipe = diffusers.DiffusionPipeline.from_pretrained(name_or_path, local_files_only=local)
+    return pipe.to(device=device, dtype=dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
