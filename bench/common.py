@@ -14,7 +14,8 @@ import functools
 import itertools
 import math
 import platform
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -25,12 +25,16 @@ tests_rc=${PIPESTATUS[0]}
 python3 -m bench.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-python3 -m sd_kernels.cli demo --steps 20 --out "$out/demo.png" 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
+python3 -m bench.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
+e2e_rc=${PIPESTATUS[0]}
+
+python3 -m sd_kernels.cli demo --steps 20 --out /tmp/sd-kernels-demo.png 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
 demo_rc=${PIPESTATUS[0]}
 
 echo
 echo "== GPU tests:  $(tail -n 1 "$out/gpu-tests.log")"
 echo "== demo:       $(grep -E '^(stock|patched)' "$out/demo.log" | tr '\n' ' ')"
+echo "== end to end:"; grep -E "^  (unet|vae) " "$out/e2e.log"
 echo "== benchmarks (ours vs stock, fp16):"
 python3 - "$out/ops.csv" <<'PY'
 import csv, sys
@@ -43,4 +47,4 @@ for r in rows:
         print(f'{r["op"]:<24} {r["shape"]:<22} {r["variant"]:<10} {r["impl"]:<14} {float(r["ms"]):8.4f} ms '
               f'{float(r["speedup_vs_stock"]):6.2f}x  {r["pct_copy_bw"]:>6}% bw  {r["TFLOP/s"]:>7} TF/s')
 PY
-exit $(( tests_rc || bench_rc || demo_rc ))
+exit $(( tests_rc || bench_rc || e2e_rc || demo_rc ))

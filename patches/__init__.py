@@ -9,7 +9,7 @@ and processors, so outputs are bit-identical to a never-patched model. Parameter
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch.nn as nn
 

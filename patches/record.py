@@ -9,7 +9,8 @@ outputs. Nothing is copied: replacement modules hold references to the original 
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 

@@ -7,7 +7,7 @@ register themselves with ``@register("name")``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 

@@ -8,7 +8,7 @@ import pathlib
 import platform
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
