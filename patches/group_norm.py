@@ -1,0 +1,198 @@
+"""Every GroupNorm of a UNet2DConditionModel / AutoencoderKL onto ``sd_kernels.ops.group_norm``,
+fused with the SiLU that follows it where diffusers applies one.
+
+Three kinds of change, counted in the record under these names:
+
+* ``resnet_fused_forward`` (+ 2 × ``group_norm_silu``): a ResnetBlock2D whose ``nonlinearity`` is
+  SiLU gets its norms swapped for fused GroupNorm+SiLU modules and its instance ``forward`` rebound
+  to ``_resnet_forward``, a copy of diffusers 0.42.1's forward that skips the SiLU a fused norm has
+  already applied. The block's ``nonlinearity`` itself is untouched: forward also applies it to
+  ``temb``. With ``time_embedding_norm="scale_shift"`` the SiLU comes after the scale and shift,
+  so norm2 is swapped without it (``group_norm``). The copy is only used while diffusers' forward
+  is the one it copies (a hash of its source); under another diffusers version the norms are
+  swapped without the SiLU instead (``group_norm``), which is always exact.
+* ``group_norm_silu`` + ``silu_folded``: ``conv_norm_out`` of UNet2DConditionModel and of the VAE's
+  Encoder and Decoder is always followed by ``conv_act``, and ``conv_act`` is called nowhere else
+  (checked in diffusers 0.42.1: their forwards; UNetMotionModel.from_unet2d only copies its empty
+  state_dict), so the norm takes the SiLU and ``conv_act`` becomes nn.Identity.
+* ``group_norm``: every other module of exact type nn.GroupNorm (Transformer2DModel.norm,
+  Attention.group_norm in the VAE mid-block, ...). A plain nn.GroupNorm computes F.group_norm
+  whoever calls it, so the swap is exact wherever it sits.
+
+Anything else is left alone: subclasses of nn.GroupNorm, SpatialNorm and other conditioned norms
+(a plain nn.GroupNorm inside one is swapped like any other), blocks of other classes, activations
+other than SiLU. Replacement modules hold the original parameters (the same nn.Parameter objects),
+so state_dict keys and values do not change.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import types
+
+import torch
+import torch.nn as nn
+
+from sd_kernels.ops import group_norm
+
+from .record import PatchRecord
+from .registry import register
+
+
+class FusedGroupNorm(nn.GroupNorm):
+    """nn.GroupNorm (+ SiLU) through sd_kernels, on the original module's parameters.
+
+    A subclass, so that ``isinstance(m, nn.GroupNorm)`` keeps holding for code that inspects
+    models; ``nn.Module.__init__`` only: no new parameters are created.
+    """
+
+    def __init__(self, original: nn.GroupNorm, activation: str | None = None) -> None:
+        nn.Module.__init__(self)
+        self.num_groups = original.num_groups
+        self.num_channels = original.num_channels
+        self.eps = original.eps
+        self.affine = original.affine
+        self.register_parameter("weight", original.weight)
+        self.register_parameter("bias", original.bias)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+# sha256 (first 16 hex digits) of inspect.getsource(ResnetBlock2D.forward) in diffusers 0.42.1.
+RESNET_FORWARD_SHA256 = "e3f38e1722955caf"
+
+
+@functools.cache
+def resnet_forward_is_known() -> bool:
+    """True if diffusers' ResnetBlock2D.forward is the one ``_resnet_forward`` mirrors."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    try:
+        source = inspect.getsource(ResnetBlock2D.forward)
+    except (OSError, TypeError):
+        return False
+    return hashlib.sha256(source.encode()).hexdigest()[:16] == RESNET_FORWARD_SHA256
+
+
+def _fused_silu(norm: nn.Module) -> bool:
+    return isinstance(norm, FusedGroupNorm) and norm.activation == "silu"
+
+
+def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """diffusers 0.42.1 ``ResnetBlock2D.forward``, line for line, except that the SiLU after a norm
+    is skipped when that norm already applied it (``_fused_silu``)."""
+    from diffusers.utils import deprecate
+
+    if len(args) > 0 or kwargs.get("scale", None) is not None:
+        deprecation_message = (
+            "The `scale` argument is deprecated and will be ignored. Please remove it, as passing it will "
+            "raise an error in the future. `scale` should directly be passed while calling the underlying "
+            "pipeline component i.e., via `cross_attention_kwargs`."
+        )
+        deprecate("scale", "1.0.0", deprecation_message)
+
+    hidden_states = input_tensor
+
+    hidden_states = self.norm1(hidden_states)
+    if not _fused_silu(self.norm1):
+        hidden_states = self.nonlinearity(hidden_states)
+
+    if self.upsample is not None:
+        # upsample_nearest_nhwc fails with large batch sizes (huggingface/diffusers#984)
+        if hidden_states.shape[0] >= 64:
+            input_tensor = input_tensor.contiguous()
+            hidden_states = hidden_states.contiguous()
+        input_tensor = self.upsample(input_tensor)
+        hidden_states = self.upsample(hidden_states)
+    elif self.downsample is not None:
+        input_tensor = self.downsample(input_tensor)
+        hidden_states = self.downsample(hidden_states)
+
+    hidden_states = self.conv1(hidden_states)
+
+    if self.time_emb_proj is not None:
+        if not self.skip_time_act:
+            temb = self.nonlinearity(temb)
+        temb = self.time_emb_proj(temb)[:, :, None, None]
+
+    if self.time_embedding_norm == "default":
+        if temb is not None:
+            hidden_states = hidden_states + temb
+        hidden_states = self.norm2(hidden_states)
+    elif self.time_embedding_norm == "scale_shift":
+        if temb is None:
+            raise ValueError(
+                f" `temb` should not be None when `time_embedding_norm` is {self.time_embedding_norm}"
+            )
+        time_scale, time_shift = torch.chunk(temb, 2, dim=1)
+        hidden_states = self.norm2(hidden_states)
+        hidden_states = hidden_states * (1 + time_scale) + time_shift
+    else:
+        hidden_states = self.norm2(hidden_states)
+
+    if not _fused_silu(self.norm2):
+        hidden_states = self.nonlinearity(hidden_states)
+
+    hidden_states = self.dropout(hidden_states)
+    hidden_states = self.conv2(hidden_states)
+
+    if self.conv_shortcut is not None:
+        # Only use contiguous() during training to avoid DDP gradient stride mismatch warning.
+        if self.training:
+            input_tensor = input_tensor.contiguous()
+        input_tensor = self.conv_shortcut(input_tensor)
+
+    output_tensor = (input_tensor + hidden_states) / self.output_scale_factor
+
+    return output_tensor
+
+
+def _is_plain(module: nn.Module | None) -> bool:
+    return type(module) is nn.GroupNorm
+
+
+def _swap(record: PatchRecord, parent: nn.Module, name: str, activation: str | None) -> None:
+    kind = "group_norm_silu" if activation == "silu" else "group_norm"
+    record.set_attr(parent, name, FusedGroupNorm(parent._modules[name], activation), kind)
+
+
+def _patch_resnet(block: nn.Module, record: PatchRecord) -> None:
+    if not (resnet_forward_is_known() and type(block.nonlinearity) is nn.SiLU
+            and _is_plain(block.norm1) and _is_plain(block.norm2)):
+        return  # the generic pass below swaps whatever plain GroupNorms it has
+    _swap(record, block, "norm1", "silu")
+    _swap(record, block, "norm2", None if block.time_embedding_norm == "scale_shift" else "silu")
+    record.set_attr(block, "forward", types.MethodType(_resnet_forward, block), "resnet_fused_forward")
+
+
+def _patch_norm_out(owner: nn.Module, record: PatchRecord) -> None:
+    norm, act = owner._modules.get("conv_norm_out"), owner._modules.get("conv_act")
+    if _is_plain(norm) and type(act) is nn.SiLU:
+        _swap(record, owner, "conv_norm_out", "silu")
+        record.set_attr(owner, "conv_act", nn.Identity(), "silu_folded")
+
+
+@register("group_norm")
+def patch_group_norm(model: nn.Module, record: PatchRecord) -> None:
+    """Swap every GroupNorm of ``model`` (see the module docstring for what is fused and skipped)."""
+    from diffusers.models.autoencoders.vae import Decoder, Encoder
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+
+    modules = list(model.modules())  # collected first: no swapping while walking the tree
+    for module in modules:
+        if type(module) is ResnetBlock2D:
+            _patch_resnet(module, record)
+        elif type(module) in (UNet2DConditionModel, Encoder, Decoder):
+            _patch_norm_out(module, record)
+    slots = [(parent, name) for parent in model.modules() for name, child in parent._modules.items()
+             if _is_plain(child)]
+    for parent, name in slots:
+        _swap(record, parent, name, None)

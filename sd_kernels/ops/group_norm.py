@@ -1,0 +1,388 @@
+"""GroupNorm with an optional fused SiLU, for NCHW and channels_last inputs.
+
+A group is the [CPG, HW] block of one sample's CPG = C/G channels over HW = prod(spatial) pixels.
+Two paths, chosen per call by ``plan`` (sizes in elements of one group):
+
+* **fused** (one launch): one program per group computes the group's statistics and normalizes
+  it. A group that fits one register tile (≤ ``_ONE_TILE_ELEMS`` padded) is read once: 1 read +
+  1 write, the ideal. A larger group is streamed twice (statistics, then normalize); the second
+  read comes from L2, because the data of the programs in flight (≈ SMs × group bytes) stays far
+  below its 50 MB, so DRAM still sees ≈ 1 read + 1 write. All of SD's UNet shapes take this path.
+* **split** (two launches): when there are few, huge groups (the VAE: 32 groups of up to 2 M
+  elements, against 132 SMs) one program per group would leave the GPU idle. ``_group_stats_kernel``
+  reduces chunks of every group on the whole GPU and writes partial (count, mean, M2);
+  ``_group_norm_kernel`` merges its group's partials in its prologue (no third launch) and normalizes
+  its chunk. Cost: 2 reads + 1 write, the floor when a group does not fit on chip. The normalize
+  launch visits chunks in the reverse order of the statistics launch, so its first reads hit what
+  the statistics launch read last and L2 still holds.
+
+Statistics are fp32 and safe for inputs whose mean is large against their spread: every lane keeps
+a Welford (count, mean, M2) over the tiles it sees, and lanes, chunks and partials are combined with
+the k-way form of Chan's merge, mean = Σ nᵢ·meanᵢ / n, M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ − mean)², whose
+terms are all nonnegative: no E[x²] − E[x]² cancellation anywhere. Normalizing computes
+(x − mean)·(rstd·w) + b for the same reason.
+
+Layouts: the spatial dims are read through one stride (stride_s), so NCHW, channels_last, the
+VAE attention's [B, C, HW] views and strided slices run without copies and the output keeps the
+input's strides. The tile is [BLOCK_C channels, BLOCK_S pixels]; Triton vectorizes along whichever
+axis has stride 1. NCHW tiles take a power-of-two divisor of CPG as BLOCK_C (no masked lanes);
+channels_last tiles take the whole contiguous run of a pixel's CPG group channels. Only inputs whose
+spatial dims cannot be viewed through one stride cost a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sd_kernels import reference
+from sd_kernels.dispatch import interpreting, use_kernel
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TILE_ELEMS = 8192  # elements per loop tile: 16 KiB of fp16 in flight per program and iteration
+_ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers
+_SPLIT_ELEMS = 128 * 1024  # groups above this split (a fused program would stream too much alone)
+_SPLIT_ELEMS_FEW = 32 * 1024  # ... or above this when there are fewer groups than _FEW_GROUPS
+_FEW_GROUPS = 64  # below this many (sample, group) pairs the fused path leaves most SMs idle
+_TARGET_PROGRAMS = 512  # split: aim for ≈ 4 programs per SM of an H100 (132 SMs)
+
+_NEG_LOG2E = tl.constexpr(-1.4426950408889634)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _load_tile(x_grp, c, s, HW, stride_c, stride_s, CPG: tl.constexpr):
+    """x[c, s] of the group at ``x_grp`` as fp32 (0 where masked), and the mask.
+
+    Offsets inside a group are int32 (the host checks that a group spans < 2³¹ elements); the
+    group's base, which can pass 2³¹, is already in the int64 pointer."""
+    mask = (c < CPG)[:, None] & (s < HW)[None, :]
+    x = tl.load(x_grp + c[:, None] * stride_c + s[None, :] * stride_s, mask=mask, other=0.0)
+    return x.to(tl.float32), mask
+
+
+@triton.jit
+def _chan_merge(count, mean, m2):
+    """Merge k partial (count, mean, M2) (any shape, count 0 where empty) into one: Chan et al."""
+    n = tl.sum(count)
+    mu = tl.sum(count * mean) / tl.maximum(n, 1.0)
+    d = mean - mu
+    return n, mu, tl.sum(m2) + tl.sum(count * d * d)
+
+
+@triton.jit
+def _chunk_stats(x_grp, s_lo, s_hi, HW, stride_c, stride_s,
+                 CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(count, mean, M2) of pixels [s_lo, s_hi) × all CPG channels: a Welford per lane, then a merge.
+
+    The loop carries no reduction (no barrier between tiles), only a running mean and M2 per lane.
+    Pixels outer, channels inner, and channel chunks that are all full or one chunk: a lane's
+    masked tiles can only come after all its valid ones (the last pixel tile), so its count so far
+    is the iteration number k, one scalar reciprocal per tile; its final count is computed after.
+    """
+    tl.static_assert(BLOCK_C >= CPG or CPG % BLOCK_C == 0)
+    c = tl.arange(0, BLOCK_C)
+    s = tl.arange(0, BLOCK_S)
+    mean = tl.zeros((BLOCK_C, BLOCK_S), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_C, BLOCK_S), dtype=tl.float32)
+    k = 0.0
+    for s0 in range(s_lo, s_hi, BLOCK_S):
+        for c0 in range(0, CPG, BLOCK_C):
+            x, mask = _load_tile(x_grp, c0 + c, s0 + s, HW, stride_c, stride_s, CPG)
+            k += 1.0
+            delta = x - mean
+            mean = tl.where(mask, mean + delta * (1.0 / k), mean)
+            m2 = tl.where(mask, m2 + delta * (x - mean), m2)
+    # Valid tiles per lane: pixel tiles where s0 + s < s_hi, times the channel chunks if c < CPG.
+    pixel_tiles = tl.maximum(s_hi - s_lo - s + (BLOCK_S - 1), 0) // BLOCK_S
+    chunks = (CPG + BLOCK_C - 1) // BLOCK_C
+    count = tl.where(c < CPG, chunks, 0)[:, None] * pixel_tiles[None, :]
+    return _chan_merge(count.to(tl.float32), mean, m2)
+
+
+@triton.jit
+def _finish(y, ACT: tl.constexpr):
+    if ACT == "silu":
+        y = y / (1.0 + tl.exp2(y * _NEG_LOG2E))
+    return y
+
+
+@triton.jit
+def _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Per-channel (scale, shift) with y = (x − mean)·scale + shift."""
+    scale = tl.full(ch.shape, 1.0, tl.float32) * rstd
+    if HAS_WEIGHT:
+        scale = scale * tl.load(w_ptr + ch, mask=c_mask, other=0.0).to(tl.float32)
+    shift = tl.zeros(ch.shape, dtype=tl.float32)
+    if HAS_BIAS:
+        shift = tl.load(b_ptr + ch, mask=c_mask, other=0.0).to(tl.float32)
+    return scale, shift
+
+
+def _autotune(key):
+    # Tiles are picked on the host; only the warps are tuned. The interpreter would run every config.
+    warps = (4,) if interpreting() else (4, 8, 16)
+
+    def prune(configs, named_args, **kwargs):  # ≤ 32 elements a thread (x, mean, M2 each in registers)
+        args = {**named_args, **kwargs}
+        elems = args["BLOCK_C"] * args["BLOCK_S"]
+        kept = [c for c in configs if elems // (32 * c.num_warps) <= 32]
+        return kept or configs[-1:]
+
+    return triton.autotune([triton.Config({}, num_warps=w) for w in warps], key=key,
+                           prune_configs_by={"early_config_prune": prune})
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Grid (N·G, S): program (pid_g, pid_s) owns pixels [pid_s·CHUNK, (pid_s + 1)·CHUNK) of
+# group pid_g = n·G + g. CHUNK is a multiple of BLOCK_S, so only the last tile of a group is masked
+# (by s < HW, whose divisibility Triton knows: masked loads stay vectorized).
+
+
+@_autotune(key=["HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
+@triton.jit
+def _group_stats_kernel(
+    x_ptr, part_ptr, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
+    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Split path, launch 1: partial (count, mean, M2) of every chunk, as part[3, N·G, S]."""
+    pid_g, pid_s = tl.program_id(0), tl.program_id(1)
+    n, g = pid_g // G, pid_g % G
+    x_grp = x_ptr + n.to(tl.int64) * stride_xn + (g * CPG).to(tl.int64) * stride_xc
+    s_lo = pid_s * CHUNK
+    count, mean, m2 = _chunk_stats(x_grp, s_lo, tl.minimum(s_lo + CHUNK, HW), HW,
+                                   stride_xc, stride_xs, CPG, BLOCK_C, BLOCK_S)
+    plane = tl.num_programs(0) * S
+    idx = pid_g * S + pid_s
+    tl.store(part_ptr + idx, count)
+    tl.store(part_ptr + plane + idx, mean)
+    tl.store(part_ptr + 2 * plane + idx, m2)
+
+
+@_autotune(key=["HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S", "ONE_TILE", "HAS_PARTIALS"])
+@triton.jit
+def _group_norm_kernel(
+    x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, G, HW, S, eps,
+    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
+    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_TILE: tl.constexpr,
+    HAS_PARTIALS: tl.constexpr, PART_BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+):
+    """y = act((x − mean)·rstd·w + b) over this program's chunk of its group.
+
+    ONE_TILE: the whole group is one register tile, read once. HAS_PARTIALS: the statistics are
+    merged from the split path's partials. Otherwise the program streams its group for them first.
+    """
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if HAS_PARTIALS:  # reversed: the statistics launch read the last chunks last; L2 still has them
+        pid_s = S - 1 - pid_s
+    n, g = pid_g // G, pid_g % G
+    x_grp = x_ptr + n.to(tl.int64) * stride_xn + (g * CPG).to(tl.int64) * stride_xc
+    y_grp = y_ptr + n.to(tl.int64) * stride_yn + (g * CPG).to(tl.int64) * stride_yc
+    w_base = g * CPG
+
+    if ONE_TILE:
+        c = tl.arange(0, BLOCK_C)
+        s = tl.arange(0, BLOCK_S)
+        x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
+        count = CPG * HW * 1.0
+        mean = tl.sum(x) / count
+        d = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d) / count + eps)
+        scale, shift = _channel_affine(w_ptr, b_ptr, w_base + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
+        y = _finish(d * scale[:, None] + shift[:, None], ACT)
+        y_ptrs = y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        if HAS_PARTIALS:
+            k = tl.arange(0, PART_BLOCK)
+            plane = tl.num_programs(0) * S
+            idx = pid_g * S + k
+            k_mask = k < S
+            count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
+                                          tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
+                                          tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
+        else:
+            count, mean, m2 = _chunk_stats(x_grp, 0, HW, HW, stride_xc, stride_xs, CPG, BLOCK_C, BLOCK_S)
+        rstd = 1.0 / tl.sqrt(m2 / count + eps)
+        s_lo = pid_s * CHUNK
+        s_hi = tl.minimum(s_lo + CHUNK, HW)
+        for c0 in range(0, CPG, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            scale, shift = _channel_affine(w_ptr, b_ptr, w_base + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
+            for s0 in range(s_lo, s_hi, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
+                y = _finish((x - mean) * scale[:, None] + shift[:, None], ACT)
+                tl.store(y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys,
+                         y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call runs: tile shape, whether the group is one tile, the split into S chunks."""
+
+    block_c: int
+    block_s: int
+    one_tile: bool
+    split: bool
+    chunk: int  # pixels per program
+    chunks: int  # S: programs per group
+
+    @property
+    def launches(self) -> int:
+        return 2 if self.split else 1
+
+
+def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
+         split_threshold: int | None = None) -> Plan:
+    """The path and tiles for x [n, groups·cpg, hw] (``channels_fast``: channels have the smaller
+    stride, e.g. channels_last). ``split_threshold``: group elements above which the split path
+    runs; None applies the size heuristic (see the module docstring)."""
+    group_elems, programs = cpg * hw, n * groups
+    if split_threshold is None:
+        split_threshold = _SPLIT_ELEMS if programs >= _FEW_GROUPS else _SPLIT_ELEMS_FEW
+    split = group_elems > split_threshold
+    p2c, p2s = triton.next_power_of_2(cpg), triton.next_power_of_2(hw)
+    if not split and p2c * p2s <= _ONE_TILE_ELEMS:
+        return Plan(p2c, p2s, one_tile=True, split=False, chunk=hw, chunks=1)
+    if channels_fast and p2c <= _TILE_ELEMS:  # a pixel's CPG channels are one contiguous run: all of it
+        block_c = p2c
+    else:  # pixels are contiguous: a power-of-two divisor of CPG leaves no masked channel lanes
+        block_c = min(cpg & -cpg, max(1, _TILE_ELEMS // 64))
+    block_s = max(1, min(p2s, _TILE_ELEMS // block_c))
+    tiles = triton.cdiv(hw, block_s)
+    if not split:
+        return Plan(block_c, block_s, one_tile=False, split=False, chunk=tiles * block_s, chunks=1)
+    per_group = min(tiles, triton.cdiv(_TARGET_PROGRAMS, programs))
+    chunk = triton.cdiv(tiles, per_group) * block_s
+    return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=triton.cdiv(hw, chunk))
+
+
+def _alloc(shape, stride, like: torch.Tensor) -> torch.Tensor:
+    """Every output of this module comes from here (tests poison it to catch unwritten elements)."""
+    return torch.empty_strided(tuple(shape), tuple(stride), dtype=like.dtype, device=like.device)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_dense(x: torch.Tensor) -> bool:
+    """True if x's elements fill a block of storage with no gaps or overlaps, in some dim order."""
+    order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
+    return x.permute(order).is_contiguous()
+
+
+def _spatial_stride(x: torch.Tensor) -> int | None:
+    """The one stride through which x's spatial dims (2…) read as a flat run, or None if none does."""
+    dims = [(x.shape[d], x.stride(d)) for d in range(2, x.dim()) if x.shape[d] != 1]
+    if not dims:
+        return 1
+    for (_, outer), (size, inner) in zip(dims, dims[1:]):
+        if outer != inner * size:
+            return None
+    return dims[-1][1]
+
+
+def _check(x: torch.Tensor, num_groups: int, weight, bias) -> None:
+    """The checks F.group_norm makes, with its error types and messages."""
+    if x.dim() < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {x.dim()}")
+    c = x.shape[1]
+    if num_groups <= 0 or c % num_groups:
+        raise RuntimeError(
+            "Expected number of channels in input to be divisible by num_groups, but got input of shape "
+            f"{list(x.shape)} and num_groups={num_groups}"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dim() != 1 or t.numel() != c):
+            raise RuntimeError(
+                f"Expected {name} to be a vector of size equal to the number of channels in input, but got "
+                f"{name} of shape {list(t.shape)} and input of shape {list(x.shape)}"
+            )
+
+
+def _kernel_reason(x: torch.Tensor, weight, bias) -> str | None:
+    for t in (x, weight, bias):
+        if t is None:
+            continue
+        if t.dtype not in KERNEL_DTYPES:
+            return f"dtype {t.dtype} (the kernel takes float16, bfloat16, float32)"
+        if t.requires_grad and torch.is_grad_enabled():
+            return "input requires grad (the kernel is inference-only)"
+    if x.numel() == 0:
+        return "empty input"
+    return None
+
+
+def group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    activation: str | None = None,
+    *,
+    split_threshold: int | None = None,
+) -> torch.Tensor:
+    """``F.group_norm(x, num_groups, weight, bias, eps)``, then ``activation`` ("silu" or None), fused.
+
+    x is [N, C, *spatial] in any memory format; the output keeps x's strides when x is dense
+    (contiguous, channels_last, permuted). ``split_threshold`` (group elements above which the
+    two-launch split path runs; None: the size heuristic) is for tuning and tests.
+    """
+    reference.check_activation(activation)
+    _check(x, num_groups, weight, bias)
+    n, c = x.shape[:2]
+    hw, cpg = math.prod(x.shape[2:]), c // num_groups
+    stride_s = _spatial_stride(x)
+    reason = _kernel_reason(x, weight, bias)
+    # In-group offsets are int32: the group's extent in x (or in a contiguous copy / output) must fit.
+    span = max(cpg * hw, 0 if stride_s is None else (cpg - 1) * abs(x.stride(1)) + (hw - 1) * abs(stride_s))
+    if reason is None and span >= 2**31:
+        reason = f"one group spans {span} elements (the kernel's in-group offsets are int32)"
+    if not use_kernel("group_norm", x, weight, bias, unsupported=reason):
+        return reference.group_norm(x, num_groups, weight, bias, eps, activation)
+
+    if stride_s is None:  # spatial dims with no common stride (e.g. H and W swapped): one copy
+        x = x.contiguous()
+        stride_s = _spatial_stride(x)
+    y = _alloc(x.shape, x.stride() if _is_dense(x) else _contiguous_strides(x.shape), x)
+    ys = _spatial_stride(y)
+    channels_fast = hw == 1 or abs(x.stride(1)) < abs(stride_s)
+    p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold)
+
+    grid = (n * num_groups, p.chunks)
+    parts = x  # dummy pointer when unused
+    if p.split:
+        parts = torch.empty(3 * n * num_groups * p.chunks, dtype=torch.float32, device=x.device)
+        _group_stats_kernel[grid](
+            x, parts, num_groups, hw, p.chunks, x.stride(0), x.stride(1), stride_s, p.chunk,
+            CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s,
+        )
+    _group_norm_kernel[grid](
+        x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
+        num_groups, hw, p.chunks, float(eps),
+        x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
+        CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, ONE_TILE=p.one_tile,
+        HAS_PARTIALS=p.split, PART_BLOCK=triton.next_power_of_2(p.chunks),
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
+    )
+    return y

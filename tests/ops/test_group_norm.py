@@ -1,0 +1,273 @@
+"""group_norm (+ fused SiLU) against float64, with stock PyTorch's error as the yardstick.
+
+CPU: tiny shapes through the Triton interpreter, each on the three code paths (one register tile;
+the looped single launch; the split statistics + normalize launches, forced by shrinking the tile
+and the split threshold). The interpreter rounds fp32 → bf16 by truncation (the GPU rounds to
+nearest), which the 4× stock tolerance absorbs. GPU (-m gpu): SD1.5's UNet and VAE shapes.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sd_kernels import dispatch, reference
+from sd_kernels.ops import group_norm
+from sd_kernels.testing import assert_close_to_reference, channels_last, non_contiguous, poison_, rel_err
+
+gn = importlib.import_module("sd_kernels.ops.group_norm")  # `group_norm` in sd_kernels.ops is the function
+
+# SiLU of a large negative y overflows exp2 to inf (y/inf = -0, as intended); the interpreter warns.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PATHS = ["one_tile", "looped", "split"]
+NO_SPLIT = 1 << 62
+_ALLOC = gn._alloc  # unpoisoned, for counting launches
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output starts as NaN, so an element the kernel does not write fails the comparison."""
+    alloc = gn._alloc
+    monkeypatch.setattr(gn, "_alloc", lambda *args: poison_(alloc(*args)))
+
+
+@pytest.fixture
+def force_path(monkeypatch):
+    """Return a function that makes the next calls take ``path`` and gives the split_threshold to pass.
+
+    Tiles shrink to 32 elements so that tiny shapes still loop over several tiles and chunks."""
+
+    def force(path: str) -> int:
+        if path == "one_tile":
+            return NO_SPLIT
+        monkeypatch.setattr(gn, "_ONE_TILE_ELEMS", 0)
+        monkeypatch.setattr(gn, "_TILE_ELEMS", 32)
+        return NO_SPLIT if path == "looped" else 0
+
+    return force
+
+
+def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values as x in another memory layout."""
+    if kind == "contiguous":
+        return x
+    if kind == "channels_last":  # 4-D NHWC, or channels innermost at any rank ([B, HW, C] as [B, C, HW])
+        return channels_last(x) if x.dim() == 4 else x.movedim(1, -1).contiguous().movedim(-1, 1)
+    if kind == "strided":  # every other element of a doubled last dim: spatial stride 2, no copy
+        return non_contiguous(x)
+    if kind == "swapped":  # H and W transposed in memory: no single spatial stride, the one-copy path
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    raise ValueError(kind)
+
+
+CASES = [  # (shape, num_groups, layout)
+    ((2, 8, 5, 7), 4, "contiguous"),
+    ((2, 8, 5, 7), 4, "channels_last"),
+    ((3, 6, 9, 11), 3, "contiguous"),  # batch 3, odd spatial
+    ((3, 6, 9, 11), 3, "channels_last"),
+    ((1, 12, 6, 6), 1, "contiguous"),  # one group
+    ((2, 6, 4, 5), 6, "channels_last"),  # groups = channels
+    ((2, 10, 24), 5, "channels_last"),  # the VAE attention's [B, C, HW] view of [B, HW, C]
+    ((2, 8, 5, 6), 2, "strided"),
+    ((2, 8, 5, 6), 2, "swapped"),
+    ((1, 4, 3, 4, 5), 2, "contiguous"),  # 3 spatial dims
+]
+
+
+def _inputs(shape, dtype, device, mean=0.0, affine=True):
+    c = shape[1]
+    x = (mean + 2.0 * torch.randn(shape, dtype=torch.float64, device=device)).to(dtype)
+    w = (1.0 + 0.5 * torch.randn(c, dtype=torch.float64, device=device)).to(dtype) if affine else None
+    b = (0.5 * torch.randn(c, dtype=torch.float64, device=device)).to(dtype) if affine else None
+    return x, w, b
+
+
+def _check(x, g, w, b, activation, ours, eps=1e-5, factor=4.0):
+    stock = reference.group_norm(x, g, w, b, eps, activation)
+    x64, w64, b64 = reference.upcast(x, w, b)
+    ref64 = reference.group_norm(x64, g, w64, b64, eps, activation)
+    return assert_close_to_reference(ours, stock, ref64, factor=factor)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, g, kind", CASES)
+def test_group_norm_silu(shape, g, kind, dtype, path, force_path, device):
+    threshold = force_path(path)
+    x, w, b = _inputs(shape, dtype, device)
+    x = layout(x, kind)
+    ours = group_norm(x, g, w, b, 1e-5, "silu", split_threshold=threshold)
+    _check(x, g, w, b, "silu", ours)
+    if kind in ("contiguous", "channels_last"):  # dense: the output keeps the input's memory format
+        assert ours.stride() == x.stride()
+    else:
+        assert ours.is_contiguous()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "bias", "none"])
+def test_group_norm_affine_variants(affine, path, force_path, device):
+    threshold = force_path(path)
+    x, w, b = _inputs((2, 6, 5, 5), torch.float32, device)
+    w = w if "weight" in affine else None
+    b = b if "bias" in affine else None
+    ours = group_norm(x, 3, w, b, 1e-6, None, split_threshold=threshold)
+    _check(x, 3, w, b, None, ours, eps=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype, mean",
+                         [(torch.float32, 1000.0), (torch.float16, 1000.0), (torch.bfloat16, 100.0)])
+def test_large_mean(dtype, mean, kind, path, force_path, device):
+    """x = mean + noise: a variance taken as E[x²] − E[x]² in fp32 would lose most of its digits."""
+    threshold = force_path(path)
+    x, w, b = _inputs((2, 8, 6, 6), dtype, device, mean=mean)
+    x = layout(x, kind)
+    ours = group_norm(x, 4, w, b, 1e-5, "silu", split_threshold=threshold)
+    _check(x, 4, w, b, "silu", ours)
+    # And in absolute terms: fp32 inputs normalized to within a few fp32 roundings of |mean|/σ.
+    if dtype == torch.float32:
+        x64, w64, b64 = reference.upcast(x, w, b)
+        ref64 = reference.group_norm(x64, 4, w64, b64, 1e-5, "silu")
+        assert rel_err(ours, ref64) < 16 * 2.0**-24 * mean / 2.0
+
+
+def test_eps_and_constant_groups(device):
+    """A constant group has variance 0: the output is exactly the bias (through eps), never NaN."""
+    x = torch.full((2, 4, 3, 3), 7.0, device=device)
+    w, b = torch.randn(4, device=device), torch.randn(4, device=device)
+    ours = group_norm(x, 2, w, b, 1e-5)
+    torch.testing.assert_close(ours, b[None, :, None, None].expand_as(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shape, g, weight, bias",
+    [
+        ((2, 5, 4), 2, None, None),  # channels not divisible by groups
+        ((5,), 1, None, None),  # fewer than 2 dims
+        ((2, 4, 3), 2, (3,), None),  # weight of the wrong size
+        ((2, 4, 3), 2, None, (0,)),  # bias of the wrong size
+    ],
+)
+def test_bad_arguments_raise_like_torch(shape, g, weight, bias, device):
+    x = torch.randn(shape, device=device)
+    w = None if weight is None else torch.randn(weight, device=device)
+    b = None if bias is None else torch.randn(bias, device=device)
+    with pytest.raises(RuntimeError) as stock:
+        F.group_norm(x, g, w, b)
+    with pytest.raises(RuntimeError) as ours:
+        group_norm(x, g, w, b)
+    assert str(ours.value) == str(stock.value)
+
+
+def test_bad_activation(device):
+    with pytest.raises(ValueError, match="activation must be one of"):
+        group_norm(torch.randn(2, 4, 3, device=device), 2, activation="relu")
+
+
+def test_off_ground_inputs_take_the_reference(device):
+    dispatch.reset_fallbacks()
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64, device=device)
+    assert torch.equal(group_norm(x, 2, activation="silu"), reference.group_norm(x, 2, activation="silu"))
+    assert any(op == "group_norm" for op, _ in dispatch.fallbacks())
+
+
+# ---------------------------------------------------------------------------------------------
+# The size heuristic, at SD1.5's shapes (pure Python: the plan, not the kernel)
+
+UNET_SHAPES = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8), (2, 960, 64, 64),
+               (2, 1920, 32, 32), (2, 2560, 16, 16), (2, 640, 64, 64)]
+VAE_SHAPES = [(1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 512, 512), (1, 128, 512, 512)]
+
+
+def _plan(shape, channels_fast=False, g=32, **kw):
+    n, c, h, w = shape
+    return gn.plan(n, g, c // g, h * w, channels_fast, **kw)
+
+
+@pytest.mark.parametrize("channels_fast", [False, True])
+@pytest.mark.parametrize("shape", UNET_SHAPES)
+def test_unet_shapes_take_one_launch(shape, channels_fast):
+    p = _plan(shape, channels_fast)
+    assert p.launches == 1 and p.chunks == 1
+    assert p.block_c * p.block_s <= max(gn._TILE_ELEMS, gn._ONE_TILE_ELEMS)
+
+
+@pytest.mark.parametrize("channels_fast", [False, True])
+@pytest.mark.parametrize("shape", VAE_SHAPES)
+def test_vae_shapes_split_over_the_whole_gpu(shape, channels_fast):
+    p = _plan(shape, channels_fast)
+    assert p.split and p.launches == 2
+    assert shape[0] * 32 * p.chunks >= 132  # at least one program per SM of an H100
+    assert p.chunk % p.block_s == 0 and (p.chunks - 1) * p.chunk < shape[2] * shape[3] <= p.chunks * p.chunk
+
+
+def test_tiles_have_no_masked_channel_lanes_in_nchw():
+    for shape in UNET_SHAPES + VAE_SHAPES:
+        p = _plan(shape)
+        if not p.one_tile:
+            assert (shape[1] // 32) % p.block_c == 0, (shape, p)
+
+
+def test_split_threshold_forces_either_path():
+    assert _plan((2, 320, 64, 64), split_threshold=0).split
+    assert not _plan((1, 128, 512, 512), split_threshold=1 << 40).split
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: SD1.5's shapes (UNet at 64² latents, batch 2; VAE decoder to 512²)
+
+GPU_CASES = [  # (shape, dtype, layout)
+    *[(s, torch.float16, k) for s in [(2, 320, 64, 64), (2, 1280, 8, 8), (2, 1920, 32, 32), (2, 960, 64, 64),
+                                      (1, 512, 64, 64), (1, 512, 256, 256), (1, 128, 512, 512)]
+      for k in ("contiguous", "channels_last")],
+    ((2, 640, 32, 32), torch.bfloat16, "contiguous"),
+    ((2, 640, 32, 32), torch.bfloat16, "channels_last"),
+    ((1, 256, 512, 512), torch.bfloat16, "channels_last"),
+    ((2, 1280, 16, 16), torch.float32, "contiguous"),
+    ((1, 512, 128, 128), torch.float32, "channels_last"),
+    ((1, 512, 4096), torch.float16, "channels_last"),  # VAE mid-block attention's group_norm
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, kind", GPU_CASES)
+def test_gpu_sd_shapes(shape, dtype, kind):
+    x, w, b = _inputs(shape, dtype, "cuda")
+    x = layout(x, kind)
+    ours = group_norm(x, 32, w, b, 1e-6, "silu")
+    _check(x, 32, w, b, "silu", ours, eps=1e-6)
+    assert ours.stride() == x.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (1, 128, 512, 512)])
+def test_gpu_large_mean(shape):
+    x, w, b = _inputs(shape, torch.float32, "cuda", mean=1000.0)
+    _check(x, 32, w, b, None, group_norm(x, 32, w, b))
+
+
+def _kernel_launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, launches",
+                         [((2, 320, 64, 64), 1), ((2, 1280, 8, 8), 1), ((1, 128, 512, 512), 2)])
+def test_gpu_launch_count(shape, launches, monkeypatch):
+    monkeypatch.setattr(gn, "_alloc", _ALLOC)  # poisoning is a launch of its own
+    x, w, b = _inputs(shape, torch.float16, "cuda")
+    assert _kernel_launches(lambda: group_norm(x, 32, w, b, 1e-6, "silu")) == launches
+    assert gn.plan(shape[0], 32, shape[1] // 32, math.prod(shape[2:]), False).launches == launches
