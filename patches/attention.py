@@ -1,0 +1,141 @@
+"""Patch diffusers' attention onto sd_kernels: an attention processor, installed per Attention module.
+
+``SDKernelsAttnProcessor`` is diffusers' ``AttnProcessor2_0`` (diffusers 0.42.1,
+models/attention_processor.py) step for step (spatial_norm, group_norm, 3-D and 4-D hidden states,
+self and cross attention with norm_cross, attention masks through ``attn.prepare_attention_mask``,
+norm_q / norm_k, residual connection, rescale_output_factor) with the one
+``F.scaled_dot_product_attention`` call replaced by ``sd_kernels.ops.attention.attention``, which
+picks FlashAttention, the partially fused softmax or stock SDPA per call.
+
+Only modules whose processor is exactly ``AttnProcessor2_0`` or ``AttnProcessor`` are touched;
+LoRA, IP-adapter and other custom processors are left alone. For ``AttnProcessor`` (diffusers' choice
+when ``scale_qk=False``) the replacement keeps its differences: the scale is ``attn.scale`` and
+norm_q / norm_k are not applied. Upcasting: both kernels compute scores and softmax in fp32
+(``upcast_softmax`` is always honoured); ``upcast_attention`` makes the partial softmax store its
+scores in fp32 too. The processor is installed with ``record.set_attr``, never ``set_attn_processor``,
+so that ``unpatch`` puts the very same processor objects back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from sd_kernels.ops.attention import attention
+
+from .record import PatchRecord
+from .registry import register
+
+
+class SDKernelsAttnProcessor:
+    """diffusers' AttnProcessor2_0 with sd_kernels' attention; ``legacy`` mirrors AttnProcessor."""
+
+    def __init__(self, legacy: bool = False) -> None:
+        self.legacy = legacy
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(legacy={self.legacy})"
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        if len(args) > 0 or kwargs.get("scale", None) is not None:
+            from diffusers.utils import deprecate
+
+            deprecate(
+                "scale", "1.0.0",
+                "The `scale` argument is deprecated and will be ignored. Please remove it, as passing it "
+                "will raise an error in the future. `scale` should directly be passed while calling the "
+                "underlying pipeline component i.e., via `cross_attention_kwargs`.",
+            )
+
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            # [B·heads, 1 or Sq, Sk] → [B, heads, 1 or Sq, Sk]: the kernels broadcast the size-1 dim
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        inner_dim = key.shape[-1]
+        head_dim = inner_dim // attn.heads
+        # [B, S, heads, D] viewed as [B, heads, S, D]: strided views, which the kernels take as they are
+        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+
+        if not self.legacy:
+            if attn.norm_q is not None:
+                query = attn.norm_q(query)
+            if attn.norm_k is not None:
+                key = attn.norm_k(key)
+
+        hidden_states = attention(
+            query, key, value, attention_mask,
+            scale=attn.scale if self.legacy else None,  # AttnProcessor2_0 leaves SDPA's default 1/√D
+            upcast=attn.upcast_attention,
+        )
+
+        # The output comes in query's [B, S, heads, D] memory layout: this reshape is a view.
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        hidden_states = attn.to_out[0](hidden_states)  # linear proj
+        hidden_states = attn.to_out[1](hidden_states)  # dropout
+
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        hidden_states = hidden_states / attn.rescale_output_factor
+        return hidden_states
+
+
+def _replacement(processor) -> SDKernelsAttnProcessor | None:
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    if type(processor) is AttnProcessor2_0:
+        return SDKernelsAttnProcessor()
+    if type(processor) is AttnProcessor:
+        return SDKernelsAttnProcessor(legacy=True)
+    return None
+
+
+@register("attention")
+def patch_attention(model: nn.Module, record: PatchRecord) -> None:
+    """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0 or
+    AttnProcessor, exact types) an ``SDKernelsAttnProcessor``."""
+    from diffusers.models.attention_processor import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            new = _replacement(getattr(module, "processor", None))
+            if new is not None:
+                record.set_attr(module, "processor", new, "attention_processor")

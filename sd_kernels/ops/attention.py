@@ -1,0 +1,501 @@
+"""FlashAttention in Triton, and ``attention``: the one function that picks an attention path per call.
+
+``flash_attention(q, k, v, attn_mask, scale)`` has the contract of ``F.scaled_dot_product_attention``
+(no dropout, not causal) and computes it exactly with the online softmax: one program owns BLOCK_M
+query rows of one (batch, head), streams K and V through in BLOCK_N-row tiles and keeps a running row
+max m, row sum l and an fp32 [BLOCK_M, D] accumulator; the Sq×Sk scores never reach memory.
+
+Layout: q, k, v are [B, H, S, D] with any strides (diffusers hands over transposed views of
+[B, S, H, D]; nothing is copied), batch dims broadcast through stride 0. The output is allocated in
+q's layout, so diffusers' ``transpose(1, 2).reshape(B, S, H·D)`` after it is a free view.
+
+Head dims: D is covered by a power-of-two block D_LO plus, when needed, a power-of-two remainder
+block D_HI (each ≥ 16, tl.dot's minimum): SD's 40, 80, 160 run as 32+16, 64+16, 128+32 (48, 80, 160
+columns of MMA work instead of 64, 128, 256 for one block padded to a power of two). Columns past D
+are masked loads (zeros) and masked stores. Any D ≤ 256 works; larger head dims do not fit the
+accumulator on chip and go to ``partial_softmax_attention`` (ops/softmax_matmul.py).
+
+Masks: additive float masks (any float dtype, added in fp32) or boolean (True = attend), broadcast
+over batch, heads and query rows through stride 0. Rows with every key masked give zeros (the
+reference's softmax NaN → 0). fp16/bf16: dots on tensor cores with fp32 accumulation, softmax in fp32,
+P cast to the input dtype for the P·V dot (as in FlashAttention). fp32: tl.dot in IEEE fp32 unless
+``torch.backends.cuda.matmul.allow_tf32`` is set (then TF32, as torch's matmuls do).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sd_kernels import reference
+from sd_kernels.dispatch import interpreting, use_kernel
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # flash keeps a [BLOCK_M, D] fp32 accumulator in registers: beyond this it spills
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+# Autotuning on a new (shape bucket, dtype): the GPU tests switch it off (first config) to save
+# compile time; a separate test runs every config.
+AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
+# Shared memory the pruner lets a config plan for: Hopper's 227 KiB per block less headroom. On GPUs
+# with less, configs that do not fit fail to compile and the autotuner skips them (OutOfResources).
+SMEM_BUDGET = 200 * 1024
+
+
+def head_dim_blocks(d: int) -> tuple[int, int]:
+    """(D_LO, D_HI): a power-of-two block and a power-of-two remainder block (0: none) covering d.
+
+    >>> [head_dim_blocks(d) for d in (8, 40, 64, 80, 160, 200)]
+    [(16, 0), (32, 16), (64, 0), (64, 16), (128, 32), (256, 0)]
+    """
+    lo = max(16, 1 << (max(d, 1).bit_length() - 1))
+    rest = d - lo
+    hi = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+    if lo + hi >= triton.next_power_of_2(d):  # two blocks would do the work of one: take one
+        return max(16, triton.next_power_of_2(d)), 0
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+
+
+@triton.jit
+def _load_tile(ptr, rows, cols, stride_r, stride_c, n_cols, MASK_COLS: tl.constexpr):
+    """A [len(rows), len(cols)] tile; only columns may run past the tensor (rows are always valid)."""
+    ptrs = ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+    if MASK_COLS:
+        return tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _aligned(stride, ALIGN: tl.constexpr):
+    """``stride``, known to the compiler as a multiple of ALIGN (the launcher checked it).
+
+    Triton only learns divisibility by 16 from integer arguments; a head dim of 40 gives row or head
+    strides of 40·n, so without this hint every load is scalar and none is pipelined (cp.async).
+    """
+    return stride // ALIGN * ALIGN
+
+
+@triton.jit
+def _attend_tile(
+    acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
+    HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, MASK: tl.constexpr,
+    NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
+
+    Scores live in base 2: s = q·k·scale·log2(e) (+ mask·log2(e)), so that exp(x) = exp2(x·log2 e)
+    costs one exp2. ``BOUNDARY``: the last, partial block; its keys past Sk are read wrapped (in
+    bounds, finite) and their scores set to -inf, so no load needs a mask along keys.
+    """
+    cols = start_n + offs_n
+    if BOUNDARY:
+        kv = cols % Sk
+    else:
+        kv = cols
+    k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM)
+    qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION)
+    if D_HI > 0:
+        k_hi = _load_tile(K, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
+        qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=PRECISION)
+
+    if MASK == 0 and not BOUNDARY:
+        # The hot loop: max before scaling, then one FMA per score (scale·qk − m).
+        if NEG_SCALE:
+            m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    else:
+        s = qk * qk_scale
+        if MASK == 1:
+            s += tl.load(Mask + rows[:, None] * stride_mm + kv[None, :] * stride_mn).to(tl.float32) * _LOG2E
+        if MASK == 2:
+            keep = tl.load(Mask + rows[:, None] * stride_mm + kv[None, :] * stride_mn)
+            s = tl.where(keep != 0, s, float("-inf"))
+        if BOUNDARY:
+            s = tl.where(cols[None, :] < Sk, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_new
+        if MASK != 0:  # every score of a row masked so far: subtract 0, not -inf (-inf − -inf = NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(V.dtype.element_ty)
+    v_lo = _load_tile(V, kv, offs_lo, stride_vn, stride_vd, HEAD_DIM, D_LO > HEAD_DIM)
+    acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
+    if D_HI > 0:
+        v_hi = _load_tile(V, kv, offs_hi, stride_vn, stride_vd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
+        acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
+    return acc_lo, acc_hi, l_i, m_new
+
+
+def _config(m: int, n: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+
+
+# Hopper-first starting points: BLOCK_M 128 over 8 warps (16 query rows per warp, as wgmma likes),
+# BLOCK_N 64-128 with 2-3 stages for D ≤ 128; narrower key tiles for D > 128, where the [128, D]
+# accumulator already takes 80-128 registers per thread. Masked calls also hold a [BLOCK_M, BLOCK_N]
+# mask tile: they take the BLOCK_N = 32 configs (64 spills at D = 40 and 160). All compile for sm_90
+# to wgmma loops without spills but masked D = 256 (checked offline: triton.compile, cuobjdump).
+_HALF_CONFIGS = {
+    64: [_config(128, 128, 8, 2), _config(128, 128, 8, 3), _config(128, 64, 8, 3), _config(128, 64, 4, 3),
+         _config(64, 64, 4, 3), _config(128, 32, 8, 3)],
+    128: [_config(128, 64, 8, 2), _config(128, 64, 8, 3), _config(128, 128, 8, 2), _config(64, 64, 4, 3),
+          _config(128, 32, 8, 3)],
+    256: [_config(128, 64, 8, 2), _config(128, 32, 8, 2), _config(64, 64, 4, 2), _config(64, 32, 4, 2)],
+}
+# fp32 dots in IEEE precision run on the FMA units and hold whole operand tiles in registers: they
+# spill at any tile size worth having. Correct, not fast (fp32 is not an SD inference dtype).
+_FP32_CONFIGS = [_config(32, 32, 8, 1), _config(64, 32, 4, 2)]
+_ALL_CONFIGS = [c for cs in _HALF_CONFIGS.values() for c in cs] + _FP32_CONFIGS
+
+
+def _smem_bytes(cfg: triton.Config, d_pad: int, elem: int) -> int:
+    """Shared memory a config plans for: the Q tile plus ``num_stages`` K and V tiles."""
+    return elem * d_pad * (cfg.kwargs["BLOCK_M"] + 2 * cfg.num_stages * cfg.kwargs["BLOCK_N"])
+
+
+def flash_configs(dtype: torch.dtype, head_dim: int, masked: bool, sq: int = 1 << 30, sk: int = 1 << 30):
+    """The configs worth timing for one call: by dtype and padded head dim, within SMEM_BUDGET, narrow
+    key tiles with a mask, none much larger than the problem (tiny Sq or Sk)."""
+    d_pad = sum(head_dim_blocks(head_dim))
+    if dtype == torch.float32:
+        wanted = _FP32_CONFIGS
+    else:
+        wanted = next(cs for bound, cs in sorted(_HALF_CONFIGS.items()) if d_pad <= bound)
+    elem = torch.empty((), dtype=dtype).element_size()
+    fits = [c for c in wanted if _smem_bytes(c, d_pad, elem) <= SMEM_BUDGET
+            and (not masked or c.kwargs["BLOCK_N"] <= 32)]
+    small = [c for c in fits if c.kwargs["BLOCK_M"] <= max(64, sq) and c.kwargs["BLOCK_N"] <= max(32, sk)]
+    return small or fits or wanted[-1:]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    chosen = flash_configs(named_args["Q"].dtype, kwargs["HEAD_DIM"], kwargs["MASK"] != 0,
+                           named_args["SQ_KEY"], named_args["SK_KEY"])
+    chosen = [c for c in configs if any(c is w for w in chosen)]
+    return chosen if AUTOTUNE else chosen[:1]
+
+
+def _autotune():
+    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK"]  # the dtype of every tensor is keyed too
+    if interpreting():  # the interpreter would run every config: one small one
+        return triton.autotune([_config(32, 32, 4, 1)], key=key)
+    return triton.autotune(_ALL_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune_configs})
+
+
+@_autotune()
+@triton.jit(do_not_specialize=["Sq", "Sk"])
+def _flash_attention_kernel(
+    Q, K, V, Mask, Out, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, Sq, Sk, SQ_KEY, SK_KEY,
+    HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr,
+    MASK: tl.constexpr,  # 0: none, 1: additive (float), 2: boolean (nonzero = attend)
+    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Out[b, h, rows] for one block of BLOCK_M query rows of one (b, h); a 1-D grid, query blocks
+    fastest, so the programs of one head run together and share its K and V in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Sq, BLOCK_M)
+    bh = pid // num_m
+    start_m = (pid % num_m) * BLOCK_M
+    # int64 (b, h) offsets: B·H·S·D passes 2^31 on big batches; offsets inside one head stay int32
+    # (the launcher checks that they fit).
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * _aligned(stride_qb, ALIGN) + h * _aligned(stride_qh, ALIGN)
+    K += b * _aligned(stride_kb, ALIGN) + h * _aligned(stride_kh, ALIGN)
+    V += b * _aligned(stride_vb, ALIGN) + h * _aligned(stride_vh, ALIGN)
+    Out += b * _aligned(stride_ob, ALIGN) + h * _aligned(stride_oh, ALIGN)
+    stride_qm = _aligned(stride_qm, ALIGN)
+    stride_kn = _aligned(stride_kn, ALIGN)
+    stride_vn = _aligned(stride_vn, ALIGN)
+    stride_om = _aligned(stride_om, ALIGN)
+    if MASK != 0:
+        Mask += b * stride_mb + h * stride_mh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = offs_m % Sq  # rows past Sq repeat real ones (finite, never stored): q loads need no mask
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_lo = tl.arange(0, D_LO)
+    offs_hi = D_LO + tl.arange(0, D_HI if D_HI > 0 else 16)  # unused when D_HI = 0
+    q_lo = _load_tile(Q, rows, offs_lo, stride_qm, stride_qd, HEAD_DIM, D_LO > HEAD_DIM)
+    acc_lo = tl.zeros([BLOCK_M, D_LO], dtype=tl.float32)
+    if D_HI > 0:
+        q_hi = _load_tile(Q, rows, offs_hi, stride_qm, stride_qd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
+        acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
+    else:  # placeholders threaded through the loop untouched (and removed by the compiler)
+        q_hi = q_lo
+        acc_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    end_full = (Sk // BLOCK_N) * BLOCK_N
+    for start_n in range(0, end_full, BLOCK_N):
+        acc_lo, acc_hi, l_i, m_i = _attend_tile(
+            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, False, PRECISION,
+        )
+    if end_full < Sk:
+        acc_lo, acc_hi, l_i, m_i = _attend_tile(
+            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, end_full, rows, offs_n, offs_lo, offs_hi, Sk,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, True, PRECISION,
+        )
+
+    # l = 0 only for rows whose every key was masked: their accumulator is 0, and so is their output.
+    inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+    row_ok = offs_m[:, None] < Sq
+    out_ptrs = Out + offs_m[:, None] * stride_om
+    out_lo = (acc_lo * inv_l[:, None]).to(Out.dtype.element_ty)
+    if D_LO > HEAD_DIM:
+        tl.store(out_ptrs + offs_lo[None, :] * stride_od, out_lo, mask=row_ok & (offs_lo[None, :] < HEAD_DIM))
+    else:
+        tl.store(out_ptrs + offs_lo[None, :] * stride_od, out_lo, mask=row_ok)
+    if D_HI > 0:
+        out_hi = (acc_hi * inv_l[:, None]).to(Out.dtype.element_ty)
+        tl.store(out_ptrs + offs_hi[None, :] * stride_od, out_hi, mask=row_ok & (offs_hi[None, :] < HEAD_DIM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side, shared with partial_softmax_attention (ops/softmax_matmul.py)
+
+
+def alloc_output(shape, like: torch.Tensor, heads_inner: bool) -> torch.Tensor:
+    """Every attention output comes from here (tests poison it to catch unwritten elements).
+
+    [B, H, S, D]; ``heads_inner`` lays it out as [B, S, H, D] memory (q's layout in diffusers), so
+    that the caller's transpose(1, 2).reshape(B, S, H·D) is a view.
+    """
+    b, h, s, d = shape
+    if heads_inner:
+        return torch.empty(b, s, h, d, dtype=like.dtype, device=like.device).transpose(1, 2)
+    return torch.empty(b, h, s, d, dtype=like.dtype, device=like.device)
+
+
+def check_attention_args(op: str, q, k, v, attn_mask) -> tuple[int, ...]:
+    """Raise torch-like errors for inputs F.scaled_dot_product_attention rejects; return the batch shape."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() < 2:
+            raise RuntimeError(f"{op}: {name} must have at least 2 dims [..., S, D], got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RuntimeError(
+            f"{op}: expected query, key, and value to have the same dtype, but got query.dtype: {q.dtype} "
+            f"key.dtype: {k.dtype} and value.dtype: {v.dtype} instead."
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise RuntimeError(f"{op}: query and key head dims differ: {q.shape[-1]} != {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise RuntimeError(f"{op}: key and value sequence lengths differ: {k.shape[-2]} != {v.shape[-2]}")
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{op}: batch dims of query {tuple(q.shape[:-2])}, key {tuple(k.shape[:-2])} and value "
+            f"{tuple(v.shape[:-2])} do not broadcast"
+        ) from exc
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise RuntimeError(f"{op}: expected attn_mask dtype to be bool or float, got {attn_mask.dtype}")
+        want = (*batch, q.shape[-2], k.shape[-2])
+        try:
+            if torch.broadcast_shapes(attn_mask.shape, want) != torch.Size(want):
+                raise RuntimeError
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {want}"
+            ) from exc
+    return tuple(batch)
+
+
+def as_4d(t: torch.Tensor, batch: tuple[int, ...], rows: int, cols: int) -> torch.Tensor:
+    """``t`` expanded to (*batch, rows, cols) and viewed [B, H, rows, cols] (broadcast = stride 0)."""
+    t = t.expand(*batch, rows, cols)
+    return t.reshape(*(1,) * (4 - t.dim()), *t.shape) if t.dim() < 4 else t
+
+
+def from_4d(out4: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    return out4.reshape(*batch, *out4.shape[-2:]) if len(batch) < 2 else out4
+
+
+def kernel_reason(*tensors: torch.Tensor | None, batch: tuple[int, ...]) -> str | None:
+    """Why the attention kernels cannot take these inputs, or None. Offsets inside one (b, h) slice are
+    int32 in the kernels, so each slice must span < 2^31 elements."""
+    if len(batch) > 2:
+        return f"{len(batch)} batch dims (the kernels take [B, H, S, D])"
+    for t in tensors:
+        if t is None:
+            continue
+        if t.dtype not in KERNEL_DTYPES and t.dtype != torch.bool:
+            return f"dtype {t.dtype} (the kernels take float16, bfloat16, float32)"
+        if t.requires_grad and torch.is_grad_enabled():
+            return "input requires grad (the kernels are inference-only)"
+        if t.dim() >= 2 and sum((n - 1) * abs(s) for n, s in zip(t.shape[-2:], t.stride()[-2:])) >= 2**31:
+            return "a (batch, head) slice spans 2^31 elements or more"
+    return None
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: fp32 follows torch's TF32 switch for matmuls; halves ignore it."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def alignment(*tensors: torch.Tensor) -> int:
+    """The largest power of two, up to 16 bytes' worth of elements, dividing every stride but the last
+    of every tensor: what ``_aligned`` may promise the compiler (and vectorised loads need)."""
+    align = 16 // tensors[0].element_size()
+    while align > 1 and any(s % align for t in tensors for s, n in zip(t.stride()[:-1], t.shape) if n > 1):
+        align //= 2
+    return align
+
+
+def _mask_kind(mask: torch.Tensor | None) -> int:
+    return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
+
+
+def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None) -> torch.Tensor:
+    """The launch; ``config`` bypasses the autotuner (the tests run every config)."""
+    B, H, Sq, D = q4.shape
+    Sk = k4.shape[2]
+    out = alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
+    if out.numel() == 0:
+        return out
+    kind = _mask_kind(mask4)
+    if kind == 2:
+        mask4 = mask4.view(torch.uint8)  # bool storage is one byte; Triton loads it as uint8
+    m_args = mask4 if mask4 is not None else q4  # a placeholder pointer, never read when MASK = 0
+    m_strides = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
+    d_lo, d_hi = head_dim_blocks(D)
+    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]) * B * H,)
+    kernel, meta = _flash_attention_kernel, {}
+    if config is not None:
+        kernel = _flash_attention_kernel.fn
+        meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    kernel[grid](
+        q4, k4, v4, m_args, out, scale * LOG2E,
+        *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
+        H, Sq, Sk, triton.next_power_of_2(Sq), triton.next_power_of_2(Sk),
+        HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, MASK=kind, NEG_SCALE=scale < 0,
+        PRECISION=dot_precision(q4.dtype), ALIGN=alignment(q4, k4, v4, out), **meta,
+    )
+    return out
+
+
+def _views(q, k, v, attn_mask, batch):
+    q4 = as_4d(q, batch, q.shape[-2], q.shape[-1])
+    k4 = as_4d(k, batch, k.shape[-2], k.shape[-1])
+    v4 = as_4d(v, batch, v.shape[-2], v.shape[-1])
+    mask4 = None if attn_mask is None else as_4d(attn_mask, batch, q.shape[-2], k.shape[-2])
+    return q4, k4, v4, mask4
+
+
+def flash_reason(q, k, v, attn_mask, batch) -> str | None:
+    """Why the flash kernel cannot take this call, or None."""
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return (f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}: the accumulator does not fit on chip "
+                "(partial_softmax_attention takes these)")
+    if v.shape[-1] != q.shape[-1]:
+        return f"value head dim {v.shape[-1]} differs from query's {q.shape[-1]}"
+    return kernel_reason(q, k, v, attn_mask, batch=batch)
+
+
+def default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)`` by FlashAttention.
+
+    q [..., Sq, D], k [..., Sk, D], v [..., Sk, D] (batch dims broadcast; up to two of them in the
+    kernel), D ≤ 256; attn_mask bool (True = attend) or float (added), broadcastable to
+    [..., Sq, Sk]. Fully masked query rows give zeros.
+    """
+    batch = check_attention_args("flash_attention", q, k, v, attn_mask)
+    reason = flash_reason(q, k, v, attn_mask, batch)
+    if not use_kernel("flash_attention", q, k, v, attn_mask, unsupported=reason):
+        return reference.attention(q, k, v, attn_mask, scale)
+    out4 = _flash(*_views(q, k, v, attn_mask, batch), default_scale(q, scale))
+    return from_4d(out4, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# The path choice
+
+
+# The rule until profiles make it data: flash for head dims up to this, else the partial softmax.
+FLASH_MAX_HEAD_DIM = MAX_HEAD_DIM
+# The partial softmax writes the scores X = q·kᵀ: at most this many bytes of them at a time (the
+# query rows are split into chunks). SD's 4096-token self-attention would need 512 MiB at once.
+PARTIAL_SOFTMAX_MAX_CHUNK_BYTES = 256 * 2**20
+PATHS = ("flash", "partial_softmax", "sdpa")
+
+
+def _choose_path(q, k, v, attn_mask, batch) -> str:
+    reason = kernel_reason(q, k, v, attn_mask, batch=batch)
+    flash_ok = q.shape[-1] <= FLASH_MAX_HEAD_DIM and flash_reason(q, k, v, attn_mask, batch) is None
+    if flash_ok and use_kernel("flash_attention", q, k, v, attn_mask):
+        return "flash"
+    if use_kernel("partial_softmax_attention", q, k, v, attn_mask, unsupported=reason):
+        return "partial_softmax"
+    return "sdpa"
+
+
+def attention_path(q, k, v, attn_mask=None) -> str:
+    """The path ``attention`` takes for these inputs: "flash", "partial_softmax" or "sdpa" (stock)."""
+    return _choose_path(q, k, v, attn_mask, check_attention_args("attention", q, k, v, attn_mask))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """Attention by the path ``attention_path`` picks: FlashAttention where it fits, else the paper's
+    partially fused softmax, else (no kernel can run) stock ``F.scaled_dot_product_attention``.
+
+    ``upcast`` (diffusers' ``upcast_attention``) asks for the scores in fp32: flash always keeps them
+    in fp32 on chip; the partial softmax then writes its X in fp32 instead of the input dtype.
+    """
+    batch = check_attention_args("attention", q, k, v, attn_mask)
+    path = _choose_path(q, k, v, attn_mask, batch)
+    if path == "flash":
+        return from_4d(_flash(*_views(q, k, v, attn_mask, batch), default_scale(q, scale)), batch)
+    if path == "partial_softmax":
+        from .softmax_matmul import partial_softmax_attention  # it imports this module: import here
+
+        return partial_softmax_attention(
+            q, k, v, attn_mask, scale, max_chunk_bytes=PARTIAL_SOFTMAX_MAX_CHUNK_BYTES,
+            scores_dtype=torch.float32 if upcast else None,
+        )
+    return reference.sdpa(q, k, v, attn_mask, scale)

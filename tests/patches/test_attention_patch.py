@@ -1,0 +1,144 @@
+"""The "attention" patcher: stock processors swapped for SDKernelsAttnProcessor, exactly undone."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.models.attention_processor import (
+    Attention,
+    AttnAddedKVProcessor,
+    AttnProcessor,
+    AttnProcessor2_0,
+)
+from sd_kernels.patches.record import PatchRecord
+
+import sd_kernels
+from sd_kernels import dispatch
+from sd_kernels.testing import assert_close_to_reference
+
+attn_patch = importlib.import_module("sd_kernels.patches.attention")  # registers the "attention" patcher
+attn_mod = importlib.import_module("sd_kernels.ops.attention")
+
+
+def tiny_unet() -> UNet2DConditionModel:
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+    ).eval()
+
+
+def tiny_vae() -> AutoencoderKL:
+    """Its mid-block attention: 1 head, d = 64, group_norm, residual connection, 4-D hidden states."""
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=32,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    ).eval()
+
+
+def unet_out(unet, mask=False):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=g).to(unet.dtype)
+    ctx = torch.randn(2, 77, 32, generator=g).to(unet.dtype)
+    kwargs = {}
+    if mask:  # padding mask for the text tokens: diffusers turns it into an additive bias
+        keep = torch.ones(2, 77, dtype=torch.bool)
+        keep[1, 40:] = False
+        kwargs["encoder_attention_mask"] = keep
+    with torch.no_grad():
+        return unet(x, 10, encoder_hidden_states=ctx, **kwargs).sample
+
+
+def vae_out(vae):
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(2)).to(vae.dtype)
+    with torch.no_grad():
+        return vae.decode(z).sample
+
+
+def processors(model):
+    return {name: m.processor for name, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def params(model):
+    return model.state_dict(keep_vars=True)
+
+
+def round_trip(model, run, **run_kwargs):
+    """Patch, compare with the stock model and a float64 copy, unpatch, compare bit for bit."""
+    before, ps = processors(model), params(model)
+    stock = run(model, **run_kwargs)
+    ref64 = run(copy.deepcopy(model).double(), **run_kwargs)
+    record = sd_kernels.patch(model, ops=["attention"])
+    stock_kinds = (AttnProcessor2_0, AttnProcessor)
+    n = sum(type(p) in stock_kinds for p in before.values())
+    assert n > 0 and record.counts == {"attention_processor": n}
+    assert all(type(p) is attn_patch.SDKernelsAttnProcessor for p in processors(model).values())
+    dispatch.reset_fallbacks()
+    assert_close_to_reference(run(model, **run_kwargs), stock, ref64)
+    assert not dispatch.fallbacks()  # the kernels ran (the interpreter on CPU), not the reference
+    assert sd_kernels.unpatch(model)
+    after = processors(model)
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    now = params(model)
+    assert now.keys() == ps.keys() and all(now[k] is ps[k] for k in ps)
+    assert torch.equal(run(model, **run_kwargs), stock)
+    return n
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "text-mask"])
+def test_unet(mask):
+    n = round_trip(tiny_unet(), unet_out, mask=mask)
+    assert n == 8  # self + cross attention in 4 transformer blocks (down 1, mid 1, up 2)
+
+
+@pytest.mark.parametrize("path", ["flash", "partial_softmax"])
+def test_vae(path, monkeypatch):
+    if path == "partial_softmax":  # as for SD's VAE (d = 512 > 256): here d = 64, so force it
+        monkeypatch.setattr(attn_mod, "FLASH_MAX_HEAD_DIM", 32)
+    vae = tiny_vae()
+    mid = vae.decoder.mid_block.attentions[0]
+    assert mid.heads == 1 and mid.group_norm is not None and mid.residual_connection
+    calls = []
+    choose = attn_mod._choose_path
+    monkeypatch.setattr(attn_mod, "_choose_path", lambda *a: calls.append(choose(*a)) or calls[-1])
+    round_trip(vae, vae_out)
+    assert set(calls) == {path}
+
+
+def test_legacy_processor_keeps_its_scale_and_custom_processors_stay():
+    """AttnProcessor (diffusers' choice when scale_qk=False) is mirrored with attn.scale; other processors
+    (here AttnAddedKVProcessor, as LoRA / IP-adapter ones would be) are left alone."""
+    torch.manual_seed(0)
+    legacy = Attention(16, heads=2, dim_head=8, scale_qk=False)
+    custom = Attention(16, heads=2, dim_head=8, added_kv_proj_dim=16, processor=AttnAddedKVProcessor())
+    holder = torch.nn.ModuleList([legacy, custom]).eval()
+    assert type(legacy.processor) is AttnProcessor and legacy.scale == 1.0
+    x = torch.randn(2, 5, 16)
+    stock = legacy(x)
+    ref64 = copy.deepcopy(legacy).double()(x.double())
+    custom_processor = custom.processor
+    record = PatchRecord(("attention",), "cpu", ["test"])
+    attn_patch.patch_attention(holder, record)
+    assert record.counts == {"attention_processor": 1} and custom.processor is custom_processor
+    assert legacy.processor.legacy
+    assert_close_to_reference(legacy(x), stock, ref64)
+    record.undo()
+    assert type(legacy.processor) is AttnProcessor
+
+
+def test_processor_output_layout_needs_no_copy(monkeypatch):
+    """The attention output comes in q's [B, S, heads, D] layout, so diffusers' reshape is a view."""
+    outs = []
+    real = attn_mod.attention
+    monkeypatch.setattr(attn_patch, "attention", lambda *a, **k: outs.append(real(*a, **k)) or outs[-1])
+    attn = Attention(32, heads=4, dim_head=8).eval()
+    attn.processor = attn_patch.SDKernelsAttnProcessor()
+    with torch.no_grad():
+        attn(torch.randn(2, 9, 32))
+    (out,) = outs
+    assert out.shape == (2, 4, 9, 8) and out.transpose(1, 2).is_contiguous()
