@@ -81,7 +81,7 @@ def attention(
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs @ v
+    return probs.to(v.dtype) @ v  # a float mask of another dtype may have promoted the scores
 
 
 def sdpa(

@@ -6,6 +6,7 @@ from .attention import flash_attention
 from .gelu import geglu, gelu, linear_geglu
 from .group_norm import group_norm
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
+from .winograd import winograd_conv2d, winograd_weight
 
 __all__ = [
     "flash_attention",
@@ -15,4 +16,6 @@ __all__ = [
     "linear_geglu",
     "partial_softmax_attention",
     "softmax_matmul",
+    "winograd_conv2d",
+    "winograd_weight",
 ]

@@ -20,8 +20,13 @@ class Doubled(nn.Module):
         return 2 * self.inner(*args, **kwargs)
 
 
+def _owner(model):
+    """The module holding the output conv: the UNet itself, or the VAE's decoder."""
+    return model if hasattr(model, "conv_out") else model.decoder
+
+
 def fake_patcher(model, record):
-    record.set_attr(model, "conv_out", Doubled(model.conv_out), "doubled_conv_out")
+    record.set_attr(_owner(model), "conv_out", Doubled(_owner(model).conv_out), "doubled_conv_out")
     record.set_attr(model, "note", "patched", "note")
 
 
