@@ -3,6 +3,7 @@
 # the SD1.5 demo, write everything to OUT_DIR, print a short table last.
 #   bash bench/gpu.sh OUT_DIR [bench.run options, e.g. --quick --only group_norm,attention]
 # Needs ./.whl with the wheels the GPU image lacks (../shared/gpu/wheels.sh), carried along.
+# GPU_STEPS (default "tests,bench,e2e,demo") picks steps, to split the work over several calls.
 set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT_DIR [--quick] [--only FAMILIES]}
 shift
@@ -19,24 +20,31 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
   python3 -m sd_kernels.cli info; } 2>&1 | tee "$out/gpu.txt"
 
-python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log"
-tests_rc=${PIPESTATUS[0]}
-
-python3 -m bench.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
-bench_rc=${PIPESTATUS[0]}
-
-python3 -m bench.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
-e2e_rc=${PIPESTATUS[0]}
-
-python3 -m sd_kernels.cli demo --steps 20 --out /tmp/sd-kernels-demo.png 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
-demo_rc=${PIPESTATUS[0]}
+steps=",${GPU_STEPS:-tests,bench,e2e,demo},"
+tests_rc=0 bench_rc=0 e2e_rc=0 demo_rc=0
+if [[ $steps == *,tests,* ]]; then
+  python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log"
+  tests_rc=${PIPESTATUS[0]}
+fi
+if [[ $steps == *,bench,* ]]; then
+  python3 -m bench.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
+if [[ $steps == *,e2e,* ]]; then
+  python3 -m bench.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
+  e2e_rc=${PIPESTATUS[0]}
+fi
+if [[ $steps == *,demo,* ]]; then
+  python3 -m sd_kernels.cli demo --steps 20 --out /tmp/sd-kernels-demo.png 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
+  demo_rc=${PIPESTATUS[0]}
+fi
 
 echo
-echo "== GPU tests:  $(tail -n 1 "$out/gpu-tests.log")"
-echo "== demo:       $(grep -E '^(stock|patched)' "$out/demo.log" | tr '\n' ' ')"
-echo "== end to end:"; grep -E "^  (unet|vae) " "$out/e2e.log"
+[ -f "$out/gpu-tests.log" ] && echo "== GPU tests:  $(tail -n 1 "$out/gpu-tests.log")"
+[ -f "$out/demo.log" ] && echo "== demo:       $(grep -E '^(stock|patched)' "$out/demo.log" | tr '\n' ' ')"
+[ -f "$out/e2e.log" ] && { echo "== end to end:"; grep -E "^  (unet|vae) " "$out/e2e.log"; }
 echo "== benchmarks (ours vs stock, fp16):"
-python3 - "$out/ops.csv" <<'PY'
+[ -f "$out/ops.csv" ] && python3 - "$out/ops.csv" <<'PY'
 import csv, sys
 try:
     rows = list(csv.DictReader(open(sys.argv[1])))
