@@ -65,11 +65,16 @@ def head_dim_blocks(d: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _load_tile(ptr, rows, cols, stride_r, stride_c, n_cols, MASK_COLS: tl.constexpr):
-    """A [len(rows), len(cols)] tile; only columns may run past the tensor (rows are always valid)."""
+def _load_tile(ptr, rows, cols, stride_r, stride_c, n_cols, MASK_COLS: tl.constexpr, n_rows=0,
+               MASK_ROWS: tl.constexpr = False):
+    """A [len(rows), len(cols)] tile, zeros past ``n_cols`` columns (MASK_COLS) / ``n_rows`` rows (MASK_ROWS)."""
     ptrs = ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+    if MASK_COLS and MASK_ROWS:
+        return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
     if MASK_COLS:
         return tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
     return tl.load(ptrs)
 
 
@@ -93,18 +98,15 @@ def _attend_tile(
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
 
     Scores live in base 2: s = q·k·scale·log2(e) (+ mask·log2(e)), so that exp(x) = exp2(x·log2 e)
-    costs one exp2. ``BOUNDARY``: the last, partial block; its keys past Sk are read wrapped (in
-    bounds, finite) and their scores set to -inf, so no load needs a mask along keys.
+    costs one exp2. ``BOUNDARY``: the last, partial block; its keys past Sk load as zeros (masked
+    loads) and their scores are set to -inf. (Reading them wrapped, ``cols % Sk``, to avoid the masks
+    miscompiled under Triton 3.6 on sm_90: wrong results or illegal addresses, measured 2026-11-22.)
     """
-    cols = start_n + offs_n
-    if BOUNDARY:
-        kv = cols % Sk
-    else:
-        kv = cols
-    k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM)
+    kv = start_n + offs_n
+    k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
     qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION)
     if D_HI > 0:
-        k_hi = _load_tile(K, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
+        k_hi = _load_tile(K, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk, BOUNDARY)
         qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=PRECISION)
 
     if MASK == 0 and not BOUNDARY:
@@ -118,12 +120,12 @@ def _attend_tile(
     else:
         s = qk * qk_scale
         if MASK == 1:
-            s += tl.load(Mask + rows[:, None] * stride_mm + kv[None, :] * stride_mn).to(tl.float32) * _LOG2E
+            s += _load_tile(Mask, rows, kv, stride_mm, stride_mn, Sk, BOUNDARY).to(tl.float32) * _LOG2E
         if MASK == 2:
-            keep = tl.load(Mask + rows[:, None] * stride_mm + kv[None, :] * stride_mn)
+            keep = _load_tile(Mask, rows, kv, stride_mm, stride_mn, Sk, BOUNDARY)
             s = tl.where(keep != 0, s, float("-inf"))
         if BOUNDARY:
-            s = tl.where(cols[None, :] < Sk, s, float("-inf"))
+            s = tl.where(kv[None, :] < Sk, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = m_new
         if MASK != 0:  # every score of a row masked so far: subtract 0, not -inf (-inf − -inf = NaN)
@@ -133,10 +135,10 @@ def _attend_tile(
 
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(V.dtype.element_ty)
-    v_lo = _load_tile(V, kv, offs_lo, stride_vn, stride_vd, HEAD_DIM, D_LO > HEAD_DIM)
+    v_lo = _load_tile(V, kv, offs_lo, stride_vn, stride_vd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
     acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
     if D_HI > 0:
-        v_hi = _load_tile(V, kv, offs_hi, stride_vn, stride_vd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
+        v_hi = _load_tile(V, kv, offs_hi, stride_vn, stride_vd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk, BOUNDARY)
         acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
     return acc_lo, acc_hi, l_i, m_new
 
