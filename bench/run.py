@@ -21,7 +21,7 @@ import torch
 from bench import common
 
 SUMMARY_COLUMNS = ["op", "shape", "dtype", "variant", "impl", "ms", "speedup_vs_stock", "GB/s",
-                   "pct_copy_bw", "TFLOP/s", "rel_err"]
+                   "pct_copy_bw", "TFLOP/s", "eager_ms", "eager_speedup", "rel_err"]
 
 
 def families() -> list[str]:
@@ -29,6 +29,13 @@ def families() -> list[str]:
 
     return sorted(m.name.removeprefix("ops_") for m in pkgutil.iter_modules(bench.__path__)
                   if m.name.startswith("ops_"))
+
+
+def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,13 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows += [{**r, **env} for r in new]
             print(common.format_table(new, SUMMARY_COLUMNS[4:]).replace("\n", "\n  "), "<-", case.name)
+            _write_csv(args.out / "ops.csv", rows)  # after every case: a run cut short keeps its numbers
             del case
             torch.cuda.empty_cache()
     if rows:
-        with open(args.out / "ops.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows(rows)
         print()
         print(common.format_table(rows, SUMMARY_COLUMNS))
     return 0

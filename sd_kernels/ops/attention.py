@@ -24,6 +24,7 @@ P cast to the input dtype for the P·V dot (as in FlashAttention). fp32: tl.dot 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.launch import Launcher, cdiv, next_pow2
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # flash keeps a [BLOCK_M, D] fp32 accumulator in registers: beyond this it spills
@@ -54,9 +56,9 @@ def head_dim_blocks(d: int) -> tuple[int, int]:
     """
     lo = max(16, 1 << (max(d, 1).bit_length() - 1))
     rest = d - lo
-    hi = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
-    if lo + hi >= triton.next_power_of_2(d):  # two blocks would do the work of one: take one
-        return max(16, triton.next_power_of_2(d)), 0
+    hi = 0 if rest <= 0 else max(16, next_pow2(rest))
+    if lo + hi >= next_pow2(d):  # two blocks would do the work of one: take one
+        return max(16, next_pow2(d)), 0
     return lo, hi
 
 
@@ -98,9 +100,8 @@ def _attend_tile(
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
 
     Scores live in base 2: s = q·k·scale·log2(e) (+ mask·log2(e)), so that exp(x) = exp2(x·log2 e)
-    costs one exp2. ``BOUNDARY``: the last, partial block; its keys past Sk load as zeros (masked
-    loads) and their scores are set to -inf. (Reading them wrapped, ``cols % Sk``, to avoid the masks
-    miscompiled under Triton 3.6 on sm_90: wrong results or illegal addresses, measured 2026-11-22.)
+    costs one exp2. ``BOUNDARY``: the block may run past Sk; keys past it load as zeros (masked loads)
+    and their scores are set to -inf.
     """
     kv = start_n + offs_n
     k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
@@ -200,6 +201,7 @@ def _autotune():
 
 
 @_autotune()
+@triton.heuristics({"EVEN_N": lambda args: args["Sk"] % args["BLOCK_N"] == 0})
 @triton.jit(do_not_specialize=["Sq", "Sk"])
 def _flash_attention_kernel(
     Q, K, V, Mask, Out, qk_scale,
@@ -212,7 +214,7 @@ def _flash_attention_kernel(
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr,
     MASK: tl.constexpr,  # 0: none, 1: additive (float), 2: boolean (nonzero = attend)
     NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Out[b, h, rows] for one block of BLOCK_M query rows of one (b, h); a 1-D grid, query blocks
     fastest, so the programs of one head run together and share its K and V in L2."""
@@ -251,18 +253,16 @@ def _flash_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    end_full = (Sk // BLOCK_N) * BLOCK_N
-    for start_n in range(0, end_full, BLOCK_N):
+    # One loop over every key block. When Sk is not a multiple of BLOCK_N (EVEN_N false) every
+    # iteration masks its loads and scores, not just the last: a loop over the full blocks followed by
+    # a peeled, masked last block miscompiled under Triton 3.6's Hopper pipeliner (wrong results or
+    # illegal addresses, measured 2026-11-22). SD's self-attention lengths are multiples of 64 (even);
+    # its cross-attention has 77 keys, one or two blocks, where masking every block costs nothing.
+    for start_n in range(0, Sk, BLOCK_N):
         acc_lo, acc_hi, l_i, m_i = _attend_tile(
             acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
-            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, False, PRECISION,
-        )
-    if end_full < Sk:
-        acc_lo, acc_hi, l_i, m_i = _attend_tile(
-            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, end_full, rows, offs_n, offs_lo, offs_hi, Sk,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
-            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, True, PRECISION,
+            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION,
         )
 
     # l = 0 only for rows whose every key was masked: their accumulator is 0, and so is their output.
@@ -309,8 +309,10 @@ def check_attention_args(op: str, q, k, v, attn_mask) -> tuple[int, ...]:
         raise RuntimeError(f"{op}: query and key head dims differ: {q.shape[-1]} != {k.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
         raise RuntimeError(f"{op}: key and value sequence lengths differ: {k.shape[-2]} != {v.shape[-2]}")
+    batch = q.shape[:-2]
     try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        if not (batch == k.shape[:-2] == v.shape[:-2]):  # torch.broadcast_shapes costs ~10 µs a call
+            batch = torch.broadcast_shapes(batch, k.shape[:-2], v.shape[:-2])
     except RuntimeError as exc:
         raise RuntimeError(
             f"{op}: batch dims of query {tuple(q.shape[:-2])}, key {tuple(k.shape[:-2])} and value "
@@ -319,9 +321,9 @@ def check_attention_args(op: str, q, k, v, attn_mask) -> tuple[int, ...]:
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise RuntimeError(f"{op}: expected attn_mask dtype to be bool or float, got {attn_mask.dtype}")
-        want = (*batch, q.shape[-2], k.shape[-2])
+        want = torch.Size((*batch, q.shape[-2], k.shape[-2]))
         try:
-            if torch.broadcast_shapes(attn_mask.shape, want) != torch.Size(want):
+            if attn_mask.shape != want and torch.broadcast_shapes(attn_mask.shape, want) != want:
                 raise RuntimeError
         except RuntimeError as exc:
             raise RuntimeError(
@@ -377,6 +379,9 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
     return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
 
 
+_FLASH = Launcher(_flash_attention_kernel)
+
+
 def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None) -> torch.Tensor:
     """The launch; ``config`` bypasses the autotuner (the tests run every config)."""
     B, H, Sq, D = q4.shape
@@ -390,17 +395,23 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None)
     m_args = mask4 if mask4 is not None else q4  # a placeholder pointer, never read when MASK = 0
     m_strides = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
     d_lo, d_hi = head_dim_blocks(D)
-    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]) * B * H,)
-    kernel, meta = _flash_attention_kernel, {}
-    if config is not None:
-        kernel = _flash_attention_kernel.fn
-        meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    kernel[grid](
+    grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]) * B * H,)
+    align, precision = alignment(q4, k4, v4, out), dot_precision(q4.dtype)
+    if config is None:
+        # The key holds what the autotuner keys on (Sq, Sk, D, mask kind, the dtypes) and what the
+        # EVEN_N heuristic reads (Sk); everything else the kernel sees is an argument below.
+        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align)
+        launch = functools.partial(_FLASH, key, grid)
+    else:  # the tests' way to run one given config
+        launch = functools.partial(_flash_attention_kernel.fn[grid], BLOCK_M=config.kwargs["BLOCK_M"],
+                                   BLOCK_N=config.kwargs["BLOCK_N"], num_warps=config.num_warps,
+                                   num_stages=config.num_stages)
+    launch(
         q4, k4, v4, m_args, out, scale * LOG2E,
         *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
-        H, Sq, Sk, triton.next_power_of_2(Sq), triton.next_power_of_2(Sk),
+        H, Sq, Sk, next_pow2(Sq), next_pow2(Sk),
         HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, MASK=kind, NEG_SCALE=scale < 0,
-        PRECISION=dot_precision(q4.dtype), ALIGN=alignment(q4, k4, v4, out), **meta,
+        PRECISION=precision, ALIGN=align,
     )
     return out
 
@@ -413,14 +424,18 @@ def _views(q, k, v, attn_mask, batch):
     return q4, k4, v4, mask4
 
 
-def flash_reason(q, k, v, attn_mask, batch) -> str | None:
-    """Why the flash kernel cannot take this call, or None."""
+def _flash_shape_reason(q, v) -> str | None:
     if q.shape[-1] > MAX_HEAD_DIM:
         return (f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}: the accumulator does not fit on chip "
                 "(partial_softmax_attention takes these)")
     if v.shape[-1] != q.shape[-1]:
         return f"value head dim {v.shape[-1]} differs from query's {q.shape[-1]}"
-    return kernel_reason(q, k, v, attn_mask, batch=batch)
+    return None
+
+
+def flash_reason(q, k, v, attn_mask, batch) -> str | None:
+    """Why the flash kernel cannot take this call, or None."""
+    return _flash_shape_reason(q, v) or kernel_reason(q, k, v, attn_mask, batch=batch)
 
 
 def default_scale(q: torch.Tensor, scale: float | None) -> float:
@@ -462,7 +477,7 @@ PATHS = ("flash", "partial_softmax", "sdpa")
 
 def _choose_path(q, k, v, attn_mask, batch) -> str:
     reason = kernel_reason(q, k, v, attn_mask, batch=batch)
-    flash_ok = q.shape[-1] <= FLASH_MAX_HEAD_DIM and flash_reason(q, k, v, attn_mask, batch) is None
+    flash_ok = reason is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM and _flash_shape_reason(q, v) is None
     if flash_ok and use_kernel("flash_attention", q, k, v, attn_mask):
         return "flash"
     if use_kernel("partial_softmax_attention", q, k, v, attn_mask, unsupported=reason):

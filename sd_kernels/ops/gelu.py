@@ -25,6 +25,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.launch import cdiv, next_pow2
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ELEMS = 4096  # elements per elementwise program: 8 KiB of fp16 in flight per input, 16 per thread
@@ -86,17 +87,17 @@ def elementwise_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS) -> tuple[i
     BLOCK_C is the widest power of two that wastes at most 1/8 of a row to padding (SD's 1280,
     2560, 5120 get 256, 512, 1024: no masked lanes); the rest of the ``elems`` budget goes to rows.
     """
-    block_c = min(triton.next_power_of_2(n_cols), elems)
-    while block_c > 64 and triton.cdiv(n_cols, block_c) * block_c - n_cols > n_cols // 8:
+    block_c = min(next_pow2(n_cols), elems)
+    while block_c > 64 and cdiv(n_cols, block_c) * block_c - n_cols > n_cols // 8:
         block_c //= 2
-    block_r = max(1, min(elems // block_c, triton.next_power_of_2(n_rows)))
+    block_r = max(1, min(elems // block_c, next_pow2(n_rows)))
     return block_r, block_c, 8 if block_r * block_c >= 4096 else 4
 
 
 def _launch_elementwise(x2: torch.Tensor, y2_ptr: torch.Tensor, n_rows: int, n_cols: int,
                         stride_xr: int, stride_xc: int, stride_yr: int, gated: bool, act: str) -> None:
     block_r, block_c, num_warps = elementwise_blocks(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c),)
+    grid = (cdiv(n_rows, block_r) * cdiv(n_cols, block_c),)
     _elementwise_kernel[grid](
         x2, y2_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_yr,
         GATED=gated, ACT=act, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
@@ -321,7 +322,7 @@ def linear_geglu(
         return y.copy_(reference_linear_geglu(x, weight, bias, approximate))
     # fp32 inputs: IEEE fp32 products like torch's default, not TF32 (which Triton would pick).
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
     _linear_geglu_kernel[grid](
         x2, weight, weight if bias is None else bias, y, M, n, K,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), n,

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.launch import Launcher, cdiv, next_pow2
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMS = 8192  # elements per loop tile: 16 KiB of fp16 in flight per program and iteration
@@ -255,7 +256,7 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     if split_threshold is None:
         split_threshold = _SPLIT_ELEMS if programs >= _FEW_GROUPS else _SPLIT_ELEMS_FEW
     split = group_elems > split_threshold
-    p2c, p2s = triton.next_power_of_2(cpg), triton.next_power_of_2(hw)
+    p2c, p2s = next_pow2(cpg), next_pow2(hw)
     if not split and p2c * p2s <= _ONE_TILE_ELEMS:
         return Plan(p2c, p2s, one_tile=True, split=False, chunk=hw, chunks=1)
     if channels_fast and p2c <= _TILE_ELEMS:  # a pixel's CPG channels are one contiguous run: all of it
@@ -263,12 +264,15 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     else:  # pixels are contiguous: a power-of-two divisor of CPG leaves no masked channel lanes
         block_c = min(cpg & -cpg, max(1, _TILE_ELEMS // 64))
     block_s = max(1, min(p2s, _TILE_ELEMS // block_c))
-    tiles = triton.cdiv(hw, block_s)
+    tiles = cdiv(hw, block_s)
     if not split:
         return Plan(block_c, block_s, one_tile=False, split=False, chunk=tiles * block_s, chunks=1)
-    per_group = min(tiles, triton.cdiv(_TARGET_PROGRAMS, programs))
-    chunk = triton.cdiv(tiles, per_group) * block_s
-    return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=triton.cdiv(hw, chunk))
+    per_group = min(tiles, cdiv(_TARGET_PROGRAMS, programs))
+    chunk = cdiv(tiles, per_group) * block_s
+    return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=cdiv(hw, chunk))
+
+
+_STATS, _NORM = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel)
 
 
 def _alloc(shape, stride, like: torch.Tensor) -> torch.Tensor:
@@ -370,19 +374,23 @@ def group_norm(
     p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold)
 
     grid = (n * num_groups, p.chunks)
+    # Launcher keys: the autotuners key on (HW, G, S, CPG, tiles, path) and the dtypes, all set by
+    # (hw, num_groups, cpg, p) and the tensors' dtypes.
+    key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
+           None if bias is None else bias.dtype, activation)
     parts = x  # dummy pointer when unused
     if p.split:
         parts = torch.empty(3 * n * num_groups * p.chunks, dtype=torch.float32, device=x.device)
-        _group_stats_kernel[grid](
-            x, parts, num_groups, hw, p.chunks, x.stride(0), x.stride(1), stride_s, p.chunk,
+        _STATS(
+            key, grid, x, parts, num_groups, hw, p.chunks, x.stride(0), x.stride(1), stride_s, p.chunk,
             CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s,
         )
-    _group_norm_kernel[grid](
-        x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
+    _NORM(
+        key, grid, x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
         num_groups, hw, p.chunks, float(eps),
         x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
         CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, ONE_TILE=p.one_tile,
-        HAS_PARTIALS=p.split, PART_BLOCK=triton.next_power_of_2(p.chunks),
+        HAS_PARTIALS=p.split, PART_BLOCK=next_pow2(p.chunks),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
     )
     return y

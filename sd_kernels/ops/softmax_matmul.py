@@ -27,6 +27,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.launch import cdiv, next_pow2
 
 from . import attention as _attention
 from .attention import (
@@ -186,16 +187,16 @@ def _launch(x4: torch.Tensor, w4: torch.Tensor, y4: torch.Tensor, stats: torch.T
     c = w4.shape[-1]
     if y4.numel() == 0:
         return
-    block_c = min(triton.next_power_of_2(max(kd, 1)), 1024)
-    block_r = max(1, min(_STATS_ELEMS // block_c, triton.next_power_of_2(a)))
-    _row_stats_kernel[(triton.cdiv(a, block_r) * B * H,)](
+    block_c = min(next_pow2(max(kd, 1)), 1024)
+    block_r = max(1, min(_STATS_ELEMS // block_c, next_pow2(a)))
+    _row_stats_kernel[(cdiv(a, block_r) * B * H,)](
         x4, stats, H, a, kd, *x4.stride(), stats.stride(0), ZERO_EMPTY=zero_empty,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_r * block_c > 2048 else 4,
     )
-    grid = lambda meta: (triton.cdiv(a, meta["BLOCK_M"]) * triton.cdiv(c, meta["BLOCK_N"]) * B * H,)
+    grid = lambda meta: (cdiv(a, meta["BLOCK_M"]) * cdiv(c, meta["BLOCK_N"]) * B * H,)
     _softmax_matmul_kernel[grid](
         x4, w4, stats, y4, H, a, kd, c,
-        triton.next_power_of_2(a), triton.next_power_of_2(kd), triton.next_power_of_2(c), stats.stride(0),
+        next_pow2(a), next_pow2(kd), next_pow2(c), stats.stride(0),
         *x4.stride(), *w4.stride(), *y4.stride(),
         PRECISION=dot_precision(w4.dtype), ALIGN=alignment(w4),
     )

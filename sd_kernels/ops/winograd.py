@@ -44,6 +44,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.launch import cdiv, next_pow2
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 R = 3  # filter size
@@ -160,7 +161,7 @@ def _kernel_mats(tile: int, device: torch.device) -> _KernelMats:
     tr = winograd_transforms(tile)
     alpha2, m2 = tr.alpha**2, tile**2
     # tl.dot wants power-of-two dims of at least 16.
-    P, Q = max(16, triton.next_power_of_2(alpha2)), max(16, triton.next_power_of_2(m2))
+    P, Q = max(16, next_pow2(alpha2)), max(16, next_pow2(m2))
     kb = torch.zeros(P, P, dtype=torch.float64)
     kb[:alpha2, :alpha2] = torch.kron(tr.BT, tr.BT)
     ka = torch.zeros(Q, P, dtype=torch.float64)
@@ -408,7 +409,7 @@ def intermediate_shapes(N: int, C: int, H: int, W: int, K: int, tile: int) -> di
     """Logical shapes of what the op allocates besides y: V [α², T, C], M [α², T, K], and the
     cached U [α², C, K], with T = N·⌈H/m⌉·⌈W/m⌉ tiles. The launcher allocates exactly these."""
     a2 = (tile + R - 1) ** 2
-    T = N * triton.cdiv(H, tile) * triton.cdiv(W, tile)
+    T = N * cdiv(H, tile) * cdiv(W, tile)
     return {"V": (a2, T, C), "M": (a2, T, K), "U": (a2, C, K)}
 
 
@@ -437,7 +438,7 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
     mats = _kernel_mats(tile, x.device)
     shapes = intermediate_shapes(N, C, H, W, K, tile)
     a2, T = shapes["V"][:2]
-    TH, TW = triton.cdiv(H, tile), triton.cdiv(W, tile)
+    TH, TW = cdiv(H, tile), cdiv(W, tile)
     cl = _is_channels_last(x)
     # V and M keep the input's fast axis: [ξ, T, C] for channels_last, [ξ, C, T] for NCHW (then
     # viewed as [ξ, T, C]), so both transforms read and write along contiguous memory.
@@ -452,8 +453,8 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
 
     def grid(channels):
         return lambda META: (
-            triton.cdiv(T, META["BLOCK_FAST"] if not cl else META["BLOCK_SLOW"]),
-            triton.cdiv(channels, META["BLOCK_SLOW"] if not cl else META["BLOCK_FAST"]),
+            cdiv(T, META["BLOCK_FAST"] if not cl else META["BLOCK_SLOW"]),
+            cdiv(channels, META["BLOCK_SLOW"] if not cl else META["BLOCK_FAST"]),
         )
 
     exact_x = x.dtype != torch.float32 and mats.kb_tf32_exact
@@ -462,18 +463,18 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
         PRECISION=_precision(exact_x), **common,
     )
     if gemm == "fused":
-        _fused_gemm_output[lambda META: (triton.cdiv(T, META["BLOCK_M"]) * triton.cdiv(K, META["BLOCK_N"]),)](
+        _fused_gemm_output[lambda META: (cdiv(T, META["BLOCK_M"]) * cdiv(K, META["BLOCK_N"]),)](
             v, u, mats.ka, bias if bias is not None else v, y, T, K, C, H, W, TH, TW,
             *v.stride(), *u.stride(), *y.stride(),
             HAS_BIAS=bias is not None, TILE=tile, ALPHA=tile + R - 1, P=mats.P,
-            Q=triton.next_power_of_2(tile * tile), PRECISION=_precision(x.dtype != torch.float32),
+            Q=next_pow2(tile * tile), PRECISION=_precision(x.dtype != torch.float32),
         )
         return y
     if gemm == "bmm":
         m = torch.bmm(v, u)
     else:
         m = buffer("M", K, m_dtype)
-        _batched_gemm[lambda META: (triton.cdiv(T, META["BLOCK_M"]) * triton.cdiv(K, META["BLOCK_N"]), a2)](
+        _batched_gemm[lambda META: (cdiv(T, META["BLOCK_M"]) * cdiv(K, META["BLOCK_N"]), a2)](
             v, u, m, T, K, C, *v.stride(), *u.stride(), *m.stride(),
             PRECISION=_precision(x.dtype != torch.float32),
         )

@@ -289,13 +289,15 @@ def test_gpu_masks(shape, kind, sk, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sk", [64, 77, 333])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("d", [40, 80, 160])
-def test_gpu_every_config(d, masked, device):
-    """Each config the autotuner may pick, run once on an odd shape (partial blocks everywhere)."""
+def test_gpu_every_config(d, masked, sk, device):
+    """Each config the autotuner may pick, on key lengths shorter than, not a multiple of, and a
+    multiple of some BLOCK_N (partial query blocks everywhere)."""
     dtype = torch.float16
-    q, k, v = qkv(2, 3, 300, 333, d, dtype, device, layout="diffusers")
-    mask = make_mask((2, 1, 300, 333), "float", device, dtype) if masked else None
+    q, k, v = qkv(2, 3, 300, sk, d, dtype, device, layout="diffusers")
+    mask = make_mask((2, 1, 300, sk), "float", device, dtype) if masked else None
     ref64 = reference.attention(q.double(), k.double(), v.double(), mask)
     stock = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     views = attn_mod._views(q, k, v, mask, (2, 3))
