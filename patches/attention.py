@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from sd_kernels.ops.attention import attention
 
+from .group_norm import SCALE_DEPRECATION
 from .record import PatchRecord
 from .registry import register
 
@@ -49,12 +50,7 @@ class SDKernelsAttnProcessor:
         if len(args) > 0 or kwargs.get("scale", None) is not None:
             from diffusers.utils import deprecate
 
-            deprecate(
-                "scale", "1.0.0",
-                "The `scale` argument is deprecated and will be ignored. Please remove it, as passing it "
-                "will raise an error in the future. `scale` should directly be passed while calling the "
-                "underlying pipeline component i.e., via `cross_attention_kwargs`.",
-            )
+            deprecate("scale", "1.0.0", SCALE_DEPRECATION)
 
         residual = hidden_states
         if attn.spatial_norm is not None:

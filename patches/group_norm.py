@@ -81,6 +81,11 @@ def resnet_forward_is_known() -> bool:
     return hashlib.sha256(source.encode()).hexdigest()[:16] == RESNET_FORWARD_SHA256
 
 
+# diffusers warns, and ignores the argument, when a block gets ``scale``: so do we, in our words.
+SCALE_DEPRECATION = ("ResnetBlock2D/Attention: `scale` is deprecated by diffusers and ignored here; pass it "
+                     "to the pipeline through `cross_attention_kwargs` instead.")
+
+
 def _fused_silu(norm: nn.Module) -> bool:
     return isinstance(norm, FusedGroupNorm) and norm.activation == "silu"
 
@@ -91,12 +96,7 @@ def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args,
     from diffusers.utils import deprecate
 
     if len(args) > 0 or kwargs.get("scale", None) is not None:
-        deprecation_message = (
-            "The `scale` argument is deprecated and will be ignored. Please remove it, as passing it will "
-            "raise an error in the future. `scale` should directly be passed while calling the underlying "
-            "pipeline component i.e., via `cross_attention_kwargs`."
-        )
-        deprecate("scale", "1.0.0", deprecation_message)
+        deprecate("scale", "1.0.0", SCALE_DEPRECATION)
 
     hidden_states = input_tensor
 

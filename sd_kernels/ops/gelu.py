@@ -26,6 +26,7 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
 from sd_kernels.launch import cdiv, next_pow2
+from sd_kernels.ops.layout import contiguous_strides, is_dense
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ELEMS = 4096  # elements per elementwise program: 8 KiB of fp16 in flight per input, 16 per thread
@@ -109,22 +110,6 @@ def _alloc(shape, stride, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tuple(shape), tuple(stride), dtype=like.dtype, device=like.device)
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _is_dense(x: torch.Tensor) -> bool:
-    """True if x's elements fill a block of storage with no gaps or overlaps, in some dim order."""
-    if x.is_contiguous():
-        return True
-    order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
-    return x.permute(order).is_contiguous()
-
-
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, last] view with any row and column stride; one copy only if no view exists."""
     x = x.reshape(1) if x.dim() == 0 else x
@@ -146,12 +131,12 @@ def _kernel_reason(*tensors: torch.Tensor | None) -> str | None:
 
 
 def _activation(x: torch.Tensor, act: str) -> torch.Tensor:
-    if _is_dense(x):  # flat over storage; the output keeps x's strides (channels_last stays so)
+    if is_dense(x):  # flat over storage; the output keeps x's strides (channels_last stays so)
         y = _alloc(x.shape, x.stride(), x)
         if x.numel():
             _launch_elementwise(x, y, 1, x.numel(), 0, 1, 0, gated=False, act=act)
         return y
-    y = _alloc(x.shape, _contiguous_strides(x.shape), x)
+    y = _alloc(x.shape, contiguous_strides(x.shape), x)
     if x.numel():
         x2 = _as_rows(x)
         _launch_elementwise(x2, y, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), x2.shape[1],
@@ -188,7 +173,7 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         return reference.geglu(h, approximate)
     n = h.shape[-1] // 2
     out_shape = (*h.shape[:-1], n)
-    y = _alloc(out_shape, _contiguous_strides(out_shape), h)
+    y = _alloc(out_shape, contiguous_strides(out_shape), h)
     if y.numel():
         h2 = _as_rows(h)
         _launch_elementwise(h2, y, h2.shape[0], n, h2.stride(0), h2.stride(1), n, gated=True, act=approximate)
@@ -315,7 +300,7 @@ def linear_geglu(
     x2 = _as_rows(x)
     M = x2.shape[0]
     out_shape = (*x.shape[:-1], n)
-    y = _alloc(out_shape, _contiguous_strides(out_shape), x)
+    y = _alloc(out_shape, contiguous_strides(out_shape), x)
     if y.numel() == 0:
         return y
     if K == 0:

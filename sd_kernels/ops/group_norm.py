@@ -42,6 +42,7 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, use_kernel
 from sd_kernels.launch import Launcher, cdiv, next_pow2
+from sd_kernels.ops.layout import contiguous_strides, is_dense
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMS = 8192  # elements per loop tile: 16 KiB of fp16 in flight per program and iteration
@@ -280,20 +281,6 @@ def _alloc(shape, stride, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tuple(shape), tuple(stride), dtype=like.dtype, device=like.device)
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _is_dense(x: torch.Tensor) -> bool:
-    """True if x's elements fill a block of storage with no gaps or overlaps, in some dim order."""
-    order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
-    return x.permute(order).is_contiguous()
-
-
 def _spatial_stride(x: torch.Tensor) -> int | None:
     """The one stride through which x's spatial dims (2…) read as a flat run, or None if none does."""
     dims = [(x.shape[d], x.stride(d)) for d in range(2, x.dim()) if x.shape[d] != 1]
@@ -368,7 +355,7 @@ def group_norm(
     if stride_s is None:  # spatial dims with no common stride (e.g. H and W swapped): one copy
         x = x.contiguous()
         stride_s = _spatial_stride(x)
-    y = _alloc(x.shape, x.stride() if _is_dense(x) else _contiguous_strides(x.shape), x)
+    y = _alloc(x.shape, x.stride() if is_dense(x) else contiguous_strides(x.shape), x)
     ys = _spatial_stride(y)
     channels_fast = hw == 1 or abs(x.stride(1)) < abs(stride_s)
     p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold)

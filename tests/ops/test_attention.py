@@ -13,22 +13,12 @@ import torch.nn.functional as F
 
 from sd_kernels import dispatch, profiles, reference
 from sd_kernels.ops import flash_attention
-from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_, rel_err
+from sd_kernels.testing import assert_close_to_reference, non_contiguous, rel_err
 
 attn_mod = importlib.import_module("sd_kernels.ops.attention")
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output the attention kernels allocate starts as NaN: an unwritten element fails."""
-    alloc = attn_mod.alloc_output
-    monkeypatch.setattr(attn_mod, "alloc_output", lambda *a, **k: poison_(alloc(*a, **k)))
-
-
-@pytest.fixture(autouse=True)
-def one_config(monkeypatch):
-    """GPU: time no configs (compile one per shape); test_every_config runs them all."""
-    monkeypatch.setattr(attn_mod, "AUTOTUNE", False)
+pytestmark = pytest.mark.usefixtures("poisoned_attention_outputs", "one_attention_config")
 
 
 def qkv(b, h, sq, sk, d, dtype, device, layout="contiguous", dv=None, scale=1.0):

@@ -13,21 +13,13 @@ import torch
 
 from sd_kernels import dispatch, reference
 from sd_kernels.ops import partial_softmax_attention, softmax_matmul
-from sd_kernels.testing import assert_close_to_reference, poison_, rel_err
+from sd_kernels.testing import assert_close_to_reference, rel_err
 
 attn_mod = importlib.import_module("sd_kernels.ops.attention")
 psm_mod = importlib.import_module("sd_kernels.ops.softmax_matmul")
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    alloc = attn_mod.alloc_output
-    monkeypatch.setattr(attn_mod, "alloc_output", lambda *a, **k: poison_(alloc(*a, **k)))
-
-
-@pytest.fixture(autouse=True)
-def one_config(monkeypatch):
-    monkeypatch.setattr(attn_mod, "AUTOTUNE", False)
+pytestmark = pytest.mark.usefixtures("poisoned_attention_outputs", "one_attention_config")
 
 
 def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0):

@@ -1,0 +1,22 @@
+"""Memory-layout helpers shared by the ops' launchers (host side, no Triton)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1, as torch does)."""
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def is_dense(x: torch.Tensor) -> bool:
+    """True if x's elements fill a block of storage with no gaps or overlaps, in some dim order."""
+    if x.is_contiguous():
+        return True
+    order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
+    return x.permute(order).is_contiguous()
