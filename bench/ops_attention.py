@@ -22,7 +22,7 @@ from bench.common import Case, rotating
 from sd_kernels import reference
 from sd_kernels.ops import flash_attention, partial_softmax_attention
 from sd_kernels.ops.attention import MAX_HEAD_DIM
-from sd_kernels.testing import rel_err
+from sd_kernels.testing import extra_cuda_bytes, rel_err
 
 DTYPE = torch.float16
 SHAPES = [  # (B, H, Sq, Sk, D)
@@ -64,17 +64,6 @@ def _qkv(b: int, h: int, sq: int, sk: int, d: int) -> tuple[torch.Tensor, ...]:
     return make(sq), make(sk), make(sk)
 
 
-def extra_bytes(fn: Callable, *inputs: torch.Tensor) -> int:
-    """Peak memory of one ``fn(*inputs)`` beyond its inputs and output (after a warm-up call)."""
-    fn(*inputs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn(*inputs)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
-
-
 def _case(shape: tuple[int, ...], quick: bool) -> Case:
     b, h, sq, sk, d = shape
     impls: dict[str, Callable] = {"stock": F.scaled_dot_product_attention, **{
@@ -103,8 +92,8 @@ def _case(shape: tuple[int, ...], quick: bool) -> Case:
     extra.update({
         "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "-",
         "X_MiB": round(x_bytes / MiB, 2),
-        "partial_extra_MiB": round(extra_bytes(partial_softmax_attention, *inputs) / MiB, 2),
-        "naive_extra_MiB": round(extra_bytes(naive, *inputs) / MiB, 2),
+        "partial_extra_MiB": round(extra_cuda_bytes(partial_softmax_attention, *inputs)[0] / MiB, 2),
+        "naive_extra_MiB": round(extra_cuda_bytes(naive, *inputs)[0] / MiB, 2),
     })
     in_bytes = sum(t.numel() * t.element_size() for t in inputs)
     del inputs

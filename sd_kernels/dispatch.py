@@ -20,6 +20,7 @@ import torch
 log = logging.getLogger("sd_kernels")
 
 BACKENDS = ("auto", "triton", "reference")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what every kernel takes
 _fallbacks: collections.Counter = collections.Counter()
 
 
@@ -58,6 +59,19 @@ def _device_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
     if device.type == "cpu" and interpreting():
         return _triton_missing()
     return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device.type}"
+
+
+def tensor_reason(*tensors: torch.Tensor | None, also: tuple[torch.dtype, ...] = ()) -> str | None:
+    """The reason every kernel shares for refusing inputs, or None: a dtype outside KERNEL_DTYPES
+    (and ``also``), or an input that autograd would need to track (the kernels are inference-only)."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.dtype not in KERNEL_DTYPES and t.dtype not in also:
+            return f"dtype {t.dtype} (the kernels take float16, bfloat16, float32)"
+        if t.requires_grad and torch.is_grad_enabled():
+            return "input requires grad (the kernels are inference-only)"
+    return None
 
 
 def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None = None) -> bool:

@@ -104,3 +104,15 @@ def psnr(a, b, peak: float = 1.0) -> float:
     tb = torch.as_tensor(b, dtype=torch.float64)
     mse = torch.mean((ta - tb) ** 2).item()
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def extra_cuda_bytes(fn, *inputs: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(peak CUDA memory one ``fn(*inputs)`` allocates beyond its output, that output), measured after
+    a warm-up call (cuBLAS workspace, Triton autotuning stay out of it). Tests and benchmarks share it."""
+    fn(*inputs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(*inputs)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size(), out

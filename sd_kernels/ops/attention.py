@@ -33,10 +33,9 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.launch import Launcher, cdiv, next_pow2
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # flash keeps a [BLOCK_M, D] fp32 accumulator in registers: beyond this it spills
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -347,14 +346,13 @@ def kernel_reason(*tensors: torch.Tensor | None, batch: tuple[int, ...]) -> str 
     int32 in the kernels, so each slice must span < 2^31 elements."""
     if len(batch) > 2:
         return f"{len(batch)} batch dims (the kernels take [B, H, S, D])"
+    reason = tensor_reason(*tensors, also=(torch.bool,))  # masks may be bool
+    if reason is not None:
+        return reason
     for t in tensors:
-        if t is None:
+        if t is None or t.dim() < 2:
             continue
-        if t.dtype not in KERNEL_DTYPES and t.dtype != torch.bool:
-            return f"dtype {t.dtype} (the kernels take float16, bfloat16, float32)"
-        if t.requires_grad and torch.is_grad_enabled():
-            return "input requires grad (the kernels are inference-only)"
-        if t.dim() >= 2 and sum((n - 1) * abs(s) for n, s in zip(t.shape[-2:], t.stride()[-2:])) >= 2**31:
+        if sum((n - 1) * abs(s) for n, s in zip(t.shape[-2:], t.stride()[-2:])) >= 2**31:
             return "a (batch, head) slice spans 2^31 elements or more"
     return None
 

@@ -24,11 +24,10 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.launch import cdiv, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ELEMS = 4096  # elements per elementwise program: 8 KiB of fp16 in flight per input, 16 per thread
 
 # constexpr: Triton kernels may only read globals so marked.
@@ -119,17 +118,6 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
 
 
-def _kernel_reason(*tensors: torch.Tensor | None) -> str | None:
-    for t in tensors:
-        if t is None:
-            continue
-        if t.dtype not in KERNEL_DTYPES:
-            return f"dtype {t.dtype} (the kernels take float16, bfloat16, float32)"
-        if t.requires_grad and torch.is_grad_enabled():
-            return "input requires grad (the kernels are inference-only)"
-    return None
-
-
 def _activation(x: torch.Tensor, act: str) -> torch.Tensor:
     if is_dense(x):  # flat over storage; the output keeps x's strides (channels_last stays so)
         y = _alloc(x.shape, x.stride(), x)
@@ -147,7 +135,7 @@ def _activation(x: torch.Tensor, act: str) -> torch.Tensor:
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``F.gelu(x, approximate)`` in one kernel: "none" is the exact erf GELU, "tanh" the approximation."""
     reference.check_gelu_approximation(approximate)
-    if not use_kernel("gelu", x, unsupported=_kernel_reason(x)):
+    if not use_kernel("gelu", x, unsupported=tensor_reason(x)):
         return reference.gelu(x, approximate)
     return _activation(x, approximate)
 
@@ -159,7 +147,7 @@ def reference_quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x · sigmoid(1.702 x)`` (diffusers' ApproximateGELU after its projection) in one kernel."""
-    if not use_kernel("gelu", x, unsupported=_kernel_reason(x)):
+    if not use_kernel("gelu", x, unsupported=tensor_reason(x)):
         return reference_quick_gelu(x)
     return _activation(x, "sigmoid")
 
@@ -169,7 +157,7 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     reference.check_gelu_approximation(approximate)
     if h.shape[-1] % 2:
         raise ValueError(f"geglu needs an even last dimension, got {h.shape[-1]}")
-    if not use_kernel("geglu", h, unsupported=_kernel_reason(h)):
+    if not use_kernel("geglu", h, unsupported=tensor_reason(h)):
         return reference.geglu(h, approximate)
     n = h.shape[-1] // 2
     out_shape = (*h.shape[:-1], n)
@@ -294,7 +282,7 @@ def linear_geglu(
     """
     reference.check_gelu_approximation(approximate)
     _check_linear(x, weight, bias)
-    if not use_kernel("linear_geglu", x, weight, bias, unsupported=_kernel_reason(x, weight, bias)):
+    if not use_kernel("linear_geglu", x, weight, bias, unsupported=tensor_reason(x, weight, bias)):
         return reference_linear_geglu(x, weight, bias, approximate)
     K, n = weight.shape[1], weight.shape[0] // 2
     x2 = _as_rows(x)

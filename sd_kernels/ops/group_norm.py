@@ -40,11 +40,10 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMS = 8192  # elements per loop tile: 16 KiB of fp16 in flight per program and iteration
 _ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers
 _SPLIT_ELEMS = 128 * 1024  # groups above this split (a fused program would stream too much alone)
@@ -311,17 +310,10 @@ def _check(x: torch.Tensor, num_groups: int, weight, bias) -> None:
 
 
 def _kernel_reason(x: torch.Tensor, weight, bias) -> str | None:
-    for t in (x, weight, bias):
-        if t is None:
-            continue
-        if t.dtype not in KERNEL_DTYPES:
-            return f"dtype {t.dtype} (the kernel takes float16, bfloat16, float32)"
-        if t.requires_grad and torch.is_grad_enabled():
-            return "input requires grad (the kernel is inference-only)"
-    if x.numel() == 0:
+    reason = tensor_reason(x, weight, bias)
+    if reason is None and x.numel() == 0:
         return "empty input"
-    return None
-
+    return reason
 
 def group_norm(
     x: torch.Tensor,

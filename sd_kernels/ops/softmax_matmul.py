@@ -26,12 +26,11 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.launch import cdiv, next_pow2
 
 from . import attention as _attention
 from .attention import (
-    KERNEL_DTYPES,
     LOG2E,
     _aligned,
     alignment,

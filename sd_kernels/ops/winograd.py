@@ -43,10 +43,9 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, use_kernel
+from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.launch import cdiv, next_pow2
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 R = 3  # filter size
 
 # Finite interpolation points per output tile m (α − 1 = m + 1 of them; the point at infinity is

@@ -13,7 +13,7 @@ import torch
 
 from sd_kernels import dispatch, reference
 from sd_kernels.ops import partial_softmax_attention, softmax_matmul
-from sd_kernels.testing import assert_close_to_reference, rel_err
+from sd_kernels.testing import assert_close_to_reference, extra_cuda_bytes, rel_err
 
 attn_mod = importlib.import_module("sd_kernels.ops.attention")
 psm_mod = importlib.import_module("sd_kernels.ops.softmax_matmul")
@@ -176,17 +176,6 @@ def test_gpu_masks_and_chunks(device):
     assert (out[0] == 0).all()
 
 
-def _extra_bytes(fn, *inputs) -> tuple[int, torch.Tensor]:
-    """Peak memory ``fn(*inputs)`` allocates beyond its output (warmed up: cuBLAS workspace, autotune)."""
-    fn(*inputs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn(*inputs)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size(), out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk_rows", [None, 1000])
 def test_gpu_extra_memory_is_x_and_two_vectors(chunk_rows, device):
@@ -195,10 +184,10 @@ def test_gpu_extra_memory_is_x_and_two_vectors(chunk_rows, device):
     q, k, v = qkv(b, h, sq, sk, d, torch.float16, device)
     rows = sq if chunk_rows is None else chunk_rows
     max_chunk = None if chunk_rows is None else b * h * rows * sk * 2
-    extra, _ = _extra_bytes(lambda *a: partial_softmax_attention(*a, max_chunk_bytes=max_chunk), q, k, v)
+    extra, _ = extra_cuda_bytes(lambda *a: partial_softmax_attention(*a, max_chunk_bytes=max_chunk), q, k, v)
     x_bytes = b * h * rows * sk * 2
     vectors = 2 * b * h * rows * 4
     slack = 4096  # the caching allocator rounds each block up to 512 B
     assert x_bytes <= extra <= x_bytes + vectors + slack, (extra, x_bytes, vectors)
-    naive, _ = _extra_bytes(reference.attention, q, k, v)
+    naive, _ = extra_cuda_bytes(reference.attention, q, k, v)
     assert naive >= 2 * b * h * sq * sk * 2  # the naive path holds X and T
