@@ -12,6 +12,8 @@ X (what the paper's design must add) and against the naive path's (X and softmax
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -108,3 +110,84 @@ def _case(shape: tuple[int, ...], quick: bool) -> Case:
 def cases(quick: bool) -> Iterator[Case]:
     for shape in QUICK if quick else SHAPES:
         yield _case(shape, quick)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tuning sweep (not part of bench.run): python -m bench.ops_attention OUT_DIR
+
+SWEEP_CONFIGS = {  # head dim: (BLOCK_M, BLOCK_N, warps, stages) candidates for the self-attention shapes
+    40: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 64, 4, 3),
+         (128, 64, 4, 4), (128, 32, 8, 4), (64, 64, 4, 4), (128, 128, 8, 4), (256, 64, 8, 3)],
+    80: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3),
+         (64, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)],
+    160: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+}
+
+
+def _sweep_row(shape, impl, fn, inputs, ref, nxt, **info) -> dict:
+    """One timed, checked row of the sweep; a config that does not compile is a row with its error."""
+    from bench.common import time_graph_ms
+
+    b, h, sq, sk, d = shape
+    base = {"shape": "x".join(map(str, shape)), "impl": impl, **info}
+    try:
+        err = rel_err(fn(*inputs), ref)
+        ms = time_graph_ms(lambda: fn(*nxt()))
+    except Exception as exc:  # a config that does not compile, a backend that refuses
+        row = {**base, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:100]}"}
+    else:
+        row = {**base, "ms": round(ms, 5), "TFLOP/s": round(4 * b * h * sq * sk * d / ms / 1e9, 1),
+               "rel_err": f"{err:.3e}"}
+    print(row, flush=True)
+    return row
+
+
+def sweep() -> list[dict]:
+    """Every candidate config × {fp32, packed half} exponentials at SD's self-attention shapes, the
+    SDPA backends beside them, and the partial softmax's one-tile kernel against its two-kernel
+    path at the cross-attention shapes. Device times from CUDA graphs; errors against float64."""
+    import triton
+
+    attn = importlib.import_module("sd_kernels.ops.attention")
+    smm = importlib.import_module("sd_kernels.ops.softmax_matmul")
+
+    rows = []
+    for shape in [s for s in SHAPES if s[4] in SWEEP_CONFIGS or s[3] == 77]:
+        inputs = _qkv(*shape)
+        ref = reference.attention(*(t.double() for t in inputs))
+        nxt = rotating(functools.partial(_qkv, *shape), sum(t.numel() * t.element_size() for t in inputs))
+        run = functools.partial(_sweep_row, shape, inputs=inputs, ref=ref, nxt=nxt)
+        d = shape[4]
+        if shape[2] == shape[3]:  # self-attention: flash configs
+            rows.append(run("stock", F.scaled_dot_product_attention))
+            rows += [run(name, _sdpa_with(backend)) for name, backend in SDPA_BACKENDS.items()
+                     if name != "sdpa_math"]
+            for bm, bn, warps, stages in SWEEP_CONFIGS[d]:
+                cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+                for half in (False, True):
+                    ours = functools.partial(attn._flash, mask4=None, scale=d**-0.5, config=cfg, half_exp=half)
+                    rows.append(run("ours", ours, config=f"{bm}x{bn} w{warps} s{stages}", half_exp=half))
+            rows.append(run("ours_autotuned", flash_attention))
+        else:  # cross-attention: the partial softmax's two paths and naive
+            rows.append(run("naive", naive))
+            one_tile = smm.ONE_TILE_MAX_K
+            for name, limit in (("partial_two_kernels", 0), ("partial_one_tile", one_tile)):
+                smm.ONE_TILE_MAX_K = limit
+                try:
+                    rows.append(run(name, partial_softmax_attention))
+                finally:
+                    smm.ONE_TILE_MAX_K = one_tile
+        del inputs, ref, nxt, run
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import pathlib
+    import sys
+
+    out = pathlib.Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    result = sweep()
+    (out / "sweep.json").write_text(json.dumps(result, indent=1))

@@ -45,6 +45,8 @@ AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
 # Shared memory the pruner lets a config plan for: Hopper's 227 KiB per block less headroom. On GPUs
 # with less, configs that do not fit fail to compile and the autotuner skips them (OutOfResources).
 SMEM_BUDGET = 200 * 1024
+# The unmasked hot loop's exponentials in packed fp16/bf16 on compiled GPUs (see _exp2_half).
+HALF_EXP = True
 
 
 def head_dim_blocks(d: int) -> tuple[int, int]:
@@ -90,17 +92,33 @@ def _aligned(stride, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _exp2_half(x, DTYPE: tl.constexpr):
+    """exp2(x) for an fp32 tile, computed and returned in DTYPE (fp16 or bf16): the argument is
+    rounded to DTYPE and ``ex2.approx`` runs on packed pairs, two exponentials per MUFU instruction
+    (f16x2: PTX 7.0, sm_75+; bf16x2: PTX 7.8, sm_90). Inline PTX: compiled GPUs only."""
+    x = x.to(DTYPE)
+    if DTYPE == tl.float16:
+        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+    else:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+    return y
+
+
+@triton.jit
 def _attend_tile(
     acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, MASK: tl.constexpr,
-    NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr, PRECISION: tl.constexpr,
+    NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr, PRECISION: tl.constexpr, HALF_EXP: tl.constexpr,
 ):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
 
     Scores live in base 2: s = q·k·scale·log2(e) (+ mask·log2(e)), so that exp(x) = exp2(x·log2 e)
     costs one exp2. ``BOUNDARY``: the block may run past Sk; keys past it load as zeros (masked loads)
-    and their scores are set to -inf.
+    and their scores are set to -inf. ``HALF_EXP``: the hot loop's exponentials in packed fp16/bf16
+    (``_exp2_half``); P is rounded to that dtype for the P·V dot anyway.
     """
     kv = start_n + offs_n
     k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
@@ -115,7 +133,10 @@ def _attend_tile(
             m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        if HALF_EXP:
+            p = _exp2_half(qk * qk_scale - m_new[:, None], V.dtype.element_ty)
+        else:
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
     else:
         s = qk * qk_scale
@@ -133,7 +154,7 @@ def _attend_tile(
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
 
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
     p = p.to(V.dtype.element_ty)
     v_lo = _load_tile(V, kv, offs_lo, stride_vn, stride_vd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
     acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
@@ -193,7 +214,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _autotune():
-    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK"]  # the dtype of every tensor is keyed too
+    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK", "HALF_EXP"]  # the dtype of every tensor is keyed too
     if interpreting():  # the interpreter would run every config: one small one
         return triton.autotune([_config(32, 32, 4, 1)], key=key)
     return triton.autotune(_ALL_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune_configs})
@@ -212,7 +233,7 @@ def _flash_attention_kernel(
     H, Sq, Sk, SQ_KEY, SK_KEY,
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr,
     MASK: tl.constexpr,  # 0: none, 1: additive (float), 2: boolean (nonzero = attend)
-    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr, HALF_EXP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Out[b, h, rows] for one block of BLOCK_M query rows of one (b, h); a 1-D grid, query blocks
@@ -261,7 +282,7 @@ def _flash_attention_kernel(
         acc_lo, acc_hi, l_i, m_i = _attend_tile(
             acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
-            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION,
+            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION, HALF_EXP,
         )
 
     # l = 0 only for rows whose every key was masked: their accumulator is 0, and so is their output.
@@ -380,8 +401,15 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
 _FLASH = Launcher(_flash_attention_kernel)
 
 
-def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None) -> torch.Tensor:
-    """The launch; ``config`` bypasses the autotuner (the tests run every config)."""
+def half_exp_ok(dtype: torch.dtype) -> bool:
+    """Whether the packed fp16/bf16 exponentials (``_exp2_half``) can run: compiled, half inputs."""
+    return dtype in (torch.float16, torch.bfloat16) and not interpreting()
+
+
+def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
+           half_exp: bool | None = None) -> torch.Tensor:
+    """The launch; ``config`` bypasses the autotuner (the tests run every config); ``half_exp``
+    overrides ``HALF_EXP`` (the tests and the benchmark compare both)."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
     out = alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
@@ -395,10 +423,11 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None)
     d_lo, d_hi = head_dim_blocks(D)
     grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]) * B * H,)
     align, precision = alignment(q4, k4, v4, out), dot_precision(q4.dtype)
+    half_exp = (HALF_EXP if half_exp is None else half_exp) and half_exp_ok(q4.dtype)
     if config is None:
         # The key holds what the autotuner keys on (Sq, Sk, D, mask kind, the dtypes) and what the
         # EVEN_N heuristic reads (Sk); everything else the kernel sees is an argument below.
-        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align)
+        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align, half_exp)
         launch = functools.partial(_FLASH, key, grid)
     else:  # the tests' way to run one given config
         launch = functools.partial(_flash_attention_kernel.fn[grid], BLOCK_M=config.kwargs["BLOCK_M"],
@@ -409,7 +438,7 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None)
         *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
         H, Sq, Sk, next_pow2(Sq), next_pow2(Sk),
         HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, MASK=kind, NEG_SCALE=scale < 0,
-        PRECISION=precision, ALIGN=align,
+        PRECISION=precision, ALIGN=align, HALF_EXP=half_exp,
     )
     return out
 

@@ -44,6 +44,9 @@ from .attention import (
 
 _LOG2E = tl.constexpr(LOG2E)
 _STATS_ELEMS = 8192  # elements of X per stats program and step: 16 KiB of fp16 in flight
+# Rows of X up to this long (SD's cross-attention: 77 keys) take one fused kernel: the row stats from
+# the tile in registers, X read once. Longer rows take the stats kernel, then the fused matmul.
+ONE_TILE_MAX_K = 128
 
 
 @triton.jit
@@ -97,6 +100,25 @@ def _exp_dot(acc, x_ptrs, w_ptrs, m2, offs_k, k_left, PRECISION: tl.constexpr, T
     return tl.dot(p.to(w.dtype), w, acc, input_precision=PRECISION)
 
 
+@triton.jit
+def _program_tile(H, A, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (b·H + h, b, h, rows, columns) of Y: a 1-D grid, column blocks fastest, so the
+    programs that read the same rows of X run side by side and share them in L2."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(C, BLOCK_N)
+    num_m = tl.cdiv(A, BLOCK_M)
+    bh = pid // (num_m * num_n)
+    offs_m = (pid // num_n) % num_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid % num_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64), offs_m, offs_n
+
+
+@triton.jit
+def _store_y(Y, y, offs_m, offs_n, A, C, stride_ya, stride_yc):
+    y_ptrs = Y + offs_m[:, None] * stride_ya + offs_n[None, :] * stride_yc
+    tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(offs_m[:, None] < A) & (offs_n[None, :] < C))
+
+
 def _config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
 
@@ -143,21 +165,12 @@ def _softmax_matmul_kernel(
     1-D grid, column blocks fastest: the programs that read the same rows of X run side by side and
     share them in L2; W of one (b, h) (Sk × c) is read by every row block and stays in L2 too.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(C, BLOCK_N)
-    num_m = tl.cdiv(A, BLOCK_M)
-    bh = pid // (num_m * num_n)
-    pid_m = (pid // num_n) % num_m
-    pid_n = pid % num_n
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, b, h, offs_m, offs_n = _program_tile(H, A, C, BLOCK_M, BLOCK_N)
     X += b * stride_xb + h * stride_xh
     W += b * _aligned(stride_wb, ALIGN) + h * _aligned(stride_wh, ALIGN)
     Y += b * stride_yb + h * stride_yh
     stride_wk = _aligned(stride_wk, ALIGN)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = offs_m % A  # edge tiles wrap (finite, in bounds); only the store is masked
     cols = offs_n % C
@@ -175,9 +188,48 @@ def _softmax_matmul_kernel(
         w_ptrs += BLOCK_K * stride_wk
     if Kd % BLOCK_K:
         acc = _exp_dot(acc, x_ptrs, w_ptrs, m2, offs_k, Kd % BLOCK_K, PRECISION, True)
-    y = acc * inv_s[:, None]
-    y_ptrs = Y + offs_m[:, None] * stride_ya + offs_n[None, :] * stride_yc
-    tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(offs_m[:, None] < A) & (offs_n[None, :] < C))
+    _store_y(Y, acc * inv_s[:, None], offs_m, offs_n, A, C, stride_ya, stride_yc)
+
+
+def _one_tile_autotune():
+    rows = [(64, 4), (128, 8)] if not interpreting() else [(32, 4)]
+    configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1) for m, w in rows]
+    return triton.autotune(configs, key=["A_KEY", "BLOCK_N", "BLOCK_K"], prune_configs_by={
+        "early_config_prune": lambda cs, named_args, **kw: cs if _attention.AUTOTUNE else cs[:1]})
+
+
+@_one_tile_autotune()
+@triton.jit(do_not_specialize=["A"])
+def _softmax_matmul_one_tile_kernel(
+    X, W, Y, H, A, Kd, C, A_KEY,
+    stride_xb, stride_xh, stride_xa, stride_xk,
+    stride_wb, stride_wh, stride_wk, stride_wc,
+    stride_yb, stride_yh, stride_ya, stride_yc,
+    ZERO_EMPTY: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Y tile = softmax(X)·W when a whole row of X fits one BLOCK_K tile (b ≤ BLOCK_K): the row
+    stats come from the tile in registers, so X is read once and there is one launch, not two.
+
+    Rows of X that are all -inf: zeros with ZERO_EMPTY, else NaN (0 · 1/0), as the two-kernel path.
+    """
+    bh, b, h, offs_m, offs_n = _program_tile(H, A, C, BLOCK_M, BLOCK_N)
+    X += b * stride_xb + h * stride_xh
+    W += b * _aligned(stride_wb, ALIGN) + h * _aligned(stride_wh, ALIGN)
+    Y += b * stride_yb + h * stride_yh
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_m % A
+    x = tl.load(X + rows[:, None] * stride_xa + offs_k[None, :] * stride_xk, mask=offs_k[None, :] < Kd,
+                other=float("-inf")).to(tl.float32) * _LOG2E
+    w = tl.load(W + offs_k[:, None] * _aligned(stride_wk, ALIGN) + (offs_n % C)[None, :] * stride_wc,
+                mask=offs_k[:, None] < Kd, other=0.0)
+    m = tl.max(x, 1)
+    p = tl.math.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    s = tl.sum(p, 1)
+    if ZERO_EMPTY:
+        s = tl.where(s == 0.0, float("inf"), s)
+    acc = tl.dot(p.to(w.dtype), w, input_precision=PRECISION)
+    _store_y(Y, acc / s[:, None], offs_m, offs_n, A, C, stride_ya, stride_yc)
 
 
 def _launch(x4: torch.Tensor, w4: torch.Tensor, y4: torch.Tensor, stats: torch.Tensor, zero_empty: bool):
@@ -185,6 +237,15 @@ def _launch(x4: torch.Tensor, w4: torch.Tensor, y4: torch.Tensor, stats: torch.T
     B, H, a, kd = x4.shape
     c = w4.shape[-1]
     if y4.numel() == 0:
+        return
+    if kd <= ONE_TILE_MAX_K:
+        block_n = min(max(16, next_pow2(c)), 128)
+        grid = lambda meta: (cdiv(a, meta["BLOCK_M"]) * cdiv(c, block_n) * B * H,)
+        _softmax_matmul_one_tile_kernel[grid](
+            x4, w4, y4, H, a, kd, c, next_pow2(a), *x4.stride(), *w4.stride(), *y4.stride(),
+            ZERO_EMPTY=zero_empty, PRECISION=dot_precision(w4.dtype), ALIGN=alignment(w4),
+            BLOCK_N=block_n, BLOCK_K=max(16, next_pow2(kd)),
+        )
         return
     block_c = min(next_pow2(max(kd, 1)), 1024)
     block_r = max(1, min(_STATS_ELEMS // block_c, next_pow2(a)))
