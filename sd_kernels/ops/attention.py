@@ -45,8 +45,8 @@ AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
 # Shared memory the pruner lets a config plan for: Hopper's 227 KiB per block less headroom. On GPUs
 # with less, configs that do not fit fail to compile and the autotuner skips them (OutOfResources).
 SMEM_BUDGET = 200 * 1024
-# The unmasked hot loop's exponentials in packed fp16/bf16 on compiled GPUs (see _exp2_half).
-HALF_EXP = True
+# K and V through the copy engine (TMA tensor descriptors) where tma_ok allows it.
+TMA = True
 
 
 def head_dim_blocks(d: int) -> tuple[int, int]:
@@ -61,6 +61,19 @@ def head_dim_blocks(d: int) -> tuple[int, int]:
     if lo + hi >= next_pow2(d):  # two blocks would do the work of one: take one
         return max(16, next_pow2(d)), 0
     return lo, hi
+
+
+def flash_blocks(d: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The head-dim blocks of flash's two products: (D_LO, D_HI) for Q·Kᵀ, (DV_LO, DV_HI) for P·V.
+
+    Q·Kᵀ takes the two-block split (its head dim is the dot's K: 32 + 16 is three 16-deep MMA steps
+    instead of four). P·V's head dim is the dot's N: up to 64 one padded block beats two narrow dots
+    (measured on the H100 at d = 40: 0.158 against 0.175 ms, docs/kernels/attention.md).
+
+    >>> flash_blocks(40), flash_blocks(80)
+    (((32, 16), (64, 0)), ((64, 16), (64, 16)))
+    """
+    return head_dim_blocks(d), (max(16, next_pow2(d)), 0) if d <= 64 else head_dim_blocks(d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +95,19 @@ def _load_tile(ptr, rows, cols, stride_r, stride_c, n_cols, MASK_COLS: tl.conste
 
 
 @triton.jit
+def _kv_tile(src, kv, cols, stride_n, stride_d, n_cols, MASK_COLS: tl.constexpr, n_rows,
+             BOUNDARY: tl.constexpr, TMA: tl.constexpr, start_n, COL0: tl.constexpr):
+    """A K or V tile: rows ``kv`` (= start_n + 0..BLOCK_N), columns ``cols`` (= COL0 + 0..n). With TMA
+    ``src`` is a tensor descriptor of exactly that block (the copy engine zero-fills past the tensor);
+    else a pointer, loaded as ``_load_tile`` does."""
+    if TMA:  # (one return: Triton type-checks every return, even past a constexpr branch)
+        tile = src.load([start_n, COL0])
+    else:
+        tile = _load_tile(src, kv, cols, stride_n, stride_d, n_cols, MASK_COLS, n_rows, BOUNDARY)
+    return tile
+
+
+@triton.jit
 def _aligned(stride, ALIGN: tl.constexpr):
     """``stride``, known to the compiler as a multiple of ALIGN (the launcher checked it).
 
@@ -92,39 +118,27 @@ def _aligned(stride, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _exp2_half(x, DTYPE: tl.constexpr):
-    """exp2(x) for an fp32 tile, computed and returned in DTYPE (fp16 or bf16): the argument is
-    rounded to DTYPE and ``ex2.approx`` runs on packed pairs, two exponentials per MUFU instruction
-    (f16x2: PTX 7.0, sm_75+; bf16x2: PTX 7.8, sm_90). Inline PTX: compiled GPUs only."""
-    x = x.to(DTYPE)
-    if DTYPE == tl.float16:
-        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16,
-                                      is_pure=True, pack=2)
-    else:
-        y = tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x], dtype=tl.bfloat16,
-                                      is_pure=True, pack=2)
-    return y
-
-
-@triton.jit
 def _attend_tile(
-    acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
-    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
-    HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, MASK: tl.constexpr,
-    NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr, PRECISION: tl.constexpr, HALF_EXP: tl.constexpr,
+    acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K_lo, K_hi, V_lo, V_hi, Mask, start_n, rows, offs_n, offs_lo, offs_hi,
+    offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
+    HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, DV_LO: tl.constexpr,
+    DV_HI: tl.constexpr, MASK: tl.constexpr, NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
 
     Scores live in base 2: s = q·k·scale·log2(e) (+ mask·log2(e)), so that exp(x) = exp2(x·log2 e)
     costs one exp2. ``BOUNDARY``: the block may run past Sk; keys past it load as zeros (masked loads)
-    and their scores are set to -inf. ``HALF_EXP``: the hot loop's exponentials in packed fp16/bf16
-    (``_exp2_half``); P is rounded to that dtype for the P·V dot anyway.
+    and their scores are set to -inf. Q·Kᵀ runs over head-dim blocks (D_LO, D_HI), P·V over
+    (DV_LO, DV_HI): the two products may split D differently.
     """
     kv = start_n + offs_n
-    k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
+    k_lo = _kv_tile(K_lo, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY, TMA,
+                    start_n, 0)
     qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION)
     if D_HI > 0:
-        k_hi = _load_tile(K, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk, BOUNDARY)
+        k_hi = _kv_tile(K_hi, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk,
+                        BOUNDARY, TMA, start_n, D_LO)
         qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=PRECISION)
 
     if MASK == 0 and not BOUNDARY:
@@ -133,10 +147,7 @@ def _attend_tile(
             m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if HALF_EXP:
-            p = _exp2_half(qk * qk_scale - m_new[:, None], V.dtype.element_ty)
-        else:
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
     else:
         s = qk * qk_scale
@@ -154,18 +165,20 @@ def _attend_tile(
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
 
-    l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
-    p = p.to(V.dtype.element_ty)
-    v_lo = _load_tile(V, kv, offs_lo, stride_vn, stride_vd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(q_lo.dtype)
+    v_lo = _kv_tile(V_lo, kv, offs_vlo, stride_vn, stride_vd, HEAD_DIM, DV_LO > HEAD_DIM, Sk, BOUNDARY, TMA,
+                    start_n, 0)
     acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
-    if D_HI > 0:
-        v_hi = _load_tile(V, kv, offs_hi, stride_vn, stride_vd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk, BOUNDARY)
+    if DV_HI > 0:
+        v_hi = _kv_tile(V_hi, kv, offs_vhi, stride_vn, stride_vd, HEAD_DIM, DV_LO + DV_HI > HEAD_DIM, Sk,
+                        BOUNDARY, TMA, start_n, DV_LO)
         acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
     return acc_lo, acc_hi, l_i, m_new
 
 
-def _config(m: int, n: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+def _config(m: int, n: int, warps: int, stages: int, maxnreg: int | None = None) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
 
 # Hopper-first starting points: BLOCK_M 128 over 8 warps (16 query rows per warp, as wgmma likes),
@@ -174,11 +187,10 @@ def _config(m: int, n: int, warps: int, stages: int) -> triton.Config:
 # mask tile: they take the BLOCK_N = 32 configs (64 spills at D = 40 and 160). All compile for sm_90
 # to wgmma loops without spills but masked D = 256 (checked offline: triton.compile, cuobjdump).
 _HALF_CONFIGS = {
-    64: [_config(128, 128, 8, 2), _config(128, 128, 8, 3), _config(128, 64, 8, 3), _config(128, 64, 4, 3),
-         _config(64, 64, 4, 3), _config(128, 32, 8, 3)],
-    128: [_config(128, 64, 8, 2), _config(128, 64, 8, 3), _config(128, 128, 8, 2), _config(64, 64, 4, 3),
-          _config(128, 32, 8, 3)],
-    256: [_config(128, 64, 8, 2), _config(128, 32, 8, 2), _config(64, 64, 4, 2), _config(64, 32, 4, 2)],
+    64: [_config(128, 128, 8, 3, 128), _config(128, 64, 8, 3), _config(128, 64, 4, 3), _config(64, 64, 4, 3),
+         _config(128, 32, 8, 3)],
+    128: [_config(128, 64, 8, 3), _config(128, 64, 8, 2), _config(64, 64, 4, 3), _config(128, 32, 8, 3)],
+    256: [_config(64, 64, 4, 2), _config(128, 64, 8, 2), _config(128, 32, 8, 2), _config(64, 32, 4, 2)],
 }
 # fp32 dots in IEEE precision run on the FMA units and hold whole operand tiles in registers: they
 # spill at any tile size worth having. Correct, not fast (fp32 is not an SD inference dtype).
@@ -214,7 +226,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _autotune():
-    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK", "HALF_EXP"]  # the dtype of every tensor is keyed too
+    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK", "TMA"]  # the dtype of every tensor is keyed too
     if interpreting():  # the interpreter would run every config: one small one
         return triton.autotune([_config(32, 32, 4, 1)], key=key)
     return triton.autotune(_ALL_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune_configs})
@@ -233,7 +245,8 @@ def _flash_attention_kernel(
     H, Sq, Sk, SQ_KEY, SK_KEY,
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr,
     MASK: tl.constexpr,  # 0: none, 1: additive (float), 2: boolean (nonzero = attend)
-    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr, HALF_EXP: tl.constexpr,
+    DV_LO: tl.constexpr, DV_HI: tl.constexpr,
+    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Out[b, h, rows] for one block of BLOCK_M query rows of one (b, h); a 1-D grid, query blocks
@@ -262,14 +275,23 @@ def _flash_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_lo = tl.arange(0, D_LO)
     offs_hi = D_LO + tl.arange(0, D_HI if D_HI > 0 else 16)  # unused when D_HI = 0
+    offs_vlo = tl.arange(0, DV_LO)
+    offs_vhi = DV_LO + tl.arange(0, DV_HI if DV_HI > 0 else 16)  # unused when DV_HI = 0
     q_lo = _load_tile(Q, rows, offs_lo, stride_qm, stride_qd, HEAD_DIM, D_LO > HEAD_DIM)
-    acc_lo = tl.zeros([BLOCK_M, D_LO], dtype=tl.float32)
     if D_HI > 0:
         q_hi = _load_tile(Q, rows, offs_hi, stride_qm, stride_qd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
-        acc_hi = tl.zeros([BLOCK_M, D_HI], dtype=tl.float32)
-    else:  # placeholders threaded through the loop untouched (and removed by the compiler)
+    else:  # a placeholder threaded through the loop untouched (and removed by the compiler)
         q_hi = q_lo
-        acc_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    if TMA:  # K and V through the copy engine: one descriptor per block shape (the launcher checked
+        # 16-byte alignment of the base and the row stride)
+        K_lo = tl.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, D_LO])
+        K_hi = tl.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, D_HI if D_HI > 0 else 16])
+        V_lo = tl.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [BLOCK_N, DV_LO])
+        V_hi = tl.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [BLOCK_N, DV_HI if DV_HI > 0 else 16])
+    else:
+        K_lo, K_hi, V_lo, V_hi = K, K, V, V
+    acc_lo = tl.zeros([BLOCK_M, DV_LO], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, DV_HI if DV_HI > 0 else 16], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
@@ -280,9 +302,9 @@ def _flash_attention_kernel(
     # its cross-attention has 77 keys, one or two blocks, where masking every block costs nothing.
     for start_n in range(0, Sk, BLOCK_N):
         acc_lo, acc_hi, l_i, m_i = _attend_tile(
-            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi, Sk,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
-            HEAD_DIM, D_LO, D_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION, HALF_EXP,
+            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K_lo, K_hi, V_lo, V_hi, Mask, start_n, rows, offs_n,
+            offs_lo, offs_hi, offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
+            stride_mn, qk_scale, HEAD_DIM, D_LO, D_HI, DV_LO, DV_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION, TMA,
         )
 
     # l = 0 only for rows whose every key was masked: their accumulator is 0, and so is their output.
@@ -290,13 +312,13 @@ def _flash_attention_kernel(
     row_ok = offs_m[:, None] < Sq
     out_ptrs = Out + offs_m[:, None] * stride_om
     out_lo = (acc_lo * inv_l[:, None]).to(Out.dtype.element_ty)
-    if D_LO > HEAD_DIM:
-        tl.store(out_ptrs + offs_lo[None, :] * stride_od, out_lo, mask=row_ok & (offs_lo[None, :] < HEAD_DIM))
+    if DV_LO > HEAD_DIM:
+        tl.store(out_ptrs + offs_vlo[None, :] * stride_od, out_lo, mask=row_ok & (offs_vlo[None, :] < HEAD_DIM))
     else:
-        tl.store(out_ptrs + offs_lo[None, :] * stride_od, out_lo, mask=row_ok)
-    if D_HI > 0:
+        tl.store(out_ptrs + offs_vlo[None, :] * stride_od, out_lo, mask=row_ok)
+    if DV_HI > 0:
         out_hi = (acc_hi * inv_l[:, None]).to(Out.dtype.element_ty)
-        tl.store(out_ptrs + offs_hi[None, :] * stride_od, out_hi, mask=row_ok & (offs_hi[None, :] < HEAD_DIM))
+        tl.store(out_ptrs + offs_vhi[None, :] * stride_od, out_hi, mask=row_ok & (offs_vhi[None, :] < HEAD_DIM))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,15 +423,33 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
 _FLASH = Launcher(_flash_attention_kernel)
 
 
-def half_exp_ok(dtype: torch.dtype) -> bool:
-    """Whether the packed fp16/bf16 exponentials (``_exp2_half``) can run: compiled, half inputs."""
-    return dtype in (torch.float16, torch.bfloat16) and not interpreting()
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors the kernel builds (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tma_ok(k4: torch.Tensor, v4: torch.Tensor) -> bool:
+    """Whether K and V can stream through the copy engine (TMA): a compiled Hopper+ GPU, halves, the
+    last dim contiguous, base addresses and row strides multiples of 16 bytes (head offsets too:
+    ``alignment`` covers every stride but the last)."""
+    if not (TMA and k4.is_cuda and k4.dtype in (torch.float16, torch.bfloat16)) or interpreting():
+        return False
+    if not _hopper(k4.device.index if k4.device.index is not None else torch.cuda.current_device()):
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(-2) % 8 == 0 for t in (k4, v4)) \
+        and alignment(k4, v4) == 8
 
 
 def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
-           half_exp: bool | None = None) -> torch.Tensor:
-    """The launch; ``config`` bypasses the autotuner (the tests run every config); ``half_exp``
-    overrides ``HALF_EXP`` (the tests and the benchmark compare both)."""
+           blocks: tuple[tuple[int, int], tuple[int, int]] | None = None, tma: bool | None = None) -> torch.Tensor:
+    """The launch; ``config`` bypasses the autotuner (the tests run every config); ``blocks``,
+    ((D_LO, D_HI), (DV_LO, DV_HI)), overrides ``flash_blocks``, and ``tma`` (when allowed) the
+    choice of ``tma_ok`` (the tuning sweep and the tests compare both)."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
     out = alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
@@ -420,25 +460,25 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
         mask4 = mask4.view(torch.uint8)  # bool storage is one byte; Triton loads it as uint8
     m_args = mask4 if mask4 is not None else q4  # a placeholder pointer, never read when MASK = 0
     m_strides = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
-    d_lo, d_hi = head_dim_blocks(D)
+    (d_lo, d_hi), (dv_lo, dv_hi) = blocks or flash_blocks(D)
     grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]) * B * H,)
     align, precision = alignment(q4, k4, v4, out), dot_precision(q4.dtype)
-    half_exp = (HALF_EXP if half_exp is None else half_exp) and half_exp_ok(q4.dtype)
+    tma = tma_ok(k4, v4) and (tma is None or tma)
+    if tma:
+        triton.set_allocator(_tma_scratch)
     if config is None:
         # The key holds what the autotuner keys on (Sq, Sk, D, mask kind, the dtypes) and what the
         # EVEN_N heuristic reads (Sk); everything else the kernel sees is an argument below.
-        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align, half_exp)
+        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align, tma)
         launch = functools.partial(_FLASH, key, grid)
     else:  # the tests' way to run one given config
-        launch = functools.partial(_flash_attention_kernel.fn[grid], BLOCK_M=config.kwargs["BLOCK_M"],
-                                   BLOCK_N=config.kwargs["BLOCK_N"], num_warps=config.num_warps,
-                                   num_stages=config.num_stages)
+        launch = functools.partial(_flash_attention_kernel.fn[grid], **config.all_kwargs())
     launch(
         q4, k4, v4, m_args, out, scale * LOG2E,
         *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
         H, Sq, Sk, next_pow2(Sq), next_pow2(Sk),
-        HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, MASK=kind, NEG_SCALE=scale < 0,
-        PRECISION=precision, ALIGN=align, HALF_EXP=half_exp,
+        HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, DV_LO=dv_lo, DV_HI=dv_hi, MASK=kind, NEG_SCALE=scale < 0,
+        PRECISION=precision, ALIGN=align, TMA=tma,
     )
     return out
 

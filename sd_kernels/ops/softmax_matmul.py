@@ -221,8 +221,8 @@ def _softmax_matmul_one_tile_kernel(
     rows = offs_m % A
     x = tl.load(X + rows[:, None] * stride_xa + offs_k[None, :] * stride_xk, mask=offs_k[None, :] < Kd,
                 other=float("-inf")).to(tl.float32) * _LOG2E
-    w = tl.load(W + offs_k[:, None] * _aligned(stride_wk, ALIGN) + (offs_n % C)[None, :] * stride_wc,
-                mask=offs_k[:, None] < Kd, other=0.0)
+    w = tl.load(W + offs_k[:, None] * _aligned(stride_wk, ALIGN) + offs_n[None, :] * stride_wc,
+                mask=(offs_k[:, None] < Kd) & (offs_n[None, :] < C), other=0.0)
     m = tl.max(x, 1)
     p = tl.math.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
     s = tl.sum(p, 1)
@@ -348,9 +348,10 @@ def partial_softmax_attention(
     if attn_mask is not None:  # bool: its complement, the places masked_fill sets to -inf; float: added
         mask4 = as_4d(attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask, batch, Sq, Sk)
 
-    row_bytes = B * H * max(Sk, 1) * torch.empty((), dtype=xdtype).element_size()
-    chunk = Sq if max_chunk_bytes is None else max(1, min(Sq, max_chunk_bytes // row_bytes))
-    x3 = torch.empty(B * H, chunk, Sk, dtype=xdtype, device=q.device)
+    elem = torch.empty((), dtype=xdtype).element_size()
+    sk_pad = cdiv(max(Sk, 1), 16 // elem) * (16 // elem)  # rows of X start on 16 bytes: vector loads
+    chunk = Sq if max_chunk_bytes is None else max(1, min(Sq, max_chunk_bytes // (B * H * sk_pad * elem)))
+    x3 = torch.empty(B * H, chunk, sk_pad, dtype=xdtype, device=q.device)[:, :, :Sk]
     stats = torch.empty(2, B * H * chunk, dtype=torch.float32, device=q.device)
     for q0 in range(0, Sq, chunk):
         n = min(chunk, Sq - q0)
