@@ -124,6 +124,11 @@ SWEEP_CONFIGS = {  # head dim: (BLOCK_M, BLOCK_N, warps, stages, maxnreg) candid
          (128, 64, 8, 3, 128)],
     160: [(64, 64, 4, 2, None), (128, 64, 8, 2, None), (64, 32, 4, 2, None)],
 }
+SWEEP_BLOCKS = {  # head dim: ((D_LO, D_HI) for Q·Kᵀ, (DV_LO, DV_HI) for P·V) candidates
+    40: [((32, 16), (64, 0)), ((32, 16), (32, 16)), ((64, 0), (64, 0))],
+    80: [((64, 16), (64, 16)), ((64, 16), (128, 0))],
+    160: [((128, 32), (128, 32))],
+}
 
 
 def _sweep_row(shape, impl, fn, inputs, ref, nxt, **info) -> dict:
@@ -145,7 +150,7 @@ def _sweep_row(shape, impl, fn, inputs, ref, nxt, **info) -> dict:
 
 
 def sweep() -> list[dict]:
-    """Every candidate config with and without TMA at SD's self-attention shapes, the
+    """Every candidate config × head-dim split at SD's self-attention shapes, the
     SDPA backends beside them, and the partial softmax's one-tile kernel against its two-kernel
     path at the cross-attention shapes. Device times from CUDA graphs; errors against float64."""
     import triton
@@ -164,11 +169,12 @@ def sweep() -> list[dict]:
             rows.append(run("stock", F.scaled_dot_product_attention))
             rows += [run(name, _sdpa_with(backend)) for name, backend in SDPA_BACKENDS.items()
                      if name != "sdpa_math"]
-            for (bm, bn, warps, stages, maxnreg), tma in itertools.product(SWEEP_CONFIGS[d], (False, True)):
+            for (bm, bn, warps, stages, maxnreg), blocks in itertools.product(SWEEP_CONFIGS[d], SWEEP_BLOCKS[d]):
                 cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
                                     maxnreg=maxnreg)
-                ours = functools.partial(attn._flash, mask4=None, scale=d**-0.5, config=cfg, tma=tma)
-                rows.append(run("ours", ours, config=f"{bm}x{bn} w{warps} s{stages} r{maxnreg}", tma=tma))
+                ours = functools.partial(attn._flash, mask4=None, scale=d**-0.5, config=cfg, blocks=blocks)
+                rows.append(run("ours", ours, config=f"{bm}x{bn} w{warps} s{stages} r{maxnreg}",
+                                blocks=str(blocks)))
             rows.append(run("ours_autotuned", flash_attention))
         else:  # cross-attention: the partial softmax's two paths and naive
             rows.append(run("naive", naive))

@@ -45,8 +45,6 @@ AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
 # Shared memory the pruner lets a config plan for: Hopper's 227 KiB per block less headroom. On GPUs
 # with less, configs that do not fit fail to compile and the autotuner skips them (OutOfResources).
 SMEM_BUDGET = 200 * 1024
-# K and V through the copy engine (TMA tensor descriptors) where tma_ok allows it.
-TMA = True
 
 
 def head_dim_blocks(d: int) -> tuple[int, int]:
@@ -95,19 +93,6 @@ def _load_tile(ptr, rows, cols, stride_r, stride_c, n_cols, MASK_COLS: tl.conste
 
 
 @triton.jit
-def _kv_tile(src, kv, cols, stride_n, stride_d, n_cols, MASK_COLS: tl.constexpr, n_rows,
-             BOUNDARY: tl.constexpr, TMA: tl.constexpr, start_n, COL0: tl.constexpr):
-    """A K or V tile: rows ``kv`` (= start_n + 0..BLOCK_N), columns ``cols`` (= COL0 + 0..n). With TMA
-    ``src`` is a tensor descriptor of exactly that block (the copy engine zero-fills past the tensor);
-    else a pointer, loaded as ``_load_tile`` does."""
-    if TMA:  # (one return: Triton type-checks every return, even past a constexpr branch)
-        tile = src.load([start_n, COL0])
-    else:
-        tile = _load_tile(src, kv, cols, stride_n, stride_d, n_cols, MASK_COLS, n_rows, BOUNDARY)
-    return tile
-
-
-@triton.jit
 def _aligned(stride, ALIGN: tl.constexpr):
     """``stride``, known to the compiler as a multiple of ALIGN (the launcher checked it).
 
@@ -119,11 +104,11 @@ def _aligned(stride, ALIGN: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K_lo, K_hi, V_lo, V_hi, Mask, start_n, rows, offs_n, offs_lo, offs_hi,
+    acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi,
     offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, DV_LO: tl.constexpr,
     DV_HI: tl.constexpr, MASK: tl.constexpr, NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
 
@@ -133,12 +118,10 @@ def _attend_tile(
     (DV_LO, DV_HI): the two products may split D differently.
     """
     kv = start_n + offs_n
-    k_lo = _kv_tile(K_lo, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY, TMA,
-                    start_n, 0)
+    k_lo = _load_tile(K, kv, offs_lo, stride_kn, stride_kd, HEAD_DIM, D_LO > HEAD_DIM, Sk, BOUNDARY)
     qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION)
     if D_HI > 0:
-        k_hi = _kv_tile(K_hi, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk,
-                        BOUNDARY, TMA, start_n, D_LO)
+        k_hi = _load_tile(K, kv, offs_hi, stride_kn, stride_kd, HEAD_DIM, D_LO + D_HI > HEAD_DIM, Sk, BOUNDARY)
         qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=PRECISION)
 
     if MASK == 0 and not BOUNDARY:
@@ -167,12 +150,11 @@ def _attend_tile(
 
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(q_lo.dtype)
-    v_lo = _kv_tile(V_lo, kv, offs_vlo, stride_vn, stride_vd, HEAD_DIM, DV_LO > HEAD_DIM, Sk, BOUNDARY, TMA,
-                    start_n, 0)
+    v_lo = _load_tile(V, kv, offs_vlo, stride_vn, stride_vd, HEAD_DIM, DV_LO > HEAD_DIM, Sk, BOUNDARY)
     acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
     if DV_HI > 0:
-        v_hi = _kv_tile(V_hi, kv, offs_vhi, stride_vn, stride_vd, HEAD_DIM, DV_LO + DV_HI > HEAD_DIM, Sk,
-                        BOUNDARY, TMA, start_n, DV_LO)
+        v_hi = _load_tile(V, kv, offs_vhi, stride_vn, stride_vd, HEAD_DIM, DV_LO + DV_HI > HEAD_DIM, Sk,
+                          BOUNDARY)
         acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
     return acc_lo, acc_hi, l_i, m_new
 
@@ -189,7 +171,7 @@ def _config(m: int, n: int, warps: int, stages: int, maxnreg: int | None = None)
 _HALF_CONFIGS = {
     64: [_config(128, 128, 8, 3, 128), _config(128, 64, 8, 3), _config(128, 64, 4, 3), _config(64, 64, 4, 3),
          _config(128, 32, 8, 3)],
-    128: [_config(128, 64, 8, 3), _config(128, 64, 8, 2), _config(64, 64, 4, 3), _config(128, 32, 8, 3)],
+    128: [_config(128, 64, 8, 3), _config(64, 64, 4, 3), _config(128, 32, 8, 3)],
     256: [_config(64, 64, 4, 2), _config(128, 64, 8, 2), _config(128, 32, 8, 2), _config(64, 32, 4, 2)],
 }
 # fp32 dots in IEEE precision run on the FMA units and hold whole operand tiles in registers: they
@@ -226,7 +208,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _autotune():
-    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK", "TMA"]  # the dtype of every tensor is keyed too
+    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "MASK"]  # the dtype of every tensor is keyed too
     if interpreting():  # the interpreter would run every config: one small one
         return triton.autotune([_config(32, 32, 4, 1)], key=key)
     return triton.autotune(_ALL_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune_configs})
@@ -246,7 +228,7 @@ def _flash_attention_kernel(
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr,
     MASK: tl.constexpr,  # 0: none, 1: additive (float), 2: boolean (nonzero = attend)
     DV_LO: tl.constexpr, DV_HI: tl.constexpr,
-    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
+    NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Out[b, h, rows] for one block of BLOCK_M query rows of one (b, h); a 1-D grid, query blocks
@@ -282,14 +264,6 @@ def _flash_attention_kernel(
         q_hi = _load_tile(Q, rows, offs_hi, stride_qm, stride_qd, HEAD_DIM, D_LO + D_HI > HEAD_DIM)
     else:  # a placeholder threaded through the loop untouched (and removed by the compiler)
         q_hi = q_lo
-    if TMA:  # K and V through the copy engine: one descriptor per block shape (the launcher checked
-        # 16-byte alignment of the base and the row stride)
-        K_lo = tl.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, D_LO])
-        K_hi = tl.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, D_HI if D_HI > 0 else 16])
-        V_lo = tl.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [BLOCK_N, DV_LO])
-        V_hi = tl.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [BLOCK_N, DV_HI if DV_HI > 0 else 16])
-    else:
-        K_lo, K_hi, V_lo, V_hi = K, K, V, V
     acc_lo = tl.zeros([BLOCK_M, DV_LO], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, DV_HI if DV_HI > 0 else 16], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -302,9 +276,9 @@ def _flash_attention_kernel(
     # its cross-attention has 77 keys, one or two blocks, where masking every block costs nothing.
     for start_n in range(0, Sk, BLOCK_N):
         acc_lo, acc_hi, l_i, m_i = _attend_tile(
-            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K_lo, K_hi, V_lo, V_hi, Mask, start_n, rows, offs_n,
-            offs_lo, offs_hi, offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
-            stride_mn, qk_scale, HEAD_DIM, D_LO, D_HI, DV_LO, DV_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION, TMA,
+            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi,
+            offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
+            HEAD_DIM, D_LO, D_HI, DV_LO, DV_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION,
         )
 
     # l = 0 only for rows whose every key was masked: their accumulator is 0, and so is their output.
@@ -423,33 +397,10 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
 _FLASH = Launcher(_flash_attention_kernel)
 
 
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the tensor descriptors the kernel builds (128 bytes per program)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def tma_ok(k4: torch.Tensor, v4: torch.Tensor) -> bool:
-    """Whether K and V can stream through the copy engine (TMA): a compiled Hopper+ GPU, halves, the
-    last dim contiguous, base addresses and row strides multiples of 16 bytes (head offsets too:
-    ``alignment`` covers every stride but the last)."""
-    if not (TMA and k4.is_cuda and k4.dtype in (torch.float16, torch.bfloat16)) or interpreting():
-        return False
-    if not _hopper(k4.device.index if k4.device.index is not None else torch.cuda.current_device()):
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(-2) % 8 == 0 for t in (k4, v4)) \
-        and alignment(k4, v4) == 8
-
-
 def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
-           blocks: tuple[tuple[int, int], tuple[int, int]] | None = None, tma: bool | None = None) -> torch.Tensor:
+           blocks: tuple[tuple[int, int], tuple[int, int]] | None = None) -> torch.Tensor:
     """The launch; ``config`` bypasses the autotuner (the tests run every config); ``blocks``,
-    ((D_LO, D_HI), (DV_LO, DV_HI)), overrides ``flash_blocks``, and ``tma`` (when allowed) the
-    choice of ``tma_ok`` (the tuning sweep and the tests compare both)."""
+    ((D_LO, D_HI), (DV_LO, DV_HI)), overrides ``flash_blocks`` (the tuning sweep compares splits)."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
     out = alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
@@ -463,13 +414,10 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
     (d_lo, d_hi), (dv_lo, dv_hi) = blocks or flash_blocks(D)
     grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]) * B * H,)
     align, precision = alignment(q4, k4, v4, out), dot_precision(q4.dtype)
-    tma = tma_ok(k4, v4) and (tma is None or tma)
-    if tma:
-        triton.set_allocator(_tma_scratch)
     if config is None:
         # The key holds what the autotuner keys on (Sq, Sk, D, mask kind, the dtypes) and what the
         # EVEN_N heuristic reads (Sk); everything else the kernel sees is an argument below.
-        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align, tma)
+        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align)
         launch = functools.partial(_FLASH, key, grid)
     else:  # the tests' way to run one given config
         launch = functools.partial(_flash_attention_kernel.fn[grid], **config.all_kwargs())
@@ -478,7 +426,7 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
         *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
         H, Sq, Sk, next_pow2(Sq), next_pow2(Sk),
         HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, DV_LO=dv_lo, DV_HI=dv_hi, MASK=kind, NEG_SCALE=scale < 0,
-        PRECISION=precision, ALIGN=align, TMA=tma,
+        PRECISION=precision, ALIGN=align,
     )
     return out
 

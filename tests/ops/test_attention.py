@@ -279,14 +279,12 @@ def test_gpu_masks(shape, kind, sk, dtype, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("sk", [64, 77, 333])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("d", [40, 80, 160])
-def test_gpu_every_config(d, masked, sk, tma, device):
-    """Each config the autotuner may pick, K and V loaded through pointers and through TMA
-    descriptors, on key lengths shorter than, not a multiple of, and a multiple of some BLOCK_N
-    (partial query blocks everywhere)."""
+def test_gpu_every_config(d, masked, sk, device):
+    """Each config the autotuner may pick, on key lengths shorter than, not a multiple of, and a
+    multiple of some BLOCK_N (partial query blocks everywhere)."""
     dtype = torch.float16
     q, k, v = qkv(2, 3, 300, sk, d, dtype, device, layout="diffusers")
     mask = make_mask((2, 1, 300, sk), "float", device, dtype) if masked else None
@@ -294,7 +292,7 @@ def test_gpu_every_config(d, masked, sk, tma, device):
     stock = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     views = attn_mod._views(q, k, v, mask, (2, 3))
     for config in attn_mod.flash_configs(dtype, d, masked):
-        ours = attn_mod._flash(*views, d**-0.5, config=config, tma=tma)
+        ours = attn_mod._flash(*views, d**-0.5, config=config)
         report = assert_close_to_reference(ours, stock, ref64)
         assert report.ok, f"{config}: {report}"
 

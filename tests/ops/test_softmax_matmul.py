@@ -22,6 +22,15 @@ psm_mod = importlib.import_module("sd_kernels.ops.softmax_matmul")
 pytestmark = pytest.mark.usefixtures("poisoned_attention_outputs", "one_attention_config")
 
 
+@pytest.fixture(params=["one_tile", "two_kernels"])
+def path(request, monkeypatch):
+    """Rows of X up to ONE_TILE_MAX_K long take the one-tile kernel; "two_kernels" sets the limit to 0
+    so that the same inputs take the stats kernel and the fused matmul."""
+    if request.param == "two_kernels":
+        monkeypatch.setattr(psm_mod, "ONE_TILE_MAX_K", 0)
+    return request.param
+
+
 def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0):
     return (scale * torch.randn(shape, dtype=torch.float64, device=device)).to(dtype)
 
@@ -32,12 +41,13 @@ SMM_CASES = [  # (x shape, w shape)
     ((3, 33, 100), (100, 24)),  # w broadcast over x's batch
     ((2, 1, 5, 1), (3, 1, 16)),  # b = 1, batch dims broadcast both ways
     ((2, 40, 70), (2, 70, 3)),
+    ((3, 200), (200, 24)),  # b > ONE_TILE_MAX_K: the two-kernel path either way
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("xs, ws", SMM_CASES, ids=str)
-def test_softmax_matmul(xs, ws, dtype, device):
+def test_softmax_matmul(xs, ws, dtype, path, device):
     x, w = randn(*xs, dtype=dtype, device=device, scale=3.0), randn(*ws, dtype=dtype, device=device)
     assert_close_to_reference(softmax_matmul(x, w), reference.softmax_matmul(x, w),
                               reference.softmax_matmul(x.double(), w.double()))
@@ -45,7 +55,7 @@ def test_softmax_matmul(xs, ws, dtype, device):
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy: 1/0, inf - inf
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
-def test_softmax_matmul_rows_of_minus_inf_are_nan(device):
+def test_softmax_matmul_rows_of_minus_inf_are_nan(path, device):
     """As torch.softmax: a row of -inf gives NaN (partial_softmax_attention turns them into zeros)."""
     x, w = randn(4, 40, device=device), randn(40, 8, device=device)
     x[1] = float("-inf")
@@ -109,7 +119,7 @@ def test_chunks(chunk_rows, device):
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_masks_and_fully_masked_rows(kind, device):
+def test_masks_and_fully_masked_rows(kind, path, device):
     q, k, v = qkv(2, 3, 6, 40, 8, torch.float16, device, layout="diffusers")
     keep = torch.rand(2, 1, 6, 40, device=device) > 0.5
     keep[..., 3] = True
@@ -142,7 +152,9 @@ def test_partial_softmax_runs_the_kernels(device):
 GPU_CASES = [  # (B, H, Sq, Sk, D, dtype, layout)
     (1, 1, 4096, 4096, 512, torch.float16, "contiguous"),  # the VAE's mid-block attention
     (1, 1, 4096, 4096, 512, torch.bfloat16, "diffusers"),
-    (2, 8, 4096, 77, 40, torch.float16, "diffusers"),
+    (2, 8, 4096, 77, 40, torch.float16, "diffusers"),  # cross-attention: the one-tile kernel
+    (2, 8, 1024, 77, 80, torch.bfloat16, "diffusers"),
+    (2, 8, 256, 77, 160, torch.float16, "diffusers"),
     (2, 8, 1024, 1024, 80, torch.bfloat16, "diffusers"),
     (2, 8, 256, 256, 160, torch.float16, "diffusers"),
     (1, 2, 1031, 100, 64, torch.float16, "contiguous"),
@@ -152,7 +164,7 @@ GPU_CASES = [  # (B, H, Sq, Sk, D, dtype, layout)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-{c[5]}-{c[6]}")
-def test_gpu_partial_softmax_attention(case, device):
+def test_gpu_partial_softmax_attention(case, path, device):
     b, h, sq, sk, d, dtype, layout = case
     check(*qkv(b, h, sq, sk, d, dtype, device, layout=layout))
 
