@@ -8,6 +8,10 @@ diffusers' views of [B, S, H, D] tensors. "stock" is F.scaled_dot_product_attent
 backend choice; an SDPA backend that refuses a shape is left out and named in ``skipped``. The
 partial softmax's ``extra`` columns give its peak memory beyond inputs and output against the size of
 X (what the paper's design must add) and against the naive path's (X and softmax(X)).
+
+``python -m bench.ops_attention OUT`` runs the tuning sweep instead (``sweep``): flash configs and
+head-dim splits at the self-attention shapes, the partial softmax's two paths at the cross-attention
+shapes, written to OUT/sweep.json.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ Layout: q, k, v are [B, H, S, D] with any strides (diffusers hands over transpos
 q's layout, so diffusers' ``transpose(1, 2).reshape(B, S, H·D)`` after it is a free view.
 
 Head dims: D is covered by a power-of-two block D_LO plus, when needed, a power-of-two remainder
-block D_HI (each ≥ 16, tl.dot's minimum): SD's 40, 80, 160 run as 32+16, 64+16, 128+32 (48, 80, 160
-columns of MMA work instead of 64, 128, 256 for one block padded to a power of two). Columns past D
-are masked loads (zeros) and masked stores. Any D ≤ 256 works; larger head dims do not fit the
+block D_HI (each ≥ 16, tl.dot's minimum): SD's 40, 80, 160 run Q·Kᵀ as 32+16, 64+16, 128+32 (48,
+80, 160 deep instead of 64, 128, 256 for one block padded to a power of two); P·V, where D is the
+dot's width, takes one padded block up to D = 64 (``flash_blocks``). Columns past D are masked
+loads (zeros) and masked stores. Any D ≤ 256 works; larger head dims do not fit the
 accumulator on chip and go to ``partial_softmax_attention`` (ops/softmax_matmul.py).
 
 Masks: additive float masks (any float dtype, added in fp32) or boolean (True = attend), broadcast

@@ -9,14 +9,17 @@ For X [..., a, b] and W [..., b, c], Y = softmax(X, -1)·W takes two kernels:
    exp(x − m) as it loads it (one FMA and one exp2 per element) and multiplies it with W's tile on the
    tensor cores; the 1/s scaling is applied once to the fp32 accumulator at the end.
 
-The a×b tensor T = softmax(X) never exists; the extra memory is the two row vectors.
+The a×b tensor T = softmax(X) never exists; the extra memory is the two row vectors. Rows of X up
+to ``ONE_TILE_MAX_K`` long (SD's cross-attention: 77 keys) take one kernel instead,
+``_softmax_matmul_one_tile_kernel``: the whole row is one tile, so its max and sum come from
+registers and X is read once.
 
 ``partial_softmax_attention`` builds attention on it: X = q·kᵀ·scale (+ mask) is written by cuBLAS
-(``baddbmm``, the paper's design), then the two kernels above with W = v. X takes B·H·Sq·Sk elements
-in q's dtype (or fp32 with ``scores_dtype``); ``max_chunk_bytes`` bounds it by running the query rows
-in chunks that reuse one X buffer. Because nothing is kept on chip per query row but the
-accumulator's [BLOCK_M, BLOCK_N] tile of Y, any head dim works (the VAE's d = 512), which
-FlashAttention's [BLOCK_M, D] accumulator cannot hold.
+(``baddbmm``, the paper's design), then the kernels above with W = v. X takes B·H·Sq·Sk elements
+in q's dtype (or fp32 with ``scores_dtype``; rows padded to 16 bytes for vector loads);
+``max_chunk_bytes`` bounds it by running the query rows in chunks that reuse one X buffer. Because
+nothing is kept on chip per query row but the accumulator's [BLOCK_M, BLOCK_N] tile of Y, any head
+dim works (the VAE's d = 512), which FlashAttention's [BLOCK_M, D] accumulator cannot hold.
 """
 
 from __future__ import annotations

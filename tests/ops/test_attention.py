@@ -46,6 +46,19 @@ def test_head_dim_blocks():
     for d in range(1, 257):
         lo, hi = attn_mod.head_dim_blocks(d)
         assert lo + hi >= d and lo >= 16 and (hi == 0 or hi >= 16)
+    assert {d: attn_mod.flash_blocks(d) for d in (8, 40, 64, 80, 160)} == {
+        8: ((16, 0), (16, 0)), 40: ((32, 16), (64, 0)), 64: ((64, 0), (64, 0)), 80: ((64, 16), (64, 16)),
+        160: ((128, 32), (128, 32))}
+
+
+@pytest.mark.parametrize("blocks", [((32, 16), (32, 16)), ((64, 0), (64, 0)), ((32, 16), (64, 0)),
+                                    ((64, 0), (32, 16))], ids=str)
+def test_head_dim_splits(blocks, device):
+    """Q·Kᵀ and P·V may split the head dim differently; every split computes the same attention."""
+    q, k, v = qkv(2, 2, 33, 40, 40, torch.float16, device, layout="diffusers")
+    ref64 = reference.attention(q.double(), k.double(), v.double())
+    stock = F.scaled_dot_product_attention(q, k, v)
+    assert_close_to_reference(attn_mod._flash(q, k, v, None, 40**-0.5, blocks=blocks), stock, ref64)
 
 
 CPU_SHAPES = [  # (B, H, Sq, Sk, D)
