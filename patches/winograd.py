@@ -25,6 +25,12 @@ from sd_kernels.profiles import active_profile
 from .record import PatchRecord
 from .registry import register
 
+# Route only calls captured into a CUDA graph (``patch(..., cuda_graph=True)``, or a graph of the
+# caller's), unless this is True. Measured on the H100 (docs/results.md): an eager F(2,3) call at
+# 2×1280×16² takes 0.31 ms of host time against cuDNN's 0.08 ms, for 0.03–0.07 ms of device time
+# saved, and an eager UNet step is bound by the host; under a graph the host cost is gone.
+ROUTE_EAGER = False
+
 # nn.Conv2d's own attributes that its forward reads (torch's Conv2d.__constants__ and the padding
 # it precomputes): a WinogradConv2d carries the original's, so its stock path is Conv2d's forward.
 _CONV_ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
@@ -48,8 +54,11 @@ class WinogradConv2d(nn.Conv2d):
         self._transformed: dict[tuple, tuple[tuple, WinogradWeight]] = {}  # slot → (version, U)
 
     def tile_for(self, x: torch.Tensor) -> int | None:
-        """The profile's tile for this call, or None for the stock conv."""
+        """The profile's tile for this call, or None for the stock conv: eager calls (unless
+        ``ROUTE_EAGER``) and inputs whose dtype is not the weight's run stock."""
         if x.dim() != 4 or x.dtype != self.weight.dtype:
+            return None
+        if not (ROUTE_EAGER or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             return None
         n, c, h, w = x.shape
         return active_profile().winograd_tile(n, c, h, w, self.out_channels, x.dtype)

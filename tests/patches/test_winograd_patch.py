@@ -44,9 +44,10 @@ class RouteProfile:
 def route(monkeypatch):
     """``route(rule)`` makes a RouteProfile with ``rule`` the active profile of the patch."""
 
-    def install(rule):
+    def install(rule, eager=True):
         prof = RouteProfile(rule)
         monkeypatch.setattr(wg_patch, "active_profile", lambda: prof)
+        monkeypatch.setattr(wg_patch, "ROUTE_EAGER", eager)
         return prof
 
     return install
@@ -110,6 +111,15 @@ def test_patch_routes_per_call_and_round_trips(route):
         assert torch.equal(call(), stock)
 
 
+def test_eager_calls_run_stock_by_default(route):
+    prof = route(lambda n, c, h, w, k: 2, eager=False)
+    conv = nn.Conv2d(6, 5, 3, padding=1)
+    x = torch.randn(1, 6, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(WinogradConv2d(conv)(x), conv(x))
+    assert not prof.asked  # not even asked: no capture in progress
+
+
 def test_unrouted_call_is_the_stock_conv(route):
     route(lambda n, c, h, w, k: 2 if h == 8 else None)
     conv = nn.Conv2d(6, 5, 3, padding=1)
@@ -162,10 +172,11 @@ def test_triton_backend_reaches_the_kernel(route, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_sd15_unet_routed_by_the_profile():
+def test_gpu_sd15_unet_routed_by_the_profile(monkeypatch):
     """SD1.5's UNet (random weights, fp16, batch 2) with only the winograd patch, under the detected
-    profile's real routing: at least one conv routed, output within 1e-2 of stock (the issue's bar for
-    whole-pipeline latents), and unpatch bit-identical."""
+    profile's real routing (eager calls routed too, for the test): at least one conv routed, output
+    within 1e-2 of stock (the issue's bar for whole-pipeline latents), and unpatch bit-identical."""
+    monkeypatch.setattr(wg_patch, "ROUTE_EAGER", True)
     unet = build_model("sd15", "unet", device="cuda", dtype=torch.float16)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, generator=g)
