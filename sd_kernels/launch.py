@@ -15,11 +15,15 @@ caller's promise, kept next to each launch. The JIT still specializes on each ca
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from triton.runtime.autotuner import Autotuner, Heuristics
 
+# SD_KERNELS_AUTOTUNE=0: every autotuned kernel takes its first listed config instead of timing them
+# all (GPU test runs, where only correctness matters and autotuning costs minutes).
+AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
 MAX_KEYS = 4096  # a bound on the memo: past it, it starts over (each key costs one slow launch)
 
 

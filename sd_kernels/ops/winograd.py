@@ -44,7 +44,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
-from sd_kernels.launch import cdiv, next_pow2
+from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
 
 R = 3  # filter size
 
@@ -387,13 +387,17 @@ def _autotune(configs, key):
     # choices) are recent arguments: pass them only where this Triton has them.
     params = inspect.signature(triton.autotune).parameters
     extra = {k: v for k, v in (("do_bench", _quick_bench), ("cache_results", True)) if k in params}
-    return triton.autotune(configs, key=key, **extra)
+    return triton.autotune(configs if AUTOTUNE else configs[:1], key=key, **extra)
 
 
-_input_transform = _autotune(_TRANSFORM_CONFIGS, ["C", "T", "P", "TILES_FAST"])(_input_transform_kernel)
-_output_transform = _autotune(_TRANSFORM_CONFIGS, ["K", "T", "P", "TILES_FAST"])(_output_transform_kernel)
-_batched_gemm = _autotune(_GEMM_CONFIGS, ["T", "K", "C"])(_batched_gemm_kernel)
-_fused_gemm_output = _autotune(_FUSED_CONFIGS, ["T", "K", "C", "Q"])(_fused_gemm_output_kernel)
+# Launchers remember each autotuned choice per key (sd_kernels.launch): an eager call would
+# otherwise pay the autotuner's key building three times, ~100 µs of host time per conv. Each key
+# passed below holds every value the autotuner's key reads (channels, tiles, P or Q, layout) and
+# every tensor dtype.
+_input_transform = Launcher(_autotune(_TRANSFORM_CONFIGS, ["C", "T", "P", "TILES_FAST"])(_input_transform_kernel))
+_output_transform = Launcher(_autotune(_TRANSFORM_CONFIGS, ["K", "T", "P", "TILES_FAST"])(_output_transform_kernel))
+_batched_gemm = Launcher(_autotune(_GEMM_CONFIGS, ["T", "K", "C"])(_batched_gemm_kernel))
+_fused_gemm_output = Launcher(_autotune(_FUSED_CONFIGS, ["T", "K", "C", "Q"])(_fused_gemm_output_kernel))
 FUSED_TILES = (2, 4)  # m² ≤ 16: the fused kernel's accumulator fits in registers
 
 
@@ -457,12 +461,14 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
         )
 
     exact_x = x.dtype != torch.float32 and mats.kb_tf32_exact
-    _input_transform[grid(C)](
-        x, mats.kb, v, C, H, W, T, TH, TW, *x.stride(), *v.stride(),
+    key = (T, C, K, tile, cl, gemm, x.dtype, u.dtype, m_dtype, None if bias is None else bias.dtype)
+    _input_transform(
+        key, grid(C), x, mats.kb, v, C, H, W, T, TH, TW, *x.stride(), *v.stride(),
         PRECISION=_precision(exact_x), **common,
     )
     if gemm == "fused":
-        _fused_gemm_output[lambda META: (cdiv(T, META["BLOCK_M"]) * cdiv(K, META["BLOCK_N"]),)](
+        _fused_gemm_output(
+            key, lambda META: (cdiv(T, META["BLOCK_M"]) * cdiv(K, META["BLOCK_N"]),),
             v, u, mats.ka, bias if bias is not None else v, y, T, K, C, H, W, TH, TW,
             *v.stride(), *u.stride(), *y.stride(),
             HAS_BIAS=bias is not None, TILE=tile, ALPHA=tile + R - 1, P=mats.P,
@@ -473,13 +479,15 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
         m = torch.bmm(v, u)
     else:
         m = buffer("M", K, m_dtype)
-        _batched_gemm[lambda META: (cdiv(T, META["BLOCK_M"]) * cdiv(K, META["BLOCK_N"]), a2)](
+        _batched_gemm(
+            key, lambda META: (cdiv(T, META["BLOCK_M"]) * cdiv(K, META["BLOCK_N"]), a2),
             v, u, m, T, K, C, *v.stride(), *u.stride(), *m.stride(),
             PRECISION=_precision(x.dtype != torch.float32),
         )
     exact_m = m.dtype != torch.float32 and mats.ka_tf32_exact
-    _output_transform[grid(K)](
-        m, mats.ka, bias if bias is not None else m, y, K, H, W, T, TH, TW, *m.stride(), *y.stride(),
+    _output_transform(
+        key, grid(K), m, mats.ka, bias if bias is not None else m, y, K, H, W, T, TH, TW,
+        *m.stride(), *y.stride(),
         HAS_BIAS=bias is not None, Q=mats.Q, PRECISION=_precision(exact_m), **common,
     )
     return y

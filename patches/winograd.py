@@ -1,0 +1,100 @@
+"""3×3 convolutions of a UNet / VAE onto Winograd F(m×m, 3×3), where the active profile routes them.
+
+Winograd is a measured bet, not a blanket win (docs/kernels/winograd.md, docs/results.md): on the
+H100 it beats cuDNN only where cuDNN's implicit GEMM has little parallelism (many channels, small
+maps), and loses on the VAE's large maps. So the decision is data, per call: the profile's
+``winograd_tile(n, c, h, w, k, dtype)`` names a tile for this conv shape, or None (stock conv).
+
+Each qualifying ``nn.Conv2d`` (exact type; 3×3, stride 1, padding 1, dilation 1, groups 1, zero
+padding: ``unsupported_conv``) that the profile may route becomes a ``WinogradConv2d``: the same
+module class contract, holding the original's parameters (same ``nn.Parameter`` objects, same
+state_dict). Its transformed weights U = G g Gᵀ are computed on the first routed call and cached on
+the module (not in its state_dict): that is the memory Winograd costs, (m+2)²/9 times the conv's
+weights (1.78x for F(2,3)), paid only for convs that are routed. The cache follows the weight: a new
+tensor or an in-place update (its version counter) recomputes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from sd_kernels.ops.winograd import WinogradWeight, unsupported_conv, winograd_conv2d, winograd_weight
+from sd_kernels.profiles import active_profile
+
+from .record import PatchRecord
+from .registry import register
+
+# Route only calls captured into a CUDA graph (``patch(..., cuda_graph=True)``, or a graph of the
+# caller's), unless this is True. Measured on the H100 (docs/results.md): an eager F(2,3) call at
+# 2×1280×16² takes 0.31 ms of host time against cuDNN's 0.08 ms, for 0.03–0.07 ms of device time
+# saved, and an eager UNet step is bound by the host; under a graph the host cost is gone.
+ROUTE_EAGER = False
+
+# nn.Conv2d's own attributes that its forward reads (torch's Conv2d.__constants__ and the padding
+# it precomputes): a WinogradConv2d carries the original's, so its stock path is Conv2d's forward.
+_CONV_ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
+               "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice")
+
+
+class WinogradConv2d(nn.Conv2d):
+    """nn.Conv2d that runs as Winograd F(m, 3) on the calls the active profile routes.
+
+    A subclass (``isinstance(m, nn.Conv2d)`` holds) built with ``nn.Module.__init__`` only: no new
+    parameters are created.
+    """
+
+    def __init__(self, original: nn.Conv2d) -> None:
+        nn.Module.__init__(self)
+        for name in _CONV_ATTRS:
+            setattr(self, name, getattr(original, name))
+        self.register_parameter("weight", original.weight)
+        self.register_parameter("bias", original.bias)
+        self.train(original.training)
+        self._transformed: dict[tuple, tuple[tuple, WinogradWeight]] = {}  # slot → (version, U)
+
+    def tile_for(self, x: torch.Tensor) -> int | None:
+        """The profile's tile for this call, or None for the stock conv: eager calls (unless
+        ``ROUTE_EAGER``) and inputs whose dtype is not the weight's run stock."""
+        if x.dim() != 4 or x.dtype != self.weight.dtype:
+            return None
+        if not (ROUTE_EAGER or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return None
+        n, c, h, w = x.shape
+        return active_profile().winograd_tile(n, c, h, w, self.out_channels, x.dtype)
+
+    def transformed(self, tile: int) -> WinogradWeight:
+        w = self.weight
+        slot, version = (tile, w.dtype, w.device), (w.data_ptr(), w._version)
+        cached = self._transformed.get(slot)
+        if cached is None or cached[0] != version:
+            cached = self._transformed[slot] = (version, winograd_weight(w, tile))
+        return cached[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tile = self.tile_for(x)
+        if tile is None:
+            return self._conv_forward(x, self.weight, self.bias)
+        return winograd_conv2d(x, self.transformed(tile), self.bias)
+
+    def transformed_bytes(self) -> int:
+        """Bytes held by the cached transformed weights (the memory this module adds)."""
+        return sum(u.u.numel() * u.u.element_size() for _, u in self._transformed.values())
+
+
+def qualifies(conv: nn.Module) -> bool:
+    """An nn.Conv2d (exact type) that Winograd F(m, 3) can compute."""
+    return type(conv) is nn.Conv2d and unsupported_conv(
+        conv.weight, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode) is None
+
+
+@register("winograd")
+def patch_winograd(model: nn.Module, record: PatchRecord) -> None:
+    """Swap the qualifying 3×3 convs of ``model`` for ``WinogradConv2d`` where the active profile
+    may route their channel counts (``Profile.routes_winograd(c, k)``); none under a profile that
+    routes no conv, so that such profiles pay no per-call routing cost."""
+    profile = active_profile()
+    slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
+             if qualifies(child) and profile.routes_winograd(child.in_channels, child.out_channels)]
+    for parent, name, child in slots:  # collected first: no swapping while walking the tree
+        record.set_attr(parent, name, WinogradConv2d(child), "winograd_conv")
