@@ -1,0 +1,87 @@
+"""The memory patcher: fit a model into the active profile's budgets (mobile emulation).
+
+Desktop profiles set no budgets and this patcher changes nothing. A profile with
+``intermediate_budget_mb`` gets its feed-forwards chunked over tokens so that the GEGLU's 2n-wide
+projection (at 4096 tokens the largest intermediate in a UNet step once flash attention stores no
+scores) never exceeds ``profile.chunk_bytes()``. A profile with ``memory_budget_mb`` gets the model's
+entry points run under ``memory.BudgetGuard``: past the budget the call fails with
+``MemoryBudgetExceeded`` naming the module, the bytes and the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from sd_kernels.memory import guarded
+from sd_kernels.profiles import active_profile
+
+from .record import PatchRecord
+from .registry import register
+
+# The modules whose forward runs under the budget, per supported model ("": the model itself).
+GUARDED = {"UNet2DConditionModel": ("",), "AutoencoderKL": ("encoder", "decoder")}
+
+
+class ChunkedFeedForward(nn.Module):
+    """A diffusers FeedForward run over slices of the tokens, each within ``max_bytes``.
+
+    Tokens are independent in a feed-forward, so the slices' outputs are the unchunked output (the
+    same kernels on fewer rows; bit-identical where the matmul does not pick another algorithm for
+    another row count). Holds the original's ``net`` (same modules, same state_dict keys) and calls
+    the original module itself, hooks and all.
+    """
+
+    def __init__(self, ff: nn.Module, max_bytes: int) -> None:
+        super().__init__()
+        self.net = ff.net
+        object.__setattr__(self, "_original", ff)  # not a submodule: its parameters are net's
+        self.max_bytes = max_bytes
+        self.widest = max(m.out_features for m in ff.modules() if isinstance(m, nn.Linear))
+
+    def chunk_tokens(self, batch: int, element_size: int) -> int:
+        # The widest projection's output and as much again alive beside it (GEGLU's halves, its output).
+        return max(1, self.max_bytes // (2 * batch * self.widest * element_size))
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x = hidden_states
+        tokens = x.shape[-2] if x.dim() >= 2 else 1
+        batch = x.numel() // max(1, tokens * x.shape[-1])
+        step = self.chunk_tokens(batch, x.element_size())
+        if x.dim() < 2 or step >= tokens:
+            return self._original(x)
+        first = self._original(x[..., :step, :])
+        out = first.new_empty(*x.shape[:-1], first.shape[-1])
+        out[..., :step, :] = first
+        del first
+        for t0 in range(step, tokens, step):
+            out[..., t0:t0 + step, :] = self._original(x[..., t0:t0 + step, :])
+        return out
+
+    def extra_repr(self) -> str:
+        return f"max_bytes={self.max_bytes}"
+
+
+def _feed_forwards(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    from diffusers.models.attention import FeedForward
+
+    return [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
+            if type(child) is FeedForward]
+
+
+@register("memory")
+def patch_memory(model: nn.Module, record: PatchRecord) -> None:
+    prof = active_profile()
+    if prof.intermediate_budget_mb is not None:
+        for parent, name, ff in _feed_forwards(model):
+            record.set_attr(parent, name, ChunkedFeedForward(ff, prof.chunk_bytes()), "memory.ChunkedFeedForward")
+    budget = prof.memory_budget_bytes()
+    if budget is not None:
+        kind = type(model).__name__
+        for path in GUARDED.get(kind, ()):
+            module = model.get_submodule(path)
+            label = f"{kind}.{path}" if path else kind
+            record.set_attr(module, "forward", guarded(module.forward, budget, module, label),
+                            f"memory.budget({prof.memory_budget_mb} MB)")
