@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import set_profile
 
-from . import attention, gelu, group_norm  # noqa: F401  (each registers its patcher)
-from . import memory  # noqa: F401  (registers the "memory" patcher)
+from . import attention, gelu, group_norm, memory  # noqa: F401  (each registers its patcher)
 from .record import PatchRecord
 from .registry import PATCHERS
 

@@ -103,8 +103,9 @@ def test_hooks_are_gone_after_the_guard():
     big(torch.ones(1))  # no guard, no error
 
 
-@pytest.mark.parametrize("text, n", [("Tried to allocate 2.00 GiB.", 2 * 2**30), ("Tried to allocate 20.50 MiB", 21495808),
-                                     ("out of memory", None)])
+@pytest.mark.parametrize("text, n", [
+    ("Tried to allocate 2.00 GiB.", 2 * 2**30), ("Tried to allocate 20.50 MiB", 21495808), ("out of memory", None),
+])
 def test_requested_bytes(text, n):
     assert memory.requested_bytes(RuntimeError(text)) == n
 
@@ -123,7 +124,6 @@ def test_weights_and_peak_helpers():
 
 def test_chunked_feed_forward_matches_the_original():
     from diffusers.models.attention import FeedForward
-
     from sd_kernels.patches.memory import ChunkedFeedForward
 
     torch.manual_seed(0)
@@ -137,8 +137,9 @@ def test_chunked_feed_forward_matches_the_original():
 
 
 def test_patch_under_a_mobile_profile_chunks_guards_and_reverts():
-    from sd_kernels import models
     from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
 
     unet = models.build_model("tiny", "unet")
     before = {n: type(m) for n, m in unet.named_modules()}
@@ -156,8 +157,9 @@ def test_patch_under_a_mobile_profile_chunks_guards_and_reverts():
 
 
 def test_desktop_profiles_change_nothing():
-    from sd_kernels import models
     from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
 
     unet = models.build_model("tiny", "unet")
     record = patch(unet, profile="hopper", ops=["memory"])
@@ -171,8 +173,9 @@ def test_desktop_profiles_change_nothing():
 
 @pytest.mark.gpu
 def test_gpu_budget_exceeded_is_the_clear_error_not_an_oom():
-    from sd_kernels import models
     from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
 
     unet = models.build_model("tiny", "unet", device="cuda", dtype=torch.float16)
     tight = dataclasses.replace(profiles.get_profile("s23-ultra"), name="tight", memory_budget_mb=64)
@@ -194,8 +197,9 @@ def test_gpu_budget_exceeded_is_the_clear_error_not_an_oom():
 @pytest.mark.slow
 def test_gpu_sd15_unet_step_fits_the_papers_84_mb_under_s23_ultra():
     """The paper's figure: 84 MB of intermediates (arXiv 2304.11267). SD1.5 UNet, batch 1, fp16."""
-    from sd_kernels import models
     from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
 
     pipe = models.build_pipeline("sd15", device="cuda", dtype=torch.float16)
     patch(pipe, profile="s23-ultra")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sd_kernels import profiles
-from sd_kernels.profiles import Profile, ProfileError
+from sd_kernels.profiles import ProfileError
 from sd_kernels.profiles.selection import selection_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
