@@ -209,3 +209,65 @@ def test_gpu_sd15_unet_step_fits_the_papers_84_mb_under_s23_ultra():
         unpatch(pipe)
         profiles.set_profile(None)
     assert unet_row.peak_intermediate_mb <= 84, unet_row
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiled VAE decode
+
+
+def _img(x):
+    return (x / 2 + 0.5).clamp(0, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae():
+    from sd_kernels import models
+
+    torch.manual_seed(0)
+    return models.build_model("tiny", "vae")
+
+
+def test_receptive_radius_and_tile_side(tiny_vae):
+    from sd_kernels.patches.memory import receptive_radius, tile_side
+
+    # tiny decoder: 4 convs at 1x, upsampler conv at 2x, 4 at 2x, upsampler at 4x, 4 at 4x, conv_out at 4x
+    assert receptive_radius(tiny_vae.decoder) == 8  # 4 + 0.5 + 2 + 0.25 + 1 + 0.25
+    widest = 32 * 4 * 4 * 4  # the 32-channel convs at 4x, fp32
+    assert tile_side(tiny_vae.decoder, (30 + 16) ** 2 * widest, 4, 8) == 30
+    assert tile_side(tiny_vae.decoder, 1, 4, 8) == 8
+
+
+@pytest.mark.parametrize("tile, halo, min_db, max_db", [(8, 8, 100, None), (5, 8, 100, None), (8, 0, None, 35)])
+def test_tiled_decode_has_no_seams_with_the_receptive_halo(tiny_vae, tile, halo, min_db, max_db):
+    """Global GroupNorm statistics + a halo as wide as the receptive field: the tiles are the untiled
+    decode to rounding. Without a halo the seams show (the test can fail)."""
+    from sd_kernels.patches.memory import tiled_decoder_forward
+
+    from sd_kernels.testing import psnr
+
+    z = torch.randn(1, 4, 16, 13)
+    with torch.no_grad():
+        ref, out = tiny_vae.decoder(z), tiled_decoder_forward(tiny_vae.decoder, z, tile, halo)
+    db = psnr(_img(out), _img(ref))
+    assert out.shape == ref.shape
+    assert (min_db is None or db >= min_db) and (max_db is None or db <= max_db), db
+
+
+@pytest.mark.parametrize("ops", [["memory"], ["group_norm", "memory"]])
+def test_patched_vae_decode_tiles_under_a_small_budget(tiny_vae, ops):
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels.testing import psnr
+
+    small = dataclasses.replace(profiles.get_profile("s23-ultra"), name="small", intermediate_budget_mb=4)
+    z = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        ref = tiny_vae.decode(z).sample
+        record = patch(tiny_vae, profile=small, ops=ops)
+        try:
+            assert record.counts["memory.tiled_vae_decode"] == 1
+            out = tiny_vae.decode(z).sample
+        finally:
+            unpatch(tiny_vae)
+    assert "forward" not in tiny_vae.decoder.__dict__
+    assert psnr(_img(out), _img(ref)) >= 40
