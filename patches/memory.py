@@ -3,9 +3,10 @@
 Desktop profiles set no budgets and this patcher changes nothing. A profile with
 ``intermediate_budget_mb`` gets its feed-forwards chunked over tokens so that the GEGLU's 2n-wide
 projection (at 4096 tokens the largest intermediate in a UNet step once flash attention stores no
-scores) never exceeds ``profile.chunk_bytes()``. A profile with ``memory_budget_mb`` gets the model's
-entry points run under ``memory.BudgetGuard``: past the budget the call fails with
-``MemoryBudgetExceeded`` naming the module, the bytes and the budget.
+scores) never exceeds ``profile.chunk_bytes()``, and its VAE decoder tiled (``tiled_decode``: global
+GroupNorm statistics, a halo as wide as the receptive field, so no seams). A profile with
+``memory_budget_mb`` gets the model's entry points run under ``memory.BudgetGuard``: past the budget
+the call fails with ``MemoryBudgetExceeded`` naming the module, the bytes and the budget.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class ChunkedFeedForward(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         x = hidden_states
-        tokens = x.shape[-2] if x.dim() >= 2 else 1
-        batch = x.numel() // max(1, tokens * x.shape[-1])
-        step = self.chunk_tokens(batch, x.element_size())
-        if x.dim() < 2 or step >= tokens:
+        if x.dim() < 2:
+            return self._original(x)
+        tokens = x.shape[-2]
+        step = self.chunk_tokens(x.numel() // max(1, tokens * x.shape[-1]), x.element_size())
+        if step >= tokens:
             return self._original(x)
         first = self._original(x[..., :step, :])
         out = first.new_empty(*x.shape[:-1], first.shape[-1])
@@ -97,6 +99,7 @@ def _fixed_norms(norms: list[nn.GroupNorm], stats: list[tuple[torch.Tensor, torc
                  measure: Any) -> Iterator[None]:
     """Norms with known global statistics apply them; the next one goes to ``measure`` (which raises
     _Stop). Instance ``forward``s for the length of one pass, removed after it."""
+    saved = [norm.__dict__.get("forward") for norm in norms]
     for i, norm in enumerate(norms):
         if i < len(stats):
             norm.forward = lambda x, norm=norm, st=stats[i]: _apply(norm, x, *st)
@@ -105,8 +108,11 @@ def _fixed_norms(norms: list[nn.GroupNorm], stats: list[tuple[torch.Tensor, torc
     try:
         yield
     finally:
-        for norm in norms:
-            norm.__dict__.pop("forward", None)
+        for norm, forward in zip(norms, saved):
+            if forward is None:
+                norm.__dict__.pop("forward", None)
+            else:
+                norm.forward = forward
 
 
 def _up_stack(decoder: nn.Module, h: torch.Tensor) -> torch.Tensor:
