@@ -43,8 +43,9 @@ class CudaMemory:
     """What BudgetGuard reads and sets, for one CUDA device (tests pass a fake with these methods)."""
 
     def __init__(self, device: torch.device | int | None = None) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device) \
-            if not isinstance(device, torch.device) else device
+        if not isinstance(device, torch.device):
+            device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        self.device = device
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
@@ -163,7 +164,7 @@ def peak_intermediate_bytes(fn: Callable[[], Any], stats: Any) -> tuple[int, Any
 
 
 def component_memory(component: str, module: nn.Module, fn: Callable[[], Any], stats: Any = None,
-                     warmup: int = 1, repeats: int = 5) -> ComponentMemory:
+                     warmup: int = 1, repeats: int = 3) -> ComponentMemory:
     """Weights, peak intermediates and median latency of ``fn`` (one call of ``module``) on CUDA.
     The warm-up keeps one-time allocations (cuBLAS workspace, Triton compilation) out of the peak."""
     stats = CudaMemory() if stats is None else stats

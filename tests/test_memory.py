@@ -271,3 +271,26 @@ def test_patched_vae_decode_tiles_under_a_small_budget(tiny_vae, ops):
             unpatch(tiny_vae)
     assert "forward" not in tiny_vae.decoder.__dict__
     assert psnr(_img(out), _img(ref)) >= 40
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_sd15_vae_decode_tiled_under_s23_ultra_has_no_seams():
+    """SD1.5's VAE in fp16: the tiled decode the s23-ultra patch installs vs the untiled one."""
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
+    from sd_kernels.testing import psnr
+
+    vae = models.build_model("sd15", "vae", device="cuda", dtype=torch.float16)
+    z = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        record = patch(vae, profile="s23-ultra", ops=["memory"])
+        try:
+            assert record.counts["memory.tiled_vae_decode"] == 1
+            out = vae.decode(z).sample
+        finally:
+            unpatch(vae)
+            profiles.set_profile(None)
+    assert psnr(_img(out.float()), _img(ref.float())) >= 40
