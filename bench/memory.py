@@ -26,6 +26,7 @@ from bench import common
 from sd_kernels import memory, profiles
 
 MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")
+COLUMNS = ["variant", "component", "weights_mb", "peak_intermediate_mb", "ms", "peak_at", "error"]
 
 
 def rows_for(pipe, variant: str, batch: int) -> list[dict]:
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += rows_for(pipe, name, 1)
             except memory.MemoryBudgetExceeded as exc:
                 rows.append({"variant": name, "component": "budget exceeded", "weights_mb": float("nan"),
-                             "peak_intermediate_mb": float("nan"), "ms": float("nan"), "error": str(exc)})
+                             "peak_intermediate_mb": float("nan"), "ms": float("nan"), "peak_at": "",
+                             "error": str(exc)})
             finally:
                 unpatch(pipe)
                 profiles.set_profile(None)
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         w = csv.DictWriter(f, fieldnames=[*rows[0], *env])
         w.writeheader()
         w.writerows({**r, **env} for r in rows)
-    print(common.format_table(rows, ["variant", "component", "weights_mb", "peak_intermediate_mb", "ms", "error"]))
+    print(common.format_table(rows, COLUMNS))
     return 0
 
 

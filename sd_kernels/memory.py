@@ -141,6 +141,7 @@ class ComponentMemory:
     weights_mb: float
     peak_intermediate_mb: float
     ms: float
+    peak_at: str = ""  # the leaf module in whose forward the most memory was in use
 
 
 def weights_mb(module: nn.Module) -> float:
@@ -163,6 +164,33 @@ def peak_intermediate_bytes(fn: Callable[[], Any], stats: Any) -> tuple[int, Any
     return stats.peak() - base, out
 
 
+def peak_module(fn: Callable[[], Any], model: nn.Module, stats: Any) -> tuple[str, int]:
+    """(name, bytes): the leaf module of ``model`` during whose forward the most memory was in use,
+    and that peak above what was allocated before ``fn()``: where to look when a budget is missed.
+    Work outside leaf modules (a residual add, a concat) shows in the next leaf's starting point."""
+    names = {id(m): n for n, m in model.named_modules() if not m._modules}
+    best = ("", 0)
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if id(module) in names:
+            stats.reset_peak()
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        nonlocal best
+        if id(module) in names and stats.peak() - base > best[1]:
+            best = (f"{names[id(module)]} ({type(module).__name__})", stats.peak() - base)
+
+    hooks = torch.nn.modules.module
+    handles = [hooks.register_module_forward_pre_hook(pre), hooks.register_module_forward_hook(post)]
+    try:
+        base = stats.allocated()
+        fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return best
+
+
 def component_memory(component: str, module: nn.Module, fn: Callable[[], Any], stats: Any = None,
                      warmup: int = 1, repeats: int = 3) -> ComponentMemory:
     """Weights, peak intermediates and median latency of ``fn`` (one call of ``module``) on CUDA.
@@ -171,6 +199,7 @@ def component_memory(component: str, module: nn.Module, fn: Callable[[], Any], s
     for _ in range(warmup):
         fn()
     peak, _ = peak_intermediate_bytes(fn, stats)
+    at, _ = peak_module(fn, module, stats)
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -178,7 +207,7 @@ def component_memory(component: str, module: nn.Module, fn: Callable[[], Any], s
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
-    return ComponentMemory(component, weights_mb(module), peak / MB, sorted(times)[len(times) // 2])
+    return ComponentMemory(component, weights_mb(module), peak / MB, sorted(times)[len(times) // 2], at)
 
 
 @torch.no_grad()

@@ -118,6 +118,12 @@ def test_weights_and_peak_helpers():
     assert (peak, out) == (7, "y")
 
 
+def test_peak_module_finds_where_the_peak_is():
+    mem = FakeMemory(allocated=100)
+    m = model(mem, 10, 70, 20)
+    assert memory.peak_module(lambda: m(torch.ones(1)), m, mem) == ("1.1 (Temp)", 70)
+
+
 # ---------------------------------------------------------------------------------------------
 # The patcher
 
