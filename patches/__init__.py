@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import set_profile
 
-from . import attention, gelu, group_norm, winograd  # noqa: F401  (each registers its patcher)
+from . import attention, gelu, group_norm, memory, winograd  # noqa: F401  (each registers its patcher)
 from .record import PatchRecord
 from .registry import PATCHERS
 

@@ -43,6 +43,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     prof = profiles.get_profile(args.profile)
     print(f"{'profile':>14}: {prof.name} — {prof.description}")
     print(f"{'profiles':>14}: {', '.join(profiles.list_profiles())}")
+    print()
+    for key, value in prof.describe().items():
+        if key not in ("name", "description"):
+            print(f"{key:>24}: {value}")
+    from sd_kernels.profiles.selection import format_table, selection_table
+
+    print(f"\nKernel selection under {prof.name!r} (fp16, SD1.5 shapes; on a device the kernels run on):\n")
+    print(format_table(selection_table(prof)))
     return 0
 
 
@@ -108,8 +116,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sd-kernels", description="Triton kernels for Stable Diffusion in diffusers")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = sub.add_parser("info", help="versions, device and the active profile")
-    info.add_argument("--profile", help="show this profile instead of the detected one")
+    info = sub.add_parser("info", help="versions, device, the active profile and its kernel selection table")
+    info.add_argument("--profile", help="show this profile (a name or a .json path) instead of the detected one")
     info.set_defaults(fn=cmd_info)
     demo = sub.add_parser("demo", help="run a random-weight SD pipeline stock and patched, write a PNG")
     demo.add_argument("--model", help="shipped config (tiny, sd15, sd21, sdxl, ...) or a local pipeline "

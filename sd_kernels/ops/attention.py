@@ -483,20 +483,32 @@ def flash_attention(
 # The path choice
 
 
-# The rule until profiles make it data: flash for head dims up to this, else the partial softmax.
+# The kernel's own head-dim bound; the active profile's on-chip memory may lower it further.
 FLASH_MAX_HEAD_DIM = MAX_HEAD_DIM
 # The partial softmax writes the scores X = q·kᵀ: at most this many bytes of them at a time (the
-# query rows are split into chunks). SD's 4096-token self-attention would need 512 MiB at once.
-PARTIAL_SOFTMAX_MAX_CHUNK_BYTES = 256 * 2**20
+# query rows are split into chunks); None: the active profile's ``chunk_bytes()`` (256 MiB unless it
+# sets an intermediate budget). SD's 4096-token self-attention would need 512 MiB at once.
+PARTIAL_SOFTMAX_MAX_CHUNK_BYTES: int | None = None
 PATHS = ("flash", "partial_softmax", "sdpa")
 
 
+def partial_softmax_chunk_bytes() -> int:
+    from sd_kernels.profiles import active_profile
+
+    return PARTIAL_SOFTMAX_MAX_CHUNK_BYTES or active_profile().chunk_bytes()
+
+
 def _choose_path(q, k, v, attn_mask, batch) -> str:
+    """The active profile's policy (``Profile.attention_path``), then what the kernels can take."""
+    from sd_kernels.profiles import active_profile
+
+    want = active_profile().attention_path(q.shape[-2], k.shape[-2], q.shape[-1], str(q.dtype).removeprefix("torch."))
     reason = kernel_reason(q, k, v, attn_mask, batch=batch)
-    flash_ok = reason is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM and _flash_shape_reason(q, v) is None
+    flash_ok = (want == "flash" and reason is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+                and _flash_shape_reason(q, v) is None)
     if flash_ok and use_kernel("flash_attention", q, k, v, attn_mask):
         return "flash"
-    if use_kernel("partial_softmax_attention", q, k, v, attn_mask, unsupported=reason):
+    if want != "sdpa" and use_kernel("partial_softmax_attention", q, k, v, attn_mask, unsupported=reason):
         return "partial_softmax"
     return "sdpa"
 
@@ -528,7 +540,7 @@ def attention(
         from .softmax_matmul import partial_softmax_attention  # it imports this module: import here
 
         return partial_softmax_attention(
-            q, k, v, attn_mask, scale, max_chunk_bytes=PARTIAL_SOFTMAX_MAX_CHUNK_BYTES,
+            q, k, v, attn_mask, scale, max_chunk_bytes=partial_softmax_chunk_bytes(),
             scores_dtype=torch.float32 if upcast else None,
         )
     return reference.sdpa(q, k, v, attn_mask, scale)

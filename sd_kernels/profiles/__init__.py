@@ -1,40 +1,325 @@
-"""Device profiles: which kernels run on which GPU class.
+"""Device profiles: what runs where, as data.
 
-A profile is data. This first version carries a name, the GPU classes it matches and the ops it
-switches off; memory budgets, on-chip limits and attention/Winograd policies join it in the
-profiles issue. ``SD_KERNELS_PROFILE`` or ``set_profile`` override detection.
+A profile is one JSON file beside this module (``hopper.json``, ``s23-ultra.json``, ...), loaded
+into the frozen ``Profile`` dataclass and validated: an unknown key, a wrong type or a value out of
+bounds is a ``ProfileError`` naming the file, the key and what is allowed. JSON rather than Python
+literals because a profile is a table of device numbers that users copy and edit for their own
+device (``SD_KERNELS_PROFILE=/path/to/mine.json`` loads one), and because docs/profiles.md cites a
+source for each number: the data stays apart from the code that reads it.
+
+Which profile is active: the ``profile=`` argument (``get_profile``/``set_profile``/``patch``), else
+``$SD_KERNELS_PROFILE``, else detection from the CUDA device's name, capability and SM count, else
+``cpu``. The mobile profiles match no device: they are emulations, chosen by name.
+
+What a profile decides (every decision is a pure function of the profile and a shape, so the
+selection table of ``sd-kernels info`` needs no GPU):
+- ``disabled_reason(op)``: an op (or fusion) switched off;
+- ``attention_path(sq, sk, head_dim, dtype)``: flash / partial_softmax / sdpa (the ``attention``
+  policy; "auto" = flash where the head dim and the on-chip memory allow, else the partial softmax);
+- ``winograd_tile(n, c, h, w, k, dtype)``: the Winograd F(m, 3) tile for one conv, or None;
+- ``chunk_bytes()``: how large one chunked intermediate (attention scores, a feed-forward slice) may
+  be, from the intermediate budget;
+- ``memory_budget_bytes()``: the whole process's budget (weights + intermediates), enforced by
+  ``sd_kernels.memory``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
+import pathlib
+import re
+from typing import Any
 
-import torch
+ATTENTION_POLICIES = ("auto", "flash", "partial_softmax", "sdpa")
+WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no Triton import here)
+# Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).
+KNOWN_OPS = ("flash_attention", "partial_softmax_attention", "softmax_matmul", "group_norm", "gelu", "geglu",
+             "linear_geglu", "winograd_conv2d")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# With an intermediate budget, one chunked intermediate (a slice of attention scores or of the
+# feed-forward's 2n-wide projection) may take this share of it: the rest holds the activations
+# that live across the chunk loop (the block's input, q/k/v, the output being filled).
+CHUNK_SHARE = 4
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # no intermediate budget: ops.attention's historical default
+_DIR = pathlib.Path(__file__).parent
+
+
+class ProfileError(ValueError):
+    """A profile file or object that does not validate."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WinogradRule:
+    """Use F(tile, 3) for exactly this conv: x [n, c, h, w] → k channels, in ``dtype``."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    dtype: str
+    tile: int
+
+    def matches(self, n: int, c: int, h: int, w: int, k: int, dtype: str) -> bool:
+        return (self.n, self.c, self.h, self.w, self.k, self.dtype) == (n, c, h, w, k, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """Which CUDA devices a profile is for: capability within [lo, hi], and (if given) a name matching
+    one of ``names`` (regular expressions, searched) and at least ``min_sms`` SMs."""
+
+    capability: tuple[tuple[int, int], tuple[int, int]]
+    names: tuple[str, ...] = ()
+    min_sms: int = 0
+
+    def fits(self, name: str, capability: tuple[int, int], sms: int) -> bool:
+        lo, hi = self.capability
+        return (lo <= capability <= hi and sms >= self.min_sms
+                and (not self.names or any(re.search(p, name) for p in self.names)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
     description: str
-    min_capability: tuple[int, int] | None = None  # CUDA compute capability this profile needs
+    match: Match | None = None  # None: never detected, only chosen by name (CPU, mobile emulations)
+    # Memory the whole process may hold on the device (weights + intermediates), MB; None: the device's.
+    memory_budget_mb: int | None = None
+    # Peak intermediates one component (a UNet step, a VAE decode) should stay under, MB; it sizes
+    # the chunks (attention scores, feed-forward slices). None: no chunking beyond DEFAULT_CHUNK_BYTES.
+    intermediate_budget_mb: int | None = None
+    # On-chip memory per block/workgroup and register file per block, KB; they bound kernel tiles.
+    # register_file_kb None: unknown, so accumulators and score tiles count against shared memory.
+    shared_memory_kb: int | None = None
+    register_file_kb: int | None = None
+    attention: str = "auto"
+    flash_block: tuple[int, int] = (128, 64)  # (BLOCK_M query rows, BLOCK_N keys) of the fit rule
+    flash_min_keys: int = 0  # "auto": below this many keys the partial softmax's scores are small
+    winograd: tuple[WinogradRule, ...] = ()
     disabled_ops: frozenset[str] = frozenset()
+    autotune_cache: str | None = None  # a directory for autotune results ("{name}" is substituted)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- decisions -------------------------------------------------------------------------------
 
     def disabled_reason(self, op: str) -> str | None:
         if op in self.disabled_ops:
             return f"profile {self.name!r} disables {op}"
         return None
 
+    def flash_fit_reason(self, head_dim: int, dtype: str = "float16") -> str | None:
+        """Why the flash kernel's working set does not fit this profile's on-chip memory, or None.
 
-_CATALOG = {
-    p.name: p
-    for p in (
-        Profile("hopper", "NVIDIA Hopper (H100, H200): sm_90", (9, 0)),
-        Profile("ampere", "NVIDIA Ampere and Ada (A100, A10, RTX 30xx/40xx): sm_80-sm_89", (8, 0)),
-        Profile("cuda", "Any other CUDA GPU that Triton supports (sm_70+)", (7, 0)),
-        Profile("cpu", "No GPU: the PyTorch reference, or Triton's interpreter when TRITON_INTERPRET=1"),
-    )
-}
+        Per block: Q, K and V tiles in shared memory (input dtype, one stage), and the fp32
+        accumulator [BLOCK_M, D] plus the fp32 score tile [BLOCK_M, BLOCK_N] in registers, or also in
+        shared memory when the register file is unknown. D is padded to a multiple of 16 (tl.dot).
+        """
+        if self.shared_memory_kb is None:
+            return None
+        bm, bn = self.flash_block
+        d = -(-head_dim // 16) * 16
+        tiles = DTYPE_BYTES.get(dtype, 4) * d * (bm + 2 * bn)
+        accum = 4 * bm * (d + bn)
+        smem, regs = self.shared_memory_kb * 1024, (self.register_file_kb or 0) * 1024
+        if self.register_file_kb is None:
+            if tiles + accum > smem:
+                return (f"tiles {tiles} B + accumulators {accum} B > {smem} B of on-chip memory at head dim "
+                        f"{head_dim} ({bm}x{bn} tile)")
+            return None
+        if tiles > smem:
+            return f"Q/K/V tiles {tiles} B > {smem} B of shared memory at head dim {head_dim} ({bm}x{bn} tile)"
+        if accum > regs:
+            return f"accumulators {accum} B > {regs} B of registers at head dim {head_dim} ({bm}x{bn} tile)"
+        return None
+
+    def attention_choice(self, sq: int, sk: int, head_dim: int, dtype: str = "float16") -> tuple[str, str]:
+        """(path, why) the policy picks before the kernels' own limits: "flash", "partial_softmax"
+        or "sdpa". ``dispatch.use_kernel`` may still refuse a kernel (device, dtype, shape)."""
+        if self.attention != "auto":
+            return self.attention, f"profile {self.name!r} sets attention={self.attention}"
+        misfit = self.flash_fit_reason(head_dim, dtype)
+        if misfit is not None:
+            return "partial_softmax", misfit
+        if sk < self.flash_min_keys:
+            return "partial_softmax", f"{sk} keys < flash_min_keys {self.flash_min_keys}: scores are small"
+        return "flash", f"head dim {head_dim} fits on chip"
+
+    def attention_path(self, sq: int, sk: int, head_dim: int, dtype: str = "float16") -> str:
+        return _attention_path(self, sq, sk, head_dim, dtype)  # memoized: it runs once per attention call
+
+    def winograd_tile(self, n: int, c: int, h: int, w: int, k: int, dtype: Any) -> int | None:
+        """The Winograd tile for a 3×3 conv x [n, c, h, w] → k channels in ``dtype`` (a torch dtype or
+        its name), or None (stock conv). Only the profile's listed shapes: each is a measured win."""
+        if self.disabled_reason("winograd_conv2d"):
+            return None
+        name = str(dtype).removeprefix("torch.")
+        return next((r.tile for r in self.winograd if r.matches(n, c, h, w, k, name)), None)
+
+    def routes_winograd(self, c: int, k: int) -> bool:
+        """Whether any call of a c → k channel 3×3 conv may be routed (the patch swaps only those)."""
+        return not self.disabled_reason("winograd_conv2d") and any((r.c, r.k) == (c, k) for r in self.winograd)
+
+    def chunk_bytes(self) -> int:
+        """The most bytes one chunked intermediate may take (see CHUNK_SHARE)."""
+        if self.intermediate_budget_mb is None:
+            return DEFAULT_CHUNK_BYTES
+        return self.intermediate_budget_mb * 2**20 // CHUNK_SHARE
+
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget_mb is None else self.memory_budget_mb * 2**20
+
+    def autotune_cache_dir(self) -> pathlib.Path | None:
+        if self.autotune_cache is None:
+            return None
+        return pathlib.Path(os.path.expanduser(self.autotune_cache.format(name=self.name)))
+
+    def describe(self) -> dict[str, Any]:
+        """The profile as plain data (what ``sd-kernels info`` prints and a JSON file holds)."""
+        return _to_json(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attention_path(p: Profile, sq: int, sk: int, head_dim: int, dtype: str) -> str:
+    return p.attention_choice(sq, sk, head_dim, dtype)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and loading
+
+
+def _fail(where: str, key: str, value: Any, allowed: str) -> None:
+    raise ProfileError(f"profile {where}: {key} = {value!r}; expected {allowed}")
+
+
+def _check_int(where: str, key: str, value: Any, lo: int, hi: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        _fail(where, key, value, f"an integer in [{lo}, {hi}]" + (" or null" if optional else ""))
+
+
+def _validate(p: Profile) -> None:
+    where = repr(p.name)
+    if not isinstance(p.name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", p.name):
+        _fail(where, "name", p.name, "lower-case letters, digits and dashes")
+    if not isinstance(p.description, str) or not p.description:
+        _fail(where, "description", p.description, "a non-empty string")
+    _check_int(where, "memory_budget_mb", p.memory_budget_mb, 64, 2**22)
+    _check_int(where, "intermediate_budget_mb", p.intermediate_budget_mb, 4, 2**20)
+    _check_int(where, "shared_memory_kb", p.shared_memory_kb, 4, 1024)
+    _check_int(where, "register_file_kb", p.register_file_kb, 4, 1024)
+    _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
+    if p.attention not in ATTENTION_POLICIES:
+        _fail(where, "attention", p.attention, f"one of {ATTENTION_POLICIES}")
+    bm, bn = p.flash_block if len(p.flash_block) == 2 else (0, 0)
+    if not all(isinstance(b, int) and 16 <= b <= 256 and b & (b - 1) == 0 for b in (bm, bn)):
+        _fail(where, "flash_block", p.flash_block, "[BLOCK_M, BLOCK_N], powers of two in [16, 256]")
+    unknown = set(p.disabled_ops) - set(KNOWN_OPS)
+    if unknown:
+        _fail(where, "disabled_ops", sorted(unknown), f"names from {KNOWN_OPS}")
+    for r in p.winograd:
+        if r.tile not in WINOGRAD_TILES or r.dtype not in DTYPE_BYTES or min(r.n, r.c, r.h, r.w, r.k) < 1:
+            _fail(where, "winograd", dataclasses.asdict(r),
+                  f"positive n, c, h, w, k; dtype in {tuple(DTYPE_BYTES)}; tile in {WINOGRAD_TILES}")
+    if p.match is not None:
+        lo, hi = p.match.capability
+        if not lo <= hi:
+            _fail(where, "match.capability", [lo, hi], "[[major, minor], [major, minor]], low ≤ high")
+    if p.memory_budget_mb and p.intermediate_budget_mb and p.intermediate_budget_mb > p.memory_budget_mb:
+        _fail(where, "intermediate_budget_mb", p.intermediate_budget_mb, f"≤ memory_budget_mb {p.memory_budget_mb}")
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Profile)}
+_MATCH_KEYS = {"capability", "names", "min_sms"}
+_WINOGRAD_KEYS = {f.name for f in dataclasses.fields(WinogradRule)}
+
+
+def _keys(where: str, what: str, data: Any, allowed: set[str], required: set[str]) -> None:
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {where}: {what} must be an object, got {type(data).__name__}")
+    unknown, missing = set(data) - allowed, required - set(data)
+    if unknown:
+        raise ProfileError(f"profile {where}: unknown key(s) {sorted(unknown)} in {what}; known: {sorted(allowed)}")
+    if missing:
+        raise ProfileError(f"profile {where}: {what} lacks {sorted(missing)}")
+
+
+def _tuple_pair(where: str, key: str, value: Any) -> tuple[int, int]:
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+        _fail(where, key, value, "a pair of integers")
+    return tuple(value)
+
+
+def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
+    """A validated Profile from its JSON form (the keys are the dataclass's fields)."""
+    _keys(where, "the profile", data, _FIELDS, {"name", "description"})
+    kw = dict(data)
+    if kw.get("match") is not None:
+        m = kw["match"]
+        _keys(where, "match", m, _MATCH_KEYS, {"capability"})
+        cap = m["capability"]
+        if not isinstance(cap, list) or len(cap) != 2:
+            _fail(where, "match.capability", cap, "[[major, minor], [major, minor]]")
+        names = m.get("names", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            _fail(where, "match.names", names, "a list of regular expressions")
+        kw["match"] = Match((_tuple_pair(where, "match.capability", cap[0]),
+                             _tuple_pair(where, "match.capability", cap[1])), tuple(names), m.get("min_sms", 0))
+    if "flash_block" in kw:
+        kw["flash_block"] = _tuple_pair(where, "flash_block", kw["flash_block"])
+    rules = []
+    for r in kw.get("winograd", []):
+        _keys(where, "a winograd rule", r, _WINOGRAD_KEYS, _WINOGRAD_KEYS)
+        rules.append(WinogradRule(**r))
+    kw["winograd"] = tuple(rules)
+    ops = kw.get("disabled_ops", [])
+    if not isinstance(ops, list):
+        _fail(where, "disabled_ops", ops, "a list of op names")
+    kw["disabled_ops"] = frozenset(ops)
+    try:
+        return Profile(**kw)
+    except TypeError as exc:  # a value of the wrong type that the bounds checks tripped over
+        raise ProfileError(f"profile {where}: {exc}") from None
+
+
+def _to_json(p: Profile) -> dict[str, Any]:
+    out = dataclasses.asdict(p)
+    out["disabled_ops"] = sorted(p.disabled_ops)
+    out["flash_block"] = list(p.flash_block)
+    if p.match is not None:
+        out["match"] = {"capability": [list(c) for c in p.match.capability], "names": list(p.match.names),
+                        "min_sms": p.match.min_sms}
+    return out
+
+
+def load_file(path: str | os.PathLike) -> Profile:
+    path = pathlib.Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile file {path}: not valid JSON ({exc})") from None
+    return from_dict(data, str(path))
+
+
+def _load_catalog() -> dict[str, Profile]:
+    catalog = {}
+    for path in sorted(_DIR.glob("*.json")):
+        p = load_file(path)
+        if p.name != path.stem:
+            raise ProfileError(f"profile file {path}: name {p.name!r} differs from the file name")
+        catalog[p.name] = p
+    return catalog
+
+
+_CATALOG = _load_catalog()
+# Detection tries these in order; the first whose ``match`` fits wins (most specific first).
+DETECTION_ORDER = ("hopper", "ampere", "consumer", "cuda")
 _active: Profile | None = None
 
 
@@ -42,36 +327,53 @@ def list_profiles() -> list[str]:
     return list(_CATALOG)
 
 
-def detect_profile(capability: tuple[int, int] | None) -> Profile:
-    """The most specific catalog profile for a CUDA capability (None: no GPU)."""
-    if capability is None:
+def detect_profile(device: Any | None) -> Profile:
+    """The catalog profile for a CUDA device: anything with ``name``, ``major``, ``minor`` and
+    ``multi_processor_count`` (torch.cuda.get_device_properties, or a fake); None: no GPU → cpu."""
+    if device is None:
         return _CATALOG["cpu"]
-    for p in _CATALOG.values():
-        if p.min_capability is not None and capability >= p.min_capability:
-            return p
+    cap, sms = (device.major, device.minor), device.multi_processor_count
+    for name in DETECTION_ORDER:
+        match = _CATALOG[name].match
+        if match is not None and match.fits(device.name, cap, sms):
+            return _CATALOG[name]
     return _CATALOG["cpu"]
 
 
-def get_profile(name: str | None = None) -> Profile:
-    """The named profile, else $SD_KERNELS_PROFILE, else the one detected for the current GPU."""
-    name = name or os.environ.get("SD_KERNELS_PROFILE")
-    if name:
-        if name not in _CATALOG:
-            raise ValueError(f"unknown profile {name!r}; known profiles: {', '.join(_CATALOG)}")
-        return _CATALOG[name]
-    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    return detect_profile(cap)
+def _resolve(profile: str | Profile) -> Profile:
+    if isinstance(profile, Profile):
+        return profile
+    if not isinstance(profile, str):
+        raise TypeError(f"profile must be a name, a Profile or None, got {type(profile).__name__}")
+    if profile in _CATALOG:
+        return _CATALOG[profile]
+    if profile.endswith(".json") and os.path.isfile(profile):
+        return load_file(profile)
+    raise ValueError(f"unknown profile {profile!r}; known profiles: {', '.join(_CATALOG)} (or a path to a .json)")
+
+
+def get_profile(profile: str | Profile | None = None) -> Profile:
+    """``profile`` (a name, a JSON path or a Profile), else $SD_KERNELS_PROFILE, else the profile
+    detected for the current CUDA device (cpu without one)."""
+    if profile is None:
+        profile = os.environ.get("SD_KERNELS_PROFILE") or None
+    if profile is not None:
+        return _resolve(profile)
+    import torch
+
+    return detect_profile(torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None)
 
 
 def active_profile() -> Profile:
+    """The profile dispatch consults: the last ``set_profile``, else ``get_profile()``."""
     global _active
     if _active is None:
         _active = get_profile()
     return _active
 
 
-def set_profile(name: str | None) -> Profile:
-    """Make ``name`` (or the detected profile, for None) the one dispatch consults."""
+def set_profile(profile: str | Profile | None) -> Profile:
+    """Make ``profile`` (or, for None, the one get_profile() picks) the one dispatch consults."""
     global _active
-    _active = get_profile(name)
+    _active = get_profile(profile)
     return _active

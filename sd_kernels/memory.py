@@ -1,0 +1,235 @@
+"""Memory budgets and the paper's memory report.
+
+Budget. A profile's ``memory_budget_mb`` is what the whole process may hold on the device (weights
+and intermediates). ``BudgetGuard`` enforces it around a call, the way a phone would: it caps the
+CUDA caching allocator at the budget (``torch.cuda.set_per_process_memory_fraction``), so no
+allocation past it ever succeeds, and it tracks which module is running (global forward hooks), so
+that the failure is a ``MemoryBudgetExceeded`` naming the module, the bytes it asked for and the
+budget, instead of the allocator's anonymous OOM. Every module's return is also checked against the
+budget (peak in use since the guard started), which catches the case the cap cannot: a budget above
+what the device has left free, or a stats source other than CUDA (the tests' fakes).
+
+Report. ``component_memory`` measures one component call the way the paper counts (weights MB,
+peak intermediate MB: the peak allocated during the call above what was allocated before it, so the
+inputs and weights are not counted) and its latency; ``memory_report`` does it for a pipeline's text
+encoder, one UNet step and the VAE decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+MB = 2**20
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+class MemoryBudgetExceeded(MemoryError):
+    """A call needed more device memory than the active profile's budget."""
+
+    def __init__(self, op: str, asked: int, budget: int, detail: str = "") -> None:
+        self.op, self.asked, self.budget = op, asked, budget
+        super().__init__(f"{op} needs {asked / MB:.1f} MB ({asked} bytes) of device memory in use, over the "
+                         f"budget of {budget / MB:.1f} MB ({budget} bytes){detail}")
+
+
+class CudaMemory:
+    """What BudgetGuard reads and sets, for one CUDA device (tests pass a fake with these methods)."""
+
+    def __init__(self, device: torch.device | int | None = None) -> None:
+        if not isinstance(device, torch.device):
+            device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def cap(self, budget: int | None) -> None:
+        """Make the allocator refuse to hold more than ``budget`` bytes (None: the whole device)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total),
+                                                   self.device)
+
+
+def requested_bytes(oom: BaseException) -> int | None:
+    """The allocation size an allocator OOM message reports ("Tried to allocate 2.00 GiB"), or None."""
+    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(oom))
+    return None if m is None else int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+class BudgetGuard:
+    """``with BudgetGuard(budget, model): model(...)``: raise MemoryBudgetExceeded, naming the module,
+    as soon as the call needs more than ``budget`` bytes in use (see the module docstring)."""
+
+    def __init__(self, budget: int, model: nn.Module | None = None, label: str = "", stats: Any = None) -> None:
+        self.budget, self.label = budget, label
+        self.stats = CudaMemory() if stats is None else stats
+        self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self._stack: list[nn.Module] = []
+        self._handles: list[Any] = []
+
+    def _name(self, module: nn.Module) -> str:
+        name = self.names.get(id(module))
+        where = f"{self.label}.{name}" if self.label and name else self.label or name
+        return f"{where} ({type(module).__name__})" if where else type(module).__name__
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._stack.append(module)
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        self._stack.pop()
+        peak = self.stats.peak()
+        if peak > self.budget:
+            raise MemoryBudgetExceeded(self._name(module), peak, self.budget, " (peak in use when it returned)")
+
+    def __enter__(self) -> BudgetGuard:
+        self._stack.clear()
+        self.stats.reset_peak()
+        self.stats.cap(self.budget)
+        hooks = torch.nn.modules.module
+        self._handles = [hooks.register_module_forward_pre_hook(self._pre),
+                         hooks.register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.stats.cap(None)
+        if isinstance(exc, torch.OutOfMemoryError):
+            asked = requested_bytes(exc)
+            op = self._name(self._stack[-1]) if self._stack else self.label or "the call"
+            in_use = self.stats.allocated()
+            total = in_use + asked if asked is not None else in_use
+            detail = f" (in use {in_use} bytes + asked {asked} bytes)" if asked is not None else ""
+            raise MemoryBudgetExceeded(op, total, self.budget, detail) from exc
+
+
+def guarded(fn: Callable[..., Any], budget: int, model: nn.Module, label: str) -> Callable[..., Any]:
+    """``fn`` run under ``BudgetGuard(budget, model, label)`` when its inputs are on CUDA."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not tensors or tensors[0].device.type != "cuda":
+            return fn(*args, **kwargs)
+        with BudgetGuard(budget, model, label, CudaMemory(tensors[0].device)):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+
+@dataclasses.dataclass
+class ComponentMemory:
+    component: str
+    weights_mb: float
+    peak_intermediate_mb: float
+    ms: float
+    peak_at: str = ""  # the leaf module in whose forward the most memory was in use
+
+
+def weights_mb(module: nn.Module) -> float:
+    """Parameters and buffers, MB (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total / MB
+
+
+def peak_intermediate_bytes(fn: Callable[[], Any], stats: Any) -> tuple[int, Any]:
+    """(peak allocated during ``fn()`` above what was allocated before it, its result)."""
+    stats.reset_peak()
+    base = stats.allocated()
+    out = fn()
+    if isinstance(stats, CudaMemory):
+        torch.cuda.synchronize(stats.device)
+    return stats.peak() - base, out
+
+
+def peak_module(fn: Callable[[], Any], model: nn.Module, stats: Any) -> tuple[str, int]:
+    """(name, bytes): the leaf module of ``model`` during whose forward the most memory was in use,
+    and that peak above what was allocated before ``fn()``: where to look when a budget is missed.
+    Work outside leaf modules (a residual add, a concat) shows in the next leaf's starting point."""
+    names = {id(m): n for n, m in model.named_modules() if not m._modules}
+    best = ("", 0)
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if id(module) in names:
+            stats.reset_peak()
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        nonlocal best
+        if id(module) in names and stats.peak() - base > best[1]:
+            best = (f"{names[id(module)]} ({type(module).__name__})", stats.peak() - base)
+
+    hooks = torch.nn.modules.module
+    handles = [hooks.register_module_forward_pre_hook(pre), hooks.register_module_forward_hook(post)]
+    try:
+        base = stats.allocated()
+        fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return best
+
+
+def component_memory(component: str, module: nn.Module, fn: Callable[[], Any], stats: Any = None,
+                     warmup: int = 1, repeats: int = 3) -> ComponentMemory:
+    """Weights, peak intermediates and median latency of ``fn`` (one call of ``module``) on CUDA.
+    The warm-up keeps one-time allocations (cuBLAS workspace, Triton compilation) out of the peak."""
+    stats = CudaMemory() if stats is None else stats
+    for _ in range(warmup):
+        fn()
+    peak, _ = peak_intermediate_bytes(fn, stats)
+    at, _ = peak_module(fn, module, stats)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return ComponentMemory(component, weights_mb(module), peak / MB, sorted(times)[len(times) // 2], at)
+
+
+@torch.no_grad()
+def memory_report(pipe, batch: int = 1, prompt: str = "a photograph of an astronaut riding a horse",
+                  stats: Any = None) -> list[ComponentMemory]:
+    """The paper's table for a diffusers SD pipeline on CUDA, in whatever state it is (stock or
+    patched, under whichever profile): text encoder, one UNet step at ``batch``, the VAE decode."""
+    unet, vae = pipe.unet, pipe.vae
+    dev, dtype = unet.device, unet.dtype
+    if dev.type != "cuda":
+        raise ValueError(f"memory_report measures CUDA memory; the pipeline is on {dev}")
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = pipe.tokenizer([prompt] * batch, padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                         truncation=True, return_tensors="pt").input_ids.to(dev)
+    side = unet.config.sample_size
+    latent = torch.randn(batch, unet.config.in_channels, side, side, device=dev, dtype=dtype, generator=g)
+    ctx = torch.randn(batch, ids.shape[1], unet.config.cross_attention_dim, device=dev, dtype=dtype, generator=g)
+    t = torch.tensor(500, device=dev)
+    z = torch.randn(1, vae.config.latent_channels, side, side, device=dev, dtype=vae.dtype, generator=g)
+    return [
+        component_memory("text_encoder", pipe.text_encoder, lambda: pipe.text_encoder(ids)[0], stats),
+        component_memory(f"unet_step_b{batch}", unet,
+                         lambda: unet(latent, t, encoder_hidden_states=ctx, return_dict=False)[0], stats),
+        component_memory("vae_decode", vae, lambda: vae.decode(z, return_dict=False)[0], stats),
+    ]

@@ -1,0 +1,97 @@
+"""The selection table: for SD's shapes, which kernel a profile picks and why.
+
+Computed from the profile and the ops' own shape rules only (no tensors, no GPU): what ``sd-kernels
+info`` prints, and what tests pin so that a profile edit that changes a decision shows up in review.
+It assumes a device the kernels run on (CUDA, or the interpreter); on a CPU without the interpreter
+every op runs its reference regardless (``dispatch.use_kernel``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import Profile
+
+# (label, B, H, Sq, Sk, D): SD1.5's UNet at batch 2 (classifier-free guidance), the VAE's mid-block.
+ATTENTION_SHAPES = [
+    ("self 64²", 2, 8, 4096, 4096, 40), ("cross 64²", 2, 8, 4096, 77, 40),
+    ("self 32²", 2, 8, 1024, 1024, 80), ("cross 32²", 2, 8, 1024, 77, 80),
+    ("self 16²", 2, 8, 256, 256, 160), ("cross 16²", 2, 8, 256, 77, 160),
+    ("vae mid", 1, 1, 4096, 4096, 512),
+]
+GROUP_NORM_SHAPES = [(2, 320, 64, 64), (2, 1280, 8, 8), (1, 512, 64, 64), (1, 128, 512, 512)]  # 32 groups
+GEGLU_SHAPES = [(8192, 320, 1280), (2048, 640, 2560), (512, 1280, 5120)]  # rows × k → n (2n projected)
+CONV_SHAPES = [(2, 320, 64, 64, 320), (2, 640, 32, 32, 640), (2, 1280, 16, 16, 1280), (2, 1280, 8, 8, 1280),
+               (1, 512, 64, 64, 512), (1, 128, 512, 512, 128)]
+
+
+class Row(NamedTuple):
+    op: str
+    shape: str
+    kernel: str
+    why: str
+
+
+def _attention(p: Profile, b: int, h: int, sq: int, sk: int, d: int, dtype: str) -> tuple[str, str]:
+    from sd_kernels.ops.attention import FLASH_MAX_HEAD_DIM
+
+    path, why = p.attention_choice(sq, sk, d, dtype)
+    if path == "flash" and d > FLASH_MAX_HEAD_DIM:
+        path, why = "partial_softmax", f"head dim {d} > the flash kernel's {FLASH_MAX_HEAD_DIM}"
+    if path == "flash" and p.disabled_reason("flash_attention"):
+        path, why = "partial_softmax", p.disabled_reason("flash_attention")
+    if path == "partial_softmax":
+        off = p.disabled_reason("partial_softmax_attention")
+        if off:
+            return "sdpa (stock)", off
+        rows = max(1, min(sq, p.chunk_bytes() // (b * h * sk * 2)))
+        chunks = -(-sq // rows)
+        why += f"; scores in {chunks} chunk(s) of {rows} rows" if chunks > 1 else "; scores in one piece"
+    return ("sdpa (stock)" if path == "sdpa" else path), why
+
+
+def _group_norm(p: Profile, n: int, c: int, h: int, w: int, channels_last: bool) -> tuple[str, str]:
+    from sd_kernels.ops.group_norm import plan
+
+    off = p.disabled_reason("group_norm")
+    if off:
+        return "F.group_norm (stock)", off
+    pl = plan(n, 32, c // 32, h * w, channels_last)
+    kind = "one tile" if pl.one_tile else f"split into {pl.chunks} programs per group" if pl.split else "looped"
+    return "group_norm", f"{kind}; tile {pl.block_c}x{pl.block_s}"
+
+
+def _geglu(p: Profile, rows: int, k: int, n: int) -> tuple[str, str]:
+    from sd_kernels.patches.gelu import LINEAR_GEGLU_MAX_K, fuse_linear_geglu
+
+    if fuse_linear_geglu(rows, k, n) and not p.disabled_reason("linear_geglu"):
+        return "linear_geglu", f"k {k} ≤ LINEAR_GEGLU_MAX_K {LINEAR_GEGLU_MAX_K}: one fused matmul"
+    off = p.disabled_reason("geglu")
+    if off:
+        return "chunk + F.gelu + mul (stock)", off
+    return "cuBLAS linear + geglu", f"k {k} > LINEAR_GEGLU_MAX_K {LINEAR_GEGLU_MAX_K}"
+
+
+def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str) -> tuple[str, str]:
+    tile = p.winograd_tile(n, c, h, w, k, dtype)
+    if tile is None:
+        return "F.conv2d (stock)", p.disabled_reason("winograd_conv2d") or "not in the profile's winograd list"
+    return f"winograd F({tile},3)", "a measured win listed in the profile"
+
+
+def selection_table(profile: Profile, dtype: str = "float16") -> list[Row]:
+    rows = [Row("attention", f"{label} {b}x{h}x{sq}x{sk}x{d}", *_attention(profile, b, h, sq, sk, d, dtype))
+            for label, b, h, sq, sk, d in ATTENTION_SHAPES]
+    rows += [Row("group_norm", f"{n}x{c}x{h}x{w} {'nhwc' if cl else 'nchw'}", *_group_norm(profile, n, c, h, w, cl))
+             for n, c, h, w in GROUP_NORM_SHAPES for cl in (False, True)]
+    rows += [Row("geglu", f"{r}x{k}->{n}", *_geglu(profile, r, k, n)) for r, k, n in GEGLU_SHAPES]
+    rows += [Row("conv3x3", f"{n}x{c}x{h}x{w}->{k}", *_conv(profile, n, c, h, w, k, dtype))
+             for n, c, h, w, k in CONV_SHAPES]
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    widths = [max(len(str(r[i])) for r in [Row._fields, *rows]) for i in range(4)]
+    lines = ["  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip() for r in [Row._fields, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,302 @@
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from sd_kernels import memory, profiles
+from sd_kernels.memory import BudgetGuard, MemoryBudgetExceeded
+
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _profile(monkeypatch):
+    monkeypatch.setattr(profiles, "_active", None)  # patch(profile=...) sets it: keep it to this test
+
+
+class FakeMemory:
+    """The stats BudgetGuard reads, driven by the fake modules below instead of CUDA."""
+
+    def __init__(self, allocated=0):
+        self.now = self.top = allocated
+        self.caps = []
+
+    def allocated(self):
+        return self.now
+
+    def peak(self):
+        return self.top
+
+    def reset_peak(self):
+        self.top = self.now
+
+    def cap(self, budget):
+        self.caps.append(budget)
+
+    def alloc(self, n):
+        self.now += n
+        self.top = max(self.top, self.now)
+
+    def free(self, n):
+        self.now -= n
+
+
+class Temp(nn.Module):
+    """Allocates ``n`` bytes of intermediates for the length of its forward."""
+
+    def __init__(self, mem, n):
+        super().__init__()
+        self.mem, self.n = mem, n
+
+    def forward(self, x):
+        self.mem.alloc(self.n)
+        self.mem.free(self.n)
+        return x
+
+
+class OOM(nn.Module):
+    def forward(self, x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity")
+
+
+def model(mem, *sizes):
+    return nn.Sequential(nn.Identity(), nn.Sequential(*[Temp(mem, n) for n in sizes]))
+
+
+def test_within_budget_runs_and_the_cap_is_set_then_lifted():
+    mem = FakeMemory(allocated=100 * MiB)
+    m = model(mem, 10 * MiB, 20 * MiB)
+    with BudgetGuard(128 * MiB, m, "unet", stats=mem):
+        m(torch.ones(1))
+    assert mem.caps == [128 * MiB, None]
+
+
+def test_over_budget_names_the_module_the_bytes_and_the_budget():
+    mem = FakeMemory(allocated=100 * MiB)
+    m = model(mem, 10 * MiB, 40 * MiB, 1 * MiB)
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        with BudgetGuard(128 * MiB, m, "unet", stats=mem):
+            m(torch.ones(1))
+    err = info.value
+    assert err.op == "unet.1.1 (Temp)" and err.asked == 140 * MiB and err.budget == 128 * MiB
+    assert "unet.1.1 (Temp)" in str(err) and str(140 * MiB) in str(err) and str(128 * MiB) in str(err)
+    assert mem.caps[-1] is None  # lifted on the way out
+
+
+def test_allocator_oom_under_the_cap_becomes_the_clear_error():
+    mem = FakeMemory(allocated=3 * 2**30)
+    m = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), OOM()))
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        with BudgetGuard(4 * 2**30, m, "vae.decoder", stats=mem):
+            m(torch.ones(1))
+    assert info.value.op == "vae.decoder.1.1 (OOM)" and info.value.asked == 5 * 2**30
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_hooks_are_gone_after_the_guard():
+    mem = FakeMemory()
+    m = model(mem, 10 * MiB)
+    with BudgetGuard(64 * MiB, m, stats=mem):
+        m(torch.ones(1))
+    big = model(mem, 1000 * MiB)
+    big(torch.ones(1))  # no guard, no error
+
+
+@pytest.mark.parametrize("text, n", [
+    ("Tried to allocate 2.00 GiB.", 2 * 2**30), ("Tried to allocate 20.50 MiB", 21495808), ("out of memory", None),
+])
+def test_requested_bytes(text, n):
+    assert memory.requested_bytes(RuntimeError(text)) == n
+
+
+def test_weights_and_peak_helpers():
+    lin = nn.Linear(16, 8).to(torch.float16)
+    assert memory.weights_mb(lin) == (16 * 8 + 8) * 2 / MiB
+    mem = FakeMemory(allocated=5)
+    peak, out = memory.peak_intermediate_bytes(lambda: (mem.alloc(7), mem.free(7), "y")[-1], mem)
+    assert (peak, out) == (7, "y")
+
+
+def test_peak_module_finds_where_the_peak_is():
+    mem = FakeMemory(allocated=100)
+    m = model(mem, 10, 70, 20)
+    assert memory.peak_module(lambda: m(torch.ones(1)), m, mem) == ("1.1 (Temp)", 70)
+
+
+# ---------------------------------------------------------------------------------------------
+# The patcher
+
+
+def test_chunked_feed_forward_matches_the_original():
+    from diffusers.models.attention import FeedForward
+    from sd_kernels.patches.memory import ChunkedFeedForward
+
+    torch.manual_seed(0)
+    ff = FeedForward(8, mult=4, activation_fn="geglu").double()
+    x = torch.randn(2, 13, 8, dtype=torch.float64)
+    chunked = ChunkedFeedForward(ff, max_bytes=2 * 2 * 64 * 8 * 3)  # 3 tokens per slice at batch 2
+    assert chunked.chunk_tokens(2, 8) == 3
+    torch.testing.assert_close(chunked(x), ff(x), rtol=1e-14, atol=1e-14)
+    assert chunked.state_dict().keys() == ff.state_dict().keys()
+    assert ChunkedFeedForward(ff, max_bytes=1)(x).shape == x.shape  # one token at a time
+
+
+def test_patch_under_a_mobile_profile_chunks_guards_and_reverts():
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
+
+    unet = models.build_model("tiny", "unet")
+    before = {n: type(m) for n, m in unet.named_modules()}
+    record = patch(unet, profile="s23-ultra", ops=["memory"])
+    assert record.counts["memory.ChunkedFeedForward"] == sum(1 for t in before.values() if t.__name__ == "FeedForward")
+    assert record.counts["memory.budget(4096 MB)"] == 1 and "forward" in unet.__dict__
+    x = torch.randn(1, 4, 16, 16)
+    ctx = torch.randn(1, 77, 32)
+    with torch.no_grad():
+        patched = unet(x, 10, ctx).sample  # on CPU the guard stands aside
+    unpatch(unet)
+    assert {n: type(m) for n, m in unet.named_modules()} == before and "forward" not in unet.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(patched, unet(x, 10, ctx).sample, rtol=0, atol=0)
+
+
+def test_desktop_profiles_change_nothing():
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
+
+    unet = models.build_model("tiny", "unet")
+    record = patch(unet, profile="hopper", ops=["memory"])
+    assert sum(record.counts.values()) == 0
+    unpatch(unet)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+def test_gpu_budget_exceeded_is_the_clear_error_not_an_oom():
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
+
+    unet = models.build_model("tiny", "unet", device="cuda", dtype=torch.float16)
+    tight = dataclasses.replace(profiles.get_profile("s23-ultra"), name="tight", memory_budget_mb=64)
+    patch(unet, profile=tight, ops=["memory"])
+    try:
+        x = torch.randn(16, 4, 128, 128, device="cuda", dtype=torch.float16)  # ≫ 64 MB of activations
+        ctx = torch.randn(16, 77, 32, device="cuda", dtype=torch.float16)
+        with pytest.raises(MemoryBudgetExceeded, match=r"UNet2DConditionModel.*budget of 64.0 MB"):
+            with torch.no_grad():
+                unet(x, 10, ctx)
+        with torch.no_grad():
+            unet(x[:1, :, :16, :16], 10, ctx[:1])  # a small call still runs: the cap was lifted
+    finally:
+        unpatch(unet)
+        profiles.set_profile(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_sd15_unet_step_fits_the_papers_84_mb_under_s23_ultra():
+    """The paper's figure: 84 MB of intermediates (arXiv 2304.11267). SD1.5 UNet, batch 1, fp16."""
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("sd15", device="cuda", dtype=torch.float16)
+    patch(pipe, profile="s23-ultra")
+    try:
+        unet_row = memory.memory_report(pipe, batch=1)[1]
+    finally:
+        unpatch(pipe)
+        profiles.set_profile(None)
+    assert unet_row.peak_intermediate_mb <= 84, unet_row
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiled VAE decode
+
+
+def _img(x):
+    return (x / 2 + 0.5).clamp(0, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae():
+    from sd_kernels import models
+
+    torch.manual_seed(0)
+    return models.build_model("tiny", "vae")
+
+
+def test_receptive_radius_and_tile_side(tiny_vae):
+    from sd_kernels.patches.memory import receptive_radius, tile_side
+
+    # tiny decoder: 4 convs at 1x, upsampler conv at 2x, 4 at 2x, upsampler at 4x, 4 at 4x, conv_out at 4x
+    assert receptive_radius(tiny_vae.decoder) == 8  # 4 + 0.5 + 2 + 0.25 + 1 + 0.25
+    widest = 32 * 4 * 4 * 4  # the 32-channel convs at 4x, fp32
+    assert tile_side(tiny_vae.decoder, (30 + 16) ** 2 * widest, 4, 8) == 30
+    assert tile_side(tiny_vae.decoder, 1, 4, 8) == 8
+
+
+@pytest.mark.parametrize("tile, halo, min_db, max_db", [(8, 8, 100, None), (5, 8, 100, None), (8, 0, None, 35)])
+def test_tiled_decode_has_no_seams_with_the_receptive_halo(tiny_vae, tile, halo, min_db, max_db):
+    """Global GroupNorm statistics + a halo as wide as the receptive field: the tiles are the untiled
+    decode to rounding. Without a halo the seams show (the test can fail)."""
+    from sd_kernels.patches.memory import tiled_decoder_forward
+
+    from sd_kernels.testing import psnr
+
+    z = torch.randn(1, 4, 16, 13)
+    with torch.no_grad():
+        ref, out = tiny_vae.decoder(z), tiled_decoder_forward(tiny_vae.decoder, z, tile, halo)
+    db = psnr(_img(out), _img(ref))
+    assert out.shape == ref.shape
+    assert (min_db is None or db >= min_db) and (max_db is None or db <= max_db), db
+
+
+@pytest.mark.parametrize("ops", [["memory"], ["group_norm", "memory"]])
+def test_patched_vae_decode_tiles_under_a_small_budget(tiny_vae, ops):
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels.testing import psnr
+
+    small = dataclasses.replace(profiles.get_profile("s23-ultra"), name="small", intermediate_budget_mb=4)
+    z = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        ref = tiny_vae.decode(z).sample
+        record = patch(tiny_vae, profile=small, ops=ops)
+        try:
+            assert record.counts["memory.tiled_vae_decode"] == 1
+            out = tiny_vae.decode(z).sample
+        finally:
+            unpatch(tiny_vae)
+    assert "forward" not in tiny_vae.decoder.__dict__
+    assert psnr(_img(out), _img(ref)) >= 40
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_sd15_vae_decode_tiled_under_s23_ultra_has_no_seams():
+    """SD1.5's VAE in fp16: the tiled decode the s23-ultra patch installs vs the untiled one."""
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import models
+    from sd_kernels.testing import psnr
+
+    vae = models.build_model("sd15", "vae", device="cuda", dtype=torch.float16)
+    z = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        record = patch(vae, profile="s23-ultra", ops=["memory"])
+        try:
+            assert record.counts["memory.tiled_vae_decode"] == 1
+            out = vae.decode(z).sample
+        finally:
+            unpatch(vae)
+            profiles.set_profile(None)
+    assert psnr(_img(out.float()), _img(ref.float())) >= 40

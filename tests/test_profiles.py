@@ -1,0 +1,219 @@
+import dataclasses
+import json
+import pathlib
+import re
+import types
+
+import pytest
+import torch
+
+from sd_kernels import profiles
+from sd_kernels.profiles import ProfileError
+from sd_kernels.profiles.selection import selection_table
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("SD_KERNELS_PROFILE", raising=False)
+    monkeypatch.setattr(profiles, "_active", None)
+
+
+def device(name, major, minor, sms=132):
+    return types.SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalog
+
+
+def test_catalog_has_every_class():
+    assert set(profiles.list_profiles()) == {"hopper", "ampere", "consumer", "cuda", "cpu", *MOBILE}
+
+
+@pytest.mark.parametrize("name", profiles.list_profiles())
+def test_every_catalog_file_loads_round_trips_and_is_sane(name):
+    path = pathlib.Path(profiles.__file__).parent / f"{name}.json"
+    p = profiles.load_file(path)
+    assert p == profiles.get_profile(name)
+    assert profiles.from_dict(json.loads(json.dumps(p.describe()))) == p  # describe() is the file format
+    if name in MOBILE:  # emulations: a budget, chunking, no detection, every number documented
+        assert p.match is None and p.memory_budget_mb and p.intermediate_budget_mb and p.shared_memory_kb
+        assert name in (ROOT / "docs" / "profiles.md").read_text()
+
+
+def test_every_op_a_profile_can_disable_is_one_dispatch_is_asked_about():
+    asked = set()
+    for path in (ROOT / "sd_kernels" / "ops").glob("*.py"):
+        asked |= set(re.findall(r'use_kernel\(\s*"(\w+)"', path.read_text()))
+    assert asked == set(profiles.KNOWN_OPS)
+
+
+def test_winograd_tiles_match_the_op():
+    from sd_kernels.ops.winograd import TILES
+
+    assert tuple(profiles.WINOGRAD_TILES) == tuple(TILES)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"colour": "red"}, "unknown key"),
+    ({"memory_budget_mb": -1}, "memory_budget_mb"),
+    ({"memory_budget_mb": "4 GB"}, "memory_budget_mb"),
+    ({"shared_memory_kb": 100000}, "shared_memory_kb"),
+    ({"attention": "fast"}, "attention"),
+    ({"flash_block": [48, 32]}, "flash_block"),
+    ({"disabled_ops": ["gelu", "flash"]}, "disabled_ops"),
+    ({"winograd": [{"n": 2, "c": 1, "h": 1, "w": 1, "k": 1, "dtype": "float16", "tile": 3}]}, "winograd"),
+    ({"winograd": [{"n": 2, "c": 1, "h": 1, "w": 1, "k": 1, "dtype": "float16"}]}, "lacks"),
+    ({"match": {"capability": [[9, 0], [8, 0]]}}, "capability"),
+    ({"match": {"capability": [[9, 0], [9, 9]], "sm": 3}}, "unknown key"),
+    ({"intermediate_budget_mb": 5000, "memory_budget_mb": 4096}, "intermediate_budget_mb"),
+])
+def test_bad_profile_data_is_a_clear_error(patch, message):
+    data = {"name": "mine", "description": "a test", **patch}
+    with pytest.raises(ProfileError, match=message):
+        profiles.from_dict(data, "mine.json")
+
+
+def test_profile_is_frozen_and_replace_validates():
+    p = profiles.get_profile("hopper")
+    q = dataclasses.replace(p, attention="partial_softmax")
+    assert q.attention == "partial_softmax" and p.attention == "auto"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.attention = "sdpa"
+    with pytest.raises(ProfileError, match="attention"):
+        dataclasses.replace(p, attention="naive")
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection and precedence
+
+
+@pytest.mark.parametrize("dev, name", [
+    (None, "cpu"),
+    (device("NVIDIA H100 80GB HBM3", 9, 0), "hopper"),
+    (device("NVIDIA H100 PCIe", 9, 0, 114), "hopper"),
+    (device("NVIDIA H200", 9, 0), "hopper"),
+    (device("NVIDIA A100-SXM4-80GB", 8, 0, 108), "ampere"),
+    (device("NVIDIA A10", 8, 6, 72), "ampere"),
+    (device("NVIDIA GeForce RTX 4090", 8, 9, 128), "consumer"),
+    (device("NVIDIA GeForce RTX 3060", 8, 6, 28), "consumer"),
+    (device("NVIDIA A1000 Laptop GPU", 8, 6, 16), "consumer"),  # "A10" must not match inside a word
+    (device("Tesla V100-SXM2-16GB", 7, 0, 80), "cuda"),
+    (device("Tesla T4", 7, 5, 40), "cuda"),
+    (device("NVIDIA B200", 10, 0, 148), "cuda"),
+    (device("Tesla P100", 6, 0, 56), "cpu"),  # below what Triton supports
+])
+def test_detection_from_device_properties(dev, name):
+    assert profiles.detect_profile(dev).name == name
+
+
+def test_min_sms_is_part_of_a_match():
+    m = profiles.Match(((9, 0), (9, 9)), min_sms=100)
+    assert m.fits("x", (9, 0), 132) and not m.fits("x", (9, 0), 66)
+
+
+def test_precedence_argument_then_environment_then_detection(monkeypatch, tmp_path):
+    monkeypatch.setattr(profiles, "detect_profile", lambda dev: profiles.get_profile("consumer"))
+    assert profiles.get_profile().name == "consumer"
+    monkeypatch.setenv("SD_KERNELS_PROFILE", "s23-ultra")
+    assert profiles.get_profile().name == "s23-ultra"
+    assert profiles.get_profile("hopper").name == "hopper"
+    mine = dataclasses.replace(profiles.get_profile("hopper"), name="mine", attention="sdpa")
+    assert profiles.get_profile(mine) is mine
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(mine.describe()))
+    assert profiles.get_profile(str(path)) == mine
+    assert profiles.set_profile(None).name == "s23-ultra" and profiles.active_profile().name == "s23-ultra"
+    assert profiles.set_profile(mine) is profiles.active_profile() is mine
+
+
+def test_unknown_profile_lists_known():
+    with pytest.raises(ValueError, match="hopper"):
+        profiles.get_profile("mali")
+    with pytest.raises(TypeError, match="name, a Profile or None"):
+        profiles.get_profile(3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions
+
+
+@pytest.mark.parametrize("name, flash_dims", [
+    ("hopper", {40, 80, 160, 256}), ("ampere", {40, 80, 160}), ("cuda", {40, 80, 160}),
+    ("s23-ultra", {40}), ("iphone-14-pro-max", {40}), ("mobile-small", set()),
+])
+def test_flash_only_where_on_chip_memory_allows(name, flash_dims):
+    p = profiles.get_profile(name)
+    got = {d for d in (40, 64, 80, 128, 160, 256, 512) if p.attention_path(4096, 4096, d) == "flash"}
+    assert got & {40, 80, 160, 256, 512} == flash_dims
+
+
+def test_mobile_keeps_the_partial_softmax_for_few_keys():
+    p = profiles.get_profile("s23-ultra")
+    assert p.attention_path(4096, 77, 40) == "partial_softmax"
+    assert p.attention_path(4096, 4096, 40) == "flash"
+    assert profiles.get_profile("hopper").attention_path(4096, 77, 40) == "flash"
+
+
+@pytest.mark.parametrize("policy", ["flash", "partial_softmax", "sdpa"])
+def test_explicit_policy_wins(policy):
+    p = dataclasses.replace(profiles.get_profile("s23-ultra"), attention=policy)
+    assert {p.attention_path(256, 256, d) for d in (40, 160, 512)} == {policy}
+
+
+def test_hopper_routes_winograd_exactly_where_it_was_measured_to_win():
+    """docs/results.md: F(2,3) wins only at 2×1280×16² → 1280 (fp16); ties at 2×640×32²."""
+    hopper = profiles.get_profile("hopper")
+    assert hopper.winograd_tile(2, 1280, 16, 16, 1280, torch.float16) == 2
+    assert hopper.winograd_tile(2, 1280, 16, 16, 1280, "float16") == 2
+    for args in [(2, 640, 32, 32, 640), (1, 1280, 16, 16, 1280), (2, 1280, 8, 8, 1280), (2, 320, 64, 64, 320)]:
+        assert hopper.winograd_tile(*args, torch.float16) is None
+    assert hopper.winograd_tile(2, 1280, 16, 16, 1280, torch.bfloat16) is None  # not measured
+    off = dataclasses.replace(hopper, disabled_ops=frozenset({"winograd_conv2d"}))
+    assert off.winograd_tile(2, 1280, 16, 16, 1280, torch.float16) is None
+    for name in set(profiles.list_profiles()) - {"hopper"}:
+        assert profiles.get_profile(name).winograd == ()
+
+
+def test_chunk_bytes_follow_the_intermediate_budget():
+    assert profiles.get_profile("hopper").chunk_bytes() == profiles.DEFAULT_CHUNK_BYTES
+    assert profiles.get_profile("s23-ultra").chunk_bytes() == 84 * 2**20 // profiles.CHUNK_SHARE
+
+
+# ---------------------------------------------------------------------------------------------
+# The selection table
+
+
+def _kernels(name):
+    return [(r.op, r.shape.split()[-1] if r.op != "attention" else r.shape, r.kernel)
+            for r in selection_table(profiles.get_profile(name))]
+
+
+def test_selection_table_is_stable_and_pinned():
+    assert _kernels("s23-ultra") == _kernels("s23-ultra")
+    attn = lambda name: [k for op, _, k in _kernels(name) if op == "attention"]
+    # self/cross at 64², 32², 16², then the VAE's D = 512
+    assert attn("hopper") == ["flash"] * 6 + ["partial_softmax"]
+    assert attn("s23-ultra") == ["flash"] + ["partial_softmax"] * 6
+    assert attn("mobile-small") == ["partial_softmax"] * 7
+    convs = [k for op, _, k in _kernels("hopper") if op == "conv3x3"]
+    assert convs == ["F.conv2d (stock)"] * 2 + ["winograd F(2,3)"] + ["F.conv2d (stock)"] * 3
+    off = dataclasses.replace(profiles.get_profile("hopper"), disabled_ops=frozenset(profiles.KNOWN_OPS))
+    assert {r.kernel.split()[-1] for r in selection_table(off)} == {"(stock)"}
+
+
+def test_attention_follows_the_active_profile(monkeypatch):
+    from sd_kernels.ops import attention as attn_mod
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.zeros(1, 1, 2048, 80)
+    profiles.set_profile("hopper")
+    assert attn_mod.attention_path(q, q, q) == "flash"
+    profiles.set_profile("s23-ultra")
+    assert attn_mod.attention_path(q, q, q) == "partial_softmax"
+    assert attn_mod.partial_softmax_chunk_bytes() == 21 * 2**20
+    profiles.set_profile(dataclasses.replace(profiles.get_profile("hopper"), attention="sdpa"))
+    assert attn_mod.attention_path(q, q, q) == "sdpa"
