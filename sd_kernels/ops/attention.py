@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -35,14 +34,13 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv, next_pow2
+from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
 
 MAX_HEAD_DIM = 256  # flash keeps a [BLOCK_M, D] fp32 accumulator in registers: beyond this it spills
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
-# Autotuning on a new (shape bucket, dtype): the GPU tests switch it off (first config) to save
-# compile time; a separate test runs every config.
-AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
+# AUTOTUNE (SD_KERNELS_AUTOTUNE, read in sd_kernels.launch) is read here as a module global: the GPU
+# tests switch it off for this module (first config) to save compile time; a separate test runs every config.
 # Shared memory the pruner lets a config plan for: Hopper's 227 KiB per block less headroom. On GPUs
 # with less, configs that do not fit fail to compile and the autotuner skips them (OutOfResources).
 SMEM_BUDGET = 200 * 1024
