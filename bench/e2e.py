@@ -16,9 +16,11 @@ patched + CUDA graph, patched + torch.compile. Per row:
   (steps - 1) / (time of a steps-step call - time of a 1-step call). Text encoding and the decode
   cancel out; the scheduler and guidance stay in, as in the progress bar's it/s.
 - ``unet_ms`` / ``vae_ms``: one UNet step (batch 2) / one VAE decode, steady state over back-to-back
-  calls, run the variant's way (eager, compiled, or replayed from a CUDA graph the bench captures).
-  ``*_device_ms``: the same call replayed from a CUDA graph (for compiled variants:
-  torch.compile + CUDA graph), i.e. device time without the host's launch cost.
+  calls, run the variant's way: eager, compiled, or replayed from CUDA graphs ("+graph": the UNet
+  through ``patch(cuda_graph=True)``'s graphs, input copies included, where this build has them;
+  otherwise, and for the VAE, a graph the bench captures). ``*_device_ms``: the same call replayed
+  from a CUDA graph (for compiled variants: torch.compile + CUDA graph), the device time without the
+  host's launch cost.
 - ``peak_MB``: ``torch.cuda.max_memory_allocated`` from before the variant is set up until after its
   pipeline calls (compilation, graph capture and the weights included); ``peak_over_weights_MB``
   subtracts the weights of UNet, VAE and text encoders.
@@ -358,7 +360,10 @@ class Bench:
                 if not cuda:
                     row[f"{part}_ms"] = round(statistics.median(wall_ms(call) for _ in range(self.repeats)), 3)
                     continue
-                device_ms = steady_ms(common.graphed(call))
+                if part == "unet" and info["e2e_mode"] == "graph":  # sd_kernels.patch replays its own graphs
+                    device_ms = steady_ms(call)
+                else:
+                    device_ms = steady_ms(common.graphed(call))
                 row[f"{part}_ms"] = round(device_ms if setup.graph else steady_ms(call), 3)
                 row[f"{part}_device_ms"] = round(device_ms, 3)
         row["status"] = "ok"
@@ -483,6 +488,19 @@ def ablation_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def ablation_total(rows: list[dict[str, Any]]) -> str:
+    """The last measured ablation row against the baseline, beside the paper's reductions ("" if none)."""
+    from bench.report import cell
+
+    last = next((r for r in reversed(rows) if r.get("status") == "ok"), None)
+    if not rows or last is None or last is rows[0]:
+        return ""
+    paper = ", ".join(f"{v}% {k}" for k, v in PAPER_REDUCTION.items())
+    latency, memory = (cell(k, last.get(k)) for k in ("latency_change_pct", "memory_change_pct"))
+    return (f"Total, {last['variant']} vs baseline: latency {latency}, peak memory over the weights {memory} "
+            f"(the paper: {paper})")
+
+
 ABLATION_SHORT = ["variant", "e2e_ms", "latency_change_pct", "unet_ms", "unet_change_pct", "vae_ms", "peak_MB",
                   "peak_over_weights_MB", "memory_change_pct", "patched", "status"]
 
@@ -526,11 +544,9 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
     if abl:
         print("\n== ablation (cumulative; UNet step from CUDA graphs):")
         print(common.format_table(abl, ABLATION_SHORT))
-        last = next((r for r in reversed(abl) if r.get("status") == "ok"), None)
-        if last and last is not abl[0]:
-            paper = ", ".join(f"{v}% {k}" for k, v in PAPER_REDUCTION.items())
-            print(f"total: latency {last['latency_change_pct']}%, memory over weights {last['memory_change_pct']}% "
-                  f"({last['variant']} vs baseline; paper: {paper})")
+        total = ablation_total(abl)
+        if total:
+            print(total)
     if e2e:
         print("\n== end to end (ms; *_device_ms: replayed from a CUDA graph):")
         print(common.format_table(e2e, SHORT))

@@ -118,6 +118,8 @@ def test_ablation_changes_are_relative_to_the_baseline():
     assert out[0]["latency_change_pct"] == 0.0
     assert out[1]["latency_change_pct"] == -25.0 and out[1]["memory_change_pct"] == -20.0
     assert "latency_change_pct" not in out[2]
+    assert e2e.ablation_total(out).startswith("Total, + FlashAttention vs baseline: latency -25.0%, peak memory over "
+                                              "the weights -20.0% (the paper: -52% latency")
     assert e2e.ablation_rows(rows[1:]) == []  # no baseline, no changes to report
 
 
