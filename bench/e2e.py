@@ -33,62 +33,27 @@ Random weights from the configs shipped in ``sd_kernels/configs`` unless a model
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
-import inspect
 import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from bench import common
+from bench.report import print_summary
+from bench.setups import ABLATION, NO_COMPILE, VARIANTS, Setup, Unsupported, applied
 
 PROMPT = "a photograph of an astronaut riding a horse"
 BATCH = 2  # one prompt with classifier-free guidance
-PAPER_REDUCTION = {"latency, Samsung S23 Ultra": -52, "latency, iPhone 14 Pro Max": -33}  # arXiv 2304.11267
 ENV_FIELDS = ["device", "torch", "cuda", "triton", "diffusers", "date"]
 FIELDS = ["model", "size", "variant", "status", "steps", "ops", "attention", "patched", "e2e_mode", "e2e_ms",
           "it_per_s", "unet_ms", "unet_device_ms", "vae_ms", "vae_device_ms", "peak_MB", "peak_over_weights_MB",
           "warmup_s", "unet_rel_err", "vae_rel_err", *ENV_FIELDS]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """How a pipeline runs: patched or stock, which op families (None: all), CUDA graphs, torch.compile,
-    and the attention path forced in the profile (the ablation's rows)."""
-
-    name: str
-    patched: bool = False
-    ops: tuple[str, ...] | None = None
-    graph: bool = False
-    compile: bool = False
-    attention: str | None = None
-
-
-VARIANTS = {s.name: s for s in (
-    Setup("stock"),
-    Setup("stock+compile", compile=True),
-    Setup("stock+graph", graph=True),
-    Setup("patched", patched=True),
-    Setup("patched+graph", patched=True, graph=True),
-    Setup("patched+compile", patched=True, compile=True),
-)}
-NO_COMPILE = tuple(name for name, s in VARIANTS.items() if not s.compile)
-
-# The paper's ablation, cumulative; every row replays the UNet step from CUDA graphs (in eager mode
-# an H100 is bound by the host, which would hide the kernels).
-ABLATION = (
-    Setup("baseline", graph=True),
-    Setup("+ partially fused softmax", True, ("attention",), True, attention="partial_softmax"),
-    Setup("+ FlashAttention", True, ("attention",), True, attention="auto"),
-    Setup("+ GroupNorm/GELU fusion", True, ("attention", "gelu", "group_norm"), True, attention="auto"),
-    Setup("+ Winograd", True, ("attention", "gelu", "group_norm", "winograd"), True, attention="auto"),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,78 +193,6 @@ def wall_ms(fn: Callable[[], Any]) -> float:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-class Unsupported(Exception):
-    """A setup this build cannot run (a contract another part of sd-kernels has not delivered yet)."""
-
-
-def _profile_for(attention: str | None):
-    """The active profile with its attention path forced (None: the profile as detected)."""
-    import sd_kernels
-
-    if attention is None:
-        return None
-    prof = sd_kernels.get_profile()
-    if not hasattr(prof, "attention"):
-        raise Unsupported("this build's Profile has no `attention` field to force the path with")
-    return dataclasses.replace(prof, attention=attention)
-
-
-def patch_supports_cuda_graph() -> bool:
-    import sd_kernels
-
-    return "cuda_graph" in inspect.signature(sd_kernels.patch).parameters
-
-
-@contextlib.contextmanager
-def compiled(pipe) -> Iterator[None]:
-    """torch.compile (default mode) of the UNet and the VAE decoder, channels-last as is usual with it."""
-    mods = [pipe.unet, pipe.vae.decoder]
-    saved = [m.__dict__.get("forward") for m in mods]  # a patch may have bound its own forward
-    for m in mods:
-        m.to(memory_format=torch.channels_last)
-        m.forward = torch.compile(m.forward)
-    try:
-        yield
-    finally:
-        for m, old in zip(mods, saved):
-            if old is None:
-                del m.forward
-            else:
-                m.forward = old
-            m.to(memory_format=torch.contiguous_format)
-        torch._dynamo.reset()
-
-
-@contextlib.contextmanager
-def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
-    """Run the block with ``pipe`` set up as ``setup`` says; yields facts for the row."""
-    from sd_kernels.patches import PATCHERS
-
-    import sd_kernels
-
-    missing = set(setup.ops or ()) - set(PATCHERS)
-    if missing:
-        raise Unsupported(f"no {', '.join(sorted(missing))} patcher in this build")
-    info = {"e2e_mode": "compile" if setup.compile else "eager", "patched": "", "profile": ""}
-    with contextlib.ExitStack() as stack:
-        if setup.patched or (setup.graph and patch_supports_cuda_graph()):
-            kwargs: dict[str, Any] = {"ops": setup.ops if setup.patched else ()}
-            if setup.attention:
-                kwargs["profile"] = _profile_for(setup.attention)
-            if setup.graph and patch_supports_cuda_graph():
-                kwargs["cuda_graph"] = True
-                info["e2e_mode"] = "graph"
-            record = sd_kernels.patch(pipe, **kwargs)
-            stack.callback(sd_kernels.unpatch, pipe)
-            info["patched"] = " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
-            info["profile"] = record.profile
-        if setup.graph and info["e2e_mode"] != "graph":
-            info["e2e_mode"] = "eager (no patch(cuda_graph=True) in this build)"
-        if setup.compile:
-            stack.enter_context(compiled(pipe))
-        yield info
 
 
 def weights_bytes(pipe) -> int:
@@ -465,93 +358,6 @@ def _brief(row: dict[str, Any]) -> str:
     g = lambda k: row.get(k, "-")
     return (f"e2e {g('e2e_ms')} ms, {g('it_per_s')} it/s, UNet {g('unet_ms')} ms, VAE {g('vae_ms')} ms, "
             f"peak {g('peak_MB')} MB, warm-up {g('warmup_s')} s")
-
-
-SHORT = ["model", "size", "variant", "e2e_ms", "it_per_s", "unet_ms", "unet_device_ms", "vae_ms", "vae_device_ms",
-         "peak_MB", "warmup_s", "status"]
-
-
-def ablation_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ablation rows with the change of latency and peak memory (over the weights) from the baseline."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok or ok[0]["variant"] != ABLATION[0].name:
-        return []
-    base = ok[0]
-    out = []
-    for r in rows:
-        d = dict(r)
-        if r.get("status") == "ok":
-            for col, key in (("e2e_ms", "latency"), ("unet_ms", "unet"), ("peak_over_weights_MB", "memory")):
-                a, b = _num(base.get(col)), _num(r.get(col))
-                d[f"{key}_change_pct"] = round(100 * (b - a) / a, 1) if a and b is not None else ""
-        out.append(d)
-    return out
-
-
-def ablation_total(rows: list[dict[str, Any]]) -> str:
-    """The last measured ablation row against the baseline, beside the paper's reductions ("" if none)."""
-    from bench.report import cell
-
-    last = next((r for r in reversed(rows) if r.get("status") == "ok"), None)
-    if not rows or last is None or last is rows[0]:
-        return ""
-    paper = ", ".join(f"{v}% {k}" for k, v in PAPER_REDUCTION.items())
-    latency, memory = (cell(k, last.get(k)) for k in ("latency_change_pct", "memory_change_pct"))
-    return (f"Total, {last['variant']} vs baseline: latency {latency}, peak memory over the weights {memory} "
-            f"(the paper: {paper})")
-
-
-ABLATION_SHORT = ["variant", "e2e_ms", "latency_change_pct", "unet_ms", "unet_change_pct", "vae_ms", "peak_MB",
-                  "peak_over_weights_MB", "memory_change_pct", "patched", "status"]
-
-
-def goals(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's H100 goals for SD1.5 at 512², against this run's numbers."""
-    sd15 = {r["variant"]: r for r in rows if r.get("model") == "sd15" and str(r.get("size")) == "512"
-            and r.get("status") == "ok" and r.get("csv", "e2e.csv") == "e2e.csv"}
-
-    def val(variant: str, col: str) -> float | None:
-        return _num(sd15.get(variant, {}).get(col))
-
-    lines = []
-    ours, theirs = val("patched+graph", "unet_ms"), val("stock+compile", "unet_device_ms")
-    if ours and theirs:
-        lines.append(f"UNet step: patched+graph {ours:.2f} ms = {ours / theirs:.2f}x torch.compile+graph "
-                     f"{theirs:.2f} ms (goal <= 0.6x): {'met' if ours <= 0.6 * theirs else 'not met'}")
-    vae = [v for v in (val(n, "vae_device_ms") for n in VARIANTS if n.startswith("patched")) if v]
-    if vae:
-        lines.append(f"VAE decode: best patched {min(vae):.2f} ms (goal <= 4.5 ms): "
-                     f"{'met' if min(vae) <= 4.5 else 'not met'}")
-    e2e = {n: v for n in VARIANTS if n.startswith("patched") and (v := val(n, "e2e_ms"))}
-    if e2e:
-        best = min(e2e, key=e2e.get)
-        lines.append(f"end to end, 20 steps: best patched ({best}) {e2e[best]:.1f} ms (goal <= 100 ms): "
-                     f"{'met' if e2e[best] <= 100 else 'not met'}")
-    return lines
-
-
-def _num(v: Any) -> float | None:
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if x != x else x
-
-
-def print_summary(rows: list[dict[str, Any]]) -> None:
-    e2e = [r for r in rows if r.get("csv", "e2e.csv") == "e2e.csv"]
-    abl = ablation_rows([r for r in rows if r.get("csv") == "ablation.csv"])
-    if abl:
-        print("\n== ablation (cumulative; UNet step from CUDA graphs):")
-        print(common.format_table(abl, ABLATION_SHORT))
-        total = ablation_total(abl)
-        if total:
-            print(total)
-    if e2e:
-        print("\n== end to end (ms; *_device_ms: replayed from a CUDA graph):")
-        print(common.format_table(e2e, SHORT))
-    for line in goals(e2e):
-        print("goal: " + line)
 
 
 def add_arguments(ap: argparse.ArgumentParser, models: bool = True) -> None:

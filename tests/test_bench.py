@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from bench import e2e, plot
+from bench import e2e, plot, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -114,19 +114,20 @@ def _row(variant, e2e_ms, peak, **kw):
 def test_ablation_changes_are_relative_to_the_baseline():
     rows = [_row("baseline", 200.0, 100.0), _row("+ FlashAttention", 150.0, 80.0),
             {"variant": "+ Winograd", "status": "skipped: no winograd patcher in this build"}]
-    out = e2e.ablation_rows(rows)
+    out = report.ablation_rows(rows)
     assert out[0]["latency_change_pct"] == 0.0
     assert out[1]["latency_change_pct"] == -25.0 and out[1]["memory_change_pct"] == -20.0
     assert "latency_change_pct" not in out[2]
-    assert e2e.ablation_total(out).startswith("Total, + FlashAttention vs baseline: latency -25.0%, peak memory over "
-                                              "the weights -20.0% (the paper: -52% latency")
-    assert e2e.ablation_rows(rows[1:]) == []  # no baseline, no changes to report
+    total = report.ablation_total(out)
+    assert total.startswith("Total, + FlashAttention vs baseline: latency -25.0%, peak memory over the weights -20.0% "
+                            "(the paper: -52% latency")
+    assert report.ablation_rows(rows[1:]) == []  # no baseline, no changes to report
 
 
 def test_goals_compare_the_issue_targets():
     rows = [_row("stock+compile", 150.0, 0, unet_device_ms=6.6), _row("patched+graph", 90.0, 0, unet_ms=3.9,
                                                                       vae_device_ms=5.0)]
-    lines = e2e.goals(rows)
+    lines = report.goals(rows)
     assert lines[0].startswith("UNet step: patched+graph 3.90 ms = 0.59x") and lines[0].endswith(": met")
     assert lines[1] == "VAE decode: best patched 5.00 ms (goal <= 4.5 ms): not met"
     assert lines[2].endswith("(patched+graph) 90.0 ms (goal <= 100 ms): met")
