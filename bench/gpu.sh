@@ -7,7 +7,7 @@
 # GPU_STEPS (default "tests,bench,e2e,demo") picks steps, to split the work over several calls (one
 # call may run 10 minutes: "e2e" alone takes them, see docs/benchmarks.md);
 # GPU_TEST_FILES picks test files (default: every file with gpu-marked tests);
-# E2E_ARGS: bench.e2e options (default "--selection quick --max-minutes 8.5").
+# E2E_ARGS: bench.e2e options (default "--selection quick --max-minutes 8").
 set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT_DIR [--quick] [--only FAMILIES]}
 shift
@@ -48,7 +48,7 @@ if [[ $steps == *,bench,* ]]; then
 fi
 if [[ $steps == *,e2e,* ]]; then
   # tqdm's bar goes to stderr, kept out of the log; the rows and the table go to stdout.
-  python3 -m bench.e2e --out "$out" ${E2E_ARGS:---selection quick --max-minutes 8.5} | tee "$out/e2e.log"
+  python3 -m bench.e2e --out "$out" ${E2E_ARGS:---selection quick --max-minutes 8} | tee "$out/e2e.log"
   e2e_rc=${PIPESTATUS[0]}
 fi
 python3 -m bench.plot "$out" > /dev/null 2>&1 || echo "gpu.sh: no plots (nothing measured?)" >&2
