@@ -70,32 +70,52 @@ def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def time_graph_ms(fn: Callable[[], Any], calls: int = 0, replays: int = 10) -> float:
-    """Median milliseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` captured calls.
+def capture(fn: Callable[[], Any], calls: int = 1, warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``calls`` calls of ``fn`` into one CUDA graph; returns the graph and the last output.
 
-    ``fn`` runs once before capture (Triton compiles and autotunes there). Rotating inputs keep
-    rotating: each captured call bakes in the buffers it saw. ``calls`` = 0: enough for ~20 ms.
+    ``fn`` first runs ``warmup`` times on a side stream (Triton compiles and autotunes there, cuDNN
+    picks its algorithms, lazy buffers get allocated), as CUDA graph capture requires. The inputs
+    ``fn`` reads are baked into the graph: replays read the same buffers, whatever they then hold.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
-        if calls <= 0:
-            est = time_ms(fn, warmup=5, rep=20)
-            calls = max(8, min(500, int(20 / max(est, 1e-3))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    out = None
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = fn()
+    return graph, out
+
+
+def graphed(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:
+    """``fn`` as a replay of a CUDA graph of one call: returns the (static) output buffer."""
+    graph, out = capture(fn, warmup=warmup)
+    return lambda: (graph.replay(), out)[1]
+
+
+def time_graph_ms(fn: Callable[[], Any], calls: int = 0, replays: int = 10) -> float:
+    """Median milliseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` captured calls.
+
+    Rotating inputs keep rotating: each captured call bakes in the buffers it saw.
+    ``calls`` = 0: enough for ~20 ms per replay.
+    """
+    if calls <= 0:
+        est = time_ms(fn, warmup=5, rep=20)  # also the warm-up capture needs
+        calls = max(8, min(500, int(20 / max(est, 1e-3))))
+    graph, _ = capture(fn, calls=calls)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+        times.append(start.elapsed_time(end) / calls)
     del graph
     torch.cuda.synchronize()
     return float(sorted(times)[len(times) // 2])

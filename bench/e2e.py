@@ -1,51 +1,135 @@
-"""End-to-end timings on the GPU: one UNet step and one VAE decode, stock vs patched.
+"""End-to-end benchmarks: whole pipeline calls, one UNet step, one VAE decode; stock vs patched.
 
-    python -m bench.e2e --out DIR [--model sd15] [--compile]
+    python -m bench.e2e --out DIR [--selection quick|full] [--models sd15@512,sdxl] [--variants ...]
+                        [--steps 20] [--no-ablation] [--max-minutes 9]
 
-Variants per component: stock eager, stock in a CUDA graph, patched eager, patched in a CUDA graph,
-and the patch restricted to one op family at a time in a CUDA graph (the ablation), optionally
-torch.compile of the stock model. Times are steady-state: ms per call over back-to-back calls.
-Every row carries that time, peak memory over the weights, and the relative error of the output
-against stock in the same dtype. Random weights from the shipped configs.
+Every (model, variant) is one row of ``DIR/e2e.csv``, appended as soon as it is measured (a run
+that is killed keeps what it measured); the paper's cumulative ablation goes to ``DIR/ablation.csv``.
+Variants (``VARIANTS``): stock eager (SDPA), stock + torch.compile, stock + CUDA graph, patched,
+patched + CUDA graph, patched + torch.compile. Per row:
+
+- ``e2e_ms``: one ``pipe(prompt)`` call, ``steps`` denoising steps at batch 1 with classifier-free
+  guidance (UNet batch 2), fp16, output as a tensor; median of repeats after a warm-up call.
+  "+graph" variants call ``sd_kernels.patch(pipe, cuda_graph=True)`` (stock: with no op patched),
+  which replays the UNet step from CUDA graphs; the VAE then runs eagerly.
+- ``it_per_s``: denoising steps per second, from the marginal cost of a step:
+  (steps - 1) / (time of a steps-step call - time of a 1-step call). Text encoding and the decode
+  cancel out; the scheduler and guidance stay in, as in the progress bar's it/s.
+- ``unet_ms`` / ``vae_ms``: one UNet step (batch 2) / one VAE decode, steady state over back-to-back
+  calls, run the variant's way: eager, compiled, or replayed from CUDA graphs ("+graph": the UNet
+  through ``patch(cuda_graph=True)``'s graphs, input copies included, where this build has them;
+  otherwise, and for the VAE, a graph the bench captures). ``*_device_ms``: the same call replayed
+  from a CUDA graph (for compiled variants: torch.compile + CUDA graph), the device time without the
+  host's launch cost.
+- ``peak_MB``: ``torch.cuda.max_memory_allocated`` from before the variant is set up until after its
+  pipeline calls (compilation, graph capture and the weights included); ``peak_over_weights_MB``
+  subtracts the weights of UNet, VAE and text encoders.
+- ``warmup_s``: set-up (patch, compile, capture) plus the first pipeline call.
+- ``*_rel_err``: relative L2 error of the UNet / VAE output against stock eager on the same inputs.
+
+Random weights from the configs shipped in ``sd_kernels/configs`` unless a model is a local path.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import json
+import dataclasses
 import pathlib
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from bench import common
+from bench.report import print_summary
+from bench.setups import ABLATION, NO_COMPILE, VARIANTS, Setup, Unsupported, applied
+
+PROMPT = "a photograph of an astronaut riding a horse"
+BATCH = 2  # one prompt with classifier-free guidance
+ENV_FIELDS = ["device", "torch", "cuda", "triton", "diffusers", "date"]
+FIELDS = ["model", "size", "variant", "status", "steps", "ops", "attention", "patched", "e2e_mode", "e2e_ms",
+          "it_per_s", "unet_ms", "unet_device_ms", "vae_ms", "vae_device_ms", "peak_MB", "peak_over_weights_MB",
+          "warmup_s", "unet_rel_err", "vae_rel_err", *ENV_FIELDS]
 
 
-def cuda_graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """Capture ``fn`` (static inputs) in a CUDA graph after a warm-up on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return lambda: (graph.replay(), out)[1]
+@dataclasses.dataclass(frozen=True)
+class Target:
+    model: str  # a shipped config, or a local pipeline directory (real weights)
+    size: int  # image side in pixels
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}@{self.size}"
 
 
-def steady_ms(fn: Callable[[], Any], calls: int = 20, repeats: int = 3) -> float:
+SELECTIONS = {  # targets; the first gets every variant and the ablation
+    "quick": ("sd15@512", "sd21@768", "sdxl@1024"),
+    "full": ("sd15@512", "sd21@512", "sd21@768", "sdxl@1024"),
+}
+# Rough H100 seconds, for the estimate and --max-minutes: building a pipeline and autotuning the
+# kernels for its shapes; an eager SD1.5 512² UNet step (batch 2, host-bound: 30 ms measured
+# 2026-11-22); compiling UNet + VAE decoder (UNet alone: 61 s measured for SD1.5).
+BUILD_S, STEP_S, COMPILE_S = 30.0, 0.03, {"sd15": 90.0, "sd21": 100.0, "sdxl": 300.0}
+
+
+def parse_targets(text: str) -> list[Target]:
+    """``"sd15@512,sdxl"`` → targets; the size defaults to the config's resolution (512 for a path)."""
+    from sd_kernels import models
+
+    targets = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        model, _, size = item.partition("@")
+        if size and not size.isdigit():
+            raise ValueError(f"--models: size in {item!r} must be pixels, e.g. sd21@768")
+        if model not in models.list_configs() and not pathlib.Path(model).is_dir():
+            raise ValueError(f"--models: {model!r} is neither a shipped config ({', '.join(models.list_configs())})"
+                             " nor a local pipeline directory")
+        default = models.load_config(model).get("resolution", 512) if model in models.list_configs() else 512
+        side = int(size) if size else default
+        if side % 64:
+            raise ValueError(f"--models: size {side} in {item!r} must be a multiple of 64")
+        targets.append(Target(model, side))
+    if not targets:
+        raise ValueError("--models: no model given")
+    return targets
+
+
+def plan(selection: str, targets: Sequence[Target] | None = None, variants: Sequence[str] | None = None,
+         ablation: bool = True) -> list[tuple[Target, Setup, str]]:
+    """(target, setup, csv name) in run order. Without ``variants``: the first target gets all six and
+    the ablation; the others (quick) stock and patched, eager and graphed, or (full) all six."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"--selection {selection!r}: choose from {', '.join(SELECTIONS)}")
+    unknown = set(variants or ()) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    targets = list(targets) if targets else parse_targets(",".join(SELECTIONS[selection]))
+    items = []
+    for i, target in enumerate(targets):
+        names = variants or (VARIANTS if i == 0 or selection == "full" else NO_COMPILE)
+        items += [(target, VARIANTS[n], "e2e.csv") for n in names]
+        if i == 0 and ablation:
+            items += [(target, s, "ablation.csv") for s in ABLATION]
+    return items
+
+
+def estimate_s(target: Target, setup: Setup, steps: int) -> float:
+    """Rough H100 seconds for one plan item (measurements, warm-up, compilation)."""
+    scale = (target.size / 512) ** 2  # SDXL at 1024² costs about 4x SD1.5 at 512², like its pixels
+    run = scale * (3 + STEP_S * (3 * steps + 100))  # 3 pipeline calls, ~100 UNet-step-sized calls
+    return run + (COMPILE_S.get(target.model, 200.0) if setup.compile else 0.0)
+
+
+def steady_ms(fn: Callable[[], Any], calls: int = 10, repeats: int = 3) -> float:
     """Milliseconds per call of ``calls`` back-to-back calls (as a denoising loop issues them), CUDA
-    events around the whole run, median of ``repeats`` runs, after 3 warm-up calls. Unlike timing
-    one call at a time, the host may run ahead of the GPU here: an eager model bound by Python costs
-    its host time, one bound by the GPU its GPU time."""
-    for _ in range(3):
+    events around the whole run, median of ``repeats`` runs, after 2 warm-up calls. The host may run
+    ahead of the GPU: an eager model bound by Python costs its host time, one bound by the GPU its GPU
+    time."""
+    for _ in range(2):
         fn()
     times = []
     for _ in range(repeats):
@@ -57,123 +141,263 @@ def steady_ms(fn: Callable[[], Any], calls: int = 20, repeats: int = 3) -> float
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
-def peak_mb(fn: Callable[[], Any]) -> float:
-    """Peak memory allocated during one call of ``fn`` above what was allocated before it, in MB."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def unet_call(pipe, batch: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+def unet_call(pipe, batch: int, dtype: torch.dtype, side: int | None = None,
+              timestep: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """One UNet step on random inputs shaped as the pipeline's (latent ``side``, default the config's)."""
     unet = pipe.unet
-    side = unet.config.sample_size
-    g = torch.Generator(device="cuda").manual_seed(0)
-    latent = torch.randn(batch, unet.config.in_channels, side, side, device="cuda", dtype=dtype, generator=g)
-    ctx_dim = unet.config.cross_attention_dim
-    ctx = torch.randn(batch, 77, ctx_dim, device="cuda", dtype=dtype, generator=g)
-    t = torch.tensor(500, device="cuda")
+    side = side or unet.config.sample_size
+    dev = unet.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    latent = torch.randn(batch, unet.config.in_channels, side, side, device=dev, dtype=dtype, generator=g)
+    ctx = torch.randn(batch, 77, unet.config.cross_attention_dim, device=dev, dtype=dtype, generator=g)
+    t = torch.tensor(500, device=dev) if timestep is None else timestep
     kwargs: dict[str, Any] = {}
-    if unet.config.addition_embed_type == "text_time":
+    if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text embeddings and size ids
         pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+        px = side * pipe.vae_scale_factor
         kwargs["added_cond_kwargs"] = {
-            "text_embeds": torch.randn(batch, pooled, device="cuda", dtype=dtype, generator=g),
-            "time_ids": torch.tensor([[side * 8, side * 8, 0, 0, side * 8, side * 8]] * batch, device="cuda",
-                                     dtype=dtype),
+            "text_embeds": torch.randn(batch, pooled, device=dev, dtype=dtype, generator=g),
+            "time_ids": torch.tensor([[px, px, 0, 0, px, px]] * batch, device=dev, dtype=dtype),
         }
     return lambda: unet(latent, t, encoder_hidden_states=ctx, return_dict=False, **kwargs)[0]
 
 
-def vae_call(pipe, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    side = pipe.unet.config.sample_size
-    g = torch.Generator(device="cuda").manual_seed(1)
-    latent = torch.randn(1, pipe.vae.config.latent_channels, side, side, device="cuda", dtype=dtype, generator=g)
-    return lambda: pipe.vae.decode(latent / pipe.vae.config.scaling_factor, return_dict=False)[0]
+def vae_call(pipe, dtype: torch.dtype, side: int | None = None) -> Callable[[], torch.Tensor]:
+    side = side or pipe.unet.config.sample_size
+    g = torch.Generator(device=pipe.vae.device).manual_seed(1)
+    latent = torch.randn(1, pipe.vae.config.latent_channels, side, side, device=pipe.vae.device, dtype=dtype,
+                         generator=g) / pipe.vae.config.scaling_factor
+    return lambda: pipe.vae.decode(latent, return_dict=False)[0]
 
 
-def measure_variants(pipe, component: str, call: Callable[[], torch.Tensor], families: list[str],
-                     compile_stock: bool) -> list[dict[str, Any]]:
-    import sd_kernels
+def pipeline_call(pipe, size: int, steps: int) -> Callable[[], Any]:
+    def call() -> Any:
+        gen = torch.Generator(device=pipe.device).manual_seed(0)
+        return pipe(PROMPT, num_inference_steps=steps, height=size, width=size, guidance_scale=7.5,
+                    generator=gen, output_type="pt", return_dict=False)[0]
 
-    rows = []
-    stock_out = call().float()
+    return call
 
-    def row(variant: str, fn: Callable[[], torch.Tensor], warmup_s: float) -> None:
-        out = fn().float()
-        err = ((out - stock_out).norm() / stock_out.norm()).item()
-        ms = steady_ms(fn)
-        rows.append({"component": component, "variant": variant, "ms": round(ms, 3),
-                     "peak_MB": round(peak_mb(fn), 1), "rel_err_vs_stock": f"{err:.3e}",
-                     "warmup_s": round(warmup_s, 1)})
-        print(f"  {component:<5} {variant:<26} {ms:8.3f} ms  peak {rows[-1]['peak_MB']:8.1f} MB  "
-              f"err {err:.2e}  warm-up {warmup_s:.1f} s", flush=True)
 
-    def timed_build(build: Callable[[], Callable[[], torch.Tensor]]) -> tuple[Callable, float]:
-        t = time.perf_counter()
-        fn = build()
-        fn()
+def wall_ms(fn: Callable[[], Any]) -> float:
+    _sync()
+    t = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        return fn, time.perf_counter() - t
 
-    row("stock eager", call, 0.0)
-    row("stock cuda-graph", *timed_build(lambda: cuda_graphed(call)))
-    if compile_stock:
-        model = pipe.unet if component == "unet" else pipe.vae
-        original_forward = model.forward
-        model.forward = torch.compile(original_forward)
+
+def weights_bytes(pipe) -> int:
+    parts = ("unet", "vae", "text_encoder", "text_encoder_2")
+    mods = [getattr(pipe, p, None) for p in parts]
+    return sum(t.numel() * t.element_size() for m in mods if m is not None for t in m.parameters())
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+class Bench:
+    """One pipeline (one target) and the stock outputs every variant's error is measured against."""
+
+    def __init__(self, target: Target, steps: int, device: str = "cuda", dtype: torch.dtype = torch.float16,
+                 repeats: int = 2) -> None:
+        from sd_kernels import models
+
+        self.target, self.steps, self.device, self.repeats = target, steps, device, repeats
+        self.pipe = models.load_pipeline(target.model, device=device, dtype=dtype)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.weights = weights_bytes(self.pipe)
+        self.pipe.scheduler.set_timesteps(steps, device=device)
+        side = target.size // self.pipe.vae_scale_factor
+        t = self.pipe.scheduler.timesteps[0].clone()  # its dtype, as the pipeline passes it (no recompiles)
+        self.unet = unet_call(self.pipe, BATCH, dtype, side, t)
+        self.vae = vae_call(self.pipe, dtype, side)
+        self.ref = {"unet": self.unet().float(), "vae": self.vae().float()}
+
+    def measure(self, setup: Setup) -> dict[str, Any]:
+        """One row: set the pipeline up as ``setup``, time it, undo."""
+        cuda = self.device == "cuda"
+        row: dict[str, Any] = {"model": self.target.model, "size": self.target.size, "variant": setup.name,
+                               "steps": self.steps, "ops": " ".join(setup.ops or ()) if setup.patched else "",
+                               "attention": setup.attention or ""}
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with applied(self.pipe, setup) as info:
+            row.update(e2e_mode=info["e2e_mode"], patched=info["patched"])
+            full, one = pipeline_call(self.pipe, self.target.size, self.steps), pipeline_call(self.pipe,
+                                                                                              self.target.size, 1)
+            wall_ms(full)
+            row["warmup_s"] = round(time.perf_counter() - t0, 1)
+            wall_ms(one)
+            e2e = statistics.median(wall_ms(full) for _ in range(self.repeats))
+            first = statistics.median(wall_ms(one) for _ in range(self.repeats))
+            row["e2e_ms"] = round(e2e, 2)
+            row["it_per_s"] = round((self.steps - 1) * 1e3 / (e2e - first), 2) if e2e > first else ""
+            if cuda:
+                peak = torch.cuda.max_memory_allocated()
+                row["peak_MB"] = round(peak / 2**20, 1)
+                row["peak_over_weights_MB"] = round((peak - self.weights) / 2**20, 1)
+            for part, call in (("unet", self.unet), ("vae", self.vae)):
+                row[f"{part}_rel_err"] = f"{rel_err(call(), self.ref[part]):.3e}"
+                if not cuda:
+                    row[f"{part}_ms"] = round(statistics.median(wall_ms(call) for _ in range(self.repeats)), 3)
+                    continue
+                if part == "unet" and info["e2e_mode"] == "graph":  # sd_kernels.patch replays its own graphs
+                    device_ms = steady_ms(call)
+                else:
+                    device_ms = steady_ms(common.graphed(call))
+                row[f"{part}_ms"] = round(device_ms if setup.graph else steady_ms(call), 3)
+                row[f"{part}_device_ms"] = round(device_ms, 3)
+        row["status"] = "ok"
+        return row
+
+
+class CsvLog:
+    """Rows appended to ``folder/name`` as they come, header written once; a new header must match."""
+
+    def __init__(self, folder: pathlib.Path, env: dict[str, str]) -> None:
+        self.folder, self.env = folder, env
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def append(self, name: str, row: dict[str, Any]) -> None:
+        path = self.folder / name
+        new = not path.exists() or path.stat().st_size == 0
+        if not new:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != FIELDS:
+                raise ValueError(f"{path} has another schema (columns {header[:4]}...); write to another --out")
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+            if new:
+                w.writeheader()
+            w.writerow({**row, **{k: self.env.get(k, "") for k in ENV_FIELDS}})
+
+
+def run(items: list[tuple[Target, Setup, str]], out: pathlib.Path, steps: int, max_minutes: float,
+        device: str = "cuda", dtype: torch.dtype = torch.float16, repeats: int = 2) -> list[dict[str, Any]]:
+    """Measure ``items`` in order, appending rows to ``out``'s CSVs; returns the rows."""
+    from tqdm import tqdm
+
+    log = CsvLog(out, common.environment())
+    budget, start = max_minutes * 60, time.perf_counter()
+    # The estimates are H100 seconds; elsewhere only the time already spent counts against the cap.
+    est = {id(it): estimate_s(it[0], it[1], steps) if device == "cuda" else 0.0 for it in items}
+    n_targets = len({t for t, _, _ in items})
+    total = (sum(est.values()) + BUILD_S * n_targets) / 60
+    print(f"bench.e2e: {len(items)} measurements of {n_targets} models"
+          + (f", ~{total:.1f} min estimated on an H100" if device == "cuda" else "")
+          + f", capped at {max_minutes:g} min; rows go to {out}/", flush=True)
+    rows: list[dict[str, Any]] = []
+    bench: Bench | None = None
+    broken: dict[Target, str] = {}  # targets whose pipeline could not be built
+    bar = tqdm(items, unit="run", dynamic_ncols=True)
+    for item in bar:
+        target, setup, name = item
+        bar.set_description(f"{target.label} {setup.name}")
+        row: dict[str, Any] = {"model": target.model, "size": target.size, "variant": setup.name, "steps": steps}
         try:
-            row("stock torch.compile", *timed_build(lambda: call))
-        finally:
-            model.forward = original_forward
-    ignore = ("vae",) if component == "unet" else ("unet",)
-    with sd_kernels.patched(pipe, ignore=ignore) as record:
-        print("  " + record.summary())
-        row("patched eager", *timed_build(lambda: call))
-        row("patched cuda-graph", *timed_build(lambda: cuda_graphed(call)))
-    for fam in families:  # in a graph: eager timings of a host-bound model would hide the kernels
-        with sd_kernels.patched(pipe, ops=[fam], ignore=ignore):
-            row(f"graph, {fam} only", *timed_build(lambda: cuda_graphed(call)))
+            if device != "cuda" and (setup.graph or setup.compile):
+                if name != "ablation.csv":
+                    raise Unsupported("CUDA graph and torch.compile variants need a GPU")
+                setup = dataclasses.replace(setup, graph=False)  # the ablation's op choices still run
+            if target in broken:
+                raise Unsupported(f"the pipeline could not be built ({broken[target]})")
+            if time.perf_counter() - start + est[id(item)] > budget:
+                raise Unsupported(f"over the --max-minutes {max_minutes:g} budget")
+            if bench is None or bench.target != target:
+                bench = None
+                _free()
+                try:
+                    with torch.inference_mode():
+                        bench = Bench(target, steps, device, dtype, repeats)
+                except Exception as exc:
+                    broken[target] = _why(exc)
+                    raise
+            with torch.inference_mode():
+                row = bench.measure(setup)
+        except Unsupported as exc:
+            row["status"] = f"skipped: {exc}"
+        except Exception as exc:  # one broken variant must not hide the others' numbers
+            row["status"] = f"error: {_why(exc)}"
+            _sync()
+        log.append(name, row)
+        rows.append({**row, "csv": name})
+        bar.write(f"  {target.label:<10} {setup.name:<26} {_brief(row)}", file=sys.stdout)
+    bar.close()
     return rows
+
+
+def _why(exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def _free() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if row.get("status") != "ok":
+        return str(row.get("status"))
+    g = lambda k: row.get(k, "-")
+    return (f"e2e {g('e2e_ms')} ms, {g('it_per_s')} it/s, UNet {g('unet_ms')} ms, VAE {g('vae_ms')} ms, "
+            f"peak {g('peak_MB')} MB, warm-up {g('warmup_s')} s")
+
+
+def add_arguments(ap: argparse.ArgumentParser, models: bool = True) -> None:
+    """The options ``python -m bench.e2e`` and ``sd-kernels bench`` share (the CLI names ``--model`` itself)."""
+    ap.add_argument("--selection", default="quick", choices=sorted(SELECTIONS),
+                    help="quick (~9 min estimated on an H100): SD1.5 all variants + ablation, SD2.1 768 and SDXL "
+                    "1024 without compile; full: every model and variant (> 10 min: run it model by model)")
+    if models:
+        ap.add_argument("--models", help="comma-separated NAME[@SIZE] (shipped config or local pipeline "
+                        "directory); default: the selection's")
+    ap.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)}; default: the selection's")
+    ap.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the paper's ablation")
+    ap.add_argument("--max-minutes", type=float, default=9.0,
+                    help="skip what would end past this many minutes (estimated; default 9)")
+
+
+def items_from(args: argparse.Namespace) -> list[tuple[Target, Setup, str]]:
+    if args.steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+    targets = parse_targets(args.models) if args.models else None
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
+    return plan(args.selection, targets, variants, ablation=not args.no_ablation)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--model", default="sd15")
-    ap.add_argument("--batch", type=int, default=2, help="UNet batch (2 = one prompt with guidance)")
-    ap.add_argument("--compile", action="store_true", help="also torch.compile the stock models (slow)")
+    ap.add_argument("--out", type=pathlib.Path, required=True, help="folder for e2e.csv and ablation.csv")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    try:
+        items = items_from(args)
+    except ValueError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
-        print("bench.e2e needs a CUDA GPU", file=sys.stderr)
+        print("bench.e2e needs a CUDA GPU (sd-kernels bench --device cpu runs the tiny model on CPU)", file=sys.stderr)
         return 2
-    from sd_kernels.patches import PATCHERS
-
-    from sd_kernels.models import build_pipeline
-
-    dtype = torch.float16
-    pipe = build_pipeline(args.model, device="cuda", dtype=dtype)
-    weights_mb = {p: sum(t.numel() * t.element_size() for t in getattr(pipe, p).parameters()) / 2**20
-                  for p in ("unet", "vae")}
-    families = sorted(PATCHERS)
-    env = {**common.environment(), "model": args.model, "batch": args.batch, "dtype": "float16",
-           "weights_MB": json.dumps({k: round(v, 1) for k, v in weights_mb.items()})}
-    print(json.dumps(env))
-    rows = []
-    with torch.inference_mode(), contextlib.suppress(KeyboardInterrupt):
-        rows += measure_variants(pipe, "unet", unet_call(pipe, args.batch, dtype), families, args.compile)
-        rows += measure_variants(pipe, "vae", vae_call(pipe, dtype), families, args.compile)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "e2e.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*rows[0], *env])
-        w.writeheader()
-        w.writerows({**r, **env} for r in rows)
-    print(common.format_table(rows, list(rows[0])))
-    return 0
+    rows = run(items, args.out, args.steps, args.max_minutes)
+    print_summary(rows)
+    return 0 if all(r.get("status") == "ok" or str(r.get("status")).startswith("skipped") for r in rows) else 1
 
 
 if __name__ == "__main__":

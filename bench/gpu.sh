@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The one command for the GPU machine: install offline, run the GPU tests, the per-op benchmarks and
-# the SD1.5 demo, write everything to OUT_DIR, print a short table last.
+# The one command for the GPU machine: install offline, run the GPU tests, the per-op benchmarks, the
+# end-to-end benchmarks with the paper's ablation and the SD1.5 demo, write everything to OUT_DIR
+# (CSV, pytest-benchmark JSON, PNG plots), print the end-to-end table last.
 #   bash bench/gpu.sh OUT_DIR [bench.run options, e.g. --quick --only group_norm,attention]
 # Needs ./.whl with the wheels the GPU image lacks (../shared/gpu/wheels.sh), carried along.
-# GPU_STEPS (default "tests,bench,e2e,demo") picks steps, to split the work over several calls;
-# GPU_TEST_FILES picks test files (default: every file with gpu-marked tests).
+# GPU_STEPS (default "tests,bench,e2e,demo") picks steps, to split the work over several calls (one
+# call may run 10 minutes: "e2e" alone takes them, see docs/benchmarks.md);
+# GPU_TEST_FILES picks test files (default: every file with gpu-marked tests);
+# E2E_ARGS: bench.e2e options (default "--selection quick --max-minutes 8").
 set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT_DIR [--quick] [--only FAMILIES]}
 shift
@@ -38,11 +41,17 @@ fi
 if [[ $steps == *,bench,* ]]; then
   python3 -m bench.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
   bench_rc=${PIPESTATUS[0]}
+  # The same op cases through pytest-benchmark (eager wall times, host included) for its JSON.
+  python3 -m pytest -q -p no:cacheprovider bench/test_ops_benchmark.py --benchmark-enable \
+    --benchmark-json "$out/ops-benchmark.json" > "$out/ops-benchmark.log" 2>&1 \
+    || echo "gpu.sh: pytest-benchmark run failed, see ops-benchmark.log" >&2
 fi
 if [[ $steps == *,e2e,* ]]; then
-  python3 -m bench.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
+  # tqdm's bar goes to stderr, kept out of the log; the rows and the table go to stdout.
+  python3 -m bench.e2e --out "$out" ${E2E_ARGS:---selection quick --max-minutes 8} | tee "$out/e2e.log"
   e2e_rc=${PIPESTATUS[0]}
 fi
+python3 -m bench.plot "$out" > /dev/null 2>&1 || echo "gpu.sh: no plots (nothing measured?)" >&2
 if [[ $steps == *,demo,* ]]; then
   python3 -m sd_kernels.cli demo --steps 20 --out /tmp/sd-kernels-demo.png 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
   demo_rc=${PIPESTATUS[0]}
@@ -51,7 +60,6 @@ fi
 echo
 [ -f "$out/gpu-tests.log" ] && { echo "== GPU tests:"; grep "^tests/.*: " "$out/gpu.txt"; }
 [ -f "$out/demo.log" ] && echo "== demo:       $(grep -E '^(stock|patched)' "$out/demo.log" | tr '\n' ' ')"
-[ -f "$out/e2e.log" ] && { echo "== end to end:"; grep -E "^  (unet|vae) " "$out/e2e.log"; }
 echo "== benchmarks (ours vs stock; ms = device time from a CUDA graph, eager = one call at a time):"
 [ -f "$out/ops.csv" ] && python3 - "$out/ops.csv" <<'PY'
 import csv, sys
@@ -65,4 +73,7 @@ for r in rows:
               f'{float(r["speedup_vs_stock"]):6.2f}x  {r["pct_copy_bw"]:>6}% bw  {r["TFLOP/s"]:>7} TF/s  '
               f'eager {float(r["eager_ms"]):8.4f} ms {float(r["eager_speedup"]):5.2f}x')
 PY
+# Last, the end-to-end summary bench.e2e printed: ablation, the table, the issue's goals.
+[ -f "$out/e2e.log" ] && sed -n '/^== ablation\|^== end to end/,$p' "$out/e2e.log"
+ls "$out"/*.png 2>/dev/null
 exit $(( tests_rc || bench_rc || e2e_rc || demo_rc ))

@@ -1,4 +1,4 @@
-"""The ``sd-kernels`` command: ``info`` and ``demo``."""
+"""The ``sd-kernels`` command: ``info``, ``demo``, ``generate`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -58,37 +58,61 @@ def _default_model(device: str) -> str:
     return "sd15" if device == "cuda" else "tiny"
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """``--device`` and ``--dtype`` with their defaults (the GPU and fp16 when there is one)."""
     import torch
-
-    import sd_kernels
-    from sd_kernels import models
-    from sd_kernels.testing import psnr
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("sd-kernels demo: --device cuda asked for, but torch sees no CUDA GPU")
-    name = args.model or _default_model(device)
-    dtype_name = args.dtype or ("fp16" if device == "cuda" else "fp32")
-    dtype = getattr(torch, DTYPES[dtype_name])
-    cfg = models.load_config(name) if name in models.list_configs() else {"resolution": args.size or 512}
-    size = args.size or cfg["resolution"]
-    print(f"sd-kernels demo: {name} ({'random weights' if name in models.list_configs() else 'loaded'}), "
-          f"{size}x{size}, {args.steps} steps, {dtype_name} on {device}")
-    t0 = time.perf_counter()
-    pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
-    print(f"built the pipeline in {time.perf_counter() - t0:.1f} s")
+        raise SystemExit(f"sd-kernels {args.command}: --device cuda asked for, but torch sees no CUDA GPU")
+    return device, args.dtype or ("fp16" if device == "cuda" else "fp32")
 
-    def run() -> tuple[object, float]:
-        gen = torch.Generator(device="cpu").manual_seed(args.seed)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = pipe(args.prompt, num_inference_steps=args.steps, height=size, width=size, generator=gen,
-                   output_type="np")
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return out.images[0], time.perf_counter() - t
+
+def _random_weights(name: str) -> bool:
+    from sd_kernels import models
+
+    return name in models.list_configs()
+
+
+def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
+    """The pipeline ``args`` ask for, on its device: (pipe, model name, device, image side)."""
+    import torch
+
+    from sd_kernels import models
+
+    device, dtype_name = _device_dtype(args)
+    name = args.model or _default_model(device)
+    cfg = models.load_config(name) if _random_weights(name) else {"resolution": args.size or 512}
+    size = args.size or cfg["resolution"]
+    weights = "random weights" if _random_weights(name) else "loaded"
+    print(f"sd-kernels {args.command}: {name} ({weights}), {size}x{size}, {args.steps} steps, {dtype_name} on {device}")
+    t0 = time.perf_counter()
+    pipe = models.load_pipeline(name, device=device, dtype=getattr(torch, DTYPES[dtype_name]), seed=args.seed)
+    print(f"built the pipeline in {time.perf_counter() - t0:.1f} s")
+    return pipe, name, device, size
+
+
+def _generate(pipe, args: argparse.Namespace, size: int, device: str) -> tuple[object, float]:
+    """One ``pipe(args.prompt)`` call, seeded: (the image as an HxWx3 array in [0, 1], seconds)."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = pipe(args.prompt, num_inference_steps=args.steps, height=size, width=size, generator=gen, output_type="np")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out.images[0], time.perf_counter() - t
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+
+    import sd_kernels
+    from sd_kernels.testing import psnr
+
+    pipe, name, device, size = _load(args)
+    run = lambda: _generate(pipe, args, size, device)
 
     if device == "cuda":
         run()  # warm-up: cuDNN autotuning and Triton compilation stay out of the timings
@@ -113,6 +137,90 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+RANDOM_WEIGHTS_NOTE = ("random weights from the shipped config {name!r}: the image is structured noise, "
+                       "not a picture of the prompt (pass --model PATH for a real checkpoint)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import sd_kernels
+    from sd_kernels import profiles
+
+    profiles.get_profile(args.profile)  # an unknown name fails here, before the pipeline is built
+    kwargs = {"profile": args.profile}
+    if args.cuda_graph:
+        if not _patch_takes("cuda_graph"):
+            raise ValueError("--cuda-graph: this build's sd_kernels.patch has no cuda_graph option yet")
+        kwargs["cuda_graph"] = True
+    pipe, name, device, size = _load(args)
+    record = sd_kernels.patch(pipe, **kwargs)
+    print(record.summary())
+    image, seconds = _generate(pipe, args, size, device)
+    weights = RANDOM_WEIGHTS_NOTE.format(name=name) if _random_weights(name) else f"loaded from {name}"
+    print(f"generated in {seconds * 1e3:.1f} ms (patched; the first call includes kernel compilation)")
+    print(f"note: {weights}")
+    from diffusers.utils import numpy_to_pil
+    from PIL.PngImagePlugin import PngInfo
+
+    meta = PngInfo()
+    for key, value in {"Software": f"sd-kernels {sd_kernels.__version__} (patched pipeline)", "Model": name,
+                       "Weights": weights, "Prompt": args.prompt, "Steps": str(args.steps),
+                       "Seed": str(args.seed), "Profile": record.profile}.items():
+        meta.add_text(key, value)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    numpy_to_pil(image[None])[0].save(out, pnginfo=meta)
+    print(f"wrote {out}")
+    return 0
+
+
+def _patch_takes(option: str) -> bool:
+    import inspect
+
+    import sd_kernels
+
+    return option in inspect.signature(sd_kernels.patch).parameters
+
+
+def _bench_harness():
+    """``bench.e2e`` and ``bench.plot`` from the source tree (bench/ is not part of the installed package)."""
+    try:
+        from bench import e2e, plot
+    except ModuleNotFoundError:
+        root = pathlib.Path(__file__).resolve().parents[1]
+        if not (root / "bench" / "e2e.py").is_file():
+            raise SystemExit("sd-kernels bench: the benchmark harness lives in the repository's bench/ folder; "
+                             "run it from a source checkout installed with `pip install -e .`") from None
+        sys.path.insert(0, str(root))
+        from bench import e2e, plot
+    return e2e, plot
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import datetime
+
+    from sd_kernels import profiles
+
+    if args.profile:
+        profiles.get_profile(args.profile)  # an unknown name fails here
+        os.environ["SD_KERNELS_PROFILE"] = args.profile  # what patch() and the ablation's profile read
+    e2e, plot = _bench_harness()
+    device, dtype_name = _device_dtype(args)
+    if args.model is None and device != "cuda":
+        args.model = "tiny"
+    args.models = args.model
+    items = e2e.items_from(args)
+    out = pathlib.Path(args.out or f"bench-results/{datetime.date.today().isoformat()}-{device}")
+    import torch
+
+    rows = e2e.run(items, out, args.steps, args.max_minutes, device=device,
+                   dtype=getattr(torch, DTYPES[dtype_name]))
+    e2e.print_summary(rows)
+    for png in plot.plot_folder(out):
+        print(f"wrote {png}")
+    print(f"wrote {', '.join(sorted({str(out / r['csv']) for r in rows}))}")
+    return 0 if all(not str(r.get("status")).startswith("error") for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sd-kernels", description="Triton kernels for Stable Diffusion in diffusers")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -131,7 +239,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo.png", help="PNG to write (default demo.png)")
     demo.add_argument("--no-patch", action="store_true", help="run stock only")
     demo.set_defaults(fn=cmd_demo)
+    gen = sub.add_parser("generate", help="generate an image with the patched pipeline, write a PNG")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--model", help="shipped config (random weights: the image is noise-like), a local pipeline "
+                     "directory or a hub id; default: sd15 on a GPU, tiny on CPU")
+    gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
+    gen.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
+    gen.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
+    gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--cuda-graph", action="store_true", help="replay the UNet step from CUDA graphs")
+    gen.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
+    gen.set_defaults(fn=cmd_generate)
+    bench = sub.add_parser("bench", help="end-to-end benchmarks and the paper's ablation: table, CSV and PNG",
+                           description="Runs bench/e2e.py (a source checkout is needed): every variant of "
+                           "every model, appending rows to OUT/e2e.csv and OUT/ablation.csv as they finish, "
+                           "then prints the table and writes PNG plots.")
+    bench.add_argument("--model", help="NAME[@SIZE] or a local pipeline directory, comma-separated for several; "
+                       "default: the selection's models (tiny on CPU)")
+    bench.add_argument("--profile", help="device profile (default: detected)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available (CPU: tiny models, "
+                       "eager variants only)")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
+    bench.add_argument("--out", help="results folder (default bench-results/DATE-DEVICE)")
+    _bench_options(bench)
+    bench.set_defaults(fn=cmd_bench)
     return ap
+
+
+def _bench_options(ap: argparse.ArgumentParser) -> None:
+    """bench/e2e.py's own options (selection, variants, steps, ablation, time cap), where it can be found."""
+    try:
+        e2e, _ = _bench_harness()
+    except SystemExit:
+        return  # an installed wheel: `sd-kernels bench` explains when run
+    e2e.add_arguments(ap, models=False)
 
 
 def _positive_int(text: str) -> int:

@@ -1,3 +1,5 @@
+import csv
+
 import pytest
 
 from sd_kernels import cli
@@ -35,3 +37,55 @@ def test_unknown_model_is_a_clear_error(capsys):
 def test_unknown_profile_is_a_clear_error(capsys):
     assert cli.main(["info", "--profile", "mali"]) == 2
     assert "known profiles" in capsys.readouterr().err
+
+
+# The commands' plumbing is under test here, not the kernels (their own tests run them through the
+# interpreter): the patched pipeline runs the PyTorch reference ops, which keeps these seconds-long.
+
+
+def test_generate_labels_random_weights_in_text_and_png(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    out = tmp_path / "gen.png"
+    assert cli.main(["generate", "--prompt", "a red cube", "--steps", "1", "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "sd_kernels patch" in text and "random weights from the shipped config 'tiny'" in text
+    meta = Image.open(out).text
+    assert meta["Model"] == "tiny" and meta["Prompt"] == "a red cube" and meta["Steps"] == "1"
+    assert meta["Weights"].startswith("random weights") and "patched pipeline" in meta["Software"]
+
+
+def test_bench_on_cpu_writes_csv_table_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    argv = ["bench", "--device", "cpu", "--steps", "2", "--variants", "stock,patched", "--no-ablation",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "== end to end" in text and "tiny" in text
+    rows = list(csv.DictReader(open(tmp_path / "e2e.csv")))
+    assert [(r["model"], r["variant"], r["status"]) for r in rows] == [("tiny", "stock", "ok"),
+                                                                       ("tiny", "patched", "ok")]
+    assert float(rows[1]["e2e_ms"]) > 0 and float(rows[1]["unet_rel_err"]) < 1e-3
+    assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--device", "cpu", "--variants", "eager"], "--variants: unknown ['eager']"),
+    (["bench", "--device", "cpu", "--model", "./no/such/dir"], "neither a shipped config"),
+    (["bench", "--device", "cpu", "--steps", "0"], "--steps must be a positive integer, got 0"),
+    (["bench", "--profile", "mali"], "known profiles"),
+    (["generate", "--prompt", "x", "--profile", "mali"], "known profiles"),
+])
+def test_bench_and_generate_name_bad_values(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["generate", "--prompt", "x", "--steps", "0"],
+                                  ["bench", "--selection", "huge"]])
+def test_bench_and_generate_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code != 0
+    assert "usage" in capsys.readouterr().err

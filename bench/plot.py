@@ -1,0 +1,142 @@
+"""PNG plots from a results folder: ``python -m bench.plot DIR``.
+
+- ``ops-speedup.png`` from ``ops.csv``: per op, each implementation's speedup over stock at every
+  shape (device time, log scale; above 1 is faster than stock).
+- ``e2e.png`` from ``e2e.csv``: end-to-end latency per variant, one panel per model and size.
+- ``ablation.png`` from ``ablation.csv``: the paper's cumulative ablation, latency and peak memory.
+
+Rows whose status is not "ok" are left out. The device, versions and date of the run go in the title.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import sys
+from collections.abc import Callable
+
+
+def _rows(path: pathlib.Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if r.get("status", "ok") == "ok"]
+
+
+def _stamp(rows: list[dict[str, str]]) -> str:
+    r = rows[0]
+    return f"{r.get('device', '?')}, torch {r.get('torch', '?')}, Triton {r.get('triton', '?')}, {r.get('date', '?')}"
+
+
+def _figure(panels: int, width: float = 10.0, height: float = 3.2):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(panels, 1, figsize=(width, height * panels), squeeze=False)
+    return plt, fig, [a[0] for a in axes]
+
+
+def ops_speedup(rows: list[dict[str, str]], path: pathlib.Path) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    most = max(len({(r["shape"], r["variant"]) for r in rows if r["op"] == op}) for op in ops)
+    plt, fig, axes = _figure(len(ops), width=max(8.0, 0.45 * most), height=3.8)
+    for ax, op in zip(axes, ops):
+        mine = [r for r in rows if r["op"] == op]
+        points = list(dict.fromkeys(f"{r['shape']} {r['variant']}" for r in mine))
+        impls = [i for i in dict.fromkeys(r["impl"] for r in mine) if i != "stock"]
+        width = 0.8 / max(len(impls), 1)
+        for k, impl in enumerate(impls):
+            got = {f"{r['shape']} {r['variant']}": float(r["speedup_vs_stock"]) for r in mine if r["impl"] == impl}
+            xs = [i + k * width for i, p in enumerate(points) if p in got]
+            ax.bar(xs, [got[p] for p in points if p in got], width, label=impl)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], points, fontsize=6, rotation=35,
+                      ha="right")
+        ax.set_ylabel("speedup vs stock")
+        ax.set_title(op, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"per-op device time vs stock — {_stamp(rows)}", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def e2e_latency(rows: list[dict[str, str]], path: pathlib.Path) -> None:
+    targets = list(dict.fromkeys((r["model"], r["size"]) for r in rows))
+    plt, fig, axes = _figure(len(targets), width=8.0, height=2.8)
+    for ax, (model, size) in zip(axes, targets):
+        mine = [r for r in rows if (r["model"], r["size"]) == (model, size) and r.get("e2e_ms")]
+        names = [r["variant"] for r in mine]
+        ms = [float(r["e2e_ms"]) for r in mine]
+        colors = ["tab:orange" if n.startswith("patched") else "tab:gray" for n in names]
+        bars = ax.barh(names, ms, color=colors)
+        ax.bar_label(bars, [f"{v:.0f} ms" for v in ms], fontsize=7, padding=2)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"ms per image, {mine[0]['steps']} steps" if mine else "ms")
+        ax.set_title(f"{model}, {size}x{size}, fp16, batch 1 with guidance", fontsize=9)
+    fig.suptitle(f"end to end — {_stamp(rows)}", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ablation(rows: list[dict[str, str]], path: pathlib.Path) -> None:
+    plt, fig, axes = _figure(2, width=8.0, height=2.6)
+    names = [r["variant"] for r in rows]
+    panels = ((axes[0], "e2e_ms", "ms end to end"), (axes[1], "peak_over_weights_MB", "MB peak over weights"))
+    for ax, col, unit in panels:
+        values = [float(r[col]) if r.get(col) else 0.0 for r in rows]
+        bars = ax.barh(names, values, color="tab:blue")
+        base = values[0] if values and values[0] else None
+        labels = [f"{v:.0f}" + (f" ({100 * (v - base) / base:+.0f}%)" if base else "") for v in values]
+        ax.bar_label(bars, labels, fontsize=7, padding=2)
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+    axes[0].set_title(f"the paper's ablation, cumulative ({rows[0]['model']}, {rows[0]['size']}²)", fontsize=9)
+    fig.suptitle(_stamp(rows), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+PLOTS: dict[str, tuple[str, Callable[[list[dict[str, str]], pathlib.Path], None]]] = {
+    "ops.csv": ("ops-speedup.png", ops_speedup),
+    "e2e.csv": ("e2e.png", e2e_latency),
+    "ablation.csv": ("ablation.png", ablation),
+}
+
+
+def plot_folder(folder: pathlib.Path) -> list[pathlib.Path]:
+    """Every plot whose CSV is in ``folder`` (with at least one "ok" row); returns the PNGs written."""
+    written = []
+    for name, (png, draw) in PLOTS.items():
+        src = folder / name
+        rows = _rows(src) if src.exists() else []
+        if rows:
+            draw(rows, folder / png)
+            written.append(folder / png)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=pathlib.Path)
+    args = ap.parse_args(argv)
+    written = plot_folder(args.folder)
+    for png in written:
+        print(f"wrote {png}")
+    if not written:
+        print(f"nothing to plot in {args.folder} (no ops.csv, e2e.csv or ablation.csv with ok rows)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The end-to-end bench harness on CPU: its plan, CSV schema, time cap, failure handling, summaries, plots."""
+
+import csv
+import pathlib
+
+import pytest
+
+from bench import e2e, plot, report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _names(items, csv_name):
+    return [(t.label, s.name) for t, s, n in items if n == csv_name]
+
+
+def test_quick_plan_is_the_issue_selection():
+    items = e2e.plan("quick")
+    variants = _names(items, "e2e.csv")
+    assert [v for t, v in variants if t == "sd15@512"] == list(e2e.VARIANTS)
+    for other in ("sd21@768", "sdxl@1024"):
+        assert [v for t, v in variants if t == other] == ["stock", "stock+graph", "patched", "patched+graph"]
+    assert _names(items, "ablation.csv") == [("sd15@512", s.name) for s in e2e.ABLATION]
+
+
+def test_full_plan_runs_every_variant_everywhere():
+    items = e2e.plan("full")
+    labels = {t for t, _ in _names(items, "e2e.csv")}
+    assert labels == {"sd15@512", "sd21@512", "sd21@768", "sdxl@1024"}
+    assert len(_names(items, "e2e.csv")) == 4 * len(e2e.VARIANTS)
+
+
+def test_explicit_models_and_variants():
+    items = e2e.plan("quick", e2e.parse_targets("sdxl, sd21@512"), ["patched+graph"], ablation=False)
+    assert [(t.label, s.name, n) for t, s, n in items] == [("sdxl@1024", "patched+graph", "e2e.csv"),
+                                                           ("sd21@512", "patched+graph", "e2e.csv")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sd15@abc", "must be pixels"), ("sd15@500", "multiple of 64"), ("./no/such/model", "neither a shipped config"),
+    ("", "no model given"),
+])
+def test_bad_targets_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        e2e.parse_targets(text)
+
+
+def test_bad_variant_and_selection_are_named():
+    with pytest.raises(ValueError, match="unknown.*'eager'.*known: stock"):
+        e2e.plan("quick", variants=["eager"])
+    with pytest.raises(ValueError, match="--selection 'huge'"):
+        e2e.plan("huge")
+
+
+def test_estimates_grow_with_size_and_compilation():
+    sd15, sdxl = e2e.Target("sd15", 512), e2e.Target("sdxl", 1024)
+    eager, compiled = e2e.VARIANTS["stock"], e2e.VARIANTS["stock+compile"]
+    assert 0 < e2e.estimate_s(sd15, eager, 20) < e2e.estimate_s(sdxl, eager, 20)
+    assert e2e.estimate_s(sd15, compiled, 20) >= e2e.estimate_s(sd15, eager, 20) + e2e.COMPILE_S["sd15"]
+
+
+def _read(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_time_cap_skips_and_still_writes_every_row(tmp_path):
+    items = e2e.plan("quick", e2e.parse_targets("tiny"), ["stock", "patched"], ablation=True)
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=0, device="cpu")
+    assert len(rows) == len(items)
+    assert all("--max-minutes" in r["status"] for r in rows)
+    written = _read(tmp_path / "e2e.csv") + _read(tmp_path / "ablation.csv")
+    assert len(written) == len(items)
+    with open(tmp_path / "e2e.csv", newline="") as f:
+        assert next(csv.reader(f)) == e2e.FIELDS
+    assert all(r["device"] and r["torch"] and r["date"] and r["diffusers"] for r in written)
+
+
+def test_csv_of_another_schema_is_not_appended_to(tmp_path):
+    (tmp_path / "e2e.csv").write_text("component,variant,ms\nunet,stock,1.0\n")
+    log = e2e.CsvLog(tmp_path, {})
+    with pytest.raises(ValueError, match="another schema"):
+        log.append("e2e.csv", {"model": "tiny"})
+
+
+class _FakeBench:
+    """Stands in for e2e.Bench: no pipeline; "patched" fails as a broken variant would."""
+
+    def __init__(self, target, steps, device, dtype, repeats):
+        self.target = target
+
+    def measure(self, setup):
+        if setup.name == "patched":
+            raise RuntimeError("kernel fault\nsecond line")
+        return {"model": self.target.model, "size": self.target.size, "variant": setup.name, "status": "ok",
+                "e2e_ms": 10.0}
+
+
+def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "Bench", _FakeBench)
+    items = e2e.plan("quick", e2e.parse_targets("tiny"), ["patched", "stock", "stock+graph"], ablation=False)
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu")
+    assert [r["status"] for r in rows] == ["error: RuntimeError: kernel fault", "ok",
+                                           "skipped: CUDA graph and torch.compile variants need a GPU"]
+    assert [r["status"] for r in _read(tmp_path / "e2e.csv")] == [r["status"] for r in rows]
+
+
+def _row(variant, e2e_ms, peak, **kw):
+    return {"model": "sd15", "size": 512, "variant": variant, "status": "ok", "e2e_ms": e2e_ms, "unet_ms": e2e_ms / 20,
+            "peak_over_weights_MB": peak, **kw}
+
+
+def test_ablation_changes_are_relative_to_the_baseline():
+    rows = [_row("baseline", 200.0, 100.0), _row("+ FlashAttention", 150.0, 80.0),
+            {"variant": "+ Winograd", "status": "skipped: no winograd patcher in this build"}]
+    out = report.ablation_rows(rows)
+    assert out[0]["latency_change_pct"] == 0.0
+    assert out[1]["latency_change_pct"] == -25.0 and out[1]["memory_change_pct"] == -20.0
+    assert "latency_change_pct" not in out[2]
+    total = report.ablation_total(out)
+    assert total.startswith("Total, + FlashAttention vs baseline: latency -25.0%, peak memory over the weights -20.0% "
+                            "(the paper: -52% latency")
+    assert report.ablation_rows(rows[1:]) == []  # no baseline, no changes to report
+
+
+def test_goals_compare_the_issue_targets():
+    rows = [_row("stock+compile", 150.0, 0, unet_device_ms=6.6), _row("patched+graph", 90.0, 0, unet_ms=3.9,
+                                                                      vae_device_ms=5.0)]
+    lines = report.goals(rows)
+    assert lines[0].startswith("UNet step: patched+graph 3.90 ms = 0.59x") and lines[0].endswith(": met")
+    assert lines[1] == "VAE decode: best patched 5.00 ms (goal <= 4.5 ms): not met"
+    assert lines[2].endswith("(patched+graph) 90.0 ms (goal <= 100 ms): met")
+
+
+def test_plots_are_written_from_the_csvs(tmp_path):
+    log = e2e.CsvLog(tmp_path, {"device": "cpu", "date": "2026-11-22"})
+    for name, variant, ms in (("e2e.csv", "stock", 900.0), ("e2e.csv", "patched+graph", 300.0),
+                              ("ablation.csv", "baseline", 500.0), ("ablation.csv", "+ FlashAttention", 400.0)):
+        log.append(name, _row(variant, ms, ms / 10, steps=20))
+    log.append("e2e.csv", {"model": "sd15", "size": 512, "variant": "stock+compile", "status": "error: X"})
+    ops = ROOT / "bench" / "results" / "2026-11-22-h100" / "ops.csv"
+    (tmp_path / "ops.csv").write_bytes(ops.read_bytes())
+    written = plot.plot_folder(tmp_path)
+    assert sorted(p.name for p in written) == ["ablation.png", "e2e.png", "ops-speedup.png"]
+    assert all(p.read_bytes()[:8] == PNG for p in written)
+
+
+def test_plot_of_an_empty_folder_is_a_clear_error(tmp_path, capsys):
+    assert plot.main([str(tmp_path)]) == 2
+    assert "nothing to plot" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_every_variant_and_the_ablation_run_on_the_gpu(tmp_path):
+    """The GPU-only paths (CUDA graphs, torch.compile, peak memory) on the tiny model, 2 steps."""
+    import torch
+
+    items = e2e.plan("quick", e2e.parse_targets("tiny"))
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=9, device="cuda", dtype=torch.float16)
+    failed = [(r["variant"], r["status"]) for r in rows if r["status"] != "ok" and "in this build" not in r["status"]]
+    assert not failed  # "skipped: ... in this build" names a contract another part has not delivered yet
+    for r in (r for r in rows if r["status"] == "ok"):
+        assert r["e2e_ms"] > 0 and r["unet_device_ms"] > 0 and r["vae_device_ms"] > 0
+        assert r["peak_over_weights_MB"] > 0
+        assert float(r["unet_rel_err"]) < 2e-2 and float(r["vae_rel_err"]) < 2e-2, r
+    stock = {r["variant"]: r for r in rows}["stock"]
+    assert float(stock["unet_rel_err"]) < 1e-3  # stock against itself: nothing left patched or compiled
