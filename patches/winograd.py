@@ -55,9 +55,10 @@ class WinogradConv2d(nn.Conv2d):
 
     def tile_for(self, x: torch.Tensor) -> int | None:
         """The profile's tile for this call, or None for the stock conv: eager calls (unless
-        ``ROUTE_EAGER``) and inputs whose dtype is not the weight's run stock."""
-        if x.dim() != 4 or x.dtype != self.weight.dtype:
-            return None
+        ``ROUTE_EAGER``), calls traced by torch.compile and inputs whose dtype is not the weight's
+        run stock."""
+        if x.dim() != 4 or x.dtype != self.weight.dtype or torch.compiler.is_compiling():
+            return None  # under torch.compile the compiler's own conv choice stands
         if not (ROUTE_EAGER or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             return None
         n, c, h, w = x.shape
