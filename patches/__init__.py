@@ -13,9 +13,10 @@ from collections.abc import Iterable, Iterator
 
 import torch.nn as nn
 
-from sd_kernels.profiles import set_profile
+from sd_kernels.profiles import Profile, set_profile
 
 from . import attention, gelu, group_norm  # noqa: F401  (each registers its patcher)
+from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
 
@@ -60,31 +61,50 @@ def _models_of(obj: object, ignore: Iterable[str]) -> list[tuple[str, nn.Module]
 
 def patch(
     obj: object,
-    profile: str | None = None,
+    profile: str | Profile | None = None,
     ops: Iterable[str] | None = None,
     ignore: Iterable[str] = (),
+    cuda_graph: bool = False,
 ) -> PatchRecord:
-    """Route ``obj``'s supported parts through sd_kernels; returns the record (``.summary()``).
+    """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
 
-    ``ops`` picks op families (default: all of ``PATCHERS``); ``ignore`` skips pipeline parts.
+    ``profile``: a profile name or Profile (default: detected); ``ops`` picks op families (default:
+    all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays the UNet's calls
+    from CUDA graphs captured per call signature (patches/cuda_graph.py; needs the UNet on CUDA).
     Patching an already patched object with the same arguments does nothing; with other arguments
-    it is unpatched first.
+    it is unpatched first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
     ops = tuple(sorted(PATCHERS)) if ops is None else tuple(sorted(set(ops)))
     unknown = set(ops) - set(PATCHERS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
-    prof = set_profile(profile)
     models = _models_of(obj, ignore)
+    graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
+    if cuda_graph:
+        if not graphed:
+            raise ValueError("cuda_graph=True captures the UNet, but there is no UNet2DConditionModel to patch "
+                             f"in {type(obj).__name__} (ignore={tuple(ignore)})")
+        for model in graphed:
+            cuda_graph_mod.check_graphable(model)
+    prof = set_profile(profile)
+    parts = [p for p, _ in models]
     old: PatchRecord | None = getattr(obj, _ATTR, None)
     if old is not None:
-        if old.ops == ops and old.profile == prof.name and old.parts == [p for p, _ in models]:
+        if (old.ops, old.profile, old.parts, old.cuda_graph) == (ops, prof.name, parts, cuda_graph):
             return old
         unpatch(obj)
-    record = PatchRecord(ops, prof.name, [p for p, _ in models])
-    for _, model in models:
-        for op in ops:
-            PATCHERS[op](model, record)
+    record = PatchRecord(ops, prof.name, parts, cuda_graph)
+    try:
+        for part, model in models:
+            record.scope = part  # skipped modules' paths start with it
+            for op in ops:
+                PATCHERS[op](model, record)
+        if cuda_graph:
+            for model in graphed:
+                cuda_graph_mod.install(model, record)
+    except BaseException:
+        record.undo()
+        raise
     object.__setattr__(obj, _ATTR, record)
     return record
 
