@@ -23,7 +23,8 @@ from .registry import PATCHERS
 # The pipeline parts the patch touches, in order; ``ignore=`` skips some of them.
 PARTS = ("unet", "vae")
 SUPPORTED_MODELS = ("UNet2DConditionModel", "AutoencoderKL")
-_ATTR = "_sd_kernels_patch"
+_ATTR = "_sd_kernels_patch"  # on the patched object: its record
+_OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched it
 
 
 def _models_of(obj: object, ignore: Iterable[str]) -> list[tuple[str, nn.Module]]:
@@ -86,9 +87,14 @@ def patch(
                              f"in {type(obj).__name__} (ignore={tuple(ignore)})")
         for model in graphed:
             cuda_graph_mod.check_graphable(model)
+    old: PatchRecord | None = getattr(obj, _ATTR, None)
+    for part, model in models:  # pipelines may share models: one patch per model at a time
+        owner = getattr(model, _OWNER, None)
+        if owner is not None and owner is not old:
+            raise ValueError(f"the {part} of this {type(obj).__name__} is already patched through another object "
+                             "(a pipeline sharing it, or the bare model): unpatch that one first")
     prof = set_profile(profile)
     parts = [p for p, _ in models]
-    old: PatchRecord | None = getattr(obj, _ATTR, None)
     if old is not None:
         if (old.ops, old.profile, old.parts, old.cuda_graph) == (ops, prof.name, parts, cuda_graph):
             return old
@@ -97,6 +103,7 @@ def patch(
     try:
         for part, model in models:
             record.scope = part  # skipped modules' paths start with it
+            record.set_attr(model, _OWNER, record, kind=None)
             for op in ops:
                 PATCHERS[op](model, record)
         if cuda_graph:

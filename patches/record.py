@@ -72,13 +72,15 @@ class PatchRecord:
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
         self._undo: list[Callable[[], None]] = []
 
-    def set_attr(self, obj: Any, name: str, value: Any, kind: str) -> None:
-        """``obj.name = value``, remembered; ``kind`` names the replacement in the counts."""
+    def set_attr(self, obj: Any, name: str, value: Any, kind: str | None) -> None:
+        """``obj.name = value``, remembered; ``kind`` names the replacement in the counts (None: not
+        counted, for bookkeeping)."""
         if isinstance(obj, nn.Module) and name in obj._modules:
             self._undo.append(self._swap_module(obj, name, value))
         else:
             self._undo.append(self._set_instance_attr(obj, name, value))
-        self.counts[kind] += 1
+        if kind is not None:
+            self.counts[kind] += 1
 
     @staticmethod
     def _swap_module(parent: nn.Module, name: str, new: nn.Module) -> Callable[[], None]:
