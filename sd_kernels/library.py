@@ -60,6 +60,11 @@ def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Layou
     return shape, contiguous_strides(shape)
 
 
+# Inductor hands a custom op its inputs in exactly the strides they had when traced: the layout the
+# fake computed from them is then the one the real implementation computes at run time.
+_TAGS = (torch.Tag.needs_exact_strides,)
+
+
 def _empty(layout: Layout, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(*layout, dtype=like.dtype, device=like.device)
 
@@ -75,7 +80,7 @@ def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
 # The custom ops: real implementation (the public op, output in the promised layout) and fake.
 
 
-@torch.library.custom_op("sd_kernels::group_norm", mutates_args=())
+@torch.library.custom_op("sd_kernels::group_norm", mutates_args=(), tags=_TAGS)
 def _group_norm_op(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, activation: str | None) -> torch.Tensor:
     return _relaid(ops.group_norm(x, num_groups, weight, bias, eps, activation), dense_layout(x))
@@ -86,7 +91,7 @@ def _(x, num_groups, weight, bias, eps, activation):
     return _empty(dense_layout(x), x)
 
 
-@torch.library.custom_op("sd_kernels::gelu", mutates_args=())
+@torch.library.custom_op("sd_kernels::gelu", mutates_args=(), tags=_TAGS)
 def _gelu_op(x: torch.Tensor, approximate: str) -> torch.Tensor:
     return _relaid(gelu_ops.gelu(x, approximate), dense_layout(x))
 
@@ -96,7 +101,7 @@ def _(x, approximate):
     return _empty(dense_layout(x), x)
 
 
-@torch.library.custom_op("sd_kernels::quick_gelu", mutates_args=())
+@torch.library.custom_op("sd_kernels::quick_gelu", mutates_args=(), tags=_TAGS)
 def _quick_gelu_op(x: torch.Tensor) -> torch.Tensor:
     return _relaid(gelu_ops.quick_gelu(x), dense_layout(x))
 
@@ -106,7 +111,7 @@ def _(x):
     return _empty(dense_layout(x), x)
 
 
-@torch.library.custom_op("sd_kernels::geglu", mutates_args=())
+@torch.library.custom_op("sd_kernels::geglu", mutates_args=(), tags=_TAGS)
 def _geglu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
     return _relaid(gelu_ops.geglu(h, approximate), halved_layout(h))
 
@@ -116,7 +121,7 @@ def _(h, approximate):
     return _empty(halved_layout(h), h)
 
 
-@torch.library.custom_op("sd_kernels::linear_geglu", mutates_args=())
+@torch.library.custom_op("sd_kernels::linear_geglu", mutates_args=(), tags=_TAGS)
 def _linear_geglu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      approximate: str) -> torch.Tensor:
     return _relaid(gelu_ops.linear_geglu(x, weight, bias, approximate), linear_geglu_layout(x, weight))
@@ -127,7 +132,7 @@ def _(x, weight, bias, approximate):
     return _empty(linear_geglu_layout(x, weight), x)
 
 
-@torch.library.custom_op("sd_kernels::attention", mutates_args=())
+@torch.library.custom_op("sd_kernels::attention", mutates_args=(), tags=_TAGS)
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                   scale: float | None, upcast: bool) -> torch.Tensor:
     out = attention_ops.attention(q, k, v, attn_mask, scale, upcast)
