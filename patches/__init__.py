@@ -4,6 +4,8 @@
 the parts it knows (PARTS) through sd_kernels' ops. It is idempotent and exactly reversible: the
 record of every change hangs on the patched object, and ``unpatch`` restores the original modules
 and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied.
+``cuda_graph=True`` also replays the UNet from CUDA graphs (cuda_graph.py). ``report`` gives what a
+patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
 """
 
 from __future__ import annotations
@@ -128,6 +130,16 @@ def unpatch(obj: object) -> bool:
 
 def patch_record(obj: object) -> PatchRecord | None:
     return getattr(obj, _ATTR, None)
+
+
+def report(obj: object, **kwargs) -> str:
+    """What ``patch(obj, **kwargs)`` replaces and leaves alone (``PatchRecord.format``), for
+    ``sd-kernels info``; ``obj`` is left as it was. An already patched ``obj`` reports its record."""
+    record = patch_record(obj)
+    if record is not None:
+        return record.format()
+    with patched(obj, **kwargs) as record:
+        return record.format()
 
 
 @contextlib.contextmanager
