@@ -16,7 +16,9 @@ promise, shared by fake and real; the real one re-lays its output (one copy) onl
 path returned another layout.
 """
 
+import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 
@@ -80,68 +82,53 @@ def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
 # The custom ops: real implementation (the public op, output in the promised layout) and fake.
 
 
-@torch.library.custom_op("sd_kernels::group_norm", mutates_args=(), tags=_TAGS)
+def _custom_op(name: str, layout: Callable[..., Layout]):
+    """Register the decorated (typed) function as ``torch.ops.sd_kernels.<name>``: the real
+    implementation returns its output in ``layout(*args)``, the fake an empty tensor in it."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def real(*args):
+            return _relaid(fn(*args), layout(*args))
+
+        op = torch.library.custom_op(f"sd_kernels::{name}", real, mutates_args=(), tags=_TAGS)
+        op.register_fake(lambda *args: _empty(layout(*args), args[0]))
+        return op
+
+    return register
+
+
+@_custom_op("group_norm", lambda x, *_: dense_layout(x))
 def _group_norm_op(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, activation: str | None) -> torch.Tensor:
-    return _relaid(ops.group_norm(x, num_groups, weight, bias, eps, activation), dense_layout(x))
+    return ops.group_norm(x, num_groups, weight, bias, eps, activation)
 
 
-@_group_norm_op.register_fake
-def _(x, num_groups, weight, bias, eps, activation):
-    return _empty(dense_layout(x), x)
-
-
-@torch.library.custom_op("sd_kernels::gelu", mutates_args=(), tags=_TAGS)
+@_custom_op("gelu", lambda x, *_: dense_layout(x))
 def _gelu_op(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    return _relaid(gelu_ops.gelu(x, approximate), dense_layout(x))
+    return gelu_ops.gelu(x, approximate)
 
 
-@_gelu_op.register_fake
-def _(x, approximate):
-    return _empty(dense_layout(x), x)
-
-
-@torch.library.custom_op("sd_kernels::quick_gelu", mutates_args=(), tags=_TAGS)
+@_custom_op("quick_gelu", dense_layout)
 def _quick_gelu_op(x: torch.Tensor) -> torch.Tensor:
-    return _relaid(gelu_ops.quick_gelu(x), dense_layout(x))
+    return gelu_ops.quick_gelu(x)
 
 
-@_quick_gelu_op.register_fake
-def _(x):
-    return _empty(dense_layout(x), x)
-
-
-@torch.library.custom_op("sd_kernels::geglu", mutates_args=(), tags=_TAGS)
+@_custom_op("geglu", lambda h, *_: halved_layout(h))
 def _geglu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
-    return _relaid(gelu_ops.geglu(h, approximate), halved_layout(h))
+    return gelu_ops.geglu(h, approximate)
 
 
-@_geglu_op.register_fake
-def _(h, approximate):
-    return _empty(halved_layout(h), h)
-
-
-@torch.library.custom_op("sd_kernels::linear_geglu", mutates_args=(), tags=_TAGS)
+@_custom_op("linear_geglu", lambda x, weight, *_: linear_geglu_layout(x, weight))
 def _linear_geglu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      approximate: str) -> torch.Tensor:
-    return _relaid(gelu_ops.linear_geglu(x, weight, bias, approximate), linear_geglu_layout(x, weight))
+    return gelu_ops.linear_geglu(x, weight, bias, approximate)
 
 
-@_linear_geglu_op.register_fake
-def _(x, weight, bias, approximate):
-    return _empty(linear_geglu_layout(x, weight), x)
-
-
-@torch.library.custom_op("sd_kernels::attention", mutates_args=(), tags=_TAGS)
+@_custom_op("attention", lambda q, k, v, *_: attention_layout(q, k, v))
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                   scale: float | None, upcast: bool) -> torch.Tensor:
-    out = attention_ops.attention(q, k, v, attn_mask, scale, upcast)
-    return _relaid(out, attention_layout(q, k, v))
-
-
-@_attention_op.register_fake
-def _(q, k, v, attn_mask, scale, upcast):
-    return _empty(attention_layout(q, k, v), q)
+    return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
 
 
 # ---------------------------------------------------------------------------------------------
