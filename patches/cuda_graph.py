@@ -72,22 +72,28 @@ def _lora_state(model: nn.Module) -> tuple:
     return tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
 
 
+def capture(run, pool, stream) -> tuple[Any, Any]:
+    """(graph, static outputs) of ``run()``: one warm-up call on ``stream`` (Triton autotuning and
+    lazy library set-up stay out of the capture), then one captured call drawing from ``pool``."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = run()
+    return graph, out
+
+
 class _Graph:
     """One captured call: static inputs (the tensor leaves), the graph, the static outputs."""
 
-    def __init__(self, fn, tree: pytree.TreeSpec, leaves: list, device: torch.device, pool,
-                 stream: torch.cuda.Stream) -> None:
+    def __init__(self, fn, tree: pytree.TreeSpec, leaves: list, device: torch.device, pool, stream) -> None:
         # On the model's device (a CPU 0-d timestep too: the UNet's own .to(device) is then a no-op),
         # in the argument's strides (clone keeps them).
         self.static = [x.to(device).clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(self.static, tree)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(*args, **kwargs)  # warm-up: autotuning and lazy set-up stay out of the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.out = fn(*args, **kwargs)
+        self.graph, self.out = capture(lambda: fn(*args, **kwargs), pool, stream)
 
     def __call__(self, leaves: list) -> Any:
         for dst, src in zip(self.static, leaves):
@@ -107,8 +113,8 @@ class GraphedForward:
         self.model_ref = model
         self.graphs: dict[Any, _Graph] = {}
         self.eager_keys: set = set()
-        self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(self.device)
+        self.pool = torch.cuda.graph_pool_handle()  # shared by all signatures' graphs
+        self.stream = torch.cuda.Stream(self.device)  # the side stream captures run on
         self.lora = _lora_state(model)
         self._logged: set[str] = set()
 

@@ -16,6 +16,8 @@ from sd_kernels.patches import cuda_graph
 import sd_kernels
 from sd_kernels import models
 
+pytree = torch.utils._pytree
+
 
 @pytest.mark.parametrize("t, dtype", [(10, torch.int64), (10.5, torch.float64)])
 def test_number_timestep_becomes_diffusers_tensor(t, dtype):
@@ -37,6 +39,124 @@ def test_model_not_on_cuda_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------
+# CPU, with a stand-in for CUDA graphs: GraphedForward's own logic (signatures, static buffers,
+# clones, fallbacks, recapture) without a GPU.
+
+
+class FakeGraph:
+    """Replay re-runs the captured call on the same static inputs and writes into the same static
+    outputs, as a CUDA graph replay does: an output handed out without a copy would change."""
+
+    def __init__(self, run):
+        self.run, self.out = run, run()
+
+    def replay(self):
+        for dst, src in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(self.run())):
+            dst.copy_(src)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")  # exact, and fast: this is about the plumbing
+    monkeypatch.setattr(cuda_graph, "check_graphable", lambda model: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")
+    captures = []
+
+    def capture(run, pool, stream):
+        captures.append((pool, stream))
+        graph = FakeGraph(run)
+        return graph, graph.out
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    return captures
+
+
+def _cpu_pair(name):
+    eager = models.build_model(name, "unet")
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager)
+    sd_kernels.patch(graphed, cuda_graph=True)
+    return eager, graphed
+
+
+def _cpu_args(unet, batch, side, seed=0):
+    x, kw = _args(unet, batch, side, seed, device="cpu", dtype=torch.float32)
+    return x, kw
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl"])
+def test_signatures_static_buffers_and_clones(fake_cuda, name):
+    eager, graphed = _cpu_pair(name)
+    with torch.no_grad():
+        results = []
+        for batch, side, seed in [(2, 8, 0), (2, 8, 1), (1, 16, 2), (2, 8, 3)]:
+            x, kw = _cpu_args(eager, batch, side, seed)
+            got = graphed(x, 10, **kw).sample
+            assert torch.equal(got, eager(x, 10, **kw).sample)
+            results.append((got, got.clone()))
+    assert len(graphed.forward.graphs) == len(fake_cuda) == 2  # one capture per signature
+    assert {pool for pool, _ in fake_cuda} == {"pool"}  # one memory pool for all of them
+    assert all(torch.equal(got, snapshot) for got, snapshot in results)  # no replay overwrote an output
+    sd_kernels.unpatch(graphed)
+    assert "forward" not in vars(graphed)
+
+
+def test_calling_conventions_share_or_split_signatures(fake_cuda):
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        want = eager(x, 10, **kw).sample
+        for t in (10, torch.tensor([10]), torch.tensor(10), torch.tensor([10, 10])):
+            assert torch.equal(graphed(x, t, **kw).sample, want)
+        # a number and the int64 [1] tensor diffusers makes of it are one signature
+        assert len(graphed.forward.graphs) == 3
+        out = graphed(x, 10, return_dict=False, cross_attention_kwargs=None, **kw)
+        assert isinstance(out, tuple) and torch.equal(out[0], want)
+        assert torch.equal(graphed(sample=x, timestep=10, **kw).sample, want)
+        assert torch.equal(graphed(x, 10.0, **kw).sample, eager(x, 10.0, **kw).sample)
+
+
+def test_eager_fallbacks_are_logged_once(fake_cuda, monkeypatch, caplog):
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        with torch.no_grad():
+            want = eager(x, 10, **kw).sample
+        for _ in range(2):  # autograd on
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert not fake_cuda
+
+        def broken(run, pool, stream):
+            fake_cuda.append(None)
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(cuda_graph, "capture", broken)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(graphed(x, 10, **kw).sample, want)
+    assert len(fake_cuda) == 1  # a signature whose capture failed is not tried again
+    messages = [r.message for r in caplog.records if "running the UNet eagerly" in r.message]
+    assert len(messages) == 2 and "autograd" in messages[0] and "capture failed" in messages[1]
+
+
+def test_adapters_loaded_after_capture_recapture(fake_cuda):
+    peft = pytest.importorskip("peft", reason="peft is in the test extra")
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "proj"], init_lora_weights=False)
+    with torch.no_grad():
+        before = graphed(x, 10, **kw).sample
+        for model in (eager, graphed):
+            torch.manual_seed(3)
+            model.add_adapter(config)
+        want = eager(x, 10, **kw).sample
+        assert not torch.equal(want, before)
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
+    assert len(fake_cuda) == 2
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU
 
 
@@ -44,16 +164,17 @@ def _unet(name="tiny"):
     return models.build_model(name, "unet", device="cuda", dtype=torch.float16)
 
 
-def _args(unet, batch, side, seed=0):
+def _args(unet, batch, side, seed=0, device="cuda", dtype=torch.float16):
+    """(sample, keyword arguments) of a UNet call; SDXL's added conditions when the UNet takes them."""
     g = torch.Generator().manual_seed(seed)
+    to = lambda t: t.to(device, dtype)
     x = torch.randn(batch, 4, side, side, generator=g)
-    ctx = torch.randn(batch, 7, unet.config.cross_attention_dim, generator=g)
-    kwargs = {"encoder_hidden_states": ctx.cuda().half()}
+    kwargs = {"encoder_hidden_states": to(torch.randn(batch, 7, unet.config.cross_attention_dim, generator=g))}
     if unet.config.addition_embed_type == "text_time":
         n_text = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
-        kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, n_text, generator=g).cuda().half(),
-                                       "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * batch).cuda().half()}
-    return x.cuda().half(), kwargs
+        kwargs["added_cond_kwargs"] = {"text_embeds": to(torch.randn(batch, n_text, generator=g)),
+                                       "time_ids": to(torch.tensor([[64.0, 64, 0, 0, 64, 64]] * batch))}
+    return to(x), kwargs
 
 
 def _matches(got, want):
