@@ -11,8 +11,8 @@ from a CUDA graph, which costs one launch of host time.
    tensor diffusers itself would make of it (int64 or float64, on the model's device);
 2. flattens positional and keyword arguments with torch's pytree (``added_cond_kwargs`` dicts of
    SDXL, ``encoder_hidden_states``, ``return_dict``, ``cross_attention_kwargs=None`` …): the tensor
-   leaves' (shape, strides, dtype, device) and every other leaf's value, with the tree's structure, make the
-   signature;
+   leaves' (shape, strides, dtype, device) and every other leaf's value, with the tree's structure,
+   make the signature;
 3. on a new signature: copies the inputs into static buffers, runs one warm-up call on a side stream
    (Triton autotuning, cuDNN/cuBLAS set-up happen there, outside the capture), then captures one
    call into a graph that draws from a memory pool shared by all of this model's graphs;
@@ -20,9 +20,10 @@ from a CUDA graph, which costs one launch of host time.
    outputs, so that the next replay (which rewrites the static outputs) cannot change what an
    earlier call returned. The clone of a latent is a few hundred kB: negligible beside a UNet step.
 
-Calls that cannot be captured run eagerly (logged once per reason): autograd enabled, a tensor
-argument on another device (a CPU 0-d tensor is fine: it is copied in), a non-tensor argument that
-is not hashable, or a capture that raised. The graphs hold the weights by address: in-place weight
+Under ``torch.compile`` the wrapper steps aside (compile's mode="reduce-overhead" is its own way to
+graph a model). Calls that cannot be captured run eagerly (logged once per reason): autograd
+enabled, a tensor argument on another device (a CPU 0-d tensor is fine: it is copied in), a
+non-tensor argument that is not hashable, or a capture that raised. The graphs hold the weights by address: in-place weight
 changes (``fuse_lora``) show in the next replay; a change of the module tree (``load_lora_weights``
 adds modules) is detected through ``peft_config`` and drops the graphs.
 """
@@ -148,6 +149,8 @@ class GraphedForward:
         return (tree, tuple(parts)), None
 
     def __call__(self, *args, **kwargs) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile traces the model itself (mode="reduce-overhead" graphs it)
+            return self.forward(*args, **kwargs)
         if torch.is_grad_enabled():
             return self._eager("autograd is enabled (capture only runs under torch.no_grad / inference_mode)",
                                args, kwargs)
