@@ -29,7 +29,8 @@ _ATTR = "_sd_kernels_patch"  # on the patched object: its record
 _OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched it
 
 
-def _models_of(obj: object, ignore: Iterable[str]) -> list[tuple[str, nn.Module]]:
+def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+    """(the (part, model)s to patch, the (part, class name)s of parts that hold another model)."""
     ignore = set(ignore)
     unknown = ignore - set(PARTS)
     if unknown:
@@ -40,26 +41,24 @@ def _models_of(obj: object, ignore: Iterable[str]) -> list[tuple[str, nn.Module]
                 f"cannot patch a {type(obj).__name__}; supported models: {', '.join(SUPPORTED_MODELS)}, "
                 "or a diffusers pipeline built on them"
             )
-        return [(type(obj).__name__, obj)]
+        return [(type(obj).__name__, obj)], []
     components = getattr(obj, "components", None)
     if not isinstance(components, dict):
         raise TypeError(
             f"cannot patch a {type(obj).__name__}: expected a diffusers pipeline or one of "
             f"{', '.join(SUPPORTED_MODELS)}"
         )
-    models = [
-        (part, components[part])
-        for part in PARTS
-        if part not in ignore
-        and isinstance(components.get(part), nn.Module)
-        and type(components[part]).__name__ in SUPPORTED_MODELS
-    ]
+    present = [(part, components[part]) for part in PARTS
+               if part not in ignore and isinstance(components.get(part), nn.Module)]
+    models = [(part, m) for part, m in present if type(m).__name__ in SUPPORTED_MODELS]
+    others = [(part, type(m).__name__) for part, m in present if type(m).__name__ not in SUPPORTED_MODELS]
     if not models and not ignore:
+        found = f" (it has {', '.join(f'{p}: {name}' for p, name in others)})" if others else ""
         raise TypeError(
-            f"{type(obj).__name__} has none of the parts sd_kernels patches ({', '.join(PARTS)} "
-            f"as {', '.join(SUPPORTED_MODELS)})"
+            f"{type(obj).__name__} has none of the parts sd_kernels patches{found}; supported: "
+            f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} (SD1.x, SD2.x, SDXL pipelines)"
         )
-    return models
+    return models, others
 
 
 def patch(
@@ -81,7 +80,7 @@ def patch(
     unknown = set(ops) - set(PATCHERS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
-    models = _models_of(obj, ignore)
+    models, others = _models_of(obj, ignore)
     graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
     if cuda_graph:
         if not graphed:
@@ -102,6 +101,8 @@ def patch(
             return old
         unpatch(obj)
     record = PatchRecord(ops, prof.name, parts, cuda_graph)
+    for part, name in others:
+        record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
     try:
         for part, model in models:
             record.scope = part  # skipped modules' paths start with it

@@ -23,9 +23,9 @@ from a CUDA graph, which costs one launch of host time.
 Under ``torch.compile`` the wrapper steps aside (compile's mode="reduce-overhead" is its own way to
 graph a model). Calls that cannot be captured run eagerly (logged once per reason): autograd
 enabled, a tensor argument on another device (a CPU 0-d tensor is fine: it is copied in), a
-non-tensor argument that is not hashable, or a capture that raised. The graphs hold the weights by address: in-place weight
-changes (``fuse_lora``) show in the next replay; a change of the module tree (``load_lora_weights``
-adds modules) is detected through ``peft_config`` and drops the graphs.
+non-tensor argument that is not hashable, or a capture that raised. The graphs hold the weights by
+address: in-place weight changes (``fuse_lora``) show in the next replay; a change of the module
+tree (``load_lora_weights`` adds modules) is detected through ``peft_config`` and drops the graphs.
 """
 
 from __future__ import annotations

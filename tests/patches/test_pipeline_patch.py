@@ -205,9 +205,21 @@ def test_cuda_graph_bad_input(pipe, kwargs, match):
     assert patch_record(pipe) is None and "forward" not in vars(pipe.unet)
 
 
-def test_unsupported_pipeline_lists_what_is_supported():
-    class NotAPipeline:
-        components = {"transformer": nn.Linear(2, 2)}
+class Parts:
+    """A stand-in pipeline: only ``components`` matters to the patch."""
 
-    with pytest.raises(TypeError, match="UNet2DConditionModel, AutoencoderKL"):
-        sd_kernels.patch(NotAPipeline())
+    def __init__(self, **components):
+        self.components = components
+
+
+def test_unsupported_pipeline_lists_what_is_supported():
+    with pytest.raises(TypeError, match=r"\(it has unet: Linear\); supported: unet, vae as UNet2DConditionModel"):
+        sd_kernels.patch(Parts(unet=nn.Linear(2, 2), transformer=nn.Linear(2, 2)))
+
+
+def test_an_unsupported_part_is_reported_and_the_rest_patched(pipe):
+    other = Parts(unet=nn.Linear(2, 2), vae=pipe.vae)
+    with sd_kernels.patched(other) as record:
+        assert record.parts == ["vae"] and record.counts["group_norm_silu"] > 0
+        assert record.skipped[0] == type(record.skipped[0])("unet", "Linear", record.skipped[0].reason)
+        assert "not a supported model" in record.format()
