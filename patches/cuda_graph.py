@@ -24,8 +24,10 @@ Under ``torch.compile`` the wrapper steps aside (compile's mode="reduce-overhead
 graph a model). Calls that cannot be captured run eagerly (logged once per reason): autograd
 enabled, a tensor argument on another device (a CPU 0-d tensor is fine: it is copied in), a
 non-tensor argument that is not hashable, or a capture that raised. The graphs hold the weights by
-address: in-place weight changes (``fuse_lora``) show in the next replay; a change of the module
-tree (``load_lora_weights`` adds modules) is detected through ``peft_config`` and drops the graphs.
+address: in-place weight changes (``fuse_lora``, ``load_state_dict``) show in the next replay; a
+change of the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``) or moved
+weights (``.to(...)``, seen in a parameter's address) drop the graphs; offloading hooks added after
+the patch make the calls eager.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def _timestep_tensor(t: Any, device: torch.device) -> Any:
     return torch.tensor([t], dtype=dtype, device=device)
 
 
-def _lora_state(model: nn.Module) -> tuple:
-    """What changes when peft adds or removes adapters (the module tree changes with it)."""
+def _model_state(model: nn.Module, first: torch.Tensor) -> tuple:
+    """What invalidates captured graphs: peft adapters added or removed (the module tree changes with
+    them), and the weights moved (``.to(device or dtype)``, offloading): the graphs read them by address."""
     cfg = getattr(model, "peft_config", None)
-    return tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
+    return tuple(sorted(cfg)) if isinstance(cfg, dict) else (), first.data_ptr(), hasattr(model, "_hf_hook")
 
 
 def capture(run, pool, stream) -> tuple[Any, Any]:
@@ -116,7 +119,8 @@ class GraphedForward:
         self.eager_keys: set = set()
         self.pool = torch.cuda.graph_pool_handle()  # shared by all signatures' graphs
         self.stream = torch.cuda.Stream(self.device)  # the side stream captures run on
-        self.lora = _lora_state(model)
+        self.first_param = next(model.parameters())
+        self.state = _model_state(model, self.first_param)
         self._logged: set[str] = set()
 
     def __repr__(self) -> str:
@@ -162,10 +166,12 @@ class GraphedForward:
         key, reason = self._signature(leaves, tree)
         if reason is not None:
             return self._eager(reason, args, kwargs)
-        lora = _lora_state(self.model_ref)
-        if lora != self.lora:  # adapters loaded or removed: the captured kernels are stale
+        state = _model_state(self.model_ref, self.first_param)
+        if state != self.state:  # the captured kernels would run stale modules or read freed weights
             self.reset()
-            self.lora = lora
+            self.state = state
+        if state[2]:
+            return self._eager("accelerate hooks (offloading) move the weights during the call", args, kwargs)
         graph = self.graphs.get(key)
         if graph is None and key not in self.eager_keys:
             try:

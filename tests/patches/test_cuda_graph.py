@@ -156,6 +156,17 @@ def test_adapters_loaded_after_capture_recapture(fake_cuda):
     assert len(fake_cuda) == 2
 
 
+def test_moved_weights_recapture(fake_cuda):
+    """Graphs read weights by address: after .to(...) moved them, the same signature captures anew."""
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        graphed(x, 10, **kw)
+        graphed.to(torch.float64).to(torch.float32)
+        assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+    assert len(fake_cuda) == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
