@@ -140,20 +140,25 @@ def test_eager_fallbacks_are_logged_once(fake_cuda, monkeypatch, caplog):
     assert len(messages) == 2 and "autograd" in messages[0] and "capture failed" in messages[1]
 
 
-def test_adapters_loaded_after_capture_recapture(fake_cuda):
+def _lora_after_capture(eager, graphed, x, kw):
+    """Both models get the same random LoRA after ``graphed`` captured a call: (graphed's output, eager's)."""
     peft = pytest.importorskip("peft", reason="peft is in the test extra")
-    eager, graphed = _cpu_pair("tiny")
-    x, kw = _cpu_args(eager, 2, 8)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "proj"], init_lora_weights=False)
     with torch.no_grad():
         before = graphed(x, 10, **kw).sample
         for model in (eager, graphed):
             torch.manual_seed(3)
             model.add_adapter(config)
+            model.to(x.dtype)  # peft makes the LoRA weights in fp32
         want = eager(x, 10, **kw).sample
         assert not torch.equal(want, before)
-        assert torch.equal(graphed(x, 10, **kw).sample, want)
-    assert len(fake_cuda) == 2
+        return graphed(x, 10, **kw).sample, want
+
+
+def test_adapters_loaded_after_capture_recapture(fake_cuda):
+    eager, graphed = _cpu_pair("tiny")
+    got, want = _lora_after_capture(eager, graphed, *_cpu_args(eager, 2, 8))
+    assert torch.equal(got, want) and len(fake_cuda) == 2
 
 
 def test_moved_weights_recapture(fake_cuda):
@@ -240,16 +245,5 @@ def test_calling_conventions():
 
 @pytest.mark.gpu
 def test_lora_loaded_after_capture_recaptures():
-    peft = pytest.importorskip("peft", reason="peft is in the test extra")
     eager, graphed, _ = _eager_and_graphed()
-    x, kw = _args(eager, 2, 8)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "proj"], init_lora_weights=False)
-    with torch.no_grad():
-        before = graphed(x, 10, **kw).sample
-        for model in (eager, graphed):
-            torch.manual_seed(3)
-            model.add_adapter(config)
-            model.half()
-        want = eager(x, 10, **kw).sample
-        assert not torch.equal(want, before)
-        _matches(graphed(x, 10, **kw).sample, want)
+    _matches(*_lora_after_capture(eager, graphed, *_args(eager, 2, 8)))
