@@ -4,6 +4,8 @@
 the parts it knows (PARTS) through sd_kernels' ops. It is idempotent and exactly reversible: the
 record of every change hangs on the patched object, and ``unpatch`` restores the original modules
 and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied.
+``cuda_graph=True`` also replays the UNet from CUDA graphs (cuda_graph.py). ``report`` gives what a
+patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
 """
 
 from __future__ import annotations
@@ -13,19 +15,22 @@ from collections.abc import Iterable, Iterator
 
 import torch.nn as nn
 
-from sd_kernels.profiles import set_profile
+from sd_kernels.profiles import Profile, set_profile
 
 from . import attention, gelu, group_norm, memory, winograd  # noqa: F401  (each registers its patcher)
+from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
 
 # The pipeline parts the patch touches, in order; ``ignore=`` skips some of them.
 PARTS = ("unet", "vae")
 SUPPORTED_MODELS = ("UNet2DConditionModel", "AutoencoderKL")
-_ATTR = "_sd_kernels_patch"
+_ATTR = "_sd_kernels_patch"  # on the patched object: its record
+_OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched it
 
 
-def _models_of(obj: object, ignore: Iterable[str]) -> list[tuple[str, nn.Module]]:
+def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+    """(the (part, model)s to patch, the (part, class name)s of parts that hold another model)."""
     ignore = set(ignore)
     unknown = ignore - set(PARTS)
     if unknown:
@@ -36,55 +41,80 @@ def _models_of(obj: object, ignore: Iterable[str]) -> list[tuple[str, nn.Module]
                 f"cannot patch a {type(obj).__name__}; supported models: {', '.join(SUPPORTED_MODELS)}, "
                 "or a diffusers pipeline built on them"
             )
-        return [(type(obj).__name__, obj)]
+        return [(type(obj).__name__, obj)], []
     components = getattr(obj, "components", None)
     if not isinstance(components, dict):
         raise TypeError(
             f"cannot patch a {type(obj).__name__}: expected a diffusers pipeline or one of "
             f"{', '.join(SUPPORTED_MODELS)}"
         )
-    models = [
-        (part, components[part])
-        for part in PARTS
-        if part not in ignore
-        and isinstance(components.get(part), nn.Module)
-        and type(components[part]).__name__ in SUPPORTED_MODELS
-    ]
+    present = [(part, components[part]) for part in PARTS
+               if part not in ignore and isinstance(components.get(part), nn.Module)]
+    models = [(part, m) for part, m in present if type(m).__name__ in SUPPORTED_MODELS]
+    others = [(part, type(m).__name__) for part, m in present if type(m).__name__ not in SUPPORTED_MODELS]
     if not models and not ignore:
+        found = f" (it has {', '.join(f'{p}: {name}' for p, name in others)})" if others else ""
         raise TypeError(
-            f"{type(obj).__name__} has none of the parts sd_kernels patches ({', '.join(PARTS)} "
-            f"as {', '.join(SUPPORTED_MODELS)})"
+            f"{type(obj).__name__} has none of the parts sd_kernels patches{found}; supported: "
+            f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} (SD1.x, SD2.x, SDXL pipelines)"
         )
-    return models
+    return models, others
 
 
 def patch(
     obj: object,
-    profile: str | None = None,
+    profile: str | Profile | None = None,
     ops: Iterable[str] | None = None,
     ignore: Iterable[str] = (),
+    cuda_graph: bool = False,
 ) -> PatchRecord:
-    """Route ``obj``'s supported parts through sd_kernels; returns the record (``.summary()``).
+    """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
 
-    ``ops`` picks op families (default: all of ``PATCHERS``); ``ignore`` skips pipeline parts.
+    ``profile``: a profile name or Profile (default: detected); ``ops`` picks op families (default:
+    all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays the UNet's calls
+    from CUDA graphs captured per call signature (patches/cuda_graph.py; needs the UNet on CUDA).
     Patching an already patched object with the same arguments does nothing; with other arguments
-    it is unpatched first.
+    it is unpatched first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
     ops = tuple(sorted(PATCHERS)) if ops is None else tuple(sorted(set(ops)))
     unknown = set(ops) - set(PATCHERS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
-    prof = set_profile(profile)
-    models = _models_of(obj, ignore)
+    models, others = _models_of(obj, ignore)
+    graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
+    if cuda_graph:
+        if not graphed:
+            raise ValueError("cuda_graph=True captures the UNet, but there is no UNet2DConditionModel to patch "
+                             f"in {type(obj).__name__} (ignore={tuple(ignore)})")
+        for model in graphed:
+            cuda_graph_mod.check_graphable(model)
     old: PatchRecord | None = getattr(obj, _ATTR, None)
+    for part, model in models:  # pipelines may share models: one patch per model at a time
+        owner = getattr(model, _OWNER, None)
+        if owner is not None and owner is not old:
+            raise ValueError(f"the {part} of this {type(obj).__name__} is already patched through another object "
+                             "(a pipeline sharing it, or the bare model): unpatch that one first")
+    prof = set_profile(profile)
+    parts = [p for p, _ in models]
     if old is not None:
-        if old.ops == ops and old.profile == prof.name and old.parts == [p for p, _ in models]:
+        if (old.ops, old.profile, old.parts, old.cuda_graph) == (ops, prof.name, parts, cuda_graph):
             return old
         unpatch(obj)
-    record = PatchRecord(ops, prof.name, [p for p, _ in models])
-    for _, model in models:
-        for op in ops:
-            PATCHERS[op](model, record)
+    record = PatchRecord(ops, prof.name, parts, cuda_graph)
+    for part, name in others:
+        record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
+    try:
+        for part, model in models:
+            record.scope = part  # skipped modules' paths start with it
+            record.set_attr(model, _OWNER, record, kind=None)
+            for op in ops:
+                PATCHERS[op](model, record)
+        if cuda_graph:
+            for model in graphed:
+                cuda_graph_mod.install(model, record)
+    except BaseException:
+        record.undo()
+        raise
     object.__setattr__(obj, _ATTR, record)
     return record
 
@@ -101,6 +131,16 @@ def unpatch(obj: object) -> bool:
 
 def patch_record(obj: object) -> PatchRecord | None:
     return getattr(obj, _ATTR, None)
+
+
+def report(obj: object, **kwargs) -> str:
+    """What ``patch(obj, **kwargs)`` replaces and leaves alone (``PatchRecord.format``), for
+    ``sd-kernels info``; ``obj`` is left as it was. An already patched ``obj`` reports its record."""
+    record = patch_record(obj)
+    if record is not None:
+        return record.format()
+    with patched(obj, **kwargs) as record:
+        return record.format()
 
 
 @contextlib.contextmanager

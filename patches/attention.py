@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.ops.attention import attention
+from sd_kernels.library import attention
 
 from .group_norm import SCALE_DEPRECATION
 from .record import PatchRecord
@@ -130,8 +130,12 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     AttnProcessor, exact types) an ``SDKernelsAttnProcessor``."""
     from diffusers.models.attention_processor import Attention
 
-    for module in model.modules():
+    for path, module in model.named_modules():
         if isinstance(module, Attention):
-            new = _replacement(getattr(module, "processor", None))
+            processor = getattr(module, "processor", None)
+            new = _replacement(processor)
             if new is not None:
                 record.set_attr(module, "processor", new, "attention_processor")
+            else:
+                record.skip(path, type(processor).__name__, "custom attention processor (only AttnProcessor2_0 "
+                            "and AttnProcessor are replaced)")

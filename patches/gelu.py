@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.ops.gelu import geglu, gelu, linear_geglu, quick_gelu
+from sd_kernels.library import geglu, gelu, linear_geglu, quick_gelu
 
 from .record import PatchRecord
 from .registry import register
@@ -91,11 +91,13 @@ def patch_gelu(model: nn.Module, record: PatchRecord) -> None:
     """Swap every diffusers GEGLU / GELU / ApproximateGELU in ``model`` (exact types, not subclasses,
     whose forward we cannot vouch for) for its sd_kernels counterpart."""
     table = _replacements()
-    slots = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent._modules.items()
-        if type(child) in table
-    ]
-    for parent, name, child in slots:  # collected first: no swapping while walking the tree
+    slots = []
+    for path, parent in model.named_modules():  # collected first: no swapping while walking the tree
+        for name, child in parent._modules.items():
+            if type(child) in table:
+                slots.append((parent, name, child))
+            elif isinstance(child, tuple(table)):
+                record.skip(f"{path}.{name}".lstrip("."), type(child).__name__,
+                            "subclass of a diffusers GELU module (its forward may differ)")
+    for parent, name, child in slots:
         record.set_attr(parent, name, table[type(child)](child), f"gelu.{type(child).__name__}")

@@ -35,7 +35,7 @@ import types
 import torch
 import torch.nn as nn
 
-from sd_kernels.ops import group_norm
+from sd_kernels.library import group_norm
 
 from .record import PatchRecord
 from .registry import register
@@ -163,10 +163,15 @@ def _swap(record: PatchRecord, parent: nn.Module, name: str, activation: str | N
     record.set_attr(parent, name, FusedGroupNorm(parent._modules[name], activation), kind)
 
 
-def _patch_resnet(block: nn.Module, record: PatchRecord) -> None:
-    if not (resnet_forward_is_known() and type(block.nonlinearity) is nn.SiLU
-            and _is_plain(block.norm1) and _is_plain(block.norm2)):
+def _patch_resnet(path: str, block: nn.Module, record: PatchRecord) -> None:
+    if not resnet_forward_is_known():
+        record.skip(path, "ResnetBlock2D.forward", "not the diffusers 0.42.1 forward the fused SiLU mirrors: "
+                    "norms swapped, SiLU not fused")
         return  # the generic pass below swaps whatever plain GroupNorms it has
+    if not (type(block.nonlinearity) is nn.SiLU and _is_plain(block.norm1) and _is_plain(block.norm2)):
+        record.skip(path, "ResnetBlock2D", f"nonlinearity {type(block.nonlinearity).__name__} or norms "
+                    "that are not plain GroupNorms: SiLU not fused")
+        return
     _swap(record, block, "norm1", "silu")
     _swap(record, block, "norm2", None if block.time_embedding_norm == "scale_shift" else "silu")
     record.set_attr(block, "forward", types.MethodType(_resnet_forward, block), "resnet_fused_forward")
@@ -186,12 +191,14 @@ def patch_group_norm(model: nn.Module, record: PatchRecord) -> None:
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
-    modules = list(model.modules())  # collected first: no swapping while walking the tree
-    for module in modules:
+    modules = list(model.named_modules())  # collected first: no swapping while walking the tree
+    for path, module in modules:
         if type(module) is ResnetBlock2D:
-            _patch_resnet(module, record)
+            _patch_resnet(path, module, record)
         elif type(module) in (UNet2DConditionModel, Encoder, Decoder):
             _patch_norm_out(module, record)
+        elif isinstance(module, nn.GroupNorm) and type(module) not in (nn.GroupNorm, FusedGroupNorm):
+            record.skip(path, type(module).__name__, "subclass of nn.GroupNorm (its forward may differ)")
     slots = [(parent, name) for parent in model.modules() for name, child in parent._modules.items()
              if _is_plain(child)]
     for parent, name in slots:

@@ -1,48 +1,128 @@
-"""Bookkeeping that makes a patch exactly reversible.
+"""Bookkeeping that makes a patch exactly reversible, and says what it changed and what it left alone.
 
 Every change the patch makes to a model goes through ``PatchRecord.set_attr``, which remembers what
 was there before. ``undo`` replays those memories in reverse, so the model ends up holding the very
 objects it held before (same modules, same processors, same parameters) and computes bit-identical
-outputs. Nothing is copied: replacement modules hold references to the original parameters.
+outputs. Nothing is copied: replacement modules hold references to the original parameters and
+submodules.
+
+Changes made by others after the patch are kept, not dropped:
+
+* A replacement shares the original's submodules and parameters by name (FusedGEGLU's ``proj``,
+  FusedGroupNorm's ``weight``). If one of those slots was filled anew while patched (peft's LoRA
+  wraps ``proj`` in a ``lora.Linear``; ``load_state_dict(assign=True)`` puts new Parameters), undo
+  moves the new occupant into the original, which then holds exactly what a never-patched model
+  would hold after the same change.
+* If the slot that holds a replacement now holds something else that wraps it (a wrapper whose
+  subtree contains the replacement, e.g. peft's ``base_layer``), undo puts the original inside that
+  wrapper in the replacement's place. If the replacement is gone altogether, the new occupant stays.
+* An attribute (a processor, a rebound ``forward``) that someone set anew after the patch stays.
+
+What a patcher deliberately leaves alone (custom attention processors, GroupNorm subclasses, an
+unknown diffusers version's forward) is listed with ``skip``; ``format`` reports both lists.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
 
+log = logging.getLogger("sd_kernels")
 _MISSING = object()
 
 
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """One module the patch left alone: where, what it is, why."""
+
+    path: str
+    what: str
+    reason: str
+
+
+def _shared_slots(old: nn.Module, new: nn.Module) -> list[tuple[str, str]]:
+    """(dict, name) of the submodules and parameters ``new`` holds as the very objects ``old`` holds."""
+    return [(d, name) for d in ("_modules", "_parameters") for name, value in getattr(new, d).items()
+            if value is not None and getattr(old, d).get(name) is value]
+
+
+def _replace_inside(wrapper: nn.Module, target: nn.Module, value: nn.Module) -> bool:
+    """Put ``value`` where ``target`` sits in ``wrapper``'s subtree; False if it is not there."""
+    for parent in wrapper.modules():
+        for name, child in parent._modules.items():
+            if child is target:
+                parent._modules[name] = value
+                return True
+    return False
+
+
 class PatchRecord:
-    def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str]) -> None:
+    def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: bool = False) -> None:
         self.ops = ops
         self.profile = profile
         self.parts = parts
+        self.cuda_graph = cuda_graph
         self.counts: collections.Counter = collections.Counter()
+        self.skipped: list[Skipped] = []
+        self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
         self._undo: list[Callable[[], None]] = []
 
-    def set_attr(self, obj: Any, name: str, value: Any, kind: str) -> None:
-        """``obj.name = value``, remembered; ``kind`` names the replacement in the counts."""
+    def set_attr(self, obj: Any, name: str, value: Any, kind: str | None) -> None:
+        """``obj.name = value``, remembered; ``kind`` names the replacement in the counts (None: not
+        counted, for bookkeeping)."""
         if isinstance(obj, nn.Module) and name in obj._modules:
-            old = obj._modules[name]
-            obj._modules[name] = value
-            self._undo.append(lambda: obj._modules.__setitem__(name, old))
+            self._undo.append(self._swap_module(obj, name, value))
         else:
-            old = obj.__dict__.get(name, _MISSING)
-            object.__setattr__(obj, name, value)
+            self._undo.append(self._set_instance_attr(obj, name, value))
+        if kind is not None:
+            self.counts[kind] += 1
 
-            def restore() -> None:
-                if old is _MISSING:
-                    object.__delattr__(obj, name)
-                else:
-                    object.__setattr__(obj, name, old)
+    @staticmethod
+    def _swap_module(parent: nn.Module, name: str, new: nn.Module) -> Callable[[], None]:
+        old = parent._modules[name]
+        shared = _shared_slots(old, new) if isinstance(old, nn.Module) and isinstance(new, nn.Module) else []
+        parent._modules[name] = new
 
-            self._undo.append(restore)
-        self.counts[kind] += 1
+        def restore() -> None:
+            for d, slot in shared:  # what was put into the replacement while patched moves to the original
+                if getattr(new, d).get(slot) is not getattr(old, d).get(slot):
+                    getattr(old, d)[slot] = getattr(new, d)[slot]
+            current = parent._modules.get(name)
+            if current is new:
+                parent._modules[name] = old
+            elif isinstance(current, nn.Module) and _replace_inside(current, new, old):
+                log.info("sd_kernels: unpatch put the original %s back inside %s", type(old).__name__,
+                         type(current).__name__)
+            else:
+                log.warning("sd_kernels: unpatch left %s.%s alone: it was replaced after the patch",
+                            type(parent).__name__, name)
+
+        return restore
+
+    @staticmethod
+    def _set_instance_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
+        old = obj.__dict__.get(name, _MISSING)
+        object.__setattr__(obj, name, value)
+
+        def restore() -> None:
+            if obj.__dict__.get(name, _MISSING) is not value:
+                log.warning("sd_kernels: unpatch left %s.%s alone: it was set anew after the patch",
+                            type(obj).__name__, name)
+            elif old is _MISSING:
+                object.__delattr__(obj, name)
+            else:
+                object.__setattr__(obj, name, old)
+
+        return restore
+
+    def skip(self, path: str, what: str, reason: str) -> None:
+        """Note a module left alone on purpose (``sd-kernels info`` reports these)."""
+        self.skipped.append(Skipped(".".join(p for p in (self.scope, path) if p), what, reason))
 
     def undo(self) -> None:
         while self._undo:
@@ -51,4 +131,18 @@ class PatchRecord:
 
     def summary(self) -> str:
         parts = ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))
-        return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}): {parts or 'nothing'}"
+        graph = ", cuda_graph" if self.cuda_graph else ""
+        return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}{graph}): {parts or 'nothing'}"
+
+    def format(self, examples: int = 3) -> str:
+        """The summary, then what was left alone grouped by (what, reason), with a few module paths."""
+        lines = [self.summary()]
+        groups: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        for s in self.skipped:
+            groups[(s.what, s.reason)].append(s.path)
+        if groups:
+            lines.append("left alone:")
+        for (what, reason), paths in sorted(groups.items()):
+            more = f", … ({len(paths)} in all)" if len(paths) > examples else ""
+            lines.append(f"  {what} ×{len(paths)}: {reason} [{', '.join(paths[:examples])}{more}]")
+        return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The ``sd-kernels`` command: ``info``, ``demo``, ``generate`` and ``bench``."""
+"""The ``sd-kernels`` command: ``info``, ``demo``, ``generate``, ``bench`` and ``fidelity``."""
 
 from __future__ import annotations
 
@@ -219,6 +219,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"wrote {png}")
     print(f"wrote {', '.join(sorted({str(out / r['csv']) for r in rows}))}")
     return 0 if all(not str(r.get("status")).startswith("error") for r in rows) else 1
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    import torch
+
+    from sd_kernels import models
+    from sd_kernels.fidelity import check_fidelity
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.model or _default_model(device)
+    dtype = getattr(torch, DTYPES[args.dtype or ("fp16" if device == "cuda" else "fp32")])
+    pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
+    pipe.set_progress_bar_config(disable=True)
+    result = check_fidelity(pipe, steps=args.steps, seed=args.seed, prompt=args.prompt, size=args.size,
+                            ops=args.ops, per_op=not args.no_per_op, cuda_graph=args.cuda_graph,
+                            profile=args.profile)
+    print(result.format())
+    return 0 if result.ok(args.max_latent_err, args.min_psnr) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,6 +281,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="results folder (default bench-results/DATE-DEVICE)")
     _bench_options(bench)
     bench.set_defaults(fn=cmd_bench)
+    fid = sub.add_parser("fidelity", help="stock vs patched with the same weights and seed: latent error, "
+                         "image PSNR, per op family; exit status 1 past the limits")
+    fid.add_argument("--model", help="shipped config or a local pipeline directory (default: sd15 on a GPU, "
+                     "tiny on CPU)")
+    fid.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
+    fid.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
+    fid.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
+    fid.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    fid.add_argument("--ops", nargs="+", help="op families to patch (default: all)")
+    fid.add_argument("--profile", help="profile name (default: detected)")
+    fid.add_argument("--cuda-graph", action="store_true", help="patch with cuda_graph=True")
+    fid.add_argument("--no-per-op", action="store_true", help="skip the one-family-at-a-time runs")
+    fid.add_argument("--prompt", default="a photograph of an astronaut riding a horse")
+    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--max-latent-err", type=float, default=1e-2, help="limit on the latent rel. error (1e-2)")
+    fid.add_argument("--min-psnr", type=float, default=40.0, help="limit on the image PSNR in dB (40)")
+    fid.set_defaults(fn=cmd_fidelity)
     return ap
 
 

@@ -103,3 +103,40 @@ def test_bad_input(pipe, obj, kwargs, error, match):
     with pytest.raises(error, match=match):
         sd_kernels.patch(pipe if obj is None else obj, **kwargs)
     assert patch_record(pipe) is None
+
+
+def test_a_failing_patcher_leaves_nothing_half_patched(pipe, fake_op, monkeypatch):
+    def broken(model, record):
+        fake_patcher(model, record)
+        if model is pipe.vae:
+            raise RuntimeError("patcher bug")
+
+    monkeypatch.setitem(registry.PATCHERS, "fake", broken)
+    conv_out = pipe.unet.conv_out
+    with pytest.raises(RuntimeError, match="patcher bug"):
+        sd_kernels.patch(pipe, ops=fake_op)
+    assert patch_record(pipe) is None and pipe.unet.conv_out is conv_out and not hasattr(pipe.unet, "note")
+    assert not hasattr(pipe.unet, "_sd_kernels_owner")
+
+
+def test_report_leaves_the_pipeline_as_it_was(pipe, fake_op):
+    from sd_kernels.patches import report
+
+    text = report(pipe, ops=fake_op)
+    assert "doubled_conv_out: 2" in text and patch_record(pipe) is None
+    with sd_kernels.patched(pipe, ops=fake_op) as record:
+        assert report(pipe) == record.format() and patch_record(pipe) is record
+
+
+def test_changes_made_after_the_patch_are_kept(pipe, fake_op):
+    """Undo puts originals back where the replacements are, not over what others put there since."""
+    unet = pipe.unet
+    conv_out = unet.conv_out
+    with sd_kernels.patched(pipe, ops=fake_op):
+        ours = unet.conv_out
+        unet.conv_out = Doubled(ours)  # someone wraps our replacement (as peft's base_layer does)
+        unet.note = "theirs"  # and sets an attribute the patch had set
+    assert type(unet.conv_out) is Doubled and unet.conv_out.inner is conv_out  # original, inside their wrapper
+    assert unet.note == "theirs"
+    unet.conv_out = conv_out
+    del unet.note

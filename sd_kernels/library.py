@@ -1,0 +1,174 @@
+"""sd_kernels' ops as torch custom ops (``torch.ops.sd_kernels.*``), for torch.compile.
+
+Each op the patch calls is registered with ``torch.library`` together with a fake (meta)
+implementation that gives the output's shape, dtype and strides without running anything. Dynamo
+records one opaque node per call instead of tracing into Triton launchers and dispatch logic, so a
+patched UNet compiles with ``torch.compile(fullgraph=True)`` and no graph breaks.
+
+Eager calls skip the dispatcher: the functions below (what the patched modules call) run the plain
+Python op, and take the ``torch.ops`` route only while ``torch.compiler.is_compiling()``. The
+dispatcher costs host time on every call (argument parsing against the schema, the dispatch keys);
+tests/test_library.py measures both routes and docs/patch.md gives the numbers.
+
+Output strides: code that inductor generates after an op assumes the strides the fake promised, so
+the real implementation must return exactly those. One ``*_layout`` function per op is that
+promise, shared by fake and real; the real one re-lays its output (one copy) only where a fallback
+path returned another layout.
+"""
+
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from sd_kernels import ops
+from sd_kernels.ops.layout import contiguous_strides, is_dense
+
+# sd_kernels.ops re-exports functions named like its submodules (ops.gelu is the function): import
+# the modules by name.
+attention_ops = importlib.import_module("sd_kernels.ops.attention")
+gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
+
+Layout = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def dense_layout(x: torch.Tensor) -> Layout:
+    """x's strides when x is non-overlapping and dense (channels_last stays so), else contiguous:
+    the output layout of the normalisation and elementwise kernels."""
+    shape = tuple(x.shape)
+    return shape, tuple(x.stride()) if is_dense(x) else contiguous_strides(shape)
+
+
+def halved_layout(h: torch.Tensor) -> Layout:
+    """GEGLU: [..., 2n] → [..., n], contiguous."""
+    shape = (*h.shape[:-1], h.shape[-1] // 2)
+    return shape, contiguous_strides(shape)
+
+
+def linear_geglu_layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
+    shape = (*x.shape[:-1], weight.shape[0] // 2)
+    return shape, contiguous_strides(shape)
+
+
+def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Layout:
+    """[*batch, Sq, Dv]; for a 4-D q whose heads are inner in memory (diffusers' transposed views of
+    [B, S, H, D]) that layout, so that the caller's transpose + reshape stays a view."""
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    shape = (*batch, q.shape[-2], v.shape[-1])
+    if len(shape) == 4 and q.dim() == 4 and q.stride(1) < q.stride(2):
+        _, h, s, d = shape
+        return shape, (s * h * d, d, h * d, 1)
+    return shape, contiguous_strides(shape)
+
+
+# Inductor hands a custom op its inputs in exactly the strides they had when traced: the layout the
+# fake computed from them is then the one the real implementation computes at run time.
+_TAGS = (torch.Tag.needs_exact_strides,)
+
+
+def _empty(layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(*layout, dtype=like.dtype, device=like.device)
+
+
+def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``out`` in ``layout``: itself when it already is (the kernels' case), else a copy."""
+    if tuple(out.stride()) == layout[1] or out.numel() <= 1:
+        return out
+    return _empty(layout, out).copy_(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops: real implementation (the public op, output in the promised layout) and fake.
+
+
+def _custom_op(name: str, layout: Callable[..., Layout]):
+    """Register the decorated (typed) function as ``torch.ops.sd_kernels.<name>``: the real
+    implementation returns its output in ``layout(*args)``, the fake an empty tensor in it."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def real(*args):
+            return _relaid(fn(*args), layout(*args))
+
+        op = torch.library.custom_op(f"sd_kernels::{name}", real, mutates_args=(), tags=_TAGS)
+        op.register_fake(lambda *args: _empty(layout(*args), args[0]))
+        return op
+
+    return register
+
+
+@_custom_op("group_norm", lambda x, *_: dense_layout(x))
+def _group_norm_op(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, eps: float, activation: str | None) -> torch.Tensor:
+    return ops.group_norm(x, num_groups, weight, bias, eps, activation)
+
+
+@_custom_op("gelu", lambda x, *_: dense_layout(x))
+def _gelu_op(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return gelu_ops.gelu(x, approximate)
+
+
+@_custom_op("quick_gelu", dense_layout)
+def _quick_gelu_op(x: torch.Tensor) -> torch.Tensor:
+    return gelu_ops.quick_gelu(x)
+
+
+@_custom_op("geglu", lambda h, *_: halved_layout(h))
+def _geglu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
+    return gelu_ops.geglu(h, approximate)
+
+
+@_custom_op("linear_geglu", lambda x, weight, *_: linear_geglu_layout(x, weight))
+def _linear_geglu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     approximate: str) -> torch.Tensor:
+    return gelu_ops.linear_geglu(x, weight, bias, approximate)
+
+
+@_custom_op("attention", lambda q, k, v, *_: attention_layout(q, k, v))
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                  scale: float | None, upcast: bool) -> torch.Tensor:
+    return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
+
+
+# ---------------------------------------------------------------------------------------------
+# What patched modules call: the plain op in eager, the custom op while compiling.
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.group_norm(x, num_groups, weight, bias, float(eps), activation)
+    return ops.group_norm(x, num_groups, weight, bias, eps, activation)
+
+
+def gelu(x, approximate="none"):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.gelu(x, approximate)
+    return gelu_ops.gelu(x, approximate)
+
+
+def quick_gelu(x):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.quick_gelu(x)
+    return gelu_ops.quick_gelu(x)
+
+
+def geglu(h, approximate="none"):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.geglu(h, approximate)
+    return gelu_ops.geglu(h, approximate)
+
+
+def linear_geglu(x, weight, bias=None, approximate="none"):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.linear_geglu(x, weight, bias, approximate)
+    return gelu_ops.linear_geglu(x, weight, bias, approximate)
+
+
+def attention(q, k, v, attn_mask=None, scale=None, upcast=False):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.attention(q, k, v, attn_mask, None if scale is None else float(scale), upcast)
+    return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
+
+
+OPS = ("group_norm", "gelu", "quick_gelu", "geglu", "linear_geglu", "attention")  # torch.ops.sd_kernels.*
