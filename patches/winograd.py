@@ -25,10 +25,12 @@ from sd_kernels.profiles import active_profile
 from .record import PatchRecord
 from .registry import register
 
-# Route only calls captured into a CUDA graph (``patch(..., cuda_graph=True)``, or a graph of the
-# caller's), unless this is True. Measured on the H100 (docs/results.md): an eager F(2,3) call at
-# 2×1280×16² takes 0.31 ms of host time against cuDNN's 0.08 ms, for 0.03–0.07 ms of device time
-# saved, and an eager UNet step is bound by the host; under a graph the host cost is gone.
+# Swap convs only in a UNet whose calls are replayed from CUDA graphs (``patch(..., cuda_graph=True)``)
+# unless this is True. Measured on the H100 (bench/results/2026-11-22-h100/winograd_deep.csv): one
+# eager F(2,3) call at 2×1280×16² (NCHW) takes 0.22 ms against cuDNN's 0.13 ms, though its device time is
+# 0.047 against 0.118 ms: three launches of host time where cuDNN needs one, and an eager UNet step is
+# bound by the host. Replayed from a graph the host cost is gone. (The graph wrapper's warm-up call
+# runs the same routing as the capture, so Triton autotuning and the weight transform happen there.)
 ROUTE_EAGER = False
 
 # nn.Conv2d's own attributes that its forward reads (torch's Conv2d.__constants__ and the padding
@@ -54,13 +56,10 @@ class WinogradConv2d(nn.Conv2d):
         self._transformed: dict[tuple, tuple[tuple, WinogradWeight]] = {}  # slot → (version, U)
 
     def tile_for(self, x: torch.Tensor) -> int | None:
-        """The profile's tile for this call, or None for the stock conv: eager calls (unless
-        ``ROUTE_EAGER``), calls traced by torch.compile and inputs whose dtype is not the weight's
-        run stock."""
+        """The profile's tile for this call, or None for the stock conv: calls traced by torch.compile
+        and inputs whose dtype is not the weight's run stock."""
         if x.dim() != 4 or x.dtype != self.weight.dtype or torch.compiler.is_compiling():
             return None  # under torch.compile the compiler's own conv choice stands
-        if not (ROUTE_EAGER or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return None
         n, c, h, w = x.shape
         return active_profile().winograd_tile(n, c, h, w, self.out_channels, x.dtype)
 
@@ -92,8 +91,13 @@ def qualifies(conv: nn.Module) -> bool:
 @register("winograd")
 def patch_winograd(model: nn.Module, record: PatchRecord) -> None:
     """Swap the qualifying 3×3 convs of ``model`` for ``WinogradConv2d`` where the active profile
-    may route their channel counts (``Profile.routes_winograd(c, k)``); none under a profile that
-    routes no conv, so that such profiles pay no per-call routing cost."""
+    may route their channel counts (``Profile.routes_winograd(c, k)``): in a UNet replayed from CUDA
+    graphs (``ROUTE_EAGER`` explains why only there); none under a profile that routes no conv, so
+    that such profiles pay no per-call routing cost."""
+    if not (ROUTE_EAGER or (record.cuda_graph and type(model).__name__ == "UNet2DConditionModel")):
+        if any(qualifies(m) for m in model.modules()):
+            record.skip("", "3x3 convs", "winograd runs only in a UNet patched with cuda_graph=True (host cost)")
+        return
     profile = active_profile()
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
              if qualifies(child) and profile.routes_winograd(child.in_channels, child.out_channels)]
