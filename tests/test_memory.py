@@ -184,7 +184,8 @@ def test_gpu_budget_exceeded_is_the_clear_error_not_an_oom():
     from sd_kernels import models
 
     unet = models.build_model("tiny", "unet", device="cuda", dtype=torch.float16)
-    tight = dataclasses.replace(profiles.get_profile("s23-ultra"), name="tight", memory_budget_mb=64)
+    tight = dataclasses.replace(profiles.get_profile("s23-ultra"), name="tight", memory_budget_mb=64,
+                                intermediate_budget_mb=32)
     patch(unet, profile=tight, ops=["memory"])
     try:
         x = torch.randn(16, 4, 128, 128, device="cuda", dtype=torch.float16)  # ≫ 64 MB of activations
