@@ -65,7 +65,9 @@ class WinogradConv2d(nn.Conv2d):
 
     def transformed(self, tile: int) -> WinogradWeight:
         w = self.weight
-        slot, version = (tile, w.dtype, w.device), (w.data_ptr(), w._version)
+        # Inference tensors (made under torch.inference_mode) have no version counter, and cannot be
+        # updated in place outside it: their storage alone identifies them.
+        slot, version = (tile, w.dtype, w.device), (w.data_ptr(), None if w.is_inference() else w._version)
         cached = self._transformed.get(slot)
         if cached is None or cached[0] != version:
             cached = self._transformed[slot] = (version, winograd_weight(w, tile))

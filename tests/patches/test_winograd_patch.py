@@ -147,6 +147,19 @@ def test_transformed_weight_cache_follows_the_weight(route):
     assert rel_err(before, ref) > 0.1  # the stale weights would have been far off
 
 
+def test_inference_mode_weights(route):
+    """Weights made under torch.inference_mode have no version counter: the cache keys on storage."""
+    route(lambda n, c, h, w, k: 2)
+    with torch.inference_mode():
+        conv = nn.Conv2d(6, 5, 3, padding=1)
+        ours = WinogradConv2d(conv)
+        x = torch.randn(1, 6, 8, 8)
+        assert ours.transformed(2) is ours.transformed(2)
+        y = ours(x)
+    ref = torch.nn.functional.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    assert rel_err(y, ref) < 1e-5
+
+
 def test_dtype_mismatch_runs_stock(route):
     route(lambda n, c, h, w, k: 2)
     conv = nn.Conv2d(6, 5, 3, padding=1)
