@@ -53,29 +53,33 @@ def main(argv: list[str] | None = None) -> int:
     env = {**common.environment(), "model": args.model, "dtype": "float16"}
     print(json.dumps(env))
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(new: list[dict]) -> None:  # after every variant: a run cut short keeps what it measured
+        for r in new:
+            r.setdefault("error", "")
+            for k in ("weights_mb", "peak_intermediate_mb", "ms"):
+                r[k] = round(r[k], 2)
+        rows.extend(new)
+        with open(args.out / "memory.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*rows[0], *env])
+            w.writeheader()
+            w.writerows({**r, **env} for r in rows)
+
     with torch.inference_mode():
         for batch in (1, 2):
-            rows += rows_for(pipe, f"stock b{batch}", batch)
+            save(rows_for(pipe, f"stock b{batch}", batch))
         for name in names:
             patch(pipe, profile=name)
             try:
-                rows += rows_for(pipe, name, 1)
+                save(rows_for(pipe, name, 1))
             except memory.MemoryBudgetExceeded as exc:
-                rows.append({"variant": name, "component": "budget exceeded", "weights_mb": float("nan"),
-                             "peak_intermediate_mb": float("nan"), "ms": float("nan"), "peak_at": "",
-                             "error": str(exc)})
+                save([{"variant": name, "component": "budget exceeded", "weights_mb": float("nan"),
+                       "peak_intermediate_mb": float("nan"), "ms": float("nan"), "peak_at": "",
+                       "error": str(exc)}])
             finally:
                 unpatch(pipe)
                 profiles.set_profile(None)
-    for r in rows:
-        r.setdefault("error", "")
-        for k in ("weights_mb", "peak_intermediate_mb", "ms"):
-            r[k] = round(r[k], 2)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "memory.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*rows[0], *env])
-        w.writeheader()
-        w.writerows({**r, **env} for r in rows)
     print(common.format_table(rows, COLUMNS))
     return 0
 
