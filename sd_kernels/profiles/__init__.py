@@ -26,7 +26,6 @@ selection table of ``sd-kernels info`` needs no GPU):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import pathlib
@@ -105,6 +104,10 @@ class Profile:
 
     def __post_init__(self) -> None:
         _validate(self)
+        # Per-profile memo of attention_path (not a field: equality and hashing ignore it). An
+        # lru_cache keyed on the profile would hash every field, the Winograd table too, on each
+        # attention call: measured as a visible part of the eager host time.
+        object.__setattr__(self, "_paths", {})
 
     # -- decisions -------------------------------------------------------------------------------
 
@@ -151,7 +154,13 @@ class Profile:
         return "flash", f"head dim {head_dim} fits on chip"
 
     def attention_path(self, sq: int, sk: int, head_dim: int, dtype: str = "float16") -> str:
-        return _attention_path(self, sq, sk, head_dim, dtype)  # memoized: it runs once per attention call
+        key = (sq, sk, head_dim, dtype)  # it runs once per attention call: memoized
+        path = self._paths.get(key)
+        if path is None:
+            if len(self._paths) >= 4096:
+                self._paths.clear()
+            path = self._paths[key] = self.attention_choice(sq, sk, head_dim, dtype)[0]
+        return path
 
     def winograd_tile(self, n: int, c: int, h: int, w: int, k: int, dtype: Any) -> int | None:
         """The Winograd tile for a 3×3 conv x [n, c, h, w] → k channels in ``dtype`` (a torch dtype or
@@ -182,11 +191,6 @@ class Profile:
     def describe(self) -> dict[str, Any]:
         """The profile as plain data (what ``sd-kernels info`` prints and a JSON file holds)."""
         return _to_json(self)
-
-
-@functools.lru_cache(maxsize=1024)
-def _attention_path(p: Profile, sq: int, sk: int, head_dim: int, dtype: str) -> str:
-    return p.attention_choice(sq, sk, head_dim, dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------
