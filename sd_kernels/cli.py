@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -244,27 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--profile", help="show this profile (a name or a .json path) instead of the detected one")
     info.set_defaults(fn=cmd_info)
     demo = sub.add_parser("demo", help="run a random-weight SD pipeline stock and patched, write a PNG")
-    demo.add_argument("--model", help="shipped config (tiny, sd15, sd21, sdxl, ...) or a local pipeline "
-                      "directory; default: sd15 on a GPU, tiny on CPU")
-    demo.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
-    demo.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
-    demo.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    demo.add_argument("--prompt", default="a photograph of an astronaut riding a horse")
-    demo.add_argument("--seed", type=int, default=0)
+    _pipeline_options(demo, "shipped config (tiny, sd15, sd21, sdxl, ...) or a local pipeline directory; "
+                      "default: sd15 on a GPU, tiny on CPU")
+    demo.add_argument("--prompt", default=DEFAULT_PROMPT)
     demo.add_argument("--out", default="demo.png", help="PNG to write (default demo.png)")
     demo.add_argument("--no-patch", action="store_true", help="run stock only")
     demo.set_defaults(fn=cmd_demo)
     gen = sub.add_parser("generate", help="generate an image with the patched pipeline, write a PNG")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--model", help="shipped config (random weights: the image is noise-like), a local pipeline "
-                     "directory or a hub id; default: sd15 on a GPU, tiny on CPU")
+    _pipeline_options(gen, "shipped config (random weights: the image is noise-like), a local pipeline "
+                      "directory or a hub id; default: sd15 on a GPU, tiny on CPU")
     gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
-    gen.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
-    gen.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
-    gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--cuda-graph", action="store_true", help="replay the UNet step from CUDA graphs")
     gen.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
     gen.set_defaults(fn=cmd_generate)
@@ -283,22 +274,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(fn=cmd_bench)
     fid = sub.add_parser("fidelity", help="stock vs patched with the same weights and seed: latent error, "
                          "image PSNR, per op family; exit status 1 past the limits")
-    fid.add_argument("--model", help="shipped config or a local pipeline directory (default: sd15 on a GPU, "
-                     "tiny on CPU)")
-    fid.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
-    fid.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
-    fid.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
-    fid.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    _pipeline_options(fid, "shipped config or a local pipeline directory (default: sd15 on a GPU, tiny on CPU)")
     fid.add_argument("--ops", nargs="+", help="op families to patch (default: all)")
     fid.add_argument("--profile", help="profile name (default: detected)")
     fid.add_argument("--cuda-graph", action="store_true", help="patch with cuda_graph=True")
     fid.add_argument("--no-per-op", action="store_true", help="skip the one-family-at-a-time runs")
-    fid.add_argument("--prompt", default="a photograph of an astronaut riding a horse")
-    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--prompt", default=DEFAULT_PROMPT)
     fid.add_argument("--max-latent-err", type=float, default=1e-2, help="limit on the latent rel. error (1e-2)")
     fid.add_argument("--min-psnr", type=float, default=40.0, help="limit on the image PSNR in dB (40)")
     fid.set_defaults(fn=cmd_fidelity)
     return ap
+
+
+def _pipeline_options(ap: argparse.ArgumentParser, model_help: str) -> None:
+    """The options every command that builds and runs a pipeline takes (demo, generate, fidelity)."""
+    ap.add_argument("--model", help=model_help)
+    ap.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
+    ap.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    ap.add_argument("--seed", type=int, default=0)
 
 
 def _bench_options(ap: argparse.ArgumentParser) -> None:
