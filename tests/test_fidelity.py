@@ -26,7 +26,8 @@ def test_reference_ops_are_exact(pipe, monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     result = fidelity.check_fidelity(pipe, steps=2)
     assert result.patched == fidelity.Fidelity(0.0, math.inf) and result.ok()
-    assert set(result.per_op) == set(result.ops) == {"attention", "gelu", "group_norm"}
+    assert set(result.per_op) == set(result.ops) == set(sd_kernels.patches.PATCHERS)
+    assert {"attention", "gelu", "group_norm"} <= set(result.ops)
     assert result.size == (64, 64) and result.steps == 2 and result.dtype == "float32"
     assert "ok (limits" in result.format()
     assert sd_kernels.patches.patch_record(pipe) is None
@@ -39,7 +40,8 @@ def test_a_wrong_op_shows_and_is_attributed(pipe, monkeypatch):
     result = fidelity.check_fidelity(pipe, steps=2)
     assert result.patched.latent_rel_err > 1e-3 and result.patched.psnr_db < math.inf
     assert result.per_op["group_norm"].latent_rel_err > 1e-3
-    assert result.per_op["attention"] == result.per_op["gelu"] == fidelity.Fidelity(0.0, math.inf)
+    clean = fidelity.Fidelity(0.0, math.inf)
+    assert all(f == clean for op, f in result.per_op.items() if op != "group_norm")
     assert not fidelity.Fidelity(2e-2, 50.0).ok() and not fidelity.Fidelity(1e-3, 30.0).ok()
 
 
