@@ -97,10 +97,12 @@ def patch(
     prof = set_profile(profile)
     parts = [p for p, _ in models]
     if old is not None:
-        if (old.ops, old.profile, old.parts, old.cuda_graph) == (ops, prof.name, parts, cuda_graph):
+        # The whole profile, not its name: dataclasses.replace(profile, attention=...) keeps the name.
+        if (old.ops, old.profile_spec, old.parts, old.cuda_graph) == (ops, prof, parts, cuda_graph):
             return old
         unpatch(obj)
     record = PatchRecord(ops, prof.name, parts, cuda_graph)
+    record.profile_spec = prof
     for part, name in others:
         record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
     try:

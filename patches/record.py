@@ -67,6 +67,7 @@ class PatchRecord:
         self.profile = profile
         self.parts = parts
         self.cuda_graph = cuda_graph
+        self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths

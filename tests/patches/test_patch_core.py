@@ -140,3 +140,25 @@ def test_changes_made_after_the_patch_are_kept(pipe, fake_op):
     assert unet.note == "theirs"
     unet.conv_out = conv_out
     del unet.note
+
+
+def test_repatch_with_a_changed_profile_of_the_same_name_repatches():
+    """dataclasses.replace keeps a profile's name: patch() must compare the whole profile."""
+    import dataclasses
+
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import profiles
+    from sd_kernels.models import build_model
+
+    unet = build_model("tiny", "unet")
+    base = profiles.get_profile("cpu")
+    try:
+        first = patch(unet, profile=base)
+        assert patch(unet, profile=base) is first
+        forced = dataclasses.replace(base, attention="sdpa")
+        second = patch(unet, profile=forced)
+        assert second is not first and second.profile_spec == forced
+    finally:
+        unpatch(unet)
+        profiles.set_profile(None)
