@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+# One capture for the benchmarks and for patch(..., cuda_graph=True): warm-up on a side stream, then capture.
+from sd_kernels.patches.cuda_graph import capture
+
 L2_BYTES = 50 * 2**20  # H100's L2; rotating over more than twice this defeats it
 
 
@@ -68,27 +71,6 @@ def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def capture(fn: Callable[[], Any], calls: int = 1, warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Capture ``calls`` calls of ``fn`` into one CUDA graph; returns the graph and the last output.
-
-    ``fn`` first runs ``warmup`` times on a side stream (Triton compiles and autotunes there, cuDNN
-    picks its algorithms, lazy buffers get allocated), as CUDA graph capture requires. The inputs
-    ``fn`` reads are baked into the graph: replays read the same buffers, whatever they then hold.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    out = None
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            out = fn()
-    return graph, out
 
 
 def graphed(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:

@@ -76,16 +76,22 @@ def _model_state(model: nn.Module, first: torch.Tensor) -> tuple:
     return tuple(sorted(cfg)) if isinstance(cfg, dict) else (), first.data_ptr(), hasattr(model, "_hf_hook")
 
 
-def capture(run, pool, stream) -> tuple[Any, Any]:
-    """(graph, static outputs) of ``run()``: one warm-up call on ``stream`` (Triton autotuning and
-    lazy library set-up stay out of the capture), then one captured call drawing from ``pool``."""
+def capture(run, pool=None, stream=None, warmup: int = 1, calls: int = 1) -> tuple[Any, Any]:
+    """(graph, static outputs of the last captured call) of ``run()``: ``warmup`` calls on ``stream``
+    (a new side stream if None: Triton autotuning and lazy library set-up stay out of the capture),
+    then ``calls`` captured calls drawing from ``pool`` (a private pool if None). The inputs ``run``
+    reads are baked into the graph: replays read the same buffers, whatever they then hold."""
+    stream = stream if stream is not None else torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()
+        for _ in range(warmup):
+            run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    out = None
     with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = run()
+        for _ in range(calls):
+            out = run()
     return graph, out
 
 
