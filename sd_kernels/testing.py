@@ -109,10 +109,8 @@ def psnr(a, b, peak: float = 1.0) -> float:
 def extra_cuda_bytes(fn, *inputs: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(peak CUDA memory one ``fn(*inputs)`` allocates beyond its output, that output), measured after
     a warm-up call (cuBLAS workspace, Triton autotuning stay out of it). Tests and benchmarks share it."""
+    from sd_kernels.memory import CudaMemory, peak_intermediate_bytes
+
     fn(*inputs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn(*inputs)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size(), out
+    peak, out = peak_intermediate_bytes(lambda: fn(*inputs), CudaMemory())
+    return peak - out.numel() * out.element_size(), out
