@@ -2,18 +2,15 @@
 
 A ``Setup`` says whether the pipeline is patched (which op families), runs its UNet step from CUDA
 graphs, is compiled, and which attention path the profile forces. ``applied(pipe, setup)`` sets the
-pipeline up for the block and undoes it after. It codes against sd_kernels' contracts
-(``patch(pipe, profile=, ops=, ignore=, cuda_graph=)``, ``Profile.attention``, the ``winograd``
-patcher); where a build lacks one, the setup raises ``Unsupported`` naming it.
+pipeline up for the block and undoes it after, through ``patch(pipe, profile=, ops=, cuda_graph=)``
+with ``dataclasses.replace(profile, attention=...)`` for the ablation's forced attention paths.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -53,25 +50,7 @@ ABLATION = (
 
 
 class Unsupported(Exception):
-    """A setup this build cannot run (a contract another part of sd-kernels has not delivered yet)."""
-
-
-def _profile_for(attention: str | None):
-    """The active profile with its attention path forced (None: the profile as detected)."""
-    import sd_kernels
-
-    if attention is None:
-        return None
-    prof = sd_kernels.get_profile()
-    if not hasattr(prof, "attention"):
-        raise Unsupported("this build's Profile has no `attention` field to force the path with")
-    return dataclasses.replace(prof, attention=attention)
-
-
-def patch_supports_cuda_graph() -> bool:
-    import sd_kernels
-
-    return "cuda_graph" in inspect.signature(sd_kernels.patch).parameters
+    """A measurement that cannot run here (no GPU for a graph variant, over the time cap, ...)."""
 
 
 @contextlib.contextmanager
@@ -97,28 +76,19 @@ def compiled(pipe) -> Iterator[None]:
 @contextlib.contextmanager
 def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
     """Run the block with ``pipe`` set up as ``setup`` says; yields facts for the row."""
-    from sd_kernels.patches import PATCHERS
-
     import sd_kernels
 
-    missing = set(setup.ops or ()) - set(PATCHERS)
-    if missing:
-        raise Unsupported(f"no {', '.join(sorted(missing))} patcher in this build")
-    info = {"e2e_mode": "compile" if setup.compile else "eager", "patched": "", "profile": ""}
+    info = {"e2e_mode": "graph" if setup.graph else "compile" if setup.compile else "eager",
+            "patched": "", "profile": ""}
     with contextlib.ExitStack() as stack:
-        if setup.patched or (setup.graph and patch_supports_cuda_graph()):
-            kwargs: dict[str, Any] = {"ops": setup.ops if setup.patched else ()}
-            if setup.attention:
-                kwargs["profile"] = _profile_for(setup.attention)
-            if setup.graph and patch_supports_cuda_graph():
-                kwargs["cuda_graph"] = True
-                info["e2e_mode"] = "graph"
-            record = sd_kernels.patch(pipe, **kwargs)
+        if setup.patched or setup.graph:  # stock + graph: patch(ops=()) only installs the CUDA graphs
+            profile = (dataclasses.replace(sd_kernels.get_profile(), attention=setup.attention)
+                       if setup.attention else None)
+            record = sd_kernels.patch(pipe, ops=setup.ops if setup.patched else (), profile=profile,
+                                      cuda_graph=setup.graph)
             stack.callback(sd_kernels.unpatch, pipe)
             info["patched"] = " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
             info["profile"] = record.profile
-        if setup.graph and info["e2e_mode"] != "graph":
-            info["e2e_mode"] = "eager (no patch(cuda_graph=True) in this build)"
         if setup.compile:
             stack.enter_context(compiled(pipe))
         yield info

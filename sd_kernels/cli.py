@@ -147,13 +147,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from sd_kernels import profiles
 
     profiles.get_profile(args.profile)  # an unknown name fails here, before the pipeline is built
-    kwargs = {"profile": args.profile}
-    if args.cuda_graph:
-        if not _patch_takes("cuda_graph"):
-            raise ValueError("--cuda-graph: this build's sd_kernels.patch has no cuda_graph option yet")
-        kwargs["cuda_graph"] = True
     pipe, name, device, size = _load(args)
-    record = sd_kernels.patch(pipe, **kwargs)
+    record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=args.cuda_graph)
     print(record.summary())
     image, seconds = _generate(pipe, args, size, device)
     weights = RANDOM_WEIGHTS_NOTE.format(name=name) if _random_weights(name) else f"loaded from {name}"
@@ -172,14 +167,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     numpy_to_pil(image[None])[0].save(out, pnginfo=meta)
     print(f"wrote {out}")
     return 0
-
-
-def _patch_takes(option: str) -> bool:
-    import inspect
-
-    import sd_kernels
-
-    return option in inspect.signature(sd_kernels.patch).parameters
 
 
 def _bench_harness():
