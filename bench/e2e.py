@@ -17,8 +17,8 @@ patched + CUDA graph, patched + torch.compile. Per row:
   cancel out; the scheduler and guidance stay in, as in the progress bar's it/s.
 - ``unet_ms`` / ``vae_ms``: one UNet step (batch 2) / one VAE decode, steady state over back-to-back
   calls, run the variant's way: eager, compiled, or replayed from CUDA graphs ("+graph": the UNet
-  through ``patch(cuda_graph=True)``'s graphs, input copies included, where this build has them;
-  otherwise, and for the VAE, a graph the bench captures). ``*_device_ms``: the same call replayed
+  through ``patch(cuda_graph=True)``'s graphs, input copies included; the VAE from a graph the bench
+  captures). ``*_device_ms``: the same call replayed
   from a CUDA graph (for compiled variants: torch.compile + CUDA graph), the device time without the
   host's launch cost.
 - ``peak_MB``: ``torch.cuda.max_memory_allocated`` from before the variant is set up until after its
