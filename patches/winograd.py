@@ -96,12 +96,12 @@ def patch_winograd(model: nn.Module, record: PatchRecord) -> None:
     may route their channel counts (``Profile.routes_winograd(c, k)``): in a UNet replayed from CUDA
     graphs (``ROUTE_EAGER`` explains why only there); none under a profile that routes no conv, so
     that such profiles pay no per-call routing cost."""
-    if not (ROUTE_EAGER or (record.cuda_graph and type(model).__name__ == "UNet2DConditionModel")):
-        if any(qualifies(m) for m in model.modules()):
-            record.skip("", "3x3 convs", "winograd runs only in a UNet patched with cuda_graph=True (host cost)")
-        return
     profile = active_profile()
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
              if qualifies(child) and profile.routes_winograd(child.in_channels, child.out_channels)]
+    if slots and not (ROUTE_EAGER or (record.cuda_graph and type(model).__name__ == "UNet2DConditionModel")):
+        record.skip("", f"{len(slots)} routable 3x3 convs",
+                    "winograd runs only in a UNet patched with cuda_graph=True (host cost)")
+        return
     for parent, name, child in slots:  # collected first: no swapping while walking the tree
         record.set_attr(parent, name, WinogradConv2d(child), "winograd_conv")

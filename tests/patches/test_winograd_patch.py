@@ -120,6 +120,14 @@ def test_without_cuda_graphs_nothing_is_swapped(route):
     unpatch(unet)
 
 
+def test_a_profile_routing_nothing_reports_nothing(route):
+    route(lambda n, c, h, w, k: None, eager=False)
+    unet = build_model("tiny", "unet")
+    record = patch(unet, ops=["winograd"])
+    assert not record.counts.get("winograd_conv") and not record.skipped
+    unpatch(unet)
+
+
 def test_unrouted_call_is_the_stock_conv(route):
     route(lambda n, c, h, w, k: 2 if h == 8 else None)
     conv = nn.Conv2d(6, 5, 3, padding=1)
