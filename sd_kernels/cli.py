@@ -44,6 +44,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     prof = profiles.get_profile(args.profile)
     print(f"{'profile':>14}: {prof.name} — {prof.description}")
     print(f"{'profiles':>14}: {', '.join(profiles.list_profiles())}")
+    print(f"{'autotune cache':>14}: {_autotune_cache(prof)}")
     print()
     for key, value in prof.describe().items():
         if key not in ("name", "description"):
@@ -53,6 +54,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"\nKernel selection under {prof.name!r} (fp16, SD1.5 shapes; on a device the kernels run on):\n")
     print(format_table(selection_table(prof)))
     return 0
+
+
+def _autotune_cache(prof) -> str:
+    """Where the kernels' tuned choices persist on this machine's device under ``prof``."""
+    import torch
+
+    from sd_kernels import launch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    directory, why = launch.cache_dir(device, prof), launch.cache_root(prof)[1]
+    return why if directory is None else f"{directory} ({why})"
 
 
 def _default_model(device: str) -> str:

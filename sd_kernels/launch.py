@@ -1,4 +1,5 @@
-"""Launching autotuned Triton kernels with less host time per call.
+"""Launching autotuned Triton kernels with less host time per call, and keeping the autotuner's
+choices across processes.
 
 ``triton.autotune`` rebuilds its cache key from every argument on every launch, then
 ``triton.heuristics`` computes its values, then the JIT binds the arguments again: tens of
@@ -11,20 +12,182 @@ as usual (benchmarking the configs if there are several).
 The caller's key must determine everything the autotuner's key and the heuristics read: it is the
 caller's promise, kept next to each launch. The JIT still specializes on each call's arguments
 (alignment, 1-valued ints), so correctness never rests on the key beyond the chosen config.
+
+**Persistence.** Benchmarking the configs costs seconds per kernel and shape on every start. So a
+Launcher whose kernel has an autotuner with several configs also writes each key's tuned config to
+a JSON file, ``repr(key) -> config``, and reads that file at its first launch in a process (its
+first memo miss): a key found there launches with the stored config and never reaches the
+autotuner. The file is ``<dir>/<device slug>/triton-<version>/<module>.<kernel>.json``, where
+``<dir>`` is ``$SD_KERNELS_AUTOTUNE_CACHE`` ("off" or "0": no cache) or else the active profile's
+``autotune_cache_dir()`` (None: no cache); another GPU or another Triton never reads it. The file
+also holds a fingerprint of the kernel's own source and configs: after an edit its entries are
+ignored (and rewritten). An entry is used only if it is exactly one of the autotuner's configs; the
+heuristics' values are computed from the key's first call as without a cache. So a stale or
+hand-edited file can pick a config, never pass the kernel anything the autotuner would not, and the
+JIT still specializes each call. Writes go through a temporary file and ``os.replace``; a corrupt
+or unreadable file, or a directory that cannot be written, is logged once and ignored. With
+``SD_KERNELS_AUTOTUNE=0`` (first config, no timing) nothing is read or written: those launches are
+not tuned choices. The memo hit, the hot path, does no more than before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import math
 import os
+import pathlib
+import re
+import tempfile
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
+import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
+
+log = logging.getLogger("sd_kernels")
 
 # SD_KERNELS_AUTOTUNE=0: every autotuned kernel takes its first listed config instead of timing them
 # all (GPU test runs, where only correctness matters and autotuning costs minutes).
 AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
-MAX_KEYS = 4096  # a bound on the memo: past it, it starts over (each key costs one slow launch)
+MAX_KEYS = 4096  # a bound on the memo (past it, it starts over) and on the entries of one cache file
+CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
+CACHE_FORMAT = 1
+TRITON_VERSION = triton.__version__
+_warned: set[str] = set()  # cache paths already logged as unusable
+
+
+# ---------------------------------------------------------------------------------------------
+# Device facts the host side needs, queried once per device
+
+
+_PROPS: dict[int, Any] = {}
+
+
+def device_properties(index: int) -> Any:
+    """``torch.cuda.get_device_properties(index)``, cached (the query costs microseconds)."""
+    props = _PROPS.get(index)
+    if props is None:
+        props = _PROPS[index] = torch.cuda.get_device_properties(index)
+    return props
+
+
+def device_slug(device: torch.device | None) -> str:
+    """A directory name for a device: its name and capability on CUDA (``nvidia-h100-80gb-hbm3-sm90``),
+    ``cpu`` otherwise; ``-interpreter`` appended under TRITON_INTERPRET."""
+    from sd_kernels.dispatch import interpreting
+
+    if device is not None and device.type == "cuda":
+        props = device_properties(torch.cuda.current_device() if device.index is None else device.index)
+        name = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-") or "cuda"
+        slug = f"{name}-sm{props.major}{props.minor}"
+    else:
+        slug = "cpu"
+    return slug + "-interpreter" if interpreting() else slug
+
+
+# ---------------------------------------------------------------------------------------------
+# Where tuned choices persist
+
+
+def cache_root(profile: Any = None) -> tuple[pathlib.Path | None, str]:
+    """(the autotune cache directory before the device and Triton namespace, or None; why): from
+    $SD_KERNELS_AUTOTUNE_CACHE, else ``profile`` (default: the active one)."""
+    if not AUTOTUNE:
+        return None, "off: SD_KERNELS_AUTOTUNE=0 (first configs, nothing tuned)"
+    env = os.environ.get(CACHE_ENV, "")
+    if env.lower() in ("off", "0"):
+        return None, f"off: {CACHE_ENV}={env}"
+    if env:
+        return pathlib.Path(os.path.expanduser(env)), f"from {CACHE_ENV}"
+    if profile is None:
+        from sd_kernels.profiles import active_profile
+
+        profile = active_profile()
+    root = profile.autotune_cache_dir()
+    if root is None:
+        return None, f"off: profile {profile.name!r} sets no autotune_cache"
+    return root, f"from profile {profile.name!r}"
+
+
+def cache_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path | None:
+    """The directory of the cache files for kernels launched on ``device``, or None (no cache)."""
+    root, _ = cache_root(profile)
+    return None if root is None else root / device_slug(device) / f"triton-{TRITON_VERSION}"
+
+
+def _warn_once(path: pathlib.Path, what: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("sd_kernels: autotune cache %s %s; ignoring it (choices are tuned again)", path, what)
+
+
+def _scalar(value: Any) -> bool:
+    """Whether a meta value survives JSON unchanged: bool, int, str, None or a finite float."""
+    return (value is None or isinstance(value, (bool, int, str))
+            or (isinstance(value, float) and math.isfinite(value)))
+
+
+class _CacheFile:
+    """One kernel's persisted choices on one device and Triton version: ``repr(key) -> config``."""
+
+    def __init__(self, path: pathlib.Path, launcher: Launcher) -> None:
+        self.path, self.launcher = path, launcher
+        self.writable = True
+        self.entries: dict[str, dict[str, Any]] = self._read(warn=True)
+
+    def _read(self, warn: bool) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            if warn:
+                _warn_once(self.path, f"is unreadable ({type(exc).__name__}: {exc})")
+            return {}
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            if warn:
+                _warn_once(self.path, "is not an autotune cache file")
+            return {}
+        if data.get("format") != CACHE_FORMAT or data.get("fingerprint") != self.launcher.fingerprint:
+            return {}  # another version of the kernel or of this format: tuned again, then rewritten
+        entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
+        if warn and len(entries) < len(data["entries"]):
+            _warn_once(self.path, f"has {len(data['entries']) - len(entries)} entries that match no config")
+        return entries
+
+    def get(self, key: Hashable) -> dict[str, Any] | None:
+        return self.entries.get(repr(key)) if self.entries else None
+
+    def put(self, key: Hashable, config: dict[str, Any]) -> None:
+        name = repr(key)
+        if (not self.writable or " at 0x" in name or len(self.entries) >= MAX_KEYS
+                or not all(_scalar(v) for v in config.values())):
+            return  # a key whose repr names an address would never match again; a value JSON changes
+        self.entries[name] = dict(config)
+        merged = {**self._read(warn=False), **self.entries}  # keep what another process wrote meanwhile
+        data = {"format": CACHE_FORMAT, "kernel": self.launcher.name, "fingerprint": self.launcher.fingerprint,
+                "triton": TRITON_VERSION, "entries": merged}
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+            os.replace(tmp, self.path)
+        except (OSError, TypeError, ValueError) as exc:
+            self.writable = False
+            _warn_once(self.path, f"cannot be written ({type(exc).__name__}: {exc})")
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 class Launcher:
@@ -40,27 +203,102 @@ class Launcher:
             fn = fn.fn
         self.jit = fn
         self.memo: dict[Hashable, dict[str, Any]] = {}
+        # Only a choice between several configs is worth keeping on disk.
+        self.tunable = any(len(layer.configs) > 1 for layer in self._autotuners())
+        self.config_names = {k for layer in self._autotuners() for c in layer.configs for k in c.all_kwargs()}
+        self.cache: _CacheFile | None = None  # the file of the last miss's device and directory
+        self._fingerprint: str | None = None
 
     def __call__(self, key: Hashable, grid: Callable | tuple, *args: Any, **kwargs: Any) -> None:
         meta = self.memo.get(key)
         if meta is not None:
             self.jit[grid](*args, **kwargs, **meta)
             return
-        self.kernel[grid](*args, **kwargs)
+        self._first(key, grid, args, kwargs)
+
+    def _first(self, key: Hashable, grid: Callable | tuple, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A key not in the memo: its config from the cache file if it has one, else from the autotuner."""
+        cache = self._cache_file(args) if self.tunable else None
+        tuned = None if cache is None else cache.get(key)
+        if tuned is not None:
+            meta = self._chosen(args, kwargs, tuned)
+            self.jit[grid](*args, **kwargs, **meta)
+        else:
+            self.kernel[grid](*args, **kwargs)
+            meta = self._chosen(args, kwargs)
+            if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):
+                cache.put(key, {k: v for k, v in meta.items() if k in self.config_names})
         if len(self.memo) >= MAX_KEYS:
             self.memo.clear()
-        self.memo[key] = self._chosen(args, kwargs)
+        self.memo[key] = meta
 
-    def _chosen(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The meta-parameters the wrappers added to the last launch, recomputed layer by layer."""
+    def _cache_file(self, args: tuple) -> _CacheFile | None:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        directory = cache_dir(device)
+        if directory is None:
+            return None
+        path = directory / f"{self.name}.json"
+        if self.cache is None or self.cache.path != path:  # the first launch, or another device/profile
+            self.cache = _CacheFile(path, self)
+        return self.cache
+
+    def _chosen(self, args: tuple, kwargs: dict[str, Any], tuned: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The meta-parameters the wrappers added to the last launch, recomputed layer by layer; with
+        ``tuned`` (a cache entry), the autotuners' configs are taken from it instead."""
         meta: dict[str, Any] = {}
         for layer in self.layers:
             if isinstance(layer, Autotuner):
-                meta.update(layer.best_config.all_kwargs())
+                config = layer.best_config.all_kwargs() if tuned is None else tuned
+                meta.update({k: v for k, v in config.items() if k in self.config_names})
             else:  # heuristics see the arguments and what the layers above added, as at launch
                 named = {**dict(zip(layer.arg_names, args)), **kwargs, **meta}
                 meta.update({name: value(named) for name, value in layer.values.items()})
         return meta
+
+    def _autotuners(self) -> list[Autotuner]:
+        return [layer for layer in self.layers if isinstance(layer, Autotuner)]
+
+    # -- what the cache file checks ------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The kernel's cache file name: its module and name."""
+        return f"{self.jit.fn.__module__}.{self.jit.fn.__qualname__}"
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the kernel's source and of the wrappers' configs and names."""
+        if self._fingerprint is None:
+            try:
+                source = inspect.getsource(self.jit.fn)
+            except (OSError, TypeError):
+                source = self.name
+            parts = [source]
+            for layer in self.layers:
+                if isinstance(layer, Autotuner):
+                    parts += ["autotune", *map(str, layer.configs), *layer.keys]
+                else:
+                    parts += ["heuristics", *sorted(layer.values)]
+            self._fingerprint = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+        return self._fingerprint
+
+    def valid_entry(self, entry: Any) -> bool:
+        """Whether a cache entry names exactly one config of each autotuner, and nothing else (the
+        heuristics' values are never stored: they are computed from each key's first call)."""
+        if not isinstance(entry, dict) or set(entry) - self.config_names:
+            return False
+        for layer in self._autotuners():
+            configs = [c.all_kwargs() for c in layer.configs]
+            own = set().union(*configs)
+            part = {k: v for k, v in entry.items() if k in own}
+            if not any(_same(part, c) for c in configs):
+                return False
+        return True
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Dict equality that also tells True from 1 (JSON keeps the difference; ``==`` does not)."""
+    return a.keys() == b.keys() and all(type(a[k]) is type(b[k]) and a[k] == b[k] for k in a)
 
 
 def cdiv(a: int, b: int) -> int:
