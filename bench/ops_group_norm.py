@@ -42,10 +42,12 @@ def ours(x, w, b):
 
 
 def _path(shape, channels_last: bool) -> dict[str, object]:
-    from sd_kernels.ops.group_norm import plan
+    from sd_kernels.ops.group_norm import plan, sm_count
+    from sd_kernels.profiles import active_profile
 
     n, c = shape[:2]
-    p = plan(n, GROUPS, c // GROUPS, math.prod(shape[2:]), channels_last)
+    p = plan(n, GROUPS, c // GROUPS, math.prod(shape[2:]), channels_last, sms=sm_count(torch.cuda.current_device()),
+             register_file_kb=active_profile().register_file_kb)  # the plan group_norm takes on this GPU
     name = "one_tile" if p.one_tile else f"split x{p.chunks}" if p.split else "looped"
     return {"path": name, "launches": p.launches}
 

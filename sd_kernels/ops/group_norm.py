@@ -41,15 +41,21 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv, next_pow2
+from sd_kernels.launch import Launcher, cdiv, device_properties, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.profiles import active_profile
 
 _TILE_ELEMS = 8192  # elements per loop tile: 16 KiB of fp16 in flight per program and iteration
-_ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers
 _SPLIT_ELEMS = 128 * 1024  # groups above this split (a fused program would stream too much alone)
 _SPLIT_ELEMS_FEW = 32 * 1024  # ... or above this when there are fewer groups than _FEW_GROUPS
-_FEW_GROUPS = 64  # below this many (sample, group) pairs the fused path leaves most SMs idle
-_TARGET_PROGRAMS = 512  # split: aim for ≈ 4 programs per SM of an H100 (132 SMs)
+# Tuned on an H100; plan() scales them to the device (sm_count) and the profile (register_file_kb):
+_H100_SMS = 132  # the SM count they were tuned at, and the one assumed without a CUDA device
+_FEW_GROUPS = 64  # at 132 SMs: below this many (sample, group) pairs the fused path leaves most SMs idle
+_TARGET_PROGRAMS = 512  # at 132 SMs: the split path aims for ≈ 4 programs per SM
+_HOPPER_REGISTERS_KB = 256  # 64 K 32-bit registers per block, where _ONE_TILE_ELEMS was tuned
+_ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers;
+# also the most the warps can hold: the autotuner's 16 warps × 32 threads × 32 elements a thread
+_ONE_TILE_FLOOR = 2048  # the one-tile bound of the smallest register file: 16 elements a thread at 4 warps
 
 _NEG_LOG2E = tl.constexpr(-1.4426950408889634)
 
@@ -247,17 +253,46 @@ class Plan:
         return 2 if self.split else 1
 
 
+_SMS: dict[int, int] = {}  # device index (-1: CPU) -> SM count
+
+
+def sm_count(device_index: int) -> int:
+    """The SM count of CUDA device ``device_index`` (``tensor.get_device()``), queried once per device;
+    132 (the H100's, what the constants were tuned at) for the CPU (-1) and under the interpreter."""
+    sms = _SMS.get(device_index)
+    if sms is None:
+        cpu = device_index < 0 or interpreting()
+        sms = _SMS[device_index] = _H100_SMS if cpu else device_properties(device_index).multi_processor_count
+    return sms
+
+
+def one_tile_elems(register_file_kb: int | None) -> int:
+    """The one-tile bound for a profile's register file per block: 16384 elements at Hopper's 256 KB,
+    proportionally fewer with fewer registers (at least 2048), never more (the warps' limit); None
+    (unknown, e.g. the mobile emulations): 16384."""
+    if register_file_kb is None:
+        return _ONE_TILE_ELEMS
+    return min(_ONE_TILE_ELEMS, max(_ONE_TILE_FLOOR, _ONE_TILE_ELEMS * register_file_kb // _HOPPER_REGISTERS_KB))
+
+
+def _per_sms(at_h100: int, sms: int) -> int:
+    """A count tuned at 132 SMs, scaled to ``sms`` (rounded; exact at 132)."""
+    return max(1, (at_h100 * sms + _H100_SMS // 2) // _H100_SMS)
+
+
 def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
-         split_threshold: int | None = None) -> Plan:
+         split_threshold: int | None = None, *, sms: int = _H100_SMS, register_file_kb: int | None = None) -> Plan:
     """The path and tiles for x [n, groups·cpg, hw] (``channels_fast``: channels have the smaller
     stride, e.g. channels_last). ``split_threshold``: group elements above which the split path
-    runs; None applies the size heuristic (see the module docstring)."""
+    runs; None applies the size heuristic (see the module docstring). ``sms``: the device's SM count
+    (``sm_count``), which scales _FEW_GROUPS and _TARGET_PROGRAMS; ``register_file_kb``: the active
+    profile's, which bounds the one-tile path (``one_tile_elems``)."""
     group_elems, programs = cpg * hw, n * groups
     if split_threshold is None:
-        split_threshold = _SPLIT_ELEMS if programs >= _FEW_GROUPS else _SPLIT_ELEMS_FEW
+        split_threshold = _SPLIT_ELEMS if programs >= _per_sms(_FEW_GROUPS, sms) else _SPLIT_ELEMS_FEW
     split = group_elems > split_threshold
     p2c, p2s = next_pow2(cpg), next_pow2(hw)
-    if not split and p2c * p2s <= _ONE_TILE_ELEMS:
+    if not split and p2c * p2s <= one_tile_elems(register_file_kb):
         return Plan(p2c, p2s, one_tile=True, split=False, chunk=hw, chunks=1)
     if channels_fast and p2c <= _TILE_ELEMS:  # a pixel's CPG channels are one contiguous run: all of it
         block_c = p2c
@@ -267,7 +302,7 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     tiles = cdiv(hw, block_s)
     if not split:
         return Plan(block_c, block_s, one_tile=False, split=False, chunk=tiles * block_s, chunks=1)
-    per_group = min(tiles, cdiv(_TARGET_PROGRAMS, programs))
+    per_group = min(tiles, cdiv(_per_sms(_TARGET_PROGRAMS, sms), programs))
     chunk = cdiv(tiles, per_group) * block_s
     return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=cdiv(hw, chunk))
 
@@ -350,7 +385,8 @@ def group_norm(
     y = _alloc(x.shape, x.stride() if is_dense(x) else contiguous_strides(x.shape), x)
     ys = _spatial_stride(y)
     channels_fast = hw == 1 or abs(x.stride(1)) < abs(stride_s)
-    p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold)
+    p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sm_count(x.get_device()),
+             register_file_kb=active_profile().register_file_kb)
 
     grid = (n * num_groups, p.chunks)
     # Launcher keys: the autotuners key on (HW, G, S, CPG, tiles, path) and the dtypes, all set by

@@ -6,14 +6,16 @@ and the split threshold). The interpreter rounds fp32 → bf16 by truncation (th
 nearest), which the 4× stock tolerance absorbs. GPU (-m gpu): SD1.5's UNet and VAE shapes.
 """
 
+import dataclasses
 import importlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, reference
+from sd_kernels import dispatch, profiles, reference
 from sd_kernels.ops import group_norm
 from sd_kernels.testing import assert_close_to_reference, channels_last, non_contiguous, poison_, rel_err
 
@@ -217,6 +219,69 @@ def test_tiles_have_no_masked_channel_lanes_in_nchw():
 def test_split_threshold_forces_either_path():
     assert _plan((2, 320, 64, 64), split_threshold=0).split
     assert not _plan((1, 128, 512, 512), split_threshold=1 << 40).split
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan on other devices: the SM count scales the split path, the profile's registers the one tile
+
+
+def test_the_cpu_plans_as_an_h100():
+    assert gn.sm_count(-1) == 132
+    for shape in UNET_SHAPES + VAE_SHAPES:
+        assert _plan(shape, sms=gn.sm_count(-1), register_file_kb=256) == _plan(shape)
+
+
+@pytest.mark.parametrize("sms, chunks", [(132, 16), (66, 8), (264, 32), (16, 2)])
+def test_split_programs_scale_with_the_sm_count(sms, chunks):
+    # 1×512×128² NCHW: 32 groups of 16 channels × 128², 512-pixel tiles, 32 tiles a group; the split
+    # aims at ≈ 512 programs at 132 SMs, so 16 chunks a group; half as many SMs, half as many chunks.
+    p = _plan((1, 512, 128, 128), sms=sms)
+    assert p.split and (p.block_c, p.block_s) == (16, 512)
+    assert p.chunks == chunks and p.chunk == 16384 // chunks
+
+
+@pytest.mark.parametrize("sms, split", [(132, True), (66, False), (40, False), (264, True)])
+def test_few_groups_scale_with_the_sm_count(sms, split):
+    # 1×512×64²: 32 (sample, group) pairs of 64 K elements. Fewer pairs than ≈ half the SMs (64 at
+    # 132 SMs) split above 32 K elements; with ≤ 66 SMs, 32 pairs are enough to fill the GPU.
+    assert _plan((1, 512, 64, 64), sms=sms).split is split
+
+
+@pytest.mark.parametrize("kb, elems", [(None, 16384), (256, 16384), (1024, 16384), (128, 8192), (64, 4096),
+                                       (32, 2048), (4, 2048)])
+def test_one_tile_bound_scales_with_the_profiles_registers(kb, elems):
+    assert gn.one_tile_elems(kb) == elems
+    # 2×1280×16² pads to 64 channels × 256 pixels = 16384 elements a group, 2×1280×8² to 4096
+    assert _plan((2, 1280, 16, 16), register_file_kb=kb).one_tile is (elems >= 16384)
+    assert _plan((2, 1280, 8, 8), register_file_kb=kb).one_tile is (elems >= 4096)
+
+
+def test_sm_count_is_queried_once_per_device(monkeypatch):
+    calls = []
+
+    def props(index):
+        calls.append(index)
+        return SimpleNamespace(multi_processor_count=108 if index == 0 else 58)
+
+    monkeypatch.setattr(gn, "_SMS", {})
+    monkeypatch.setattr(gn, "interpreting", lambda: False)
+    monkeypatch.setattr(gn, "device_properties", props)
+    assert [gn.sm_count(i) for i in (0, 1, 0, 1, -1)] == [108, 58, 108, 58, 132]
+    assert calls == [0, 1]
+
+
+def test_group_norm_plans_with_the_device_and_the_profile(monkeypatch):
+    plans = []
+    plan = gn.plan
+    monkeypatch.setattr(gn, "plan", lambda *a, **kw: plans.append((kw, plan(*a, **kw))) or plans[-1][1])
+    monkeypatch.setattr(gn, "_SMS", {-1: 8})  # the CPU's tensors as if on an 8-SM GPU
+    few = dataclasses.replace(profiles.get_profile("cpu"), name="few-registers", register_file_kb=32)
+    monkeypatch.setattr(profiles, "_active", few)
+    x, w, b = _inputs((1, 128, 32, 32), torch.float32, "cpu")  # 4 channels × 1024 pixels: 4096 a group
+    _check(x, 32, w, b, "silu", group_norm(x, 32, w, b, activation="silu"))
+    ((kw, p),) = plans
+    assert kw == {"sms": 8, "register_file_kb": 32}
+    assert not p.one_tile and not p.split  # one tile under 256 KB; 2048 elements under 32 KB
 
 
 # ---------------------------------------------------------------------------------------------
