@@ -148,12 +148,34 @@ def tile_side(decoder: nn.Module, max_bytes: int, element_size: int, halo: int) 
     return max(8, math.isqrt(max(1, max_bytes // per_px)) - 2 * halo)
 
 
-class _Tile:
-    """One tile of the latent: its own pixels [y0, y1) × [x0, x1) and the padded box around them."""
+def _spans(size: int, tile: int, halo: int) -> list[tuple[int, int, int, int]]:
+    """One axis of ``size`` latent pixels cut into tiles: (lo, hi, b0, b1) per tile, its own pixels
+    [lo, hi) and its padded box [b0, b1), every box of side min(size, tile + 2·halo).
 
-    def __init__(self, y0: int, y1: int, x0: int, x1: int, H: int, W: int, halo: int) -> None:
-        self.py0, self.py1 = max(0, y0 - halo), min(H, y1 + halo)
-        self.px0, self.px1 = max(0, x0 - halo), min(W, x1 + halo)
+    A box is as large at the image's edges as inside (shifted inward to stay in the image), so the
+    edge tiles own more: the first owns [0, side − halo), the last its box's end but the halo above
+    it, the ones between ``tile`` pixels each, with ``halo`` on both sides. Every side of a tile's own
+    pixels that is not the image's edge has ≥ halo pixels of context in its box: exact as before,
+    one box shape for all tiles and fewer tiles than a regular grid whose edge boxes are clipped.
+    """
+    side = min(size, tile + 2 * halo)
+    if side == size:
+        return [(0, size, 0, size)]
+    cuts = [0, side - halo]
+    while size - cuts[-1] > side - halo:  # the rest does not fit under a last box with a halo above it
+        cuts.append(cuts[-1] + tile)
+    cuts.append(size)
+    boxes = [min(max(lo - halo, 0), size - side) for lo in cuts[:-1]]
+    return [(lo, hi, b0, b0 + side) for lo, hi, b0 in zip(cuts, cuts[1:], boxes)]
+
+
+class _Tile:
+    """One tile of the latent: its own pixels [y0, y1) × [x0, x1) and the padded box around them,
+    of the same size for every tile (``_spans``): each conv and norm of the up-stack sees one shape,
+    not one per kind of edge tile (Triton tunes and compiles per shape, cuDNN plans per shape)."""
+
+    def __init__(self, ys: tuple[int, int, int, int], xs: tuple[int, int, int, int]) -> None:
+        (y0, y1, self.py0, self.py1), (x0, x1, self.px0, self.px1) = ys, xs
         self.own = (y0, y1, x0, x1)
 
     def crop(self, m: torch.Tensor) -> torch.Tensor:
@@ -189,8 +211,9 @@ class _GroupStats:
 
 
 def tiled_decoder_forward(decoder: nn.Module, z: torch.Tensor, tile: int, halo: int) -> torch.Tensor:
-    """``decoder(z)`` with the up-stack run one tile (plus ``halo`` latent pixels) at a time; exact
-    (to rounding) when ``halo >= receptive_radius(decoder)``.
+    """``decoder(z)`` with the up-stack run one box of (``tile`` + 2·``halo``)² latent pixels at a time
+    (``_spans``: edge tiles own more of their box); exact (to rounding) when ``halo >=
+    receptive_radius(decoder)``.
 
     conv_in and the mid-block (global attention, at latent resolution: small) run on the whole
     latent. Every GroupNorm of the up-stack normalizes with statistics of the *whole* image, as
@@ -201,8 +224,7 @@ def tiled_decoder_forward(decoder: nn.Module, z: torch.Tensor, tile: int, halo: 
     """
     m = decoder.mid_block(decoder.conv_in(z), None)
     n, _, H, W = m.shape
-    tiles = [_Tile(y, min(y + tile, H), x, min(x + tile, W), H, W, halo)
-             for y in range(0, H, tile) for x in range(0, W, tile)]
+    tiles = [_Tile(ys, xs) for ys in _spans(H, tile, halo) for xs in _spans(W, tile, halo)]
     norms = _norms(decoder)
     stats: list[tuple[torch.Tensor, torch.Tensor]] = []
     for norm in norms:
@@ -226,12 +248,14 @@ def tiled_decoder_forward(decoder: nn.Module, z: torch.Tensor, tile: int, halo: 
 
 def tiled_decode(decoder: nn.Module, max_bytes: int) -> Any:
     """A ``forward`` for a diffusers VAE Decoder that tiles (see tiled_decoder_forward) when the whole
-    up-stack would not fit ``max_bytes`` per activation; exact halo."""
+    up-stack would not fit ``max_bytes`` per activation; exact halo. A latent no larger than one
+    tile's box decodes untiled: its activations are no larger than the box's, and it takes one pass."""
     original, halo = decoder.forward, receptive_radius(decoder)
 
     def forward(sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
         tile = tile_side(decoder, max_bytes, sample.element_size(), halo)
-        if latent_embeds is not None or torch.is_grad_enabled() or max(sample.shape[-2:]) <= tile:
+        box = tile + 2 * halo
+        if latent_embeds is not None or torch.is_grad_enabled() or max(sample.shape[-2:]) <= box:
             return original(sample, latent_embeds)
         return tiled_decoder_forward(decoder, sample, tile, halo)
 

@@ -244,7 +244,7 @@ def test_receptive_radius_and_tile_side(tiny_vae):
     assert tile_side(tiny_vae.decoder, 1, 4, 8) == 8
 
 
-@pytest.mark.parametrize("tile, halo, min_db, max_db", [(8, 8, 100, None), (5, 8, 100, None), (8, 0, None, 35)])
+@pytest.mark.parametrize("tile, halo, min_db, max_db", [(2, 8, 100, None), (5, 8, 100, None), (8, 0, None, 35)])
 def test_tiled_decode_has_no_seams_with_the_receptive_halo(tiny_vae, tile, halo, min_db, max_db):
     """Global GroupNorm statistics + a halo as wide as the receptive field: the tiles are the untiled
     decode to rounding. Without a halo the seams show (the test can fail)."""
@@ -252,7 +252,7 @@ def test_tiled_decode_has_no_seams_with_the_receptive_halo(tiny_vae, tile, halo,
 
     from sd_kernels.testing import psnr
 
-    z = torch.randn(1, 4, 16, 13)
+    z = torch.randn(1, 4, 24, 21)  # boxes of (tile + 2·halo)² must be smaller than the latent to tile it
     with torch.no_grad():
         ref, out = tiny_vae.decoder(z), tiled_decoder_forward(tiny_vae.decoder, z, tile, halo)
     db = psnr(_img(out), _img(ref))
@@ -260,22 +260,63 @@ def test_tiled_decode_has_no_seams_with_the_receptive_halo(tiny_vae, tile, halo,
     assert (min_db is None or db >= min_db) and (max_db is None or db <= max_db), db
 
 
+@pytest.mark.parametrize("size", range(1, 40))
+@pytest.mark.parametrize("tile, halo", [(1, 0), (3, 0), (8, 0), (1, 2), (2, 8), (5, 3), (8, 8), (10, 13)])
+def test_spans_share_one_box_and_keep_a_halo_inside_the_image(size, tile, halo):
+    from sd_kernels.patches.memory import _spans
+
+    spans = _spans(size, tile, halo)
+    assert [lo for lo, *_ in spans] == [0, *(hi for _, hi, *_ in spans[:-1])] and spans[-1][1] == size  # a partition
+    assert {b1 - b0 for *_, b0, b1 in spans} == {min(size, tile + 2 * halo)}  # one box side
+    for lo, hi, b0, b1 in spans:
+        assert 0 <= b0 <= lo < hi <= b1 <= size
+        assert b0 == 0 or lo - b0 >= halo  # context before the own pixels, unless the box starts the image
+        assert b1 == size or b1 - hi >= halo  # and after them, unless it ends the image
+        assert b0 == 0 or b1 == size or hi - lo == tile  # only the edge tiles own more than a tile
+
+
+@pytest.mark.parametrize("shape, tile", [((1, 4, 13, 21), 2), ((2, 4, 21, 27), 3), ((1, 4, 19, 13), 1)])
+def test_tiled_decode_of_an_odd_latent_has_one_box_shape_and_is_exact(tiny_vae, shape, tile, monkeypatch):
+    """Edge tiles of a regular grid would be clipped to other box shapes: each layer would see several
+    shapes (a compile and a tuning run each on the GPU). Shifted boxes: one shape, the same result."""
+    from sd_kernels.patches import memory as patch_memory
+
+    boxes = []
+    up_stack = patch_memory._up_stack
+    monkeypatch.setattr(patch_memory, "_up_stack", lambda d, h: boxes.append(tuple(h.shape)) or up_stack(d, h))
+    halo = patch_memory.receptive_radius(tiny_vae.decoder)
+    z = torch.randn(shape)
+    with torch.no_grad():
+        ref, out = tiny_vae.decoder(z), patch_memory.tiled_decoder_forward(tiny_vae.decoder, z, tile, halo)
+    side = tile + 2 * halo
+    channels = tiny_vae.decoder.conv_in.out_channels
+    assert set(boxes) == {(shape[0], channels, min(shape[2], side), min(shape[3], side))}, set(boxes)
+    assert len(boxes) > len(patch_memory._norms(tiny_vae.decoder)) + 1  # more than one tile a pass
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("ops", [["memory"], ["group_norm", "memory"]])
-def test_patched_vae_decode_tiles_under_a_small_budget(tiny_vae, ops):
+def test_patched_vae_decode_tiles_under_a_small_budget(tiny_vae, ops, monkeypatch):
+    from sd_kernels.patches import memory as patch_memory
     from sd_kernels.patches import patch, unpatch
 
     from sd_kernels.testing import psnr
 
+    tiled = []
+    forward = patch_memory.tiled_decoder_forward
+    monkeypatch.setattr(patch_memory, "tiled_decoder_forward", lambda *a: tiled.append(a[2]) or forward(*a))
     small = dataclasses.replace(profiles.get_profile("s23-ultra"), name="small", intermediate_budget_mb=4)
-    z = torch.randn(1, 4, 16, 16)
+    z = torch.randn(1, 4, 32, 32)  # the 4 MB budget: tiles of 8 in boxes of 24 (halo 8)
     with torch.no_grad():
         ref = tiny_vae.decode(z).sample
         record = patch(tiny_vae, profile=small, ops=ops)
         try:
             assert record.counts["memory.tiled_vae_decode"] == 1
             out = tiny_vae.decode(z).sample
+            tiny_vae.decode(z[..., :24, :20])  # no larger than one box: untiled
         finally:
             unpatch(tiny_vae)
+    assert tiled == [8]
     assert "forward" not in tiny_vae.decoder.__dict__
     assert psnr(_img(out), _img(ref)) >= 40
 
