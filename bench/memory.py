@@ -6,7 +6,9 @@ Rows: stock diffusers (SDPA) at UNet batch 1 and 2 for reference, then the pipel
 each mobile emulation (its budget enforced, its attention policy and chunking applied) at batch 1.
 Per row: text encoder, one UNet step and the VAE decode, each with weights MB, peak intermediate MB
 (peak allocated during the call above what was allocated before it) and median latency (ms, eager:
-the emulation is about memory, not speed). Writes DIR/memory.csv; prints the table.
+the emulation is about memory, not speed). Prints a line per component as it finishes (flushed:
+the run takes minutes per profile) and rewrites DIR/memory.csv after every variant, with what a
+variant measured before it failed; prints the table at the end.
 The paper (arXiv 2304.11267): 84 MB of intermediates for SD1.5's UNet on its phones; stock diffusers
 needs 340 MB over the weights at batch 2 with SDPA (REFERENCE.md).
 """
@@ -19,6 +21,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import time
 
 import torch
 
@@ -29,8 +32,20 @@ MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")
 COLUMNS = ["variant", "component", "weights_mb", "peak_intermediate_mb", "ms", "peak_at", "error"]
 
 
-def rows_for(pipe, variant: str, batch: int) -> list[dict]:
-    return [{"variant": variant, **dataclasses.asdict(c)} for c in memory.memory_report(pipe, batch=batch)]
+def measure(pipe, variant: str, batch: int, rows: list[dict], started: float) -> None:
+    """memory_report's rows for ``variant``, appended to ``rows`` one component at a time (so that a
+    variant that fails part way keeps what it measured), each printed as it finishes."""
+
+    def finished(c: memory.ComponentMemory) -> None:
+        rows.append({"variant": variant, **dataclasses.asdict(c)})
+        _say(started, f"{variant}: {c.component}: weights {c.weights_mb:.1f} MB, peak intermediates "
+                      f"{c.peak_intermediate_mb:.1f} MB, {c.ms:.2f} ms, peak at {c.peak_at or '-'}")
+
+    memory.memory_report(pipe, batch=batch, progress=finished)
+
+
+def _say(started: float, line: str) -> None:
+    print(f"[{time.perf_counter() - started:7.1f} s] {line}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.profiles.split(",") if n]
     for n in names:
         profiles.get_profile(n)  # an unknown name fails before the model is built
+    started = time.perf_counter()
     pipe = build_pipeline(args.model, device="cuda", dtype=torch.float16)
     env = {**common.environment(), "model": args.model, "dtype": "float16"}
     print(json.dumps(env))
@@ -61,25 +77,34 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("weights_mb", "peak_intermediate_mb", "ms"):
                 r[k] = round(r[k], 2)
         rows.extend(new)
+        if not rows:
+            return
         with open(args.out / "memory.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=[*rows[0], *env])
             w.writeheader()
             w.writerows({**r, **env} for r in rows)
 
+    variants = [(f"stock b{batch}", None, batch) for batch in (1, 2)] + [(name, name, 1) for name in names]
     with torch.inference_mode():
-        for batch in (1, 2):
-            save(rows_for(pipe, f"stock b{batch}", batch))
-        for name in names:
-            patch(pipe, profile=name)
+        for i, (variant, profile, batch) in enumerate(variants, 1):
+            how = f" (patched under {profile})" if profile else ""
+            _say(started, f"variant {i}/{len(variants)}: {variant}{how}")
+            done: list[dict] = []
+            if profile is not None:
+                patch(pipe, profile=profile)
             try:
-                save(rows_for(pipe, name, 1))
+                measure(pipe, variant, batch, done, started)
             except memory.MemoryBudgetExceeded as exc:
-                save([{"variant": name, "component": "budget exceeded", "weights_mb": float("nan"),
-                       "peak_intermediate_mb": float("nan"), "ms": float("nan"), "peak_at": "",
-                       "error": str(exc)}])
+                _say(started, f"{variant}: budget exceeded: {exc}")
+                done.append({"variant": variant, "component": "budget exceeded", "weights_mb": float("nan"),
+                             "peak_intermediate_mb": float("nan"), "ms": float("nan"), "peak_at": "",
+                             "error": str(exc)})
             finally:
-                unpatch(pipe)
-                profiles.set_profile(None)
+                save(done)
+                if profile is not None:
+                    unpatch(pipe)
+                    profiles.set_profile(None)
+    _say(started, f"done: wrote {args.out / 'memory.csv'}")
     print(common.format_table(rows, COLUMNS))
     return 0
 

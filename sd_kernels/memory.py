@@ -212,9 +212,10 @@ def component_memory(component: str, module: nn.Module, fn: Callable[[], Any], s
 
 @torch.no_grad()
 def memory_report(pipe, batch: int = 1, prompt: str = "a photograph of an astronaut riding a horse",
-                  stats: Any = None) -> list[ComponentMemory]:
+                  stats: Any = None, progress: Callable[[ComponentMemory], Any] | None = None) -> list[ComponentMemory]:
     """The paper's table for a diffusers SD pipeline on CUDA, in whatever state it is (stock or
-    patched, under whichever profile): text encoder, one UNet step at ``batch``, the VAE decode."""
+    patched, under whichever profile): text encoder, one UNet step at ``batch``, the VAE decode.
+    ``progress`` is called with each component's row as soon as it is measured."""
     unet, vae = pipe.unet, pipe.vae
     dev, dtype = unet.device, unet.dtype
     if dev.type != "cuda":
@@ -227,9 +228,14 @@ def memory_report(pipe, batch: int = 1, prompt: str = "a photograph of an astron
     ctx = torch.randn(batch, ids.shape[1], unet.config.cross_attention_dim, device=dev, dtype=dtype, generator=g)
     t = torch.tensor(500, device=dev)
     z = torch.randn(1, vae.config.latent_channels, side, side, device=dev, dtype=vae.dtype, generator=g)
-    return [
-        component_memory("text_encoder", pipe.text_encoder, lambda: pipe.text_encoder(ids)[0], stats),
-        component_memory(f"unet_step_b{batch}", unet,
-                         lambda: unet(latent, t, encoder_hidden_states=ctx, return_dict=False)[0], stats),
-        component_memory("vae_decode", vae, lambda: vae.decode(z, return_dict=False)[0], stats),
+    components = [
+        ("text_encoder", pipe.text_encoder, lambda: pipe.text_encoder(ids)[0]),
+        (f"unet_step_b{batch}", unet, lambda: unet(latent, t, encoder_hidden_states=ctx, return_dict=False)[0]),
+        ("vae_decode", vae, lambda: vae.decode(z, return_dict=False)[0]),
     ]
+    rows = []
+    for name, module, fn in components:
+        rows.append(component_memory(name, module, fn, stats))
+        if progress is not None:
+            progress(rows[-1])
+    return rows

@@ -166,3 +166,48 @@ def test_every_variant_and_the_ablation_run_on_the_gpu(tmp_path):
         assert float(r["unet_rel_err"]) < 2e-2 and float(r["vae_rel_err"]) < 2e-2, r
     stock = {r["variant"]: r for r in rows}["stock"]
     assert float(stock["unet_rel_err"]) < 1e-3  # stock against itself: nothing left patched or compiled
+
+
+def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_path, monkeypatch, capsys):
+    """bench.memory's loop on CPU, the GPU parts faked: a line per component as it finishes, the CSV
+    rewritten after every variant, and a variant over its budget keeps the components it measured."""
+    import sd_kernels.patches
+
+    import sd_kernels.models
+    from bench import memory as bench_memory
+    from sd_kernels import memory
+
+    state = {"profile": None, "csv_rows_at_patch": []}
+    csv_path = tmp_path / "memory.csv"
+
+    def rows_on_disk():
+        return list(csv.DictReader(csv_path.open())) if csv_path.exists() else []
+
+    def patch(pipe, profile):
+        state["profile"] = profile
+        state["csv_rows_at_patch"].append(len(rows_on_disk()))
+
+    def report(pipe, batch, progress):
+        for name in ("text_encoder", f"unet_step_b{batch}", "vae_decode"):
+            if state["profile"] == "s23-ultra" and name.startswith("unet"):
+                raise memory.MemoryBudgetExceeded("UNet2DConditionModel", 2 * 2**20, 2**20)
+            progress(memory.ComponentMemory(name, 1.0, 2.0, 3.0, "conv"))
+
+    monkeypatch.setattr(bench_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sd_kernels.models, "build_pipeline", lambda *a, **k: object())
+    monkeypatch.setattr(sd_kernels.patches, "patch", patch)
+    monkeypatch.setattr(sd_kernels.patches, "unpatch", lambda pipe: state.update(profile=None))
+    monkeypatch.setattr(bench_memory.common, "environment", lambda: {"device": "fake"})
+    monkeypatch.setattr(bench_memory.profiles, "set_profile", lambda profile: None)  # would ask the fake CUDA
+    monkeypatch.setattr(memory, "memory_report", report)
+    assert bench_memory.main(["--out", str(tmp_path), "--profiles", "s23-ultra,mobile-small"]) == 0
+
+    out = capsys.readouterr().out
+    assert "variant 3/4: s23-ultra (patched under s23-ultra)" in out
+    assert "mobile-small: vae_decode: weights 1.0 MB, peak intermediates 2.0 MB, 3.00 ms, peak at conv" in out
+    assert "s23-ultra: budget exceeded: UNet2DConditionModel needs 2.0 MB" in out
+    rows = [(r["variant"], r["component"]) for r in rows_on_disk()]
+    assert rows == [*[(f"stock b{b}", c) for b in (1, 2) for c in ("text_encoder", f"unet_step_b{b}", "vae_decode")],
+                    ("s23-ultra", "text_encoder"), ("s23-ultra", "budget exceeded"),
+                    ("mobile-small", "text_encoder"), ("mobile-small", "unet_step_b1"), ("mobile-small", "vae_decode")]
+    assert state["csv_rows_at_patch"] == [6, 8]  # written after the stock variants, then after s23-ultra
