@@ -276,7 +276,7 @@ class Launcher:
             parts = [source]
             for layer in self.layers:
                 if isinstance(layer, Autotuner):
-                    parts += ["autotune", *map(str, layer.configs), *layer.keys]
+                    parts += ["autotune", *map(str, layer.configs), *getattr(layer, "keys", ())]
                 else:
                     parts += ["heuristics", *sorted(layer.values)]
             self._fingerprint = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

@@ -65,16 +65,9 @@ def test_memo_is_per_key(device):
 # The autotune cache: tuned choices persist across processes (a fresh Launcher stands for a new one)
 
 
-@triton.autotune([triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=1)],
-                 key=["n"])
-@triton.heuristics({"EVEN": lambda args: args["n"] % args["BLOCK"] == 0})
-@triton.jit
-def _tuned_kernel(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr, EVEN: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if EVEN:
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) * factor)
-    else:
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * factor, mask=offs < n)
+# The same heuristics and kernel with two configs to choose from (the benchmark is faked below).
+_tuned_kernel = triton.autotune([triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=1)],
+                                key=["n"])(_scale_kernel.fn)
 
 
 @pytest.fixture
@@ -116,7 +109,7 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
     assert tuning.benched == [16, 32, 16, 32]
     path = _cache_file(device)
     slug = launch.device_slug(torch.device(device))
-    assert path == tuning.dir / slug / f"triton-{triton.__version__}" / "test_launch._tuned_kernel.json"
+    assert path == tuning.dir / slug / f"triton-{triton.__version__}" / "test_launch._scale_kernel.json"
     data = json.loads(path.read_text())
     config = _tuned_kernel.configs[1].all_kwargs()  # the config only: heuristics are computed per key
     assert data["entries"] == {repr(("scale", 48)): config, repr(("scale", 64)): config}
