@@ -102,33 +102,12 @@ def _aligned(stride, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _exp2_poly(x):
-    """2^x for x ≤ 0 on the FMA units: 2^⌊x⌋ through the exponent bits times a cubic for 2^f, f in [0, 1)
-    (relative error 1.1e-4, below P's fp16 rounding); x below -126 gives 2^-126·2^f, not 0."""
-    x = tl.maximum(x, -126.0)
-    j = tl.floor(x)
-    f = x - j
-    p = ((0.0782679391 * f + 0.2263076527) * f + 0.6954244082) * f + 1.0
-    bits = p.to(tl.int32, bitcast=True) + (j.to(tl.int32) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_half_poly(s):
-    """exp2 of a [M, N] tile, odd columns by ``_exp2_poly``: half the exponentials leave the MUFU."""
-    M: tl.constexpr = s.shape[0]
-    N: tl.constexpr = s.shape[1]
-    even, odd = tl.split(tl.reshape(s, [M, N // 2, 2]))
-    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_poly(odd)), [M, N])
-
-
-@triton.jit
 def _attend_tile(
     acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi,
     offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
     HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, DV_LO: tl.constexpr,
     DV_HI: tl.constexpr, MASK: tl.constexpr, NEG_SCALE: tl.constexpr, BOUNDARY: tl.constexpr,
-    PRECISION: tl.constexpr, LAZY: tl.constexpr = 0.0, POLY: tl.constexpr = False,
+    PRECISION: tl.constexpr,
 ):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of the query rows.
 
@@ -150,13 +129,7 @@ def _attend_tile(
             m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if LAZY > 0:  # keep the old max unless the new one passes it by more than LAZY (log2 units)
-            m_new = tl.where(m_new - m_i > LAZY, m_new, m_i)
-        s = qk * qk_scale - m_new[:, None]
-        if POLY:
-            p = _exp2_half_poly(s)
-        else:
-            p = tl.math.exp2(s)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
     else:
         s = qk * qk_scale
@@ -176,21 +149,12 @@ def _attend_tile(
 
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(q_lo.dtype)
-    if LAZY > 0 and MASK == 0 and not BOUNDARY:
-        if tl.max(m_new - m_i) > 0:  # some row's max moved: rescale (rare after the first blocks)
-            acc_lo = acc_lo * alpha[:, None]
-            if DV_HI > 0:
-                acc_hi = acc_hi * alpha[:, None]
-    else:
-        acc_lo = acc_lo * alpha[:, None]
-        if DV_HI > 0:
-            acc_hi = acc_hi * alpha[:, None]
     v_lo = _load_tile(V, kv, offs_vlo, stride_vn, stride_vd, HEAD_DIM, DV_LO > HEAD_DIM, Sk, BOUNDARY)
-    acc_lo = tl.dot(p, v_lo, acc_lo, input_precision=PRECISION)
+    acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
     if DV_HI > 0:
         v_hi = _load_tile(V, kv, offs_vhi, stride_vn, stride_vd, HEAD_DIM, DV_LO + DV_HI > HEAD_DIM, Sk,
                           BOUNDARY)
-        acc_hi = tl.dot(p, v_hi, acc_hi, input_precision=PRECISION)
+        acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
     return acc_lo, acc_hi, l_i, m_new
 
 
@@ -265,7 +229,6 @@ def _flash_attention_kernel(
     DV_LO: tl.constexpr, DV_HI: tl.constexpr,
     NEG_SCALE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-    LAZY: tl.constexpr = 0.0, POLY: tl.constexpr = False,
 ):
     """Out[b, h, rows] for one block of BLOCK_M query rows of one (b, h); a 1-D grid, query blocks
     fastest, so the programs of one head run together and share its K and V in L2."""
@@ -314,7 +277,7 @@ def _flash_attention_kernel(
         acc_lo, acc_hi, l_i, m_i = _attend_tile(
             acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, K, V, Mask, start_n, rows, offs_n, offs_lo, offs_hi,
             offs_vlo, offs_vhi, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, qk_scale,
-            HEAD_DIM, D_LO, D_HI, DV_LO, DV_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION, LAZY, POLY,
+            HEAD_DIM, D_LO, D_HI, DV_LO, DV_HI, MASK, NEG_SCALE, not EVEN_N, PRECISION,
         )
 
     # l = 0 only for rows whose every key was masked: their accumulator is 0, and so is their output.
@@ -434,8 +397,7 @@ _FLASH = Launcher(_flash_attention_kernel)
 
 
 def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
-           blocks: tuple[tuple[int, int], tuple[int, int]] | None = None, variant: dict | None = None,
-           ) -> torch.Tensor:
+           blocks: tuple[tuple[int, int], tuple[int, int]] | None = None) -> torch.Tensor:
     """The launch; ``config`` bypasses the autotuner (the tests run every config); ``blocks``,
     ((D_LO, D_HI), (DV_LO, DV_HI)), overrides ``flash_blocks`` (the tuning sweep compares splits)."""
     B, H, Sq, D = q4.shape
@@ -457,7 +419,7 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
         key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align)
         launch = functools.partial(_FLASH, key, grid)
     else:  # the tests' way to run one given config
-        launch = functools.partial(_flash_attention_kernel.fn[grid], **config.all_kwargs(), **(variant or {}))
+        launch = functools.partial(_flash_attention_kernel.fn[grid], **config.all_kwargs())
     launch(
         q4, k4, v4, m_args, out, scale * LOG2E,
         *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
