@@ -20,3 +20,8 @@ def is_dense(x: torch.Tensor) -> bool:
         return True
     order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
     return x.permute(order).is_contiguous()
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """A 4-D tensor laid out NHWC (and not also NCHW-contiguous, as 1×1 maps or one channel are)."""
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
