@@ -1,6 +1,7 @@
 """NCHW against channels_last for one UNet step, stock and patched: ``python -m bench.layout_check --out DIR
 [--model sd15] [--latent 64]`` (GPU). Batch 2, fp16, random weights. Times: ms per step replayed from a
-CUDA graph of 3 steps; the ``+graph`` rows use the patch's own ``cuda_graph=True`` (timed by
+CUDA graph of 3 steps (VAE rows: decodes of one latent); the ``+graph`` rows use the patch's own
+``cuda_graph=True`` (timed by
 ``triton.testing.do_bench``). rel_err against the stock NCHW step. Writes DIR/layout-MODEL.json.
 The layouts are forced here (``ops=`` without "channels_last", then ``unet.to(channels_last)``), so
 the rows do not depend on what the active profile chooses."""
@@ -59,6 +60,23 @@ def main(argv: list[str] | None = None) -> int:
                     sd_kernels.unpatch(pipe)
                     unet.to(memory_format=torch.contiguous_format)
                 print(name + ("+cl" if cl else ""), rows[name + ("+cl" if cl else "")], flush=True)
+        # The VAE decode of the same latents (1 image per prompt: the first half of the batch).
+        vae, z = pipe.vae, x[:1] / pipe.vae.config.scaling_factor
+        ref = vae.decode(z).sample.double()
+        for name, patched in (("vae stock", False), ("vae patched", True)):
+            for cl in (False, True):
+                vae.to(memory_format=torch.channels_last if cl else torch.contiguous_format)
+                if patched:
+                    sd_kernels.patch(vae, ops=ops)
+                try:
+                    out = vae.decode(z).sample
+                    key = name + ("+cl" if cl else "")
+                    ms = time_graph_ms(lambda: vae.decode(z).sample, calls=3)
+                    rows[key] = {"ms": ms, "rel_err": rel_err(out, ref)}
+                finally:
+                    sd_kernels.unpatch(vae)
+                    vae.to(memory_format=torch.contiguous_format)
+                print(key, rows[key], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"layout-{args.model}.json").write_text(json.dumps({"env": environment(), "rows": rows}, indent=1))
     return 0
