@@ -97,7 +97,8 @@ class Launcher:
         ``JITFunction.run``, keeping the kernel it returns. False: the caller launches the usual way
         (hooks set, a device or arguments the binder refuses: ``run`` then does what it does)."""
         runtime = self._runtime or self._set_up()
-        if runtime is None:
+        table = self._direct  # None once turned off (another thread may have)
+        if runtime is None or table is None:
             return False
         driver, run_knobs, compile_knobs = runtime
         jit = self.jit
@@ -118,7 +119,7 @@ class Launcher:
         knobs = (options.get("debug", jit.debug) or run_knobs.debug, compile_knobs.instrumentation_mode,
                  getattr(compile_knobs, "fpsan_homomorphic_casts", None))
         direct_key = (key, device, tuple(specialization))
-        entry = self._direct.get(direct_key)
+        entry = table.get(direct_key)
         if (entry is not None and entry[4] is meta and entry[5] == knobs and entry[6] == options
                 and _globals_unchanged(jit)):
             grid = grid(bound) if callable(grid) else grid
@@ -132,7 +133,7 @@ class Launcher:
                 return False
             return True
         kernel = jit.run(*args, grid=grid, warmup=False, **kwargs, **meta)
-        self._remember(direct_key, kernel, meta, knobs, options)
+        self._remember(table, direct_key, kernel, meta, knobs, options)
         return True
 
     def _set_up(self) -> tuple | None:
@@ -160,7 +161,7 @@ class Launcher:
         self._runtime = (driver, run_knobs, compile_knobs)
         return self._runtime
 
-    def _remember(self, direct_key: tuple, kernel: Any, meta: dict[str, Any], knobs: tuple,
+    def _remember(self, table: dict, direct_key: tuple, kernel: Any, meta: dict[str, Any], knobs: tuple,
                   options: dict[str, Any]) -> None:
         """Keep what ``JITFunction.run`` returned for a direct launch of the same specialization."""
         compiled = getattr(self.jit, "CompiledKernel", None)  # set by the JIT's create_binder
@@ -177,9 +178,9 @@ class Launcher:
         except Exception as exc:
             self._turn_off(exc)
             return
-        if len(self._direct) >= MAX_KEYS:
-            self._direct.clear()
-        self._direct[direct_key] = entry
+        if len(table) >= MAX_KEYS:
+            table.clear()
+        table[direct_key] = entry
 
     def _turn_off(self, why: object) -> None:
         self._direct = None
