@@ -35,6 +35,7 @@ import triton.language as tl
 from sd_kernels import profiles, reference
 from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
+from sd_kernels.ops.layout import misaligned, realigned
 
 MAX_HEAD_DIM = 256  # flash keeps a [BLOCK_M, D] fp32 accumulator in registers: beyond this it spills
 LOG2E = 1.4426950408889634
@@ -441,7 +442,9 @@ class _FlashPlan:
 
     def __call__(self, q, k, v, mask) -> torch.Tensor | None:
         """The cached path: allocate, launch, shape the output as ``from_4d`` does (None: the output
-        came in another layout than the plan's, so plan afresh)."""
+        came in another layout than the plan's, or an input is misaligned, so plan afresh)."""
+        if misaligned(q, k, v, mask):
+            return None
         out = alloc_output(self.out_shape, q, self.heads_inner)
         if out.stride() != self.out_stride:
             return None
@@ -457,7 +460,13 @@ def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
 
 
 def _flash_with_plan(q4, k4, v4, mask4, scale: float, batch: tuple[int, ...] = (), config=None, blocks=None):
-    """(out [B, H, Sq, D], the plan it was launched with; None for an empty output)."""
+    """(out [B, H, Sq, D], the plan it was launched with; None for an empty output).
+
+    Inputs whose data starts off a 16-byte boundary are copied first: the kernel compiled for such
+    pointers by Triton 3.6 computed wrong results on the H100 (rel. err 0.64 at 2×8×64×77×160 with
+    every input one element off, measured 2026-11-22); aligned inputs are never copied."""
+    if misaligned(q4, k4, v4, mask4):
+        q4, k4, v4, mask4 = (realigned(t) for t in (q4, k4, v4, mask4))
     B, H, Sq, D = q4.shape
     out = alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
     if out.numel() == 0:
@@ -503,6 +512,7 @@ def _flash_planned(key: tuple, q, k, v, attn_mask, batch: tuple[int, ...], scale
     views = _views(q, k, v, attn_mask, batch)
     out, plan = _flash_with_plan(*views, default_scale(q, scale), batch)
     if (plan is not None and (scale is None or type(scale) in (float, int))  # not a tensor: it may change
+            and not misaligned(*views)  # a plan made on realigned copies may hold the copies' strides
             and all(t is None or t.data_ptr() == t4.data_ptr() for t, t4 in zip((q, k, v, attn_mask), views))):
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
