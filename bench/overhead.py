@@ -4,7 +4,9 @@ An eager diffusers UNet step issues ~1,000 calls; at SD shapes many of them take
 Python takes to launch them, so a kernel's wrapper costs as much as the kernel. This times the host
 side alone: ``calls`` back-to-back calls on small inputs with one synchronize at the end (the GPU
 never holds the host back: each call's kernels are shorter than its launch), and writes a cProfile of
-our calls to ``overhead-profile.txt`` so that the expensive lines are named.
+our calls to ``overhead-profile.txt`` so that the expensive lines are named. The row ``ours, run`` is
+ours with the launcher's direct path off (``sd_kernels.launch.FAST_LAUNCH``, as
+SD_KERNELS_FAST_LAUNCH=0): every launch through Triton's ``JITFunction.run``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def _profile_model(name: str, rows: list[dict]) -> str:
     """Host time of one eager UNet step (batch 2), stock and patched, and a cProfile of the patched one."""
     import sd_kernels
     from bench.e2e import unet_call
+    from sd_kernels import launch
     from sd_kernels.models import build_pipeline
 
     pipe = build_pipeline(name, device="cuda", dtype=torch.float16)
@@ -94,8 +97,14 @@ def _profile_model(name: str, rows: list[dict]) -> str:
             call()
             rows.append({"op": f"{name} unet step", "impl": "ours", "host_us_per_call": round(host_us(call, 20), 1)})
             profile("patched")
+            fast, launch.FAST_LAUNCH = launch.FAST_LAUNCH, False
+            try:
+                rows.append({"op": f"{name} unet step", "impl": "ours, run",
+                             "host_us_per_call": round(host_us(call, 20), 1)})
+            finally:
+                launch.FAST_LAUNCH = fast
     for r in rows:
-        print(f"  {r['op']:<40} {r['impl']:<6} {r['host_us_per_call']:10.1f} us/call", flush=True)
+        print(f"  {r['op']:<40} {r['impl']:<9} {r['host_us_per_call']:10.1f} us/call", flush=True)
     return "\n".join(texts)
 
 
@@ -111,11 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     rows, profiles = [], []
     if args.model:
         profiles.append(_profile_model(args.model, rows))
+    from sd_kernels import launch
+
     with torch.inference_mode():
         for op, impls in pairs().items():
+            if "ours" in impls:
+                impls["ours, run"] = impls["ours"]
             for impl, fn in impls.items():
-                rows.append({"op": op, "impl": impl, "host_us_per_call": round(host_us(fn), 2)})
-                print(f"  {op:<40} {impl:<6} {rows[-1]['host_us_per_call']:8.2f} us/call", flush=True)
+                fast = launch.FAST_LAUNCH
+                launch.FAST_LAUNCH = fast and impl != "ours, run"
+                try:
+                    rows.append({"op": op, "impl": impl, "host_us_per_call": round(host_us(fn), 2)})
+                finally:
+                    launch.FAST_LAUNCH = fast
+                print(f"  {op:<40} {impl:<9} {rows[-1]['host_us_per_call']:8.2f} us/call", flush=True)
             if "ours" in impls:
                 prof = cProfile.Profile()
                 prof.enable()

@@ -3,7 +3,8 @@
 ``patch(obj)`` takes a diffusers pipeline or a bare UNet2DConditionModel / AutoencoderKL and routes
 the parts it knows (PARTS) through sd_kernels' ops. It is idempotent and exactly reversible: the
 record of every change hangs on the patched object, and ``unpatch`` restores the original modules
-and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied.
+and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied
+(the channels_last family re-lays the data of the very same Parameters, and lays it back).
 ``cuda_graph=True`` also replays the UNet from CUDA graphs (cuda_graph.py). ``report`` gives what a
 patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
 """
@@ -17,7 +18,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, set_profile
 
-from . import attention, gelu, group_norm, memory, winograd  # noqa: F401  (each registers its patcher)
+from . import attention, gelu, group_norm, layout, memory, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS

@@ -121,6 +121,13 @@ class PatchRecord:
 
         return restore
 
+    def on_undo(self, restore: Callable[[], None], kind: str, count: int = 1) -> None:
+        """A change a patcher made by other means than ``set_attr`` (e.g. re-laid parameter data):
+        ``restore`` undoes it, in reverse order with the rest; ``count`` changes of ``kind``."""
+        self._undo.append(restore)
+        if count:
+            self.counts[kind] += count
+
     def skip(self, path: str, what: str, reason: str) -> None:
         """Note a module left alone on purpose (``sd-kernels info`` reports these)."""
         self.skipped.append(Skipped(".".join(p for p in (self.scope, path) if p), what, reason))

@@ -22,6 +22,7 @@ import torch.nn as nn
 from sd_kernels.ops.winograd import WinogradWeight, unsupported_conv, winograd_conv2d, winograd_weight
 from sd_kernels.profiles import active_profile
 
+from .layout import is_channels_last, makes_channels_last
 from .record import PatchRecord
 from .registry import register
 
@@ -61,7 +62,8 @@ class WinogradConv2d(nn.Conv2d):
         if x.dim() != 4 or x.dtype != self.weight.dtype or torch.compiler.is_compiling():
             return None  # under torch.compile the compiler's own conv choice stands
         n, c, h, w = x.shape
-        return active_profile().winograd_tile(n, c, h, w, self.out_channels, x.dtype)
+        layout = "channels_last" if is_channels_last(x) else "nchw"
+        return active_profile().winograd_tile(n, c, h, w, self.out_channels, x.dtype, layout)
 
     def transformed(self, tile: int) -> WinogradWeight:
         w = self.weight
@@ -97,8 +99,13 @@ def patch_winograd(model: nn.Module, record: PatchRecord) -> None:
     graphs (``ROUTE_EAGER`` explains why only there); none under a profile that routes no conv, so
     that such profiles pay no per-call routing cost."""
     profile = active_profile()
+    layout = "channels_last" if makes_channels_last(model, record) else "nchw"
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
-             if qualifies(child) and profile.routes_winograd(child.in_channels, child.out_channels)]
+             if qualifies(child) and profile.routes_winograd(child.in_channels, child.out_channels, layout)]
+    if not slots and layout == "channels_last" and profile.winograd:
+        record.skip("", "3x3 convs", f"profile {profile.name!r} routes Winograd for NCHW inputs only and this model "
+                    "runs channels_last (its channels_last list): cuDNN's NHWC convs stand (docs/kernels/winograd.md)")
+        return
     if slots and not (ROUTE_EAGER or (record.cuda_graph and type(model).__name__ == "UNet2DConditionModel")):
         record.skip("", f"{len(slots)} routable 3x3 convs",
                     "winograd runs only in a UNet patched with cuda_graph=True (host cost)")

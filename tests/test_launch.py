@@ -1,19 +1,28 @@
 """sd_kernels.launch.Launcher: the first launch of a key goes through the autotuner, later ones skip it
-with the same meta-parameters (runs on CPU through the interpreter)."""
+with the same meta-parameters (runs on CPU through the interpreter); after that, the direct launch path
+(on fakes of Triton's JIT pieces on CPU, on the real ones on the GPU)."""
 
+import collections
 import dataclasses
+import importlib
 import json
 import logging
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
-from sd_kernels import launch, profiles
+from sd_kernels import profiles
 from sd_kernels.dispatch import interpreting
 from sd_kernels.launch import Launcher
+
+launch_mod = importlib.import_module("sd_kernels.launch")
 
 # Autotuning between configs benchmarks them, which needs a GPU: the interpreter gets one config.
 CONFIGS = [triton.Config({"BLOCK": 32}, num_warps=1)]
@@ -62,6 +71,326 @@ def test_memo_is_per_key(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# The direct launch path, on fakes of Triton's pieces (no GPU needed): a JIT function with a binder in
+# its device_caches and a run that returns the compiled kernel, as Triton 3.6-3.9 have them.
+
+
+class _FakeCompiled:
+    """A CompiledKernel: ``run`` records its arguments (grid, stream, function, metadata, hooks, args)
+    and calls the enter hook."""
+
+    def __init__(self, launches, specialization):
+        self.launches = launches
+        self.specialization = specialization
+        self.function = object()  # the loaded function's handle
+        self.packed_metadata = ("packed", specialization)
+
+    def run(self, *args):
+        if args[7] is not None:  # the launch-enter hook, called with the launch metadata, as Triton's launcher
+            args[7](args[6])
+        self.launches.append(args)
+
+
+class _FakeJit:
+    """JITFunction's surface for the direct path; ``run`` binds, looks up or 'compiles', launches, as Triton's."""
+
+    CompiledKernel = _FakeCompiled
+    arg_names = ["x", "n", "factor", "BLOCK"]
+    __name__ = "fake_kernel"
+
+    def __init__(self):
+        self.launches, self.runs, self.kernels = [], [], {}
+        self.device_caches = collections.defaultdict(lambda: ({}, {}, "target", "backend", self.binder))
+        self.used_global_vals, self.pre_run_hooks, self.debug = {}, [], None
+
+    def binder(self, x, n, factor, BLOCK, **options):
+        specialization = [("*fp32", "D" if x.data_ptr() % 16 == 0 else None),
+                          ("i32", "D" if n % 16 == 0 else 1 if n == 1 else None), ("fp32", None), ("constexpr", BLOCK)]
+        return {"x": x, "n": n, "factor": factor, "BLOCK": BLOCK}, specialization, options
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        bound, specialization, options = self.device_caches[0][-1](*args, **kwargs)
+        for (name, _), (value, scope) in self.used_global_vals.items():
+            if scope.get(name) != value:
+                raise RuntimeError(f"Global variable {name} has changed since we compiled this kernel")
+        kernel = self.kernels.setdefault(str(specialization) + str(options),
+                                         _FakeCompiled(self.launches, specialization))
+        self.runs.append((tuple(specialization), options))
+        grid = grid(bound) if callable(grid) else grid
+        kernel.run(grid[0], 1, 1, 77, kernel.function, kernel.packed_metadata, "metadata",
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound.values())
+        return kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+
+class _FakeActiveDriver:
+    @staticmethod
+    def get_current_device():
+        return 0
+
+    @staticmethod
+    def get_current_stream(device):
+        return 77
+
+
+class _FakeDriver:
+    active = _FakeActiveDriver
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A Launcher over heuristics over a fake JIT function, Triton's runtime faked, the direct path on."""
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    monkeypatch.setattr(launch_mod, "_triton_runtime", lambda: (_FakeDriver, knobs.runtime, knobs.compilation))
+    jit = _FakeJit()
+    return jit, Launcher(triton.heuristics({"BLOCK": lambda args: 32})(jit))
+
+
+def _grid(meta):
+    return (triton.cdiv(meta["n"], meta["BLOCK"]),)
+
+
+def test_direct_launch_after_first_launches(fake):
+    jit, launch = fake
+    x = torch.randn(64)
+    for _ in range(5):
+        launch("key", _grid, x, 64, 2.0)
+    # 1: memo miss through the heuristics; 2: memo hit through run, kernel kept; 3-5: direct.
+    assert len(jit.runs) == 2 and len(jit.launches) == 5
+    kernel = next(iter(jit.kernels.values()))
+    assert jit.launches[-1] == (2, 1, 1, 77, kernel.function, kernel.packed_metadata, None, None, None, x, 64, 2.0, 32)
+    assert jit.launches[-1][9:] == jit.launches[0][9:]  # the arguments as run binds them, in order
+    # a tuple grid is passed through
+    launch("key", (5, 6, 7), x, 64, 2.0)
+    assert len(jit.runs) == 2 and jit.launches[-1][:4] == (5, 6, 7, 77)
+    launch("key", (5,), x, 64, 2.0)
+    assert jit.launches[-1][:3] == (5, 1, 1)
+
+
+def test_changed_specialization_goes_through_run(fake):
+    jit, launch = fake
+    storage = torch.randn(65)
+    aligned, misaligned = storage[:64], storage[1:]  # one float past: not 16-byte aligned
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
+    for x in (aligned, aligned, aligned, misaligned, misaligned, aligned, misaligned, storage[:63]):
+        launch("key", _grid, x, x.numel(), 1.0)
+    runs = [spec[0][1] for spec, _ in jit.runs]
+    # miss, hit (kept), direct; misaligned through run (kept), direct; direct; direct; n = 63 through run
+    assert runs == ["D", "D", None, "D"] and jit.runs[-1][0][1] == ("i32", None)
+    assert len(jit.launches) == 8
+    for args, x in zip(jit.launches, (aligned, aligned, aligned, misaligned, misaligned, aligned, misaligned)):
+        assert args[9] is x
+        assert args[5] == ("packed", [("*fp32", "D" if x is aligned else None), ("i32", "D"), ("fp32", None),
+                                      ("constexpr", 32)])
+
+
+def test_hooks_pre_run_hooks_and_knobs_take_run(fake, monkeypatch):
+    jit, launch = fake
+    x = torch.randn(64)
+    for _ in range(3):
+        launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 2
+    seen = []
+    hook = seen.append
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch("key", _grid, x, 64, 1.0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(jit.runs) == 3 and seen == ["metadata"]  # run called the profiler's hook
+    launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 3  # direct again
+    jit.pre_run_hooks.append(lambda *a, **k: None)
+    launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 4
+    jit.pre_run_hooks.clear()
+    monkeypatch.setattr(knobs.runtime, "debug", True)  # compiles another kernel: run, kept, then direct
+    launch("key", _grid, x, 64, 1.0)
+    launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 5 and jit.runs[-1][1]["debug"] is True and len(jit.kernels) == 2
+    assert jit.launches[-1][5] is list(jit.kernels.values())[1].packed_metadata
+    assert len(jit.launches) == 8
+
+
+def test_switched_off(fake, monkeypatch):
+    jit, launch = fake
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
+    x = torch.randn(64)
+    for _ in range(4):
+        launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 4 and len(jit.launches) == 4 and launch._direct == {}
+
+
+def test_environment_variable_switches_it_off():
+    code = "import sd_kernels.launch as l; print(l.FAST_LAUNCH)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "SD_KERNELS_FAST_LAUNCH": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
+
+
+def test_changed_global_or_memo_takes_run(fake):
+    jit, launch = fake
+    x = torch.randn(64)
+    for _ in range(3):
+        launch("key", _grid, x, 64, 1.0)
+    scope = {"SCALE": 2}
+    jit.used_global_vals = {("SCALE", id(scope)): (2, scope)}
+    launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 2
+    scope["SCALE"] = 3
+    with pytest.raises(RuntimeError, match="Global variable SCALE has changed"):
+        launch("key", _grid, x, 64, 1.0)
+    scope["SCALE"] = 2
+    launch.memo["key"] = {"BLOCK": 16}  # another config for the key: its kernel, not the kept one
+    launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 3 and jit.launches[-1][-1] == 16 and jit.launches[-1][0] == 4
+
+
+def test_set_up_failure_falls_back_for_good(fake, monkeypatch, caplog):
+    jit, launch = fake
+
+    def broken():
+        raise ImportError("no such driver")
+
+    monkeypatch.setattr(launch_mod, "_triton_runtime", broken)
+    x = torch.randn(64)
+    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        for _ in range(4):
+            launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 4 and launch._direct is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "sd_kernels: fake_kernel launches through Triton's JITFunction.run (direct launch path off: no such driver)"]
+
+
+def test_unusable_structures_fall_back(fake, caplog):
+    jit, launch = fake
+    jit.device_caches = collections.defaultdict(lambda: ({}, "target", "backend", jit.binder))  # a 4-tuple
+    x = torch.randn(64)
+    for _ in range(3):
+        launch("key", _grid, x, 64, 1.0)
+    assert len(jit.runs) == 3 and launch._direct == {}
+
+    jit2 = _FakeJit()
+    launch2 = Launcher(triton.heuristics({"BLOCK": lambda args: 32})(jit2))
+    jit2.kernels = _NoFunction(jit2.launches)
+    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        for _ in range(3):
+            launch2("key", _grid, x, 64, 1.0)
+    assert len(jit2.runs) == 3 and launch2._direct is None and len(caplog.records) == 1
+    assert "the compiled kernel has no loaded function" in caplog.records[0].getMessage()
+
+
+class _NoFunction(dict):
+    """A kernel cache whose kernels have no loaded function (what the direct path must refuse)."""
+
+    def __init__(self, launches):
+        super().__init__()
+        self.launches = launches
+
+    def setdefault(self, key, kernel):
+        kernel.function = None
+        return super().setdefault(key, kernel)
+
+
+def test_direct_call_refused_falls_back_without_launching_twice(fake, caplog):
+    jit, launch = fake
+    x = torch.randn(64)
+    for _ in range(3):
+        launch("key", _grid, x, 64, 1.0)
+    ((key, entry),) = launch._direct.items()
+
+    def refuses(*args):
+        raise TypeError("takes 9 positional arguments")
+
+    launch._direct[key] = (entry[0], refuses, *entry[2:])
+    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        launch("key", _grid, x, 64, 1.0)
+    assert len(jit.launches) == 4 and len(jit.runs) == 3 and launch._direct is None
+    assert "refused the call" in caplog.records[0].getMessage()
+
+
+def test_interpreted_kernels_stay_on_run(monkeypatch):
+    """Under TRITON_INTERPRET the JIT function is Triton's interpreter: no direct path, no log line."""
+    if not interpreting():
+        pytest.skip("the interpreter is off")
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    launch = Launcher(_scale_kernel)
+    x = torch.randn(48)
+    for _ in range(3):
+        y = torch.empty_like(x)
+        launch(48, lambda meta: (triton.cdiv(48, meta["BLOCK"]),), x, y, 48, 2.0)
+        torch.testing.assert_close(y, x * 2.0)
+    assert launch._direct is None
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU: the direct path against JITFunction.run with Triton's real pieces.
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_match_run(monkeypatch):
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    direct, normal = Launcher(_scale_kernel), Launcher(_scale_kernel)
+    storage = torch.randn(4099, device="cuda")
+    cases = []
+    for n in (48, 47, 1, 4096):
+        for offset in (0, 1, 3):  # 4-byte steps: offsets 1 and 3 are misaligned pointers
+            cases.append((storage[offset:offset + n], n))
+    grid = lambda meta, n: (triton.cdiv(n, meta["BLOCK"]),)
+    for rep in range(4):
+        for i, (x, n) in enumerate(cases):
+            factor = float(i + rep)
+            outs = []
+            for launcher, enabled in ((direct, True), (normal, False)):
+                monkeypatch.setattr(launch_mod, "FAST_LAUNCH", enabled)
+                y = torch.full((n + 2,), float("nan"), device="cuda")[1:n + 1]  # a misaligned output too
+                launcher(n, lambda meta, n=n: grid(meta, n), x, y, n, factor)
+                outs.append(y)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(outs[0], x * factor, rtol=0, atol=0)
+            torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    # the path was taken: one table entry per (key, specialization) seen
+    assert direct._direct is not None and len(direct._direct) >= 6, direct._direct
+    assert normal._direct == {}
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_keeps_streams_and_hooks(monkeypatch):
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    launch = Launcher(_scale_kernel)
+    x = torch.randn(4096, device="cuda")
+    grid = lambda meta: (triton.cdiv(4096, meta["BLOCK"]),)
+    for _ in range(3):
+        launch(4096, grid, x, torch.empty_like(x), 4096, 1.0)
+    assert len(launch._direct) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ys = [torch.empty_like(x) for _ in range(8)]
+        for i, y in enumerate(ys):
+            launch(4096, grid, x, y, 4096, float(i))
+    side.synchronize()
+    for i, y in enumerate(ys):
+        torch.testing.assert_close(y, x * float(i), rtol=0, atol=0)
+    seen = []
+    # Triton 3.6 hands hooks a LazyDict (``.get()`` gives the dict), later versions a dict
+    hook = lambda metadata: seen.append(metadata.get()["name"] if type(metadata).__name__ == "LazyDict"
+                                        else metadata["name"])
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(3):
+            launch(4096, grid, x, torch.empty_like(x), 4096, 1.0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 3 and "_scale_kernel" in seen[0]
+
+
+# ---------------------------------------------------------------------------------------------
 # The autotune cache: tuned choices persist across processes (a fresh Launcher stands for a new one)
 
 
@@ -74,8 +403,8 @@ _tuned_kernel = triton.autotune([triton.Config({"BLOCK": 16}, num_warps=1), trit
 def tuning(monkeypatch, tmp_path):
     """The cache in tmp_path; _tuned_kernel's benchmark faked (the second config, BLOCK 32, wins: the
     interpreter cannot time) and recorded; the autotuner's in-memory cache empty."""
-    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    monkeypatch.setenv(launch_mod.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(launch_mod, "AUTOTUNE", True)
     benched = []
 
     def bench(*args, config, **meta):
@@ -99,7 +428,7 @@ def _no_autotuner(*args, **kwargs):
 
 
 def _cache_file(device):
-    return launch.cache_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
+    return launch_mod.cache_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
 
 
 def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatch):
@@ -108,7 +437,7 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
         _run(first, n, device)
     assert tuning.benched == [16, 32, 16, 32]
     path = _cache_file(device)
-    slug = launch.device_slug(torch.device(device))
+    slug = launch_mod.device_slug(torch.device(device))
     assert path == tuning.dir / slug / f"triton-{triton.__version__}" / "test_launch._scale_kernel.json"
     data = json.loads(path.read_text())
     config = _tuned_kernel.configs[1].all_kwargs()  # the config only: heuristics are computed per key
@@ -118,7 +447,7 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
     second = Launcher(_tuned_kernel)  # another process: an empty memo
     monkeypatch.setattr(_tuned_kernel, "run", _no_autotuner)
     _run(second, 48, device)
-    monkeypatch.setattr(launch._CacheFile, "_read", _no_autotuner)  # the file was read at the first launch
+    monkeypatch.setattr(launch_mod._CacheFile, "_read", _no_autotuner)  # the file was read at the first launch
     _run(second, 64, device)
     assert second.memo == first.memo
     assert second.memo[("scale", 48)]["EVEN"] is False and second.memo[("scale", 64)]["EVEN"] is True
@@ -144,7 +473,7 @@ def test_a_corrupt_file_is_logged_once_and_ignored(tuning, device, caplog, conte
     path.parent.mkdir(parents=True)
     if content == "entry":  # the right kernel version, but a config the autotuner does not have
         fingerprint = Launcher(_tuned_kernel).fingerprint
-        content = json.dumps({"format": launch.CACHE_FORMAT, "fingerprint": fingerprint,
+        content = json.dumps({"format": launch_mod.CACHE_FORMAT, "fingerprint": fingerprint,
                               "entries": {repr(("scale", 48)): {"BLOCK": 64, "num_warps": 1}}})
     path.write_text(content)
     launcher = Launcher(_tuned_kernel)
@@ -160,7 +489,7 @@ def test_a_corrupt_file_is_logged_once_and_ignored(tuning, device, caplog, conte
 def test_an_unwritable_cache_is_logged_once_and_never_fatal(tuning, device, caplog, monkeypatch):
     blocker = tuning.dir / "file"
     blocker.write_text("")
-    monkeypatch.setenv(launch.CACHE_ENV, str(blocker))  # a file where the directory should be
+    monkeypatch.setenv(launch_mod.CACHE_ENV, str(blocker))  # a file where the directory should be
     launcher = Launcher(_tuned_kernel)
     with caplog.at_level(logging.WARNING, logger="sd_kernels"):
         for n in (48, 64):
@@ -173,10 +502,10 @@ def test_disabled_cache_reads_and_writes_nothing(tuning, device, monkeypatch, ho
     _run(Launcher(_tuned_kernel), 48, device)  # a good file exists
     before = {p: p.read_bytes() for p in tuning.dir.rglob("*.json")}
     if how == "SD_KERNELS_AUTOTUNE=0":
-        monkeypatch.setattr(launch, "AUTOTUNE", False)
+        monkeypatch.setattr(launch_mod, "AUTOTUNE", False)
     else:
-        monkeypatch.setenv(launch.CACHE_ENV, how.split()[1])
-    assert launch.cache_dir(torch.device(device)) is None
+        monkeypatch.setenv(launch_mod.CACHE_ENV, how.split()[1])
+    assert launch_mod.cache_dir(torch.device(device)) is None
     launcher = Launcher(_tuned_kernel)
     monkeypatch.setattr(_tuned_kernel, "cache", {})
     for n in (48, 64):
@@ -191,9 +520,9 @@ def test_another_triton_device_or_kernel_version_never_reuses_a_file(tuning, dev
     monkeypatch.setattr(_tuned_kernel, "cache", {})
     launcher = Launcher(_tuned_kernel)
     if other == "triton version":
-        monkeypatch.setattr(launch, "TRITON_VERSION", "0.0.0-other")
+        monkeypatch.setattr(launch_mod, "TRITON_VERSION", "0.0.0-other")
     elif other == "device":
-        monkeypatch.setattr(launch, "device_slug", lambda device: "other-gpu-sm00")
+        monkeypatch.setattr(launch_mod, "device_slug", lambda device: "other-gpu-sm00")
     else:
         launcher._fingerprint = "0123456789abcdef"
     _run(launcher, 48, device)
@@ -205,14 +534,14 @@ def test_another_triton_device_or_kernel_version_never_reuses_a_file(tuning, dev
 
 
 def test_the_profile_names_the_directory(tuning, device, monkeypatch):
-    monkeypatch.delenv(launch.CACHE_ENV)
+    monkeypatch.delenv(launch_mod.CACHE_ENV)
     mine = dataclasses.replace(profiles.get_profile("cpu"), name="mine", autotune_cache=str(tuning.dir / "{name}"))
     monkeypatch.setattr(profiles, "_active", mine)
     _run(Launcher(_tuned_kernel), 48, device)
     (path,) = tuning.dir.rglob("*.json")
     assert path.relative_to(tuning.dir).parts[0] == "mine"
     monkeypatch.setattr(profiles, "_active", profiles.get_profile("cpu"))  # autotune_cache null: no cache
-    assert launch.cache_dir(torch.device(device)) is None
+    assert launch_mod.cache_dir(torch.device(device)) is None
 
 
 def test_keys_or_configs_json_cannot_keep_are_not_written(tuning, device):
@@ -228,4 +557,4 @@ def test_info_prints_the_cache_in_use(tuning, capsys):
 
     assert cli.main(["info"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "autotune cache" in line)
-    assert str(tuning.dir) in line and launch.CACHE_ENV in line
+    assert str(tuning.dir) in line and launch_mod.CACHE_ENV in line

@@ -25,16 +25,17 @@ P cast to the input dtype for the P·V dot (as in FlashAttention). fp32: tl.dot 
 
 from __future__ import annotations
 
-import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from sd_kernels import reference
+from sd_kernels import profiles, reference
 from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
+from sd_kernels.ops.layout import misaligned, realigned
 
 MAX_HEAD_DIM = 256  # flash keeps a [BLOCK_M, D] fp32 accumulator in registers: beyond this it spills
 LOG2E = 1.4426950408889634
@@ -396,38 +397,128 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
 _FLASH = Launcher(_flash_attention_kernel)
 
 
+class _FlashPlan:
+    """Everything a flash launch derives from its inputs' metadata: the launcher's key, the grid, the
+    head-dim blocks, the 4-d strides, the alignment, the output's shape and layout.
+
+    ``launch`` takes the tensors themselves: the 4-d views, or (a cached plan) the caller's tensors,
+    which start at the same addresses (``as_4d`` only expands and adds leading dims); Triton reads
+    nothing of a tensor argument but its address and dtype.
+    """
+
+    __slots__ = ("out_shape", "heads_inner", "out_stride", "bool_mask", "key", "grid", "qk_scale", "strides",
+                 "sizes", "meta", "final_shape", "profile")
+
+    def __init__(self, q4, k4, v4, mask4, out, scale: float, batch: tuple[int, ...] = (),
+                 blocks: tuple[tuple[int, int], tuple[int, int]] | None = None) -> None:
+        B, H, Sq, D = q4.shape
+        Sk = k4.shape[2]
+        kind = _mask_kind(mask4)
+        self.out_shape, self.heads_inner, self.out_stride = (B, H, Sq, D), q4.stride(1) < q4.stride(2), out.stride()
+        self.bool_mask = kind == 2  # bool storage is one byte; Triton loads it as uint8
+        m_dtype = q4.dtype if mask4 is None else torch.uint8 if kind == 2 else mask4.dtype
+        m_strides = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
+        (d_lo, d_hi), (dv_lo, dv_hi) = blocks or flash_blocks(D)
+        align, precision = alignment(q4, k4, v4, out), dot_precision(q4.dtype)
+        # The key holds what the autotuner keys on (Sq, Sk, D, mask kind, the dtypes) and what the
+        # EVEN_N heuristic reads (Sk); everything else the kernel sees is an argument.
+        self.key = (Sq, Sk, D, kind, q4.dtype, m_dtype, scale < 0, precision, align)
+        self.grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]) * B * H,)
+        self.qk_scale = scale * LOG2E
+        self.strides = (*q4.stride(), *k4.stride(), *v4.stride(), *m_strides)
+        self.sizes = (H, Sq, Sk, next_pow2(Sq), next_pow2(Sk))
+        self.meta = dict(HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, DV_LO=dv_lo, DV_HI=dv_hi, MASK=kind, NEG_SCALE=scale < 0,
+                         PRECISION=precision, ALIGN=align)
+        self.final_shape = (*batch, Sq, D) if len(batch) < 2 else None  # from_4d's reshape
+        self.profile = None  # a cached plan holds the profile its key names by id (so the id stays its)
+
+    def launch(self, q, k, v, mask, out, config: triton.Config | None = None) -> None:
+        m = q if mask is None else mask.view(torch.uint8) if self.bool_mask else mask  # q: a placeholder
+        args = (q, k, v, m, out, self.qk_scale, *self.strides, *out.stride(), *self.sizes)
+        if config is None:
+            _FLASH(self.key, self.grid, *args, **self.meta)
+        else:  # the tests' way to run one given config
+            _flash_attention_kernel.fn[self.grid](*args, **self.meta, **config.all_kwargs())
+
+    def __call__(self, q, k, v, mask) -> torch.Tensor | None:
+        """The cached path: allocate, launch, shape the output as ``from_4d`` does (None: the output
+        came in another layout than the plan's, or an input is misaligned, so plan afresh)."""
+        if misaligned(q, k, v, mask):
+            return None
+        out = alloc_output(self.out_shape, q, self.heads_inner)
+        if out.stride() != self.out_stride:
+            return None
+        self.launch(q, k, v, mask, out)
+        return out if self.final_shape is None else out.reshape(self.final_shape)
+
+
 def _flash(q4, k4, v4, mask4, scale: float, config: triton.Config | None = None,
            blocks: tuple[tuple[int, int], tuple[int, int]] | None = None) -> torch.Tensor:
     """The launch; ``config`` bypasses the autotuner (the tests run every config); ``blocks``,
     ((D_LO, D_HI), (DV_LO, DV_HI)), overrides ``flash_blocks`` (the tuning sweep compares splits)."""
+    return _flash_with_plan(q4, k4, v4, mask4, scale, config=config, blocks=blocks)[0]
+
+
+def _flash_with_plan(q4, k4, v4, mask4, scale: float, batch: tuple[int, ...] = (), config=None, blocks=None):
+    """(out [B, H, Sq, D], the plan it was launched with; None for an empty output).
+
+    Inputs whose data starts off a 16-byte boundary are copied first: the kernel compiled for such
+    pointers by Triton 3.6 computed wrong results on the H100 (rel. err 0.64 at 2×8×64×77×160 with
+    every input one element off, measured 2026-11-22); aligned inputs are never copied."""
+    if misaligned(q4, k4, v4, mask4):
+        q4, k4, v4, mask4 = (realigned(t) for t in (q4, k4, v4, mask4))
     B, H, Sq, D = q4.shape
-    Sk = k4.shape[2]
     out = alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
     if out.numel() == 0:
-        return out
-    kind = _mask_kind(mask4)
-    if kind == 2:
-        mask4 = mask4.view(torch.uint8)  # bool storage is one byte; Triton loads it as uint8
-    m_args = mask4 if mask4 is not None else q4  # a placeholder pointer, never read when MASK = 0
-    m_strides = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
-    (d_lo, d_hi), (dv_lo, dv_hi) = blocks or flash_blocks(D)
-    grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]) * B * H,)
-    align, precision = alignment(q4, k4, v4, out), dot_precision(q4.dtype)
-    if config is None:
-        # The key holds what the autotuner keys on (Sq, Sk, D, mask kind, the dtypes) and what the
-        # EVEN_N heuristic reads (Sk); everything else the kernel sees is an argument below.
-        key = (Sq, Sk, D, kind, q4.dtype, m_args.dtype, scale < 0, precision, align)
-        launch = functools.partial(_FLASH, key, grid)
-    else:  # the tests' way to run one given config
-        launch = functools.partial(_flash_attention_kernel.fn[grid], **config.all_kwargs())
-    launch(
-        q4, k4, v4, m_args, out, scale * LOG2E,
-        *q4.stride(), *k4.stride(), *v4.stride(), *m_strides, *out.stride(),
-        H, Sq, Sk, next_pow2(Sq), next_pow2(Sk),
-        HEAD_DIM=D, D_LO=d_lo, D_HI=d_hi, DV_LO=dv_lo, DV_HI=dv_hi, MASK=kind, NEG_SCALE=scale < 0,
-        PRECISION=precision, ALIGN=align,
-    )
-    return out
+        return out, None
+    plan = _FlashPlan(q4, k4, v4, mask4, out, scale, batch, blocks)
+    plan.launch(q4, k4, v4, mask4, out, config)
+    return out, plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans per call signature: an eager UNet step makes ~32 attention calls of a handful of signatures,
+# and deriving a launch from scratch (argument checks, the path, views, alignment, blocks, key) costs
+# more host time than the launch itself. ``attention`` and ``flash_attention`` remember, for a call
+# that took the flash kernel, the plan it launched with, under a key of everything that decision and
+# plan read: the inputs' shapes, strides, dtypes and devices, the mask's (or None), scale, upcast,
+# whether autograd would track an input, the active profile (by identity: set_profile, patch(profile=)
+# and a test's monkeypatch all install another object), SD_KERNELS_BACKEND, TRITON_INTERPRET for CPU
+# tensors, FLASH_MAX_HEAD_DIM and, for fp32, torch's TF32 switch. Not in the key: the data pointers
+# (Triton specializes on their alignment itself). Calls that fall back (partial softmax, sdpa, the
+# reference) are never cached: they go through use_kernel each time, logged and counted as before.
+
+MAX_PLANS = 1024  # a bound on the plan cache: past it, it starts over (each signature plans again once)
+_PLANS: dict[tuple, _FlashPlan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every cached attention plan (the next call of each signature decides from scratch)."""
+    _PLANS.clear()
+
+
+def _plan_key(op: str, q, k, v, attn_mask, scale, upcast) -> tuple:
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (attn_mask is not None and attn_mask.requires_grad))
+    mask = None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.stride(), attn_mask.device)
+    return (op, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, mask, scale, upcast, grad, id(profiles.active_profile()),
+            os.environ.get("SD_KERNELS_BACKEND"), q.is_cuda or interpreting(), FLASH_MAX_HEAD_DIM,
+            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _flash_planned(key: tuple, q, k, v, attn_mask, batch: tuple[int, ...], scale) -> torch.Tensor:
+    """Flash on a call that was decided from scratch; its plan is kept under ``key`` for the next one."""
+    views = _views(q, k, v, attn_mask, batch)
+    out, plan = _flash_with_plan(*views, default_scale(q, scale), batch)
+    if (plan is not None and (scale is None or type(scale) in (float, int))  # not a tensor: it may change
+            and not misaligned(*views)  # a plan made on realigned copies may hold the copies' strides
+            and all(t is None or t.data_ptr() == t4.data_ptr() for t, t4 in zip((q, k, v, attn_mask), views))):
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan.profile = profiles.active_profile()
+        _PLANS[key] = plan
+    return from_4d(out, batch)
 
 
 def _views(q, k, v, attn_mask, batch):
@@ -469,12 +560,17 @@ def flash_attention(
     kernel), D ≤ 256; attn_mask bool (True = attend) or float (added), broadcastable to
     [..., Sq, Sk]. Fully masked query rows give zeros.
     """
+    key = _plan_key("flash_attention", q, k, v, attn_mask, scale, False)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        out = plan(q, k, v, attn_mask)
+        if out is not None:
+            return out
     batch = check_attention_args("flash_attention", q, k, v, attn_mask)
     reason = flash_reason(q, k, v, attn_mask, batch)
     if not use_kernel("flash_attention", q, k, v, attn_mask, unsupported=reason):
         return reference.attention(q, k, v, attn_mask, scale)
-    out4 = _flash(*_views(q, k, v, attn_mask, batch), default_scale(q, scale))
-    return from_4d(out4, batch)
+    return _flash_planned(key, q, k, v, attn_mask, batch, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,11 +625,19 @@ def attention(
 
     ``upcast`` (diffusers' ``upcast_attention``) asks for the scores in fp32: flash always keeps them
     in fp32 on chip; the partial softmax then writes its X in fp32 instead of the input dtype.
+
+    A call like an earlier flash call (see ``_plan_key``) launches that call's plan directly.
     """
+    key = _plan_key("attention", q, k, v, attn_mask, scale, upcast)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        out = plan(q, k, v, attn_mask)
+        if out is not None:
+            return out
     batch = check_attention_args("attention", q, k, v, attn_mask)
     path = _choose_path(q, k, v, attn_mask, batch)
     if path == "flash":
-        return from_4d(_flash(*_views(q, k, v, attn_mask, batch), default_scale(q, scale)), batch)
+        return _flash_planned(key, q, k, v, attn_mask, batch, scale)
     if path == "partial_softmax":
         from .softmax_matmul import partial_softmax_attention  # it imports this module: import here
 

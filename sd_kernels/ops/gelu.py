@@ -17,15 +17,16 @@ non-dense slice) cost one copy.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sd_kernels import reference
+from sd_kernels import profiles, reference
 from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
-from sd_kernels.launch import cdiv, next_pow2
+from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 
 _ELEMS = 4096  # elements per elementwise program: 8 KiB of fp16 in flight per input, 16 per thread
@@ -94,14 +95,22 @@ def elementwise_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS) -> tuple[i
     return block_r, block_c, 8 if block_r * block_c >= 4096 else 4
 
 
-def _launch_elementwise(x2: torch.Tensor, y2_ptr: torch.Tensor, n_rows: int, n_cols: int,
-                        stride_xr: int, stride_xc: int, stride_yr: int, gated: bool, act: str) -> None:
+# Not autotuned: the Launcher is here for its direct launch path (sd_kernels.launch), keyed by the blocks.
+_ELEMENTWISE = Launcher(_elementwise_kernel)
+
+
+def _elementwise_launch(n_rows: int, n_cols: int, gated: bool, act: str) -> tuple[tuple, tuple, dict]:
+    """(launcher key, grid, meta-parameters) of an elementwise launch over [n_rows, n_cols]."""
     block_r, block_c, num_warps = elementwise_blocks(n_rows, n_cols)
     grid = (cdiv(n_rows, block_r) * cdiv(n_cols, block_c),)
-    _elementwise_kernel[grid](
-        x2, y2_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_yr,
-        GATED=gated, ACT=act, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
-    )
+    meta = dict(GATED=gated, ACT=act, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    return (gated, act, block_r, block_c, num_warps), grid, meta
+
+
+def _launch_elementwise(x2: torch.Tensor, y2_ptr: torch.Tensor, n_rows: int, n_cols: int,
+                        stride_xr: int, stride_xc: int, stride_yr: int, gated: bool, act: str) -> None:
+    key, grid, meta = _elementwise_launch(n_rows, n_cols, gated, act)
+    _ELEMENTWISE(key, grid, x2, y2_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_yr, **meta)
 
 
 def _alloc(shape, stride, like: torch.Tensor) -> torch.Tensor:
@@ -153,8 +162,15 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """``a · gelu(gate)`` with ``a, gate = h.chunk(2, -1)``: h [..., 2n] → [..., n], h read once."""
+    """``a · gelu(gate)`` with ``a, gate = h.chunk(2, -1)``: h [..., 2n] → [..., n], h read once.
+
+    A call like an earlier kernel call (``_geglu_key``) launches that call's plan directly.
+    """
     reference.check_gelu_approximation(approximate)
+    key = _geglu_key(h, approximate)
+    plan = _GEGLU_PLANS.get(key)
+    if plan is not None:
+        return plan(h)
     if h.shape[-1] % 2:
         raise ValueError(f"geglu needs an even last dimension, got {h.shape[-1]}")
     if not use_kernel("geglu", h, unsupported=tensor_reason(h)):
@@ -164,8 +180,51 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     y = _alloc(out_shape, contiguous_strides(out_shape), h)
     if y.numel():
         h2 = _as_rows(h)
-        _launch_elementwise(h2, y, h2.shape[0], n, h2.stride(0), h2.stride(1), n, gated=True, act=approximate)
+        plan = _GegluPlan(out_shape, y.stride(), h2, n, approximate)
+        plan.launch(h2, y)
+        if h2.data_ptr() == h.data_ptr():  # a view of h, not _as_rows' copy: the plan may launch on h
+            if len(_GEGLU_PLANS) >= MAX_PLANS:
+                _GEGLU_PLANS.clear()
+            plan.profile = profiles.active_profile()
+            _GEGLU_PLANS[key] = plan
     return y
+
+
+class _GegluPlan:
+    """A geglu launch derived from h's metadata: the output's shape and strides, h's [rows, 2n] view's
+    sizes and strides, the launch's key, grid and blocks. ``launch`` takes h or that view (the same
+    address: Triton reads nothing of a tensor argument but its address and dtype)."""
+
+    __slots__ = ("out_shape", "out_stride", "args", "key", "grid", "meta", "profile")
+
+    def __init__(self, out_shape: tuple[int, ...], out_stride: tuple[int, ...], h2: torch.Tensor, n: int,
+                 approximate: str) -> None:
+        self.out_shape, self.out_stride = out_shape, out_stride
+        self.args = (h2.shape[0], n, h2.stride(0), h2.stride(1), n)
+        self.key, self.grid, self.meta = _elementwise_launch(h2.shape[0], n, True, approximate)
+        self.profile = None  # a cached plan holds the profile its key names by id (so the id stays its)
+
+    def launch(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        _ELEMENTWISE(self.key, self.grid, h, y, *self.args, **self.meta)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        y = _alloc(self.out_shape, self.out_stride, h)
+        self.launch(h, y)
+        return y
+
+
+# Plans per call signature, as for attention (ops/attention.py): the key holds everything geglu's
+# checks, dispatch.use_kernel and the plan read (h's shape, strides, dtype and device, the
+# approximation, whether autograd would track h, the active profile by identity, SD_KERNELS_BACKEND,
+# TRITON_INTERPRET for CPU tensors); not h's address (Triton specializes on its alignment). Calls that
+# fall back to the reference are never cached: use_kernel sees, logs and counts each of them.
+MAX_PLANS = 1024  # a bound on the plan cache: past it, it starts over
+_GEGLU_PLANS: dict[tuple, _GegluPlan] = {}
+
+
+def _geglu_key(h: torch.Tensor, approximate: str) -> tuple:
+    return (h.shape, h.stride(), h.dtype, h.device, approximate, h.requires_grad and torch.is_grad_enabled(),
+            id(profiles.active_profile()), os.environ.get("SD_KERNELS_BACKEND"), h.is_cuda or interpreting())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,3 +20,19 @@ def is_dense(x: torch.Tensor) -> bool:
         return True
     order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
     return x.permute(order).is_contiguous()
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """A 4-D tensor laid out NHWC (and not also NCHW-contiguous, as 1×1 maps or one channel are)."""
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def misaligned(*tensors: torch.Tensor | None) -> bool:
+    """Whether any tensor's data starts off a 16-byte boundary (a view at an odd element offset)."""
+    return any(t is not None and t.data_ptr() % 16 for t in tensors)
+
+
+def realigned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a copy in fresh (aligned) memory if its data starts off a 16-byte boundary; the copy
+    keeps t's strides where t is dense (``clone``'s preserve_format), else it is contiguous."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()

@@ -45,6 +45,7 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
+from sd_kernels.ops.layout import is_channels_last
 
 R = 3  # filter size
 
@@ -421,10 +422,6 @@ def _alloc(shape, dtype: torch.dtype, device, memory_format=torch.contiguous_for
     return torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format)
 
 
-def _is_channels_last(x: torch.Tensor) -> bool:
-    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-
-
 def _precision(exact: bool) -> str:
     return "tf32" if exact else "tf32x3"
 
@@ -442,7 +439,7 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
     shapes = intermediate_shapes(N, C, H, W, K, tile)
     a2, T = shapes["V"][:2]
     TH, TW = cdiv(H, tile), cdiv(W, tile)
-    cl = _is_channels_last(x)
+    cl = is_channels_last(x)
     # V and M keep the input's fast axis: [ξ, T, C] for channels_last, [ξ, C, T] for NCHW (then
     # viewed as [ξ, T, C]), so both transforms read and write along contiguous memory.
     def buffer(name, last, dtype):

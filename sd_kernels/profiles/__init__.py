@@ -33,6 +33,8 @@ import re
 from typing import Any
 
 ATTENTION_POLICIES = ("auto", "flash", "partial_softmax", "sdpa")
+LAYOUT_PARTS = ("unet", "vae")  # the pipeline parts ``channels_last`` may name (patches.PARTS)
+WINOGRAD_LAYOUTS = ("nchw", "channels_last")
 WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no Triton import here)
 # Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).
 KNOWN_OPS = ("flash_attention", "partial_softmax_attention", "softmax_matmul", "group_norm", "gelu", "geglu",
@@ -52,7 +54,8 @@ class ProfileError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class WinogradRule:
-    """Use F(tile, 3) for exactly this conv: x [n, c, h, w] → k channels, in ``dtype``."""
+    """Use F(tile, 3) for exactly this conv: x [n, c, h, w] → k channels, in ``dtype``, with x in
+    ``layout`` ("nchw" or "channels_last": a win measured in one layout says nothing of the other)."""
 
     n: int
     c: int
@@ -61,9 +64,10 @@ class WinogradRule:
     k: int
     dtype: str
     tile: int
+    layout: str = "nchw"
 
-    def matches(self, n: int, c: int, h: int, w: int, k: int, dtype: str) -> bool:
-        return (self.n, self.c, self.h, self.w, self.k, self.dtype) == (n, c, h, w, k, dtype)
+    def matches(self, n: int, c: int, h: int, w: int, k: int, dtype: str, layout: str = "nchw") -> bool:
+        return (self.n, self.c, self.h, self.w, self.k, self.dtype, self.layout) == (n, c, h, w, k, dtype, layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,9 @@ class Profile:
     winograd: tuple[WinogradRule, ...] = ()
     disabled_ops: frozenset[str] = frozenset()
     autotune_cache: str | None = None  # a directory for autotune results ("{name}" is substituted)
+    # Pipeline parts ("unet", "vae") whose conv weights the patch makes channels_last (NHWC), so that
+    # cuDNN and the GroupNorm kernel run on NHWC activations; () leaves the memory format alone.
+    channels_last: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -162,17 +169,20 @@ class Profile:
             path = self._paths[key] = self.attention_choice(sq, sk, head_dim, dtype)[0]
         return path
 
-    def winograd_tile(self, n: int, c: int, h: int, w: int, k: int, dtype: Any) -> int | None:
+    def winograd_tile(self, n: int, c: int, h: int, w: int, k: int, dtype: Any, layout: str = "nchw") -> int | None:
         """The Winograd tile for a 3×3 conv x [n, c, h, w] → k channels in ``dtype`` (a torch dtype or
-        its name), or None (stock conv). Only the profile's listed shapes: each is a measured win."""
+        its name) with x in ``layout``, or None (stock conv). Only the profile's listed shapes: each is
+        a measured win."""
         if self.disabled_reason("winograd_conv2d"):
             return None
         name = str(dtype).removeprefix("torch.")
-        return next((r.tile for r in self.winograd if r.matches(n, c, h, w, k, name)), None)
+        return next((r.tile for r in self.winograd if r.matches(n, c, h, w, k, name, layout)), None)
 
-    def routes_winograd(self, c: int, k: int) -> bool:
-        """Whether any call of a c → k channel 3×3 conv may be routed (the patch swaps only those)."""
-        return not self.disabled_reason("winograd_conv2d") and any((r.c, r.k) == (c, k) for r in self.winograd)
+    def routes_winograd(self, c: int, k: int, layout: str = "nchw") -> bool:
+        """Whether any call of a c → k channel 3×3 conv in ``layout`` may be routed (the patch swaps
+        only those)."""
+        return not self.disabled_reason("winograd_conv2d") and any(
+            (r.c, r.k, r.layout) == (c, k, layout) for r in self.winograd)
 
     def chunk_bytes(self) -> int:
         """The most bytes one chunked intermediate may take (see CHUNK_SHARE)."""
@@ -228,9 +238,12 @@ def _validate(p: Profile) -> None:
     if unknown:
         _fail(where, "disabled_ops", sorted(unknown), f"names from {KNOWN_OPS}")
     for r in p.winograd:
-        if r.tile not in WINOGRAD_TILES or r.dtype not in DTYPE_BYTES or min(r.n, r.c, r.h, r.w, r.k) < 1:
-            _fail(where, "winograd", dataclasses.asdict(r),
-                  f"positive n, c, h, w, k; dtype in {tuple(DTYPE_BYTES)}; tile in {WINOGRAD_TILES}")
+        if (r.tile not in WINOGRAD_TILES or r.dtype not in DTYPE_BYTES or min(r.n, r.c, r.h, r.w, r.k) < 1
+                or r.layout not in WINOGRAD_LAYOUTS):
+            _fail(where, "winograd", dataclasses.asdict(r), f"positive n, c, h, w, k; dtype in {tuple(DTYPE_BYTES)}; "
+                  f"tile in {WINOGRAD_TILES}; layout in {WINOGRAD_LAYOUTS}")
+    if not set(p.channels_last) <= set(LAYOUT_PARTS) or len(set(p.channels_last)) != len(p.channels_last):
+        _fail(where, "channels_last", list(p.channels_last), f"distinct names from {LAYOUT_PARTS}")
     if p.match is not None:
         lo, hi = p.match.capability
         if not lo <= hi:
@@ -279,13 +292,17 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
         kw["flash_block"] = _tuple_pair(where, "flash_block", kw["flash_block"])
     rules = []
     for r in kw.get("winograd", []):
-        _keys(where, "a winograd rule", r, _WINOGRAD_KEYS, _WINOGRAD_KEYS)
+        _keys(where, "a winograd rule", r, _WINOGRAD_KEYS, _WINOGRAD_KEYS - {"layout"})
         rules.append(WinogradRule(**r))
     kw["winograd"] = tuple(rules)
     ops = kw.get("disabled_ops", [])
     if not isinstance(ops, list):
         _fail(where, "disabled_ops", ops, "a list of op names")
     kw["disabled_ops"] = frozenset(ops)
+    parts = kw.get("channels_last", [])
+    if not isinstance(parts, list):
+        _fail(where, "channels_last", parts, f"a list of part names from {LAYOUT_PARTS}")
+    kw["channels_last"] = tuple(parts)
     try:
         return Profile(**kw)
     except TypeError as exc:  # a value of the wrong type that the bounds checks tripped over
@@ -296,6 +313,7 @@ def _to_json(p: Profile) -> dict[str, Any]:
     out = dataclasses.asdict(p)
     out["disabled_ops"] = sorted(p.disabled_ops)
     out["flash_block"] = list(p.flash_block)
+    out["channels_last"] = list(p.channels_last)
     if p.match is not None:
         out["match"] = {"capability": [list(c) for c in p.match.capability], "names": list(p.match.names),
                         "min_sms": p.match.min_sms}

@@ -249,6 +249,158 @@ def test_attention_upcast(monkeypatch, device):
 
 
 # ---------------------------------------------------------------------------------------------
+# Plans per call signature: a call like an earlier flash call skips the checks and the path choice
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    """A fresh plan cache; counts of path choices (``decided``) and of flash launches (``launched``)."""
+    monkeypatch.setattr(attn_mod, "_PLANS", {})
+    seen = {"decided": 0, "launched": 0}
+    choose, flash = attn_mod._choose_path, attn_mod._FLASH
+
+    def choose_spy(*a):
+        seen["decided"] += 1
+        return choose(*a)
+
+    def flash_spy(*a, **kw):
+        seen["launched"] += 1
+        return flash(*a, **kw)
+
+    monkeypatch.setattr(attn_mod, "_choose_path", choose_spy)
+    monkeypatch.setattr(attn_mod, "_FLASH", flash_spy)
+    return seen
+
+
+def test_plan_cache_skips_the_decision(spied, device):
+    q, k, v = qkv(2, 3, 5, 7, 40, torch.float16, device, layout="diffusers")
+    for _ in range(3):
+        check(q, k, v, fn=attn_mod.attention)
+    assert spied == {"decided": 1, "launched": 3} and len(attn_mod._PLANS) == 1
+    q2, k2, v2 = qkv(2, 3, 5, 7, 40, torch.float16, device, layout="diffusers")  # other data, same signature
+    check(q2, k2, v2, fn=attn_mod.attention)
+    check(q2, k2, v2, scale=0.3, fn=attn_mod.attention)  # another scale: planned again
+    for _ in range(2):  # flash_attention keeps its own plans (its checks differ from attention's)
+        check(q, k, v, fn=flash_attention)
+    assert spied == {"decided": 2, "launched": 7} and len(attn_mod._PLANS) == 3
+    attn_mod.clear_plans()
+    check(q, k, v, fn=attn_mod.attention)
+    assert spied["decided"] == 3
+
+
+def test_plan_cache_sees_profile_switches(spied, profile, device):
+    q, k, v = qkv(1, 2, 5, 7, 8, torch.float32, device)
+    profile()
+    check(q, k, v, fn=attn_mod.attention)
+    check(q, k, v, fn=attn_mod.attention)
+    assert spied == {"decided": 1, "launched": 2}
+    dispatch.reset_fallbacks()
+    profile("flash_attention")  # a new active profile object: flash off, the fallback counted per call
+    for _ in range(2):
+        check(q, k, v, fn=attn_mod.attention)
+    assert spied == {"decided": 3, "launched": 2}
+    assert dispatch.fallbacks() == {("flash_attention", "profile 'test' disables flash_attention"): 2}
+    profiles.set_profile(profiles.Profile("test", "test profile"))  # back on: flash, planned anew
+    try:
+        check(q, k, v, fn=attn_mod.attention)
+        check(q, k, v, fn=attn_mod.attention)
+    finally:
+        profiles.set_profile(None)
+    assert spied == {"decided": 4, "launched": 4}
+
+
+def test_plan_cache_sees_the_backend(spied, monkeypatch, device):
+    q, k, v = qkv(1, 2, 5, 7, 8, torch.float32, device)
+    check(q, k, v, fn=attn_mod.attention)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    check(q, k, v, fn=attn_mod.attention)
+    check(q, k, v, fn=flash_attention)
+    assert spied == {"decided": 2, "launched": 1}
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "triton")
+    check(q, k, v, fn=attn_mod.attention)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "auto")
+    check(q, k, v, fn=attn_mod.attention)
+    assert spied == {"decided": 4, "launched": 3}
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "fast")  # invalid: raises as before, never a cached launch
+    with pytest.raises(ValueError, match="SD_KERNELS_BACKEND"):
+        attn_mod.attention(q, k, v)
+
+
+def test_plan_cache_sees_masks(spied, device):
+    q, k, v = qkv(2, 3, 5, 7, 8, torch.float16, device, layout="diffusers")
+    masks = [None, make_mask((2, 3, 5, 7), "float", device, torch.float16), make_mask((2, 3, 5, 7), "bool", device),
+             make_mask((5, 7), "float", device), make_mask((2, 1, 1, 7), "bool", device), None]
+    masks.append(masks[1].transpose(-1, -2).contiguous().transpose(-1, -2))  # same shape, other strides
+    for mask in masks + masks[1:]:
+        check(q, k, v, mask, fn=attn_mod.attention)
+    assert spied == {"decided": 6, "launched": 13}
+
+
+def test_plan_cache_sees_grad_mode(spied, device):
+    q, k, v = qkv(1, 2, 5, 7, 8, torch.float32, device)
+    q.requires_grad_()
+    out = attn_mod.attention(q, k, v)
+    assert out.requires_grad and spied["launched"] == 0  # autograd: the stock path
+    with torch.no_grad():
+        check(q, k, v, fn=attn_mod.attention)
+        check(q, k, v, fn=attn_mod.attention)
+    assert spied == {"decided": 2, "launched": 2}
+    out = attn_mod.attention(q, k, v)
+    assert out.requires_grad and spied == {"decided": 3, "launched": 2}
+    out.sum().backward()
+    assert q.grad is not None
+
+
+def test_plan_cache_sees_strides(spied, device):
+    """Same shapes, other strides: each layout gets its own plan, and every output is right."""
+    layouts = []
+    for layout in ("contiguous", "diffusers"):
+        layouts.append(qkv(2, 3, 5, 7, 40, torch.float16, device, layout=layout))
+    q, k, v = layouts[0]
+    layouts.append((q, non_contiguous(k), v))
+    layouts.append((q, k.expand(2, 3, 7, 40)[:, :, :, :], v[:1].expand(2, 3, 7, 40)))  # stride-0 batch
+    for q, k, v in layouts * 2:
+        _, ours = check(q, k, v, fn=attn_mod.attention)
+        assert ours.shape == q.shape
+    assert spied == {"decided": 4, "launched": 8}
+    q3, k3, v3 = (t[0] for t in layouts[1])  # three dims: the output comes back [H, S, D]
+    for _ in range(2):
+        _, ours = check(q3, k3, v3, fn=attn_mod.attention)
+        assert ours.shape == q3.shape
+    assert spied == {"decided": 5, "launched": 10}
+
+
+def test_plan_cache_fp32_follows_tf32(spied, device):
+    q, k, v = qkv(1, 2, 5, 7, 8, torch.float32, device)
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        check(q, k, v, fn=attn_mod.attention)
+        matmul.allow_tf32 = True
+        attn_mod.attention(q, k, v)
+    finally:
+        matmul.allow_tf32 = before
+    assert sorted(p.meta["PRECISION"] for p in attn_mod._PLANS.values()) == ["ieee", "tf32"]
+
+
+def test_plan_cache_is_bounded(spied, monkeypatch, device):
+    monkeypatch.setattr(attn_mod, "MAX_PLANS", 2)
+    for sq in (3, 4, 5, 6, 3):
+        check(*qkv(1, 2, sq, 7, 8, torch.float32, device), fn=attn_mod.attention)
+        assert len(attn_mod._PLANS) <= 2
+    assert spied == {"decided": 5, "launched": 5}
+
+
+def test_plan_cache_does_not_keep_tensor_scales(spied, device):
+    q, k, v = qkv(1, 2, 5, 7, 8, torch.float32, device)
+    scale = torch.tensor(0.5)
+    check(q, k, v, scale=scale, fn=attn_mod.attention)
+    scale.fill_(0.25)  # the same object, another value
+    check(q, k, v, scale=scale, fn=attn_mod.attention)
+    assert spied == {"decided": 2, "launched": 2} and not attn_mod._PLANS
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: SD's shapes, fp16 / bf16
 
 GPU_CASES = [  # (B, H, Sq, Sk, D, dtype, layout)
@@ -325,3 +477,49 @@ def test_gpu_large_logits_and_fully_masked(device):
 @pytest.mark.gpu
 def test_gpu_fp32(device):
     check(*qkv(2, 3, 200, 77, 40, torch.float32, device, layout="diffusers"))
+
+
+@pytest.mark.gpu
+def test_gpu_plans_and_direct_launches_with_misaligned_views(monkeypatch, device):
+    """Cached plans and the launcher's direct path on SD's cross-attention shapes, with views whose data
+    starts one element past a 16-byte boundary (same plan key, another specialization of the kernel)."""
+    launch_mod = importlib.import_module("sd_kernels.launch")
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    monkeypatch.setattr(attn_mod, "_PLANS", {})
+    b, h, sq, sk, d = 2, 8, 64, 77, 160
+
+    def view(s, offset):
+        buf = torch.randn(b * s * h * d + offset, device=device, dtype=torch.float16)
+        return buf[offset:].view(b, s, h, d).transpose(1, 2)
+
+    cases = [(view(sq, o), view(sk, o), view(sk, o)) for o in (0, 1, 0, 1)]
+    assert cases[1][0].data_ptr() % 16 != 0
+    for _ in range(3):
+        for q, k, v in cases:
+            check(q, k, v, fn=attn_mod.attention)
+            check(q, k, v, fn=flash_attention)
+    # Misaligned calls run on realigned copies and are not planned: one plan per entry point.
+    assert len(attn_mod._PLANS) == 2
+    assert attn_mod._FLASH._direct is not None and len(attn_mod._FLASH._direct) >= 1
+
+
+def test_misaligned_inputs_run_on_aligned_copies(monkeypatch, device):
+    """Views starting off a 16-byte boundary are copied before the kernel (Triton 3.6 miscompiled
+    flash for such pointers on the H100); the copies are not planned, aligned calls still are."""
+    monkeypatch.setattr(attn_mod, "_PLANS", {})
+    copies = []
+    real = attn_mod.realigned
+    monkeypatch.setattr(attn_mod, "realigned", lambda t: copies.append(t) or real(t))
+    b, h, s, d = 1, 2, 24, 40
+
+    def view(offset):
+        buf = torch.randn(b * s * h * d + offset, device=device, dtype=torch.float16)
+        return buf[offset:].view(b, s, h, d).transpose(1, 2)
+
+    q, k, v = view(1), view(1), view(0)
+    assert q.data_ptr() % 16 and v.data_ptr() % 16 == 0
+    check(q, k, v, fn=attn_mod.attention)
+    assert copies and not attn_mod._PLANS
+    copies.clear()
+    check(view(0), view(0), view(0), fn=attn_mod.attention)
+    assert not copies and len(attn_mod._PLANS) == 1

@@ -202,6 +202,92 @@ def test_off_ground_inputs_take_the_reference(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# geglu's plans per call signature: a call like an earlier kernel call skips the checks and dispatch
+
+
+@pytest.fixture
+def geglu_spied(monkeypatch):
+    """A fresh plan cache; counts of dispatch decisions and of elementwise launches."""
+    monkeypatch.setattr(gelu_mod, "_GEGLU_PLANS", {})
+    seen = {"decided": 0, "launched": 0}
+    decide, launch = gelu_mod.use_kernel, gelu_mod._ELEMENTWISE
+
+    def decide_spy(*a, **kw):
+        seen["decided"] += 1
+        return decide(*a, **kw)
+
+    def launch_spy(*a, **kw):
+        seen["launched"] += 1
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(gelu_mod, "use_kernel", decide_spy)
+    monkeypatch.setattr(gelu_mod, "_ELEMENTWISE", launch_spy)
+    return seen
+
+
+def _check_geglu(h, approximate="none"):
+    ours = geglu(h, approximate)
+    assert_close_to_reference(ours, reference.geglu(h, approximate), reference.geglu(h.double(), approximate))
+    return ours
+
+
+def test_geglu_plans(geglu_spied, device):
+    h = _input((2, 3, 154), torch.float16, device)
+    for _ in range(3):
+        _check_geglu(h)
+    _check_geglu(_input((2, 3, 154), torch.float16, device))  # other data, same signature
+    assert geglu_spied == {"decided": 1, "launched": 4} and len(gelu_mod._GEGLU_PLANS) == 1
+    for _ in range(2):
+        _check_geglu(h, "tanh")
+        _check_geglu(h.float())
+    assert geglu_spied == {"decided": 3, "launched": 8} and len(gelu_mod._GEGLU_PLANS) == 3
+
+
+@pytest.mark.parametrize("kind, cached", [("strided", True), ("rows", True), ("transposed", False),
+                                          ("expanded", False), ("gapped", False)])
+def test_geglu_plans_see_strides(kind, cached, geglu_spied, device):
+    """Same shape, other strides: planned apart; a layout that costs _as_rows a copy is never cached."""
+    h = _input((3, 4, 10), torch.float16, device)
+    if kind == "rows":  # rows of a wider tensor: a [rows, 10] view with row stride 16
+        other = torch.zeros(3, 4, 16, dtype=h.dtype, device=device)[..., :10].copy_(h)
+    else:
+        other = layout(h, kind)
+    assert other.shape == h.shape and other.stride() != h.stride()
+    for x in (h, other, h, other):
+        _check_geglu(x)
+    assert geglu_spied == {"decided": 2 if cached else 3, "launched": 4}
+    assert len(gelu_mod._GEGLU_PLANS) == (2 if cached else 1)
+
+
+def test_geglu_plans_see_profile_backend_and_grad(geglu_spied, monkeypatch, device):
+    profiles = importlib.import_module("sd_kernels.profiles")
+    h = _input((5, 2, 8), torch.float32, device)
+    _check_geglu(h)
+    _check_geglu(h)
+    assert geglu_spied == {"decided": 1, "launched": 2}
+    monkeypatch.delenv("SD_KERNELS_BACKEND", raising=False)
+    dispatch.reset_fallbacks()
+    monkeypatch.setattr(profiles, "_active", profiles.Profile("test", "test", disabled_ops=frozenset({"geglu"})))
+    _check_geglu(h)
+    _check_geglu(h)
+    assert geglu_spied == {"decided": 3, "launched": 2}
+    assert dispatch.fallbacks() == {("geglu", "profile 'test' disables geglu"): 2}
+    monkeypatch.setattr(profiles, "_active", profiles.Profile("test", "test"))
+    _check_geglu(h)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert torch.equal(geglu(h), reference.geglu(h))
+    monkeypatch.delenv("SD_KERNELS_BACKEND")
+    _check_geglu(h)  # as before the switch: the plan made then
+    assert geglu_spied == {"decided": 5, "launched": 4}
+    hg = h.clone().requires_grad_()
+    out = geglu(hg)
+    assert out.requires_grad and geglu_spied["launched"] == 4
+    with torch.no_grad():  # nothing to track: h's plan
+        _check_geglu(hg)
+    assert geglu_spied == {"decided": 6, "launched": 5}
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: SD1.5 feed-forward shapes. GEGLU's projection has 2n outputs for n = 4·dim: dim 320, 640,
 # 1280 at 64², 32², 16² latent tokens (batch 2 for classifier-free guidance).
 
@@ -265,3 +351,23 @@ def test_offsets_past_2_31(op):
         ours, tail, stock = fn(h)[-3:], ref(h[-3:].double()), ref(h[-3:])
         del h
     assert rel_err(ours, tail) <= max(4 * rel_err(stock, tail), 2 * 2.0**-11)
+
+
+@pytest.mark.gpu
+def test_geglu_gpu_plans_and_direct_launches_with_misaligned_views(monkeypatch):
+    """Cached plans and the launcher's direct path, on SD's smallest GEGLU shape and on views of it that
+    start one element past a 16-byte boundary (same plan key, another specialization of the kernel)."""
+    launch_mod = importlib.import_module("sd_kernels.launch")
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    monkeypatch.setattr(gelu_mod, "_GEGLU_PLANS", {})
+    shape = (2, 256, 10240)
+    hs = []
+    for offset in (0, 1, 0, 1):
+        buf = _input((2 * 256 * 10240 + offset,), torch.float16, "cuda")
+        hs.append(buf[offset:].view(shape))
+    assert hs[1].data_ptr() % 16 != 0
+    for _ in range(3):
+        for h in hs:
+            _check_geglu(h)
+    assert len(gelu_mod._GEGLU_PLANS) == 1
+    assert gelu_mod._ELEMENTWISE._direct is not None and len(gelu_mod._ELEMENTWISE._direct) >= 2

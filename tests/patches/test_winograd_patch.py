@@ -29,10 +29,10 @@ class RouteProfile:
         self.rule = rule
         self.asked: list[tuple] = []
 
-    def routes_winograd(self, c, k):
+    def routes_winograd(self, c, k, layout="nchw"):
         return any(self.rule(1, c, h, h, k) for h in (1, 4, 8, 16, 64))
 
-    def winograd_tile(self, n, c, h, w, k, dtype):
+    def winograd_tile(self, n, c, h, w, k, dtype, layout="nchw"):
         self.asked.append((n, c, h, w, k, dtype))
         return self.rule(n, c, h, w, k)
 
