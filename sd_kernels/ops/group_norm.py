@@ -1,13 +1,14 @@
 """GroupNorm with an optional fused SiLU, for NCHW and channels_last inputs.
 
 A group is the [CPG, HW] block of one sample's CPG = C/G channels over HW = prod(spatial) pixels.
-Two paths, chosen per call by ``plan`` (sizes in elements of one group):
+Three paths, chosen per call by ``plan`` (sizes in elements of one group); the first two have one
+program per group (or per chunk of a group), the third one per chunk of whole pixels:
 
 * **fused** (one launch): one program per group computes the group's statistics and normalizes
   it. A group that fits one register tile (≤ ``_ONE_TILE_ELEMS`` padded) is read once: 1 read +
   1 write, the ideal. A larger group is streamed twice (statistics, then normalize); the second
   read comes from L2, because the data of the programs in flight (≈ SMs × group bytes) stays far
-  below its 50 MB, so DRAM still sees ≈ 1 read + 1 write. All of SD's UNet shapes take this path.
+  below its 50 MB, so DRAM still sees ≈ 1 read + 1 write. All of SD's UNet shapes in NCHW take it.
 * **split** (two launches): when there are few, huge groups (the VAE: 32 groups of up to 2 M
   elements, against 132 SMs) one program per group would leave the GPU idle. ``_group_stats_kernel``
   reduces chunks of every group on the whole GPU and writes partial (count, mean, M2);
@@ -15,6 +16,17 @@ Two paths, chosen per call by ``plan`` (sizes in elements of one group):
   its chunk. Cost: 2 reads + 1 write, the floor when a group does not fit on chip. The normalize
   launch visits chunks in the reverse order of the statistics launch, so its first reads hit what
   the statistics launch read last and L2 still holds.
+* **pixels** (three launches, channels-fast inputs: channels_last, [B, C, HW] views of [B, HW, C]):
+  a group's pixels there are CPG-element runs C elements apart (8–160 bytes of every C·2), which
+  group programs read piecemeal. Instead a program owns all C channels of a chunk of pixels, a
+  contiguous slab. ``_pixel_stats_kernel`` keeps a per-lane Welford on [pixels, G_P, CPG_P] tiles
+  (channel g·CPG + c at lane (g, c)) and merges each group's lanes into partial (count, mean, M2)
+  per (sample, chunk, group); ``_pixel_merge_kernel`` merges a group's partials into (mean, rstd);
+  ``_pixel_norm_kernel`` normalizes [pixels, C padded to a power of two] tiles with per-channel
+  mean and rstd·w gathered once per program. Taken for channels-fast inputs unless the group is one
+  register tile (that stays 1 read + 1 write in one launch) or the padded pixel exceeds
+  ``_TILE_ELEMS``. The merge is a launch of its own: merging in the normalize prologue would make
+  every program read all G·S partials of its sample (≈ 100 KB at S = 256).
 
 Statistics are fp32 and safe for inputs whose mean is large against their spread: every lane keeps
 a Welford (count, mean, M2) over the tiles it sees, and lanes, chunks and partials are combined with
@@ -24,10 +36,12 @@ terms are all nonnegative: no E[x²] − E[x]² cancellation anywhere. Normalizi
 
 Layouts: the spatial dims are read through one stride (stride_s), so NCHW, channels_last, the
 VAE attention's [B, C, HW] views and strided slices run without copies and the output keeps the
-input's strides. The tile is [BLOCK_C channels, BLOCK_S pixels]; Triton vectorizes along whichever
-axis has stride 1. NCHW tiles take a power-of-two divisor of CPG as BLOCK_C (no masked lanes);
-channels_last tiles take the whole contiguous run of a pixel's CPG group channels. Only inputs whose
-spatial dims cannot be viewed through one stride cost a copy.
+input's strides. The group paths' tile is [BLOCK_C channels, BLOCK_S pixels]; Triton vectorizes
+along whichever axis has stride 1. NCHW tiles take a power-of-two divisor of CPG as BLOCK_C (no masked
+lanes); channels_last tiles on the group paths take the whole contiguous run of a pixel's CPG group
+channels. The pixel path reads and writes through the same runtime strides, so a channels-fast
+input that is not dense (a strided or channel slice) runs on it too, into a contiguous output.
+Only inputs whose spatial dims cannot be viewed through one stride cost a copy.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ _SPLIT_ELEMS_FEW = 32 * 1024  # ... or above this when there are fewer groups th
 _H100_SMS = 132  # the SM count they were tuned at, and the one assumed without a CUDA device
 _FEW_GROUPS = 64  # at 132 SMs: below this many (sample, group) pairs the fused path leaves most SMs idle
 _TARGET_PROGRAMS = 512  # at 132 SMs: the split path aims for ≈ 4 programs per SM
+_PIXEL_PROGRAMS = 512  # at 132 SMs: the pixel path's programs over all samples (its own knob: NCHW stays put)
 _HOPPER_REGISTERS_KB = 256  # 64 K 32-bit registers per block, where _ONE_TILE_ELEMS was tuned
 _ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers;
 # also the most the warps can hold: the autotuner's 16 warps × 32 threads × 32 elements a thread
@@ -407,8 +422,9 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     """The path and tiles for x [n, groups·cpg, hw] (``channels_fast``: channels have the smaller
     stride, e.g. channels_last). ``split_threshold``: group elements above which the split path
     runs; None applies the size heuristic (see the module docstring). ``sms``: the device's SM count
-    (``sm_count``), which scales _FEW_GROUPS and _TARGET_PROGRAMS; ``register_file_kb``: the active
-    profile's, which bounds the one-tile path (``one_tile_elems``). ``pixels``: None lets the
+    (``sm_count``), which scales _FEW_GROUPS, _TARGET_PROGRAMS and _PIXEL_PROGRAMS;
+    ``register_file_kb``: the active profile's, which bounds the one-tile path (``one_tile_elems``).
+    ``pixels``: None lets the
     heuristic choose the pixel path (channels-fast inputs whose group is not one tile and whose
     padded pixel fits a tile); True forces it (ValueError unless ``channels_fast``); False keeps
     the group paths."""
@@ -437,13 +453,13 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
 
 
 def _pixel_plan(n: int, groups: int, cpg: int, hw: int, sms: int) -> Plan:
-    """The pixel path's tiles and chunks: ≈ _TARGET_PROGRAMS programs (scaled to the SMs) over all
+    """The pixel path's tiles and chunks: ≈ _PIXEL_PROGRAMS programs (scaled to the SMs) over all
     samples, each a whole number of statistics tiles; the normalize tile is the largest power of
     two of pixels dividing the chunk that fits _TILE_ELEMS with C padded (at least one pixel)."""
     block_c = next_pow2(groups) * next_pow2(cpg)
     block_s = max(1, min(next_pow2(hw), _TILE_ELEMS // block_c))
     tiles = cdiv(hw, block_s)
-    per_sample = min(tiles, cdiv(_per_sms(_TARGET_PROGRAMS, sms), n))
+    per_sample = min(tiles, cdiv(_per_sms(_PIXEL_PROGRAMS, sms), n))
     chunk = cdiv(tiles, per_sample) * block_s
     norm_c = next_pow2(groups * cpg)
     norm_s = max(1, min(chunk & -chunk, _TILE_ELEMS // norm_c))

@@ -52,7 +52,7 @@ def force_path(monkeypatch):
         monkeypatch.setattr(gn, "_ONE_TILE_ELEMS", 0)
         monkeypatch.setattr(gn, "_TILE_ELEMS", 32)
         if path == "pixels":
-            monkeypatch.setattr(gn, "_TARGET_PROGRAMS", 4)
+            monkeypatch.setattr(gn, "_PIXEL_PROGRAMS", 4)
             return {"pixels": True}
         return {"split_threshold": NO_SPLIT if path == "looped" else 0, "pixels": False}
 
