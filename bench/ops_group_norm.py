@@ -14,6 +14,8 @@ looped, split xS, pixels xS), ``groups_path`` the one ``ours_groups`` takes.
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
 from collections.abc import Callable, Iterator
 
@@ -96,3 +98,38 @@ def cases(quick: bool) -> Iterator[Case]:
     for shape in QUICK_SHAPES if quick else UNET_SHAPES + VAE_SHAPES:
         for variant in LAYOUTS:
             yield _case(shape, variant, quick)
+
+
+SWEEP_PROGRAMS = (128, 264, 512, 1024)  # _PIXEL_PROGRAMS values (at 132 SMs) the sweep tries
+
+
+def sweep_pixel_programs(programs=SWEEP_PROGRAMS, shapes=None) -> list[dict[str, object]]:
+    """Device ms (CUDA graph) of ``ours`` in channels_last per _PIXEL_PROGRAMS value, beside the
+    group paths (``pixels=False``), at every shape that takes the pixel path: the data for tuning
+    that constant. ``python -m bench.ops_group_norm`` prints it as JSON lines."""
+    from bench.common import time_graph_ms
+
+    gn_mod = importlib.import_module("sd_kernels.ops.group_norm")  # `group_norm` above is the function
+    saved, rows = gn_mod._PIXEL_PROGRAMS, []
+    try:
+        for shape in shapes or UNET_SHAPES + VAE_SHAPES:
+            if not _plan(shape, True).pixels:
+                continue
+            make = _make(shape, torch.channels_last)
+            nxt = rotating(make, math.prod(shape) * 2)
+            row: dict[str, object] = {"shape": "x".join(map(str, shape)),
+                                      "groups_ms": round(time_graph_ms(lambda nxt=nxt: ours_groups(*nxt())), 5)}
+            for value in programs:
+                gn_mod._PIXEL_PROGRAMS = value
+                row[f"chunks@{value}"] = _plan(shape, True).chunks
+                row[f"ms@{value}"] = round(time_graph_ms(lambda nxt=nxt: ours(*nxt())), 5)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        gn_mod._PIXEL_PROGRAMS = saved
+    return rows
+
+
+if __name__ == "__main__":
+    sweep_pixel_programs()
