@@ -3,13 +3,19 @@
 Implementations: ``stock`` = ``F.silu(F.group_norm(x))`` as diffusers runs it, ``compiled`` =
 torch.compile of the same (a subset of shapes: each compile takes seconds), ``ours`` =
 ``sd_kernels.ops.group_norm(..., activation="silu")``; each in NCHW and channels_last (variant).
-Bytes are the ideal traffic: x read once, y written once, weight and bias read once. The split path
-(VAE shapes) reads x twice, so its GB/s against that ideal is at most 2/3 of what it moves when the
-second read misses L2; ``extra`` records the path and launches per case.
+In channels_last, where ``ours`` takes the pixel path, ``ours_groups`` is the same op kept on the
+group paths (``pixels=False``, what channels_last ran before the pixel path), to compare the two in
+one run. Bytes are the ideal traffic: x read once, y written once, weight and bias read once. The
+split and pixel paths (VAE shapes; the pixel path also at most channels_last UNet shapes) read x
+twice, so their GB/s against that ideal is at most 2/3 of what they move when the second read
+misses L2. Columns ``path`` and ``launches`` name the plan ``ours`` takes (``Plan.name``: one_tile,
+looped, split xS, pixels xS), ``groups_path`` the one ``ours_groups`` takes.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
 from collections.abc import Callable, Iterator
 
@@ -26,7 +32,7 @@ GROUPS = 32
 EPS = 1e-5
 UNET_SHAPES = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8), (2, 960, 64, 64),
                (2, 1920, 32, 32)]
-VAE_SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 512, 512),
+VAE_SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
               (1, 128, 512, 512)]
 QUICK_SHAPES = [(2, 320, 64, 64), (2, 1280, 8, 8), (1, 512, 128, 128), (1, 128, 512, 512)]
 COMPILED_SHAPES = {(2, 320, 64, 64), (2, 1280, 8, 8), (1, 512, 128, 128), (1, 128, 512, 512)}
@@ -41,15 +47,22 @@ def ours(x, w, b):
     return group_norm(x, GROUPS, w, b, EPS, "silu")
 
 
-def _path(shape, channels_last: bool) -> dict[str, object]:
+def ours_groups(x, w, b):
+    return group_norm(x, GROUPS, w, b, EPS, "silu", pixels=False)
+
+
+def _plan(shape, channels_last: bool, pixels: bool | None = None):
     from sd_kernels.ops.group_norm import plan, sm_count
     from sd_kernels.profiles import active_profile
 
     n, c = shape[:2]
-    p = plan(n, GROUPS, c // GROUPS, math.prod(shape[2:]), channels_last, sms=sm_count(torch.cuda.current_device()),
-             register_file_kb=active_profile().register_file_kb)  # the plan group_norm takes on this GPU
-    name = "one_tile" if p.one_tile else f"split x{p.chunks}" if p.split else "looped"
-    return {"path": name, "launches": p.launches}
+    return plan(n, GROUPS, c // GROUPS, math.prod(shape[2:]), channels_last, sms=sm_count(torch.cuda.current_device()),
+                register_file_kb=active_profile().register_file_kb, pixels=pixels)  # as group_norm plans on this GPU
+
+
+def _path(shape, channels_last: bool) -> dict[str, object]:
+    p, groups = _plan(shape, channels_last), _plan(shape, channels_last, pixels=False)
+    return {"path": p.name, "launches": p.launches, "groups_path": groups.name}
 
 
 def _make(shape, fmt) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -64,6 +77,8 @@ def _make(shape, fmt) -> Callable[[], tuple[torch.Tensor, ...]]:
 def _case(shape, variant: str, quick: bool) -> Case:
     make = _make(shape, LAYOUTS[variant])
     impls = {"stock": stock, "ours": ours}
+    if variant == "channels_last" and _plan(shape, True).pixels:
+        impls["ours_groups"] = ours_groups
     if shape in COMPILED_SHAPES:
         impls["compiled"] = torch.compile(stock, dynamic=False)  # compiles at the first (error) call
     inputs = make()
@@ -83,3 +98,38 @@ def cases(quick: bool) -> Iterator[Case]:
     for shape in QUICK_SHAPES if quick else UNET_SHAPES + VAE_SHAPES:
         for variant in LAYOUTS:
             yield _case(shape, variant, quick)
+
+
+SWEEP_PROGRAMS = (128, 264, 512, 1024)  # _PIXEL_PROGRAMS values (at 132 SMs) the sweep tries
+
+
+def sweep_pixel_programs(programs=SWEEP_PROGRAMS, shapes=None) -> list[dict[str, object]]:
+    """Device ms (CUDA graph) of ``ours`` in channels_last per _PIXEL_PROGRAMS value, beside the
+    group paths (``pixels=False``), at every shape that takes the pixel path: the data for tuning
+    that constant. ``python -m bench.ops_group_norm`` prints it as JSON lines."""
+    from bench.common import time_graph_ms
+
+    gn_mod = importlib.import_module("sd_kernels.ops.group_norm")  # `group_norm` above is the function
+    saved, rows = gn_mod._PIXEL_PROGRAMS, []
+    try:
+        for shape in shapes or UNET_SHAPES + VAE_SHAPES:
+            if not _plan(shape, True).pixels:
+                continue
+            make = _make(shape, torch.channels_last)
+            nxt = rotating(make, math.prod(shape) * 2)
+            row: dict[str, object] = {"shape": "x".join(map(str, shape)),
+                                      "groups_ms": round(time_graph_ms(lambda nxt=nxt: ours_groups(*nxt())), 5)}
+            for value in programs:
+                gn_mod._PIXEL_PROGRAMS = value
+                row[f"chunks@{value}"] = _plan(shape, True).chunks
+                row[f"ms@{value}"] = round(time_graph_ms(lambda nxt=nxt: ours(*nxt())), 5)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        gn_mod._PIXEL_PROGRAMS = saved
+    return rows
+
+
+if __name__ == "__main__":
+    sweep_pixel_programs()

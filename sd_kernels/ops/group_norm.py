@@ -1,13 +1,14 @@
 """GroupNorm with an optional fused SiLU, for NCHW and channels_last inputs.
 
 A group is the [CPG, HW] block of one sample's CPG = C/G channels over HW = prod(spatial) pixels.
-Two paths, chosen per call by ``plan`` (sizes in elements of one group):
+Three paths, chosen per call by ``plan`` (sizes in elements of one group); the first two have one
+program per group (or per chunk of a group), the third one per chunk of whole pixels:
 
 * **fused** (one launch): one program per group computes the group's statistics and normalizes
   it. A group that fits one register tile (≤ ``_ONE_TILE_ELEMS`` padded) is read once: 1 read +
   1 write, the ideal. A larger group is streamed twice (statistics, then normalize); the second
   read comes from L2, because the data of the programs in flight (≈ SMs × group bytes) stays far
-  below its 50 MB, so DRAM still sees ≈ 1 read + 1 write. All of SD's UNet shapes take this path.
+  below its 50 MB, so DRAM still sees ≈ 1 read + 1 write. All of SD's UNet shapes in NCHW take it.
 * **split** (two launches): when there are few, huge groups (the VAE: 32 groups of up to 2 M
   elements, against 132 SMs) one program per group would leave the GPU idle. ``_group_stats_kernel``
   reduces chunks of every group on the whole GPU and writes partial (count, mean, M2);
@@ -15,6 +16,17 @@ Two paths, chosen per call by ``plan`` (sizes in elements of one group):
   its chunk. Cost: 2 reads + 1 write, the floor when a group does not fit on chip. The normalize
   launch visits chunks in the reverse order of the statistics launch, so its first reads hit what
   the statistics launch read last and L2 still holds.
+* **pixels** (three launches, channels-fast inputs: channels_last, [B, C, HW] views of [B, HW, C]):
+  a group's pixels there are CPG-element runs C elements apart (8–160 bytes of every C·2), which
+  group programs read piecemeal. Instead a program owns all C channels of a chunk of pixels, a
+  contiguous slab. ``_pixel_stats_kernel`` keeps a per-lane Welford on [pixels, G_P, CPG_P] tiles
+  (channel g·CPG + c at lane (g, c)) and merges each group's lanes into partial (count, mean, M2)
+  per (sample, chunk, group); ``_pixel_merge_kernel`` merges a group's partials into (mean, rstd);
+  ``_pixel_norm_kernel`` normalizes [pixels, C padded to a power of two] tiles with per-channel
+  mean and rstd·w gathered once per program. Taken for channels-fast inputs unless the group is one
+  register tile (that stays 1 read + 1 write in one launch) or the padded pixel exceeds
+  ``_TILE_ELEMS``. The merge is a launch of its own: merging in the normalize prologue would make
+  every program read all G·S partials of its sample (≈ 100 KB at S = 256).
 
 Statistics are fp32 and safe for inputs whose mean is large against their spread: every lane keeps
 a Welford (count, mean, M2) over the tiles it sees, and lanes, chunks and partials are combined with
@@ -24,10 +36,12 @@ terms are all nonnegative: no E[x²] − E[x]² cancellation anywhere. Normalizi
 
 Layouts: the spatial dims are read through one stride (stride_s), so NCHW, channels_last, the
 VAE attention's [B, C, HW] views and strided slices run without copies and the output keeps the
-input's strides. The tile is [BLOCK_C channels, BLOCK_S pixels]; Triton vectorizes along whichever
-axis has stride 1. NCHW tiles take a power-of-two divisor of CPG as BLOCK_C (no masked lanes);
-channels_last tiles take the whole contiguous run of a pixel's CPG group channels. Only inputs whose
-spatial dims cannot be viewed through one stride cost a copy.
+input's strides. The group paths' tile is [BLOCK_C channels, BLOCK_S pixels]; Triton vectorizes
+along whichever axis has stride 1. NCHW tiles take a power-of-two divisor of CPG as BLOCK_C (no masked
+lanes); channels_last tiles on the group paths take the whole contiguous run of a pixel's CPG group
+channels. The pixel path reads and writes through the same runtime strides, so a channels-fast
+input that is not dense (a strided or channel slice) runs on it too, into a contiguous output.
+Only inputs whose spatial dims cannot be viewed through one stride cost a copy.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ _SPLIT_ELEMS_FEW = 32 * 1024  # ... or above this when there are fewer groups th
 _H100_SMS = 132  # the SM count they were tuned at, and the one assumed without a CUDA device
 _FEW_GROUPS = 64  # at 132 SMs: below this many (sample, group) pairs the fused path leaves most SMs idle
 _TARGET_PROGRAMS = 512  # at 132 SMs: the split path aims for ≈ 4 programs per SM
+_PIXEL_PROGRAMS = 512  # at 132 SMs: the pixel path's programs over all samples (its own knob: NCHW stays put)
 _HOPPER_REGISTERS_KB = 256  # 64 K 32-bit registers per block, where _ONE_TILE_ELEMS was tuned
 _ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers;
 # also the most the warps can hold: the autotuner's 16 warps × 32 threads × 32 elements a thread
@@ -133,13 +148,14 @@ def _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT: tl.constexpr, HA
     return scale, shift
 
 
-def _autotune(key):
+def _autotune(key, tile=("BLOCK_C", "BLOCK_S")):
     # Tiles are picked on the host; only the warps are tuned. The interpreter would run every config.
+    # ``tile``: the constexprs whose product is the tile's element count.
     warps = (4,) if interpreting() else (4, 8, 16)
 
     def prune(configs, named_args, **kwargs):  # ≤ 32 elements a thread (x, mean, M2 each in registers)
         args = {**named_args, **kwargs}
-        elems = args["BLOCK_C"] * args["BLOCK_S"]
+        elems = math.prod(args[name] for name in tile)
         kept = [c for c in configs if elems // (32 * c.num_warps) <= 32]
         return kept or configs[-1:]
 
@@ -234,23 +250,143 @@ def _group_norm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# Pixel path (channels-fast inputs). Grid (N, S): program (n, s) owns pixels [s·CHUNK, (s+1)·CHUNK)
+# of sample n, all C channels: with channels stride 1 that is one contiguous [pixels, C] slab.
+# The chunk's base is an int64 pointer; offsets inside a chunk are int32 (the host checks the span).
+
+
+@_autotune(key=["HW", "G", "S", "CPG", "G_P", "CPG_P", "BLOCK_S"], tile=("BLOCK_S", "G_P", "CPG_P"))
+@triton.jit
+def _pixel_stats_kernel(
+    x_ptr, part_ptr, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
+    CPG: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Pixel path, launch 1: partial (count, mean, M2) of every (sample, chunk, group), as
+    part[3, N, G, S] (a group's S partials contiguous, for the merge launch).
+
+    The tile is [BLOCK_S pixels, G_P groups, CPG_P channels]; channel g·CPG + c sits at lane (g, c),
+    so the (g, c) lanes of one pixel address the pixel's C channels in order (with CPG_P − CPG
+    masked lanes after each group's run): whole pixels, read front to back. Each lane keeps a
+    Welford (mean, M2) over the chunk's pixel tiles, as in ``_chunk_stats``; the lanes of a group are
+    merged (Chan) over the pixel and channel axes at the end, one reduction per program."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    s_lo = pid_s * CHUNK
+    n_s = tl.minimum(CHUNK, HW - s_lo)  # pixels in this chunk
+    x_blk = x_ptr + pid_n.to(tl.int64) * stride_xn + s_lo.to(tl.int64) * stride_xs
+    s = tl.arange(0, BLOCK_S)[:, None, None]
+    g = tl.arange(0, G_P)[None, :, None]
+    c = tl.arange(0, CPG_P)[None, None, :]
+    lane = (g < G) & (c < CPG)
+    offs_c = (g * CPG + c) * stride_xc
+    mean = tl.zeros((BLOCK_S, G_P, CPG_P), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_S, G_P, CPG_P), dtype=tl.float32)
+    k = 0.0
+    for s0 in range(0, n_s, BLOCK_S):
+        mask = lane & (s0 + s < n_s)
+        x = tl.load(x_blk + offs_c + (s0 + s) * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        k += 1.0
+        delta = x - mean
+        mean = tl.where(mask, mean + delta * (1.0 / k), mean)
+        m2 = tl.where(mask, m2 + delta * (x - mean), m2)
+    # Only the last pixel tile is masked, so a valid lane's count is its number of pixel tiles.
+    pixel_tiles = tl.maximum(n_s - s + (BLOCK_S - 1), 0) // BLOCK_S
+    count = tl.where(lane, pixel_tiles, 0).to(tl.float32)
+    n_g = tl.sum(tl.sum(count, axis=2), axis=0)  # [G_P]
+    mu = tl.sum(tl.sum(count * mean, axis=2), axis=0) / tl.maximum(n_g, 1.0)
+    d = mean - mu[None, :, None]
+    m2_g = tl.sum(tl.sum(m2 + count * d * d, axis=2), axis=0)
+    gs = tl.arange(0, G_P)
+    plane = tl.num_programs(0) * G * S
+    idx = (pid_n * G + gs) * S + pid_s
+    tl.store(part_ptr + idx, n_g, mask=gs < G)
+    tl.store(part_ptr + plane + idx, mu, mask=gs < G)
+    tl.store(part_ptr + 2 * plane + idx, m2_g, mask=gs < G)
+
+
+@triton.jit
+def _pixel_merge_kernel(part_ptr, S, eps, PART_BLOCK: tl.constexpr):
+    """Pixel path, launch 2, one program per (sample, group): merges the group's S partials (Chan)
+    into (mean, rstd), stored after the partials as stat[2, N·G]."""
+    pid = tl.program_id(0)
+    plane = tl.num_programs(0) * S
+    k = tl.arange(0, PART_BLOCK)
+    idx = pid * S + k
+    k_mask = k < S
+    count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
+                                  tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
+                                  tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
+    stat_ptr = part_ptr + 3 * plane
+    tl.store(stat_ptr + pid, mean)
+    tl.store(stat_ptr + tl.num_programs(0) + pid, 1.0 / tl.sqrt(m2 / count + eps))
+
+
+@_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
+@triton.jit
+def _pixel_norm_kernel(
+    x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, C, G, HW, S,
+    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
+    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+):
+    """Pixel path, launch 3: y = act((x − mean)·(rstd·w) + b) over the chunk's [pixels, C] slab.
+
+    The tile is [BLOCK_S pixels, BLOCK_C = C padded to a power of two]: whole pixels, flat, so a
+    channels-last slab is read and written in full-width vectors. Per-channel mean and rstd·w are
+    gathered once from the merged per-group statistics (group = channel // CPG)."""
+    pid_n = tl.program_id(0)
+    pid_s = S - 1 - tl.program_id(1)  # reversed: the statistics launch read the last chunks last
+    s_lo = pid_s * CHUNK
+    n_s = tl.minimum(CHUNK, HW - s_lo)
+    x_blk = x_ptr + pid_n.to(tl.int64) * stride_xn + s_lo.to(tl.int64) * stride_xs
+    y_blk = y_ptr + pid_n.to(tl.int64) * stride_yn + s_lo.to(tl.int64) * stride_ys
+    ch = tl.arange(0, BLOCK_C)
+    c_mask = ch < C
+    stat_ptr = part_ptr + 3 * tl.num_programs(0) * G * S + pid_n * G + ch // CPG
+    mean = tl.load(stat_ptr, mask=c_mask, other=0.0)
+    rstd = tl.load(stat_ptr + tl.num_programs(0) * G, mask=c_mask, other=0.0)
+    scale, shift = _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT, HAS_BIAS)
+    s = tl.arange(0, BLOCK_S)
+    for s0 in range(0, n_s, BLOCK_S):
+        mask = (s0 + s < n_s)[:, None] & c_mask[None, :]
+        x = tl.load(x_blk + (s0 + s)[:, None] * stride_xs + ch[None, :] * stride_xc, mask=mask, other=0.0)
+        y = _finish((x.to(tl.float32) - mean[None, :]) * scale[None, :] + shift[None, :], ACT)
+        tl.store(y_blk + (s0 + s)[:, None] * stride_ys + ch[None, :] * stride_yc,
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How one call runs: tile shape, whether the group is one tile, the split into S chunks."""
+    """How one call runs: tile shape, whether the group is one tile, the split into S chunks, and
+    whether programs own whole pixels (``pixels``: the channels-fast path) rather than groups.
+
+    Group paths: the tile is [block_c channels of a group, block_s pixels]; S chunks per group.
+    Pixel path: the statistics tile is [block_s pixels, block_c = G_P·CPG_P padded channels], the
+    normalize tile [norm_block_s pixels, norm_block_c = C padded]; S chunks per sample."""
 
     block_c: int
     block_s: int
     one_tile: bool
-    split: bool
+    split: bool  # statistics reduced over chunks by a launch of their own
     chunk: int  # pixels per program
-    chunks: int  # S: programs per group
+    chunks: int  # S: programs per group (pixel path: per sample)
+    pixels: bool = False
+    norm_block_c: int = 0  # pixel path only
+    norm_block_s: int = 0
 
     @property
     def launches(self) -> int:
-        return 2 if self.split else 1
+        return 3 if self.pixels else 2 if self.split else 1
+
+    @property
+    def name(self) -> str:
+        """The path, as the benchmark and ``sd-kernels info`` report it."""
+        if self.pixels:
+            return f"pixels x{self.chunks}"
+        return "one_tile" if self.one_tile else f"split x{self.chunks}" if self.split else "looped"
 
 
 _SMS: dict[int, int] = {}  # device index (-1: CPU) -> SM count
@@ -281,19 +417,28 @@ def _per_sms(at_h100: int, sms: int) -> int:
 
 
 def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
-         split_threshold: int | None = None, *, sms: int = _H100_SMS, register_file_kb: int | None = None) -> Plan:
+         split_threshold: int | None = None, *, sms: int = _H100_SMS, register_file_kb: int | None = None,
+         pixels: bool | None = None) -> Plan:
     """The path and tiles for x [n, groups·cpg, hw] (``channels_fast``: channels have the smaller
     stride, e.g. channels_last). ``split_threshold``: group elements above which the split path
     runs; None applies the size heuristic (see the module docstring). ``sms``: the device's SM count
-    (``sm_count``), which scales _FEW_GROUPS and _TARGET_PROGRAMS; ``register_file_kb``: the active
-    profile's, which bounds the one-tile path (``one_tile_elems``)."""
+    (``sm_count``), which scales _FEW_GROUPS, _TARGET_PROGRAMS and _PIXEL_PROGRAMS;
+    ``register_file_kb``: the active profile's, which bounds the one-tile path (``one_tile_elems``).
+    ``pixels``: None lets the
+    heuristic choose the pixel path (channels-fast inputs whose group is not one tile and whose
+    padded pixel fits a tile); True forces it (ValueError unless ``channels_fast``); False keeps
+    the group paths."""
     group_elems, programs = cpg * hw, n * groups
+    if pixels and not channels_fast:
+        raise ValueError("the pixel path needs channels-fast input (channels stride < spatial stride)")
     if split_threshold is None:
         split_threshold = _SPLIT_ELEMS if programs >= _per_sms(_FEW_GROUPS, sms) else _SPLIT_ELEMS_FEW
     split = group_elems > split_threshold
     p2c, p2s = next_pow2(cpg), next_pow2(hw)
-    if not split and p2c * p2s <= one_tile_elems(register_file_kb):
+    if not pixels and not split and p2c * p2s <= one_tile_elems(register_file_kb):
         return Plan(p2c, p2s, one_tile=True, split=False, chunk=hw, chunks=1)
+    if pixels or (pixels is None and channels_fast and next_pow2(groups) * p2c <= _TILE_ELEMS):
+        return _pixel_plan(n, groups, cpg, hw, sms)
     if channels_fast and p2c <= _TILE_ELEMS:  # a pixel's CPG channels are one contiguous run: all of it
         block_c = p2c
     else:  # pixels are contiguous: a power-of-two divisor of CPG leaves no masked channel lanes
@@ -307,7 +452,24 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=cdiv(hw, chunk))
 
 
+def _pixel_plan(n: int, groups: int, cpg: int, hw: int, sms: int) -> Plan:
+    """The pixel path's tiles and chunks: ≈ _PIXEL_PROGRAMS programs (scaled to the SMs) over all
+    samples, each a whole number of statistics tiles; the normalize tile is the largest power of
+    two of pixels dividing the chunk that fits _TILE_ELEMS with C padded (at least one pixel)."""
+    block_c = next_pow2(groups) * next_pow2(cpg)
+    block_s = max(1, min(next_pow2(hw), _TILE_ELEMS // block_c))
+    tiles = cdiv(hw, block_s)
+    per_sample = min(tiles, cdiv(_per_sms(_PIXEL_PROGRAMS, sms), n))
+    chunk = cdiv(tiles, per_sample) * block_s
+    norm_c = next_pow2(groups * cpg)
+    norm_s = max(1, min(chunk & -chunk, _TILE_ELEMS // norm_c))
+    return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=cdiv(hw, chunk),
+                pixels=True, norm_block_c=norm_c, norm_block_s=norm_s)
+
+
 _STATS, _NORM = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel)
+_PIXEL_STATS, _PIXEL_MERGE, _PIXEL_NORM = (Launcher(_pixel_stats_kernel), Launcher(_pixel_merge_kernel),
+                                           Launcher(_pixel_norm_kernel))
 
 
 def _alloc(shape, stride, like: torch.Tensor) -> torch.Tensor:
@@ -359,12 +521,14 @@ def group_norm(
     activation: str | None = None,
     *,
     split_threshold: int | None = None,
+    pixels: bool | None = None,
 ) -> torch.Tensor:
     """``F.group_norm(x, num_groups, weight, bias, eps)``, then ``activation`` ("silu" or None), fused.
 
     x is [N, C, *spatial] in any memory format; the output keeps x's strides when x is dense
     (contiguous, channels_last, permuted). ``split_threshold`` (group elements above which the
-    two-launch split path runs; None: the size heuristic) is for tuning and tests.
+    two-launch split path runs; None: the size heuristic) and ``pixels`` (None: the heuristic; True:
+    the pixel path, for channels-fast x only; False: never) are for tuning and tests (``plan``).
     """
     reference.check_activation(activation)
     _check(x, num_groups, weight, bias)
@@ -385,14 +549,35 @@ def group_norm(
     y = _alloc(x.shape, x.stride() if is_dense(x) else contiguous_strides(x.shape), x)
     ys = _spatial_stride(y)
     channels_fast = hw == 1 or abs(x.stride(1)) < abs(stride_s)
-    p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sm_count(x.get_device()),
-             register_file_kb=active_profile().register_file_kb)
+    sms, kb = sm_count(x.get_device()), active_profile().register_file_kb
+    p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sms, register_file_kb=kb, pixels=pixels)
+    # The pixel path's in-chunk offsets are int32: a chunk's extent in x and y must fit (it always
+    # does at SD's sizes; a sample of > 2³¹ elements in one chunk plans the group paths instead).
+    chunk_span = (p.chunk - 1) * max(abs(stride_s), abs(ys)) + (c - 1) * max(abs(x.stride(1)), abs(y.stride(1)))
+    if p.pixels and chunk_span >= 2**31:
+        p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sms, register_file_kb=kb, pixels=False)
 
     grid = (n * num_groups, p.chunks)
     # Launcher keys: the autotuners key on (HW, G, S, CPG, tiles, path) and the dtypes, all set by
     # (hw, num_groups, cpg, p) and the tensors' dtypes.
     key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, activation)
+    if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S], then stat[2, N·G]
+        parts = torch.empty((3 * p.chunks + 2) * n * num_groups, dtype=torch.float32, device=x.device)
+        grid = (n, p.chunks)
+        _PIXEL_STATS(
+            key, grid, x, parts, num_groups, hw, p.chunks, x.stride(0), x.stride(1), stride_s, p.chunk,
+            CPG=cpg, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
+        )
+        _PIXEL_MERGE(key, (n * num_groups,), parts, p.chunks, float(eps), PART_BLOCK=next_pow2(p.chunks))
+        _PIXEL_NORM(
+            key, grid, x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
+            c, num_groups, hw, p.chunks,
+            x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
+            CPG=cpg, BLOCK_C=p.norm_block_c, BLOCK_S=p.norm_block_s,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
+        )
+        return y
     parts = x  # dummy pointer when unused
     if p.split:
         parts = torch.empty(3 * n * num_groups * p.chunks, dtype=torch.float32, device=x.device)

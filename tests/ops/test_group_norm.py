@@ -1,9 +1,10 @@
 """group_norm (+ fused SiLU) against float64, with stock PyTorch's error as the yardstick.
 
-CPU: tiny shapes through the Triton interpreter, each on the three code paths (one register tile;
-the looped single launch; the split statistics + normalize launches, forced by shrinking the tile
-and the split threshold). The interpreter rounds fp32 → bf16 by truncation (the GPU rounds to
-nearest), which the 4× stock tolerance absorbs. GPU (-m gpu): SD1.5's UNet and VAE shapes.
+CPU: tiny shapes through the Triton interpreter, each on the code paths (one register tile; the
+looped single launch; the split statistics + normalize launches; for channels-fast inputs the
+pixel path's statistics + merge + normalize launches), forced by shrinking the tiles, the split
+threshold and the programs aimed at. The interpreter rounds fp32 → bf16 by truncation (the GPU
+rounds to nearest), which the 4× stock tolerance absorbs. GPU (-m gpu): SD1.5's UNet and VAE shapes.
 """
 
 import dataclasses
@@ -39,18 +40,32 @@ def poisoned_outputs(monkeypatch):
 
 @pytest.fixture
 def force_path(monkeypatch):
-    """Return a function that makes the next calls take ``path`` and gives the split_threshold to pass.
+    """Return a function that makes the next calls take ``path`` and gives the keyword arguments
+    (split_threshold, pixels) to pass to group_norm.
 
-    Tiles shrink to 32 elements so that tiny shapes still loop over several tiles and chunks."""
+    Tiles shrink to 32 elements so that tiny shapes still loop over several tiles and chunks; the
+    pixel path also aims at 4 programs in all, so that its chunks hold several tiles."""
 
-    def force(path: str) -> int:
+    def force(path: str) -> dict:
         if path == "one_tile":
-            return NO_SPLIT
+            return {"split_threshold": NO_SPLIT, "pixels": False}
         monkeypatch.setattr(gn, "_ONE_TILE_ELEMS", 0)
         monkeypatch.setattr(gn, "_TILE_ELEMS", 32)
-        return NO_SPLIT if path == "looped" else 0
+        if path == "pixels":
+            monkeypatch.setattr(gn, "_PIXEL_PROGRAMS", 4)
+            return {"pixels": True}
+        return {"split_threshold": NO_SPLIT if path == "looped" else 0, "pixels": False}
 
     return force
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """The plans group_norm takes, in call order."""
+    taken = []
+    plan = gn.plan
+    monkeypatch.setattr(gn, "plan", lambda *a, **kw: taken.append(plan(*a, **kw)) or taken[-1])
+    return taken
 
 
 def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -63,6 +78,14 @@ def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
         return non_contiguous(x)
     if kind == "swapped":  # H and W transposed in memory: no single spatial stride, the one-copy path
         return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "cl_strided":  # channels_last, every other pixel of a doubled last dim: spatial stride 2C
+        wide = layout(torch.cat([x, x], dim=-1), "channels_last")[..., ::2]
+        wide.copy_(x)
+        return wide
+    if kind == "cl_channels":  # the first C channels of a channels_last tensor of 2C: spatial stride 2C
+        wide = layout(torch.cat([x, x], dim=1), "channels_last")[:, : x.shape[1]]
+        wide.copy_(x)
+        return wide
     raise ValueError(kind)
 
 
@@ -99,10 +122,10 @@ def _check(x, g, w, b, activation, ours, eps=1e-5, factor=4.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, g, kind", CASES)
 def test_group_norm_silu(shape, g, kind, dtype, path, force_path, device):
-    threshold = force_path(path)
+    kw = force_path(path)
     x, w, b = _inputs(shape, dtype, device)
     x = layout(x, kind)
-    ours = group_norm(x, g, w, b, 1e-5, "silu", split_threshold=threshold)
+    ours = group_norm(x, g, w, b, 1e-5, "silu", **kw)
     _check(x, g, w, b, "silu", ours)
     if kind in ("contiguous", "channels_last"):  # dense: the output keeps the input's memory format
         assert ours.stride() == x.stride()
@@ -110,27 +133,85 @@ def test_group_norm_silu(shape, g, kind, dtype, path, force_path, device):
         assert ours.is_contiguous()
 
 
-@pytest.mark.parametrize("path", PATHS)
+PIXEL_CASES = [  # (shape, num_groups, layout): channels-fast inputs, odd sizes
+    ((3, 40, 7, 5), 8, "channels_last"),  # CPG 5, N 3, 35 pixels
+    ((2, 96, 7, 5), 32, "channels_last"),  # 32 groups of 3 channels
+    ((2, 96, 3, 3), 32, "channels_last"),
+    ((3, 40, 1, 1), 8, "channels_last"),  # one pixel
+    ((2, 6, 4, 5), 6, "channels_last"),  # groups = channels
+    ((1, 12, 6, 6), 1, "channels_last"),  # one group
+    ((2, 10, 24), 5, "channels_last"),  # the VAE attention's [B, C, HW] view of [B, HW, C]
+    ((2, 24, 3, 4, 5), 6, "channels_last"),  # 3 spatial dims (channels_last_3d)
+    ((2, 40, 5, 6), 8, "cl_strided"),  # channels-fast, not dense: spatial stride 2C, contiguous output
+    ((2, 40, 5, 6), 8, "cl_channels"),  # channels-fast, not dense: a channel slice
+]
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, g, kind", PIXEL_CASES)
+def test_pixel_path(shape, g, kind, dtype, activation, force_path, plans, device):
+    kw = force_path("pixels")
+    x, w, b = _inputs(shape, dtype, device)
+    x = layout(x, kind)
+    ours = group_norm(x, g, w, b, 1e-5, activation, **kw)
+    _check(x, g, w, b, activation, ours)
+    assert ours.stride() == (x.stride() if kind == "channels_last" else gn.contiguous_strides(x.shape))
+    (p,) = plans
+    assert p.pixels and p.launches == 3
+
+
+def test_pixel_path_loops_over_tiles_and_chunks(force_path, plans, device):
+    """The forced tiny tiles really give several statistics tiles per chunk, several chunks per
+    sample, a masked last tile and several normalize tiles per chunk."""
+    kw = force_path("pixels")
+    x, w, b = _inputs((3, 40, 7, 5), torch.float16, device)
+    _check(x, 8, w, b, "silu", group_norm(layout(x, "channels_last"), 8, w, b, 1e-5, "silu", **kw))
+    (p,) = plans
+    assert p.chunks > 1 and p.chunk > p.block_s and 35 % p.chunk and p.chunk % p.block_s == 0
+    assert p.chunk > p.norm_block_s and p.chunk % p.norm_block_s == 0 and p.norm_block_c == 64
+
+
+@pytest.mark.parametrize("shape, g", [((1, 32, 48, 48), 4), ((1, 40, 48, 48), 8)])
+def test_pixel_path_default_plan(shape, g, plans, device):
+    """Unforced: a channels_last input whose groups exceed one tile takes the pixel path with the
+    module's own tiles."""
+    x, w, b = _inputs(shape, torch.float16, device)
+    x = layout(x, "channels_last")
+    _check(x, g, w, b, "silu", group_norm(x, g, w, b, 1e-5, "silu"))
+    (p,) = plans
+    assert p.pixels and p.block_c * p.block_s <= gn._TILE_ELEMS
+
+
+def test_pixel_path_needs_channels_fast():
+    with pytest.raises(ValueError, match="channels-fast"):
+        gn.plan(2, 4, 2, 16, False, pixels=True)
+
+
+@pytest.mark.parametrize("path", [*PATHS, "pixels"])
 @pytest.mark.parametrize("affine", ["weight+bias", "weight", "bias", "none"])
 def test_group_norm_affine_variants(affine, path, force_path, device):
-    threshold = force_path(path)
+    kw = force_path(path)
     x, w, b = _inputs((2, 6, 5, 5), torch.float32, device)
+    x = layout(x, "channels_last") if path == "pixels" else x
     w = w if "weight" in affine else None
     b = b if "bias" in affine else None
-    ours = group_norm(x, 3, w, b, 1e-6, None, split_threshold=threshold)
+    ours = group_norm(x, 3, w, b, 1e-6, None, **kw)
     _check(x, 3, w, b, None, ours, eps=1e-6)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, "pixels"])
 @pytest.mark.parametrize("kind", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype, mean",
                          [(torch.float32, 1000.0), (torch.float16, 1000.0), (torch.bfloat16, 100.0)])
 def test_large_mean(dtype, mean, kind, path, force_path, device):
     """x = mean + noise: a variance taken as E[x²] − E[x]² in fp32 would lose most of its digits."""
-    threshold = force_path(path)
+    if path == "pixels" and kind == "contiguous":
+        pytest.skip("the pixel path is for channels-fast inputs")
+    kw = force_path(path)
     x, w, b = _inputs((2, 8, 6, 6), dtype, device, mean=mean)
     x = layout(x, kind)
-    ours = group_norm(x, 4, w, b, 1e-5, "silu", split_threshold=threshold)
+    ours = group_norm(x, 4, w, b, 1e-5, "silu", **kw)
     _check(x, 4, w, b, "silu", ours)
     # And in absolute terms: fp32 inputs normalized to within a few fp32 roundings of |mean|/σ.
     if dtype == torch.float32:
@@ -192,21 +273,63 @@ def _plan(shape, channels_fast=False, g=32, **kw):
     return gn.plan(n, g, c // g, h * w, channels_fast, **kw)
 
 
-@pytest.mark.parametrize("channels_fast", [False, True])
 @pytest.mark.parametrize("shape", UNET_SHAPES)
-def test_unet_shapes_take_one_launch(shape, channels_fast):
-    p = _plan(shape, channels_fast)
-    assert p.launches == 1 and p.chunks == 1
+def test_unet_shapes_take_one_launch_in_nchw(shape):
+    p = _plan(shape)
+    assert p.launches == 1 and p.chunks == 1 and not p.pixels
     assert p.block_c * p.block_s <= max(gn._TILE_ELEMS, gn._ONE_TILE_ELEMS)
 
 
-@pytest.mark.parametrize("channels_fast", [False, True])
 @pytest.mark.parametrize("shape", VAE_SHAPES)
-def test_vae_shapes_split_over_the_whole_gpu(shape, channels_fast):
-    p = _plan(shape, channels_fast)
-    assert p.split and p.launches == 2
+def test_vae_shapes_split_over_the_whole_gpu_in_nchw(shape):
+    p = _plan(shape)
+    assert p.split and p.launches == 2 and not p.pixels
     assert shape[0] * 32 * p.chunks >= 132  # at least one program per SM of an H100
     assert p.chunk % p.block_s == 0 and (p.chunks - 1) * p.chunk < shape[2] * shape[3] <= p.chunks * p.chunk
+
+
+def _assert_sound_pixel_plan(p, n, c, hw, g=32):
+    assert p.pixels and p.split and p.launches == 3 and not p.one_tile
+    assert p.block_c == gn.next_pow2(g) * gn.next_pow2(c // g) and p.block_c * p.block_s <= gn._TILE_ELEMS
+    assert p.norm_block_c == gn.next_pow2(c) and p.norm_block_c * p.norm_block_s <= gn._TILE_ELEMS
+    assert p.chunk % p.block_s == 0 and p.chunk % p.norm_block_s == 0  # only a sample's last tile is masked
+    assert (p.chunks - 1) * p.chunk < hw <= p.chunks * p.chunk
+    assert n * p.chunks >= 132 and p.chunks <= 1024  # every SM busy; the merge loads ≤ 1024 partials at once
+
+
+@pytest.mark.parametrize("shape", UNET_SHAPES)
+def test_unet_shapes_in_channels_last(shape):
+    """A group that is one register tile keeps the one-launch group path (1 read + 1 write); every
+    other UNet shape takes the pixel path."""
+    p, nchw = _plan(shape, True), _plan(shape)
+    if nchw.one_tile:
+        assert p == nchw
+    else:
+        _assert_sound_pixel_plan(p, shape[0], shape[1], shape[2] * shape[3])
+
+
+@pytest.mark.parametrize("shape", [*VAE_SHAPES, (1, 512, 64, 64), (1, 256, 256, 256), (1, 512, 64 * 64, 1)])
+def test_vae_shapes_take_the_pixel_path_in_channels_last(shape):
+    _assert_sound_pixel_plan(_plan(shape, True), shape[0], shape[1], shape[2] * shape[3])
+
+
+@pytest.mark.parametrize("shape", UNET_SHAPES + VAE_SHAPES)
+def test_nchw_plans_ignore_the_pixel_path(shape):
+    assert _plan(shape) == _plan(shape, pixels=False) and not _plan(shape).pixels
+    assert not _plan(shape, True, pixels=False).pixels  # channels_last on the group paths, as before
+
+
+def test_pixel_path_needs_its_tile():
+    """A pixel whose padded groups exceed _TILE_ELEMS keeps the group paths (unless forced)."""
+    assert not gn.plan(1, 32, 512, 64 * 64, True).pixels  # 32 × 512 = 16384 padded channels
+    assert gn.plan(1, 32, 256, 64 * 64, True).pixels
+    assert gn.plan(1, 32, 512, 64 * 64, True, pixels=True).block_s == 1
+
+
+@pytest.mark.parametrize("sms", [16, 66, 132, 264])
+def test_pixel_programs_scale_with_the_sm_count(sms):
+    p = _plan((1, 128, 512, 512), True, sms=sms)
+    assert p.pixels and p.chunks == 512 * sms // 132
 
 
 def test_tiles_have_no_masked_channel_lanes_in_nchw():
@@ -280,7 +403,7 @@ def test_group_norm_plans_with_the_device_and_the_profile(monkeypatch):
     x, w, b = _inputs((1, 128, 32, 32), torch.float32, "cpu")  # 4 channels × 1024 pixels: 4096 a group
     _check(x, 32, w, b, "silu", group_norm(x, 32, w, b, activation="silu"))
     ((kw, p),) = plans
-    assert kw == {"sms": 8, "register_file_kb": 32}
+    assert kw == {"sms": 8, "register_file_kb": 32, "pixels": None}
     assert not p.one_tile and not p.split  # one tile under 256 KB; 2048 elements under 32 KB
 
 
@@ -310,10 +433,36 @@ def test_gpu_sd_shapes(shape, dtype, kind):
     assert ours.stride() == x.stride()
 
 
+SD_CHANNELS_LAST = [  # every GroupNorm shape of SD1.5 at 512² (32 groups), as the hopper profile runs them
+    (2, 320, 64, 64), (2, 640, 64, 64), (2, 640, 32, 32), (2, 960, 64, 64), (2, 1280, 32, 32), (2, 1920, 32, 32),
+    (2, 1280, 16, 16), (2, 2560, 16, 16), (2, 1920, 16, 16), (2, 2560, 8, 8), (2, 1280, 8, 8),  # UNet
+    (1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
+    (1, 128, 512, 512),  # VAE decoder
+    (1, 512, 4096),  # the VAE mid-block attention's [B, C, HW] view of [B, HW, C]
+]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SD_CHANNELS_LAST)
+def test_gpu_sd_shapes_channels_last(shape, dtype, activation, plans):
+    """The pixel path (or the one tile, where a group fits one) at SD's shapes, against float64."""
+    x, w, b = _inputs(shape, dtype, "cuda")
+    x = layout(x, "channels_last")
+    ours = group_norm(x, 32, w, b, 1e-6, activation)
+    _check(x, 32, w, b, activation, ours, eps=1e-6)
+    assert ours.stride() == x.stride()
+    (p,) = plans
+    assert p.pixels or p.one_tile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", [(2, 320, 64, 64), (1, 128, 512, 512)])
-def test_gpu_large_mean(shape):
+def test_gpu_large_mean(shape, kind):
     x, w, b = _inputs(shape, torch.float32, "cuda", mean=1000.0)
+    x = layout(x, kind)
     _check(x, 32, w, b, None, group_norm(x, 32, w, b))
 
 
@@ -329,10 +478,14 @@ def _kernel_launches(fn) -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, launches",
-                         [((2, 320, 64, 64), 1), ((2, 1280, 8, 8), 1), ((1, 128, 512, 512), 2)])
-def test_gpu_launch_count(shape, launches, monkeypatch):
+@pytest.mark.parametrize("shape, kind, launches",
+                         [((2, 320, 64, 64), "contiguous", 1), ((2, 1280, 8, 8), "contiguous", 1),
+                          ((1, 128, 512, 512), "contiguous", 2), ((2, 320, 64, 64), "channels_last", 3),
+                          ((2, 1280, 8, 8), "channels_last", 1), ((1, 128, 512, 512), "channels_last", 3)])
+def test_gpu_launch_count(shape, kind, launches, monkeypatch):
     monkeypatch.setattr(gn, "_alloc", _ALLOC)  # poisoning is a launch of its own
     x, w, b = _inputs(shape, torch.float16, "cuda")
+    x = layout(x, kind)
     assert _kernel_launches(lambda: group_norm(x, 32, w, b, 1e-6, "silu")) == launches
-    assert gn.plan(shape[0], 32, shape[1] // 32, math.prod(shape[2:]), False).launches == launches
+    channels_last = kind == "channels_last"
+    assert gn.plan(shape[0], 32, shape[1] // 32, math.prod(shape[2:]), channels_last).launches == launches
