@@ -1,12 +1,19 @@
-"""(Session-4 provenance script, run from the repo root.) Kernel-time breakdown (torch.profiler) of one SD1.5 UNet step (batch 2) and one VAE decode, patched
+"""(Session-4 provenance script, run from the repo root.) Kernel-time breakdown (torch.profiler)
+of one SD1.5 UNet step (batch 2) and one VAE decode, patched
 channels_last and stock+compile-free stock cl, to see where device time goes."""
-import collections, json, os, pathlib, sys
+import collections
+import json
+import os
+import pathlib
+
 import torch
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
+
 import sd_kernels
 from sd_kernels.models import build_pipeline
 
-OUT = pathlib.Path(os.environ.get("OUT", "/tmp/out")); OUT.mkdir(parents=True, exist_ok=True)
+OUT = pathlib.Path(os.environ.get("OUT", "/tmp/out"))
+OUT.mkdir(parents=True, exist_ok=True)
 pipe = build_pipeline("sd15", device="cuda", dtype=torch.float16)
 unet, vae = pipe.unet, pipe.vae
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -24,7 +31,7 @@ def breakdown(label, fn, n=3):
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    agg = collections.Counter(); cnt = collections.Counter()
+    agg, cnt = collections.Counter(), collections.Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             agg[e.name[:90]] += e.device_time / n

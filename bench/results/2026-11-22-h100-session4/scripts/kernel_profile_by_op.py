@@ -1,11 +1,17 @@
 """Which aten ops launch the strided elementwise kernels in the patched channels_last UNet step / VAE?"""
-import collections, json, os, pathlib
+import collections
+import json
+import os
+import pathlib
+
 import torch
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
+
 import sd_kernels
 from sd_kernels.models import build_pipeline
 
-OUT = pathlib.Path(os.environ.get("OUT", "/tmp/out")); OUT.mkdir(parents=True, exist_ok=True)
+OUT = pathlib.Path(os.environ.get("OUT", "/tmp/out"))
+OUT.mkdir(parents=True, exist_ok=True)
 pipe = build_pipeline("sd15", device="cuda", dtype=torch.float16)
 unet, vae = pipe.unet, pipe.vae
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -21,7 +27,8 @@ with torch.inference_mode():
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts, record_shapes=True, with_stack=True) as prof:
             fn()
             torch.cuda.synchronize()
         # CPU ops whose own CUDA kernels include the slow strided elementwise kernel
