@@ -507,6 +507,12 @@ def _plan_key(op: str, q, k, v, attn_mask, scale, upcast) -> tuple:
             q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
+def _run_plan(key: tuple, q, k, v, attn_mask) -> torch.Tensor | None:
+    """The output of the plan kept under ``key``, or None (no plan, or it declined this call)."""
+    plan = _PLANS.get(key)
+    return None if plan is None else plan(q, k, v, attn_mask)
+
+
 def _flash_planned(key: tuple, q, k, v, attn_mask, batch: tuple[int, ...], scale) -> torch.Tensor:
     """Flash on a call that was decided from scratch; its plan is kept under ``key`` for the next one."""
     views = _views(q, k, v, attn_mask, batch)
@@ -561,11 +567,9 @@ def flash_attention(
     [..., Sq, Sk]. Fully masked query rows give zeros.
     """
     key = _plan_key("flash_attention", q, k, v, attn_mask, scale, False)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        out = plan(q, k, v, attn_mask)
-        if out is not None:
-            return out
+    out = _run_plan(key, q, k, v, attn_mask)
+    if out is not None:
+        return out
     batch = check_attention_args("flash_attention", q, k, v, attn_mask)
     reason = flash_reason(q, k, v, attn_mask, batch)
     if not use_kernel("flash_attention", q, k, v, attn_mask, unsupported=reason):
@@ -629,11 +633,9 @@ def attention(
     A call like an earlier flash call (see ``_plan_key``) launches that call's plan directly.
     """
     key = _plan_key("attention", q, k, v, attn_mask, scale, upcast)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        out = plan(q, k, v, attn_mask)
-        if out is not None:
-            return out
+    out = _run_plan(key, q, k, v, attn_mask)
+    if out is not None:
+        return out
     batch = check_attention_args("attention", q, k, v, attn_mask)
     path = _choose_path(q, k, v, attn_mask, batch)
     if path == "flash":
