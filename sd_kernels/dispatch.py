@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from sd_kernels import profiles
+
 log = logging.getLogger("sd_kernels")
 
 BACKENDS = ("auto", "triton", "reference")
@@ -85,9 +87,7 @@ def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None =
         return False
     reason = unsupported or _device_reason(tensors)
     if reason is None:
-        from sd_kernels.profiles import active_profile
-
-        reason = active_profile().disabled_reason(op)
+        reason = profiles.active_profile().disabled_reason(op)
     if reason is None:
         return True
     if mode == "triton":
@@ -105,3 +105,27 @@ def fallbacks() -> dict[tuple[str, str], int]:
 
 def reset_fallbacks() -> None:
     _fallbacks.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans per call signature (ops/attention.py, ops/gelu.py): an op that decided a call from scratch may
+# keep what it derived under a key of everything the decision read, and launch from it when the same
+# signature comes again. Calls that fall back are never kept: use_kernel sees, logs and counts each.
+
+MAX_PLANS = 1024  # a bound on one op's kept plans: past it, they start over (each signature plans again once)
+
+
+def plan_context(t: torch.Tensor) -> tuple:
+    """The part of a plan's key that is not the call's own tensors and arguments: the active profile
+    (by identity: set_profile, patch(profile=) and a test's monkeypatch all install another object),
+    SD_KERNELS_BACKEND, and whether a kernel can run on ``t``'s device at all (CUDA, or the interpreter)."""
+    return id(profiles.active_profile()), os.environ.get("SD_KERNELS_BACKEND"), t.is_cuda or interpreting()
+
+
+def keep_plan(plans: dict, key: tuple, plan: object, bound: int = MAX_PLANS) -> None:
+    """``plans[key] = plan``, at most ``bound`` of them; the plan holds the active profile, so that the
+    profile's id in its key cannot be reused by another object while the plan is kept."""
+    if len(plans) >= bound:
+        plans.clear()
+    plan.profile = profiles.active_profile()
+    plans[key] = plan

@@ -26,14 +26,13 @@ P cast to the input dtype for the P·V dot (as in FlashAttention). fp32: tl.dot 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from sd_kernels import profiles, reference
-from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
+from sd_kernels import reference
+from sd_kernels.dispatch import MAX_PLANS, interpreting, keep_plan, plan_context, tensor_reason, use_kernel
 from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import misaligned, realigned
 
@@ -488,7 +487,6 @@ def _flash_with_plan(q4, k4, v4, mask4, scale: float, batch: tuple[int, ...] = (
 # (Triton specializes on their alignment itself). Calls that fall back (partial softmax, sdpa, the
 # reference) are never cached: they go through use_kernel each time, logged and counted as before.
 
-MAX_PLANS = 1024  # a bound on the plan cache: past it, it starts over (each signature plans again once)
 _PLANS: dict[tuple, _FlashPlan] = {}
 
 
@@ -502,8 +500,7 @@ def _plan_key(op: str, q, k, v, attn_mask, scale, upcast) -> tuple:
                                         or (attn_mask is not None and attn_mask.requires_grad))
     mask = None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.stride(), attn_mask.device)
     return (op, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, mask, scale, upcast, grad, id(profiles.active_profile()),
-            os.environ.get("SD_KERNELS_BACKEND"), q.is_cuda or interpreting(), FLASH_MAX_HEAD_DIM,
+            q.device, k.device, v.device, mask, scale, upcast, grad, *plan_context(q), FLASH_MAX_HEAD_DIM,
             q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -520,10 +517,7 @@ def _flash_planned(key: tuple, q, k, v, attn_mask, batch: tuple[int, ...], scale
     if (plan is not None and (scale is None or type(scale) in (float, int))  # not a tensor: it may change
             and not misaligned(*views)  # a plan made on realigned copies may hold the copies' strides
             and all(t is None or t.data_ptr() == t4.data_ptr() for t, t4 in zip((q, k, v, attn_mask), views))):
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan.profile = profiles.active_profile()
-        _PLANS[key] = plan
+        keep_plan(_PLANS, key, plan, MAX_PLANS)
     return from_4d(out, batch)
 
 

@@ -17,15 +17,14 @@ non-dense slice) cost one copy.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sd_kernels import profiles, reference
-from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
+from sd_kernels import reference
+from sd_kernels.dispatch import interpreting, keep_plan, plan_context, tensor_reason, use_kernel
 from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 
@@ -183,10 +182,7 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         plan = _GegluPlan(out_shape, y.stride(), h2, n, approximate)
         plan.launch(h2, y)
         if h2.data_ptr() == h.data_ptr():  # a view of h, not _as_rows' copy: the plan may launch on h
-            if len(_GEGLU_PLANS) >= MAX_PLANS:
-                _GEGLU_PLANS.clear()
-            plan.profile = profiles.active_profile()
-            _GEGLU_PLANS[key] = plan
+            keep_plan(_GEGLU_PLANS, key, plan)
     return y
 
 
@@ -218,13 +214,12 @@ class _GegluPlan:
 # approximation, whether autograd would track h, the active profile by identity, SD_KERNELS_BACKEND,
 # TRITON_INTERPRET for CPU tensors); not h's address (Triton specializes on its alignment). Calls that
 # fall back to the reference are never cached: use_kernel sees, logs and counts each of them.
-MAX_PLANS = 1024  # a bound on the plan cache: past it, it starts over
 _GEGLU_PLANS: dict[tuple, _GegluPlan] = {}
 
 
 def _geglu_key(h: torch.Tensor, approximate: str) -> tuple:
     return (h.shape, h.stride(), h.dtype, h.device, approximate, h.requires_grad and torch.is_grad_enabled(),
-            id(profiles.active_profile()), os.environ.get("SD_KERNELS_BACKEND"), h.is_cuda or interpreting())
+            *plan_context(h))
 
 
 # ---------------------------------------------------------------------------------------------
