@@ -19,13 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.profiles import active_profile
 
 from .record import PatchRecord
 from .registry import register
 
-__all__ = ["is_channels_last", "makes_channels_last", "part_of", "patch_layout"]
 _PART_OF = {"UNet2DConditionModel": "unet", "AutoencoderKL": "vae"}
 
 

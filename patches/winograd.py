@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.winograd import WinogradWeight, unsupported_conv, winograd_conv2d, winograd_weight
 from sd_kernels.profiles import active_profile
 
-from .layout import is_channels_last, makes_channels_last
+from .layout import makes_channels_last
 from .record import PatchRecord
 from .registry import register
 

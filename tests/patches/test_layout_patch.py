@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 import torch
-from sd_kernels.patches import layout
 
 import sd_kernels
 from sd_kernels import models
+from sd_kernels.ops.layout import is_channels_last
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_unet_runs_channels_last_and_undo_is_exact(pipe):
     with sd_kernels.patched(pipe, profile=_profile(["unet"]), ops=["channels_last"]) as record:
         # 1×1 kernels are NCHW and NHWC at once: only the others need re-laying
         assert record.counts["channels_last_weight"] == sum(p.shape[-2:] != (1, 1) for p in params) > 0
-        assert all(layout.is_channels_last(p) or p.shape[-2:] == (1, 1) for p in params)
+        assert all(is_channels_last(p) or p.shape[-2:] == (1, 1) for p in params)
         assert all(p.is_contiguous(memory_format=torch.channels_last) for p in params)
         assert all(p.is_contiguous() for p in _weights(pipe.vae))  # the VAE was not named
         out = _unet_out(pipe.unet)
@@ -77,7 +77,7 @@ def test_weights_assigned_while_patched_are_kept(pipe):
     with sd_kernels.patched(pipe.unet, profile=_profile(["unet"]), ops=["channels_last"]):
         new = torch.randn_like(conv.weight).contiguous(memory_format=torch.channels_last)
         saved, conv.weight.data = conv.weight.data, new
-    assert conv.weight.data_ptr() == new.data_ptr() and layout.is_channels_last(conv.weight)  # not the patch's
+    assert conv.weight.data_ptr() == new.data_ptr() and is_channels_last(conv.weight)  # not the patch's
     conv.weight.data = saved.contiguous()
 
 
