@@ -253,23 +253,10 @@ def test_attention_upcast(monkeypatch, device):
 
 
 @pytest.fixture
-def spied(monkeypatch):
+def spied(monkeypatch, count_calls):
     """A fresh plan cache; counts of path choices (``decided``) and of flash launches (``launched``)."""
     monkeypatch.setattr(attn_mod, "_PLANS", {})
-    seen = {"decided": 0, "launched": 0}
-    choose, flash = attn_mod._choose_path, attn_mod._FLASH
-
-    def choose_spy(*a):
-        seen["decided"] += 1
-        return choose(*a)
-
-    def flash_spy(*a, **kw):
-        seen["launched"] += 1
-        return flash(*a, **kw)
-
-    monkeypatch.setattr(attn_mod, "_choose_path", choose_spy)
-    monkeypatch.setattr(attn_mod, "_FLASH", flash_spy)
-    return seen
+    return count_calls(attn_mod, decided="_choose_path", launched="_FLASH")
 
 
 def test_plan_cache_skips_the_decision(spied, device):

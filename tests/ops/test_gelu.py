@@ -206,23 +206,10 @@ def test_off_ground_inputs_take_the_reference(device):
 
 
 @pytest.fixture
-def geglu_spied(monkeypatch):
+def geglu_spied(monkeypatch, count_calls):
     """A fresh plan cache; counts of dispatch decisions and of elementwise launches."""
     monkeypatch.setattr(gelu_mod, "_GEGLU_PLANS", {})
-    seen = {"decided": 0, "launched": 0}
-    decide, launch = gelu_mod.use_kernel, gelu_mod._ELEMENTWISE
-
-    def decide_spy(*a, **kw):
-        seen["decided"] += 1
-        return decide(*a, **kw)
-
-    def launch_spy(*a, **kw):
-        seen["launched"] += 1
-        return launch(*a, **kw)
-
-    monkeypatch.setattr(gelu_mod, "use_kernel", decide_spy)
-    monkeypatch.setattr(gelu_mod, "_ELEMENTWISE", launch_spy)
-    return seen
+    return count_calls(gelu_mod, decided="use_kernel", launched="_ELEMENTWISE")
 
 
 def _check_geglu(h, approximate="none"):
