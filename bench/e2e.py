@@ -5,13 +5,21 @@
 
 Every (model, variant) is one row of ``DIR/e2e.csv``, appended as soon as it is measured (a run
 that is killed keeps what it measured); the paper's cumulative ablation goes to ``DIR/ablation.csv``.
-Variants (``VARIANTS``): stock eager (SDPA), stock + torch.compile, stock + CUDA graph, patched,
-patched + CUDA graph, patched + torch.compile. Per row:
+Variants (``bench/setups.py``): stock eager (SDPA); stock + CUDA graph; the peer,
+``stock+compile-graphs`` (diffusers' recipe: channels_last, fused QKV, torch.compile fullgraph of
+the UNet and the VAE decode with CUDA graphs); patched; patched + CUDA graph; patched + CUDA graph
++ compile (``patch(cuda_graph=True, compile=True)``); patched + the peer's compile. Per row:
 
 - ``e2e_ms``: one ``pipe(prompt)`` call, ``steps`` denoising steps at batch 1 with classifier-free
   guidance (UNet batch 2), fp16, output as a tensor; median of repeats after a warm-up call.
   "+graph" variants call ``sd_kernels.patch(pipe, cuda_graph=True)`` (stock: with no op patched),
-  which replays the UNet step from CUDA graphs; the VAE then runs eagerly.
+  which replays the UNet, the VAE decode and the text encoder from CUDA graphs and keeps the
+  scheduler's timesteps on the host.
+- ``text_ms`` / ``unet_steps_ms`` / ``decode_ms`` / ``overhead_ms``: where one more pipeline call's
+  time goes: CUDA events around every text-encoder, UNet and VAE-decode call inside the call
+  (summed per part), and the rest of its wall time (scheduler, guidance, pipeline Python, the GPU
+  waiting for the host); ``syncs``: the operations in that call that made the host wait for the GPU
+  (``torch.cuda.set_sync_debug_mode``).
 - ``it_per_s``: denoising steps per second, from the marginal cost of a step:
   (steps - 1) / (time of a steps-step call - time of a 1-step call). Text encoding and the decode
   cancel out; the scheduler and guidance stay in, as in the progress bar's it/s.
@@ -46,14 +54,15 @@ import torch
 
 from bench import common
 from bench.report import print_summary
-from bench.setups import ABLATION, NO_COMPILE, VARIANTS, Setup, Unsupported, applied
+from bench.setups import ABLATION, DEFAULT_VARIANTS, NO_COMPILE, VARIANTS, Setup, Unsupported, applied, graphs_part
 
 PROMPT = "a photograph of an astronaut riding a horse"
 BATCH = 2  # one prompt with classifier-free guidance
 ENV_FIELDS = ["device", "torch", "cuda", "triton", "diffusers", "date"]
 FIELDS = ["model", "size", "variant", "status", "steps", "ops", "attention", "patched", "e2e_mode", "e2e_ms",
-          "it_per_s", "unet_ms", "unet_device_ms", "vae_ms", "vae_device_ms", "peak_MB", "peak_over_weights_MB",
-          "warmup_s", "unet_rel_err", "vae_rel_err", *ENV_FIELDS]
+          "it_per_s", "text_ms", "unet_steps_ms", "decode_ms", "overhead_ms", "syncs", "unet_ms", "unet_device_ms",
+          "vae_ms", "vae_device_ms", "peak_MB", "peak_over_weights_MB", "warmup_s", "unet_rel_err", "vae_rel_err",
+          *ENV_FIELDS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +109,8 @@ def parse_targets(text: str) -> list[Target]:
 
 def plan(selection: str, targets: Sequence[Target] | None = None, variants: Sequence[str] | None = None,
          ablation: bool = True) -> list[tuple[Target, Setup, str]]:
-    """(target, setup, csv name) in run order. Without ``variants``: the first target gets all six and
-    the ablation; the others (quick) stock and patched, eager and graphed, or (full) all six."""
+    """(target, setup, csv name) in run order. Without ``variants``: the first target gets every default
+    variant and the ablation; the others (quick) those that compile nothing, or (full) every default."""
     if selection not in SELECTIONS:
         raise ValueError(f"--selection {selection!r}: choose from {', '.join(SELECTIONS)}")
     unknown = set(variants or ()) - set(VARIANTS)
@@ -110,7 +119,7 @@ def plan(selection: str, targets: Sequence[Target] | None = None, variants: Sequ
     targets = list(targets) if targets else parse_targets(",".join(SELECTIONS[selection]))
     items = []
     for i, target in enumerate(targets):
-        names = variants or (VARIANTS if i == 0 or selection == "full" else NO_COMPILE)
+        names = variants or (DEFAULT_VARIANTS if i == 0 or selection == "full" else NO_COMPILE)
         items += [(target, VARIANTS[n], "e2e.csv") for n in names]
         if i == 0 and ablation:
             items += [(target, s, "ablation.csv") for s in ABLATION]
@@ -121,7 +130,7 @@ def estimate_s(target: Target, setup: Setup, steps: int) -> float:
     """Rough H100 seconds for one plan item (measurements, warm-up, compilation)."""
     scale = (target.size / 512) ** 2  # SDXL at 1024² costs about 4x SD1.5 at 512², like its pixels
     run = scale * (3 + STEP_S * (3 * steps + 100))  # 3 pipeline calls, ~100 UNet-step-sized calls
-    return run + (COMPILE_S.get(target.model, 200.0) if setup.compile else 0.0)
+    return run + (COMPILE_S.get(target.model, 200.0) if setup.slow_start else 0.0)
 
 
 def steady_ms(fn: Callable[[], Any], calls: int = 10, repeats: int = 3) -> float:
@@ -180,6 +189,69 @@ def pipeline_call(pipe, size: int, steps: int) -> Callable[[], Any]:
                     generator=gen, output_type="pt", return_dict=False)[0]
 
     return call
+
+
+class Spans:
+    """CUDA events around every call of some model methods, summed per label; the methods are
+    wrapped as instance attributes on top of whatever the set-up put there, and put back after."""
+
+    def __init__(self, calls: Sequence[tuple[object, str, str]]) -> None:
+        self.calls = [(obj, name, label) for obj, name, label in calls if obj is not None]
+        self.events: dict[str, list] = {label: [] for _, _, label in self.calls}
+
+    def _timed(self, fn: Callable, label: str) -> Callable:
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self.events[label].append((start, end))
+            return out
+
+        return timed
+
+    def __enter__(self) -> Spans:
+        self.saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in self.calls]
+        for obj, name, label in self.calls:
+            object.__setattr__(obj, name, self._timed(getattr(obj, name), label))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, old in self.saved:
+            if old is None:
+                object.__delattr__(obj, name)
+            else:
+                object.__setattr__(obj, name, old)
+
+    def totals_ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {label: sum(s.elapsed_time(e) for s, e in pairs) for label, pairs in self.events.items()}
+
+
+def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
+    """One more ``call()`` of ``pipe``, split into text encoding, UNet steps, VAE decode and the rest
+    (see the module docstring), with the count of host syncs inside it."""
+    import warnings
+
+    encoders = [(getattr(pipe, p, None), "forward", "text_ms") for p in ("text_encoder", "text_encoder_2")]
+    with Spans([*encoders, (pipe.unet, "forward", "unet_steps_ms"), (pipe.vae, "decode", "decode_ms")]) as spans:
+        _sync()
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")  # the call's own waits, not the two synchronize() around it
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        _sync()
+        total = (time.perf_counter() - start) * 1e3
+        parts = spans.totals_ms()
+    syncs = sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+    out: dict[str, Any] = {k: round(v, 2) for k, v in parts.items()}
+    out["overhead_ms"] = round(total - sum(parts.values()), 2)
+    out["syncs"] = syncs
+    return out
 
 
 def wall_ms(fn: Callable[[], Any]) -> float:
@@ -248,16 +320,17 @@ class Bench:
                 peak = torch.cuda.max_memory_allocated()
                 row["peak_MB"] = round(peak / 2**20, 1)
                 row["peak_over_weights_MB"] = round((peak - self.weights) / 2**20, 1)
+                row.update(breakdown(self.pipe, full))
             for part, call in (("unet", self.unet), ("vae", self.vae)):
                 row[f"{part}_rel_err"] = f"{rel_err(call(), self.ref[part]):.3e}"
                 if not cuda:
                     row[f"{part}_ms"] = round(statistics.median(wall_ms(call) for _ in range(self.repeats)), 3)
                     continue
-                if part == "unet" and info["e2e_mode"] == "graph":  # sd_kernels.patch replays its own graphs
-                    device_ms = steady_ms(call)
+                if graphs_part(setup, part):  # replayed from graphs already (ours or inductor's)
+                    steady = device_ms = steady_ms(call)
                 else:
-                    device_ms = steady_ms(common.graphed(call))
-                row[f"{part}_ms"] = round(device_ms if setup.graph else steady_ms(call), 3)
+                    steady, device_ms = steady_ms(call), steady_ms(common.graphed(call))
+                row[f"{part}_ms"] = round(steady, 3)
                 row[f"{part}_device_ms"] = round(device_ms, 3)
         row["status"] = "ok"
         return row
@@ -308,7 +381,7 @@ def run(items: list[tuple[Target, Setup, str]], out: pathlib.Path, steps: int, m
         bar.set_description(f"{target.label} {setup.name}")
         row: dict[str, Any] = {"model": target.model, "size": target.size, "variant": setup.name, "steps": steps}
         try:
-            if device != "cuda" and (setup.graph or setup.compile):
+            if device != "cuda" and (setup.graph or setup.slow_start):
                 if name != "ablation.csv":
                     raise Unsupported("CUDA graph and torch.compile variants need a GPU")
                 setup = dataclasses.replace(setup, graph=False)  # the ablation's op choices still run
@@ -368,7 +441,8 @@ def add_arguments(ap: argparse.ArgumentParser, models: bool = True) -> None:
     if models:
         ap.add_argument("--models", help="comma-separated NAME[@SIZE] (shipped config or local pipeline "
                         "directory); default: the selection's")
-    ap.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)}; default: the selection's")
+    ap.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)}; default: the selection's "
+                    f"({', '.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     ap.add_argument("--no-ablation", action="store_true", help="skip the paper's ablation")
     ap.add_argument("--max-minutes", type=float, default=9.0,

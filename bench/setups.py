@@ -1,9 +1,17 @@
 """How a pipeline is set up for one end-to-end measurement: the variants, the paper's ablation.
 
-A ``Setup`` says whether the pipeline is patched (which op families), runs its UNet step from CUDA
-graphs, is compiled, and which attention path the profile forces. ``applied(pipe, setup)`` sets the
-pipeline up for the block and undoes it after, through ``patch(pipe, profile=, ops=, cuda_graph=)``
-with ``dataclasses.replace(profile, attention=...)`` for the ablation's forced attention paths.
+A ``Setup`` says whether the pipeline is patched (which op families), which CUDA graphs
+``patch(cuda_graph=)`` installs, whether the patch compiles what its graphs capture, whether the
+pipeline is torch.compiled the way diffusers documents it (the peer), and which attention path the
+profile forces. ``applied(pipe, setup)`` sets the pipeline up for the block and undoes it after.
+
+The peer, ``stock+compile-graphs``, is diffusers' own speed recipe ("Accelerate inference of
+text-to-image diffusion models" in its docs): UNet and VAE channels_last, ``pipe.fuse_qkv_projections()``,
+``torch.compile(..., fullgraph=True)`` of the UNet and of the VAE's decode in a mode with CUDA graphs.
+The recipe names mode="max-autotune"; its compile of the SD1.5 UNet autotunes every GEMM and
+convolution and does not fit one 10-minute call on the GPU machine, so the default variant uses
+mode="reduce-overhead" (the same CUDA graphs, inductor's default kernel choices);
+``stock+compile-max-autotune`` is the recipe's mode, for a machine with time for it.
 """
 
 from __future__ import annotations
@@ -23,30 +31,52 @@ class Setup:
     name: str
     patched: bool = False
     ops: tuple[str, ...] | None = None
-    graph: bool = False
-    compile: bool = False
+    graph: bool | str = False  # patch(cuda_graph=...)
+    compile: str = ""  # torch.compile mode of the peer's recipe ("" none)
     attention: str | None = None
+    patch_compile: bool = False  # patch(compile=True): the graphs capture torch.compile'd calls
+    fuse_qkv: bool = False  # pipe.fuse_qkv_projections() (replaces every attention processor)
+
+    @property
+    def slow_start(self) -> bool:
+        """Whether the set-up compiles (minutes of warm-up)."""
+        return bool(self.compile) or self.patch_compile
 
 
+PEER = "stock+compile-graphs"
 VARIANTS = {s.name: s for s in (
     Setup("stock"),
-    Setup("stock+compile", compile=True),
     Setup("stock+graph", graph=True),
+    Setup(PEER, compile="reduce-overhead", fuse_qkv=True),
     Setup("patched", patched=True),
     Setup("patched+graph", patched=True, graph=True),
-    Setup("patched+compile", patched=True, compile=True),
+    Setup("patched+graph+compile", patched=True, graph=True, patch_compile=True),
+    Setup("patched+compile-graphs", patched=True, compile="reduce-overhead"),
+    Setup("stock+compile-max-autotune", compile="max-autotune", fuse_qkv=True),
 )}
-NO_COMPILE = tuple(name for name, s in VARIANTS.items() if not s.compile)
+# What a plan runs by default (max-autotune's compile does not fit the GPU machine's 10-minute calls).
+DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n != "stock+compile-max-autotune")
+NO_COMPILE = tuple(n for n in DEFAULT_VARIANTS if not VARIANTS[n].slow_start)
+# Graphs that replay a part's calls (then its steady time is its device time): ours or inductor's.
+CUDAGRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 # The paper's ablation, cumulative; every row replays the UNet step from CUDA graphs (in eager mode
-# an H100 is bound by the host, which would hide the kernels).
+# an H100 is bound by the host, which would hide the kernels), the rest of the pipeline as diffusers
+# runs it.
 ABLATION = (
-    Setup("baseline", graph=True),
-    Setup("+ partially fused softmax", True, ("attention",), True, attention="partial_softmax"),
-    Setup("+ FlashAttention", True, ("attention",), True, attention="auto"),
-    Setup("+ GroupNorm/GELU fusion", True, ("attention", "gelu", "group_norm"), True, attention="auto"),
-    Setup("+ Winograd", True, ("attention", "gelu", "group_norm", "winograd"), True, attention="auto"),
+    Setup("baseline", graph="unet"),
+    Setup("+ partially fused softmax", True, ("attention",), "unet", attention="partial_softmax"),
+    Setup("+ FlashAttention", True, ("attention",), "unet", attention="auto"),
+    Setup("+ GroupNorm/GELU fusion", True, ("attention", "gelu", "group_norm"), "unet", attention="auto"),
+    Setup("+ Winograd", True, ("attention", "gelu", "group_norm", "winograd"), "unet", attention="auto"),
 )
+
+
+def graphs_part(setup: Setup, part: str) -> bool:
+    """Whether ``setup`` replays ``part``'s ("unet", "vae") calls from CUDA graphs."""
+    if setup.compile in CUDAGRAPH_COMPILE_MODES:
+        return True
+    return bool(setup.graph) and (part == "unet" or setup.graph in (True, "pipeline"))
 
 
 class Unsupported(Exception):
@@ -54,22 +84,27 @@ class Unsupported(Exception):
 
 
 @contextlib.contextmanager
-def compiled(pipe) -> Iterator[None]:
-    """torch.compile (default mode) of the UNet and the VAE decoder, channels-last as is usual with it."""
-    mods = [pipe.unet, pipe.vae.decoder]
-    saved = [m.__dict__.get("forward") for m in mods]  # a patch may have bound its own forward
-    for m in mods:
+def compiled(pipe, mode: str, fuse_qkv: bool) -> Iterator[None]:
+    """diffusers' recipe: channels_last, fused QKV projections (``fuse_qkv``), torch.compile(mode,
+    fullgraph=True) of the UNet's forward and the VAE's decode; undone after the block."""
+    calls = [(pipe.unet, "forward"), (pipe.vae, "decode")]
+    saved = [m.__dict__.get(name) for m, name in calls]  # a patch may have bound its own
+    if fuse_qkv:
+        pipe.fuse_qkv_projections()
+    for m, name in calls:
         m.to(memory_format=torch.channels_last)
-        m.forward = torch.compile(m.forward)
+        object.__setattr__(m, name, torch.compile(getattr(m, name), mode=mode, fullgraph=True))
     try:
         yield
     finally:
-        for m, old in zip(mods, saved):
+        for (m, name), old in zip(calls, saved):
             if old is None:
-                del m.forward
+                object.__delattr__(m, name)
             else:
-                m.forward = old
+                object.__setattr__(m, name, old)
             m.to(memory_format=torch.contiguous_format)
+        if fuse_qkv:
+            pipe.unfuse_qkv_projections()
         torch._dynamo.reset()
 
 
@@ -78,17 +113,19 @@ def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
     """Run the block with ``pipe`` set up as ``setup`` says; yields facts for the row."""
     import sd_kernels
 
-    info = {"e2e_mode": "graph" if setup.graph else "compile" if setup.compile else "eager",
-            "patched": "", "profile": ""}
+    graph = {True: "graph"}.get(setup.graph, f"graph={setup.graph}") if setup.graph else ""
+    mode = [m for m in (graph, "compile" if setup.patch_compile else "", setup.compile and f"compile={setup.compile}")
+            if m]
+    info = {"e2e_mode": "+".join(mode) or "eager", "patched": "", "profile": ""}
     with contextlib.ExitStack() as stack:
         if setup.patched or setup.graph:  # stock + graph: patch(ops=()) only installs the CUDA graphs
             profile = (dataclasses.replace(sd_kernels.get_profile(), attention=setup.attention)
                        if setup.attention else None)
             record = sd_kernels.patch(pipe, ops=setup.ops if setup.patched else (), profile=profile,
-                                      cuda_graph=setup.graph)
+                                      cuda_graph=setup.graph, compile=setup.patch_compile)
             stack.callback(sd_kernels.unpatch, pipe)
             info["patched"] = " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
             info["profile"] = record.profile
         if setup.compile:
-            stack.enter_context(compiled(pipe))
+            stack.enter_context(compiled(pipe, setup.compile, setup.fuse_qkv))
         yield info

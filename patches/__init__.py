@@ -5,7 +5,8 @@ the parts it knows (PARTS) through sd_kernels' ops. It is idempotent and exactly
 record of every change hangs on the patched object, and ``unpatch`` restores the original modules
 and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied
 (the channels_last family re-lays the data of the very same Parameters, and lays it back).
-``cuda_graph=True`` also replays the UNet from CUDA graphs (cuda_graph.py). ``report`` gives what a
+``cuda_graph=True`` also replays the UNet, the VAE decode and the text encoders from CUDA graphs and
+keeps the scheduler's timesteps on the host (cuda_graph.py, scheduler.py). ``report`` gives what a
 patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
 """
 
@@ -22,10 +23,13 @@ from . import attention, gelu, group_norm, layout, memory, winograd  # noqa: F40
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
+from .scheduler import host_timesteps
 
 # The pipeline parts the patch touches, in order; ``ignore=`` skips some of them.
 PARTS = ("unet", "vae")
 SUPPORTED_MODELS = ("UNet2DConditionModel", "AutoencoderKL")
+# Pipeline parts that cuda_graph="pipeline" replays from graphs without patching their ops.
+GRAPH_PARTS = ("text_encoder", "text_encoder_2")
 _ATTR = "_sd_kernels_patch"  # on the patched object: its record
 _OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched it
 
@@ -33,9 +37,9 @@ _OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched i
 def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
     """(the (part, model)s to patch, the (part, class name)s of parts that hold another model)."""
     ignore = set(ignore)
-    unknown = ignore - set(PARTS)
+    unknown = ignore - set(PARTS) - set(GRAPH_PARTS)
     if unknown:
-        raise ValueError(f"ignore= names unknown parts {sorted(unknown)}; parts are {PARTS}")
+        raise ValueError(f"ignore= names unknown parts {sorted(unknown)}; parts are {PARTS + GRAPH_PARTS}")
     if isinstance(obj, nn.Module):
         if type(obj).__name__ not in SUPPORTED_MODELS:
             raise TypeError(
@@ -67,23 +71,31 @@ def patch(
     profile: str | Profile | None = None,
     ops: Iterable[str] | None = None,
     ignore: Iterable[str] = (),
-    cuda_graph: bool = False,
+    cuda_graph: bool | str = False,
+    compile: bool = False,
 ) -> PatchRecord:
     """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
 
     ``profile``: a profile name or Profile (default: detected); ``ops`` picks op families (default:
-    all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays the UNet's calls
-    from CUDA graphs captured per call signature (patches/cuda_graph.py; needs the UNet on CUDA).
+    all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays model calls from
+    CUDA graphs captured per call signature: True or "pipeline" the UNet, the VAE decode and the
+    text encoders, with the scheduler's timesteps on the host; "unet" the UNet alone
+    (patches/cuda_graph.py; needs the UNet on CUDA). ``compile``: the graphs capture
+    ``torch.compile(fullgraph=True)`` of the UNet's forward and the VAE's decode (slow first call).
     Patching an already patched object with the same arguments does nothing; with other arguments
     it is unpatched first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
+    mode = cuda_graph_mod.mode_of(cuda_graph)
+    if compile and mode is None:
+        raise ValueError("compile=True compiles what the CUDA graphs capture: pass cuda_graph=True too "
+                         "(or torch.compile the patched model yourself)")
     ops = tuple(sorted(PATCHERS)) if ops is None else tuple(sorted(set(ops)))
     unknown = set(ops) - set(PATCHERS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
     models, others = _models_of(obj, ignore)
     graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
-    if cuda_graph:
+    if mode:
         if not graphed:
             raise ValueError("cuda_graph=True captures the UNet, but there is no UNet2DConditionModel to patch "
                              f"in {type(obj).__name__} (ignore={tuple(ignore)})")
@@ -97,13 +109,16 @@ def patch(
                              "(a pipeline sharing it, or the bare model): unpatch that one first")
     prof = set_profile(profile)
     parts = [p for p, _ in models]
+    scheduler = getattr(obj, "scheduler", None) if mode == "pipeline" else None
     if old is not None:
         # The whole profile, not its name: dataclasses.replace(profile, attention=...) keeps the name.
-        if (old.ops, old.profile_spec, old.parts, old.cuda_graph) == (ops, prof, parts, cuda_graph):
+        if (old.ops, old.profile_spec, old.parts, old.cuda_graph, old.compile, old.scheduler) == (
+                ops, prof, parts, mode, compile, scheduler):
             return old
         unpatch(obj)
-    record = PatchRecord(ops, prof.name, parts, cuda_graph)
+    record = PatchRecord(ops, prof.name, parts, mode, compile)
     record.profile_spec = prof
+    record.scheduler = scheduler
     for part, name in others:
         record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
     try:
@@ -112,14 +127,37 @@ def patch(
             record.set_attr(model, _OWNER, record, kind=None)
             for op in ops:
                 PATCHERS[op](model, record)
-        if cuda_graph:
-            for model in graphed:
-                cuda_graph_mod.install(model, record)
+        if mode:
+            _install_graphs(obj, models, record, mode, compile, ignore)
     except BaseException:
         record.undo()
         raise
     object.__setattr__(obj, _ATTR, record)
     return record
+
+
+def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, mode: str,
+                    compile: bool, ignore: Iterable[str]) -> None:
+    """The CUDA graphs of ``cuda_graph=mode`` (the UNet's were checked graphable before any change)."""
+    for _, model in models:
+        if type(model).__name__ == "UNet2DConditionModel":
+            cuda_graph_mod.install(model, record, compile=compile)
+    if mode != "pipeline":
+        return
+    record.scope = ""
+    components = getattr(obj, "components", None) or {}
+    calls = [(part, model, "decode", ("generator",)) for part, model in models
+             if type(model).__name__ == "AutoencoderKL"]
+    calls += [(part, components[part], "forward", ()) for part in GRAPH_PARTS
+              if part not in ignore and isinstance(components.get(part), nn.Module)]
+    for part, model, method, drop in calls:
+        reason = cuda_graph_mod.graphable_reason(model)
+        if reason is not None:
+            record.skip(part, type(model).__name__, f"not replayed from CUDA graphs: {reason}")
+            continue
+        cuda_graph_mod.install(model, record, method, drop, compile=compile and method == "decode")
+    if record.scheduler is not None:
+        host_timesteps(record.scheduler, record)
 
 
 def unpatch(obj: object) -> bool:

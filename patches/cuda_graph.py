@@ -1,39 +1,52 @@
-"""``patch(..., cuda_graph=True)``: the UNet call replayed from CUDA graphs, one per call signature.
+"""``patch(..., cuda_graph=...)``: a pipeline's model calls replayed from CUDA graphs, one per call signature.
 
 Why: in eager mode a patched UNet step is bound by the host (each Triton launch costs more Python
 time than an ATen one), so the kernels' device-time gain only shows when the whole step is replayed
-from a CUDA graph, which costs one launch of host time.
+from a CUDA graph, which costs one launch of host time. And a replayed step only pays if the host
+never waits for the GPU: then the host queues step after step while the GPU works, and the
+pipeline's own Python (scheduler, guidance, progress bar) hides behind the GPU's work.
 
-``GraphedForward`` replaces the UNet's ``forward`` (an instance attribute set through the record, so
+Modes (``MODES``; ``cuda_graph=True`` means ``"pipeline"``):
+
+- ``"pipeline"``: the UNet's ``forward``, the VAE's ``decode`` and the text encoders' ``forward`` each
+  replayed from graphs, and the scheduler's timesteps kept on the host (patches/scheduler.py), which
+  removes the host sync that diffusers' PNDM/DDIM steps make on every step.
+- ``"unet"``: the UNet's ``forward`` only.
+
+``GraphedCall`` replaces one method of a model (an instance attribute set through the record, so
 ``unpatch`` removes it and the graphs with it). On each call it:
 
-1. normalises the arguments as the UNet would see them: a Python-number ``timestep`` becomes the
-   tensor diffusers itself would make of it (int64 or float64, on the model's device);
+1. normalises the arguments as the model would see them: a Python-number ``timestep`` becomes the
+   tensor diffusers itself would make of it (int64 or float64; on the host, copied in below), and
+   arguments the method ignores (``vae.decode``'s ``generator``) are dropped;
 2. flattens positional and keyword arguments with torch's pytree (``added_cond_kwargs`` dicts of
    SDXL, ``encoder_hidden_states``, ``return_dict``, ``cross_attention_kwargs=None`` …): the tensor
    leaves' (shape, strides, dtype, device) and every other leaf's value, with the tree's structure,
    make the signature;
 3. on a new signature: copies the inputs into static buffers, runs one warm-up call on a side stream
-   (Triton autotuning, cuDNN/cuBLAS set-up happen there, outside the capture), then captures one
-   call into a graph that draws from a memory pool shared by all of this model's graphs;
-4. copies the inputs into that signature's static buffers, replays, and returns **clones** of the
-   outputs, so that the next replay (which rewrites the static outputs) cannot change what an
-   earlier call returned. The clone of a latent is a few hundred kB: negligible beside a UNet step.
+   (Triton autotuning, torch.compile, cuDNN/cuBLAS set-up happen there, outside the capture), then
+   captures one call into a graph that draws from a memory pool shared by all of this model's graphs;
+4. copies the inputs into that signature's static buffers (a small host tensor — a timestep on the
+   host — through pinned memory, asynchronously: the host does not wait), replays, and returns
+   **clones** of the outputs, so that the next replay (which rewrites the static outputs) cannot
+   change what an earlier call returned. The clone of a latent is a few hundred kB: negligible.
 
 Under ``torch.compile`` the wrapper steps aside (compile's mode="reduce-overhead" is its own way to
-graph a model). Calls that cannot be captured run eagerly (logged once per reason): autograd
-enabled, a tensor argument on another device (a CPU 0-d tensor is fine: it is copied in), a
-non-tensor argument that is not hashable, or a capture that raised. The graphs hold the weights by
-address: in-place weight changes (``fuse_lora``, ``load_state_dict``) show in the next replay; a
-change of the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``) or moved
-weights (``.to(...)``, seen in a parameter's address) drop the graphs; offloading hooks added after
-the patch make the calls eager.
+graph a model); ``patch(..., compile=True)`` instead compiles the method that the graphs capture.
+Calls that cannot be captured run eagerly (logged once per reason): autograd enabled, a tensor
+argument on another device (a host tensor of at most ``HOST_NUMEL`` elements is fine: it is copied
+in), a non-tensor argument that is not hashable, or a capture that raised. The graphs hold the
+weights by address: in-place weight changes (``fuse_lora``, ``load_state_dict``) show in the next
+replay; a change of the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``) or
+moved weights (``.to(...)``, seen in a parameter's address) drop the graphs; offloading hooks added
+after the patch make the calls eager.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -42,31 +55,59 @@ from torch.utils import _pytree as pytree
 
 log = logging.getLogger("sd_kernels")
 
+MODES = ("pipeline", "unet")
+# A host tensor argument of at most this many elements (a timestep) is copied in; a larger one runs eagerly.
+HOST_NUMEL = 16
 # The UNet2DConditionModel.forward argument diffusers turns into a tensor itself when given a number.
 _TIMESTEP = "timestep"
+_LABELS = {"UNet2DConditionModel": "UNet", "AutoencoderKL": "VAE"}
+
+
+def mode_of(value: Any) -> str | None:
+    """The graph mode ``cuda_graph=value`` asks for (None: no graphs); a clear error for anything else."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return MODES[0]
+    if isinstance(value, str) and value in MODES:
+        return value
+    raise ValueError(f"cuda_graph={value!r}: choose False, True (= {MODES[0]!r}) or one of "
+                     f"{', '.join(map(repr, MODES))}")
+
+
+def graphable_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be run from CUDA graphs, or None if it can."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) != 1 or not devices[0].startswith("cuda"):
+        return (f"needs the {type(model).__name__} on one CUDA device; its parameters are on "
+                f"{', '.join(devices) or 'no device'} (move the pipeline with .to('cuda') first)")
+    if hasattr(model, "_hf_hook"):
+        return (f"cannot capture a {type(model).__name__} under accelerate hooks (CPU offload moves weights "
+                "during the call); disable offloading first")
+    return None
 
 
 def check_graphable(model: nn.Module) -> None:
     """Raise a clear error if ``model`` cannot be run from CUDA graphs."""
-    devices = sorted({str(p.device) for p in model.parameters()})
-    if len(devices) != 1 or not devices[0].startswith("cuda"):
-        raise ValueError(
-            f"cuda_graph=True needs the {type(model).__name__} on one CUDA device; its parameters are on "
-            f"{', '.join(devices) or 'no device'} (move the pipeline with .to('cuda') first)"
-        )
-    if hasattr(model, "_hf_hook"):
-        raise ValueError(
-            f"cuda_graph=True cannot capture a {type(model).__name__} under accelerate hooks (CPU offload "
-            "moves weights during the call); disable offloading first"
-        )
+    reason = graphable_reason(model)
+    if reason is not None:
+        raise ValueError(f"cuda_graph=True {reason}")
 
 
-def _timestep_tensor(t: Any, device: torch.device) -> Any:
-    """diffusers' own conversion of a number timestep (UNet2DConditionModel.get_time_embed)."""
+def _timestep_tensor(t: Any) -> Any:
+    """diffusers' own conversion of a number timestep (UNet2DConditionModel.get_time_embed), made on
+    the host: it reaches the graph through the asynchronous copy-in, not a blocking host-to-device copy."""
     if isinstance(t, bool) or not isinstance(t, numbers.Number):
         return t
-    dtype = torch.float64 if isinstance(t, float) else torch.int64
-    return torch.tensor([t], dtype=dtype, device=device)
+    return torch.tensor([t], dtype=torch.float64 if isinstance(t, float) else torch.int64)
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src.device.type == "cpu" and dst.device.type == "cuda":
+        # from pinned memory the copy is queued on the stream; from pageable memory torch would wait
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 def _model_state(model: nn.Module, first: torch.Tensor) -> tuple:
@@ -99,7 +140,7 @@ class _Graph:
     """One captured call: static inputs (the tensor leaves), the graph, the static outputs."""
 
     def __init__(self, fn, tree: pytree.TreeSpec, leaves: list, device: torch.device, pool, stream) -> None:
-        # On the model's device (a CPU 0-d timestep too: the UNet's own .to(device) is then a no-op),
+        # On the model's device (a host timestep too: the model's own .to(device) is then a no-op),
         # in the argument's strides (clone keeps them).
         self.static = [x.to(device).clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(self.static, tree)
@@ -108,17 +149,23 @@ class _Graph:
     def __call__(self, leaves: list) -> Any:
         for dst, src in zip(self.static, leaves):
             if isinstance(dst, torch.Tensor):
-                dst.copy_(src)
+                _copy_in(dst, src)
         self.graph.replay()
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.out)
 
 
-class GraphedForward:
-    """The UNet's forward, replayed from a CUDA graph per call signature (see the module docstring)."""
+class GraphedCall:
+    """One method of a model (``forward``, ``decode``), replayed from a CUDA graph per call signature
+    (see the module docstring). ``fn`` is what the graphs capture (the method, or a compiled version
+    of it); ``drop`` names keyword arguments the method ignores; ``timestep``: the second argument is
+    a UNet's timestep (a number becomes the tensor diffusers makes of it)."""
 
-    def __init__(self, model: nn.Module, forward) -> None:
+    def __init__(self, model: nn.Module, fn, label: str, drop: Iterable[str] = (), timestep: bool = False) -> None:
         check_graphable(model)
-        self.forward = forward
+        self.forward = fn
+        self.label = label
+        self.drop = tuple(drop)
+        self.timestep = timestep
         self.device = next(model.parameters()).device
         self.model_ref = model
         self.graphs: dict[Any, _Graph] = {}
@@ -130,7 +177,7 @@ class GraphedForward:
         self._logged: set[str] = set()
 
     def __repr__(self) -> str:
-        return f"GraphedForward({len(self.graphs)} graphs)"
+        return f"GraphedCall({self.label}, {len(self.graphs)} graphs)"
 
     def reset(self) -> None:
         """Drop every captured graph (the next call of each signature captures anew)."""
@@ -140,14 +187,14 @@ class GraphedForward:
     def _eager(self, reason: str, args, kwargs) -> Any:
         if reason not in self._logged:
             self._logged.add(reason)
-            log.warning("sd_kernels: cuda_graph: running the UNet eagerly: %s", reason)
+            log.warning("sd_kernels: cuda_graph: running the %s eagerly: %s", self.label, reason)
         return self.forward(*args, **kwargs)
 
     def _signature(self, leaves: list, tree: pytree.TreeSpec) -> tuple[Any, str | None]:
         parts = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                if x.device != self.device and not (x.device.type == "cpu" and x.dim() == 0):
+                if x.device != self.device and not (x.device.type == "cpu" and x.numel() <= HOST_NUMEL):
                     return None, f"a tensor argument on {x.device}, the model on {self.device}"
                 parts.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.device))
             else:
@@ -161,13 +208,15 @@ class GraphedForward:
     def __call__(self, *args, **kwargs) -> Any:
         if torch.compiler.is_compiling():  # torch.compile traces the model itself (mode="reduce-overhead" graphs it)
             return self.forward(*args, **kwargs)
+        for name in self.drop:
+            kwargs.pop(name, None)
         if torch.is_grad_enabled():
             return self._eager("autograd is enabled (capture only runs under torch.no_grad / inference_mode)",
                                args, kwargs)
-        if args[1:2]:
-            args = (args[0], _timestep_tensor(args[1], self.device), *args[2:])
-        elif _TIMESTEP in kwargs:
-            kwargs = {**kwargs, _TIMESTEP: _timestep_tensor(kwargs[_TIMESTEP], self.device)}
+        if self.timestep and args[1:2]:
+            args = (args[0], _timestep_tensor(args[1]), *args[2:])
+        elif self.timestep and _TIMESTEP in kwargs:
+            kwargs = {**kwargs, _TIMESTEP: _timestep_tensor(kwargs[_TIMESTEP])}
         leaves, tree = pytree.tree_flatten((args, kwargs))
         key, reason = self._signature(leaves, tree)
         if reason is not None:
@@ -181,8 +230,7 @@ class GraphedForward:
         graph = self.graphs.get(key)
         if graph is None and key not in self.eager_keys:
             try:
-                graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool,
-                                                          self.stream)
+                graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
             except Exception as exc:  # a capture that fails runs eagerly from then on, for this signature
                 self.eager_keys.add(key)
                 return self._eager(f"capture failed ({type(exc).__name__}: {exc})", args, kwargs)
@@ -191,8 +239,15 @@ class GraphedForward:
         return graph(leaves)
 
 
-def install(model: nn.Module, record) -> GraphedForward:
-    """Replace ``model.forward`` by a GraphedForward, through ``record`` (undone by ``unpatch``)."""
-    graphed = GraphedForward(model, model.forward)
-    record.set_attr(model, "forward", graphed, "cuda_graph")
+def install(model: nn.Module, record, method: str = "forward", drop: Iterable[str] = (),
+            compile: bool = False) -> GraphedCall:
+    """Replace ``model.<method>`` by a GraphedCall, through ``record`` (undone by ``unpatch``);
+    ``compile``: the graphs capture ``torch.compile(method, fullgraph=True)``."""
+    fn = getattr(model, method)
+    if compile:
+        fn = torch.compile(fn, fullgraph=True)
+    name = type(model).__name__
+    label = _LABELS.get(name, name) + ("" if method == "forward" else f".{method}")
+    graphed = GraphedCall(model, fn, label, drop, timestep=name == "UNet2DConditionModel" and method == "forward")
+    record.set_attr(model, method, graphed, "cuda_graph")
     return graphed

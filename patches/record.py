@@ -62,12 +62,15 @@ def _replace_inside(wrapper: nn.Module, target: nn.Module, value: nn.Module) -> 
 
 
 class PatchRecord:
-    def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: bool = False) -> None:
+    def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: str | None = None,
+                 compile: bool = False) -> None:
         self.ops = ops
         self.profile = profile
         self.parts = parts
-        self.cuda_graph = cuda_graph
+        self.cuda_graph = cuda_graph  # the graph mode (patches/cuda_graph.py MODES), None for none
+        self.compile = compile
         self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
+        self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
@@ -139,7 +142,8 @@ class PatchRecord:
 
     def summary(self) -> str:
         parts = ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))
-        graph = ", cuda_graph" if self.cuda_graph else ""
+        graph = f", cuda_graph={self.cuda_graph}" if self.cuda_graph else ""
+        graph += ", compile" if self.compile else ""
         return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}{graph}): {parts or 'nothing'}"
 
     def format(self, examples: int = 3) -> str:

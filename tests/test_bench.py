@@ -18,7 +18,8 @@ def _names(items, csv_name):
 def test_quick_plan_is_the_issue_selection():
     items = e2e.plan("quick")
     variants = _names(items, "e2e.csv")
-    assert [v for t, v in variants if t == "sd15@512"] == list(e2e.VARIANTS)
+    assert [v for t, v in variants if t == "sd15@512"] == list(e2e.DEFAULT_VARIANTS)
+    assert "stock+compile-graphs" in e2e.DEFAULT_VARIANTS and "stock+compile-max-autotune" not in e2e.DEFAULT_VARIANTS
     for other in ("sd21@768", "sdxl@1024"):
         assert [v for t, v in variants if t == other] == ["stock", "stock+graph", "patched", "patched+graph"]
     assert _names(items, "ablation.csv") == [("sd15@512", s.name) for s in e2e.ABLATION]
@@ -28,7 +29,7 @@ def test_full_plan_runs_every_variant_everywhere():
     items = e2e.plan("full")
     labels = {t for t, _ in _names(items, "e2e.csv")}
     assert labels == {"sd15@512", "sd21@512", "sd21@768", "sdxl@1024"}
-    assert len(_names(items, "e2e.csv")) == 4 * len(e2e.VARIANTS)
+    assert len(_names(items, "e2e.csv")) == 4 * len(e2e.DEFAULT_VARIANTS)
 
 
 def test_explicit_models_and_variants():
@@ -55,7 +56,7 @@ def test_bad_variant_and_selection_are_named():
 
 def test_estimates_grow_with_size_and_compilation():
     sd15, sdxl = e2e.Target("sd15", 512), e2e.Target("sdxl", 1024)
-    eager, compiled = e2e.VARIANTS["stock"], e2e.VARIANTS["stock+compile"]
+    eager, compiled = e2e.VARIANTS["stock"], e2e.VARIANTS["stock+compile-graphs"]
     assert 0 < e2e.estimate_s(sd15, eager, 20) < e2e.estimate_s(sdxl, eager, 20)
     assert e2e.estimate_s(sd15, compiled, 20) >= e2e.estimate_s(sd15, eager, 20) + e2e.COMPILE_S["sd15"]
 
@@ -125,12 +126,19 @@ def test_ablation_changes_are_relative_to_the_baseline():
 
 
 def test_goals_compare_the_issue_targets():
-    rows = [_row("stock+compile", 150.0, 0, unet_device_ms=6.6), _row("patched+graph", 90.0, 0, unet_ms=3.9,
-                                                                      vae_device_ms=5.0)]
+    rows = [_row("stock+compile-graphs", 200.0, 0, unet_device_ms=6.6),
+            _row("patched+graph", 160.0, 0, unet_device_ms=5.0, overhead_ms=3.0),
+            _row("patched+graph+compile", 140.0, 0, unet_device_ms=6.0, overhead_ms=6.5),
+            {**_row("stock+compile-graphs", 500.0, 0), "model": "sdxl", "size": 1024},
+            {**_row("patched+graph", 520.0, 0), "model": "sdxl", "size": 1024}]
     lines = report.goals(rows)
-    assert lines[0].startswith("UNet step: patched+graph 3.90 ms = 0.59x") and lines[0].endswith(": met")
-    assert lines[1] == "VAE decode: best patched 5.00 ms (goal <= 4.5 ms): not met"
-    assert lines[2].endswith("(patched+graph) 90.0 ms (goal <= 100 ms): met")
+    assert lines[0] == ("end to end: best ours (patched+graph+compile) 140.0 ms = 0.70x stock+compile-graphs "
+                        "200.0 ms (goal <= 0.75x): met")
+    assert lines[1] == "pipeline overhead: patched+graph+compile 6.5 ms per image (goal <= 5 ms): not met"
+    assert lines[2].startswith("UNet step device time: best ours (patched+graph) 5.00 ms = 0.76x")
+    assert lines[2].endswith(": met")
+    assert lines[3].startswith("sdxl@1024 end to end: best ours (patched+graph) 520.0 ms = 1.04x")
+    assert lines[3].endswith("(goal < 1x): not met")
 
 
 def test_plots_are_written_from_the_csvs(tmp_path):
@@ -138,7 +146,7 @@ def test_plots_are_written_from_the_csvs(tmp_path):
     for name, variant, ms in (("e2e.csv", "stock", 900.0), ("e2e.csv", "patched+graph", 300.0),
                               ("ablation.csv", "baseline", 500.0), ("ablation.csv", "+ FlashAttention", 400.0)):
         log.append(name, _row(variant, ms, ms / 10, steps=20))
-    log.append("e2e.csv", {"model": "sd15", "size": 512, "variant": "stock+compile", "status": "error: X"})
+    log.append("e2e.csv", {"model": "sd15", "size": 512, "variant": "stock+compile-graphs", "status": "error: X"})
     ops = ROOT / "bench" / "results" / "2026-11-22-h100" / "ops.csv"
     (tmp_path / "ops.csv").write_bytes(ops.read_bytes())
     written = plot.plot_folder(tmp_path)

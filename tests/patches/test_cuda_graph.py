@@ -20,15 +20,15 @@ pytree = torch.utils._pytree
 
 
 @pytest.mark.parametrize("t, dtype", [(10, torch.int64), (10.5, torch.float64)])
-def test_number_timestep_becomes_diffusers_tensor(t, dtype):
-    out = cuda_graph._timestep_tensor(t, torch.device("cpu"))
-    assert out.dtype == dtype and out.shape == (1,) and out.item() == t
+def test_number_timestep_becomes_diffusers_tensor_on_the_host(t, dtype):
+    out = cuda_graph._timestep_tensor(t)
+    assert out.dtype == dtype and out.shape == (1,) and out.item() == t and out.device.type == "cpu"
 
 
 def test_tensor_and_bool_timesteps_pass_through():
     t = torch.tensor(3)
-    assert cuda_graph._timestep_tensor(t, torch.device("cpu")) is t
-    assert cuda_graph._timestep_tensor(True, torch.device("cpu")) is True
+    assert cuda_graph._timestep_tensor(t) is t
+    assert cuda_graph._timestep_tensor(True) is True
 
 
 def test_model_not_on_cuda_is_a_clear_error():
@@ -59,6 +59,7 @@ class FakeGraph:
 def fake_cuda(monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")  # exact, and fast: this is about the plumbing
     monkeypatch.setattr(cuda_graph, "check_graphable", lambda model: None)
+    monkeypatch.setattr(cuda_graph, "graphable_reason", lambda model: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")
     captures = []
@@ -172,6 +173,92 @@ def test_moved_weights_recapture(fake_cuda):
     assert len(fake_cuda) == 2
 
 
+SCHEDULERS = ["PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
+              "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"]
+
+
+def _pipe_pair(name="tiny", scheduler=None):
+    """(patched eagerly, patched with cuda_graph=True) copies of one tiny pipeline, same scheduler."""
+    import diffusers
+
+    eager = models.build_pipeline(name)
+    eager.set_progress_bar_config(disable=True)
+    if scheduler:
+        eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager)
+    return eager, graphed, sd_kernels.patch(graphed, cuda_graph=True)
+
+
+def _pipe_run(pipe, steps=3, **kwargs):
+    return pipe(prompt="a cat", num_inference_steps=steps, height=64, width=64, output_type="pt",
+                generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl"])
+def test_pipeline_mode_graphs_every_model_call(fake_cuda, name):
+    eager, graphed, record = _pipe_pair(name)
+    encoders = [p for p in ("text_encoder", "text_encoder_2") if getattr(graphed, p, None) is not None]
+    assert record.cuda_graph == "pipeline" and record.counts["cuda_graph"] == 2 + len(encoders)
+    assert isinstance(vars(graphed.vae)["decode"], cuda_graph.GraphedCall)
+    for part in encoders:
+        assert isinstance(vars(getattr(graphed, part))["forward"], cuda_graph.GraphedCall)
+    with torch.no_grad():
+        for steps in (3, 3, 2):
+            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
+    # one signature per model call kind: UNet (batch 2 with guidance), VAE decode, each encoder's call
+    assert len(graphed.unet.forward.graphs) == 1 and len(graphed.vae.decode.graphs) == 1
+    assert graphed.scheduler.timesteps.device.type == "cpu"
+    sd_kernels.unpatch(graphed)
+    assert "decode" not in vars(graphed.vae) and "set_timesteps" not in vars(graphed.scheduler)
+    assert all("forward" not in vars(getattr(graphed, p)) for p in encoders)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_host_timesteps_keep_images(fake_cuda, scheduler):
+    """Each scheduler the pipeline mode gives host timesteps: the same images as with its own."""
+    eager, graphed, record = _pipe_pair("tiny", scheduler)
+    assert record.counts["host_timesteps"] == 1
+    with torch.no_grad():
+        assert torch.equal(_pipe_run(graphed, 4), _pipe_run(eager, 4))
+    assert graphed.scheduler.timesteps.device.type == "cpu"
+
+
+def test_unknown_scheduler_is_left_alone_and_reported(fake_cuda):
+    eager, graphed, record = _pipe_pair("tiny", "DDPMScheduler")
+    assert "host_timesteps" not in record.counts and "set_timesteps" not in vars(graphed.scheduler)
+    assert any(s.path == "scheduler" and "not checked with host timesteps" in s.reason for s in record.skipped)
+
+
+def test_unet_mode_graphs_the_unet_alone(fake_cuda):
+    pipe = models.build_pipeline("tiny")
+    record = sd_kernels.patch(pipe, cuda_graph="unet")
+    assert record.counts["cuda_graph"] == 1 and "decode" not in vars(pipe.vae)
+    assert "set_timesteps" not in vars(pipe.scheduler)
+
+
+def test_a_new_scheduler_repatches(fake_cuda):
+    import diffusers
+
+    pipe = models.build_pipeline("tiny")
+    first = sd_kernels.patch(pipe, cuda_graph=True)
+    assert sd_kernels.patch(pipe, cuda_graph=True) is first
+    old = pipe.scheduler
+    pipe.scheduler = diffusers.DDIMScheduler.from_config(old.config)
+    second = sd_kernels.patch(pipe, cuda_graph=True)
+    assert second is not first and "set_timesteps" in vars(pipe.scheduler)
+    assert "set_timesteps" not in vars(old)  # the first patch's wrapper went with its unpatch
+
+
+def test_model_off_cuda_is_reported_not_graphed(fake_cuda, monkeypatch):
+    monkeypatch.setattr(cuda_graph, "graphable_reason",
+                        lambda model: "off CUDA" if type(model).__name__ == "CLIPTextModel" else None)
+    pipe = models.build_pipeline("tiny")
+    record = sd_kernels.patch(pipe, cuda_graph=True)
+    assert "forward" not in vars(pipe.text_encoder)
+    assert any(s.path == "text_encoder" and "off CUDA" in s.reason for s in record.skipped)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -212,7 +299,7 @@ def _eager_and_graphed(name="tiny"):
 def test_replay_matches_eager_across_shapes_without_stale_outputs(name):
     eager, graphed, record = _eager_and_graphed(name)
     forward = graphed.forward
-    assert isinstance(forward, cuda_graph.GraphedForward) and record.counts["cuda_graph"] == 1
+    assert isinstance(forward, cuda_graph.GraphedCall) and record.counts["cuda_graph"] == 1
     t = torch.tensor(10, device="cuda")
     with torch.no_grad():
         results = []
@@ -247,3 +334,90 @@ def test_calling_conventions():
 def test_lora_loaded_after_capture_recaptures():
     eager, graphed, _ = _eager_and_graphed()
     _matches(*_lora_after_capture(eager, graphed, *_args(eager, 2, 8)))
+
+
+def _gpu_pipe_pair(scheduler=None, compile=False):
+    import diffusers
+
+    eager = models.build_pipeline("tiny", device="cuda", dtype=torch.float16)
+    eager.set_progress_bar_config(disable=True)
+    if scheduler:
+        eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager)
+    sd_kernels.patch(graphed, cuda_graph=True, compile=compile)
+    return eager, graphed
+
+
+def _gpu_run(pipe, steps=4, seed=0, **kwargs):
+    return pipe(prompt="a cat", num_inference_steps=steps, height=kwargs.pop("size", 64), width=64,
+                output_type="pt", generator=torch.Generator("cuda").manual_seed(seed), **kwargs).images
+
+
+class _SyncsPerStep:
+    """A callback_on_step_end that records how many host syncs the loop made up to each step's end."""
+
+    def __init__(self, caught):
+        self.caught, self.counts = caught, []
+
+    def __call__(self, pipe, i, t, kwargs):
+        self.counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in self.caught))
+        return kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_pipeline_mode_matches_eager_and_the_loop_never_waits(scheduler):
+    """Every model call replayed, the timesteps on the host: the images of the eager pipeline, and no
+    host sync between the end of the first step and the end of the last (UniPC's own step copies its
+    sigmas to the GPU one by one: it is the one scheduler allowed some)."""
+    import warnings
+
+    eager, graphed = _gpu_pipe_pair(scheduler)
+    with torch.no_grad():
+        want = _gpu_run(eager)
+        _matches(_gpu_run(graphed), want)  # captures
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            steps = _SyncsPerStep(caught)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                got = _gpu_run(graphed, callback_on_step_end=steps)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    _matches(got, want)
+    assert len(steps.counts) == 4
+    if scheduler != "UniPCMultistepScheduler":
+        assert steps.counts[-1] == steps.counts[0], steps.counts
+
+
+@pytest.mark.gpu
+def test_pipeline_mode_recaptures_or_replays_correctly_when_the_call_changes():
+    eager, graphed = _gpu_pipe_pair()
+    calls = [{}, {"size": 128}, {"num_images_per_prompt": 2}, {"steps": 6}, {"guidance_scale": 2.0},
+             {"guidance_scale": 1.0}, {}]  # guidance 1: no classifier-free guidance, UNet batch 1
+    with torch.no_grad():
+        for kwargs in calls:
+            _matches(_gpu_run(graphed, **dict(kwargs)), _gpu_run(eager, **dict(kwargs)))
+    assert len(graphed.unet.forward.graphs) == 4  # batch 2 at 64 and 128, batch 4, batch 1
+
+
+@pytest.mark.gpu
+def test_pipeline_mode_drops_its_graphs_when_the_pipeline_moves():
+    eager, graphed = _gpu_pipe_pair()
+    with torch.no_grad():
+        _gpu_run(graphed)
+        graphed.to(torch.float32)
+        eager.to(torch.float32)
+        _matches(_gpu_run(graphed), _gpu_run(eager))
+
+
+@pytest.mark.gpu
+def test_compile_inside_the_graphs_matches_eager():
+    eager, graphed = _gpu_pipe_pair(compile=True)
+    with torch.no_grad():
+        want = _gpu_run(eager)
+        for _ in range(2):
+            got = _gpu_run(graphed)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # inductor fuses in another order
+    torch._dynamo.reset()

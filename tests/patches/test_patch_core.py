@@ -95,7 +95,10 @@ def test_bare_model(pipe, fake_op):
         (nn.Linear(2, 2), {}, TypeError, "supported models: UNet2DConditionModel"),
         ("not a pipeline", {}, TypeError, "expected a diffusers pipeline"),
         (None, {"ops": ["warp_drive"]}, ValueError, "unknown ops"),
-        (None, {"ignore": ["text_encoder"]}, ValueError, "unknown parts"),
+        (None, {"ignore": ["tokenizer"]}, ValueError, "unknown parts"),
+        (None, {"cuda_graph": "whole"}, ValueError, r"cuda_graph='whole': choose False, True \(= 'pipeline'\)"),
+        (None, {"cuda_graph": 1}, ValueError, "cuda_graph=1: choose"),
+        (None, {"compile": True}, ValueError, "compile=True compiles what the CUDA graphs capture"),
         (None, {"profile": "mali"}, ValueError, "known profiles"),
     ],
 )
