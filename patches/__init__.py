@@ -13,17 +13,20 @@ patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch.nn as nn
 
-from sd_kernels.profiles import Profile, set_profile
+from sd_kernels.profiles import Profile, get_profile, set_profile
 
 from . import attention, gelu, group_norm, layout, memory, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
 from .scheduler import host_timesteps
+
+log = logging.getLogger("sd_kernels")
 
 # The pipeline parts the patch touches, in order; ``ignore=`` skips some of them.
 PARTS = ("unet", "vae")
@@ -71,7 +74,7 @@ def patch(
     profile: str | Profile | None = None,
     ops: Iterable[str] | None = None,
     ignore: Iterable[str] = (),
-    cuda_graph: bool | str = False,
+    cuda_graph: bool | str = cuda_graph_mod.AUTO,
     compile: bool = False,
 ) -> PatchRecord:
     """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
@@ -80,8 +83,10 @@ def patch(
     all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays model calls from
     CUDA graphs captured per call signature: True or "pipeline" the UNet, the VAE decode and the
     text encoders, with the scheduler's timesteps on the host; "unet" the UNet alone
-    (patches/cuda_graph.py; needs the UNet on CUDA). ``compile``: the graphs capture
-    ``torch.compile(fullgraph=True)`` of the UNet's forward and the VAE's decode (slow first call).
+    (patches/cuda_graph.py; needs the UNet on CUDA); "auto" (the default) "pipeline" where the UNet
+    can be captured and the profile sets no memory budget, else none; False: eager. ``compile``:
+    the graphs capture ``torch.compile(fullgraph=True)`` of the UNet's forward and the VAE's decode
+    (a minute or two of compilation on the first call of each shape).
     Patching an already patched object with the same arguments does nothing; with other arguments
     it is unpatched first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
@@ -95,6 +100,13 @@ def patch(
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
     models, others = _models_of(obj, ignore)
     graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
+    prof = get_profile(profile)  # made active below, once nothing can fail any more before the patchers
+    if mode == cuda_graph_mod.AUTO:
+        mode, why = cuda_graph_mod.auto_mode(graphed, prof)
+        if compile and mode is None:
+            raise ValueError(f"compile=True compiles what the CUDA graphs capture, and cuda_graph='auto' "
+                             f"captures nothing here ({why})")
+        log.info("sd_kernels: cuda_graph='auto' -> %s (%s)", mode, why)
     if mode:
         if not graphed:
             raise ValueError("cuda_graph=True captures the UNet, but there is no UNet2DConditionModel to patch "
@@ -107,7 +119,6 @@ def patch(
         if owner is not None and owner is not old:
             raise ValueError(f"the {part} of this {type(obj).__name__} is already patched through another object "
                              "(a pipeline sharing it, or the bare model): unpatch that one first")
-    prof = set_profile(profile)
     parts = [p for p, _ in models]
     scheduler = getattr(obj, "scheduler", None) if mode == "pipeline" else None
     if old is not None:
@@ -116,6 +127,7 @@ def patch(
                 ops, prof, parts, mode, compile, scheduler):
             return old
         unpatch(obj)
+    set_profile(prof)
     record = PatchRecord(ops, prof.name, parts, mode, compile)
     record.profile_spec = prof
     record.scheduler = scheduler

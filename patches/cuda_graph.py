@@ -56,6 +56,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("sd_kernels")
 
 MODES = ("pipeline", "unet")
+AUTO = "auto"  # patch()'s default: "pipeline" where the UNet can be captured and the profile has no budget
 # A host tensor argument of at most this many elements (a timestep) is copied in; a larger one runs eagerly.
 HOST_NUMEL = 16
 # The UNet2DConditionModel.forward argument diffusers turns into a tensor itself when given a number.
@@ -64,15 +65,28 @@ _LABELS = {"UNet2DConditionModel": "UNet", "AutoencoderKL": "VAE"}
 
 
 def mode_of(value: Any) -> str | None:
-    """The graph mode ``cuda_graph=value`` asks for (None: no graphs); a clear error for anything else."""
+    """The graph mode ``cuda_graph=value`` asks for (None: no graphs; ``AUTO`` is resolved by
+    ``auto_mode``); a clear error for anything else."""
     if value is None or value is False:
         return None
     if value is True:
         return MODES[0]
-    if isinstance(value, str) and value in MODES:
+    if isinstance(value, str) and value in (*MODES, AUTO):
         return value
     raise ValueError(f"cuda_graph={value!r}: choose False, True (= {MODES[0]!r}) or one of "
-                     f"{', '.join(map(repr, MODES))}")
+                     f"{', '.join(map(repr, (*MODES, AUTO)))}")
+
+
+def auto_mode(unets: list[nn.Module], profile: Any) -> tuple[str | None, str]:
+    """(what ``cuda_graph="auto"`` means here, why): the pipeline mode where every UNet can be
+    captured, none where one cannot (off CUDA, offloaded) or the profile caps memory (a graph's pool
+    keeps every intermediate of its call for the next replay)."""
+    if profile.memory_budget_mb is not None or profile.intermediate_budget_mb is not None:
+        return None, f"profile {profile.name!r} caps memory"
+    reasons = [r for r in map(graphable_reason, unets) if r is not None]
+    if not unets or reasons:
+        return None, reasons[0] if reasons else "no UNet to capture"
+    return MODES[0], "the UNet is on CUDA"
 
 
 def graphable_reason(model: nn.Module) -> str | None:

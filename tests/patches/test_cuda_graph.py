@@ -76,7 +76,7 @@ def fake_cuda(monkeypatch):
 def _cpu_pair(name):
     eager = models.build_model(name, "unet")
     graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
     sd_kernels.patch(graphed, cuda_graph=True)
     return eager, graphed
 
@@ -186,7 +186,7 @@ def _pipe_pair(name="tiny", scheduler=None):
     if scheduler:
         eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
     graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
     return eager, graphed, sd_kernels.patch(graphed, cuda_graph=True)
 
 
@@ -259,6 +259,22 @@ def test_model_off_cuda_is_reported_not_graphed(fake_cuda, monkeypatch):
     assert any(s.path == "text_encoder" and "off CUDA" in s.reason for s in record.skipped)
 
 
+def test_auto_graphs_what_can_be_captured_unless_the_profile_caps_memory(fake_cuda):
+    pipe = models.build_pipeline("tiny")
+    assert sd_kernels.patch(pipe).cuda_graph == "pipeline"  # the default, where the UNet can be captured
+    assert sd_kernels.patch(pipe, profile="s23-ultra").cuda_graph is None  # a graph pool would defeat the budget
+    assert sd_kernels.patch(pipe, cuda_graph=False).cuda_graph is None
+    sd_kernels.unpatch(pipe)
+
+
+def test_auto_on_cpu_patches_eagerly_and_compile_says_why_not():
+    pipe = models.build_pipeline("tiny")
+    assert sd_kernels.patch(pipe).cuda_graph is None and "forward" not in vars(pipe.unet)
+    sd_kernels.unpatch(pipe)
+    with pytest.raises(ValueError, match=r"cuda_graph='auto' captures nothing here \(needs the UNet2DConditionModel"):
+        sd_kernels.patch(pipe, compile=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -289,7 +305,7 @@ def _matches(got, want):
 def _eager_and_graphed(name="tiny"):
     eager = _unet(name)
     graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
     record = sd_kernels.patch(graphed, cuda_graph=True)
     return eager, graphed, record
 
@@ -344,7 +360,7 @@ def _gpu_pipe_pair(scheduler=None, compile=False):
     if scheduler:
         eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
     graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
     sd_kernels.patch(graphed, cuda_graph=True, compile=compile)
     return eager, graphed
 
