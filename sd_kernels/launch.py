@@ -42,6 +42,14 @@ JIT still specializes each call. Writes go through a temporary file and ``os.rep
 or unreadable file, or a directory that cannot be written, is logged once and ignored. With
 ``SD_KERNELS_AUTOTUNE=0`` (first config, no timing) nothing is read or written: those launches are
 not tuned choices. The memo hit, the hot path, does no more than before.
+
+**Shipped tables.** The package ships the same files, tuned on the GPUs we measure on for the shapes
+of SD1.5 / SD2.1 / SDXL (``sd_kernels/tuning/<profile>/<device slug>/triton-<version>/``, made by
+``python -m bench.tune``), so that a fresh machine of such a GPU tunes nothing for them. A key not in
+the user's file is looked up there (read only); a shipped file made for another version of the kernel
+(its fingerprint, which covers the ``@triton.jit`` helpers it calls too) is ignored with one log
+line, and what it would have served is tuned as before. ``SD_KERNELS_SHIPPED_TUNING=0`` ignores them
+(``bench.tune`` does, to tune from scratch).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
 FAST_LAUNCH = os.environ.get("SD_KERNELS_FAST_LAUNCH", "1") != "0"
 MAX_KEYS = 4096  # a bound on the memo (past it, it starts over) and on the entries of one cache file
 CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
+SHIPPED_ENV = "SD_KERNELS_SHIPPED_TUNING"
+SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent / "tuning"
 CACHE_FORMAT = 1
 TRITON_VERSION = triton.__version__
 _MISSING = object()
@@ -138,6 +148,18 @@ def cache_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path 
     return None if root is None else root / device_slug(device) / f"triton-{TRITON_VERSION}"
 
 
+def shipped_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path | None:
+    """The package's tuned tables for kernels launched on ``device`` under ``profile`` (default: the
+    active one), or None where autotuning is off or $SD_KERNELS_SHIPPED_TUNING=0."""
+    if not AUTOTUNE or os.environ.get(SHIPPED_ENV, "1") == "0":
+        return None
+    if profile is None:
+        from sd_kernels.profiles import active_profile
+
+        profile = active_profile()
+    return SHIPPED_ROOT / profile.name / device_slug(device) / f"triton-{TRITON_VERSION}"
+
+
 def _warn_once(path: pathlib.Path, what: str) -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
@@ -153,33 +175,37 @@ def _scalar(value: Any) -> bool:
 class _CacheFile:
     """One kernel's persisted choices on one device and Triton version: ``repr(key) -> config``."""
 
-    def __init__(self, path: pathlib.Path, launcher: Launcher) -> None:
-        self.path, self.launcher = path, launcher
-        self.writable = True
-        self.entries: dict[str, dict[str, Any]] = self._read(warn=True)
+    def __init__(self, path: pathlib.Path | None, launcher: Launcher, shipped: pathlib.Path | None = None) -> None:
+        self.path, self.launcher, self.shipped_path = path, launcher, shipped
+        self.writable = path is not None
+        self.entries: dict[str, dict[str, Any]] = self._read(path, warn=True) if path is not None else {}
+        self.shipped = self._read(shipped, warn=True, stale_warns=True) if shipped is not None else {}
 
-    def _read(self, warn: bool) -> dict[str, dict[str, Any]]:
+    def _read(self, path: pathlib.Path, warn: bool, stale_warns: bool = False) -> dict[str, dict[str, Any]]:
         try:
-            data = json.loads(self.path.read_text())
+            data = json.loads(path.read_text())
         except FileNotFoundError:
             return {}
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             if warn:
-                _warn_once(self.path, f"is unreadable ({type(exc).__name__}: {exc})")
+                _warn_once(path, f"is unreadable ({type(exc).__name__}: {exc})")
             return {}
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             if warn:
-                _warn_once(self.path, "is not an autotune cache file")
+                _warn_once(path, "is not an autotune cache file")
             return {}
         if data.get("format") != CACHE_FORMAT or data.get("fingerprint") != self.launcher.fingerprint:
+            if stale_warns:  # a user's file is simply rewritten; a shipped one says why it is not used
+                _warn_once(path, "was tuned for another version of the kernel (regenerate: python -m bench.tune)")
             return {}  # another version of the kernel or of this format: tuned again, then rewritten
         entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
         if warn and len(entries) < len(data["entries"]):
-            _warn_once(self.path, f"has {len(data['entries']) - len(entries)} entries that match no config")
+            _warn_once(path, f"has {len(data['entries']) - len(entries)} entries that match no config")
         return entries
 
     def get(self, key: Hashable) -> dict[str, Any] | None:
-        return self.entries.get(repr(key)) if self.entries else None
+        name = repr(key)
+        return self.entries.get(name) or self.shipped.get(name)
 
     def put(self, key: Hashable, config: dict[str, Any]) -> None:
         name = repr(key)
@@ -187,7 +213,7 @@ class _CacheFile:
                 or not all(_scalar(v) for v in config.values())):
             return  # a key whose repr names an address would never match again; a value JSON changes
         self.entries[name] = dict(config)
-        merged = {**self._read(warn=False), **self.entries}  # keep what another process wrote meanwhile
+        merged = {**self._read(self.path, warn=False), **self.entries}  # keep what another process wrote meanwhile
         data = {"format": CACHE_FORMAT, "kernel": self.launcher.name, "fingerprint": self.launcher.fingerprint,
                 "triton": TRITON_VERSION, "entries": merged}
         tmp = None
@@ -258,12 +284,13 @@ class Launcher:
 
     def _cache_file(self, args: tuple) -> _CacheFile | None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        directory = cache_dir(device)
-        if directory is None:
+        directory, shipped = cache_dir(device), shipped_dir(device)
+        if directory is None and shipped is None:
             return None
-        path = directory / f"{self.name}.json"
-        if self.cache is None or self.cache.path != path:  # the first launch, or another device/profile
-            self.cache = _CacheFile(path, self)
+        path = None if directory is None else directory / f"{self.name}.json"
+        table = None if shipped is None else shipped / f"{self.name}.json"
+        if self.cache is None or (self.cache.path, self.cache.shipped_path) != (path, table):  # another device/profile
+            self.cache = _CacheFile(path, self, table)
         return self.cache
 
     def _chosen(self, args: tuple, kwargs: dict[str, Any], tuned: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -389,13 +416,10 @@ class Launcher:
 
     @property
     def fingerprint(self) -> str:
-        """A hash of the kernel's source and of the wrappers' configs and names."""
+        """A hash of the kernel's source, the sources of the ``@triton.jit`` helpers it calls (to any
+        depth), and the wrappers' configs and names."""
         if self._fingerprint is None:
-            try:
-                source = inspect.getsource(self.jit.fn)
-            except (OSError, TypeError):
-                source = self.name
-            parts = [source]
+            parts = _jit_sources(self.jit)
             for layer in self.layers:
                 if isinstance(layer, Autotuner):
                     parts += ["autotune", *map(str, layer.configs), *getattr(layer, "keys", ())]
@@ -416,6 +440,30 @@ class Launcher:
             if not any(_same(part, c) for c in configs):
                 return False
         return True
+
+
+def _jit_sources(jit: Any) -> list[str]:
+    """The source of a JIT function and of every JIT function it names, depth first, each once: an
+    edit to a helper changes what the kernel computes, so it must change the fingerprint too."""
+    seen: set[int] = set()
+    sources: list[str] = []
+
+    def visit(fn: Any) -> None:
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        py = getattr(fn, "fn", None)
+        try:
+            sources.append(inspect.getsource(py))
+        except (OSError, TypeError):
+            sources.append(f"{getattr(py, '__module__', '?')}.{getattr(py, '__qualname__', '?')}")
+        for name in getattr(getattr(py, "__code__", None), "co_names", ()):
+            value = getattr(py, "__globals__", {}).get(name)
+            if isinstance(value, type(jit)):
+                visit(value)
+
+    visit(jit)
+    return sources
 
 
 def _triton_runtime() -> tuple[Any, Any, Any]:

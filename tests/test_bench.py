@@ -1,6 +1,7 @@
 """The end-to-end bench harness on CPU: its plan, CSV schema, time cap, failure handling, summaries, plots."""
 
 import csv
+import json
 import pathlib
 
 import pytest
@@ -219,3 +220,28 @@ def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_pa
                     ("s23-ultra", "text_encoder"), ("s23-ultra", "budget exceeded"),
                     ("mobile-small", "text_encoder"), ("mobile-small", "unet_step_b1"), ("mobile-small", "vae_decode")]
     assert state["csv_rows_at_patch"] == [6, 8]  # written after the stock variants, then after s23-ultra
+
+
+def test_tune_merges_into_tables_of_the_same_kernel_version(tmp_path):
+    from bench import tune
+
+    def table(path, fingerprint, entries):
+        path.write_text(json.dumps({"format": 1, "fingerprint": fingerprint, "entries": entries}))
+        return path
+
+    dest = table(tmp_path / "dest.json", "aaaa", {"k1": {"BLOCK": 16}, "k2": {"BLOCK": 16}})
+    tune.merge(table(tmp_path / "new.json", "aaaa", {"k2": {"BLOCK": 32}}), dest)
+    assert json.loads(dest.read_text())["entries"] == {"k1": {"BLOCK": 16}, "k2": {"BLOCK": 32}}
+    tune.merge(table(tmp_path / "newer.json", "bbbb", {"k3": {"BLOCK": 64}}), dest)  # a new kernel version
+    assert json.loads(dest.read_text()) == {"format": 1, "fingerprint": "bbbb", "entries": {"k3": {"BLOCK": 64}}}
+
+
+def test_tune_and_cold_need_a_gpu_or_say_what_is_missing(capsys):
+    from bench import cold, tune
+
+    assert tune.main([]) == 2 and "none here" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--batches", "x"])
+    with pytest.raises(SystemExit):
+        cold.main([])
+    assert "--out is required" in capsys.readouterr().err

@@ -405,6 +405,7 @@ def tuning(monkeypatch, tmp_path):
     interpreter cannot time) and recorded; the autotuner's in-memory cache empty."""
     monkeypatch.setenv(launch_mod.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(launch_mod, "AUTOTUNE", True)
+    monkeypatch.setattr(launch_mod, "SHIPPED_ROOT", tmp_path / "shipped")  # the package's own tables stay out
     benched = []
 
     def bench(*args, config, **meta):
@@ -558,3 +559,85 @@ def test_info_prints_the_cache_in_use(tuning, capsys):
     assert cli.main(["info"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "autotune cache" in line)
     assert str(tuning.dir) in line and launch_mod.CACHE_ENV in line
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped tables: the package's files, read where the user's file lacks a key
+
+
+def _ship(device, entries, fingerprint=None):
+    """Write a shipped table for _tuned_kernel under the active profile; its path."""
+    path = launch_mod.shipped_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": launch_mod.CACHE_FORMAT, "entries": entries,
+                                "fingerprint": fingerprint or Launcher(_tuned_kernel).fingerprint}))
+    return path
+
+
+def test_a_shipped_choice_serves_a_fresh_machine(tuning, device, monkeypatch):
+    config = _tuned_kernel.configs[0].all_kwargs()  # not the one the (faked) benchmark would pick
+    _ship(device, {repr(("scale", 48)): config})
+    launcher = Launcher(_tuned_kernel)
+    monkeypatch.setattr(_tuned_kernel, "run", _no_autotuner)
+    _run(launcher, 48, device)
+    assert launcher.memo[("scale", 48)]["BLOCK"] == 16 and tuning.benched == []
+    monkeypatch.undo()
+
+
+def test_the_users_own_choice_wins_over_the_shipped_one(tuning, device):
+    _run(Launcher(_tuned_kernel), 48, device)  # the user's file: BLOCK 32
+    _ship(device, {repr(("scale", 48)): _tuned_kernel.configs[0].all_kwargs()})
+    launcher = Launcher(_tuned_kernel)
+    _run(launcher, 48, device)
+    assert launcher.memo[("scale", 48)]["BLOCK"] == 32
+
+
+@pytest.mark.parametrize("what", ["another kernel version", "corrupt", "switched off"])
+def test_a_stale_corrupt_or_refused_shipped_table_is_ignored(tuning, device, caplog, monkeypatch, what):
+    config = _tuned_kernel.configs[0].all_kwargs()
+    path = _ship(device, {repr(("scale", 48)): config}, fingerprint="0123456789abcdef"
+                 if what == "another kernel version" else None)
+    if what == "corrupt":
+        path.write_text("{not json")
+    if what == "switched off":
+        monkeypatch.setenv(launch_mod.SHIPPED_ENV, "0")
+    launcher = Launcher(_tuned_kernel)
+    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        for n in (48, 48, 64):
+            _run(launcher, n, device)
+    assert tuning.benched == [16, 32, 16, 32] and launcher.memo[("scale", 48)]["BLOCK"] == 32  # tuned as before
+    logged = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    want = {"another kernel version": ["another version of the kernel"], "corrupt": ["unreadable"],
+            "switched off": []}[what]
+    assert len(logged) == len(want) and all(w in m for w, m in zip(want, logged)), logged
+
+
+def _launchers():
+    """Every Launcher of sd_kernels' ops, by its cache-file name."""
+    import pkgutil
+
+    import sd_kernels.ops
+
+    found = {}
+    for info in pkgutil.iter_modules(sd_kernels.ops.__path__):
+        module = importlib.import_module(f"sd_kernels.ops.{info.name}")
+        found.update({v.name: v for v in vars(module).values() if isinstance(v, Launcher)})
+    return found
+
+
+def test_the_shipped_tables_parse_and_name_only_configs_the_kernels_accept():
+    """Each shipped file is a cache file of a kernel we have, made for its current source (helpers
+    included: regenerate with python -m bench.tune on the GPU after an edit), every entry one of the
+    kernel's configs."""
+    files = sorted(launch_mod.SHIPPED_ROOT.rglob("*.json"))
+    assert files, f"no shipped tables under {launch_mod.SHIPPED_ROOT}"
+    launchers = _launchers()
+    for path in files:
+        profile, slug, triton_dir, name = path.relative_to(launch_mod.SHIPPED_ROOT).parts
+        assert profile in profiles.list_profiles() and triton_dir.startswith("triton-"), path
+        data = json.loads(path.read_text())
+        launcher = launchers.get(path.stem)
+        assert launcher is not None, f"{path}: no kernel named {path.stem}"
+        assert data["format"] == launch_mod.CACHE_FORMAT and data["fingerprint"] == launcher.fingerprint, (
+            f"{path} was tuned for another version of {path.stem}: regenerate it (python -m bench.tune)")
+        assert data["entries"] and all(launcher.valid_entry(e) for e in data["entries"].values()), path

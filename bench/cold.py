@@ -1,0 +1,117 @@
+"""The first image on a fresh machine: from ``patch(pipe)`` to the first image, in a new process with
+empty caches (sd-kernels' autotune cache, Triton's and inductor's kernel caches), then the warm image.
+
+    python -m bench.cold --out DIR [--models sd15@512,sd21@768,sdxl@1024] [--steps 20] [--no-shipped-too]
+
+One row per (model, shipped tables on/off) in ``DIR/cold.csv``: ``build_s`` (the random-weight
+pipeline), ``cold_s`` (``patch(pipe)`` with its defaults, then one 20-step image, synchronized:
+kernel tuning or the shipped choices, Triton compilation, cuDNN set-up and graph capture included),
+``warm_ms`` (the median of 3 more images), and the environment. "shipped off" sets
+SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another Triton) pays. By default
+the first model is measured both ways, the others with the tables only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+FIELDS = ["model", "size", "shipped", "status", "build_s", "cold_s", "warm_ms", "cuda_graph", "device", "torch",
+          "triton", "diffusers", "date"]
+
+
+def child(model: str, size: int, steps: int) -> dict:
+    """Runs in the fresh process: build, patch, first image, warm images."""
+    import torch
+
+    import sd_kernels
+    from bench.e2e import PROMPT
+    from sd_kernels import models
+
+    t = time.perf_counter()
+    pipe = models.load_pipeline(model, device="cuda", dtype=torch.float16)
+    pipe.set_progress_bar_config(disable=True)
+    torch.cuda.synchronize()
+    build = time.perf_counter() - t
+
+    def image() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        pipe(PROMPT, num_inference_steps=steps, height=size, width=size, output_type="pt",
+             generator=torch.Generator("cuda").manual_seed(0))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        t = time.perf_counter()
+        record = sd_kernels.patch(pipe)
+        image()
+        cold = time.perf_counter() - t
+        warm = statistics.median(image() for _ in range(3))
+    return {"build_s": round(build, 1), "cold_s": round(cold, 1), "warm_ms": round(warm * 1e3, 1),
+            "cuda_graph": record.cuda_graph}
+
+
+def measure(model: str, size: int, steps: int, shipped: bool) -> dict:
+    """``child`` in a new process with empty caches; its row."""
+    with tempfile.TemporaryDirectory(prefix="sd-kernels-cold-") as tmp:
+        env = {**os.environ, "SD_KERNELS_AUTOTUNE_CACHE": f"{tmp}/autotune", "TRITON_CACHE_DIR": f"{tmp}/triton",
+               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "SD_KERNELS_SHIPPED_TUNING": "1" if shipped else "0"}
+        proc = subprocess.run([sys.executable, "-m", "bench.cold", "--child", f"{model}@{size}", "--steps",
+                               str(steps)], env=env, capture_output=True, text=True)
+    row = {"model": model, "size": size, "shipped": "on" if shipped else "off"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return {**row, "status": f"error: {tail}"}
+    return {**row, **json.loads(lines[-1]), "status": "ok"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, help="folder for cold.csv")
+    ap.add_argument("--models", default="sd15@512,sd21@768,sdxl@1024")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-shipped-too", action="store_true", help="measure only with the shipped tables")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        model, _, size = args.child.partition("@")
+        print(json.dumps(child(model, int(size), args.steps)))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+    from bench import common
+    from bench.e2e import parse_targets
+
+    env = common.environment()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "cold.csv"
+    new = not path.exists()
+    status = 0
+    for i, target in enumerate(parse_targets(args.models)):
+        for shipped in (True, False) if i == 0 and not args.no_shipped_too else (True,):
+            row = measure(target.model, target.size, args.steps, shipped)
+            status |= row["status"] != "ok"
+            print(f"  {target.label:<10} shipped {row['shipped']:<3} " + (
+                f"build {row['build_s']} s, patch to first image {row['cold_s']} s, warm {row['warm_ms']} ms"
+                if row["status"] == "ok" else row["status"]), flush=True)
+            with open(path, "a", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
+                if new:
+                    w.writeheader()
+                    new = False
+                w.writerow({**row, **{k: env.get(k, "") for k in FIELDS if k in env}})
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

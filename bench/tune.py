@@ -1,0 +1,91 @@
+"""Regenerate the shipped autotune tables (``sd_kernels/tuning/``) on the GPU at hand.
+
+    python -m bench.tune [--models sd15@512,sd21@768,sdxl@1024] [--batches 1] [--out DIR]
+
+Runs each model's patched pipeline eagerly for two steps at each batch size (the UNet at twice the
+batch: classifier-free guidance; the VAE decode at the batch), so that every kernel is launched at
+every shape the pipeline gives it, with an empty autotune cache and the shipped tables ignored:
+every choice is tuned anew on this GPU. Then it merges the tuned files into
+``DIR/<profile>/<device slug>/triton-<version>/`` (default DIR: the source tree's sd_kernels/tuning),
+replacing entries of the same key and dropping files made for another version of a kernel. Commit
+what it writes; tests/test_launch.py checks that the tables parse and match the kernels' sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+DEFAULT_MODELS = "sd15@512,sd21@768,sdxl@1024"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tune(models: str, batches: list[int], out: pathlib.Path) -> list[pathlib.Path]:
+    """Tune every kernel at the shapes of ``models`` × ``batches``; merge into ``out``; the files written."""
+    import sd_kernels
+    from bench.e2e import PROMPT, parse_targets
+    from sd_kernels import launch, profiles
+    from sd_kernels import models as shipped_models
+
+    cache = pathlib.Path(tempfile.mkdtemp(prefix="sd-kernels-tune-"))
+    os.environ[launch.CACHE_ENV] = str(cache)
+    os.environ[launch.SHIPPED_ENV] = "0"
+    for target in parse_targets(models):
+        start = time.perf_counter()
+        pipe = shipped_models.load_pipeline(target.model, device="cuda", dtype=torch.float16)
+        pipe.set_progress_bar_config(disable=True)
+        with sd_kernels.patched(pipe, cuda_graph=False), torch.inference_mode():
+            for batch in batches:
+                pipe(PROMPT, num_inference_steps=2, height=target.size, width=target.size,
+                     num_images_per_prompt=batch, output_type="pt")
+        print(f"bench.tune: {target.label} batches {batches}: {time.perf_counter() - start:.1f} s", flush=True)
+        del pipe
+        torch.cuda.empty_cache()
+    device = torch.device("cuda")
+    tuned = cache / launch.device_slug(device) / f"triton-{launch.TRITON_VERSION}"
+    dest = out / profiles.active_profile().name / launch.device_slug(device) / f"triton-{launch.TRITON_VERSION}"
+    return [merge(path, dest / path.name) for path in sorted(tuned.glob("*.json"))]
+
+
+def merge(new: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """``new``'s entries over ``dest``'s, where both were made for the same kernel source."""
+    data = json.loads(new.read_text())
+    if dest.exists():
+        old = json.loads(dest.read_text())
+        if old.get("fingerprint") == data["fingerprint"] and old.get("format") == data["format"]:
+            data["entries"] = {**old["entries"], **data["entries"]}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"NAME@SIZE, comma-separated (default {DEFAULT_MODELS})")
+    ap.add_argument("--batches", default="1", help="images per prompt, comma-separated (default 1)")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "sd_kernels" / "tuning",
+                    help="tables root (default: the source tree's sd_kernels/tuning)")
+    args = ap.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batches: expected whole numbers, got {args.batches!r}")
+    if not batches or min(batches) < 1:
+        ap.error("--batches: give at least one positive batch size")
+    if not torch.cuda.is_available():
+        print("bench.tune tunes kernels on a CUDA GPU; none here", file=sys.stderr)
+        return 2
+    for path in tune(args.models, batches, args.out):
+        print(f"wrote {path} ({len(json.loads(path.read_text())['entries'])} entries)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
