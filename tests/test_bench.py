@@ -245,3 +245,11 @@ def test_tune_and_cold_need_a_gpu_or_say_what_is_missing(capsys):
     with pytest.raises(SystemExit):
         cold.main([])
     assert "--out is required" in capsys.readouterr().err
+
+
+def test_timeline_gaps_merge_overlapping_kernels():
+    from bench import timeline
+
+    busy, gaps = timeline.gaps([(0, 10, "a"), (5, 12, "b"), (20, 30, "c"), (31, 32, "d")])
+    assert busy == 12 + 10 + 1
+    assert gaps == [{"us": 8, "after": "b", "before": "c"}, {"us": 1, "after": "c", "before": "d"}]
