@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = profile(args.model, args.variant, args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"timeline-{args.variant}.json"
+    path = args.out / f"timeline-{args.variant.replace('+', '_')}.json"  # names the device tool copies back
     path.write_text(json.dumps(result, indent=1) + "\n")
     brief = {k: v for k, v in result.items() if k != "largest_gaps"}
     print(json.dumps(brief), "\nlargest gaps:", *result["largest_gaps"][:8], sep="\n")

@@ -39,7 +39,7 @@ def test_model_not_on_cuda_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU, with a stand-in for CUDA graphs: GraphedForward's own logic (signatures, static buffers,
+# CPU, with a stand-in for CUDA graphs: GraphedCall's own logic (signatures, static buffers,
 # clones, fallbacks, recapture) without a GPU.
 
 
