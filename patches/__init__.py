@@ -90,6 +90,10 @@ def patch(
     Patching an already patched object with the same arguments does nothing; with other arguments
     it is unpatched first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
+    for name, value in (("ops", ops), ("ignore", ignore)):
+        if isinstance(value, str):
+            raise TypeError(f"{name}= takes a list of names, got the string {value!r} "
+                            f"(did you mean {name}=[{value!r}]?)")
     mode = cuda_graph_mod.mode_of(cuda_graph)
     if compile and mode is None:
         raise ValueError("compile=True compiles what the CUDA graphs capture: pass cuda_graph=True too "
@@ -131,6 +135,8 @@ def patch(
     record = PatchRecord(ops, prof.name, parts, mode, compile)
     record.profile_spec = prof
     record.scheduler = scheduler
+    record.arguments = {"profile": prof, "ops": ops, "ignore": tuple(ignore), "cuda_graph": mode or False,
+                        "compile": compile}  # what patch() needs to make this patch again
     for part, name in others:
         record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
     try:
@@ -198,9 +204,14 @@ def report(obj: object, **kwargs) -> str:
 
 @contextlib.contextmanager
 def patched(obj: object, **kwargs) -> Iterator[PatchRecord]:
-    """``with patched(pipe): ...`` runs the block patched and restores ``pipe`` afterwards."""
+    """``with patched(pipe): ...`` runs the block patched and restores ``pipe`` afterwards: unpatched,
+    or patched as it was if it was (a block that asks for the same patch changes nothing)."""
+    old = patch_record(obj)
     record = patch(obj, **kwargs)
     try:
         yield record
     finally:
-        unpatch(obj)
+        if record is not old:  # the block's own patch: undo it, and put back the one the block found
+            unpatch(obj)
+            if old is not None:
+                patch(obj, **old.arguments)

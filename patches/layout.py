@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.profiles import active_profile
 
 from .record import PatchRecord
@@ -45,11 +46,15 @@ def patch_layout(model: nn.Module, record: PatchRecord) -> None:
     for p in params:
         p.data = p.data.contiguous(memory_format=torch.channels_last)
     # (``p.data`` is a new alias on every access: the storage pointer and strides identify ours)
-    converted = [(p, p.data_ptr(), p.stride()) for p in params]
+    converted = [(p, p.data_ptr(), p.stride(), p.dtype, p.device) for p in params]
 
     def restore() -> None:
-        for p, ptr, stride in converted:
-            if (p.data_ptr(), p.stride()) == (ptr, stride):  # data assigned after the patch stays
+        for p, ptr, stride, dtype, device in converted:
+            ours = (p.data_ptr(), p.stride()) == (ptr, stride)
+            # ``.to(dtype or device)`` while patched re-allocates the data but keeps its layout: still
+            # ours to lay back. Data of the same dtype and device assigned after the patch stays.
+            moved = (p.dtype, p.device) != (dtype, device) and is_channels_last(p)
+            if ours or moved:
                 p.data = p.data.contiguous()
 
     record.on_undo(restore, "channels_last_weight", len(converted))

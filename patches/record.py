@@ -71,10 +71,22 @@ class PatchRecord:
         self.compile = compile
         self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
         self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
+        self.arguments: dict[str, Any] = {}  # patch()'s resolved arguments (patched() re-applies them)
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
         self._undo: list[Callable[[], None]] = []
+
+    # A record's undo steps are closures over the very objects it patched: a copy of a patched model
+    # would carry steps that undo the original. Copying or pickling one is refused with the way out.
+    _REFUSED = ("is patched by sd_kernels: {what} it would carry a record that undoes the original's modules. "
+                "Call sd_kernels.unpatch(obj) first, then patch the original and the {result} separately")
+
+    def __deepcopy__(self, memo: dict) -> PatchRecord:
+        raise TypeError("this object " + self._REFUSED.format(what="a deep copy of", result="copy"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("this object " + self._REFUSED.format(what="a pickle (torch.save) of", result="loaded one"))
 
     def set_attr(self, obj: Any, name: str, value: Any, kind: str | None) -> None:
         """``obj.name = value``, remembered; ``kind`` names the replacement in the counts (None: not

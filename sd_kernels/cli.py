@@ -81,6 +81,25 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
     return device, args.dtype or ("fp16" if device == "cuda" else "fp32")
 
 
+def _check_out(out: str) -> None:
+    """Refuse, before any work, an --out that could not be written at the end: a folder, a suffix
+    PIL cannot save, a parent that is a file or not writable."""
+    from PIL import Image
+
+    path = pathlib.Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out}: is a folder; give a file name such as {path / 'image.png'}")
+    if path.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(f"--out {out}: unknown image file extension {path.suffix!r} (use .png)")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable")
+
+
 def _random_weights(name: str) -> bool:
     from sd_kernels import models
 
@@ -91,12 +110,18 @@ def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
     """The pipeline ``args`` ask for, on its device: (pipe, model name, device, image side)."""
     import torch
 
-    from sd_kernels import models
+    from sd_kernels import dispatch, models
 
     device, dtype_name = _device_dtype(args)
+    if getattr(args, "out", None):
+        _check_out(args.out)
+    if dispatch.backend() == "triton" and (why := dispatch.device_reason(device)) is not None:
+        raise ValueError(f"SD_KERNELS_BACKEND=triton forces the kernels, and they cannot run on {device}: {why}")
     name = args.model or _default_model(device)
     cfg = models.load_config(name) if _random_weights(name) else {"resolution": args.size or 512}
     size = args.size or cfg["resolution"]
+    if size % 8:
+        raise ValueError(f"--size {size}: the image side must be a multiple of 8 (the VAE's scale factor)")
     weights = "random weights" if _random_weights(name) else "loaded"
     print(f"sd-kernels {args.command}: {name} ({weights}), {size}x{size}, {args.steps} steps, {dtype_name} on {device}")
     t0 = time.perf_counter()
@@ -239,7 +264,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     result = check_fidelity(pipe, steps=args.steps, seed=args.seed, prompt=args.prompt, size=args.size,
                             ops=args.ops, per_op=not args.no_per_op, cuda_graph=args.cuda_graph,
                             profile=args.profile)
-    print(result.format())
+    print(result.format(args.max_latent_err, args.min_psnr))
     return 0 if result.ok(args.max_latent_err, args.min_psnr) else 1
 
 
@@ -325,10 +350,12 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from sd_kernels.dispatch import KernelUnavailable
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, KernelUnavailable) as exc:
         print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

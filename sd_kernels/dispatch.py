@@ -63,6 +63,11 @@ def _device_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
     return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device.type}"
 
 
+def device_reason(device: torch.device | str) -> str | None:
+    """Why the kernels cannot run on ``device`` at all (None: they can), for checks before any work."""
+    return _device_reason((torch.empty(0, device=device),))
+
+
 def tensor_reason(*tensors: torch.Tensor | None, also: tuple[torch.dtype, ...] = ()) -> str | None:
     """The reason every kernel shares for refusing inputs, or None: a dtype outside KERNEL_DTYPES
     (and ``also``), or an input that autograd would need to track (the kernels are inference-only)."""

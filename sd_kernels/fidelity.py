@@ -52,7 +52,8 @@ class FidelityResult:
     def ok(self, max_latent_rel_err: float = MAX_LATENT_REL_ERR, min_psnr_db: float = MIN_PSNR_DB) -> bool:
         return self.patched.ok(max_latent_rel_err, min_psnr_db)
 
-    def format(self) -> str:
+    def format(self, max_latent_rel_err: float = MAX_LATENT_REL_ERR, min_psnr_db: float = MIN_PSNR_DB) -> str:
+        """The table and the verdict under the limits given (those ``ok`` is asked with)."""
         h, w = self.size
         graph = ", CUDA graph" if self.cuda_graph else ""
         rows = [(", ".join(self.ops), self.patched), *((f"{op} only", f) for op, f in self.per_op.items())]
@@ -61,8 +62,8 @@ class FidelityResult:
                  f"  {'ops':<{width}} {'latent rel. err':>16} {'image PSNR':>12}"]
         for name, f in rows:
             lines.append(f"  {name:<{width}} {f.latent_rel_err:>16.3e} {f.psnr_db:>9.1f} dB")
-        verdict = "ok" if self.ok() else "FAIL"
-        lines.append(f"  {verdict} (limits: latent rel. err ≤ {MAX_LATENT_REL_ERR:g}, PSNR ≥ {MIN_PSNR_DB:g} dB)")
+        verdict = "ok" if self.ok(max_latent_rel_err, min_psnr_db) else "FAIL"
+        lines.append(f"  {verdict} (limits: latent rel. err ≤ {max_latent_rel_err:g}, PSNR ≥ {min_psnr_db:g} dB)")
         return "\n".join(lines)
 
 

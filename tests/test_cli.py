@@ -89,3 +89,27 @@ def test_bench_and_generate_usage_errors(argv, capsys):
         cli.main(argv)
     assert exc.value.code != 0
     assert "usage" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out, message", [
+    ("{tmp}", "is a folder"), ("{tmp}/image.xyz", "unknown image file extension"),
+    ("{tmp}/file.txt/x.png", "is a file, not a folder"),
+])
+def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, capsys, monkeypatch, out, message):
+    (tmp_path / "file.txt").write_text("")
+    monkeypatch.setattr("sd_kernels.models.load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
+    for command in ("demo", "generate"):
+        argv = [command, "--device", "cpu", "--out", out.format(tmp=tmp_path)] + (
+            ["--prompt", "x"] if command == "generate" else [])
+        assert cli.main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_a_size_off_the_vae_grid_and_a_forced_backend_that_cannot_run_fail_first(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sd_kernels.models.load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
+    assert cli.main(["demo", "--device", "cpu", "--size", "60", "--out", str(tmp_path / "a.png")]) == 2
+    assert "multiple of 8" in capsys.readouterr().err
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["demo", "--device", "cpu", "--out", str(tmp_path / "a.png")]) == 2
+    assert "SD_KERNELS_BACKEND=triton forces the kernels" in capsys.readouterr().err

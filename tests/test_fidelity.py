@@ -45,6 +45,13 @@ def test_a_wrong_op_shows_and_is_attributed(pipe, monkeypatch):
     assert not fidelity.Fidelity(2e-2, 50.0).ok() and not fidelity.Fidelity(1e-3, 30.0).ok()
 
 
+def test_the_verdict_line_uses_the_limits_given():
+    result = fidelity.FidelityResult("P", 1, (8, 8), "float32", ("gelu",), False, fidelity.Fidelity(1e-3, 50.0), {})
+    assert result.format().endswith("ok (limits: latent rel. err ≤ 0.01, PSNR ≥ 40 dB)")
+    assert result.format(-1, 40).endswith("FAIL (limits: latent rel. err ≤ -1, PSNR ≥ 40 dB)")
+    assert not result.ok(-1, 40)
+
+
 def test_patched_pipeline_is_refused(pipe):
     with sd_kernels.patched(pipe), pytest.raises(ValueError, match="unpatched pipeline"):
         fidelity.check_fidelity(pipe, steps=1)

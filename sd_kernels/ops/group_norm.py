@@ -490,6 +490,8 @@ def _spatial_stride(x: torch.Tensor) -> int | None:
 
 def _check(x: torch.Tensor, num_groups: int, weight, bias) -> None:
     """The checks F.group_norm makes, with its error types and messages."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+        raise TypeError(f"group_norm(): argument 'num_groups' must be int, not {type(num_groups).__name__}")
     if x.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {x.dim()}")
     c = x.shape[1]

@@ -248,6 +248,16 @@ def test_bad_arguments_raise_like_torch(shape, g, weight, bias, device):
     assert str(ours.value) == str(stock.value)
 
 
+@pytest.mark.parametrize("g", [4.0, "4", True])
+def test_a_group_count_that_is_not_an_int_raises_like_torch(g, device):
+    x = torch.randn(2, 4, 3, device=device)
+    with pytest.raises(TypeError) as stock:
+        F.group_norm(x, g)
+    with pytest.raises(TypeError, match=r"group_norm\(\): argument 'num_groups' must be int, not "):
+        group_norm(x, g)
+    assert type(g).__name__ in str(stock.value)
+
+
 def test_bad_activation(device):
     with pytest.raises(ValueError, match="activation must be one of"):
         group_norm(torch.randn(2, 4, 3, device=device), 2, activation="relu")

@@ -1,0 +1,84 @@
+"""The patch's state under what users do to patched objects (issue: never a silently wrong result):
+copies and pickles are refused with the way out, nesting ``patched`` keeps the user's own patch, a
+dtype move while patched is still undone exactly, arguments given as a bare string are refused."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from sd_kernels.patches import patch_record
+
+import sd_kernels
+from sd_kernels import models
+
+
+def _processors(pipe):
+    return {type(m.processor).__name__ for m in pipe.unet.modules() if hasattr(m, "processor")}
+
+
+@pytest.fixture
+def pipe():
+    return models.build_pipeline("tiny")
+
+
+def test_a_deep_copy_of_a_patched_pipeline_is_refused_and_the_original_untouched(pipe):
+    sd_kernels.patch(pipe)
+    before = _processors(pipe)
+    with pytest.raises(TypeError, match=r"deep copy.*sd_kernels.unpatch\(obj\) first"):
+        copy.deepcopy(pipe)
+    assert _processors(pipe) == before and patch_record(pipe) is not None
+    sd_kernels.unpatch(pipe)
+    twin = copy.deepcopy(pipe)  # unpatched: copies as ever, and each patches on its own
+    sd_kernels.patch(twin)
+    sd_kernels.patch(pipe)
+    sd_kernels.unpatch(twin)
+    assert _processors(pipe) == before and _processors(twin) == {"AttnProcessor2_0"}
+
+
+@pytest.mark.parametrize("save", ["pickle", "torch.save"])
+def test_pickling_a_patched_model_is_refused_with_the_way_out(pipe, save):
+    sd_kernels.patch(pipe.unet)
+    dump = (lambda m: pickle.dumps(m)) if save == "pickle" else (lambda m: torch.save(m, io.BytesIO()))
+    with pytest.raises(TypeError, match=r"pickle \(torch.save\).*unpatch"):
+        dump(pipe.unet)
+    sd_kernels.unpatch(pipe.unet)
+    dump(pipe.unet)
+
+
+def test_patched_block_on_a_patched_pipeline_gives_back_the_users_patch(pipe):
+    mine = sd_kernels.patch(pipe, ops=["gelu"])
+    with sd_kernels.patched(pipe, ops=["gelu"]) as same:
+        assert same is mine
+    assert patch_record(pipe) is mine  # the same patch: nothing to undo
+    with sd_kernels.patched(pipe, ops=["attention"]):
+        assert patch_record(pipe).ops == ("attention",)
+    back = patch_record(pipe)
+    assert back is not None and back.ops == ("gelu",)
+    assert _processors(pipe) == {"AttnProcessor2_0"}  # attention is unpatched again, gelu patched
+    assert back.counts.get("gelu.GEGLU", 0) > 0
+    sd_kernels.unpatch(pipe)
+    with sd_kernels.patched(pipe):
+        pass
+    assert patch_record(pipe) is None
+
+
+def test_a_dtype_move_while_patched_is_laid_back_on_unpatch():
+    vae = models.build_model("tiny", "vae")
+    want = [p.detach().clone() for p in vae.parameters()]
+    sd_kernels.patch(vae, profile="hopper", ops=["channels_last"])
+    assert any(not p.is_contiguous() for p in vae.parameters())
+    vae.to(torch.bfloat16)
+    sd_kernels.unpatch(vae)
+    assert all(p.is_contiguous() for p in vae.parameters())
+    vae.to(torch.float32)
+    assert all(torch.equal(p, w.to(torch.bfloat16).float()) for p, w in zip(vae.parameters(), want))
+
+
+@pytest.mark.parametrize("kwargs", [{"ops": "attention"}, {"ignore": "vae"}])
+def test_a_bare_string_for_a_list_is_refused(pipe, kwargs):
+    ((name, value),) = kwargs.items()
+    with pytest.raises(TypeError, match=rf"{name}= takes a list of names.*did you mean {name}=\['{value}'\]"):
+        sd_kernels.patch(pipe, **kwargs)
+    assert patch_record(pipe) is None
