@@ -36,10 +36,13 @@ graph a model); ``patch(..., compile=True)`` instead compiles the method that th
 Calls that cannot be captured run eagerly (logged once per reason): autograd enabled, a tensor
 argument on another device (a host tensor of at most ``HOST_NUMEL`` elements is fine: it is copied
 in), a non-tensor argument that is not hashable, or a capture that raised. The graphs hold the
-weights by address: in-place weight changes (``fuse_lora``, ``load_state_dict``) show in the next
-replay; a change of the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``) or
-moved weights (``.to(...)``, seen in a parameter's address) drop the graphs; offloading hooks added
-after the patch make the calls eager.
+weights by address: in-place weight changes (``load_state_dict``) show in the next replay; what a
+call reads on the host and bakes into the graph is checked on every call and drops the graphs when
+it changed: the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``), moved
+weights (``.to(...)``, seen in a parameter's address), the adapters' activation, scales, disabling
+and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), and the attention processors and
+their ``scale`` (``set_attn_processor``, ``set_ip_adapter_scale``); offloading hooks added after the
+patch make the calls eager.
 """
 
 from __future__ import annotations
@@ -124,11 +127,40 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _model_state(model: nn.Module, first: torch.Tensor) -> tuple:
+class _Watch:
+    """The Python-side state a captured call bakes in and a user may change between calls: the
+    attention processors (``set_attn_processor``, IP-Adapter's, with their ``scale``) and, once peft
+    adapters are loaded, every tuner layer's active adapters, scales, disabled flag and merged
+    adapters (``set_adapters`` with names or weights, ``disable_lora``, ``fuse_lora``, LoRA
+    hot-swap). The modules to read are found once per module tree (the peft config's adapters name it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.tree: tuple | None = None
+        self.attention: list[nn.Module] = []
+        self.tuners: list[nn.Module] = []
+
+    def _find(self, tree: tuple) -> None:
+        self.tree = tree
+        self.attention = [m for m in self.model.modules() if hasattr(m, "processor")]
+        self.tuners = [m for m in self.model.modules() if hasattr(m, "merged_adapters")] if tree else []
+
+    def state(self, tree: tuple) -> tuple:
+        if tree != self.tree:
+            self._find(tree)
+        procs = tuple((id(p := m.processor), repr(getattr(p, "scale", None))) for m in self.attention)
+        tuners = tuple((repr(getattr(m, "_active_adapter", None)), repr(getattr(m, "scaling", None)),
+                        getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
+        return procs, tuners
+
+
+def _model_state(model: nn.Module, first: torch.Tensor, watch: _Watch) -> tuple:
     """What invalidates captured graphs: peft adapters added or removed (the module tree changes with
-    them), and the weights moved (``.to(device or dtype)``, offloading): the graphs read them by address."""
+    them), the weights moved (``.to(device or dtype)``, offloading: the graphs read them by address),
+    and what ``watch`` reads (adapter switches and scales, fused LoRA, swapped processors)."""
     cfg = getattr(model, "peft_config", None)
-    return tuple(sorted(cfg)) if isinstance(cfg, dict) else (), first.data_ptr(), hasattr(model, "_hf_hook")
+    tree = tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
+    return tree, first.data_ptr(), hasattr(model, "_hf_hook"), watch.state(tree)
 
 
 def capture(run, pool=None, stream=None, warmup: int = 1, calls: int = 1) -> tuple[Any, Any]:
@@ -187,7 +219,8 @@ class GraphedCall:
         self.pool = torch.cuda.graph_pool_handle()  # shared by all signatures' graphs
         self.stream = torch.cuda.Stream(self.device)  # the side stream captures run on
         self.first_param = next(model.parameters())
-        self.state = _model_state(model, self.first_param)
+        self.watch = _Watch(model)
+        self.state = _model_state(model, self.first_param, self.watch)
         self._logged: set[str] = set()
 
     def __repr__(self) -> str:
@@ -235,7 +268,7 @@ class GraphedCall:
         key, reason = self._signature(leaves, tree)
         if reason is not None:
             return self._eager(reason, args, kwargs)
-        state = _model_state(self.model_ref, self.first_param)
+        state = _model_state(self.model_ref, self.first_param, self.watch)
         if state != self.state:  # the captured kernels would run stale modules or read freed weights
             self.reset()
             self.state = state

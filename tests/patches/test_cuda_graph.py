@@ -9,8 +9,10 @@ exact unpatch. The same logic runs on CPU against a stand-in graph (FakeGraph be
 import copy
 import logging
 
+import diffusers.loaders.peft  # noqa: F401  (its annotations read torch.cuda.Stream, which fake_cuda replaces)
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor
 from sd_kernels.patches import cuda_graph
 
 import sd_kernels
@@ -160,6 +162,43 @@ def test_adapters_loaded_after_capture_recapture(fake_cuda):
     eager, graphed = _cpu_pair("tiny")
     got, want = _lora_after_capture(eager, graphed, *_cpu_args(eager, 2, 8))
     assert torch.equal(got, want) and len(fake_cuda) == 2
+
+
+def _two_adapters(*unets):
+    peft = pytest.importorskip("peft", reason="peft is in the test extra")
+    for name, seed in (("a", 3), ("b", 4)):
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "proj"], init_lora_weights=False)
+        for unet in unets:
+            torch.manual_seed(seed)
+            unet.add_adapter(config, adapter_name=name)
+
+
+@pytest.mark.parametrize("change", ["set_adapters", "weights", "disable_lora", "fuse_lora", "processor"])
+def test_what_a_call_bakes_in_is_watched(fake_cuda, change):
+    """A change that alters what the UNet computes without touching its inputs drops the graphs: the
+    stand-in graph re-runs the model, so the capture count is what shows it (a real replay would run
+    the old adapter mix: the issue's 0.54 error)."""
+    eager, graphed = _cpu_pair("tiny")
+    _two_adapters(eager, graphed)
+    x, kw = _cpu_args(eager, 2, 8)
+    steps = {
+        "set_adapters": lambda m: m.set_adapters(["b"]),
+        "weights": lambda m: m.set_adapters(["a", "b"], weights=[0.5, 1.0]),
+        "disable_lora": lambda m: m.disable_lora(),
+        "fuse_lora": lambda m: m.fuse_lora(),
+        "processor": lambda m: m.set_attn_processor(AttnProcessor()),
+    }
+    with torch.no_grad():
+        for model in (eager, graphed):
+            model.set_adapters(["a"])
+        graphed(x, 10, **kw)
+        graphed(x, 10, **kw)
+        assert len(fake_cuda) == 1
+        for model in (eager, graphed):
+            steps[change](model)
+        assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+        graphed(x, 10, **kw)
+    assert len(fake_cuda) == 2  # captured anew once, then replayed
 
 
 def test_moved_weights_recapture(fake_cuda):
