@@ -46,11 +46,18 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x, approximate=approximate)
 
 
+def check_geglu_input(h: torch.Tensor) -> None:
+    """What GEGLU's ``h.chunk(2, -1)`` needs: a dimension to split (torch's words), an even one."""
+    if h.dim() == 0:
+        raise RuntimeError("chunk expects at least a 1-dimensional tensor")
+    if h.shape[-1] % 2:
+        raise ValueError(f"geglu needs an even last dimension, got {h.shape[-1]}")
+
+
 def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """diffusers' GEGLU after its projection: ``a * gelu(gate)`` with ``a, gate = h.chunk(2, -1)``."""
     check_gelu_approximation(approximate)
-    if h.shape[-1] % 2:
-        raise ValueError(f"geglu needs an even last dimension, got {h.shape[-1]}")
+    check_geglu_input(h)
     a, gate = h.chunk(2, dim=-1)
     return a * F.gelu(gate, approximate=approximate)
 
@@ -71,17 +78,23 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Naive ``softmax(q kᵀ · scale + mask) v``: the Sq×Sk scores are materialised.
+    """Naive ``softmax(q kᵀ · scale + mask) v``: the Sq×Sk scores are materialised, in float32 for
+    half-precision inputs (as SDPA and the kernels accumulate them: fp16 scores past 65504 would be
+    inf, then NaN).
 
-    Rows whose every key is masked out produce zeros (not NaN), the behaviour the kernels share.
+    Rows whose every key is masked out produce zeros (not NaN), the behaviour the kernels share; a
+    NaN anywhere else (a NaN input, say) stays NaN, as in torch.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
+    scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else math.inf) if scale is None else scale
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     mask = _additive_mask(attn_mask, scores.dtype)
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs.to(v.dtype) @ v  # a float mask of another dtype may have promoted the scores
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
+    return (probs @ v.to(probs.dtype)).to(v.dtype)
 
 
 def sdpa(

@@ -310,6 +310,10 @@ def alloc_output(shape, like: torch.Tensor, heads_inner: bool) -> torch.Tensor:
     return torch.empty(b, h, s, d, dtype=like.dtype, device=like.device)
 
 
+_TYPE_NAMES = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+               torch.bool: "Bool"}
+
+
 def check_attention_args(op: str, q, k, v, attn_mask) -> tuple[int, ...]:
     """Raise torch-like errors for inputs F.scaled_dot_product_attention rejects; return the batch shape."""
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -320,6 +324,8 @@ def check_attention_args(op: str, q, k, v, attn_mask) -> tuple[int, ...]:
             f"{op}: expected query, key, and value to have the same dtype, but got query.dtype: {q.dtype} "
             f"key.dtype: {k.dtype} and value.dtype: {v.dtype} instead."
         )
+    if not q.is_floating_point():  # torch's own words for an integer query
+        raise RuntimeError(f"{op}: expected scalar type Float but found {_TYPE_NAMES.get(q.dtype, q.dtype)}")
     if q.shape[-1] != k.shape[-1]:
         raise RuntimeError(f"{op}: query and key head dims differ: {q.shape[-1]} != {k.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
@@ -362,6 +368,8 @@ def kernel_reason(*tensors: torch.Tensor | None, batch: tuple[int, ...]) -> str 
     int32 in the kernels, so each slice must span < 2^31 elements."""
     if len(batch) > 2:
         return f"{len(batch)} batch dims (the kernels take [B, H, S, D])"
+    if any(t is not None and t.numel() == 0 for t in tensors):
+        return "an empty input (the reference gives torch's result)"
     reason = tensor_reason(*tensors, also=(torch.bool,))  # masks may be bool
     if reason is not None:
         return reason
@@ -544,7 +552,10 @@ def flash_reason(q, k, v, attn_mask, batch) -> str | None:
 
 
 def default_scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    """SDPA's default 1/√D (inf at D = 0, as torch computes it), or the given scale."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else math.inf
 
 
 def flash_attention(

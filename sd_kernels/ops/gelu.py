@@ -166,12 +166,11 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     A call like an earlier kernel call (``_geglu_key``) launches that call's plan directly.
     """
     reference.check_gelu_approximation(approximate)
+    reference.check_geglu_input(h)
     key = _geglu_key(h, approximate)
     plan = _GEGLU_PLANS.get(key)
     if plan is not None:
         return plan(h)
-    if h.shape[-1] % 2:
-        raise ValueError(f"geglu needs an even last dimension, got {h.shape[-1]}")
     if not use_kernel("geglu", h, unsupported=tensor_reason(h)):
         return reference.geglu(h, approximate)
     n = h.shape[-1] // 2
@@ -336,7 +335,9 @@ def linear_geglu(
     """
     reference.check_gelu_approximation(approximate)
     _check_linear(x, weight, bias)
-    if not use_kernel("linear_geglu", x, weight, bias, unsupported=tensor_reason(x, weight, bias)):
+    # K = 0: torch's linear gives the bias alone; the kernel's row view of x needs K > 0
+    empty = "no input features (K = 0)" if weight.shape[1] == 0 else None
+    if not use_kernel("linear_geglu", x, weight, bias, unsupported=empty or tensor_reason(x, weight, bias)):
         return reference_linear_geglu(x, weight, bias, approximate)
     K, n = weight.shape[1], weight.shape[0] // 2
     x2 = _as_rows(x)
