@@ -70,11 +70,25 @@ def test_winograd_tiles_match_the_op():
     ({"match": {"capability": [[9, 0], [8, 0]]}}, "capability"),
     ({"match": {"capability": [[9, 0], [9, 9]], "sm": 3}}, "unknown key"),
     ({"intermediate_budget_mb": 5000, "memory_budget_mb": 4096}, "intermediate_budget_mb"),
+    ({"autotune_cache": 5}, "autotune_cache = 5; expected a directory path"),
+    ({"autotune_cache": "{oops}"}, "only placeholder is {name}"),
+    ({"winograd": 5}, "winograd = 5; expected a list of rules"),
+    ({"disabled_ops": [["x"]]}, "disabled_ops"),
+    ({"description": "x" * 300_000}, "at most 2000 characters"),
 ])
 def test_bad_profile_data_is_a_clear_error(patch, message):
     data = {"name": "mine", "description": "a test", **patch}
     with pytest.raises(ProfileError, match=message):
         profiles.from_dict(data, "mine.json")
+
+
+@pytest.mark.parametrize("content, message", [("[" * 100_000 + "]" * 100_000, "RecursionError"),
+                                              (" " * (2 << 20), "a profile is at most")])
+def test_a_pathological_profile_file_is_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "mine.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=message):
+        profiles.load_file(path)
 
 
 def test_profile_is_frozen_and_replace_validates():

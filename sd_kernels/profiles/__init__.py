@@ -222,8 +222,16 @@ def _validate(p: Profile) -> None:
     where = repr(p.name)
     if not isinstance(p.name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", p.name):
         _fail(where, "name", p.name, "lower-case letters, digits and dashes")
-    if not isinstance(p.description, str) or not p.description:
-        _fail(where, "description", p.description, "a non-empty string")
+    if not isinstance(p.description, str) or not p.description or len(p.description) > MAX_DESCRIPTION:
+        _fail(where, "description", p.description[:80] + "…" if isinstance(p.description, str) else p.description,
+              f"a non-empty string of at most {MAX_DESCRIPTION} characters")
+    if p.autotune_cache is not None:
+        if not isinstance(p.autotune_cache, str) or not p.autotune_cache:
+            _fail(where, "autotune_cache", p.autotune_cache, 'a directory path (may hold "{name}") or null')
+        try:
+            p.autotune_cache.format(name=p.name)
+        except (KeyError, IndexError, ValueError) as exc:
+            _fail(where, "autotune_cache", p.autotune_cache, f'a path whose only placeholder is {{name}} ({exc!r})')
     _check_int(where, "memory_budget_mb", p.memory_budget_mb, 64, 2**22)
     _check_int(where, "intermediate_budget_mb", p.intermediate_budget_mb, 4, 2**20)
     _check_int(where, "shared_memory_kb", p.shared_memory_kb, 4, 1024)
@@ -253,6 +261,8 @@ def _validate(p: Profile) -> None:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(Profile)}
+MAX_DESCRIPTION = 2000  # characters
+MAX_FILE_BYTES = 1 << 20  # a profile file (the catalog's largest is a few kB)
 _MATCH_KEYS = {"capability", "names", "min_sms"}
 _WINOGRAD_KEYS = {f.name for f in dataclasses.fields(WinogradRule)}
 
@@ -291,12 +301,14 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
     if "flash_block" in kw:
         kw["flash_block"] = _tuple_pair(where, "flash_block", kw["flash_block"])
     rules = []
+    if not isinstance(kw.get("winograd", []), list):
+        _fail(where, "winograd", kw["winograd"], "a list of rules")
     for r in kw.get("winograd", []):
         _keys(where, "a winograd rule", r, _WINOGRAD_KEYS, _WINOGRAD_KEYS - {"layout"})
         rules.append(WinogradRule(**r))
     kw["winograd"] = tuple(rules)
     ops = kw.get("disabled_ops", [])
-    if not isinstance(ops, list):
+    if not isinstance(ops, list) or not all(isinstance(o, str) for o in ops):
         _fail(where, "disabled_ops", ops, "a list of op names")
     kw["disabled_ops"] = frozenset(ops)
     parts = kw.get("channels_last", [])
@@ -322,10 +334,13 @@ def _to_json(p: Profile) -> dict[str, Any]:
 
 def load_file(path: str | os.PathLike) -> Profile:
     path = pathlib.Path(path)
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ProfileError(f"profile file {path}: {size} bytes; a profile is at most {MAX_FILE_BYTES}")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile file {path}: not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profile file {path}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     return from_dict(data, str(path))
 
 
