@@ -281,6 +281,10 @@ def patch_memory(model: nn.Module, record: PatchRecord) -> None:
     budget = prof.memory_budget_bytes()
     if budget is not None:
         kind = type(model).__name__
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            record.skip("", kind, f"memory budget {prof.memory_budget_mb} MB not enforced: the model is on "
+                        f"{device} and the guard measures CUDA memory (each unguarded call is logged once)")
         for path in GUARDED.get(kind, ()):
             module = model.get_submodule(path)
             label = f"{kind}.{path}" if path else kind

@@ -18,6 +18,7 @@ encoder, one UNet step and the VAE decode.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+log = logging.getLogger("sd_kernels")
 
 MB = 2**20
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -118,12 +121,20 @@ class BudgetGuard:
             raise MemoryBudgetExceeded(op, total, self.budget, detail) from exc
 
 
+_UNGUARDED: set[tuple[str, str]] = set()  # (label, device) already logged as running without the guard
+
+
 def guarded(fn: Callable[..., Any], budget: int, model: nn.Module, label: str) -> Callable[..., Any]:
     """``fn`` run under ``BudgetGuard(budget, model, label)`` when its inputs are on CUDA."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if not tensors or tensors[0].device.type != "cuda":
+            where = tensors[0].device.type if tensors else "no tensor"
+            if (label, where) not in _UNGUARDED:
+                _UNGUARDED.add((label, where))
+                log.warning("sd_kernels: the %d MB memory budget is not enforced for %s: its inputs are on %s "
+                            "(the guard measures CUDA memory)", budget >> 20, label, where)
             return fn(*args, **kwargs)
         with BudgetGuard(budget, model, label, CudaMemory(tensors[0].device)):
             return fn(*args, **kwargs)

@@ -162,6 +162,25 @@ def test_patch_under_a_mobile_profile_chunks_guards_and_reverts():
         torch.testing.assert_close(patched, unet(x, 10, ctx).sample, rtol=0, atol=0)
 
 
+def test_a_budget_that_cannot_be_enforced_is_said_in_the_record_and_logged_once(caplog):
+    from sd_kernels.patches import patch, unpatch
+
+    from sd_kernels import memory, models
+
+    unet = models.build_model("tiny", "unet")
+    memory._UNGUARDED.clear()
+    record = patch(unet, profile="s23-ultra", ops=["memory"])
+    assert any("memory budget 4096 MB not enforced: the model is on cpu" in s.reason for s in record.skipped)
+    x, ctx = torch.randn(1, 4, 16, 16), torch.randn(1, 77, 32)
+    with caplog.at_level("WARNING", logger="sd_kernels"), torch.no_grad():
+        for _ in range(3):
+            unet(x, 10, ctx)
+    logged = [r.getMessage() for r in caplog.records if "not enforced" in r.getMessage()]
+    assert logged == ["sd_kernels: the 4096 MB memory budget is not enforced for UNet2DConditionModel: its inputs "
+                      "are on cpu (the guard measures CUDA memory)"]
+    unpatch(unet)
+
+
 def test_desktop_profiles_change_nothing():
     from sd_kernels.patches import patch, unpatch
 
