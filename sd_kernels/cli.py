@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, FileNotFoundError, KernelUnavailable) as exc:
+    except (ValueError, TypeError, OSError, KernelUnavailable) as exc:  # OSError: a hub id with no hub, a full disk
         print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -113,3 +113,14 @@ def test_a_size_off_the_vae_grid_and_a_forced_backend_that_cannot_run_fail_first
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert cli.main(["demo", "--device", "cpu", "--out", str(tmp_path / "a.png")]) == 2
     assert "SD_KERNELS_BACKEND=triton forces the kernels" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_id_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr("sd_kernels.models.load_pipeline", offline)
+    assert cli.main(["generate", "--prompt", "x", "--model", "someone/model", "--device", "cpu",
+                     "--out", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sd-kernels generate: error: We couldn't connect") and "Traceback" not in err
