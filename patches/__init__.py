@@ -94,6 +94,7 @@ def patch(
         if isinstance(value, str):
             raise TypeError(f"{name}= takes a list of names, got the string {value!r} "
                             f"(did you mean {name}=[{value!r}]?)")
+    ignore = tuple(ignore)
     mode = cuda_graph_mod.mode_of(cuda_graph)
     if compile and mode is None:
         raise ValueError("compile=True compiles what the CUDA graphs capture: pass cuda_graph=True too "
@@ -114,7 +115,7 @@ def patch(
     if mode:
         if not graphed:
             raise ValueError("cuda_graph=True captures the UNet, but there is no UNet2DConditionModel to patch "
-                             f"in {type(obj).__name__} (ignore={tuple(ignore)})")
+                             f"in {type(obj).__name__} (ignore={ignore})")
         for model in graphed:
             cuda_graph_mod.check_graphable(model)
     old: PatchRecord | None = getattr(obj, _ATTR, None)
@@ -127,16 +128,15 @@ def patch(
     scheduler = getattr(obj, "scheduler", None) if mode == "pipeline" else None
     if old is not None:
         # The whole profile, not its name: dataclasses.replace(profile, attention=...) keeps the name.
-        if (old.ops, old.profile_spec, old.parts, old.cuda_graph, old.compile, old.scheduler) == (
-                ops, prof, parts, mode, compile, scheduler):
+        if (old.ops, old.profile_spec, old.parts, old.ignore, old.cuda_graph, old.compile, old.scheduler) == (
+                ops, prof, parts, ignore, mode, compile, scheduler):
             return old
         unpatch(obj)
     set_profile(prof)
     record = PatchRecord(ops, prof.name, parts, mode, compile)
     record.profile_spec = prof
     record.scheduler = scheduler
-    record.arguments = {"profile": prof, "ops": ops, "ignore": tuple(ignore), "cuda_graph": mode or False,
-                        "compile": compile}  # what patch() needs to make this patch again
+    record.ignore = ignore
     for part, name in others:
         record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
     try:

@@ -71,7 +71,7 @@ class PatchRecord:
         self.compile = compile
         self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
         self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
-        self.arguments: dict[str, Any] = {}  # patch()'s resolved arguments (patched() re-applies them)
+        self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
@@ -81,6 +81,12 @@ class PatchRecord:
     # would carry steps that undo the original. Copying or pickling one is refused with the way out.
     _REFUSED = ("is patched by sd_kernels: {what} it would carry a record that undoes the original's modules. "
                 "Call sd_kernels.unpatch(obj) first, then patch the original and the {result} separately")
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The arguments that make this patch again (``patched()`` re-applies a patch it displaced)."""
+        return {"profile": self.profile_spec, "ops": self.ops, "ignore": self.ignore,
+                "cuda_graph": self.cuda_graph or False, "compile": self.compile}
 
     def __deepcopy__(self, memo: dict) -> PatchRecord:
         raise TypeError("this object " + self._REFUSED.format(what="a deep copy of", result="copy"))
