@@ -127,12 +127,17 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+# Model attributes a call reads on the host: the VAE's enable_tiling() / enable_slicing().
+_MODEL_FLAGS = ("use_tiling", "use_slicing")
+
+
 class _Watch:
     """The Python-side state a captured call bakes in and a user may change between calls: the
     attention processors (``set_attn_processor``, IP-Adapter's, with their ``scale``) and, once peft
     adapters are loaded, every tuner layer's active adapters, scales, disabled flag and merged
     adapters (``set_adapters`` with names or weights, ``disable_lora``, ``fuse_lora``, LoRA
-    hot-swap). The modules to read are found once per module tree (the peft config's adapters name it)."""
+    hot-swap), and the VAE's tiling and slicing switches. The modules to read are found once per
+    module tree (the peft config's adapters name it)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -149,9 +154,10 @@ class _Watch:
         if tree != self.tree:
             self._find(tree)
         procs = tuple((id(p := m.processor), repr(getattr(p, "scale", None))) for m in self.attention)
+        flags = tuple(getattr(self.model, f, None) for f in _MODEL_FLAGS)
         tuners = tuple((repr(getattr(m, "_active_adapter", None)), repr(getattr(m, "scaling", None)),
                         getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
-        return procs, tuners
+        return procs, tuners, flags
 
 
 def _model_state(model: nn.Module, first: torch.Tensor, watch: _Watch) -> tuple:

@@ -201,6 +201,18 @@ def test_what_a_call_bakes_in_is_watched(fake_cuda, change):
     assert len(fake_cuda) == 2  # captured anew once, then replayed
 
 
+def test_vae_tiling_switched_on_after_capture_recaptures(fake_cuda):
+    pipe = models.build_pipeline("tiny")
+    sd_kernels.patch(pipe, cuda_graph=True)
+    z = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        pipe.vae.decode(z)
+        pipe.vae.decode(z)
+        pipe.vae.enable_tiling()
+        pipe.vae.decode(z)
+    assert len(pipe.vae.decode.graphs) == 1 and len(fake_cuda) == 2  # the decode captured twice, replayed once
+
+
 def test_moved_weights_recapture(fake_cuda):
     """Graphs read weights by address: after .to(...) moved them, the same signature captures anew."""
     eager, graphed = _cpu_pair("tiny")
