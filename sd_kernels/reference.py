@@ -62,6 +62,11 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return a * F.gelu(gate, approximate=approximate)
 
 
+def default_scale(head_dim: int) -> float:
+    """SDPA's default scale 1/√D; inf at D = 0, as torch computes it."""
+    return 1.0 / math.sqrt(head_dim) if head_dim else math.inf
+
+
 def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Boolean masks (True = attend) become 0 / -inf, as in ``F.scaled_dot_product_attention``."""
     if attn_mask is None or attn_mask.dtype != torch.bool:
@@ -85,7 +90,7 @@ def attention(
     Rows whose every key is masked out produce zeros (not NaN), the behaviour the kernels share; a
     NaN anywhere else (a NaN input, say) stays NaN, as in torch.
     """
-    scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else math.inf) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     mask = _additive_mask(attn_mask, scores.dtype)

@@ -17,15 +17,13 @@ loads (zeros) and masked stores. Any D ≤ 256 works; larger head dims do not fi
 accumulator on chip and go to ``partial_softmax_attention`` (ops/softmax_matmul.py).
 
 Masks: additive float masks (any float dtype, added in fp32) or boolean (True = attend), broadcast
-over batch, heads and query rows through stride 0. Rows with every key masked give zeros (the
-reference's softmax NaN → 0). fp16/bf16: dots on tensor cores with fp32 accumulation, softmax in fp32,
+over batch, heads and query rows through stride 0. Rows with every key masked give zeros (as the
+reference's do; any other NaN stays NaN). fp16/bf16: dots on tensor cores with fp32 accumulation, softmax in fp32,
 P cast to the input dtype for the P·V dot (as in FlashAttention). fp32: tl.dot in IEEE fp32 unless
 ``torch.backends.cuda.matmul.allow_tf32`` is set (then TF32, as torch's matmuls do).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -552,10 +550,8 @@ def flash_reason(q, k, v, attn_mask, batch) -> str | None:
 
 
 def default_scale(q: torch.Tensor, scale: float | None) -> float:
-    """SDPA's default 1/√D (inf at D = 0, as torch computes it), or the given scale."""
-    if scale is not None:
-        return float(scale)
-    return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else math.inf
+    """SDPA's default (reference.default_scale), or the given scale."""
+    return reference.default_scale(q.shape[-1]) if scale is None else float(scale)
 
 
 def flash_attention(

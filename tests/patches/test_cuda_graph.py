@@ -228,17 +228,18 @@ SCHEDULERS = ["PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "Euler
               "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"]
 
 
-def _pipe_pair(name="tiny", scheduler=None):
-    """(patched eagerly, patched with cuda_graph=True) copies of one tiny pipeline, same scheduler."""
+def _pipe_pair(name="tiny", scheduler=None, device="cpu", dtype=torch.float32, compile=False):
+    """(patched eagerly, patched with cuda_graph=True, the latter's record): copies of one tiny
+    pipeline with the same scheduler."""
     import diffusers
 
-    eager = models.build_pipeline(name)
+    eager = models.build_pipeline(name, device=device, dtype=dtype)
     eager.set_progress_bar_config(disable=True)
     if scheduler:
         eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
     graphed = copy.deepcopy(eager)
     sd_kernels.patch(eager, cuda_graph=False)
-    return eager, graphed, sd_kernels.patch(graphed, cuda_graph=True)
+    return eager, graphed, sd_kernels.patch(graphed, cuda_graph=True, compile=compile)
 
 
 def _pipe_run(pipe, steps=3, **kwargs):
@@ -404,16 +405,7 @@ def test_lora_loaded_after_capture_recaptures():
 
 
 def _gpu_pipe_pair(scheduler=None, compile=False):
-    import diffusers
-
-    eager = models.build_pipeline("tiny", device="cuda", dtype=torch.float16)
-    eager.set_progress_bar_config(disable=True)
-    if scheduler:
-        eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
-    graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager, cuda_graph=False)
-    sd_kernels.patch(graphed, cuda_graph=True, compile=compile)
-    return eager, graphed
+    return _pipe_pair("tiny", scheduler, "cuda", torch.float16, compile)[:2]
 
 
 def _gpu_run(pipe, steps=4, seed=0, **kwargs):
