@@ -28,11 +28,6 @@ from sd_kernels.testing import channels_last, rel_err
 EXTRAS = ["paper_table"]
 
 UNET = [(2, 320, 64, 64, 320), (2, 640, 32, 32, 640), (2, 1280, 16, 16, 1280)]
-# The other 3x3 stride-1 conv shapes of SD1.5's UNet at 8x8 and 16x16 (batch 2; how many of each in
-# one UNet call: 11, 3, 2, 1, 1): where Winograd has a chance, so the profile's routing is measured
-# shape by shape. Tiles 2 and 4 only, NCHW only (diffusers runs the UNet NCHW).
-DEEP = [(2, 1280, 8, 8, 1280), (2, 2560, 8, 8, 1280), (2, 2560, 16, 16, 1280), (2, 1920, 16, 16, 1280),
-        (2, 640, 16, 16, 1280)]
 VAE = [(1, 512, 64, 64, 512), (1, 512, 128, 128, 512), (1, 256, 256, 256, 256), (1, 128, 512, 512, 128)]
 TILES = (2, 4, 6)
 WINDOW = 32  # side of the output window the errors are measured on
@@ -109,8 +104,6 @@ def cases(quick: bool) -> Iterator[Case]:
     for shape in shapes:
         for layout in ("channels_last", "nchw"):
             yield _case(shape, layout)
-    for shape in DEEP:
-        yield _case(shape, "nchw", tiles=(2, 4), variants_f4=False)
 
 
 def paper_table(shape=(1, 512, 64, 64, 512)) -> list[dict]:

@@ -136,19 +136,23 @@ class _Watch:
     attention processors (``set_attn_processor``, IP-Adapter's, with their ``scale``) and, once peft
     adapters are loaded, every tuner layer's active adapters, scales, disabled flag and merged
     adapters (``set_adapters`` with names or weights, ``disable_lora``, ``fuse_lora``, LoRA
-    hot-swap), and the VAE's tiling and slicing switches. The modules to read are found once per
-    module tree (the peft config's adapters name it)."""
+    hot-swap), the VAE's tiling and slicing switches, and the weights behind state that a patched
+    module derives from them (``graph_state()``: Winograd's transformed weights, stale after an
+    in-place ``load_state_dict``). The modules to read are found once per module tree (the peft
+    config's adapters name it)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.tree: tuple | None = None
         self.attention: list[nn.Module] = []
         self.tuners: list[nn.Module] = []
+        self.derived: list[nn.Module] = []
 
     def _find(self, tree: tuple) -> None:
         self.tree = tree
         self.attention = [m for m in self.model.modules() if hasattr(m, "processor")]
         self.tuners = [m for m in self.model.modules() if hasattr(m, "merged_adapters")] if tree else []
+        self.derived = [m for m in self.model.modules() if hasattr(m, "graph_state")]
 
     def state(self, tree: tuple) -> tuple:
         if tree != self.tree:
@@ -157,7 +161,7 @@ class _Watch:
         flags = tuple(getattr(self.model, f, None) for f in _MODEL_FLAGS)
         tuners = tuple((repr(getattr(m, "_active_adapter", None)), repr(getattr(m, "scaling", None)),
                         getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
-        return procs, tuners, flags
+        return procs, tuners, flags, tuple(m.graph_state() for m in self.derived)
 
 
 def _model_state(model: nn.Module, first: torch.Tensor, watch: _Watch) -> tuple:

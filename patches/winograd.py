@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from sd_kernels import library
 from sd_kernels.ops.layout import is_channels_last
-from sd_kernels.ops.winograd import WinogradWeight, unsupported_conv, winograd_conv2d, winograd_weight
+from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, winograd_conv2d
 from sd_kernels.profiles import active_profile
 
 from .layout import makes_channels_last
@@ -55,36 +56,47 @@ class WinogradConv2d(nn.Conv2d):
         self.register_parameter("weight", original.weight)
         self.register_parameter("bias", original.bias)
         self.train(original.training)
-        self._transformed: dict[tuple, tuple[tuple, WinogradWeight]] = {}  # slot → (version, U)
+        self._cache = WeightCache(original.weight)
 
     def tile_for(self, x: torch.Tensor) -> int | None:
-        """The profile's tile for this call, or None for the stock conv: calls traced by torch.compile
-        and inputs whose dtype is not the weight's run stock."""
-        if x.dim() != 4 or x.dtype != self.weight.dtype or torch.compiler.is_compiling():
-            return None  # under torch.compile the compiler's own conv choice stands
+        """The profile's tile for this call, or None for the stock conv (inputs whose dtype is not the
+        weight's run stock). Under torch.compile the decision is made once, at trace time, from the
+        static shape: the compiled graph holds the custom op or the stock conv."""
+        if x.dim() != 4 or x.dtype != self.weight.dtype:
+            return None
         n, c, h, w = x.shape
         layout = "channels_last" if is_channels_last(x) else "nchw"
-        return active_profile().winograd_tile(n, c, h, w, self.out_channels, x.dtype, layout)
+        return _route(n, c, h, w, self.out_channels, x.dtype, layout)
 
     def transformed(self, tile: int) -> WinogradWeight:
-        w = self.weight
-        # Inference tensors (made under torch.inference_mode) have no version counter, and cannot be
-        # updated in place outside it: their storage alone identifies them.
-        slot, version = (tile, w.dtype, w.device), (w.data_ptr(), None if w.is_inference() else w._version)
-        cached = self._transformed.get(slot)
-        if cached is None or cached[0] != version:
-            cached = self._transformed[slot] = (version, winograd_weight(w, tile))
-        return cached[1]
+        if self._cache.weight is not self.weight:  # the parameter was replaced
+            self._cache = WeightCache(self.weight)
+        return self._cache.get(tile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tile = self.tile_for(x)
         if tile is None:
             return self._conv_forward(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # one opaque op; it finds self._cache by the weight
+            return library.winograd_conv2d(x, self.weight, self.bias, tile)
         return winograd_conv2d(x, self.transformed(tile), self.bias)
 
     def transformed_bytes(self) -> int:
         """Bytes held by the cached transformed weights (the memory this module adds)."""
-        return sum(u.u.numel() * u.u.element_size() for _, u in self._transformed.values())
+        return self._cache.nbytes()
+
+    def graph_state(self) -> tuple:
+        """What a CUDA graph that replays this conv's Winograd launches bakes in: the transformed
+        weights of the weight as it was. A captured graph is stale once this changes (the weight
+        replaced or updated in place), and its re-capture transforms the weight again."""
+        w = self.weight
+        return id(w), w.data_ptr(), None if w.is_inference() else w._version
+
+
+@torch.compiler.assume_constant_result
+def _route(n: int, c: int, h: int, w: int, k: int, dtype: torch.dtype, layout: str) -> int | None:
+    """The active profile's tile (a constant for torch.compile: shapes are static there)."""
+    return active_profile().winograd_tile(n, c, h, w, k, dtype, layout)
 
 
 def qualifies(conv: nn.Module) -> bool:

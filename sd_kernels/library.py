@@ -23,12 +23,13 @@ from collections.abc import Callable
 import torch
 
 from sd_kernels import ops
-from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.ops.layout import contiguous_strides, is_channels_last, is_dense
 
 # sd_kernels.ops re-exports functions named like its submodules (ops.gelu is the function): import
 # the modules by name.
 attention_ops = importlib.import_module("sd_kernels.ops.attention")
 gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
+winograd_ops = importlib.import_module("sd_kernels.ops.winograd")
 
 Layout = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -60,6 +61,14 @@ def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Layou
         _, h, s, d = shape
         return shape, (s * h * d, d, h * d, 1)
     return shape, contiguous_strides(shape)
+
+
+def conv_layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
+    """A 3×3 same-size conv: [N, K, H, W] in x's memory format (channels_last stays so)."""
+    n, _, h, w = x.shape
+    k = weight.shape[0]
+    shape = (n, k, h, w)
+    return shape, (h * w * k, 1, w * k, k) if is_channels_last(x) else contiguous_strides(shape)
 
 
 # Inductor hands a custom op its inputs in exactly the strides they had when traced: the layout the
@@ -131,6 +140,13 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
     return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
 
 
+@_custom_op("winograd_conv2d", lambda x, weight, *_: conv_layout(x, weight))
+def _winograd_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        tile: int) -> torch.Tensor:
+    # The transformed weights come from the cache of the patched conv that owns ``weight``.
+    return winograd_ops.winograd_conv2d(x, winograd_ops.cached_weight(weight, tile), bias)
+
+
 # ---------------------------------------------------------------------------------------------
 # What patched modules call: the plain op in eager, the custom op while compiling.
 
@@ -171,4 +187,13 @@ def attention(q, k, v, attn_mask=None, scale=None, upcast=False):
     return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
 
 
-OPS = ("group_norm", "gelu", "quick_gelu", "geglu", "linear_geglu", "attention")  # torch.ops.sd_kernels.*
+def winograd_conv2d(x, weight, bias, tile):
+    """3×3 conv of ``weight`` as Winograd F(tile, 3); the transformed weights are cached by the
+    patched conv that owns ``weight`` (sd_kernels.ops.winograd.WeightCache)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.winograd_conv2d(x, weight, bias, int(tile))
+    return winograd_ops.winograd_conv2d(x, winograd_ops.cached_weight(weight, tile), bias)
+
+
+# torch.ops.sd_kernels.*
+OPS = ("group_norm", "gelu", "quick_gelu", "geglu", "linear_geglu", "attention", "winograd_conv2d")

@@ -33,6 +33,9 @@ def _cases():
         "linear_geglu": (_OPS.linear_geglu, (h, r(8, 16), r(8), "none")),
         "attention": (_OPS.attention, (q, kv, kv, None, None, False)),
         "attention-mask-scale": (_OPS.attention, (q, kv, kv, torch.rand(2, 1, 1, 7, generator=g) > 0.3, 0.5, True)),
+        "winograd_conv2d": (_OPS.winograd_conv2d, (x, r(4, 8, 3, 3), r(4), 2)),
+        "winograd_conv2d-channels_last": (_OPS.winograd_conv2d, (x.to(memory_format=torch.channels_last),
+                                                                 r(4, 8, 3, 3), None, 4)),
         "attention-contiguous": (_OPS.attention, (q.contiguous(), kv.contiguous(), kv.contiguous(), None, None,
                                                   False)),
     }

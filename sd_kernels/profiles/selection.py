@@ -75,8 +75,8 @@ def _geglu(p: Profile, rows: int, k: int, n: int) -> tuple[str, str]:
     return "cuBLAS linear + geglu", f"k {k} > LINEAR_GEGLU_MAX_K {LINEAR_GEGLU_MAX_K}"
 
 
-def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str) -> tuple[str, str]:
-    tile = p.winograd_tile(n, c, h, w, k, dtype)
+def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str, cl: bool) -> tuple[str, str]:
+    tile = p.winograd_tile(n, c, h, w, k, dtype, "channels_last" if cl else "nchw")
     if tile is None:
         return "F.conv2d (stock)", p.disabled_reason("winograd_conv2d") or "not in the profile's winograd list"
     return f"winograd F({tile},3)", "a measured win listed in the profile"
@@ -88,8 +88,8 @@ def selection_table(profile: Profile, dtype: str = "float16") -> list[Row]:
     rows += [Row("group_norm", f"{n}x{c}x{h}x{w} {'nhwc' if cl else 'nchw'}", *_group_norm(profile, n, c, h, w, cl))
              for n, c, h, w in GROUP_NORM_SHAPES for cl in (False, True)]
     rows += [Row("geglu", f"{r}x{k}->{n}", *_geglu(profile, r, k, n)) for r, k, n in GEGLU_SHAPES]
-    rows += [Row("conv3x3", f"{n}x{c}x{h}x{w}->{k}", *_conv(profile, n, c, h, w, k, dtype))
-             for n, c, h, w, k in CONV_SHAPES]
+    rows += [Row("conv3x3", f"{n}x{c}x{h}x{w}->{k} {'nhwc' if cl else 'nchw'}",
+                 *_conv(profile, n, c, h, w, k, dtype, cl)) for n, c, h, w, k in CONV_SHAPES for cl in (False, True)]
     return rows
 
 

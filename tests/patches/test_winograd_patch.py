@@ -217,3 +217,87 @@ def test_gpu_sd15_unet_routed_by_the_profile():
     assert rel_err(ours, stock) < 1e-2
     assert torch.equal(ours, again)
     assert torch.equal(after, stock)
+
+
+@pytest.mark.slow
+def test_compiled_unet_runs_routed_convs_as_one_custom_op(route):
+    """torch.compile(fullgraph=True) of a UNet with routed convs: the routing is decided at trace time,
+    each routed call is one ``sd_kernels.winograd_conv2d`` node, the op finds the transformed weights
+    its conv cached (no per-call transform), and the output is the eager patched one."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    wg_ops = importlib.import_module("sd_kernels.ops.winograd")
+    prof = route(lambda n, c, h, w, k: 2 if h == 8 else None)
+    unet = build_model("tiny", "unet")
+    patch(unet, ops=["winograd"])
+    call = _unet_call(unet)
+    with torch.no_grad():
+        prof.asked.clear()
+        eager = call()
+        routed = sum(prof.rule(*a[:5]) is not None for a in prof.asked)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        torch._dynamo.reset()
+        unet.forward = torch.compile(unet.forward, backend=backend, fullgraph=True)
+        before = wg_ops.uncached_calls
+        out = call()
+        del unet.forward
+        torch._dynamo.reset()
+    (gm,) = graphs
+    nodes = [n for n in gm.graph.nodes if str(n.target).startswith("sd_kernels.winograd_conv2d")]
+    assert routed > 0 and len(nodes) == routed
+    assert wg_ops.uncached_calls == before
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    unpatch(unet)
+
+
+def test_a_weight_updated_in_place_invalidates_captured_graphs(route):
+    """What a CUDA graph of the UNet watches: an in-place update of a routed conv's weight (e.g.
+    ``load_state_dict``) changes it, so the graph is captured again and the weight transformed again."""
+    cg = importlib.import_module("sd_kernels.patches.cuda_graph")
+    route(lambda n, c, h, w, k: 2)
+    unet = build_model("tiny", "unet")
+    patch(unet, ops=["winograd"])
+    watch = cg._Watch(unet)
+    before = watch.state(())
+    assert watch.state(()) == before
+    conv = next(m for m in unet.modules() if isinstance(m, WinogradConv2d))
+    with torch.no_grad():
+        unet.load_state_dict(unet.state_dict())  # copies in place: same storage, new versions
+    assert watch.state(()) != before
+    conv.weight = nn.Parameter(conv.weight.detach().clone(), requires_grad=False)  # replaced
+    after = watch.state(())
+    assert after != before and watch.state(()) == after
+    unpatch(unet)
+
+
+@pytest.mark.gpu
+def test_gpu_default_patch_routes_channels_last_convs_also_under_compile():
+    """The default patch (channels_last on Hopper) of SD1.5's UNet (random weights, fp16, batch 2)
+    routes its deep convs to Winograd where the profile says so, with and without ``compile=True``:
+    replays within 1e-2 of stock, and under inductor the custom op reaches the cached transforms
+    (no per-call weight transform)."""
+    wg_ops = importlib.import_module("sd_kernels.ops.winograd")
+    unet = build_model("sd15", "unet", device="cuda", dtype=torch.float16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, generator=g)
+    ctx = torch.randn(2, 77, 768, device="cuda", dtype=torch.float16, generator=g)
+    t = torch.tensor([500, 500], device="cuda")
+    with torch.no_grad():
+        stock = unet(x, t, ctx).sample
+        for compile in (False, True):
+            record = patch(unet, cuda_graph="unet", compile=compile)
+            if not record.counts.get("winograd_conv"):
+                pytest.skip(f"profile {record.profile!r} routes no channels_last SD1.5 conv to Winograd")
+            before = wg_ops.uncached_calls
+            ours = unet(x, t, ctx).sample
+            routed = sum(m.transformed_bytes() > 0 for m in unet.modules() if isinstance(m, WinogradConv2d))
+            assert routed > 0, compile
+            assert wg_ops.uncached_calls == before, compile
+            assert rel_err(ours, stock) < 1e-2, compile
+            unpatch(unet)
+            torch._dynamo.reset()
