@@ -178,16 +178,17 @@ def test_explicit_policy_wins(policy):
     assert {p.attention_path(256, 256, d) for d in (40, 160, 512)} == {policy}
 
 
-WINOGRAD_RESULTS = ("bench/results/2026-11-22-h100/ops.csv", "bench/results/2026-11-22-h100/winograd_deep.csv")
+WINOGRAD_RESULTS = ("bench/results/2026-11-22-h100/ops.csv", "bench/results/2026-11-22-h100/winograd_deep.csv",
+                    "bench/results/2026-11-23-h100-session6/winograd_unet.csv")  # later files win
 
 
 def test_hopper_routes_winograd_exactly_where_it_was_measured_to_win():
     """hopper's Winograd table is the set of measured (shape, layout) pairs where one of our tiles beats
-    cuDNN on the same input layout (device time, the H100 results in the repo), each with its fastest
-    tile: nothing unmeasured, no loss, no win left out."""
+    cuDNN on the same input layout by the margin (device time, the H100 results in the repo), each with
+    its fastest tile: nothing unmeasured, no loss, no win left out."""
     import pathlib
 
-    from bench.winograd_routes import BASELINE, OURS, measured
+    from bench.winograd_routes import BASELINE, MARGIN, OURS, measured
 
     hopper = profiles.get_profile("hopper")
     table = measured([pathlib.Path(__file__).parents[1] / f for f in WINOGRAD_RESULTS])
@@ -195,7 +196,7 @@ def test_hopper_routes_winograd_exactly_where_it_was_measured_to_win():
     for (shape, dtype, layout), ms in table.items():
         ours = {tile: ms[impl] for impl, tile in OURS.items() if impl in ms}
         best = min(ours, key=ours.get)
-        want = best if ours[best] < ms[BASELINE[layout]] else None
+        want = best if ms[BASELINE[layout]] >= MARGIN * ours[best] else None
         assert hopper.winograd_tile(*shape, dtype, layout) == want, (shape, layout, ms)
     routed = {((r.n, r.c, r.h, r.w, r.k), r.dtype, r.layout) for r in hopper.winograd}
     assert routed <= set(table)
