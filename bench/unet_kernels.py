@@ -1,0 +1,153 @@
+"""Where one UNet step's device time goes, kernel by kernel: ``python -m bench.unet_kernels --out DIR``.
+
+    python -m bench.unet_kernels --out DIR [--model sd15@512] [--setups stock,patched,patched-no-winograd]
+
+For each setup the UNet (random weights, fp16, batch 2 = one prompt with CFG) is built, set up
+(``stock``: diffusers' own modules, channels_last like the peer; ``patched``: ``patch(unet,
+cuda_graph="unet")``; ``patched-no-winograd``: the same without the winograd family;
+``patched-compile``: with ``compile=True``), one call is
+captured in a CUDA graph (the patch's own graph for patched setups), and one replay is profiled.
+Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
+holds per setup the replay's device time, per-category and per-kernel totals, and for patched
+setups how many conv calls were routed to Winograd in which layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import re
+import sys
+
+import torch
+
+# First match wins; names are CUDA kernel names (cuDNN, cuBLAS/CUTLASS, Triton, ATen).
+CATEGORIES = (
+    ("winograd", r"_input_transform|_batched_gemm|_output_transform|_fused_gemm_output"),
+    ("attention (ours)", r"_flash|_attn|softmax_matmul|_partial"),
+    ("group_norm (ours)", r"_group_norm|_gn_"),
+    ("geglu/gelu (ours)", r"geglu|_gelu"),
+    ("attention (stock)", r"fmha|flash|attention|sdpa"),
+    ("conv (cuDNN)", r"conv|implicit|cudnn|xmma|fprop|dgrad|wgrad"),
+    ("gemm", r"gemm|cutlass|sm90_|ampere_|sm80_|cublas|nvjet"),
+    ("norm (stock)", r"norm"),
+    ("layout copies", r"copy|transpose|permute|contiguous|nchwToNhwc|nhwcToNchw"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|triton_"),
+)
+
+
+def category(name: str) -> str:
+    return next((c for c, pat in CATEGORIES if re.search(pat, name, re.I)), "other")
+
+
+def _inputs(cfg: dict, size: int, device="cuda", dtype=torch.float16):
+    g = torch.Generator(device=device).manual_seed(0)
+    lat = size // 8
+    x = torch.randn(2, cfg["in_channels"], lat, lat, device=device, dtype=dtype, generator=g)
+    ctx = torch.randn(2, 77, cfg["cross_attention_dim"], device=device, dtype=dtype, generator=g)
+    kwargs = {}
+    if cfg.get("addition_embed_type") == "text_time":
+        pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+        kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(2, pooled, device=device, dtype=dtype, generator=g),
+                                       "time_ids": torch.randn(2, 6, device=device, dtype=dtype, generator=g)}
+    return x, torch.tensor([500, 500], device=device), ctx, kwargs
+
+
+def measure(model: str, size: int, setup: str) -> dict:
+    from sd_kernels.patches import PATCHERS
+    from sd_kernels.patches import winograd as wg_patch
+
+    import sd_kernels
+    from sd_kernels.models import build_model, load_config
+
+    unet = build_model(model, "unet", device="cuda", dtype=torch.float16)
+    x, t, ctx, kwargs = _inputs(load_config(model)["unet"], size)
+    routes: collections.Counter = collections.Counter()
+    route = wg_patch._route
+
+    def recording(n, c, h, w, k, dtype, layout):
+        tile = route(n, c, h, w, k, dtype, layout)
+        routes[f"{layout} " + (f"F({tile},3)" if tile else "stock")] += 1
+        return tile
+
+    wg_patch._route = recording
+    try:
+        with torch.no_grad():
+            if setup == "stock":
+                unet.to(memory_format=torch.channels_last)
+                call = lambda: unet(x, t, ctx, **kwargs).sample  # noqa: E731
+                for _ in range(2):
+                    call()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    call()
+                replay = graph.replay
+            else:
+                ops = sorted(set(PATCHERS) - ({"winograd"} if setup == "patched-no-winograd" else set()))
+                sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=setup == "patched-compile")
+                forwards = [0]  # conv_in runs once per executed forward (warm-up, capture), not on replays
+                hook = unet.conv_in.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+                unet(x, t, ctx, **kwargs)
+                hook.remove()
+                routes = collections.Counter({k: v // max(forwards[0], 1) for k, v in routes.items()})
+                replay = lambda: unet(x, t, ctx, **kwargs)  # noqa: E731  (the patch's graph replays)
+                replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                replay()
+            end.record()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                replay()
+                torch.cuda.synchronize()
+    finally:
+        wg_patch._route = route
+    kernels: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            kernels[ev.name] += ev.device_time
+            calls[ev.name] += 1
+    cats: collections.Counter = collections.Counter()
+    for name, us in kernels.items():
+        cats[category(name)] += us
+    return {
+        "setup": setup, "step_ms": round(start.elapsed_time(end) / 20, 4),
+        "kernel_ms": round(sum(kernels.values()) / 1e3, 4),
+        "categories_ms": {c: round(us / 1e3, 4) for c, us in cats.most_common()},
+        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 4), "calls": calls[n], "category": category(n)}
+                        for n, us in kernels.most_common(30)],
+        "winograd_routing_per_call": dict(routes),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--model", default="sd15@512")
+    ap.add_argument("--setups", default="stock,patched,patched-no-winograd,patched-compile")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.unet_kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    name, _, size = args.model.partition("@")
+    results = []
+    for setup in args.setups.split(","):
+        r = measure(name, int(size or 512), setup)
+        results.append(r)
+        print(f"== {setup}: step {r['step_ms']} ms (kernels {r['kernel_ms']} ms), winograd routing "
+              f"{r['winograd_routing_per_call']}")
+        for c, ms in r["categories_ms"].items():
+            print(f"   {c:<20} {ms:8.3f} ms")
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "unet_kernels.json").write_text(json.dumps({"model": args.model, "setups": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
