@@ -87,10 +87,14 @@ def measure(model: str, size: int, setup: str) -> dict:
             else:
                 ops = sorted(set(PATCHERS) - ({"winograd"} if setup == "patched-no-winograd" else set()))
                 sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=setup == "patched-compile")
-                forwards = [0]  # conv_in runs once per executed forward (warm-up, capture), not on replays
-                hook = unet.conv_in.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+                # conv_in runs once per executed forward (warm-up, capture), not on replays; compiled,
+                # the routing is decided once, when the forward is traced (no hook: it would be traced)
+                forwards = [0 if setup != "patched-compile" else 1]
+                hook = (unet.conv_in.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+                        if setup != "patched-compile" else None)
                 unet(x, t, ctx, **kwargs)
-                hook.remove()
+                if hook is not None:
+                    hook.remove()
                 routes = collections.Counter({k: v // max(forwards[0], 1) for k, v in routes.items()})
                 replay = lambda: unet(x, t, ctx, **kwargs)  # noqa: E731  (the patch's graph replays)
                 replay()
