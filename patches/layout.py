@@ -8,6 +8,13 @@ from its first conv on (the NCHW latents are read once, in conv_in), and so do t
 Measured on the H100, SD1.5 UNet step, batch 2, from CUDA graphs: stock 12.26 → 10.60 ms; patched
 10.68 → 7.69 ms (bench/results/2026-11-22-h100-layout/).
 
+One place in diffusers breaks the chain: a Transformer2DModel with a 1×1 conv ``proj_out`` (SD1.5,
+SD2.x's conv variants) hands it ``permute(0, 3, 1, 2).contiguous()``, an NCHW map, and a 1×1 weight
+is NCHW and NHWC at once, so the conv, the residual add and everything after it ran NCHW: on the
+H100, 21 of SD1.5's 29 deep 3×3 conv calls per step then saw NCHW inputs (bench.unet_kernels). A
+forward pre-hook on each such ``proj_out`` lays its input NHWC (one copy of the attention output,
+a few µs at SD1.5's largest map) and the UNet stays NHWC from ``conv_in`` to ``conv_out``.
+
 The profile's ``channels_last`` lists the parts ("unet", "vae"). The patch converts every 4-D
 parameter of such a model that is not channels_last yet, in place (``param.data``: the Parameter
 objects stay, their storage is re-laid, no extra copy is kept), and unpatch converts exactly those
@@ -58,3 +65,13 @@ def patch_layout(model: nn.Module, record: PatchRecord) -> None:
                 p.data = p.data.contiguous()
 
     record.on_undo(restore, "channels_last_weight", len(converted))
+    hooks = [m.proj_out.register_forward_pre_hook(_nhwc_input) for m in model.modules()
+             if type(getattr(m, "proj_out", None)) is nn.Conv2d]
+    record.on_undo(lambda: [h.remove() for h in hooks], "channels_last_input", len(hooks))
+
+
+def _nhwc_input(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    if isinstance(x, torch.Tensor) and x.dim() == 4 and not is_channels_last(x):
+        return (x.contiguous(memory_format=torch.channels_last), *args[1:])
+    return None

@@ -90,6 +90,30 @@ def test_profile_validation_of_channels_last():
 
 def test_winograd_rules_are_per_layout():
     hopper = sd_kernels.get_profile("hopper")
-    assert hopper.winograd_tile(2, 1280, 16, 16, 1280, torch.float16) == 2
-    assert hopper.winograd_tile(2, 1280, 16, 16, 1280, torch.float16, "channels_last") is None
-    assert not hopper.routes_winograd(1280, 1280, "channels_last")
+    assert hopper.winograd_tile(2, 640, 32, 32, 640, torch.float16) == 4  # measured: a win on NCHW input
+    assert hopper.winograd_tile(2, 640, 32, 32, 640, torch.float16, "channels_last") is None  # within 5%
+    assert hopper.routes_winograd(640, 640, "nchw") and not hopper.routes_winograd(320, 320, "channels_last")
+
+
+def test_every_conv_after_conv_in_sees_nhwc(pipe):
+    """The UNet stays NHWC end to end: diffusers' Transformer2DModel hands its 1×1 proj_out an NCHW
+    map (a ``.contiguous()`` after a permute), which the patch's pre-hook re-lays; without it every
+    layer after the first attention block would run NCHW. Unpatch removes the hooks."""
+    convs = [(n, m) for n, m in pipe.unet.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    seen = {}
+    hooks = []
+    try:
+        with sd_kernels.patched(pipe, profile=_profile(["unet"]), ops=["channels_last"]) as record:
+            # registered after the patch's: they see what the conv gets
+            hooks += [m.register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, is_channels_last(a[0])))
+                      for n, m in convs]
+            proj_outs = sum(n.endswith("proj_out") for n, _ in convs)
+            assert record.counts["channels_last_input"] == proj_outs > 0
+            _unet_out(pipe.unet)
+            assert {n for n, cl in seen.items() if not cl} == {"conv_in"}  # the NCHW latents
+        seen.clear()
+        _unet_out(pipe.unet)
+        assert not any(seen.values())  # stock again: NCHW throughout
+    finally:
+        for h in hooks:
+            h.remove()
