@@ -5,7 +5,7 @@
 For each setup the UNet (random weights, fp16, batch 2 = one prompt with CFG) is built, set up
 (``stock``: diffusers' own modules, channels_last like the peer; ``patched``: ``patch(unet,
 cuda_graph="unet")``; ``patched-no-winograd``: the same without the winograd family;
-``patched-compile``: with ``compile=True``), one call is
+``patched-compile``: with ``compile=True``; ``patched-compile-no-winograd``: both), one call is
 captured in a CUDA graph (the patch's own graph for patched setups), and one replay is profiled.
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
 holds per setup the replay's device time, per-category and per-kernel totals, and for patched
@@ -85,13 +85,14 @@ def measure(model: str, size: int, setup: str) -> dict:
                     call()
                 replay = graph.replay
             else:
-                ops = sorted(set(PATCHERS) - ({"winograd"} if setup == "patched-no-winograd" else set()))
-                sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=setup == "patched-compile")
+                compiled = "-compile" in setup
+                ops = sorted(set(PATCHERS) - ({"winograd"} if setup.endswith("-no-winograd") else set()))
+                sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=compiled)
                 # conv_in runs once per executed forward (warm-up, capture), not on replays; compiled,
                 # the routing is decided once, when the forward is traced (no hook: it would be traced)
-                forwards = [0 if setup != "patched-compile" else 1]
-                hook = (unet.conv_in.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-                        if setup != "patched-compile" else None)
+                forwards = [1 if compiled else 0]
+                hook = (None if compiled else
+                        unet.conv_in.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)))
                 unet(x, t, ctx, **kwargs)
                 if hook is not None:
                     hook.remove()
@@ -148,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         for c, ms in r["categories_ms"].items():
             print(f"   {c:<20} {ms:8.3f} ms")
         torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "unet_kernels.json").write_text(json.dumps({"model": args.model, "setups": results}, indent=2))
+        torch._dynamo.reset()
+        args.out.mkdir(parents=True, exist_ok=True)  # after every setup: a run cut short keeps its numbers
+        (args.out / "unet_kernels.json").write_text(json.dumps({"model": args.model, "setups": results}, indent=2))
     return 0
 
 
