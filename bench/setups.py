@@ -21,7 +21,6 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-
 from sd_kernels.patches import PATCHERS
 
 

@@ -276,27 +276,35 @@ def test_a_weight_updated_in_place_invalidates_captured_graphs(route):
 
 
 @pytest.mark.gpu
-def test_gpu_default_patch_routes_channels_last_convs_also_under_compile():
-    """The default patch (channels_last on Hopper) of SD1.5's UNet (random weights, fp16, batch 2)
-    routes its deep convs to Winograd where the profile says so, with and without ``compile=True``:
-    replays within 1e-2 of stock, and under inductor the custom op reaches the cached transforms
-    (no per-call weight transform)."""
+def test_gpu_channels_last_routes_also_under_compile(route):
+    """SD1.5's UNet (random weights, fp16, batch 2) patched with every family (channels_last on
+    Hopper) and a stand-in profile that routes its deep convs (the shipped one routes none
+    channels_last: they lose inside the UNet, tests/test_profiles.py), with and without
+    ``compile=True``: every routed call reaches the kernel in channels_last, replays are within 1e-2
+    of stock, and under inductor the custom op finds the cached transforms (no per-call transform)."""
     wg_ops = importlib.import_module("sd_kernels.ops.winograd")
+    prof = route(lambda n, c, h, w, k: 2 if c >= 640 and h <= 16 else None, eager=False)
     unet = build_model("sd15", "unet", device="cuda", dtype=torch.float16)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, generator=g)
     ctx = torch.randn(2, 77, 768, device="cuda", dtype=torch.float16, generator=g)
     t = torch.tensor([500, 500], device="cuda")
+    layouts = []
+    real_tile = wg_patch.WinogradConv2d.tile_for
     with torch.no_grad():
         stock = unet(x, t, ctx).sample
         for compile in (False, True):
-            record = patch(unet, cuda_graph="unet", compile=compile)
-            if not record.counts.get("winograd_conv"):
-                pytest.skip(f"profile {record.profile!r} routes no channels_last SD1.5 conv to Winograd")
+            record = patch(unet, profile="hopper", cuda_graph="unet", compile=compile)
+            assert record.counts.get("winograd_conv"), record.skipped
             before = wg_ops.uncached_calls
-            ours = unet(x, t, ctx).sample
+            prof.asked.clear()
+            wg_patch.WinogradConv2d.tile_for = lambda self, x: layouts.append(x.stride(1) == 1) or real_tile(self, x)
+            try:
+                ours = unet(x, t, ctx).sample
+            finally:
+                wg_patch.WinogradConv2d.tile_for = real_tile
             routed = sum(m.transformed_bytes() > 0 for m in unet.modules() if isinstance(m, WinogradConv2d))
-            assert routed > 0, compile
+            assert routed > 0 and all(layouts), compile
             assert wg_ops.uncached_calls == before, compile
             assert rel_err(ours, stock) < 1e-2, compile
             unpatch(unet)
