@@ -299,3 +299,43 @@ def test_large_offsets():
     with wg._tf32_off():
         stock = reference.conv2d_3x3(window, w, b)[..., 1:, 1:]
     assert_close_to_reference(ours, stock, ref64, factor=ERROR_FACTOR[torch.float16][4])
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_a_non_finite_input_spreads_over_whole_tiles(tile, device):
+    """The documented difference from direct convolution (docs/kernels/winograd.md, "Non-finite
+    inputs"): one inf makes every output of each tile whose (m+2)² input window holds it non-finite, in
+    every output channel; direct convolution only its 3×3 neighbourhood. Everything else matches."""
+    N, C, H, W, K = 1, 2, 9, 8, 3
+    x, w, b = _conv_inputs(N, C, H, W, K, torch.float32, device)
+    r, c = 3, 4
+    x[0, 1, r, c] = float("inf")
+    ours = winograd_conv2d(x, w, b, tile).cpu()
+    direct = F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), padding=1)
+    expected = torch.zeros(H, W, dtype=torch.bool)
+    for ti in range(-(-H // tile)):
+        for tj in range(-(-W // tile)):  # the tile's input window starts one pixel before its outputs
+            if ti * tile - 1 <= r <= ti * tile + tile and tj * tile - 1 <= c <= tj * tile + tile:
+                expected[ti * tile:(ti + 1) * tile, tj * tile:(tj + 1) * tile] = True
+    bad = ~torch.isfinite(ours[0])  # [K, H, W]
+    assert torch.equal(bad, expected.expand(K, H, W))
+    direct_bad = ~torch.isfinite(direct[0])
+    assert direct_bad.sum() == K * 9 and not (direct_bad & ~bad).any()  # a 3×3 neighbourhood, inside ours
+    torch.testing.assert_close(ours[0][~bad].double(), direct[0][~bad], rtol=1e-4, atol=1e-4)
+
+
+def test_no_profile_routes_a_vae_conv():
+    """Where Winograd may meet non-finite inputs, the profiles keep the stock conv: fp16 VAEs are the
+    part known to overflow, and no profile routes any of the shipped VAEs' 3×3 convs."""
+    from sd_kernels.patches.winograd import qualifies
+
+    from sd_kernels import profiles
+    from sd_kernels.models import build_model, list_configs
+
+    pairs = {(m.in_channels, m.out_channels) for name in list_configs()
+             for m in build_model(name, "vae", device="meta").modules() if qualifies(m)}
+    assert pairs
+    for name in profiles.list_profiles():
+        p = profiles.get_profile(name)
+        assert not any(p.routes_winograd(cin, cout, layout) for cin, cout in pairs
+                       for layout in ("nchw", "channels_last")), name
