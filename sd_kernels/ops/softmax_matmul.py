@@ -16,7 +16,8 @@ registers and X is read once.
 
 ``partial_softmax_attention`` builds attention on it: X = q·kᵀ·scale (+ mask) is written by cuBLAS
 (``baddbmm``, the paper's design), then the kernels above with W = v. X takes B·H·Sq·Sk elements
-in q's dtype (or fp32 with ``scores_dtype``; rows padded to 16 bytes for vector loads);
+in q's dtype, fp32 for fp16 inputs (fp16 scores overflow where SDPA's fp32 ones do not), or
+``scores_dtype``; rows padded to 16 bytes for vector loads;
 ``max_chunk_bytes`` bounds it by running the query rows in chunks that reuse one X buffer. Because
 nothing is kept on chip per query row but the accumulator's [BLOCK_M, BLOCK_N] tile of Y, any head
 dim works (the VAE's d = 512), which FlashAttention's [BLOCK_M, D] accumulator cannot hold.
@@ -298,19 +299,30 @@ def softmax_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _scores(x3: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, q0: int, scale: float) -> None:
     """x3 [B·H, n, Sk] = scale · q4[:, :, q0:q0+n] · k4ᵀ by cuBLAS, with no copy of q or k where
-    (B, H) fold into one batch dim, else one batched GEMM per b."""
+    (B, H) fold into one batch dim, else one batched GEMM per b. fp32 scores of fp16/bf16 inputs come
+    from the half-precision GEMM with an fp32 output where torch has one (CUDA), else from fp32
+    copies of q and k."""
     B, H = q4.shape[:2]
     n = x3.shape[1]
-    q = q4[:, :, q0:q0 + n].to(x3.dtype)
-    k = k4.to(x3.dtype)
+    q, k = q4[:, :, q0:q0 + n], k4
+    if x3.dtype != q.dtype and not _mixed_gemm(q):
+        q, k = q.to(x3.dtype), k.to(x3.dtype)
     try:
         q3, k3 = q.view(B * H, n, -1), k.view(B * H, k.shape[2], -1)
+        pairs = [(x3, q3, k3)]
     except RuntimeError:  # e.g. diffusers' [B, S, H, D] views with B > 1
         x4 = x3.view(B, H, n, -1)
-        for b in range(B):
-            x4[b].baddbmm_(q[b], k[b].transpose(1, 2), beta=0.0, alpha=scale)
-        return
-    x3.baddbmm_(q3, k3.transpose(1, 2), beta=0.0, alpha=scale)  # beta = 0: x3's contents ignored
+        pairs = [(x4[b], q[b], k[b]) for b in range(B)]
+    for x, a, b in pairs:  # beta = 0: x's contents ignored
+        if x.dtype == a.dtype:
+            x.baddbmm_(a, b.transpose(1, 2), beta=0.0, alpha=scale)
+        else:
+            torch.ops.aten.baddbmm.dtype_out(x, a, b.transpose(1, 2), x.dtype, beta=0.0, alpha=scale, out=x)
+
+
+def _mixed_gemm(q: torch.Tensor) -> bool:
+    """Whether torch computes a half-precision batched GEMM into fp32 on q's device (CUDA's cuBLAS)."""
+    return q.is_cuda and hasattr(torch.ops.aten.baddbmm, "dtype_out")
 
 
 def partial_softmax_reason(q, k, v, attn_mask, batch) -> str | None:
@@ -330,14 +342,16 @@ def partial_softmax_attention(
     the partially fused softmax: X = q·kᵀ·scale (+ mask) written by cuBLAS, then row stats, then
     softmax(X)·v fused.
 
-    Extra memory: X (B·H·Sq·Sk elements of ``scores_dtype``, default q's dtype) and two fp32
+    Extra memory: X (B·H·Sq·Sk elements of ``scores_dtype``, default q's dtype, fp32 for fp16) and two fp32
     vectors of B·H·Sq; with ``max_chunk_bytes`` X covers as many query rows at a time as fit.
     """
     batch = check_attention_args("partial_softmax_attention", q, k, v, attn_mask)
     reason = partial_softmax_reason(q, k, v, attn_mask, batch)
     if not use_kernel("partial_softmax_attention", q, k, v, attn_mask, unsupported=reason):
         return reference.attention(q, k, v, attn_mask, scale)
-    xdtype = scores_dtype or q.dtype
+    # fp16 scores overflow beyond 65504 (|q|·|k| of a VAE's 512-dim heads can), where SDPA, which
+    # keeps them in fp32, stays finite: fp16 inputs get fp32 scores unless asked otherwise.
+    xdtype = scores_dtype or (torch.float32 if q.dtype == torch.float16 else q.dtype)
     if xdtype not in KERNEL_DTYPES:
         raise ValueError(f"scores_dtype must be one of {KERNEL_DTYPES}, got {xdtype}")
     scale = default_scale(q, scale)

@@ -77,3 +77,26 @@ def test_reference_attention_keeps_nan_and_zeroes_only_fully_masked_rows():
     k_nan[..., 2, 0] = float("nan")
     assert reference.attention(q, k_nan, v).isnan().all()  # every query meets the NaN key, as in torch
     assert F.scaled_dot_product_attention(q, k_nan, v).isnan().all()
+
+
+def test_partial_softmax_fp16_scores_beyond_fp16_range_stay_finite(device):
+    """fp16 q·kᵀ beyond 65504 (a VAE's 512-dim heads can get there): SDPA keeps the scores in fp32 and
+    stays finite; so must the partial softmax (it used to store them in fp16: 3072 NaN of 4096)."""
+    _check_fp16_score_overflow(device)
+
+
+@pytest.mark.gpu
+def test_gpu_partial_softmax_fp16_scores_beyond_fp16_range_stay_finite():
+    """The same on CUDA, where the scores come from cuBLAS's fp16 GEMM with an fp32 output."""
+    _check_fp16_score_overflow("cuda")
+
+
+def _check_fp16_score_overflow(device):
+    g = torch.Generator().manual_seed(0)
+    q, k = ((torch.randn(1, 1, 8, 512, generator=g) * 250).half().to(device) for _ in range(2))
+    v = torch.randn(1, 1, 8, 512, generator=g).half().to(device)
+    ours = ops.partial_softmax_attention(q, k, v)
+    assert torch.isfinite(F.scaled_dot_product_attention(q, k, v)).all()
+    assert torch.isfinite(ours).all()
+    want = reference.attention(*(t.double() for t in (q, k, v)))
+    torch.testing.assert_close(ours.double(), want, rtol=2e-2, atol=2e-2)
