@@ -26,6 +26,7 @@ from sd_kernels.library import attention
 from .group_norm import SCALE_DEPRECATION
 from .record import PatchRecord
 from .registry import register
+from .verified import VERIFIED_WITH, is_verified
 
 
 class SDKernelsAttnProcessor:
@@ -114,13 +115,17 @@ class SDKernelsAttnProcessor:
         return hidden_states
 
 
-def _replacement(processor) -> SDKernelsAttnProcessor | None:
+def _replacement(processor) -> SDKernelsAttnProcessor | str | None:
+    """Our processor for a stock one, a reason (str) where the stock one is not the code ours mirrors,
+    or None for a custom processor."""
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    if type(processor) is AttnProcessor2_0:
-        return SDKernelsAttnProcessor()
-    if type(processor) is AttnProcessor:
-        return SDKernelsAttnProcessor(legacy=True)
+    for cls, legacy in ((AttnProcessor2_0, False), (AttnProcessor, True)):
+        if type(processor) is cls:
+            if not is_verified(cls.__call__):
+                return (f"{cls.__name__}.__call__ is not the diffusers {VERIFIED_WITH} code that "
+                        "SDKernelsAttnProcessor mirrors: left as it is")
+            return SDKernelsAttnProcessor(legacy=legacy)
     return None
 
 
@@ -134,7 +139,9 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
         if isinstance(module, Attention):
             processor = getattr(module, "processor", None)
             new = _replacement(processor)
-            if new is not None:
+            if isinstance(new, str):
+                record.skip(path, type(processor).__name__, new)
+            elif new is not None:
                 record.set_attr(module, "processor", new, "attention_processor")
             else:
                 record.skip(path, type(processor).__name__, "custom attention processor (only AttnProcessor2_0 "

@@ -27,9 +27,6 @@ so state_dict keys and values do not change.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
 import types
 
 import torch
@@ -39,6 +36,7 @@ from sd_kernels.library import group_norm
 
 from .record import PatchRecord
 from .registry import register
+from .verified import VERIFIED_WITH, is_verified
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -65,20 +63,11 @@ class FusedGroupNorm(nn.GroupNorm):
         return f"{super().extra_repr()}, activation={self.activation!r}"
 
 
-# sha256 (first 16 hex digits) of inspect.getsource(ResnetBlock2D.forward) in diffusers 0.42.1.
-RESNET_FORWARD_SHA256 = "e3f38e1722955caf"
-
-
-@functools.cache
 def resnet_forward_is_known() -> bool:
     """True if diffusers' ResnetBlock2D.forward is the one ``_resnet_forward`` mirrors."""
     from diffusers.models.resnet import ResnetBlock2D
 
-    try:
-        source = inspect.getsource(ResnetBlock2D.forward)
-    except (OSError, TypeError):
-        return False
-    return hashlib.sha256(source.encode()).hexdigest()[:16] == RESNET_FORWARD_SHA256
+    return is_verified(ResnetBlock2D.forward)
 
 
 # diffusers warns, and ignores the argument, when a block gets ``scale``: so do we, in our words.
@@ -165,7 +154,7 @@ def _swap(record: PatchRecord, parent: nn.Module, name: str, activation: str | N
 
 def _patch_resnet(path: str, block: nn.Module, record: PatchRecord) -> None:
     if not resnet_forward_is_known():
-        record.skip(path, "ResnetBlock2D.forward", "not the diffusers 0.42.1 forward the fused SiLU mirrors: "
+        record.skip(path, "ResnetBlock2D.forward", f"not the diffusers {VERIFIED_WITH} forward the fused SiLU mirrors: "
                     "norms swapped, SiLU not fused")
         return  # the generic pass below swaps whatever plain GroupNorms it has
     if not (type(block.nonlinearity) is nn.SiLU and _is_plain(block.norm1) and _is_plain(block.norm2)):

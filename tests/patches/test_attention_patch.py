@@ -132,6 +132,26 @@ def test_legacy_processor_keeps_its_scale_and_custom_processors_stay():
     assert type(legacy.processor) is AttnProcessor
 
 
+@pytest.mark.parametrize("name", ["AttnProcessor2_0.__call__", "AttnProcessor.__call__"])
+def test_a_changed_diffusers_processor_is_left_alone(name, monkeypatch):
+    """SDKernelsAttnProcessor re-states diffusers 0.42.1's processors: under a diffusers whose processor
+    source differs (here: a changed hash), the stock processor stays and the record says why."""
+    verified = importlib.import_module("sd_kernels.patches.verified")
+    assert all(verified.is_verified(cls.__call__) for cls in (AttnProcessor2_0, AttnProcessor))
+    monkeypatch.setitem(verified.VERIFIED, name, "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        attn = Attention(16, heads=2, dim_head=8, scale_qk=not name.startswith("AttnProcessor."))
+        processor = attn.processor
+        assert f"{type(processor).__name__}.__call__" == name
+        record = PatchRecord(("attention",), "cpu", ["test"])
+        attn_patch.patch_attention(torch.nn.ModuleList([attn]), record)
+        assert attn.processor is processor and not record.counts
+        assert len(record.skipped) == 1 and "0.42.1" in record.skipped[0].reason
+    finally:
+        verified.is_verified.cache_clear()
+
+
 def test_processor_output_layout_needs_no_copy(monkeypatch):
     """The attention output comes in q's [B, S, heads, D] layout, so diffusers' reshape is a view."""
     outs = []

@@ -161,16 +161,18 @@ def test_resnet_without_silu_only_swaps_norms():
 
 def test_unknown_diffusers_forward_is_not_mirrored(monkeypatch):
     """If diffusers' ResnetBlock2D.forward is not the one we copied, fall back to plain norm swaps."""
+    verified = importlib.import_module("sd_kernels.patches.verified")
     assert gn_patch.resnet_forward_is_known()  # the installed diffusers is the mirrored one
-    monkeypatch.setattr(gn_patch, "RESNET_FORWARD_SHA256", "0" * 16)
-    gn_patch.resnet_forward_is_known.cache_clear()
+    monkeypatch.setitem(verified.VERIFIED, "ResnetBlock2D.forward", "0" * 16)
+    verified.is_verified.cache_clear()
     try:
         block = ResnetBlock2D(in_channels=16, temb_channels=8, groups=4).eval()
         record = PatchRecord(("group_norm",), "cpu", ["block"])
         gn_patch.patch_group_norm(block, record)
         assert dict(record.counts) == {"group_norm": 2} and "forward" not in vars(block)
+        assert any("ResnetBlock2D.forward" in s.what for s in record.skipped)
     finally:
-        gn_patch.resnet_forward_is_known.cache_clear()
+        verified.is_verified.cache_clear()
 
 
 def test_subclasses_and_spatial_norm_are_left_alone():

@@ -1,0 +1,34 @@
+"""Which diffusers code our copies mirror: the source hashes of the diffusers functions that patchers
+re-state (a processor's ``__call__``, a block's ``forward``), as read from diffusers 0.42.1.
+
+A patcher that replaces such a function with our version of it first checks that the installed
+diffusers has the very source it was written against; under another version it leaves the function
+alone and says so in the record (``record.skip``), so a changed upstream forward is never replaced by
+a stale copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+from collections.abc import Callable
+
+# sha256 (first 16 hex digits) of inspect.getsource(...) in diffusers 0.42.1
+VERIFIED = {
+    "ResnetBlock2D.forward": "e3f38e1722955caf",
+    "AttnProcessor2_0.__call__": "bf23ea5ae4040427",
+    "AttnProcessor.__call__": "96f0b283a09a7b37",
+}
+VERIFIED_WITH = "0.42.1"
+
+
+@functools.cache
+def is_verified(fn: Callable) -> bool:
+    """True if ``fn``'s source is the one ``VERIFIED`` names for its qualified name."""
+    want = VERIFIED.get(fn.__qualname__)
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    return want is not None and hashlib.sha256(source.encode()).hexdigest()[:16] == want
