@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch.nn as nn
 
-from sd_kernels.profiles import Profile, get_profile, set_profile
+from sd_kernels.profiles import Profile, get_profile, using_profile
 
 from . import attention, gelu, group_norm, layout, memory, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
@@ -105,7 +105,7 @@ def patch(
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
     models, others = _models_of(obj, ignore)
     graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
-    prof = get_profile(profile)  # made active below, once nothing can fail any more before the patchers
+    prof = get_profile(profile)  # the patched model's own: its modules run under it, not the process default
     if mode == cuda_graph_mod.AUTO:
         mode, why = cuda_graph_mod.auto_mode(graphed, prof)
         if compile and mode is None:
@@ -132,7 +132,6 @@ def patch(
                 ops, prof, parts, ignore, mode, compile, scheduler):
             return old
         unpatch(obj)
-    set_profile(prof)
     record = PatchRecord(ops, prof.name, parts, mode, compile)
     record.profile_spec = prof
     record.scheduler = scheduler
@@ -140,13 +139,14 @@ def patch(
     for part, name in others:
         record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
     try:
-        for part, model in models:
-            record.scope = part  # skipped modules' paths start with it
-            record.set_attr(model, _OWNER, record, kind=None)
-            for op in ops:
-                PATCHERS[op](model, record)
-        if mode:
-            _install_graphs(obj, models, record, mode, compile, ignore)
+        with using_profile(prof):  # the patchers read it (routes, budgets, layouts)
+            for part, model in models:
+                record.scope = part  # skipped modules' paths start with it
+                record.set_attr(model, _OWNER, record, kind=None)
+                for op in ops:
+                    PATCHERS[op](model, record)
+            if mode:
+                _install_graphs(obj, models, record, mode, compile, ignore)
     except BaseException:
         record.undo()
         raise

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.library import attention
+from sd_kernels.profiles import scoped
 
 from .group_norm import SCALE_DEPRECATION
 from .record import PatchRecord
@@ -32,12 +33,15 @@ from .verified import VERIFIED_WITH, is_verified
 class SDKernelsAttnProcessor:
     """diffusers' AttnProcessor2_0 with sd_kernels' attention; ``legacy`` mirrors AttnProcessor."""
 
+    profile_scoped = True
+
     def __init__(self, legacy: bool = False) -> None:
         self.legacy = legacy
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(legacy={self.legacy})"
 
+    @scoped
     def __call__(
         self,
         attn,

@@ -56,6 +56,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from sd_kernels.profiles import scoped
+
 log = logging.getLogger("sd_kernels")
 
 MODES = ("pipeline", "unet")
@@ -216,6 +218,8 @@ class GraphedCall:
     of it); ``drop`` names keyword arguments the method ignores; ``timestep``: the second argument is
     a UNet's timestep (a number becomes the tensor diffusers makes of it)."""
 
+    profile_scoped = True  # captures and eager fallbacks run under the patch's profile
+
     def __init__(self, model: nn.Module, fn, label: str, drop: Iterable[str] = (), timestep: bool = False) -> None:
         check_graphable(model)
         self.forward = fn
@@ -262,6 +266,7 @@ class GraphedCall:
                 parts.append((type(x), x))
         return (tree, tuple(parts)), None
 
+    @scoped
     def __call__(self, *args, **kwargs) -> Any:
         if torch.compiler.is_compiling():  # torch.compile traces the model itself (mode="reduce-overhead" graphs it)
             return self.forward(*args, **kwargs)

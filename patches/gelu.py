@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.library import geglu, gelu, linear_geglu, quick_gelu
+from sd_kernels.profiles import scoped
 
 from .record import PatchRecord
 from .registry import register
@@ -42,6 +43,8 @@ def fuse_linear_geglu(rows: int, k: int, n: int) -> bool:
 class _Replacement(nn.Module):
     """Holds the original's ``proj`` (same module, same Parameters) and its training flag."""
 
+    profile_scoped = True
+
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
         self.proj = original.proj
@@ -49,6 +52,7 @@ class _Replacement(nn.Module):
 
 
 class FusedGEGLU(_Replacement):
+    @scoped
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # diffusers ignores the deprecated positional ``scale`` (and only warns): so do we.
         proj = self.proj
@@ -64,6 +68,7 @@ class FusedGELU(_Replacement):
         super().__init__(original)
         self.approximate = original.approximate
 
+    @scoped
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gelu(self.proj(hidden_states), self.approximate)
 
@@ -72,6 +77,7 @@ class FusedGELU(_Replacement):
 
 
 class FusedApproximateGELU(_Replacement):
+    @scoped
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quick_gelu(self.proj(x))
 

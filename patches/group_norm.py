@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.library import group_norm
+from sd_kernels.profiles import scoped
 
 from .record import PatchRecord
 from .registry import register
@@ -46,6 +47,8 @@ class FusedGroupNorm(nn.GroupNorm):
     models; ``nn.Module.__init__`` only: no new parameters are created.
     """
 
+    profile_scoped = True
+
     def __init__(self, original: nn.GroupNorm, activation: str | None = None) -> None:
         nn.Module.__init__(self)
         self.num_groups = original.num_groups
@@ -56,6 +59,7 @@ class FusedGroupNorm(nn.GroupNorm):
         self.register_parameter("bias", original.bias)
         self.activation = activation
 
+    @scoped
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
 

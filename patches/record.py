@@ -97,6 +97,8 @@ class PatchRecord:
     def set_attr(self, obj: Any, name: str, value: Any, kind: str | None) -> None:
         """``obj.name = value``, remembered; ``kind`` names the replacement in the counts (None: not
         counted, for bookkeeping)."""
+        if getattr(type(value), "profile_scoped", False):  # its scoped methods run under this patch's profile
+            object.__setattr__(value, "_sd_profile", self.profile_spec)
         if isinstance(obj, nn.Module) and name in obj._modules:
             self._undo.append(self._swap_module(obj, name, value))
         else:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from sd_kernels import library
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, winograd_conv2d
-from sd_kernels.profiles import active_profile
+from sd_kernels.profiles import active_profile, scoped
 
 from .layout import makes_channels_last
 from .record import PatchRecord
@@ -49,6 +49,8 @@ class WinogradConv2d(nn.Conv2d):
     parameters are created.
     """
 
+    profile_scoped = True
+
     def __init__(self, original: nn.Conv2d) -> None:
         nn.Module.__init__(self)
         for name in _CONV_ATTRS:
@@ -73,6 +75,7 @@ class WinogradConv2d(nn.Conv2d):
             self._cache = WeightCache(self.weight)
         return self._cache.get(tile)
 
+    @scoped
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tile = self.tile_for(x)
         if tile is None:

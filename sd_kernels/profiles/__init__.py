@@ -7,9 +7,12 @@ literals because a profile is a table of device numbers that users copy and edit
 device (``SD_KERNELS_PROFILE=/path/to/mine.json`` loads one), and because docs/profiles.md cites a
 source for each number: the data stays apart from the code that reads it.
 
-Which profile is active: the ``profile=`` argument (``get_profile``/``set_profile``/``patch``), else
-``$SD_KERNELS_PROFILE``, else detection from the CUDA device's name, capability and SM count, else
-``cpu``. The mobile profiles match no device: they are emulations, chosen by name.
+Which profile is active: inside a patched model, the profile of its patch (``scoped`` methods of
+the modules the patch installs, and its CUDA graphs, enter ``using_profile``: two models patched
+with different profiles each run under their own); elsewhere (bare ``sd_kernels.ops`` calls) the
+process default: the last ``set_profile``, else ``$SD_KERNELS_PROFILE``, else detection from the CUDA
+device's name, capability and SM count, else ``cpu``. The mobile profiles match no device: they
+are emulations, chosen by name.
 
 What a profile decides (every decision is a pure function of the profile and a shape, so the
 selection table of ``sd-kernels info`` needs no GPU):
@@ -25,11 +28,15 @@ selection table of ``sd-kernels info`` needs no GPU):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import json
 import os
 import pathlib
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ATTENTION_POLICIES = ("auto", "flash", "partial_softmax", "sdpa")
@@ -401,12 +408,62 @@ def get_profile(profile: str | Profile | None = None) -> Profile:
     return detect_profile(torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None)
 
 
+_SCOPE: contextvars.ContextVar[Profile | None] = contextvars.ContextVar("sd_kernels_profile", default=None)
+
+
 def active_profile() -> Profile:
-    """The profile dispatch consults: the last ``set_profile``, else ``get_profile()``."""
+    """The profile dispatch consults: the innermost ``using_profile``'s (a patched model's own), else
+    the process default: the last ``set_profile``, else ``get_profile()``."""
+    scoped = _SCOPE.get()
+    if scoped is not None:
+        return scoped
     global _active
     if _active is None:
         _active = get_profile()
     return _active
+
+
+@contextlib.contextmanager
+def using_profile(profile: Profile | None) -> Iterator[Profile | None]:
+    """Run the block under ``profile`` (None: leave the current one)."""
+    token = _SCOPE.set(profile) if profile is not None else None
+    try:
+        yield profile
+    finally:
+        if token is not None:
+            _SCOPE.reset(token)
+
+
+def scoped(method: Callable) -> Callable:
+    """Decorate a method of an object a patch installs: it runs under the profile of that patch
+    (``obj._sd_profile``, which ``PatchRecord.set_attr`` sets on objects whose class has
+    ``profile_scoped = True``). While torch.compile traces, the method runs as it is: the compiled
+    code's custom ops decide at run time, under the scope of whatever calls the compiled code (the
+    patch's CUDA graphs enter it; a model compiled by the user runs under the process default)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        profile = self.__dict__.get("_sd_profile")
+        if profile is None or torch_compiling():
+            return method(self, *args, **kwargs)
+        token = _SCOPE.set(profile)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _SCOPE.reset(token)
+
+    return run
+
+
+def torch_compiling() -> bool:
+    return _is_compiling()()
+
+
+@functools.cache
+def _is_compiling() -> Callable[[], bool]:
+    import torch
+
+    return torch.compiler.is_compiling
 
 
 def set_profile(profile: str | Profile | None) -> Profile:

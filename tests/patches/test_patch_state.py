@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 from sd_kernels.patches import patch_record
+from sd_kernels.patches import report as patch_report
 
 import sd_kernels
 from sd_kernels import models
@@ -82,3 +83,42 @@ def test_a_bare_string_for_a_list_is_refused(pipe, kwargs):
     with pytest.raises(TypeError, match=rf"{name}= takes a list of names.*did you mean {name}=\['{value}'\]"):
         sd_kernels.patch(pipe, **kwargs)
     assert patch_record(pipe) is None
+
+
+def test_two_models_patched_with_different_profiles_each_run_under_their_own(monkeypatch):
+    """A patch's profile belongs to what it patched: the ops of each model see its own profile, in any
+    order of calls, and neither patch, unpatch nor report changes the process default."""
+    import dataclasses
+    import importlib
+
+    from sd_kernels import profiles
+
+    gn_patch = importlib.import_module("sd_kernels.patches.group_norm")
+    attn_patch = importlib.import_module("sd_kernels.patches.attention")
+    seen = []
+
+    def spy(fn):
+        def run(*args, **kwargs):
+            seen.append(profiles.active_profile().name)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(gn_patch, "group_norm", spy(gn_patch.group_norm))
+    monkeypatch.setattr(attn_patch, "attention", spy(attn_patch.attention))
+    default = profiles.active_profile()
+    base = sd_kernels.get_profile("cpu")
+    a, b = models.build_model("tiny", "unet"), models.build_model("tiny", "unet")
+    g = torch.Generator().manual_seed(0)
+    x, ctx = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 7, 32, generator=g)
+    sd_kernels.patch(a, profile=dataclasses.replace(base, name="profile-a"), cuda_graph=False)
+    sd_kernels.patch(b, profile=dataclasses.replace(base, name="profile-b"), cuda_graph=False)
+    assert profiles.active_profile() is default
+    with torch.no_grad():
+        for model, name in ((a, "profile-a"), (b, "profile-b"), (a, "profile-a")):
+            seen.clear()
+            model(x, 10, encoder_hidden_states=ctx)
+            assert seen and set(seen) == {name}
+    sd_kernels.unpatch(a)
+    patch_report(a, profile="s23-ultra")
+    sd_kernels.unpatch(b)
+    assert profiles.active_profile() is default
