@@ -49,7 +49,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in prof.describe().items():
         if key not in ("name", "description"):
             print(f"{key:>24}: {value}")
-    from sd_kernels.profiles.selection import format_table, selection_table
+    from sd_kernels.selection import format_table, selection_table
 
     print(f"\nKernel selection under {prof.name!r} (fp16, SD1.5 shapes; on a device the kernels run on):\n")
     print(format_table(selection_table(prof)))

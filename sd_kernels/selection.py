@@ -1,5 +1,8 @@
 """The selection table: for SD's shapes, which kernel a profile picks and why.
 
+A floor above the ops and the patchers (it asks their shape rules), so that ``sd_kernels.profiles``,
+which the ops read, imports none of them (tests/test_layering.py).
+
 Computed from the profile and the ops' own shape rules only (no tensors, no GPU): what ``sd-kernels
 info`` prints, and what tests pin so that a profile edit that changes a decision shows up in review.
 It assumes a device the kernels run on (CUDA, or the interpreter); on a CPU without the interpreter
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import Profile
+from sd_kernels.profiles import Profile
 
 # (label, B, H, Sq, Sk, D): SD1.5's UNet at batch 2 (classifier-free guidance), the VAE's mid-block.
 ATTENTION_SHAPES = [

@@ -1,0 +1,80 @@
+"""The floors of the package, read from the import statements (``ast``, nothing imported): the
+profiles, which the ops read, import nothing above them; the ops import nothing above them; no two
+modules import each other (package ``__init__`` re-exports aside; one known pair, listed with why);
+a size cap per module (the largest are one op family each: kernels, launch plans and checks)."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).parents[1]
+PACKAGES = {"sd_kernels": ROOT / "sd_kernels", "sd_kernels.patches": ROOT / "patches"}
+
+# What each floor may import from the package (prefixes); everything else in sd_kernels is above it.
+BELOW_OPS = ("sd_kernels.dispatch", "sd_kernels.launch", "sd_kernels.reference", "sd_kernels.testing",
+             "sd_kernels.profiles", "sd_kernels.ops")
+FLOORS = {
+    "sd_kernels.profiles": ("sd_kernels.profiles",),
+    "sd_kernels.ops": BELOW_OPS,
+}
+# attention.py runs the partial softmax for its dispatcher (imported inside the function that needs it),
+# and softmax_matmul.py uses attention.py's argument checks and jit helpers; splitting those out would
+# change the kernels' sources, which the shipped tuning tables are fingerprinted on: to do with a GPU
+# run that regenerates the tables (issue 20).
+KNOWN_CYCLES = {frozenset({"sd_kernels.ops.attention", "sd_kernels.ops.softmax_matmul"})}
+MAX_LINES = 700
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg, base in PACKAGES.items():
+        for f in base.rglob("*.py"):
+            parts = [p for p in f.relative_to(base).with_suffix("").parts if p != "__init__"]
+            mods[".".join([pkg, *parts])] = f
+    return mods
+
+
+def _imports(name: str, path: pathlib.Path, known: dict) -> set[str]:
+    """The package modules ``name`` imports, anywhere in the file (function-level imports too)."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant)):
+            out.add(node.args[0].value)
+    return {m for m in out if m in known and m != name and m != "sd_kernels"}
+
+
+MODULES = _modules()
+GRAPH = {name: _imports(name, path, MODULES) for name, path in MODULES.items()}
+
+
+def test_the_import_graph_was_read():
+    assert {"sd_kernels.ops", "sd_kernels.ops.attention"} <= GRAPH["sd_kernels.library"]
+    assert "sd_kernels.profiles" in GRAPH["sd_kernels.ops.attention"]
+
+
+def test_floors_import_nothing_above_them():
+    for floor, allowed in FLOORS.items():
+        for name, deps in GRAPH.items():
+            if name == floor or name.startswith(floor + "."):
+                above = {d for d in deps if not d.startswith(allowed)}
+                assert not above, f"{name} imports {sorted(above)}, above its floor {floor}"
+
+
+def test_no_two_modules_import_each_other():
+    cycles = {frozenset({a, b}) for a, deps in GRAPH.items() for b in deps
+              if a in GRAPH.get(b, ()) and not {a, b} & set(PACKAGES)}
+    assert cycles == KNOWN_CYCLES
+
+
+def test_module_size():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
