@@ -57,11 +57,14 @@ VARIANTS = {s.name: s for s in (
     # Our best without Winograd (every other family): what the Winograd routes are worth end to end.
     Setup("patched+graph+compile-no-winograd", patched=True, graph=True, patch_compile=True,
           ops=tuple(sorted(set(PATCHERS) - {"winograd"}))),
+    # Our best after the peer's fuse_qkv_projections() (our processor serves the fused projections).
+    Setup("patched+graph+compile+fused-qkv", patched=True, graph=True, patch_compile=True, fuse_qkv=True),
 )}
 # What a plan runs by default (max-autotune's compile does not fit the GPU machine's 10-minute calls;
 # the Winograd-less row is an ablation, asked for by name).
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune",
-                                                          "patched+graph+compile-no-winograd"))
+                                                          "patched+graph+compile-no-winograd",
+                                                          "patched+graph+compile+fused-qkv"))
 NO_COMPILE = tuple(n for n in DEFAULT_VARIANTS if not VARIANTS[n].slow_start)
 # Graphs that replay a part's calls (then its steady time is its device time): ours or inductor's.
 CUDAGRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -124,6 +127,9 @@ def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
             if m]
     info = {"e2e_mode": "+".join(mode) or "eager", "patched": "", "profile": ""}
     with contextlib.ExitStack() as stack:
+        if setup.fuse_qkv and not setup.compile:  # ours: fused before the patch, which then serves them
+            pipe.fuse_qkv_projections()
+            stack.callback(pipe.unfuse_qkv_projections)
         if setup.patched or setup.graph:  # stock + graph: patch(ops=()) only installs the CUDA graphs
             profile = (dataclasses.replace(sd_kernels.get_profile(), attention=setup.attention)
                        if setup.attention else None)

@@ -7,12 +7,16 @@ norm_q / norm_k, residual connection, rescale_output_factor) with the one
 ``F.scaled_dot_product_attention`` call replaced by ``sd_kernels.ops.attention.attention``, which
 picks FlashAttention, the partially fused softmax or stock SDPA per call.
 
-Only modules whose processor is exactly ``AttnProcessor2_0`` or ``AttnProcessor`` are touched;
-LoRA, IP-adapter and other custom processors are left alone. For ``AttnProcessor`` (diffusers' choice
-when ``scale_qk=False``) the replacement keeps its differences: the scale is ``attn.scale`` and
-norm_q / norm_k are not applied. Upcasting: both kernels compute scores and softmax in fp32
-(``upcast_softmax`` is always honoured); ``upcast_attention`` makes the partial softmax store its
-scores in fp32 too. The processor is installed with ``record.set_attr``, never ``set_attn_processor``,
+Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor`` or
+``FusedAttnProcessor2_0`` are touched, and only while their source is the one mirrored
+(patches/verified.py); LoRA, IP-adapter and other custom processors are left alone. For
+``AttnProcessor`` (diffusers' choice when ``scale_qk=False``) the replacement keeps its differences:
+the scale is ``attn.scale`` and norm_q / norm_k are not applied. ``FusedAttnProcessor2_0`` (what
+``pipe.fuse_qkv_projections()`` installs, before ``patch``) differs only in its projections: one
+``to_qkv`` GEMM for self-attention, ``to_q`` + ``to_kv`` for cross-attention; the q, k, v split
+views go to the kernels as they are. Upcasting: both kernels compute scores and softmax in fp32
+(``upcast_softmax`` is always honoured); the partial softmax stores fp32 scores for fp16 inputs and
+for ``upcast_attention``. The processor is installed with ``record.set_attr``, never ``set_attn_processor``,
 so that ``unpatch`` puts the very same processor objects back.
 """
 
@@ -35,11 +39,12 @@ class SDKernelsAttnProcessor:
 
     profile_scoped = True
 
-    def __init__(self, legacy: bool = False) -> None:
+    def __init__(self, legacy: bool = False, fused: bool = False) -> None:
         self.legacy = legacy
+        self.fused = fused  # FusedAttnProcessor2_0: q, k, v from attn.to_qkv (self) or to_q + to_kv (cross)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(legacy={self.legacy})"
+        return f"{type(self).__name__}(legacy={self.legacy}, fused={self.fused})"
 
     @scoped
     def __call__(
@@ -77,13 +82,21 @@ class SDKernelsAttnProcessor:
         if attn.group_norm is not None:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
 
-        query = attn.to_q(hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-        elif attn.norm_cross:
-            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
+        if self.fused and encoder_hidden_states is None:  # one GEMM for q, k and v
+            qkv = attn.to_qkv(hidden_states)
+            query, key, value = torch.split(qkv, qkv.shape[-1] // 3, dim=-1)
+        else:
+            query = attn.to_q(hidden_states)
+            if encoder_hidden_states is None:
+                encoder_hidden_states = hidden_states
+            elif attn.norm_cross:
+                encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+            if self.fused:  # one GEMM for k and v
+                kv = attn.to_kv(encoder_hidden_states)
+                key, value = torch.split(kv, kv.shape[-1] // 2, dim=-1)
+            else:
+                key = attn.to_k(encoder_hidden_states)
+                value = attn.to_v(encoder_hidden_states)
 
         inner_dim = key.shape[-1]
         head_dim = inner_dim // attn.heads
@@ -122,14 +135,15 @@ class SDKernelsAttnProcessor:
 def _replacement(processor) -> SDKernelsAttnProcessor | str | None:
     """Our processor for a stock one, a reason (str) where the stock one is not the code ours mirrors,
     or None for a custom processor."""
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, FusedAttnProcessor2_0
 
-    for cls, legacy in ((AttnProcessor2_0, False), (AttnProcessor, True)):
+    for cls, kind in ((AttnProcessor2_0, {}), (AttnProcessor, {"legacy": True}),
+                      (FusedAttnProcessor2_0, {"fused": True})):
         if type(processor) is cls:
             if not is_verified(cls.__call__):
                 return (f"{cls.__name__}.__call__ is not the diffusers {VERIFIED_WITH} code that "
                         "SDKernelsAttnProcessor mirrors: left as it is")
-            return SDKernelsAttnProcessor(legacy=legacy)
+            return SDKernelsAttnProcessor(**kind)
     return None
 
 

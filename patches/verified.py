@@ -19,6 +19,7 @@ VERIFIED = {
     "ResnetBlock2D.forward": "e3f38e1722955caf",
     "AttnProcessor2_0.__call__": "bf23ea5ae4040427",
     "AttnProcessor.__call__": "96f0b283a09a7b37",
+    "FusedAttnProcessor2_0.__call__": "dd31131145952459",
 }
 VERIFIED_WITH = "0.42.1"
 

@@ -11,6 +11,7 @@ from diffusers.models.attention_processor import (
     AttnAddedKVProcessor,
     AttnProcessor,
     AttnProcessor2_0,
+    FusedAttnProcessor2_0,
 )
 from sd_kernels.patches.record import PatchRecord
 
@@ -74,7 +75,7 @@ def round_trip(model, run, **run_kwargs):
     stock = run(model, **run_kwargs)
     ref64 = run(copy.deepcopy(model).double(), **run_kwargs)
     record = sd_kernels.patch(model, ops=["attention"])
-    stock_kinds = (AttnProcessor2_0, AttnProcessor)
+    stock_kinds = (AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0)
     n = sum(type(p) in stock_kinds for p in before.values())
     assert n > 0 and record.counts == {"attention_processor": n}
     assert all(type(p) is attn_patch.SDKernelsAttnProcessor for p in processors(model).values())
@@ -94,6 +95,23 @@ def round_trip(model, run, **run_kwargs):
 def test_unet(mask):
     n = round_trip(tiny_unet(), unet_out, mask=mask)
     assert n == 8  # self + cross attention in 4 transformer blocks (down 1, mid 1, up 2)
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "text-mask"])
+def test_unet_with_fused_qkv_projections(mask):
+    """After diffusers' ``fuse_qkv_projections()`` (FusedAttnProcessor2_0: one to_qkv GEMM for
+    self-attention, to_q + to_kv for cross-attention) the kernels serve the fused processors too."""
+    unet = tiny_unet()
+    unet.fuse_qkv_projections()
+    assert {type(p) for p in processors(unet).values()} == {FusedAttnProcessor2_0}
+    assert round_trip(unet, unet_out, mask=mask) == 8
+    assert {type(p) for p in processors(unet).values()} == {FusedAttnProcessor2_0}
+
+
+def test_fused_vae_attention():
+    vae = tiny_vae()
+    vae.fuse_qkv_projections()
+    assert round_trip(vae, vae_out) == 2  # the encoder's and the decoder's mid-block attention
 
 
 @pytest.mark.parametrize("path", ["flash", "partial_softmax"])
@@ -132,7 +150,7 @@ def test_legacy_processor_keeps_its_scale_and_custom_processors_stay():
     assert type(legacy.processor) is AttnProcessor
 
 
-@pytest.mark.parametrize("name", ["AttnProcessor2_0.__call__", "AttnProcessor.__call__"])
+@pytest.mark.parametrize("name", ["AttnProcessor2_0.__call__", "AttnProcessor.__call__"])  # (fused: as 2_0)
 def test_a_changed_diffusers_processor_is_left_alone(name, monkeypatch):
     """SDKernelsAttnProcessor re-states diffusers 0.42.1's processors: under a diffusers whose processor
     source differs (here: a changed hash), the stock processor stays and the record says why."""
