@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile, using_profile
 
-from . import attention, gelu, group_norm, layout, memory, winograd  # noqa: F401  (each registers its patcher)
+from . import attention, families, gelu, group_norm, layout, memory, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
@@ -28,9 +28,9 @@ from .scheduler import host_timesteps
 
 log = logging.getLogger("sd_kernels")
 
-# The pipeline parts the patch touches, in order; ``ignore=`` skips some of them.
-PARTS = ("unet", "vae")
-SUPPORTED_MODELS = ("UNet2DConditionModel", "AutoencoderKL")
+# The pipeline parts the patch touches, in order (``ignore=`` skips some) and their model classes:
+# patches/families.py, the one table of model families.
+PARTS, SUPPORTED_MODELS = families.PARTS, families.SUPPORTED_MODELS
 # Pipeline parts that cuda_graph="pipeline" replays from graphs without patching their ops.
 GRAPH_PARTS = ("text_encoder", "text_encoder_2")
 _ATTR = "_sd_kernels_patch"  # on the patched object: its record
@@ -104,7 +104,7 @@ def patch(
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
     models, others = _models_of(obj, ignore)
-    graphed = [model for _, model in models if type(model).__name__ == "UNet2DConditionModel"]
+    graphed = [model for _, model in models if families.is_denoiser(model)]
     prof = get_profile(profile)  # the patched model's own: its modules run under it, not the process default
     if mode == cuda_graph_mod.AUTO:
         mode, why = cuda_graph_mod.auto_mode(graphed, prof)
@@ -143,7 +143,7 @@ def patch(
             for part, model in models:
                 record.scope = part  # skipped modules' paths start with it
                 record.set_attr(model, _OWNER, record, kind=None)
-                for op in ops:
+                for op in families.patch_order(ops):
                     PATCHERS[op](model, record)
             if mode:
                 _install_graphs(obj, models, record, mode, compile, ignore)
@@ -158,14 +158,15 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
                     compile: bool, ignore: Iterable[str]) -> None:
     """The CUDA graphs of ``cuda_graph=mode`` (the UNet's were checked graphable before any change)."""
     for _, model in models:
-        if type(model).__name__ == "UNet2DConditionModel":
-            cuda_graph_mod.install(model, record, compile=compile)
+        if families.is_denoiser(model):
+            fam = families.family_of(model)
+            cuda_graph_mod.install(model, record, fam.graphed, fam.graph_drop, compile=compile)
     if mode != "pipeline":
         return
     record.scope = ""
     components = getattr(obj, "components", None) or {}
-    calls = [(part, model, "decode", ("generator",)) for part, model in models
-             if type(model).__name__ == "AutoencoderKL"]
+    calls = [(part, model, fam.graphed, fam.graph_drop) for part, model in models
+             if not families.is_denoiser(model) and (fam := families.family_of(model)) is not None]
     calls += [(part, components[part], "forward", ()) for part in GRAPH_PARTS
               if part not in ignore and isinstance(components.get(part), nn.Module)]
     for part, model, method, drop in calls:
@@ -173,7 +174,8 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
         if reason is not None:
             record.skip(part, type(model).__name__, f"not replayed from CUDA graphs: {reason}")
             continue
-        cuda_graph_mod.install(model, record, method, drop, compile=compile and method == "decode")
+        # compile=True compiles the patched families' calls (the VAE decode), not the text encoders
+        cuda_graph_mod.install(model, record, method, drop, compile=compile and part in PARTS)
     if record.scheduler is not None:
         host_timesteps(record.scheduler, record)
 

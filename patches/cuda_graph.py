@@ -58,6 +58,8 @@ from torch.utils import _pytree as pytree
 
 from sd_kernels.profiles import scoped
 
+from .families import family_of
+
 log = logging.getLogger("sd_kernels")
 
 MODES = ("pipeline", "unet")
@@ -66,7 +68,6 @@ AUTO = "auto"  # patch()'s default: "pipeline" where the UNet can be captured an
 HOST_NUMEL = 16
 # The UNet2DConditionModel.forward argument diffusers turns into a tensor itself when given a number.
 _TIMESTEP = "timestep"
-_LABELS = {"UNet2DConditionModel": "UNet", "AutoencoderKL": "VAE"}
 
 
 def mode_of(value: Any) -> str | None:
@@ -308,8 +309,8 @@ def install(model: nn.Module, record, method: str = "forward", drop: Iterable[st
     fn = getattr(model, method)
     if compile:
         fn = torch.compile(fn, fullgraph=True)
-    name = type(model).__name__
-    label = _LABELS.get(name, name) + ("" if method == "forward" else f".{method}")
-    graphed = GraphedCall(model, fn, label, drop, timestep=name == "UNet2DConditionModel" and method == "forward")
+    fam = family_of(model)
+    label = (fam.label if fam else type(model).__name__) + ("" if method == "forward" else f".{method}")
+    graphed = GraphedCall(model, fn, label, drop, timestep=fam is not None and fam.timestep and method == fam.graphed)
     record.set_attr(model, method, graphed, "cuda_graph")
     return graphed

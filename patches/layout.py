@@ -29,15 +29,15 @@ import torch.nn as nn
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.profiles import active_profile
 
+from .families import family_of
 from .record import PatchRecord
 from .registry import register
 
-_PART_OF = {"UNet2DConditionModel": "unet", "AutoencoderKL": "vae"}
-
 
 def part_of(model: nn.Module) -> str | None:
-    """The pipeline part a model plays ("unet", "vae"), from its class; None for others."""
-    return _PART_OF.get(type(model).__name__)
+    """The pipeline part a model plays ("unet", "vae"), from its family; None for others."""
+    fam = family_of(model)
+    return fam.part if fam else None
 
 
 def makes_channels_last(model: nn.Module, record: PatchRecord) -> bool:

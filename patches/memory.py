@@ -23,11 +23,9 @@ import torch.nn.functional as F
 from sd_kernels.memory import guarded
 from sd_kernels.profiles import active_profile
 
+from .families import family_of
 from .record import PatchRecord
 from .registry import register
-
-# The modules whose forward runs under the budget, per supported model ("": the model itself).
-GUARDED = {"UNet2DConditionModel": ("",), "AutoencoderKL": ("encoder", "decoder")}
 
 
 class ChunkedFeedForward(nn.Module):
@@ -271,12 +269,12 @@ def _feed_forwards(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 @register("memory")
 def patch_memory(model: nn.Module, record: PatchRecord) -> None:
-    prof = active_profile()
+    prof, fam = active_profile(), family_of(model)
     if prof.intermediate_budget_mb is not None:
         for parent, name, ff in _feed_forwards(model):
             record.set_attr(parent, name, ChunkedFeedForward(ff, prof.chunk_bytes()), "memory.ChunkedFeedForward")
         decoder = getattr(model, "decoder", None)
-        if type(model).__name__ == "AutoencoderKL" and decoder is not None:
+        if fam is not None and fam.tiled_decode and decoder is not None:
             record.set_attr(decoder, "forward", tiled_decode(decoder, prof.chunk_bytes()), "memory.tiled_vae_decode")
     budget = prof.memory_budget_bytes()
     if budget is not None:
@@ -285,7 +283,7 @@ def patch_memory(model: nn.Module, record: PatchRecord) -> None:
         if device.type != "cuda":
             record.skip("", kind, f"memory budget {prof.memory_budget_mb} MB not enforced: the model is on "
                         f"{device} and the guard measures CUDA memory (each unguarded call is logged once)")
-        for path in GUARDED.get(kind, ()):
+        for path in fam.guarded if fam else ():
             module = model.get_submodule(path)
             label = f"{kind}.{path}" if path else kind
             record.set_attr(module, "forward", guarded(module.forward, budget, module, label),

@@ -24,6 +24,7 @@ from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, winograd_conv2d
 from sd_kernels.profiles import active_profile, scoped
 
+from .families import family_of
 from .layout import makes_channels_last
 from .record import PatchRecord
 from .registry import register
@@ -122,7 +123,8 @@ def patch_winograd(model: nn.Module, record: PatchRecord) -> None:
         record.skip("", "3x3 convs", f"profile {profile.name!r} routes Winograd for NCHW inputs only and this model "
                     "runs channels_last (its channels_last list): cuDNN's NHWC convs stand (docs/kernels/winograd.md)")
         return
-    if slots and not (ROUTE_EAGER or (record.cuda_graph and type(model).__name__ == "UNet2DConditionModel")):
+    fam = family_of(model)
+    if slots and not (ROUTE_EAGER or (record.cuda_graph and fam is not None and fam.winograd)):
         record.skip("", f"{len(slots)} routable 3x3 convs",
                     "winograd runs only in a UNet patched with cuda_graph=True (host cost)")
         return

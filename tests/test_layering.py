@@ -78,3 +78,19 @@ def test_no_two_modules_import_each_other():
 def test_module_size():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_one_table_of_model_families():
+    """patches/families.py is where a model family is described: the lists that used to repeat it are
+    lookups in it, and the profiles' layout parts (profiles sit below patches) agree with it."""
+    from sd_kernels.patches import PARTS, SUPPORTED_MODELS, families
+    from sd_kernels.patches.registry import PATCHERS
+
+    from sd_kernels import profiles
+
+    assert (PARTS, SUPPORTED_MODELS) == (families.PARTS, families.SUPPORTED_MODELS)
+    assert set(profiles.LAYOUT_PARTS) == set(families.PARTS)
+    assert sorted(families.ORDER) == sorted(PATCHERS)
+    assert families.DENOISER in families.SUPPORTED_MODELS
+    for name in ("patches/layout.py", "patches/memory.py", "patches/cuda_graph.py", "patches/winograd.py"):
+        assert '"UNet2DConditionModel"' not in (ROOT / name).read_text(), name

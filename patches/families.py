@@ -1,0 +1,64 @@
+"""The model families the patch knows, as data: one entry per diffusers model class.
+
+Everything that differs between the models a pipeline holds lives here, so that supporting a new
+family is one entry plus whatever patchers it needs: which pipeline component it is, what it is
+called in logs, which of its entry points the CUDA graphs replay (and how), which of its submodules
+run under a memory budget, whether Winograd may route its convs. The patchers run in ``ORDER``
+(their dependencies written down there), whatever order ``ops=`` names them in. The diffusers code
+the patchers re-state is checked by source hash in ``verified.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_class: str  # the diffusers class, by name (exact type: subclasses may change forward)
+    part: str  # the pipeline component that holds it; what ``ignore=`` and profiles' channels_last name
+    label: str  # in logs and graph labels
+    graphed: str  # the method cuda_graph="pipeline" replays from graphs ("unet" mode: the UNet's only)
+    graph_drop: tuple[str, ...] = ()  # keyword arguments that method ignores (not part of a signature)
+    timestep: bool = False  # the graphed method's second argument is a timestep (a number is made a tensor)
+    guarded: tuple[str, ...] = ()  # submodules whose forward runs under a memory budget ("": the model)
+    winograd: bool = False  # Winograd may route its 3×3 convs (when replayed from graphs: host cost)
+    tiled_decode: bool = False  # its ``decoder`` may decode in tiles under an intermediate budget
+
+
+FAMILIES = (
+    Family("UNet2DConditionModel", "unet", "UNet", graphed="forward", timestep=True, guarded=("",), winograd=True),
+    Family("AutoencoderKL", "vae", "VAE", graphed="decode", graph_drop=("generator",),
+           guarded=("encoder", "decoder"), tiled_decode=True),
+)
+BY_CLASS = {f.model_class: f for f in FAMILIES}
+PARTS = tuple(f.part for f in FAMILIES)  # in patch order; ``ignore=`` skips some
+SUPPORTED_MODELS = tuple(BY_CLASS)
+# The model that every graph mode captures (the denoising loop's): "unet" mode graphs it alone.
+DENOISER = "UNet2DConditionModel"
+
+# Patchers in the order they run. No patcher reads another's changes today: winograd asks whether the
+# model will run channels_last from the record's ops and the profile (patches/layout.py
+# makes_channels_last), not from the re-laid weights; memory's chunked feed-forward calls the
+# original FeedForward, whose GELU modules gelu swaps before or after; the tiled decode finds
+# GroupNorms by isinstance, fused ones included. The order is fixed (the one alphabetical order gave
+# before it was written here) so that a record undoes in the same order whatever ``ops=`` says, and
+# a new dependency goes here, with its reason.
+ORDER = ("attention", "channels_last", "gelu", "group_norm", "memory", "winograd")
+
+
+def patch_order(ops) -> tuple[str, ...]:
+    """``ops`` in the order their patchers run: ``ORDER``'s first, then any other registered patcher
+    (``registry.register``) by name."""
+    return (*(op for op in ORDER if op in ops), *sorted(set(ops) - set(ORDER)))
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family of ``model``'s exact class, or None."""
+    return BY_CLASS.get(type(model).__name__)
+
+
+def is_denoiser(model: nn.Module) -> bool:
+    return type(model).__name__ == DENOISER
