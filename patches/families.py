@@ -32,9 +32,13 @@ FAMILIES = (
     Family("UNet2DConditionModel", "unet", "UNet", graphed="forward", timestep=True, guarded=("",), winograd=True),
     Family("AutoencoderKL", "vae", "VAE", graphed="decode", graph_drop=("generator",),
            guarded=("encoder", "decoder"), tiled_decode=True),
+    # The ControlNet pipelines' "controlnet": half a UNet (its down and mid blocks) called every step
+    # beside it; several ControlNets are one MultiControlNetModel, whose forward calls each in turn.
+    Family("ControlNetModel", "controlnet", "ControlNet", graphed="forward", timestep=True, guarded=("",)),
+    Family("MultiControlNetModel", "controlnet", "ControlNets", graphed="forward", timestep=True, guarded=("",)),
 )
 BY_CLASS = {f.model_class: f for f in FAMILIES}
-PARTS = tuple(f.part for f in FAMILIES)  # in patch order; ``ignore=`` skips some
+PARTS = tuple(dict.fromkeys(f.part for f in FAMILIES))  # in patch order; ``ignore=`` skips some
 SUPPORTED_MODELS = tuple(BY_CLASS)
 # The model that every graph mode captures (the denoising loop's): "unet" mode graphs it alone.
 DENOISER = "UNet2DConditionModel"

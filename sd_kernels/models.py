@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import pathlib
@@ -152,6 +153,37 @@ def build_pipeline(
     if cfg["pipeline"] == "StableDiffusionPipeline":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     return pipeline_cls(**parts)
+
+
+def build_controlnet_pipeline(
+    name: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    controlnets: int = 1,
+):
+    """``build_pipeline(name)`` with ControlNet: the SD or SDXL ControlNet pipeline, its ControlNet(s)
+    made from the shipped UNet config by diffusers' ``ControlNetModel.from_unet`` (random weights,
+    offline); ``controlnets > 1`` gives a MultiControlNetModel of that many."""
+    import diffusers
+
+    base = build_pipeline(name, device, dtype, seed)
+    # The conditioning embedding downsamples the control image to the latents' size: one stride-2 step
+    # per factor 2 of the VAE (SD: 8 → diffusers' default (16, 32, 96, 256)).
+    steps = (base.vae_scale_factor - 1).bit_length()
+    embedding = (16, 32, 96, 256, 256)[: steps + 1]
+    nets = []
+    for i in range(controlnets):
+        torch.manual_seed(seed + 1 + i)
+        with _quiet_diffusers():
+            net = diffusers.ControlNetModel.from_unet(base.unet, load_weights_from_unet=False,
+                                                      conditioning_embedding_out_channels=embedding)
+            nets.append(net.to(device=device, dtype=dtype).eval().requires_grad_(False))
+    xl = "text_encoder_2" in base.components
+    cls = diffusers.StableDiffusionXLControlNetPipeline if xl else diffusers.StableDiffusionControlNetPipeline
+    parts = {k: v for k, v in base.components.items() if k in inspect.signature(cls.__init__).parameters}
+    parts["controlnet"] = nets[0] if controlnets == 1 else nets
+    return cls(**parts)
 
 
 def load_pipeline(

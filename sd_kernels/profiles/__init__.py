@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 ATTENTION_POLICIES = ("auto", "flash", "partial_softmax", "sdpa")
-LAYOUT_PARTS = ("unet", "vae")  # the pipeline parts ``channels_last`` may name (patches.PARTS)
+LAYOUT_PARTS = ("unet", "vae", "controlnet")  # the pipeline parts ``channels_last`` may name (patches.PARTS)
 WINOGRAD_LAYOUTS = ("nchw", "channels_last")
 WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no Triton import here)
 # Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).

@@ -480,3 +480,29 @@ def test_compile_inside_the_graphs_matches_eager():
             got = _gpu_run(graphed)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # inductor fuses in another order
     torch._dynamo.reset()
+
+
+def _controlnet_run(pipe, steps=3, scale=1.0):
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    cond = [image] * 2 if type(pipe.controlnet).__name__ == "MultiControlNetModel" else image
+    return _pipe_run(pipe, steps, image=cond, controlnet_conditioning_scale=scale)
+
+
+@pytest.mark.parametrize("controlnets", [1, 2])
+def test_pipeline_mode_graphs_the_controlnet_call(fake_cuda, controlnets):
+    """ControlNet pipelines (one ControlNet, or a MultiControlNetModel of two): the ControlNet call is
+    replayed from graphs beside the UNet's, with the same images as eager; a new conditioning scale is
+    a new signature, not a stale replay."""
+    eager = models.build_controlnet_pipeline("tiny", controlnets=controlnets)
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    record = sd_kernels.patch(graphed, cuda_graph=True)
+    assert "controlnet" in record.parts and record.counts["cuda_graph"] == 4  # + UNet, VAE, text encoder
+    assert isinstance(vars(graphed.controlnet)["forward"], cuda_graph.GraphedCall)
+    with torch.no_grad():
+        for scale in (1.0, 1.0, 0.5):
+            assert torch.equal(_controlnet_run(graphed, scale=scale), _controlnet_run(eager, scale=scale))
+    assert len(graphed.controlnet.forward.graphs) == 2
+    sd_kernels.unpatch(graphed)
+    assert "forward" not in vars(graphed.controlnet)
