@@ -22,22 +22,19 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.library import geglu, gelu, linear_geglu, quick_gelu
-from sd_kernels.profiles import scoped
+from sd_kernels.profiles import active_profile, scoped
 
 from .record import PatchRecord
 from .registry import register
 
-# The fused matmul+GEGLU saves the 2n-wide intermediate (4·M·n bytes per element size written and
-# read) against 4·M·n·K flops of matmul, so its edge shrinks as K grows: it runs when the
-# projection's input features K <= this. 0 = never (cuBLAS linear + our geglu), the default until
-# the GPU measurements (bench/ops_gelu.py, "linear_geglu" and "feed_forward" cases) say otherwise.
-# SD1.5's projections have K = 320, 640, 1280 (SDXL: 640, 1280).
-LINEAR_GEGLU_MAX_K = 0
 
-
-def fuse_linear_geglu(rows: int, k: int, n: int) -> bool:
-    """Run GEGLU's projection as the fused ``linear_geglu`` for x [rows, k] → [rows, n]?"""
-    return k <= LINEAR_GEGLU_MAX_K
+def fuse_linear_geglu(rows: int, k: int, n: int, profile=None) -> bool:
+    """Run GEGLU's projection as the fused ``linear_geglu`` for x [rows, k] → [rows, n]? The fused
+    matmul+GEGLU saves the 2n-wide intermediate (4·M·n bytes per element size written and read)
+    against 4·M·n·K flops of matmul, so its edge shrinks as K grows: it runs when K is at most the
+    profile's ``linear_geglu_max_k`` (0 in every shipped profile: the GPU measurements of
+    bench/ops_gelu.py have not found a K where it wins)."""
+    return k <= (profile or active_profile()).linear_geglu_max_k
 
 
 class _Replacement(nn.Module):

@@ -68,14 +68,13 @@ def _group_norm(p: Profile, n: int, c: int, h: int, w: int, channels_last: bool)
 
 
 def _geglu(p: Profile, rows: int, k: int, n: int) -> tuple[str, str]:
-    from sd_kernels.patches.gelu import LINEAR_GEGLU_MAX_K, fuse_linear_geglu
 
-    if fuse_linear_geglu(rows, k, n) and not p.disabled_reason("linear_geglu"):
-        return "linear_geglu", f"k {k} ≤ LINEAR_GEGLU_MAX_K {LINEAR_GEGLU_MAX_K}: one fused matmul"
+    if k <= p.linear_geglu_max_k and not p.disabled_reason("linear_geglu"):
+        return "linear_geglu", f"k {k} ≤ linear_geglu_max_k {p.linear_geglu_max_k}: one fused matmul"
     off = p.disabled_reason("geglu")
     if off:
         return "chunk + F.gelu + mul (stock)", off
-    return "cuBLAS linear + geglu", f"k {k} > LINEAR_GEGLU_MAX_K {LINEAR_GEGLU_MAX_K}"
+    return "cuBLAS linear + geglu", f"k {k} > linear_geglu_max_k {p.linear_geglu_max_k}"
 
 
 def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str, cl: bool) -> tuple[str, str]:

@@ -109,6 +109,10 @@ class Profile:
     attention: str = "auto"
     flash_block: tuple[int, int] = (128, 64)  # (BLOCK_M query rows, BLOCK_N keys) of the fit rule
     flash_min_keys: int = 0  # "auto": below this many keys the partial softmax's scores are small
+    # GEGLU's projection runs as the fused linear_geglu kernel when its input features K are at most
+    # this (0: never; cuBLAS linear + our geglu). The fused kernel saves the 2n-wide intermediate but
+    # its matmul loses to cuBLAS as K grows (docs/kernels/gelu.md); SD's K: 320, 640, 1280.
+    linear_geglu_max_k: int = 0
     winograd: tuple[WinogradRule, ...] = ()
     disabled_ops: frozenset[str] = frozenset()
     autotune_cache: str | None = None  # a directory for autotune results ("{name}" is substituted)
@@ -244,6 +248,7 @@ def _validate(p: Profile) -> None:
     _check_int(where, "shared_memory_kb", p.shared_memory_kb, 4, 1024)
     _check_int(where, "register_file_kb", p.register_file_kb, 4, 1024)
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
+    _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
     if p.attention not in ATTENTION_POLICIES:
         _fail(where, "attention", p.attention, f"one of {ATTENTION_POLICIES}")
     bm, bn = p.flash_block if len(p.flash_block) == 2 else (0, 0)

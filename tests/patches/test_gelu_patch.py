@@ -37,7 +37,7 @@ def _assert_same_params(model, params):
 @pytest.mark.parametrize("activation_fn", list(FEED_FORWARDS))
 def test_feed_forward(activation_fn, fuse, monkeypatch):
     if fuse:  # every shape takes the fused matmul+GEGLU kernel
-        monkeypatch.setattr(gelu_patch, "LINEAR_GEGLU_MAX_K", 10**9)
+        _max_k(monkeypatch, 10**6)
     ff = FeedForward(16, mult=2, activation_fn=activation_fn).eval()
     original, replacement = FEED_FORWARDS[activation_fn]
     x = torch.randn(2, 5, 16)
@@ -62,7 +62,7 @@ def test_geglu_shape_choice(monkeypatch):
     """fuse_linear_geglu decides, per call, between linear_geglu and cuBLAS linear + geglu."""
     calls = []
     monkeypatch.setattr(gelu_patch, "linear_geglu", lambda *a, **k: calls.append(a[0].shape[-1]) or 0)
-    monkeypatch.setattr(gelu_patch, "LINEAR_GEGLU_MAX_K", 24)
+    _max_k(monkeypatch, 24)
     small, large = (FeedForward(k, activation_fn="geglu").net[0] for k in (16, 32))
     record = PatchRecord(("gelu",), "cpu", ["test"])
     holder = torch.nn.ModuleList([small, large])
@@ -72,8 +72,20 @@ def test_geglu_shape_choice(monkeypatch):
     assert calls == [16]  # K = 16 <= 24 fused; K = 32 > 24 not
 
 
+def _max_k(monkeypatch, k):
+    """The active profile with ``linear_geglu_max_k = k``."""
+    import dataclasses
+
+    from sd_kernels import profiles
+
+    monkeypatch.setattr(profiles, "_active", dataclasses.replace(profiles.get_profile("cpu"), linear_geglu_max_k=k))
+
+
 def test_default_is_cublas_plus_geglu():
+    from sd_kernels import profiles
+
     assert not gelu_patch.fuse_linear_geglu(8192, 320, 1280)
+    assert all(profiles.get_profile(name).linear_geglu_max_k == 0 for name in profiles.list_profiles())
 
 
 def _unet_out(unet):
