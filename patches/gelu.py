@@ -34,7 +34,13 @@ def fuse_linear_geglu(rows: int, k: int, n: int, profile=None) -> bool:
     against 4·M·n·K flops of matmul, so its edge shrinks as K grows: it runs when K is at most the
     profile's ``linear_geglu_max_k`` (0 in every shipped profile: the GPU measurements of
     bench/ops_gelu.py have not found a K where it wins)."""
-    return k <= (profile or active_profile()).linear_geglu_max_k
+    return k <= (profile.linear_geglu_max_k if profile is not None else _max_k())
+
+
+@torch.compiler.assume_constant_result
+def _max_k() -> int:
+    """The active profile's bound (a constant for torch.compile, read when it traces)."""
+    return active_profile().linear_geglu_max_k
 
 
 class _Replacement(nn.Module):

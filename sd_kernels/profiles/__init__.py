@@ -461,14 +461,9 @@ def scoped(method: Callable) -> Callable:
 
 
 def torch_compiling() -> bool:
-    return _is_compiling()()
+    import torch  # (a module lookup once torch is loaded; profiles load without importing it)
 
-
-@functools.cache
-def _is_compiling() -> Callable[[], bool]:
-    import torch
-
-    return torch.compiler.is_compiling
+    return torch.compiler.is_compiling()
 
 
 def set_profile(profile: str | Profile | None) -> Profile:
