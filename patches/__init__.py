@@ -64,7 +64,8 @@ def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.M
         found = f" (it has {', '.join(f'{p}: {name}' for p, name in others)})" if others else ""
         raise TypeError(
             f"{type(obj).__name__} has none of the parts sd_kernels patches{found}; supported: "
-            f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} (SD1.x, SD2.x, SDXL pipelines)"
+            f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} "
+            "(SD1.x, SD2.x, SDXL pipelines, with ControlNet or without)"
         )
     return models, others
 

@@ -219,7 +219,9 @@ def test_moved_weights_recapture(fake_cuda):
     x, kw = _cpu_args(eager, 2, 8)
     with torch.no_grad():
         graphed(x, 10, **kw)
+        old = [p.data for p in graphed.parameters()]  # alive: the moved weights cannot reuse their addresses
         graphed.to(torch.float64).to(torch.float32)
+        assert next(graphed.parameters()).data_ptr() != old[0].data_ptr()
         assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
     assert len(fake_cuda) == 2
 

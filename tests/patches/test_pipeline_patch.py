@@ -213,7 +213,8 @@ class Parts:
 
 
 def test_unsupported_pipeline_lists_what_is_supported():
-    with pytest.raises(TypeError, match=r"\(it has unet: Linear\); supported: unet, vae as UNet2DConditionModel"):
+    with pytest.raises(TypeError, match=r"\(it has unet: Linear\); supported: unet, vae, controlnet as "
+                                        r"UNet2DConditionModel, AutoencoderKL, ControlNetModel"):
         sd_kernels.patch(Parts(unet=nn.Linear(2, 2), transformer=nn.Linear(2, 2)))
 
 
