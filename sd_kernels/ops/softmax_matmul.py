@@ -316,13 +316,20 @@ def _scores(x3: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, q0: int, scale
     for x, a, b in pairs:  # beta = 0: x's contents ignored
         if x.dtype == a.dtype:
             x.baddbmm_(a, b.transpose(1, 2), beta=0.0, alpha=scale)
-        else:
+            continue
+        try:
             torch.ops.aten.baddbmm.dtype_out(x, a, b.transpose(1, 2), x.dtype, beta=0.0, alpha=scale, out=x)
+        except RuntimeError as exc:  # this torch build has no such GEMM here: fp32 copies from now on
+            _MIXED_GEMM_FAILED.append(f"{type(exc).__name__}: {exc}")
+            x.baddbmm_(a.to(x.dtype), b.to(x.dtype).transpose(1, 2), beta=0.0, alpha=scale)
+
+
+_MIXED_GEMM_FAILED: list[str] = []  # why aten.baddbmm.dtype_out failed, if it did (then never tried again)
 
 
 def _mixed_gemm(q: torch.Tensor) -> bool:
     """Whether torch computes a half-precision batched GEMM into fp32 on q's device (CUDA's cuBLAS)."""
-    return q.is_cuda and hasattr(torch.ops.aten.baddbmm, "dtype_out")
+    return q.is_cuda and not _MIXED_GEMM_FAILED and hasattr(torch.ops.aten.baddbmm, "dtype_out")
 
 
 def partial_softmax_reason(q, k, v, attn_mask, batch) -> str | None:
