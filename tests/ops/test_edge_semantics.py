@@ -87,8 +87,11 @@ def test_partial_softmax_fp16_scores_beyond_fp16_range_stay_finite(device):
 
 @pytest.mark.gpu
 def test_gpu_partial_softmax_fp16_scores_beyond_fp16_range_stay_finite():
-    """The same on CUDA, where the scores come from cuBLAS's fp16 GEMM with an fp32 output."""
+    """The same on CUDA, where the scores come from cuBLAS's fp16 GEMM with an fp32 output (not from
+    fp32 copies of q and k: the fallback for a torch without that GEMM)."""
     _check_fp16_score_overflow("cuda")
+    sm = importlib.import_module("sd_kernels.ops.softmax_matmul")
+    assert not sm._MIXED_GEMM_FAILED, sm._MIXED_GEMM_FAILED
 
 
 def _check_fp16_score_overflow(device):
