@@ -91,6 +91,9 @@ def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
 # The custom ops: real implementation (the public op, output in the promised layout) and fake.
 
 
+_REGISTERED: list[str] = []
+
+
 def _custom_op(name: str, layout: Callable[..., Layout]):
     """Register the decorated (typed) function as ``torch.ops.sd_kernels.<name>``: the real
     implementation returns its output in ``layout(*args)``, the fake an empty tensor in it."""
@@ -101,6 +104,7 @@ def _custom_op(name: str, layout: Callable[..., Layout]):
             return _relaid(fn(*args), layout(*args))
 
         op = torch.library.custom_op(f"sd_kernels::{name}", real, mutates_args=(), tags=_TAGS)
+        _REGISTERED.append(name)
         op.register_fake(lambda *args: _empty(layout(*args), args[0]))
         return op
 
@@ -195,5 +199,4 @@ def winograd_conv2d(x, weight, bias, tile):
     return winograd_ops.winograd_conv2d(x, winograd_ops.cached_weight(weight, tile), bias)
 
 
-# torch.ops.sd_kernels.*
-OPS = ("group_norm", "gelu", "quick_gelu", "geglu", "linear_geglu", "attention", "winograd_conv2d")
+OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

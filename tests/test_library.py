@@ -161,3 +161,11 @@ def test_patched_unet_compiles_with_inductor_on_cuda():
     # inductor fuses the ATen parts differently: allow what stock fp16 vs patched fp16 differ by, twice
     budget = 2 * (eager - stock).float().norm() / stock.float().norm() + 1e-3
     assert (out - eager).float().norm() / eager.float().norm() <= budget
+
+
+def test_every_custom_op_has_its_eager_entry_point():
+    """library.OPS is read off the registrations: each is a torch.ops.sd_kernels op, and library has the
+    function of that name that patched modules call (eager: the plain op; compiling: the custom op)."""
+    assert len(library.OPS) == len(set(library.OPS)) >= 7
+    for name in library.OPS:
+        assert hasattr(torch.ops.sd_kernels, name) and callable(getattr(library, name)), name
