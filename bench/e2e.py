@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import pathlib
 import statistics
 import sys
@@ -160,18 +161,28 @@ def unet_call(pipe, batch: int, dtype: torch.dtype, side: int | None = None,
     side = side or unet.config.sample_size
     dev = unet.device
     g = torch.Generator(device=dev).manual_seed(0)
-    latent = torch.randn(batch, unet.config.in_channels, side, side, device=dev, dtype=dtype, generator=g)
-    ctx = torch.randn(batch, 77, unet.config.cross_attention_dim, device=dev, dtype=dtype, generator=g)
+    latent, ctx, kwargs = unet_inputs(unet.config, batch, side, dev, dtype, g, side * pipe.vae_scale_factor)
     t = torch.tensor(500, device=dev) if timestep is None else timestep
-    kwargs: dict[str, Any] = {}
-    if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text embeddings and size ids
-        pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
-        px = side * pipe.vae_scale_factor
-        kwargs["added_cond_kwargs"] = {
-            "text_embeds": torch.randn(batch, pooled, device=dev, dtype=dtype, generator=g),
-            "time_ids": torch.tensor([[px, px, 0, 0, px, px]] * batch, device=dev, dtype=dtype),
-        }
     return lambda: unet(latent, t, encoder_hidden_states=ctx, return_dict=False, **kwargs)[0]
+
+
+def unet_inputs(cfg, batch: int, side: int, device, dtype: torch.dtype = torch.float32,
+                generator: torch.Generator | None = None, pixels: int | None = None) -> tuple:
+    """(latents, text context, keyword arguments) of one UNet call, random, shaped as a pipeline's:
+    ``cfg`` is the UNet's config; SDXL's (``addition_embed_type`` "text_time") also get the pooled
+    text embeddings and the size ids of a ``pixels``² image (default ``side``·8)."""
+    r = functools.partial(torch.randn, device=device, dtype=dtype, generator=generator)
+    latent = r(batch, cfg["in_channels"], side, side)
+    ctx = r(batch, 77, cfg["cross_attention_dim"])
+    kwargs: dict[str, Any] = {}
+    if cfg.get("addition_embed_type") == "text_time":  # SDXL: pooled text embeddings and size ids
+        pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+        px = pixels or side * 8
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": r(batch, pooled),
+            "time_ids": torch.tensor([[px, px, 0, 0, px, px]] * batch, device=device, dtype=dtype),
+        }
+    return latent, ctx, kwargs
 
 
 def vae_call(pipe, dtype: torch.dtype, side: int | None = None) -> Callable[[], torch.Tensor]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from bench.e2e import unet_inputs
 from bench.ops_winograd import _case
 
 MODELS = (("sd15", 512), ("sd21", 768), ("sdxl", 1024))
@@ -34,15 +35,8 @@ def unet_conv_shapes(name: str, size: int, batch: int = 2) -> collections.Counte
     for m in unet.modules():
         if qualifies(m):
             m.register_forward_pre_hook(lambda m, a: seen.update([(*a[0].shape, m.out_channels)]))
-    lat = size // 8
-    with torch.device("meta"):
-        x = torch.empty(batch, cfg["in_channels"], lat, lat)
-        ctx = torch.empty(batch, 77, cfg["cross_attention_dim"])
-        kwargs = {}
-        if cfg.get("addition_embed_type") == "text_time":  # SDXL's pooled text embeds and size ids
-            pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
-            kwargs["added_cond_kwargs"] = {"text_embeds": torch.empty(batch, pooled), "time_ids": torch.empty(batch, 6)}
-        unet(x, torch.zeros(batch), ctx, **kwargs)
+    x, ctx, kwargs = unet_inputs(cfg, batch, size // 8, "meta", pixels=size)
+    unet(x, torch.zeros(batch, device="meta"), ctx, **kwargs)
     return seen
 
 

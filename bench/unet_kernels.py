@@ -43,15 +43,10 @@ def category(name: str) -> str:
 
 
 def _inputs(cfg: dict, size: int, device="cuda", dtype=torch.float16):
+    from bench.e2e import unet_inputs
+
     g = torch.Generator(device=device).manual_seed(0)
-    lat = size // 8
-    x = torch.randn(2, cfg["in_channels"], lat, lat, device=device, dtype=dtype, generator=g)
-    ctx = torch.randn(2, 77, cfg["cross_attention_dim"], device=device, dtype=dtype, generator=g)
-    kwargs = {}
-    if cfg.get("addition_embed_type") == "text_time":
-        pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
-        kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(2, pooled, device=device, dtype=dtype, generator=g),
-                                       "time_ids": torch.randn(2, 6, device=device, dtype=dtype, generator=g)}
+    x, ctx, kwargs = unet_inputs(cfg, 2, size // 8, device, dtype, g, size)
     return x, torch.tensor([500, 500], device=device), ctx, kwargs
 
 
