@@ -28,19 +28,15 @@ from .record import PatchRecord
 from .registry import register
 
 
-def fuse_linear_geglu(rows: int, k: int, n: int, profile=None) -> bool:
+@torch.compiler.assume_constant_result
+def fuse_linear_geglu(rows: int, k: int, n: int) -> bool:
     """Run GEGLU's projection as the fused ``linear_geglu`` for x [rows, k] → [rows, n]? The fused
     matmul+GEGLU saves the 2n-wide intermediate (4·M·n bytes per element size written and read)
-    against 4·M·n·K flops of matmul, so its edge shrinks as K grows: it runs when K is at most the
-    profile's ``linear_geglu_max_k`` (0 in every shipped profile: the GPU measurements of
-    bench/ops_gelu.py have not found a K where it wins)."""
-    return k <= (profile.linear_geglu_max_k if profile is not None else _max_k())
-
-
-@torch.compiler.assume_constant_result
-def _max_k() -> int:
-    """The active profile's bound (a constant for torch.compile, read when it traces)."""
-    return active_profile().linear_geglu_max_k
+    against 4·M·n·K flops of matmul, so its edge shrinks as K grows: the active profile decides
+    (``Profile.fuses_linear_geglu``; never in the shipped profiles: the GPU measurements of
+    bench/ops_gelu.py have not found a K where it wins). A constant for torch.compile, decided
+    when it traces (the profile cannot be read from traced code)."""
+    return active_profile().fuses_linear_geglu(k)
 
 
 class _Replacement(nn.Module):

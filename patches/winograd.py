@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from sd_kernels import library
 from sd_kernels.ops.layout import is_channels_last
-from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, winograd_conv2d
+from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, weight_version, winograd_conv2d
 from sd_kernels.profiles import active_profile, scoped
 
 from .families import family_of
@@ -93,8 +93,7 @@ class WinogradConv2d(nn.Conv2d):
         """What a CUDA graph that replays this conv's Winograd launches bakes in: the transformed
         weights of the weight as it was. A captured graph is stale once this changes (the weight
         replaced or updated in place), and its re-capture transforms the weight again."""
-        w = self.weight
-        return id(w), w.data_ptr(), None if w.is_inference() else w._version
+        return id(self.weight), *weight_version(self.weight)
 
 
 @torch.compiler.assume_constant_result

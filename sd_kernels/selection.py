@@ -69,7 +69,7 @@ def _group_norm(p: Profile, n: int, c: int, h: int, w: int, channels_last: bool)
 
 def _geglu(p: Profile, rows: int, k: int, n: int) -> tuple[str, str]:
 
-    if k <= p.linear_geglu_max_k and not p.disabled_reason("linear_geglu"):
+    if p.fuses_linear_geglu(k) and not p.disabled_reason("linear_geglu"):
         return "linear_geglu", f"k {k} ≤ linear_geglu_max_k {p.linear_geglu_max_k}: one fused matmul"
     off = p.disabled_reason("geglu")
     if off:

@@ -216,9 +216,7 @@ class WeightCache:
 
     def get(self, tile: int) -> WinogradWeight:
         w = self.weight
-        # Inference tensors (made under torch.inference_mode) have no version counter, and cannot be
-        # updated in place outside it: their storage alone identifies them.
-        slot, version = (tile, w.dtype, w.device), (w.data_ptr(), None if w.is_inference() else w._version)
+        slot, version = (tile, w.dtype, w.device), weight_version(w)
         cached = self.slots.get(slot)
         if cached is None or cached[0] != version:
             cached = self.slots[slot] = (version, winograd_weight(w, tile))
@@ -226,6 +224,13 @@ class WeightCache:
 
     def nbytes(self) -> int:
         return sum(u.u.numel() * u.u.element_size() for _, u in self.slots.values())
+
+
+def weight_version(w: torch.Tensor) -> tuple:
+    """What identifies a weight's values for the cache: its storage and version counter. Inference
+    tensors (made under torch.inference_mode) have no version counter, and cannot be updated in place
+    outside it: their storage alone identifies them."""
+    return w.data_ptr(), None if w.is_inference() else w._version
 
 
 _CACHES: dict[int, weakref.ref] = {}  # id(weight) → the WeightCache its owner keeps

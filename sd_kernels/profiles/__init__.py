@@ -129,6 +129,10 @@ class Profile:
 
     # -- decisions -------------------------------------------------------------------------------
 
+    def fuses_linear_geglu(self, k: int) -> bool:
+        """Whether a GEGLU projection with ``k`` input features runs as the fused linear_geglu."""
+        return k <= self.linear_geglu_max_k
+
     def disabled_reason(self, op: str) -> str | None:
         if op in self.disabled_ops:
             return f"profile {self.name!r} disables {op}"
