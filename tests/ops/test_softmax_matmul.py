@@ -200,7 +200,11 @@ def test_gpu_extra_memory_is_x_and_two_vectors(chunk_rows, device):
     extra, _ = extra_cuda_bytes(lambda *a: partial_softmax_attention(*a, max_chunk_bytes=max_chunk), q, k, v)
     x_bytes = b * h * rows * sk * 4
     vectors = 2 * b * h * rows * 4
-    slack = 4096  # the caching allocator rounds each block up to 512 B
+    # The caching allocator rounds each block up to 512 B, and serves a request of 10 MB or more from a
+    # segment rounded up to 2 MiB whose remainder, under 1 MiB, it does not split off: the block counts
+    # whole (X of 1000 rows: 16,384,000 B in a 16 MiB block, seen with a memory snapshot on the H100).
+    rest = -x_bytes % (2 << 20)
+    slack = 4096 + (rest if x_bytes >= 10 << 20 and rest < 1 << 20 else 0)
     assert x_bytes <= extra <= x_bytes + vectors + slack, (extra, x_bytes, vectors)
     naive, _ = extra_cuda_bytes(reference.attention, q, k, v)
     assert naive >= 2 * b * h * sq * sk * 2  # the naive path holds X and T
