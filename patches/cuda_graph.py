@@ -39,7 +39,9 @@ in), a non-tensor argument that is not hashable, or a capture that raised. The g
 weights by address: in-place weight changes (``load_state_dict``) show in the next replay; what a
 call reads on the host and bakes into the graph is checked on every call and drops the graphs when
 it changed: the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``), moved
-weights (``.to(...)``, seen in a parameter's address), the adapters' activation, scales, disabling
+weights (``.to(...)``, seen in the parameters' and buffers' addresses; the first call after a move
+runs eagerly and the next captures, so weights moved around every call — SDXL's fp32 VAE upcast —
+never pay for a capture they will not replay), the adapters' activation, scales, disabling
 and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), and the attention processors and
 their ``scale`` (``set_attn_processor``, ``set_ip_adapter_scale``); offloading hooks added after the
 patch make the calls eager.
@@ -130,6 +132,11 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+# Why a call after the weights moved runs eagerly (a capture costs about two calls; SDXL's pipeline
+# moves its VAE to fp32 and back around every decode, so a capture there would never be replayed).
+MOVED = ("its weights moved since the last call; the next call with them in place captures (weights that "
+         "move around every call, like the SDXL pipeline's fp32 upcast of its VAE, keep it eager)")
+
 # Model attributes a call reads on the host: the VAE's enable_tiling() / enable_slicing().
 _MODEL_FLAGS = ("use_tiling", "use_slicing")
 
@@ -150,9 +157,11 @@ class _Watch:
         self.attention: list[nn.Module] = []
         self.tuners: list[nn.Module] = []
         self.derived: list[nn.Module] = []
+        self.tensors: list[torch.Tensor] = []
 
     def _find(self, tree: tuple) -> None:
         self.tree = tree
+        self.tensors = [*self.model.parameters(), *self.model.buffers()]
         self.attention = [m for m in self.model.modules() if hasattr(m, "processor")]
         self.tuners = [m for m in self.model.modules() if hasattr(m, "merged_adapters")] if tree else []
         self.derived = [m for m in self.model.modules() if hasattr(m, "graph_state")]
@@ -166,14 +175,21 @@ class _Watch:
                         getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
         return procs, tuners, flags, tuple(m.graph_state() for m in self.derived)
 
+    def placement(self, tree: tuple) -> tuple[int, ...]:
+        """Every parameter's and buffer's address: the graphs read them there."""
+        if tree != self.tree:
+            self._find(tree)
+        return tuple(t.data_ptr() for t in self.tensors)
 
-def _model_state(model: nn.Module, first: torch.Tensor, watch: _Watch) -> tuple:
+
+def _model_state(model: nn.Module, watch: _Watch) -> tuple:
     """What invalidates captured graphs: peft adapters added or removed (the module tree changes with
-    them), the weights moved (``.to(device or dtype)``, offloading: the graphs read them by address),
-    and what ``watch`` reads (adapter switches and scales, fused LoRA, swapped processors)."""
+    them), the weights moved (``.to(device or dtype)``, offloading: the graphs read every parameter and
+    buffer by address), and what ``watch`` reads (adapter switches and scales, fused LoRA, swapped
+    processors)."""
     cfg = getattr(model, "peft_config", None)
     tree = tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
-    return tree, first.data_ptr(), hasattr(model, "_hf_hook"), watch.state(tree)
+    return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree)
 
 
 def capture(run, pool=None, stream=None, warmup: int = 1, calls: int = 1) -> tuple[Any, Any]:
@@ -233,9 +249,8 @@ class GraphedCall:
         self.eager_keys: set = set()
         self.pool = torch.cuda.graph_pool_handle()  # shared by all signatures' graphs
         self.stream = torch.cuda.Stream(self.device)  # the side stream captures run on
-        self.first_param = next(model.parameters())
         self.watch = _Watch(model)
-        self.state = _model_state(model, self.first_param, self.watch)
+        self.state = _model_state(model, self.watch)
         self._logged: set[str] = set()
 
     def __repr__(self) -> str:
@@ -246,10 +261,10 @@ class GraphedCall:
         self.graphs.clear()
         self.eager_keys.clear()
 
-    def _eager(self, reason: str, args, kwargs) -> Any:
+    def _eager(self, reason: str, args, kwargs, level: int = logging.WARNING) -> Any:
         if reason not in self._logged:
             self._logged.add(reason)
-            log.warning("sd_kernels: cuda_graph: running the %s eagerly: %s", self.label, reason)
+            log.log(level, "sd_kernels: cuda_graph: running the %s eagerly: %s", self.label, reason)
         return self.forward(*args, **kwargs)
 
     def _signature(self, leaves: list, tree: pytree.TreeSpec) -> tuple[Any, str | None]:
@@ -284,10 +299,13 @@ class GraphedCall:
         key, reason = self._signature(leaves, tree)
         if reason is not None:
             return self._eager(reason, args, kwargs)
-        state = _model_state(self.model_ref, self.first_param, self.watch)
+        state = _model_state(self.model_ref, self.watch)
         if state != self.state:  # the captured kernels would run stale modules or read freed weights
+            moved = state[0] == self.state[0] and state[1] != self.state[1]  # same modules, new places
             self.reset()
             self.state = state
+            if moved:  # capture only once the weights stay put for a second call: never for every call
+                return self._eager(MOVED, args, kwargs, logging.INFO)
         if state[2]:
             return self._eager("accelerate hooks (offloading) move the weights during the call", args, kwargs)
         graph = self.graphs.get(key)

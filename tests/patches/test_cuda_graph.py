@@ -214,7 +214,8 @@ def test_vae_tiling_switched_on_after_capture_recaptures(fake_cuda):
 
 
 def test_moved_weights_recapture(fake_cuda):
-    """Graphs read weights by address: after .to(...) moved them, the same signature captures anew."""
+    """Graphs read weights by address: after .to(...) moved them, the first call runs eagerly and the
+    second, the weights still in place, captures anew."""
     eager, graphed = _cpu_pair("tiny")
     x, kw = _cpu_args(eager, 2, 8)
     with torch.no_grad():
@@ -222,8 +223,44 @@ def test_moved_weights_recapture(fake_cuda):
         old = [p.data for p in graphed.parameters()]  # alive: the moved weights cannot reuse their addresses
         graphed.to(torch.float64).to(torch.float32)
         assert next(graphed.parameters()).data_ptr() != old[0].data_ptr()
-        assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+        for captures in (1, 2, 2):
+            assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+            assert len(fake_cuda) == captures
+
+
+def test_a_buffer_moved_alone_recaptures(fake_cuda):
+    """Every parameter and buffer is watched, not only the first parameter."""
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        graphed(x, 10, **kw)
+        last = list(graphed.parameters())[-1]
+        last.data = last.data.clone()
+        graphed(x, 10, **kw)
+        assert len(fake_cuda) == 1 and not graphed.forward.graphs  # dropped, this call eager
+        graphed(x, 10, **kw)
     assert len(fake_cuda) == 2
+
+
+def test_weights_moved_around_every_call_never_capture(fake_cuda, caplog):
+    """The SDXL pipeline moves its VAE to fp32 for the decode and back after it, on every call: a
+    capture would never be replayed, so those calls run eagerly (said once), and stay exact."""
+    eager, pipe, _ = _pipe_pair()
+    ref, graphed = eager.vae, pipe.vae
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    kept = []  # each round's weights stay alive, so the next round's cannot take their addresses
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="sd_kernels"):
+        graphed.decode(z)
+        for _ in range(3):
+            graphed.to(torch.float64)
+            kept.append([p.data for p in graphed.parameters()])
+            out = graphed.decode(z.double()).sample
+            graphed.to(torch.float32)
+            kept.append([p.data for p in graphed.parameters()])
+            assert torch.equal(out, ref.double().decode(z.double()).sample)
+            ref.float()
+    assert len(fake_cuda) == 1  # the first decode only
+    assert sum("weights moved" in r.getMessage() for r in caplog.records) == 1
 
 
 SCHEDULERS = ["PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
