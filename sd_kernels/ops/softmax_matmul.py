@@ -33,8 +33,8 @@ from sd_kernels import reference
 from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.launch import cdiv, next_pow2
 
-from . import attention as _attention
-from .attention import (
+from . import attention_common as _common
+from .attention_common import (
     LOG2E,
     _aligned,
     alignment,
@@ -143,7 +143,7 @@ def _prune_configs(configs, named_args, **kwargs):
     fit = [c for c in wanted if c.kwargs["BLOCK_N"] <= max(16, named_args["C_KEY"])]
     fit = fit or [min(wanted, key=lambda c: c.kwargs["BLOCK_N"])]
     chosen = [c for c in configs if any(c is w for w in fit)]
-    return chosen if _attention.AUTOTUNE else chosen[:1]
+    return chosen if _common.AUTOTUNE else chosen[:1]
 
 
 def _autotune():
@@ -199,7 +199,7 @@ def _one_tile_autotune():
     rows = [(64, 4), (128, 8)] if not interpreting() else [(32, 4)]
     configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1) for m, w in rows]
     return triton.autotune(configs, key=["A_KEY", "BLOCK_N", "BLOCK_K"], prune_configs_by={
-        "early_config_prune": lambda cs, named_args, **kw: cs if _attention.AUTOTUNE else cs[:1]})
+        "early_config_prune": lambda cs, named_args, **kw: cs if _common.AUTOTUNE else cs[:1]})
 
 
 @_one_tile_autotune()
@@ -291,7 +291,7 @@ def softmax_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     a, kd, c = x.shape[-2], x.shape[-1], w.shape[-1]
     x4, w4 = as_4d(x, batch, a, kd), as_4d(w, batch, kd, c)
     B, H = x4.shape[:2]
-    y4 = _attention.alloc_output((B, H, a, c), x, heads_inner=False)
+    y4 = _common.alloc_output((B, H, a, c), x, heads_inner=False)
     stats = torch.empty(2, B * H * a, dtype=torch.float32, device=x.device)
     _launch(x4, w4, y4, stats, zero_empty=False)
     return from_4d(y4, batch)
@@ -365,7 +365,7 @@ def partial_softmax_attention(
     Sq, Sk, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     q4, k4, v4 = as_4d(q, batch, Sq, q.shape[-1]), as_4d(k, batch, Sk, k.shape[-1]), as_4d(v, batch, Sk, Dv)
     B, H = q4.shape[:2]
-    out = _attention.alloc_output((B, H, Sq, Dv), q, heads_inner=q4.stride(1) < q4.stride(2))
+    out = _common.alloc_output((B, H, Sq, Dv), q, heads_inner=q4.stride(1) < q4.stride(2))
     if out.numel() == 0:
         return from_4d(out, batch)
     mask4 = None
