@@ -31,12 +31,12 @@ def tune(models: str, batches: list[int], out: pathlib.Path) -> list[pathlib.Pat
     """Tune every kernel at the shapes of ``models`` × ``batches``; merge into ``out``; the files written."""
     import sd_kernels
     from bench.e2e import PROMPT, parse_targets
-    from sd_kernels import launch, profiles
+    from sd_kernels import autotune_cache, profiles
     from sd_kernels import models as shipped_models
 
     cache = pathlib.Path(tempfile.mkdtemp(prefix="sd-kernels-tune-"))
-    os.environ[launch.CACHE_ENV] = str(cache)
-    os.environ[launch.SHIPPED_ENV] = "0"
+    os.environ[autotune_cache.CACHE_ENV] = str(cache)
+    os.environ[autotune_cache.SHIPPED_ENV] = "0"
     for target in parse_targets(models):
         start = time.perf_counter()
         pipe = shipped_models.load_pipeline(target.model, device="cuda", dtype=torch.float16)
@@ -49,8 +49,8 @@ def tune(models: str, batches: list[int], out: pathlib.Path) -> list[pathlib.Pat
         del pipe
         torch.cuda.empty_cache()
     device = torch.device("cuda")
-    tuned = cache / launch.device_slug(device) / f"triton-{launch.TRITON_VERSION}"
-    dest = out / profiles.active_profile().name / launch.device_slug(device) / f"triton-{launch.TRITON_VERSION}"
+    where = pathlib.Path(autotune_cache.device_slug(device), f"triton-{autotune_cache.TRITON_VERSION}")
+    tuned, dest = cache / where, out / profiles.active_profile().name / where
     return [merge(path, dest / path.name) for path in sorted(tuned.glob("*.json"))]
 
 

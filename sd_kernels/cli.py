@@ -60,10 +60,10 @@ def _autotune_cache(prof) -> str:
     """Where the kernels' tuned choices persist on this machine's device under ``prof``."""
     import torch
 
-    from sd_kernels import launch
+    from sd_kernels import autotune_cache
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    directory, why = launch.cache_dir(device, prof), launch.cache_root(prof)[1]
+    directory, why = autotune_cache.cache_dir(device, prof), autotune_cache.cache_root(prof)[1]
     return why if directory is None else f"{directory} ({why})"
 
 

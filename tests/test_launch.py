@@ -24,6 +24,8 @@ from sd_kernels.dispatch import interpreting
 from sd_kernels.launch import Launcher
 
 launch_mod = importlib.import_module("sd_kernels.launch")
+cache_mod = importlib.import_module("sd_kernels.autotune_cache")
+direct_mod = importlib.import_module("sd_kernels.direct_launch")
 
 # Autotuning between configs benchmarks them, which needs a GPU: the interpreter gets one config.
 CONFIGS = [triton.Config({"BLOCK": 32}, num_warps=1)]
@@ -146,7 +148,7 @@ class _FakeDriver:
 def fake(monkeypatch):
     """A Launcher over heuristics over a fake JIT function, Triton's runtime faked, the direct path on."""
     monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch_mod, "_triton_runtime", lambda: (_FakeDriver, knobs.runtime, knobs.compilation))
+    monkeypatch.setattr(direct_mod, "_triton_runtime", lambda: (_FakeDriver, knobs.runtime, knobs.compilation))
     jit = _FakeJit()
     return jit, Launcher(triton.heuristics({"BLOCK": lambda args: 32})(jit))
 
@@ -223,7 +225,7 @@ def test_switched_off(fake, monkeypatch):
     x = torch.randn(64)
     for _ in range(4):
         launch("key", _grid, x, 64, 1.0)
-    assert len(jit.runs) == 4 and len(jit.launches) == 4 and launch._direct == {}
+    assert len(jit.runs) == 4 and len(jit.launches) == 4 and launch.direct.table == {}
 
 
 def test_environment_variable_switches_it_off():
@@ -258,12 +260,12 @@ def test_set_up_failure_falls_back_for_good(fake, monkeypatch, caplog):
     def broken():
         raise ImportError("no such driver")
 
-    monkeypatch.setattr(launch_mod, "_triton_runtime", broken)
+    monkeypatch.setattr(direct_mod, "_triton_runtime", broken)
     x = torch.randn(64)
     with caplog.at_level(logging.WARNING, logger="sd_kernels"):
         for _ in range(4):
             launch("key", _grid, x, 64, 1.0)
-    assert len(jit.runs) == 4 and launch._direct is None
+    assert len(jit.runs) == 4 and launch.direct.table is None
     assert [r.getMessage() for r in caplog.records] == [
         "sd_kernels: fake_kernel launches through Triton's JITFunction.run (direct launch path off: no such driver)"]
 
@@ -274,7 +276,7 @@ def test_unusable_structures_fall_back(fake, caplog):
     x = torch.randn(64)
     for _ in range(3):
         launch("key", _grid, x, 64, 1.0)
-    assert len(jit.runs) == 3 and launch._direct == {}
+    assert len(jit.runs) == 3 and launch.direct.table == {}
 
     jit2 = _FakeJit()
     launch2 = Launcher(triton.heuristics({"BLOCK": lambda args: 32})(jit2))
@@ -282,7 +284,7 @@ def test_unusable_structures_fall_back(fake, caplog):
     with caplog.at_level(logging.WARNING, logger="sd_kernels"):
         for _ in range(3):
             launch2("key", _grid, x, 64, 1.0)
-    assert len(jit2.runs) == 3 and launch2._direct is None and len(caplog.records) == 1
+    assert len(jit2.runs) == 3 and launch2.direct.table is None and len(caplog.records) == 1
     assert "the compiled kernel has no loaded function" in caplog.records[0].getMessage()
 
 
@@ -303,15 +305,15 @@ def test_direct_call_refused_falls_back_without_launching_twice(fake, caplog):
     x = torch.randn(64)
     for _ in range(3):
         launch("key", _grid, x, 64, 1.0)
-    ((key, entry),) = launch._direct.items()
+    ((key, entry),) = launch.direct.table.items()
 
     def refuses(*args):
         raise TypeError("takes 9 positional arguments")
 
-    launch._direct[key] = (entry[0], refuses, *entry[2:])
+    launch.direct.table[key] = (entry[0], refuses, *entry[2:])
     with caplog.at_level(logging.WARNING, logger="sd_kernels"):
         launch("key", _grid, x, 64, 1.0)
-    assert len(jit.launches) == 4 and len(jit.runs) == 3 and launch._direct is None
+    assert len(jit.launches) == 4 and len(jit.runs) == 3 and launch.direct.table is None
     assert "refused the call" in caplog.records[0].getMessage()
 
 
@@ -326,7 +328,7 @@ def test_interpreted_kernels_stay_on_run(monkeypatch):
         y = torch.empty_like(x)
         launch(48, lambda meta: (triton.cdiv(48, meta["BLOCK"]),), x, y, 48, 2.0)
         torch.testing.assert_close(y, x * 2.0)
-    assert launch._direct is None
+    assert launch.direct.table is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +358,8 @@ def test_gpu_direct_launches_match_run(monkeypatch):
             torch.testing.assert_close(outs[0], x * factor, rtol=0, atol=0)
             torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     # the path was taken: one table entry per (key, specialization) seen
-    assert direct._direct is not None and len(direct._direct) >= 6, direct._direct
-    assert normal._direct == {}
+    assert direct.direct.table is not None and len(direct.direct.table) >= 6, direct.direct.table
+    assert normal.direct.table == {}
 
 
 @pytest.mark.gpu
@@ -368,7 +370,7 @@ def test_gpu_direct_launch_keeps_streams_and_hooks(monkeypatch):
     grid = lambda meta: (triton.cdiv(4096, meta["BLOCK"]),)
     for _ in range(3):
         launch(4096, grid, x, torch.empty_like(x), 4096, 1.0)
-    assert len(launch._direct) == 1
+    assert len(launch.direct.table) == 1
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -404,9 +406,9 @@ _tuned_kernel = triton.autotune([triton.Config({"BLOCK": 16}, num_warps=1), trit
 def tuning(monkeypatch, tmp_path):
     """The cache in tmp_path; _tuned_kernel's benchmark faked (the second config, BLOCK 32, wins: the
     interpreter cannot time) and recorded; the autotuner's in-memory cache empty."""
-    monkeypatch.setenv(launch_mod.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(launch_mod, "AUTOTUNE", True)
-    monkeypatch.setattr(launch_mod, "SHIPPED_ROOT", tmp_path / "shipped")  # the package's own tables stay out
+    monkeypatch.setenv(cache_mod.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cache_mod, "AUTOTUNE", True)
+    monkeypatch.setattr(cache_mod, "SHIPPED_ROOT", tmp_path / "shipped")  # the package's own tables stay out
     benched = []
 
     def bench(*args, config, **meta):
@@ -430,7 +432,7 @@ def _no_autotuner(*args, **kwargs):
 
 
 def _cache_file(device):
-    return launch_mod.cache_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
+    return cache_mod.cache_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
 
 
 def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatch):
@@ -439,7 +441,7 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
         _run(first, n, device)
     assert tuning.benched == [16, 32, 16, 32]
     path = _cache_file(device)
-    slug = launch_mod.device_slug(torch.device(device))
+    slug = cache_mod.device_slug(torch.device(device))
     assert path == tuning.dir / slug / f"triton-{triton.__version__}" / "test_launch._scale_kernel.json"
     data = json.loads(path.read_text())
     config = _tuned_kernel.configs[1].all_kwargs()  # the config only: heuristics are computed per key
@@ -449,7 +451,7 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
     second = Launcher(_tuned_kernel)  # another process: an empty memo
     monkeypatch.setattr(_tuned_kernel, "run", _no_autotuner)
     _run(second, 48, device)
-    monkeypatch.setattr(launch_mod._CacheFile, "_read", _no_autotuner)  # the file was read at the first launch
+    monkeypatch.setattr(cache_mod.CacheFile, "_read", _no_autotuner)  # the file was read at the first launch
     _run(second, 64, device)
     assert second.memo == first.memo
     assert second.memo[("scale", 48)]["EVEN"] is False and second.memo[("scale", 64)]["EVEN"] is True
@@ -475,7 +477,7 @@ def test_a_corrupt_file_is_logged_once_and_ignored(tuning, device, caplog, conte
     path.parent.mkdir(parents=True)
     if content == "entry":  # the right kernel version, but a config the autotuner does not have
         fingerprint = Launcher(_tuned_kernel).fingerprint
-        content = json.dumps({"format": launch_mod.CACHE_FORMAT, "fingerprint": fingerprint,
+        content = json.dumps({"format": cache_mod.CACHE_FORMAT, "fingerprint": fingerprint,
                               "entries": {repr(("scale", 48)): {"BLOCK": 64, "num_warps": 1}}})
     path.write_text(content)
     launcher = Launcher(_tuned_kernel)
@@ -491,7 +493,7 @@ def test_a_corrupt_file_is_logged_once_and_ignored(tuning, device, caplog, conte
 def test_an_unwritable_cache_is_logged_once_and_never_fatal(tuning, device, caplog, monkeypatch):
     blocker = tuning.dir / "file"
     blocker.write_text("")
-    monkeypatch.setenv(launch_mod.CACHE_ENV, str(blocker))  # a file where the directory should be
+    monkeypatch.setenv(cache_mod.CACHE_ENV, str(blocker))  # a file where the directory should be
     launcher = Launcher(_tuned_kernel)
     with caplog.at_level(logging.WARNING, logger="sd_kernels"):
         for n in (48, 64):
@@ -504,10 +506,10 @@ def test_disabled_cache_reads_and_writes_nothing(tuning, device, monkeypatch, ho
     _run(Launcher(_tuned_kernel), 48, device)  # a good file exists
     before = {p: p.read_bytes() for p in tuning.dir.rglob("*.json")}
     if how == "SD_KERNELS_AUTOTUNE=0":
-        monkeypatch.setattr(launch_mod, "AUTOTUNE", False)
+        monkeypatch.setattr(cache_mod, "AUTOTUNE", False)
     else:
-        monkeypatch.setenv(launch_mod.CACHE_ENV, how.split()[1])
-    assert launch_mod.cache_dir(torch.device(device)) is None
+        monkeypatch.setenv(cache_mod.CACHE_ENV, how.split()[1])
+    assert cache_mod.cache_dir(torch.device(device)) is None
     launcher = Launcher(_tuned_kernel)
     monkeypatch.setattr(_tuned_kernel, "cache", {})
     for n in (48, 64):
@@ -522,9 +524,9 @@ def test_another_triton_device_or_kernel_version_never_reuses_a_file(tuning, dev
     monkeypatch.setattr(_tuned_kernel, "cache", {})
     launcher = Launcher(_tuned_kernel)
     if other == "triton version":
-        monkeypatch.setattr(launch_mod, "TRITON_VERSION", "0.0.0-other")
+        monkeypatch.setattr(cache_mod, "TRITON_VERSION", "0.0.0-other")
     elif other == "device":
-        monkeypatch.setattr(launch_mod, "device_slug", lambda device: "other-gpu-sm00")
+        monkeypatch.setattr(cache_mod, "device_slug", lambda device: "other-gpu-sm00")
     else:
         launcher._fingerprint = "0123456789abcdef"
     _run(launcher, 48, device)
@@ -536,14 +538,14 @@ def test_another_triton_device_or_kernel_version_never_reuses_a_file(tuning, dev
 
 
 def test_the_profile_names_the_directory(tuning, device, monkeypatch):
-    monkeypatch.delenv(launch_mod.CACHE_ENV)
+    monkeypatch.delenv(cache_mod.CACHE_ENV)
     mine = dataclasses.replace(profiles.get_profile("cpu"), name="mine", autotune_cache=str(tuning.dir / "{name}"))
     monkeypatch.setattr(profiles, "_active", mine)
     _run(Launcher(_tuned_kernel), 48, device)
     (path,) = tuning.dir.rglob("*.json")
     assert path.relative_to(tuning.dir).parts[0] == "mine"
     monkeypatch.setattr(profiles, "_active", profiles.get_profile("cpu"))  # autotune_cache null: no cache
-    assert launch_mod.cache_dir(torch.device(device)) is None
+    assert cache_mod.cache_dir(torch.device(device)) is None
 
 
 def test_keys_or_configs_json_cannot_keep_are_not_written(tuning, device):
@@ -559,7 +561,7 @@ def test_info_prints_the_cache_in_use(tuning, capsys):
 
     assert cli.main(["info"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "autotune cache" in line)
-    assert str(tuning.dir) in line and launch_mod.CACHE_ENV in line
+    assert str(tuning.dir) in line and cache_mod.CACHE_ENV in line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,9 +570,9 @@ def test_info_prints_the_cache_in_use(tuning, capsys):
 
 def _ship(device, entries, fingerprint=None):
     """Write a shipped table for _tuned_kernel under the active profile; its path."""
-    path = launch_mod.shipped_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
+    path = cache_mod.shipped_dir(torch.device(device)) / f"{Launcher(_tuned_kernel).name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": launch_mod.CACHE_FORMAT, "entries": entries,
+    path.write_text(json.dumps({"format": cache_mod.CACHE_FORMAT, "entries": entries,
                                 "fingerprint": fingerprint or Launcher(_tuned_kernel).fingerprint}))
     return path
 
@@ -601,7 +603,7 @@ def test_a_stale_corrupt_or_refused_shipped_table_is_ignored(tuning, device, cap
     if what == "corrupt":
         path.write_text("{not json")
     if what == "switched off":
-        monkeypatch.setenv(launch_mod.SHIPPED_ENV, "0")
+        monkeypatch.setenv(cache_mod.SHIPPED_ENV, "0")
     launcher = Launcher(_tuned_kernel)
     with caplog.at_level(logging.WARNING, logger="sd_kernels"):
         for n in (48, 48, 64):
@@ -639,16 +641,16 @@ def test_the_shipped_tables_parse_and_name_only_configs_the_kernels_accept():
     included: regenerate with python -m bench.tune on the GPU after an edit), every entry one of the
     kernel's configs. Checked in a process without the interpreter, where the kernels have the
     configs a GPU has (the interpreter gets one config each)."""
-    files = [str(p) for p in sorted(launch_mod.SHIPPED_ROOT.rglob("*.json"))]
-    assert files, f"no shipped tables under {launch_mod.SHIPPED_ROOT}"
+    files = [str(p) for p in sorted(cache_mod.SHIPPED_ROOT.rglob("*.json"))]
+    assert files, f"no shipped tables under {cache_mod.SHIPPED_ROOT}"
     for path in files:
-        profile, slug, triton_dir, name = pathlib.Path(path).relative_to(launch_mod.SHIPPED_ROOT).parts
+        profile, slug, triton_dir, name = pathlib.Path(path).relative_to(cache_mod.SHIPPED_ROOT).parts
         assert profile in profiles.list_profiles() and triton_dir.startswith("triton-"), path
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _CHECK_SHIPPED, *files], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for path, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert found is not None, f"{path}: no kernel of that name"
-        assert found["format"] == launch_mod.CACHE_FORMAT and found["fingerprint"], (
+        assert found["format"] == cache_mod.CACHE_FORMAT and found["fingerprint"], (
             f"{path} was tuned for another version of its kernel: regenerate it (python -m bench.tune)")
         assert found["entries"] and found["valid"], path

@@ -1,7 +1,8 @@
 """The floors of the package, read from the import statements (``ast``, nothing imported): the
-profiles, which the ops read, import nothing above them; the ops import nothing above them; no two
-modules import each other (package ``__init__`` re-exports aside; one known pair, listed with why);
-a size cap per module (the largest are one op family each: kernels, launch plans and checks)."""
+profiles, which the ops read, import nothing above them; the launcher's three modules nothing above
+dispatch and the profiles; the ops nothing above them; no two modules import each other (package
+``__init__`` re-exports aside); a size cap per module (the largest are one op family each: kernels,
+launch plans and checks)."""
 
 import ast
 import pathlib
@@ -10,10 +11,12 @@ ROOT = pathlib.Path(__file__).parents[1]
 PACKAGES = {"sd_kernels": ROOT / "sd_kernels", "sd_kernels.patches": ROOT / "patches"}
 
 # What each floor may import from the package (prefixes); everything else in sd_kernels is above it.
-BELOW_OPS = ("sd_kernels.dispatch", "sd_kernels.launch", "sd_kernels.reference", "sd_kernels.testing",
-             "sd_kernels.profiles", "sd_kernels.ops")
+LAUNCH = ("sd_kernels.launch", "sd_kernels.direct_launch", "sd_kernels.autotune_cache")
+BELOW_LAUNCH = ("sd_kernels.dispatch", "sd_kernels.profiles", *LAUNCH)
+BELOW_OPS = ("sd_kernels.reference", "sd_kernels.testing", *BELOW_LAUNCH, "sd_kernels.ops")
 FLOORS = {
     "sd_kernels.profiles": ("sd_kernels.profiles",),
+    **dict.fromkeys(LAUNCH, BELOW_LAUNCH),
     "sd_kernels.ops": BELOW_OPS,
 }
 MAX_LINES = 700

@@ -357,4 +357,4 @@ def test_geglu_gpu_plans_and_direct_launches_with_misaligned_views(monkeypatch):
         for h in hs:
             _check_geglu(h)
     assert len(gelu_mod._GEGLU_PLANS) == 1
-    assert gelu_mod._ELEMENTWISE._direct is not None and len(gelu_mod._ELEMENTWISE._direct) >= 2
+    assert gelu_mod._ELEMENTWISE.direct.table is not None and len(gelu_mod._ELEMENTWISE.direct.table) >= 2

@@ -1,0 +1,249 @@
+"""Where the autotuner's choices persist between processes: the user's autotune cache and the tables
+the package ships (the second of ``sd_kernels.launch.Launcher``'s three jobs; the first, remembering
+each key's meta-parameters in memory, is the Launcher itself, the third is direct_launch.py).
+
+Benchmarking the configs costs seconds per kernel and shape on every start. So a
+Launcher whose kernel has an autotuner with several configs also writes each key's tuned config to
+a JSON file, ``repr(key) -> config``, and reads that file at its first launch in a process (its
+first memo miss): a key found there launches with the stored config and never reaches the
+autotuner. The file is ``<dir>/<device slug>/triton-<version>/<module>.<kernel>.json``, where
+``<dir>`` is ``$SD_KERNELS_AUTOTUNE_CACHE`` ("off" or "0": no cache) or else the active profile's
+``autotune_cache_dir()`` (None: no cache); another GPU or another Triton never reads it. The file
+also holds a fingerprint of the kernel's own source and configs: after an edit its entries are
+ignored (and rewritten). An entry is used only if it is exactly one of the autotuner's configs; the
+heuristics' values are computed from the key's first call as without a cache. So a stale or
+hand-edited file can pick a config, never pass the kernel anything the autotuner would not, and the
+JIT still specializes each call. Writes go through a temporary file and ``os.replace``; a corrupt
+or unreadable file, or a directory that cannot be written, is logged once and ignored. With
+``SD_KERNELS_AUTOTUNE=0`` (first config, no timing) nothing is read or written: those launches are
+not tuned choices. The memo hit, the hot path, does no more than before.
+
+**Shipped tables.** The package ships the same files, tuned on the GPUs we measure on for the shapes
+of SD1.5 / SD2.1 / SDXL (``sd_kernels/tuning/<profile>/<device slug>/triton-<version>/``, made by
+``python -m bench.tune``), so that a fresh machine of such a GPU tunes nothing for them. A key not in
+the user's file is looked up there (read only); a shipped file made for another version of the kernel
+(its fingerprint, which covers the ``@triton.jit`` helpers it calls too) is ignored with one log
+line, and what it would have served is tuned as before. ``SD_KERNELS_SHIPPED_TUNING=0`` ignores them
+(``bench.tune`` does, to tune from scratch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import pathlib
+import re
+import tempfile
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+
+log = logging.getLogger("sd_kernels")
+
+# SD_KERNELS_AUTOTUNE=0: every autotuned kernel takes its first listed config instead of timing them
+# all (GPU test runs, where only correctness matters and autotuning costs minutes).
+AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
+MAX_KEYS = 4096  # a bound on a launcher's memo (past it, it starts over) and on the entries of one cache file
+CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
+SHIPPED_ENV = "SD_KERNELS_SHIPPED_TUNING"
+SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent / "tuning"
+CACHE_FORMAT = 1
+TRITON_VERSION = triton.__version__
+_warned: set[str] = set()  # cache paths already logged as unusable
+
+
+# ---------------------------------------------------------------------------------------------
+# Device facts the host side needs, queried once per device
+
+
+_PROPS: dict[int, Any] = {}
+
+
+def device_properties(index: int) -> Any:
+    """``torch.cuda.get_device_properties(index)``, cached (the query costs microseconds)."""
+    props = _PROPS.get(index)
+    if props is None:
+        props = _PROPS[index] = torch.cuda.get_device_properties(index)
+    return props
+
+
+def device_slug(device: torch.device | None) -> str:
+    """A directory name for a device: its name and capability on CUDA (``nvidia-h100-80gb-hbm3-sm90``),
+    ``cpu`` otherwise; ``-interpreter`` appended under TRITON_INTERPRET."""
+    from sd_kernels.dispatch import interpreting
+
+    if device is not None and device.type == "cuda":
+        props = device_properties(torch.cuda.current_device() if device.index is None else device.index)
+        name = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-") or "cuda"
+        slug = f"{name}-sm{props.major}{props.minor}"
+    else:
+        slug = "cpu"
+    return slug + "-interpreter" if interpreting() else slug
+
+
+# ---------------------------------------------------------------------------------------------
+# Where tuned choices persist
+
+
+def cache_root(profile: Any = None) -> tuple[pathlib.Path | None, str]:
+    """(the autotune cache directory before the device and Triton namespace, or None; why): from
+    $SD_KERNELS_AUTOTUNE_CACHE, else ``profile`` (default: the active one)."""
+    if not AUTOTUNE:
+        return None, "off: SD_KERNELS_AUTOTUNE=0 (first configs, nothing tuned)"
+    env = os.environ.get(CACHE_ENV, "")
+    if env.lower() in ("off", "0"):
+        return None, f"off: {CACHE_ENV}={env}"
+    if env:
+        return pathlib.Path(os.path.expanduser(env)), f"from {CACHE_ENV}"
+    if profile is None:
+        from sd_kernels.profiles import active_profile
+
+        profile = active_profile()
+    root = profile.autotune_cache_dir()
+    if root is None:
+        return None, f"off: profile {profile.name!r} sets no autotune_cache"
+    return root, f"from profile {profile.name!r}"
+
+
+def cache_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path | None:
+    """The directory of the cache files for kernels launched on ``device``, or None (no cache)."""
+    root, _ = cache_root(profile)
+    return None if root is None else root / device_slug(device) / f"triton-{TRITON_VERSION}"
+
+
+def shipped_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path | None:
+    """The package's tuned tables for kernels launched on ``device`` under ``profile`` (default: the
+    active one), or None where autotuning is off or $SD_KERNELS_SHIPPED_TUNING=0."""
+    if not AUTOTUNE or os.environ.get(SHIPPED_ENV, "1") == "0":
+        return None
+    if profile is None:
+        from sd_kernels.profiles import active_profile
+
+        profile = active_profile()
+    return SHIPPED_ROOT / profile.name / device_slug(device) / f"triton-{TRITON_VERSION}"
+
+
+def _warn_once(path: pathlib.Path, what: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("sd_kernels: autotune cache %s %s; ignoring it (choices are tuned again)", path, what)
+
+
+def _scalar(value: Any) -> bool:
+    """Whether a meta value survives JSON unchanged: bool, int, str, None or a finite float."""
+    return (value is None or isinstance(value, (bool, int, str))
+            or (isinstance(value, float) and math.isfinite(value)))
+
+
+class CacheFile:
+    """One kernel's persisted choices on one device and Triton version: ``repr(key) -> config``."""
+
+    def __init__(self, path: pathlib.Path | None, launcher: Any, shipped: pathlib.Path | None = None) -> None:
+        self.path, self.launcher, self.shipped_path = path, launcher, shipped
+        self.writable = path is not None
+        self.entries: dict[str, dict[str, Any]] = self._read(path, warn=True) if path is not None else {}
+        self.shipped = self._read(shipped, warn=True, stale_warns=True) if shipped is not None else {}
+
+    def _read(self, path: pathlib.Path, warn: bool, stale_warns: bool = False) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            if warn:
+                _warn_once(path, f"is unreadable ({type(exc).__name__}: {exc})")
+            return {}
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            if warn:
+                _warn_once(path, "is not an autotune cache file")
+            return {}
+        if data.get("format") != CACHE_FORMAT or data.get("fingerprint") != self.launcher.fingerprint:
+            if stale_warns:  # a user's file is simply rewritten; a shipped one says why it is not used
+                _warn_once(path, "was tuned for another version of the kernel (regenerate: python -m bench.tune)")
+            return {}  # another version of the kernel or of this format: tuned again, then rewritten
+        entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
+        if warn and len(entries) < len(data["entries"]):
+            _warn_once(path, f"has {len(data['entries']) - len(entries)} entries that match no config")
+        return entries
+
+    def get(self, key: Hashable) -> dict[str, Any] | None:
+        name = repr(key)
+        return self.entries.get(name) or self.shipped.get(name)
+
+    def put(self, key: Hashable, config: dict[str, Any]) -> None:
+        name = repr(key)
+        if (not self.writable or " at 0x" in name or len(self.entries) >= MAX_KEYS
+                or not all(_scalar(v) for v in config.values())):
+            return  # a key whose repr names an address would never match again; a value JSON changes
+        self.entries[name] = dict(config)
+        merged = {**self._read(self.path, warn=False), **self.entries}  # keep what another process wrote meanwhile
+        data = {"format": CACHE_FORMAT, "kernel": self.launcher.name, "fingerprint": self.launcher.fingerprint,
+                "triton": TRITON_VERSION, "entries": merged}
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+            os.replace(tmp, self.path)
+        except (OSError, TypeError, ValueError) as exc:
+            self.writable = False
+            _warn_once(self.path, f"cannot be written ({type(exc).__name__}: {exc})")
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a cache file checks: the kernel it was tuned for
+
+
+def kernel_fingerprint(jit: Any, layers: list[Any]) -> str:
+    """A hash of the kernel's source, the sources of the ``@triton.jit`` helpers it calls (to any
+    depth), and its wrappers' (``layers``: autotuners, heuristics) configs and names."""
+    parts = _jit_sources(jit)
+    for layer in layers:
+        if isinstance(layer, Autotuner):
+            parts += ["autotune", *map(_config_text, layer.configs), *getattr(layer, "keys", ())]
+        else:
+            parts += ["heuristics", *sorted(layer.values)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _config_text(config: Any) -> str:
+    """What a config chooses, in a form that does not change with the Triton release (``str(config)``
+    lists every field the release has): the shipped tables are checked on CPU machines with another
+    Triton than the GPU's they were tuned on."""
+    return f"{sorted(config.kwargs.items())} warps={config.num_warps} stages={config.num_stages}"
+
+
+def _jit_sources(jit: Any) -> list[str]:
+    """The source of a JIT function and of every JIT function it names, depth first, each once: an
+    edit to a helper changes what the kernel computes, so it must change the fingerprint too."""
+    seen: set[int] = set()
+    sources: list[str] = []
+
+    def visit(fn: Any) -> None:
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        py = getattr(fn, "fn", None)
+        try:
+            sources.append(inspect.getsource(py))
+        except (OSError, TypeError):
+            sources.append(f"{getattr(py, '__module__', '?')}.{getattr(py, '__qualname__', '?')}")
+        for name in getattr(getattr(py, "__code__", None), "co_names", ()):
+            value = getattr(py, "__globals__", {}).get(name)
+            if isinstance(value, type(jit)):
+                visit(value)
+
+    visit(jit)
+    return sources
