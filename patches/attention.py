@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.library import attention
 from sd_kernels.profiles import scoped
 
+from . import attention_steps as steps
 from .group_norm import SCALE_DEPRECATION
 from .record import PatchRecord
 from .registry import register
@@ -62,74 +62,28 @@ class SDKernelsAttnProcessor:
 
             deprecate("scale", "1.0.0", SCALE_DEPRECATION)
 
-        residual = hidden_states
-        if attn.spatial_norm is not None:
-            hidden_states = attn.spatial_norm(hidden_states, temb)
-
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-
-        batch_size, sequence_length, _ = (
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
-        )
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            # [B·heads, 1 or Sq, Sk] → [B, heads, 1 or Sq, Sk]: the kernels broadcast the size-1 dim
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-
-        if attn.group_norm is not None:
-            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-
+        hidden_states, attention_mask, residual, shape, batch = steps.prepare(
+            attn, hidden_states, encoder_hidden_states, attention_mask, temb)
         if self.fused and encoder_hidden_states is None:  # one GEMM for q, k and v
             qkv = attn.to_qkv(hidden_states)
             query, key, value = torch.split(qkv, qkv.shape[-1] // 3, dim=-1)
         else:
             query = attn.to_q(hidden_states)
-            if encoder_hidden_states is None:
-                encoder_hidden_states = hidden_states
-            elif attn.norm_cross:
-                encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+            source = steps.context(attn, hidden_states, encoder_hidden_states)
             if self.fused:  # one GEMM for k and v
-                kv = attn.to_kv(encoder_hidden_states)
+                kv = attn.to_kv(source)
                 key, value = torch.split(kv, kv.shape[-1] // 2, dim=-1)
             else:
-                key = attn.to_k(encoder_hidden_states)
-                value = attn.to_v(encoder_hidden_states)
-
-        inner_dim = key.shape[-1]
-        head_dim = inner_dim // attn.heads
-        # [B, S, heads, D] viewed as [B, heads, S, D]: strided views, which the kernels take as they are
-        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-
+                key, value = attn.to_k(source), attn.to_v(source)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (steps.heads(t, batch, attn.heads, head_dim) for t in (query, key, value))
         if not self.legacy:
             if attn.norm_q is not None:
                 query = attn.norm_q(query)
             if attn.norm_k is not None:
                 key = attn.norm_k(key)
-
-        hidden_states = attention(
-            query, key, value, attention_mask,
-            scale=attn.scale if self.legacy else None,  # AttnProcessor2_0 leaves SDPA's default 1/√D
-            upcast=attn.upcast_attention,
-        )
-
-        # The output comes in query's [B, S, heads, D] memory layout: this reshape is a view.
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
-
-        hidden_states = attn.to_out[0](hidden_states)  # linear proj
-        hidden_states = attn.to_out[1](hidden_states)  # dropout
-
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        hidden_states = hidden_states / attn.rescale_output_factor
-        return hidden_states
+        hidden_states = steps.attend(attn, query, key, value, attention_mask, self.legacy)
+        return steps.finish(attn, hidden_states, residual, shape)
 
 
 def _replacement(processor) -> SDKernelsAttnProcessor | str | None:

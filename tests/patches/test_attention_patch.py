@@ -21,6 +21,7 @@ from sd_kernels.testing import assert_close_to_reference
 
 attn_patch = importlib.import_module("sd_kernels.patches.attention")  # registers the "attention" patcher
 attn_mod = importlib.import_module("sd_kernels.ops.attention")
+steps = importlib.import_module("sd_kernels.patches.attention_steps")
 
 
 def tiny_unet() -> UNet2DConditionModel:
@@ -174,7 +175,7 @@ def test_processor_output_layout_needs_no_copy(monkeypatch):
     """The attention output comes in q's [B, S, heads, D] layout, so diffusers' reshape is a view."""
     outs = []
     real = attn_mod.attention
-    monkeypatch.setattr(attn_patch, "attention", lambda *a, **k: outs.append(real(*a, **k)) or outs[-1])
+    monkeypatch.setattr(steps, "attention", lambda *a, **k: outs.append(real(*a, **k)) or outs[-1])
     attn = Attention(32, heads=4, dim_head=8).eval()
     attn.processor = attn_patch.SDKernelsAttnProcessor()
     with torch.no_grad():
