@@ -7,9 +7,11 @@ norm_q / norm_k, residual connection, rescale_output_factor) with the one
 ``F.scaled_dot_product_attention`` call replaced by ``sd_kernels.ops.attention.attention``, which
 picks FlashAttention, the partially fused softmax or stock SDPA per call.
 
-Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor`` or
-``FusedAttnProcessor2_0`` are touched, and only while their source is the one mirrored
-(patches/verified.py); LoRA, IP-adapter and other custom processors are left alone. For
+Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor``,
+``FusedAttnProcessor2_0`` or ``IPAdapterAttnProcessor2_0`` are touched, and only while their source
+is the one mirrored (patches/verified.py); other custom processors are left alone. An IP-Adapter
+processor keeps its object (its weights and scales): it becomes ``SDKernelsIPAdapterProcessor``
+(patches/ip_adapter.py) by a change of class that unpatch reverts. For
 ``AttnProcessor`` (diffusers' choice when ``scale_qk=False``) the replacement keeps its differences:
 the scale is ``attn.scale`` and norm_q / norm_k are not applied. ``FusedAttnProcessor2_0`` (what
 ``pipe.fuse_qkv_projections()`` installs, before ``patch``) differs only in its projections: one
@@ -32,6 +34,8 @@ from .group_norm import SCALE_DEPRECATION
 from .record import PatchRecord
 from .registry import register
 from .verified import VERIFIED_WITH, is_verified
+
+SERVED = "AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0 and IPAdapterAttnProcessor2_0"
 
 
 class SDKernelsAttnProcessor:
@@ -86,25 +90,35 @@ class SDKernelsAttnProcessor:
         return steps.finish(attn, hidden_states, residual, shape)
 
 
-def _replacement(processor) -> SDKernelsAttnProcessor | str | None:
-    """Our processor for a stock one, a reason (str) where the stock one is not the code ours mirrors,
-    or None for a custom processor."""
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, FusedAttnProcessor2_0
+def _replacement(processor) -> SDKernelsAttnProcessor | type | str | None:
+    """Our processor for a stock one, the class a stock IP-Adapter processor becomes, a reason (str)
+    where the stock one is not the code ours mirrors, or None for a custom processor."""
+    from diffusers.models.attention_processor import (
+        AttnProcessor,
+        AttnProcessor2_0,
+        FusedAttnProcessor2_0,
+        IPAdapterAttnProcessor2_0,
+    )
 
     for cls, kind in ((AttnProcessor2_0, {}), (AttnProcessor, {"legacy": True}),
-                      (FusedAttnProcessor2_0, {"fused": True})):
+                      (FusedAttnProcessor2_0, {"fused": True}), (IPAdapterAttnProcessor2_0, None)):
         if type(processor) is cls:
             if not is_verified(cls.__call__):
                 return (f"{cls.__name__}.__call__ is not the diffusers {VERIFIED_WITH} code that "
-                        "SDKernelsAttnProcessor mirrors: left as it is")
+                        "sd_kernels' processors mirror: left as it is")
+            if kind is None:  # it keeps its adapters' weights and scales: it becomes our subclass
+                from .ip_adapter import SDKernelsIPAdapterProcessor
+
+                return SDKernelsIPAdapterProcessor
             return SDKernelsAttnProcessor(**kind)
     return None
 
 
 @register("attention")
 def patch_attention(model: nn.Module, record: PatchRecord) -> None:
-    """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0 or
-    AttnProcessor, exact types) an ``SDKernelsAttnProcessor``."""
+    """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
+    AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``; turn each
+    IPAdapterAttnProcessor2_0 into an ``SDKernelsIPAdapterProcessor``."""
     from diffusers.models.attention_processor import Attention
 
     for path, module in model.named_modules():
@@ -113,8 +127,9 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
             new = _replacement(processor)
             if isinstance(new, str):
                 record.skip(path, type(processor).__name__, new)
+            elif isinstance(new, type):
+                record.set_class(processor, new, "ip_adapter_processor")
             elif new is not None:
                 record.set_attr(module, "processor", new, "attention_processor")
             else:
-                record.skip(path, type(processor).__name__, "custom attention processor (only AttnProcessor2_0 "
-                            "and AttnProcessor are replaced)")
+                record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")

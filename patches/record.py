@@ -106,6 +106,26 @@ class PatchRecord:
         if kind is not None:
             self.counts[kind] += 1
 
+    def set_class(self, obj: Any, cls: type, kind: str) -> None:
+        """``obj.__class__ = cls``, remembered: ``cls`` is a subclass of ``obj``'s class that adds
+        behaviour, not state, so the object (and whatever is done to it while patched) stays the one
+        the model holds; undo gives it its class back. ``kind`` names the change in the counts."""
+        old = type(obj)
+        if getattr(cls, "profile_scoped", False):
+            object.__setattr__(obj, "_sd_profile", self.profile_spec)
+        obj.__class__ = cls
+
+        def restore() -> None:
+            obj.__dict__.pop("_sd_profile", None)
+            if type(obj) is cls:
+                obj.__class__ = old
+            else:
+                log.warning("sd_kernels: unpatch left a %s alone: its class was changed after the patch",
+                            type(obj).__name__)
+
+        self._undo.append(restore)
+        self.counts[kind] += 1
+
     @staticmethod
     def _swap_module(parent: nn.Module, name: str, new: nn.Module) -> Callable[[], None]:
         old = parent._modules[name]

@@ -20,6 +20,7 @@ VERIFIED = {
     "AttnProcessor2_0.__call__": "bf23ea5ae4040427",
     "AttnProcessor.__call__": "96f0b283a09a7b37",
     "FusedAttnProcessor2_0.__call__": "dd31131145952459",
+    "IPAdapterAttnProcessor2_0.__call__": "3626f6de5fcd6280",
 }
 VERIFIED_WITH = "0.42.1"
 

@@ -186,6 +186,32 @@ def build_controlnet_pipeline(
     return cls(**parts)
 
 
+def load_random_ip_adapters(unet, adapters: int = 1, image_embed_dim: int = 16, seed: int = 0) -> None:
+    """Load ``adapters`` random IP-Adapters (the original format: 4 image tokens from one image
+    embedding of ``image_embed_dim``) into ``unet`` with diffusers' own loader (offline, no weights):
+    ``IPAdapterAttnProcessor2_0`` on every cross-attention, ``encoder_hid_proj`` for the embeddings.
+    Call the UNet with ``added_cond_kwargs={"image_embeds": [tensor [B, 1, image_embed_dim]] * adapters}``."""
+    cross = unet.config.cross_attention_dim
+    names = [k.removesuffix(".processor") for k in unet.attn_processors if not k.endswith("attn1.processor")]
+    state_dicts = []
+    for a in range(adapters):
+        g = torch.Generator().manual_seed(seed + a)
+
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g) * 0.3
+
+        image_proj = {"proj.weight": rand(4 * cross, image_embed_dim), "proj.bias": rand(4 * cross),
+                      "norm.weight": 1 + rand(cross), "norm.bias": rand(cross)}
+        ip = {}
+        for j, name in enumerate(names):  # diffusers numbers the cross-attentions 1, 3, 5, ...
+            hidden = unet.get_submodule(name).to_q.out_features
+            ip[f"{1 + 2 * j}.to_k_ip.weight"] = rand(hidden, cross)
+            ip[f"{1 + 2 * j}.to_v_ip.weight"] = rand(hidden, cross)
+        state_dicts.append({"image_proj": image_proj, "ip_adapter": ip})
+    with _quiet_diffusers():
+        unet._load_ip_adapter_weights(state_dicts, low_cpu_mem_usage=False)
+
+
 def load_pipeline(
     name_or_path: str,
     device: str | torch.device = "cpu",

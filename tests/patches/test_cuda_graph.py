@@ -201,6 +201,28 @@ def test_what_a_call_bakes_in_is_watched(fake_cuda, change):
     assert len(fake_cuda) == 2  # captured anew once, then replayed
 
 
+def test_ip_adapter_scale_set_after_capture_recaptures(fake_cuda):
+    """set_ip_adapter_scale changes the IP-Adapter processors' scale lists in place: a new scale is
+    a new capture, an unchanged one a replay."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
+
+    eager = models.build_model("tiny", "unet")
+    models.load_random_ip_adapters(eager, 1)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    sd_kernels.patch(graphed, cuda_graph=True)
+    x, kw = _cpu_args(eager, 2, 8)
+    kw["added_cond_kwargs"] = {"image_embeds": [torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(3))]}
+    with torch.no_grad():
+        for scale in (1.0, 0.3, 0.3):
+            for unet in (eager, graphed):
+                for p in unet.attn_processors.values():
+                    if isinstance(p, IPAdapterAttnProcessor2_0):
+                        p.scale[0] = scale  # what pipe.set_ip_adapter_scale(scale) does
+            assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+    assert len(fake_cuda) == 2  # captured at 1.0 and at 0.3, then replayed
+
+
 def test_vae_tiling_switched_on_after_capture_recaptures(fake_cuda):
     pipe = models.build_pipeline("tiny")
     sd_kernels.patch(pipe, cuda_graph=True)
