@@ -19,14 +19,19 @@ attn_patch = importlib.import_module("sd_kernels.patches.attention")
 EMBED = 16  # the image encoder's embedding size the random adapters take
 
 
-def ip_out(unet, n: int = 1, **cross_attention_kwargs):
+def ip_out(unet, n: int = 1, **cross_attention_kwargs) -> torch.Tensor:
+    """The UNet's output for fixed inputs (made on the CPU in float32, then on the UNet's device and
+    dtype), on the CPU."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=g).to(unet.dtype)
-    ctx = torch.randn(2, 77, 32, generator=g).to(unet.dtype)
-    embeds = [torch.randn(2, 1, EMBED, generator=g).to(unet.dtype) for _ in range(n)]
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    ctx = torch.randn(2, 77, 32, generator=g)
+    embeds = [torch.randn(2, 1, EMBED, generator=g) for _ in range(n)]
+    p = next(unet.parameters())
+    cast = lambda t: t.to(p.device, p.dtype)  # noqa: E731
     with torch.no_grad():
-        return unet(x, 10, encoder_hidden_states=ctx, added_cond_kwargs={"image_embeds": embeds},
-                    cross_attention_kwargs=cross_attention_kwargs or None).sample
+        return unet(cast(x), 10, encoder_hidden_states=cast(ctx),
+                    added_cond_kwargs={"image_embeds": list(map(cast, embeds))},
+                    cross_attention_kwargs=cross_attention_kwargs or None).sample.cpu()
 
 
 def processors(model) -> dict:
@@ -103,3 +108,24 @@ def test_a_changed_ip_adapter_processor_is_left_alone(monkeypatch):
         assert all(type(p) is not SDKernelsIPAdapterProcessor for p in processors(unet).values())
     finally:
         verified.is_verified.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_ip_adapter_unet_patched_and_graphed(dtype):
+    """Compiled kernels: the patched IP-Adapter UNet, eager and replayed from CUDA graphs, within the
+    tolerance rule of stock at the same dtype against float64; a scale change after capture shows."""
+    unet = ip_unet(2)
+    ref64 = ip_out(copy.deepcopy(unet).double(), 2)
+    unet = unet.to("cuda", dtype)
+    stock = ip_out(unet, 2)
+    sd_kernels.patch(unet, cuda_graph=True)
+    for _ in range(2):  # capture, then replay
+        assert_close_to_reference(ip_out(unet, 2), stock, ref64)
+    for p in processors(unet).values():
+        if isinstance(p, IPAdapterAttnProcessor2_0):
+            p.scale[1] = 0.0
+    graphed = ip_out(unet, 2)
+    sd_kernels.unpatch(unet)
+    assert_close_to_reference(graphed, ip_out(unet, 2), ip_out(unet.double().cpu(), 2))
+
