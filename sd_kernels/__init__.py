@@ -16,7 +16,8 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched", "get_profile", "list_profiles", "ops", "reference", "models"]
+__all__ = ["patch", "unpatch", "patched", "get_profile", "list_profiles", "generate_images", "ops", "reference",
+           "models"]
 
 _LAZY = {
     "patch": ("sd_kernels.patches", "patch"),
@@ -24,6 +25,7 @@ _LAZY = {
     "patched": ("sd_kernels.patches", "patched"),
     "get_profile": ("sd_kernels.profiles", "get_profile"),
     "list_profiles": ("sd_kernels.profiles", "list_profiles"),
+    "generate_images": ("sd_kernels.generate", "generate_images"),
 }
 
 

@@ -189,6 +189,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from sd_kernels import profiles
 
     profiles.get_profile(args.profile)  # an unknown name fails here, before the pipeline is built
+    if args.prompts:
+        return _generate_batch(args)
+    args.out = args.out or "image.png"
     pipe, name, device, size = _load(args)
     graph = {"off": False}.get(args.cuda_graph, args.cuda_graph)
     record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile)
@@ -210,6 +213,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     numpy_to_pil(image[None])[0].save(out, pnginfo=meta)
     print(f"wrote {out}")
     return 0
+
+
+def _generate_batch(args: argparse.Namespace) -> int:
+    """``generate --prompts FILE --out DIR``: sd_kernels.generate, in this process or under accelerate."""
+    from sd_kernels import generate
+
+    if args.cuda_graph != "auto":
+        raise ValueError("--cuda-graph with --prompts: batch generation uses patch()'s recommended set-up")
+    summary = generate.generate_images(
+        generate.read_prompts(args.prompts), args.out or "images", model=args.model, steps=args.steps,
+        size=args.size, seed=args.seed, device=args.device, dtype=args.dtype, profile=args.profile,
+        compile=args.compile)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(summary.format())
+    return summary.exit_code
 
 
 def _bench_harness():
@@ -283,15 +303,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compile", action="store_true", help="patch(compile=True): the fastest set-up, after "
                       "a minute or two of compilation")
     demo.set_defaults(fn=cmd_demo)
-    gen = sub.add_parser("generate", help="generate an image with the patched pipeline, write a PNG")
-    gen.add_argument("--prompt", required=True)
+    gen = sub.add_parser("generate", help="generate an image, or one per line of a prompts file (under "
+                         "`accelerate launch`: spread over the GPUs), with the patched pipeline",
+                         description="One image: --prompt TEXT --out FILE.png. Many: --prompts FILE --out DIR, "
+                         "one image per non-empty line (prompt i gets seed SEED+i), written as DIR/NNNNN.png with "
+                         "DIR/manifest.jsonl; a rerun skips what is done. Several GPUs: accelerate launch "
+                         "--multi_gpu --num_processes N -m sd_kernels.cli generate --prompts FILE --out DIR.")
+    which = gen.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="one prompt: one image")
+    which.add_argument("--prompts", help="a text file, one prompt per line: one image each, into the --out folder")
     _pipeline_options(gen, "shipped config (random weights: the image is noise-like), a local pipeline "
                       "directory or a hub id; default: sd15 on a GPU, tiny on CPU")
     gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
     gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "unet", "off"], default="auto",
                      help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
     gen.add_argument("--compile", action="store_true", help="patch(compile=True): torch.compile inside the graphs")
-    gen.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
+    gen.add_argument("--out", help="PNG to write (default image.png); with --prompts, the folder (default images)")
     gen.set_defaults(fn=cmd_generate)
     bench = sub.add_parser("bench", help="end-to-end benchmarks and the paper's ablation: table, CSV and PNG",
                            description="Runs bench/e2e.py (a source checkout is needed): every variant of "

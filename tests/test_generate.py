@@ -1,0 +1,145 @@
+"""Batch generation (sd_kernels/generate.py, `sd-kernels generate --prompts`): images and manifest,
+resume, failures recorded, errors before work, and the same images from one process or two (torchrun,
+which `accelerate launch` uses for several processes; on CPU, gloo)."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sd_kernels import generate, models
+from sd_kernels.cli import main
+
+PROMPTS = ["a red cube", "a blue sphere", "boom", "a green cone", "a yellow torus"]
+
+
+@pytest.fixture(autouse=True)
+def reference_ops(monkeypatch):
+    """This is about the plumbing: the ops' PyTorch reference, not kernels through the interpreter (the
+    tests patch with ``monkeypatch.context()``: an ``undo()`` would drop this setting too)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS[:2]) + "\n\n  \n" + "\n".join(PROMPTS[2:]) + "\n")
+    return path
+
+
+def _manifest(out: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (out / generate.MANIFEST).read_text().splitlines()]
+
+
+def _pixels(out: pathlib.Path) -> dict[str, np.ndarray]:
+    return {p.name: np.asarray(Image.open(p)) for p in sorted(out.glob("*.png"))}
+
+
+def test_read_prompts_skips_blank_lines_and_refuses_empty_or_missing_files(prompts_file, tmp_path):
+    assert generate.read_prompts(prompts_file) == PROMPTS
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(ValueError, match="no prompts"):
+        generate.read_prompts(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="cannot read"):
+        generate.read_prompts(tmp_path / "missing.txt")
+
+
+def test_images_manifest_metadata_and_resume(tmp_path, monkeypatch):
+    out = tmp_path / "images"
+    summary = generate.generate_images(PROMPTS[:3], out, steps=2, seed=7, progress=False)
+    assert (summary.written, summary.failed, summary.skipped, summary.exit_code) == (3, 0, 0, 0)
+    entries = _manifest(out)
+    assert [(e["index"], e["prompt"], e["seed"], e["status"]) for e in entries] == [
+        (i, p, 7 + i, "ok") for i, p in enumerate(PROMPTS[:3])]
+    assert {e["file"] for e in entries} == set(_pixels(out)) == {"00000.png", "00001.png", "00002.png"}
+    meta = Image.open(out / "00001.png").text
+    assert (meta["Prompt"], meta["Seed"], meta["Model"], meta["Steps"]) == (PROMPTS[1], "8", "tiny", "2")
+    assert "patch(" in meta["Setup"] and meta["Device"] == "cpu"
+    first = _pixels(out)
+
+    # A rerun builds nothing and redoes nothing; one more prompt makes one more image.
+    def no_build(*a, **k):
+        raise AssertionError("a pipeline was built although every image was there")
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "load_pipeline", no_build)
+        again = generate.generate_images(PROMPTS[:3], out, steps=2, seed=7, progress=False)
+    assert (again.written, again.skipped) == (0, 3)
+    more = generate.generate_images(PROMPTS[:4], out, steps=2, seed=7, progress=False)
+    assert (more.written, more.skipped) == (1, 3)
+    now = _pixels(out)
+    assert all(np.array_equal(now[k], v) for k, v in first.items()) and "00003.png" in now
+
+    # A changed setting (steps) is a different image: made again, in place.
+    (out / "00000.png").unlink()  # a lost file is made again too
+    redo = generate.generate_images(PROMPTS[:1], out, steps=3, seed=7, progress=False)
+    assert (redo.written, redo.skipped) == (1, 0)
+
+
+def test_a_failing_prompt_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    import diffusers
+
+    real = diffusers.StableDiffusionPipeline.__call__
+
+    def flaky(self, prompt, *a, **k):
+        if prompt == "boom":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, prompt, *a, **k)
+
+    out = tmp_path / "images"
+    with monkeypatch.context() as m:
+        m.setattr(diffusers.StableDiffusionPipeline, "__call__", flaky)
+        summary = generate.generate_images(PROMPTS, out, steps=2, progress=False)
+    assert (summary.written, summary.failed, summary.exit_code) == (4, 1, 1)
+    failed = [e for e in _manifest(out) if e["status"] == "error"]
+    assert [(e["index"], e["prompt"]) for e in failed] == [(2, "boom")] and "out of memory" in failed[0]["error"]
+    assert not (out / "00002.png").exists()
+    retry = generate.generate_images(PROMPTS, out, steps=2, progress=False)  # only the failed one runs again
+    assert (retry.written, retry.failed, retry.skipped, retry.exit_code) == (1, 0, 4, 0)
+
+
+def test_errors_before_any_model_is_built(tmp_path, prompts_file, monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["generate", "--prompts", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "no prompts" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["generate", "--prompts", str(prompts_file), "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --prompt and --prompts together: argparse's own error
+        main(["generate", "--prompt", "x", "--prompts", str(prompts_file)])
+
+
+def test_cli_batch_writes_the_folder(tmp_path, prompts_file, capsys):
+    out = tmp_path / "cli"
+    assert main(["generate", "--prompts", str(prompts_file), "--out", str(out), "--steps", "2"]) == 0
+    assert "5 images written, 0 failed" in capsys.readouterr().out
+    assert len(_pixels(out)) == 5 and len(_manifest(out)) == 5
+
+
+def test_two_processes_make_the_same_images_as_one(tmp_path, prompts_file):
+    """torchrun (what `accelerate launch` runs for several processes): the prompts are split between
+    two processes, and each image is bit-identical to the one-process run's (same thread count:
+    torchrun runs each process with OMP_NUM_THREADS=1, and so does the one-process run here)."""
+    if shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("torchrun is not installed beside this python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SD_KERNELS_BACKEND": "reference"}
+    args = ["-m", "sd_kernels.cli", "generate", "--prompts", str(prompts_file), "--steps", "2", "--device", "cpu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, *args, "--out", str(one)], env=env, check=True, capture_output=True, timeout=600)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run = subprocess.run([torchrun, "--nproc_per_node", "2", *args, "--out", str(two)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "process 1 (cpu)" in run.stdout
+    entries = _manifest(two)
+    assert sorted(e["index"] for e in entries) == list(range(5)) and {e["process"] for e in entries} == {0, 1}
+    a, b = _pixels(one), _pixels(two)
+    assert a.keys() == b.keys() and len(a) == 5
+    assert all(np.array_equal(a[k], b[k]) for k in a)
