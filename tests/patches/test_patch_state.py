@@ -94,7 +94,7 @@ def test_two_models_patched_with_different_profiles_each_run_under_their_own(mon
     from sd_kernels import profiles
 
     gn_patch = importlib.import_module("sd_kernels.patches.group_norm")
-    attn_patch = importlib.import_module("sd_kernels.patches.attention")
+    attn_steps = importlib.import_module("sd_kernels.patches.attention_steps")  # where the processors call it
     seen = []
 
     def spy(fn):
@@ -104,7 +104,7 @@ def test_two_models_patched_with_different_profiles_each_run_under_their_own(mon
         return run
 
     monkeypatch.setattr(gn_patch, "group_norm", spy(gn_patch.group_norm))
-    monkeypatch.setattr(attn_patch, "attention", spy(attn_patch.attention))
+    monkeypatch.setattr(attn_steps, "attention", spy(attn_steps.attention))
     default = profiles.active_profile()
     base = sd_kernels.get_profile("cpu")
     a, b = models.build_model("tiny", "unet"), models.build_model("tiny", "unet")
