@@ -262,9 +262,19 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
     import sd_kernels
     from sd_kernels import models
 
-    pipe = models.load_pipeline(name, device=state.device, dtype=torch_dtype, seed=seed)
-    pipe.set_progress_bar_config(disable=True)
-    record = sd_kernels.patch(pipe, profile=profile, compile=compile)
+    try:
+        pipe = models.load_pipeline(name, device=state.device, dtype=torch_dtype, seed=seed)
+        pipe.set_progress_bar_config(disable=True)
+        record = sd_kernels.patch(pipe, profile=profile, compile=compile)
+    except Exception as exc:  # every job of this share fails with the reason; the other processes go on
+        error = f"pipeline set-up failed: {type(exc).__name__}: {exc}"
+        log.warning("sd_kernels: generate: process %d: %s", state.process_index, error)
+        for job in mine:
+            _append(out, {"index": job.index, "file": job.file, **identity, "prompt": job.prompt, "seed": job.seed,
+                          "process": state.process_index, "device": stats.device, "run": run, "status": "error",
+                          "error": error})
+        stats.failed = len(mine)
+        return stats
     setup = f"patch(profile={record.profile!r}, cuda_graph={record.cuda_graph!r}, compile={compile})"
     stats.setup_s = time.perf_counter() - t0
     weights = f"random weights from the shipped config {name!r}" if shipped else f"loaded from {name}"

@@ -104,6 +104,15 @@ def test_a_failing_prompt_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch)
     assert (retry.written, retry.failed, retry.skipped, retry.exit_code) == (1, 0, 4, 0)
 
 
+def test_a_pipeline_that_cannot_be_built_fails_its_share_not_the_run(tmp_path, monkeypatch):
+    """A process whose pipeline cannot be built (out of memory, a bad path) records each of its prompts
+    as failed and returns, so that the other processes' collective steps do not wait for it forever."""
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room")))
+    summary = generate.generate_images(PROMPTS[:2], tmp_path / "out", steps=2, progress=False)
+    assert (summary.written, summary.failed, summary.exit_code) == (0, 2, 1)
+    assert all("pipeline set-up failed: MemoryError: no room" in e["error"] for e in _manifest(tmp_path / "out"))
+
+
 def test_errors_before_any_model_is_built(tmp_path, prompts_file, monkeypatch, capsys):
     monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
     (tmp_path / "empty.txt").write_text("")
