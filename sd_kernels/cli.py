@@ -171,6 +171,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"patched: {result_s * 1e3:9.1f} ms  ({stock_s / result_s:.2f}x), "
               f"PSNR vs stock {psnr(result_img, stock_img):.1f} dB")
         sd_kernels.unpatch(pipe)
+        if device == "cuda":  # stock eager is not the strongest thing to compare with: say what is
+            print("note: stock here is diffusers' eager pipeline. Against torch.compile with CUDA graphs (diffusers' "
+                  "own speed recipe) compare with `--compile` (patch(pipe, compile=True)) or run "
+                  "`sd-kernels bench --variants stock+compile-graphs,patched+graph+compile`; measured tables: "
+                  "README, Results")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from diffusers.utils import numpy_to_pil
