@@ -10,8 +10,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from sd_kernels.generate import DTYPES, dtype_name
+
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def _versions() -> dict[str, str]:
@@ -67,10 +68,6 @@ def _autotune_cache(prof) -> str:
     return why if directory is None else f"{directory} ({why})"
 
 
-def _default_model(device: str) -> str:
-    return "sd15" if device == "cuda" else "tiny"
-
-
 def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
     """``--device`` and ``--dtype`` with their defaults (the GPU and fp16 when there is one)."""
     import torch
@@ -78,7 +75,7 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"sd-kernels {args.command}: --device cuda asked for, but torch sees no CUDA GPU")
-    return device, args.dtype or ("fp16" if device == "cuda" else "fp32")
+    return device, dtype_name(args.dtype, device == "cuda")
 
 
 def _check_out(out: str) -> None:
@@ -117,11 +114,8 @@ def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
         _check_out(args.out)
     if dispatch.backend() == "triton" and (why := dispatch.device_reason(device)) is not None:
         raise ValueError(f"SD_KERNELS_BACKEND=triton forces the kernels, and they cannot run on {device}: {why}")
-    name = args.model or _default_model(device)
-    cfg = models.load_config(name) if _random_weights(name) else {"resolution": args.size or 512}
-    size = args.size or cfg["resolution"]
-    if size % 8:
-        raise ValueError(f"--size {size}: the image side must be a multiple of 8 (the VAE's scale factor)")
+    name = args.model or models.default_model(device == "cuda")
+    size = models.image_side(name, args.size)
     weights = "random weights" if _random_weights(name) else "loaded"
     print(f"sd-kernels {args.command}: {name} ({weights}), {size}x{size}, {args.steps} steps, {dtype_name} on {device}")
     t0 = time.perf_counter()
@@ -230,9 +224,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
         generate.read_prompts(args.prompts), args.out or "images", model=args.model, steps=args.steps,
         size=args.size, seed=args.seed, device=args.device, dtype=args.dtype, profile=args.profile,
         compile=args.compile)
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
+    if summary.main:
         print(summary.format())
     return summary.exit_code
 
@@ -282,8 +274,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from sd_kernels.fidelity import check_fidelity
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    name = args.model or _default_model(device)
-    dtype = getattr(torch, DTYPES[args.dtype or ("fp16" if device == "cuda" else "fp32")])
+    name = args.model or models.default_model(device == "cuda")
+    dtype = getattr(torch, DTYPES[dtype_name(args.dtype, device == "cuda")])
     pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
     result = check_fidelity(pipe, steps=args.steps, seed=args.seed, prompt=args.prompt, size=args.size,

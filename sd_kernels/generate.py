@@ -40,6 +40,14 @@ from typing import Any
 log = logging.getLogger("sd_kernels")
 
 MANIFEST = "manifest.jsonl"
+# The dtype names the commands and generate_images take (torch attribute names as values: the CLI's
+# option parsing reads this table without importing torch).
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def dtype_name(name: str | None, on_gpu: bool) -> str:
+    """``name``, or the default: fp16 on a GPU, fp32 on the CPU."""
+    return name or ("fp16" if on_gpu else "fp32")
 # What must match for a manifest entry to stand for an image this run would make.
 _SAME = ("prompt", "seed", "model", "steps", "size")
 
@@ -87,6 +95,7 @@ class Summary:
     skipped: int
     seconds: float
     processes: list[ProcessStats]
+    main: bool = True  # whether this process is the main one (the one to print the summary)
 
     @property
     def exit_code(self) -> int:
@@ -226,13 +235,10 @@ def generate_images(
     check_out(out)
     state = _state(device)
     on_gpu = state.device.type == "cuda"
-    name = model or ("sd15" if on_gpu else "tiny")
+    name = model or models.default_model(on_gpu)
     shipped = name in models.list_configs()
-    side = size or (models.load_config(name).get("resolution", 512) if shipped else 512)
-    if side % 8:
-        raise ValueError(f"size {side}: the image side must be a multiple of 8 (the VAE's scale factor)")
-    dtype = dtype or ("fp16" if on_gpu else "fp32")
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    side = models.image_side(name, size)
+    torch_dtype = getattr(torch, DTYPES[dtype_name(dtype, on_gpu)])
     identity = {"model": name, "steps": steps, "size": side}
     jobs = plan(prompts, seed)
     done = already_done(out, jobs, identity)
@@ -250,7 +256,7 @@ def generate_images(
     state.wait_for_everyone()
     processes = [ProcessStats(**s) for s in every]
     return Summary(out, sum(p.images for p in processes), sum(p.failed for p in processes), len(done),
-                   time.perf_counter() - t0, processes)
+                   time.perf_counter() - t0, processes, state.is_main_process)
 
 
 def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile, compile, state, stats, run,
@@ -262,6 +268,10 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
     import sd_kernels
     from sd_kernels import models
 
+    def entry(job: Job, **fields) -> dict[str, Any]:  # one manifest line
+        return {"index": job.index, "file": job.file, **identity, "prompt": job.prompt, "seed": job.seed,
+                "process": state.process_index, "device": stats.device, "run": run, **fields}
+
     try:
         pipe = models.load_pipeline(name, device=state.device, dtype=torch_dtype, seed=seed)
         pipe.set_progress_bar_config(disable=True)
@@ -270,9 +280,7 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
         error = f"pipeline set-up failed: {type(exc).__name__}: {exc}"
         log.warning("sd_kernels: generate: process %d: %s", state.process_index, error)
         for job in mine:
-            _append(out, {"index": job.index, "file": job.file, **identity, "prompt": job.prompt, "seed": job.seed,
-                          "process": state.process_index, "device": stats.device, "run": run, "status": "error",
-                          "error": error})
+            _append(out, entry(job, status="error", error=error))
         stats.failed = len(mine)
         return stats
     setup = f"patch(profile={record.profile!r}, cuda_graph={record.cuda_graph!r}, compile={compile})"
@@ -280,8 +288,7 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
     weights = f"random weights from the shipped config {name!r}" if shipped else f"loaded from {name}"
     for i, job in enumerate(tqdm(mine, desc="images", disable=not progress)):
         t = time.perf_counter()
-        entry = {"index": job.index, "file": job.file, **identity, "prompt": job.prompt, "seed": job.seed,
-                 "process": state.process_index, "device": stats.device, "setup": setup, "run": run}
+        line = entry(job, setup=setup)
         try:
             generator = torch.Generator(device="cpu").manual_seed(job.seed)
             image = pipe(job.prompt, num_inference_steps=steps, height=side, width=side, generator=generator,
@@ -290,16 +297,16 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
                 "Software": f"sd-kernels {sd_kernels.__version__}", "Prompt": job.prompt, "Seed": str(job.seed),
                 "Model": name, "Weights": weights, "Steps": str(steps), "Size": f"{side}x{side}",
                 "Setup": setup, "Device": stats.device})
-            entry.update(status="ok", seconds=round(time.perf_counter() - t, 4))
+            line.update(status="ok", seconds=round(time.perf_counter() - t, 4))
             stats.images += 1
         except Exception as exc:  # the run goes on; the manifest says what failed and why
-            entry.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                         seconds=round(time.perf_counter() - t, 4))
+            line.update(status="error", error=f"{type(exc).__name__}: {exc}",
+                        seconds=round(time.perf_counter() - t, 4))
             stats.failed += 1
-            log.warning("sd_kernels: generate: prompt %d failed: %s", job.index, entry["error"])
+            log.warning("sd_kernels: generate: prompt %d failed: %s", job.index, line["error"])
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
-        _append(out, entry)
+        _append(out, line)
         if i == 0:
             stats.first_s = time.perf_counter() - t
         else:

@@ -32,6 +32,20 @@ def list_configs() -> list[str]:
     return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
 
 
+def default_model(on_gpu: bool) -> str:
+    """The shipped config the commands use without ``--model``: SD1.5 on a GPU, the tiny one on the CPU."""
+    return "sd15" if on_gpu else "tiny"
+
+
+def image_side(name: str, size: int | None = None) -> int:
+    """The image side for ``name`` (a shipped config or a path): ``size``, else the config's resolution
+    (512 for a path); a ValueError unless it is a multiple of 8 (the VAE's scale factor)."""
+    side = size or (load_config(name).get("resolution", 512) if name in list_configs() else 512)
+    if side % 8:
+        raise ValueError(f"size {side}: the image side must be a multiple of 8 (the VAE's scale factor)")
+    return side
+
+
 def load_config(name: str) -> dict[str, Any]:
     """The shipped config ``name`` (see ``list_configs``) as a dict."""
     known = list_configs()
