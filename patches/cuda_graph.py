@@ -179,7 +179,7 @@ class _Watch:
         """Every parameter's and buffer's address: the graphs read them there."""
         if tree != self.tree:
             self._find(tree)
-        return tuple(t.data_ptr() for t in self.tensors)
+        return tuple(map(torch.Tensor.data_ptr, self.tensors))  # read on every call: no generator
 
 
 def _model_state(model: nn.Module, watch: _Watch) -> tuple:

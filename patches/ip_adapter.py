@@ -29,7 +29,6 @@ class SDKernelsIPAdapterProcessor(IPAdapterAttnProcessor2_0):
     """IPAdapterAttnProcessor2_0 with sd_kernels' attention (set as a processor's class by the patch)."""
 
     profile_scoped = True
-    mirrors = IPAdapterAttnProcessor2_0
 
     @scoped
     def __call__(

@@ -97,8 +97,7 @@ class PatchRecord:
     def set_attr(self, obj: Any, name: str, value: Any, kind: str | None) -> None:
         """``obj.name = value``, remembered; ``kind`` names the replacement in the counts (None: not
         counted, for bookkeeping)."""
-        if getattr(type(value), "profile_scoped", False):  # its scoped methods run under this patch's profile
-            object.__setattr__(value, "_sd_profile", self.profile_spec)
+        self._scope(value, type(value))
         if isinstance(obj, nn.Module) and name in obj._modules:
             self._undo.append(self._swap_module(obj, name, value))
         else:
@@ -111,8 +110,7 @@ class PatchRecord:
         behaviour, not state, so the object (and whatever is done to it while patched) stays the one
         the model holds; undo gives it its class back. ``kind`` names the change in the counts."""
         old = type(obj)
-        if getattr(cls, "profile_scoped", False):
-            object.__setattr__(obj, "_sd_profile", self.profile_spec)
+        self._scope(obj, cls)
         obj.__class__ = cls
 
         def restore() -> None:
@@ -125,6 +123,11 @@ class PatchRecord:
 
         self._undo.append(restore)
         self.counts[kind] += 1
+
+    def _scope(self, obj: Any, cls: type) -> None:
+        """Objects of a class with ``profile_scoped`` run their scoped methods under this patch's profile."""
+        if getattr(cls, "profile_scoped", False):
+            object.__setattr__(obj, "_sd_profile", self.profile_spec)
 
     @staticmethod
     def _swap_module(parent: nn.Module, name: str, new: nn.Module) -> Callable[[], None]:
