@@ -6,7 +6,10 @@ empty caches (sd-kernels' autotune cache, Triton's and inductor's kernel caches)
 One row per (model, shipped tables on/off) in ``DIR/cold.csv``: ``build_s`` (the random-weight
 pipeline), ``cold_s`` (``patch(pipe)`` with its defaults, then one 20-step image, synchronized:
 kernel tuning or the shipped choices, Triton compilation, cuDNN set-up and graph capture included),
-``warm_ms`` (the median of 3 more images), and the environment. "shipped off" sets
+``warm_ms`` (the median of 3 more images), ``compiles`` / ``compile_s`` (Triton kernels compiled
+during the cold part and the seconds spent compiling them, in sd-kernels' and inductor's kernels
+alike; empty where Triton's JIT cannot be hooked), ``capture_s`` (CUDA-graph capture with its warm-up
+calls, less the compilations inside them), and the environment. "shipped off" sets
 SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another Triton) pays. By default
 the first model is measured both ways, the others with the tables only.
 """
@@ -24,17 +27,51 @@ import sys
 import tempfile
 import time
 
-FIELDS = ["model", "size", "shipped", "status", "build_s", "cold_s", "warm_ms", "cuda_graph", "device", "torch",
-          "triton", "diffusers", "date"]
+FIELDS = ["model", "size", "shipped", "status", "build_s", "cold_s", "compiles", "compile_s", "capture_s", "warm_ms",
+          "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+
+
+class Stopwatch:
+    """Seconds and calls of a module function, wrapped in place (``Stopwatch(module, "name")``); the
+    seconds another stopwatch (``exclude``) counts meanwhile are left out."""
+
+    def __init__(self, module, name: str, exclude: Stopwatch | None = None) -> None:
+        self.calls, self.seconds = 0, 0.0
+        inner = getattr(module, name, None)
+        self.hooked = inner is not None
+        if not self.hooked:
+            return
+
+        def timed(*args, **kwargs):
+            t, inside = time.perf_counter(), exclude.seconds if exclude else 0.0
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - t - ((exclude.seconds if exclude else 0.0) - inside)
+
+        setattr(module, name, timed)
+
+
+def compile_watch() -> Stopwatch:
+    """Triton's JIT looks up ``triton.compiler.compile`` when a kernel is first launched: wrapped
+    before any kernel runs, it times every compilation (a hit in Triton's disk cache included)."""
+    import triton.compiler
+
+    return Stopwatch(triton.compiler, "compile")
 
 
 def child(model: str, size: int, steps: int) -> dict:
     """Runs in the fresh process: build, patch, first image, warm images."""
+    compiles = compile_watch()  # before the kernels are defined
     import torch
 
     import sd_kernels
     from bench.e2e import PROMPT
+    from patches import cuda_graph
     from sd_kernels import models
+
+    captures = Stopwatch(cuda_graph, "capture", exclude=compiles)  # its warm-up call compiles
 
     t = time.perf_counter()
     pipe = models.load_pipeline(model, device="cuda", dtype=torch.float16)
@@ -55,9 +92,10 @@ def child(model: str, size: int, steps: int) -> dict:
         record = sd_kernels.patch(pipe)
         image()
         cold = time.perf_counter() - t
+        compiled = (compiles.calls, round(compiles.seconds, 1)) if compiles.hooked else ("", "")
         warm = statistics.median(image() for _ in range(3))
-    return {"build_s": round(build, 1), "cold_s": round(cold, 1), "warm_ms": round(warm * 1e3, 1),
-            "cuda_graph": record.cuda_graph}
+    return {"build_s": round(build, 1), "cold_s": round(cold, 1), "compiles": compiled[0], "compile_s": compiled[1],
+            "capture_s": round(captures.seconds, 1), "warm_ms": round(warm * 1e3, 1), "cuda_graph": record.cuda_graph}
 
 
 def measure(model: str, size: int, steps: int, shipped: bool) -> dict:
@@ -102,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(target.model, target.size, args.steps, shipped)
             status |= row["status"] != "ok"
             print(f"  {target.label:<10} shipped {row['shipped']:<3} " + (
-                f"build {row['build_s']} s, patch to first image {row['cold_s']} s, warm {row['warm_ms']} ms"
+                f"build {row['build_s']} s, patch to first image {row['cold_s']} s ({row['compiles']} Triton "
+                f"compiles, {row['compile_s']} s; graph capture {row['capture_s']} s), warm {row['warm_ms']} ms"
                 if row["status"] == "ok" else row["status"]), flush=True)
             with open(path, "a", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")

@@ -61,19 +61,32 @@ PROMPT = "a photograph of an astronaut riding a horse"
 BATCH = 2  # one prompt with classifier-free guidance
 ENV_FIELDS = ["device", "torch", "cuda", "triton", "diffusers", "date"]
 FIELDS = ["model", "size", "variant", "status", "steps", "ops", "attention", "patched", "e2e_mode", "e2e_ms",
-          "it_per_s", "text_ms", "unet_steps_ms", "decode_ms", "overhead_ms", "syncs", "unet_ms", "unet_device_ms",
+          "it_per_s", "text_ms", "unet_steps_ms", "controlnet_ms", "decode_ms",
+          "overhead_ms", "syncs", "unet_ms", "unet_device_ms",
           "vae_ms", "vae_device_ms", "peak_MB", "peak_over_weights_MB", "warmup_s", "unet_rel_err", "vae_rel_err",
           *ENV_FIELDS]
 
 
+CONTROLNET = "+controlnet"  # a model name's suffix: its ControlNet pipeline (one random ControlNet)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    model: str  # a shipped config, or a local pipeline directory (real weights)
+    model: str  # a shipped config, or a local pipeline directory (real weights); may end in CONTROLNET
     size: int  # image side in pixels
 
     @property
     def label(self) -> str:
         return f"{self.model}@{self.size}"
+
+    @property
+    def base(self) -> str:
+        """The model without its ControlNet suffix."""
+        return self.model.removesuffix(CONTROLNET)
+
+    @property
+    def controlnet(self) -> bool:
+        return self.model.endswith(CONTROLNET)
 
 
 SELECTIONS = {  # targets; the first gets every variant and the ablation
@@ -87,18 +100,22 @@ BUILD_S, STEP_S, COMPILE_S = 30.0, 0.03, {"sd15": 90.0, "sd21": 100.0, "sdxl": 3
 
 
 def parse_targets(text: str) -> list[Target]:
-    """``"sd15@512,sdxl"`` → targets; the size defaults to the config's resolution (512 for a path)."""
+    """``"sd15@512,sdxl"`` → targets; the size defaults to the config's resolution (512 for a path);
+    ``sd15+controlnet@512``: the shipped config's ControlNet pipeline."""
     from sd_kernels import models
 
     targets = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         model, _, size = item.partition("@")
+        base = model.removesuffix(CONTROLNET)
         if size and not size.isdigit():
             raise ValueError(f"--models: size in {item!r} must be pixels, e.g. sd21@768")
-        if model not in models.list_configs() and not pathlib.Path(model).is_dir():
+        if base != model and base not in models.list_configs():
+            raise ValueError(f"--models: {CONTROLNET} needs a shipped config ({', '.join(models.list_configs())})")
+        if base not in models.list_configs() and not pathlib.Path(base).is_dir():
             raise ValueError(f"--models: {model!r} is neither a shipped config ({', '.join(models.list_configs())})"
                              " nor a local pipeline directory")
-        default = models.load_config(model).get("resolution", 512) if model in models.list_configs() else 512
+        default = models.load_config(base).get("resolution", 512) if base in models.list_configs() else 512
         side = int(size) if size else default
         if side % 64:
             raise ValueError(f"--models: size {side} in {item!r} must be a multiple of 64")
@@ -131,7 +148,8 @@ def estimate_s(target: Target, setup: Setup, steps: int) -> float:
     """Rough H100 seconds for one plan item (measurements, warm-up, compilation)."""
     scale = (target.size / 512) ** 2  # SDXL at 1024² costs about 4x SD1.5 at 512², like its pixels
     run = scale * (3 + STEP_S * (3 * steps + 100))  # 3 pipeline calls, ~100 UNet-step-sized calls
-    return run + (COMPILE_S.get(target.model, 200.0) if setup.slow_start else 0.0)
+    compile_s = COMPILE_S.get(target.base, 200.0) * (1.5 if target.controlnet else 1.0)  # a second model to compile
+    return run + (compile_s if setup.slow_start else 0.0)
 
 
 def steady_ms(fn: Callable[[], Any], calls: int = 10, repeats: int = 3) -> float:
@@ -193,11 +211,12 @@ def vae_call(pipe, dtype: torch.dtype, side: int | None = None) -> Callable[[], 
     return lambda: pipe.vae.decode(latent, return_dict=False)[0]
 
 
-def pipeline_call(pipe, size: int, steps: int) -> Callable[[], Any]:
+def pipeline_call(pipe, size: int, steps: int, **kwargs: Any) -> Callable[[], Any]:
+    """One pipeline call at ``size``² with ``steps`` steps (``kwargs``: e.g. a ControlNet's image)."""
     def call() -> Any:
         gen = torch.Generator(device=pipe.device).manual_seed(0)
         return pipe(PROMPT, num_inference_steps=steps, height=size, width=size, guidance_scale=7.5,
-                    generator=gen, output_type="pt", return_dict=False)[0]
+                    generator=gen, output_type="pt", return_dict=False, **kwargs)[0]
 
     return call
 
@@ -245,7 +264,9 @@ def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
     import warnings
 
     encoders = [(getattr(pipe, p, None), "forward", "text_ms") for p in ("text_encoder", "text_encoder_2")]
-    with Spans([*encoders, (pipe.unet, "forward", "unet_steps_ms"), (pipe.vae, "decode", "decode_ms")]) as spans:
+    calls = [*encoders, (pipe.unet, "forward", "unet_steps_ms"), (pipe.vae, "decode", "decode_ms"),
+             (getattr(pipe, "controlnet", None), "forward", "controlnet_ms")]
+    with Spans(calls) as spans:
         _sync()
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
@@ -279,7 +300,7 @@ def _sync() -> None:
 
 
 def weights_bytes(pipe) -> int:
-    parts = ("unet", "vae", "text_encoder", "text_encoder_2")
+    parts = ("unet", "vae", "text_encoder", "text_encoder_2", "controlnet")
     mods = [getattr(pipe, p, None) for p in parts]
     return sum(t.numel() * t.element_size() for m in mods if m is not None for t in m.parameters())
 
@@ -296,7 +317,14 @@ class Bench:
         from sd_kernels import models
 
         self.target, self.steps, self.device, self.repeats = target, steps, device, repeats
-        self.pipe = models.load_pipeline(target.model, device=device, dtype=dtype)
+        if target.controlnet:
+            self.pipe = models.build_controlnet_pipeline(target.base, device=device, dtype=dtype)
+            g = torch.Generator(device=device).manual_seed(2)
+            self.call_kwargs = {"image": torch.rand(1, 3, target.size, target.size, device=device, dtype=dtype,
+                                                    generator=g)}
+        else:
+            self.pipe = models.load_pipeline(target.model, device=device, dtype=dtype)
+            self.call_kwargs = {}
         self.pipe.set_progress_bar_config(disable=True)
         self.weights = weights_bytes(self.pipe)
         self.pipe.scheduler.set_timesteps(steps, device=device)
@@ -318,8 +346,8 @@ class Bench:
         t0 = time.perf_counter()
         with applied(self.pipe, setup) as info:
             row.update(e2e_mode=info["e2e_mode"], patched=info["patched"])
-            full, one = pipeline_call(self.pipe, self.target.size, self.steps), pipeline_call(self.pipe,
-                                                                                              self.target.size, 1)
+            full = pipeline_call(self.pipe, self.target.size, self.steps, **self.call_kwargs)
+            one = pipeline_call(self.pipe, self.target.size, 1, **self.call_kwargs)
             wall_ms(full)
             row["warmup_s"] = round(time.perf_counter() - t0, 1)
             wall_ms(one)

@@ -95,8 +95,11 @@ class Unsupported(Exception):
 @contextlib.contextmanager
 def compiled(pipe, mode: str, fuse_qkv: bool) -> Iterator[None]:
     """diffusers' recipe: channels_last, fused QKV projections (``fuse_qkv``), torch.compile(mode,
-    fullgraph=True) of the UNet's forward and the VAE's decode; undone after the block."""
+    fullgraph=True) of the UNet's forward, the ControlNet's (if any: its docs compile it beside the UNet)
+    and the VAE's decode; undone after the block."""
     calls = [(pipe.unet, "forward"), (pipe.vae, "decode")]
+    if getattr(pipe, "controlnet", None) is not None:
+        calls.append((pipe.controlnet, "forward"))
     saved = [m.__dict__.get(name) for m, name in calls]  # a patch may have bound its own
     if fuse_qkv:
         pipe.fuse_qkv_projections()

@@ -39,6 +39,29 @@ def test_explicit_models_and_variants():
                                                            ("sd21@512", "patched+graph", "e2e.csv")]
 
 
+def test_controlnet_targets_name_their_base_config():
+    (t,) = e2e.parse_targets("sd15+controlnet")
+    assert (t.label, t.base, t.controlnet, t.size) == ("sd15+controlnet@512", "sd15", True, 512)
+    assert not e2e.parse_targets("sd15")[0].controlnet
+    with pytest.raises(ValueError, match="needs a shipped config"):
+        e2e.parse_targets("./somewhere+controlnet")
+
+
+def test_controlnet_pipeline_rows_time_the_controlnet_on_cpu(tmp_path, monkeypatch):
+    """The ControlNet target end to end on CPU (reference kernels: the pipeline path, not the kernels)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    items = e2e.plan("quick", e2e.parse_targets("tiny+controlnet@64"), ["stock", "patched"], ablation=False)
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu")
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    import sd_kernels
+    from sd_kernels import models
+
+    plain = sd_kernels.patch(models.build_pipeline("tiny")).counts["attention_processor"]
+    assert f"attention_processor={plain}" not in rows[1]["patched"]  # the patch reached the ControlNet too
+    assert "attention_processor=" in rows[1]["patched"]
+    assert float(rows[1]["unet_rel_err"]) < 1e-3
+
+
 @pytest.mark.parametrize("text, message", [
     ("sd15@abc", "must be pixels"), ("sd15@500", "multiple of 64"), ("./no/such/model", "neither a shipped config"),
     ("", "no model given"),
@@ -177,6 +200,18 @@ def test_every_variant_and_the_ablation_run_on_the_gpu(tmp_path):
     assert float(stock["unet_rel_err"]) < 1e-3  # stock against itself: nothing left patched or compiled
 
 
+@pytest.mark.gpu
+def test_controlnet_target_runs_the_peer_and_ours_on_the_gpu(tmp_path):
+    """The ControlNet rows' GPU paths (the peer compiles the ControlNet too; ours graphs it)."""
+    import torch
+
+    items = e2e.plan("quick", e2e.parse_targets("tiny+controlnet@64"),
+                     ["stock", "patched+graph", "stock+compile-graphs"], ablation=False)
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=9, device="cuda", dtype=torch.float16)
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    assert all(r["controlnet_ms"] > 0 for r in rows)
+
+
 def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_path, monkeypatch, capsys):
     """bench.memory's loop on CPU, the GPU parts faked: a line per component as it finishes, the CSV
     rewritten after every variant, and a variant over its budget keeps the components it measured."""
@@ -253,3 +288,40 @@ def test_timeline_gaps_merge_overlapping_kernels():
     busy, gaps = timeline.gaps([(0, 10, "a"), (5, 12, "b"), (20, 30, "c"), (31, 32, "d")])
     assert busy == 12 + 10 + 1
     assert gaps == [{"us": 8, "after": "b", "before": "c"}, {"us": 1, "after": "c", "before": "d"}]
+
+
+def test_cold_stopwatch_counts_calls_and_leaves_out_what_it_excludes():
+    import time
+    import types
+
+    from bench import cold
+
+    mod = types.SimpleNamespace(compile=lambda: time.sleep(0.1), capture=None)
+    compiles = cold.Stopwatch(mod, "compile")
+
+    def capture():  # a capture whose warm-up call compiles
+        mod.compile()
+        time.sleep(0.01)
+
+    mod.capture = capture
+    captures = cold.Stopwatch(mod, "capture", exclude=compiles)
+    mod.capture()
+    mod.compile()
+    assert compiles.calls == 2 and captures.calls == 1
+    assert compiles.seconds >= 0.2
+    assert 0.01 <= captures.seconds < 0.09  # the 100 ms compile inside it is not counted
+    assert not cold.Stopwatch(mod, "missing").hooked
+
+
+def test_switch_bench_sees_every_state_take_effect_on_cpu(tmp_path, monkeypatch):
+    """bench.switch's logic on CPU: each state's image equals stock's, and differs from the previous
+    state's (so a stale replay would show)."""
+    from bench import switch
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert switch.main(["--out", str(tmp_path), "--model", "tiny", "--size", "64", "--steps", "2",
+                        "--device", "cpu"]) == 0
+    rows = _read(tmp_path / "switch.csv")
+    assert [r["state"] for r in rows] == [s for s, _ in switch.STATES]
+    assert all(float(r["max_diff"]) < 1e-4 for r in rows), rows
+    assert all(float(r["stale_diff"]) > 1e-2 for r in rows[1:]), rows

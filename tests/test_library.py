@@ -163,6 +163,33 @@ def test_patched_unet_compiles_with_inductor_on_cuda():
     assert (out - eager).float().norm() / eager.float().norm() <= budget
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_patched_unet_under_inductor_cuda_graphs_is_never_skipped(mode):
+    """patch(), then torch.compile in a mode with CUDA graphs, as diffusers' recipe runs it (channels_last,
+    fullgraph): inductor graphs the whole call (no "skipping cudagraphs" for our custom ops: a skipped
+    graph shows in inductor's counter) and the replays match the eager patched UNet."""
+    from torch._dynamo.utils import counters
+
+    unet = models.build_model("tiny", "unet", device="cuda", dtype=torch.float16)
+    unet.to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 16, 16, generator=g).cuda().half()
+    ctx = torch.randn(2, 7, 32, generator=g).cuda().half()
+    t = torch.tensor(10, device="cuda")
+    with sd_kernels.patched(unet, cuda_graph=False), torch.no_grad():
+        eager = unet(x, t, encoder_hidden_states=ctx).sample
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(unet, mode=mode, fullgraph=True)
+        outs = [compiled(x, t, encoder_hidden_states=ctx).sample.clone() for _ in range(3)]
+        skips = dict(counters["inductor"])
+        torch._dynamo.reset()
+    assert skips.get("cudagraph_skips", 0) == 0, skips
+    for out in outs:
+        torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+
+
 def test_every_custom_op_has_its_eager_entry_point():
     """library.OPS is read off the registrations: each is a torch.ops.sd_kernels op, and library has the
     function of that name that patched modules call (eager: the plain op; compiling: the custom op)."""
