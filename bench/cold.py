@@ -1,17 +1,20 @@
 """The first image on a fresh machine: from ``patch(pipe)`` to the first image, in a new process with
 empty caches (sd-kernels' autotune cache, Triton's and inductor's kernel caches), then the warm image.
 
-    python -m bench.cold --out DIR [--models sd15@512,sd21@768,sdxl@1024] [--steps 20] [--no-shipped-too]
+    python -m bench.cold --out DIR [--models sd15@512,sd21@768,sdxl@1024] [--steps 20] [--first-only]
 
-One row per (model, shipped tables on/off) in ``DIR/cold.csv``: ``build_s`` (the random-weight
-pipeline), ``cold_s`` (``patch(pipe)`` with its defaults, then one 20-step image, synchronized:
-kernel tuning or the shipped choices, Triton compilation, cuDNN set-up and graph capture included),
-``warm_ms`` (the median of 3 more images), ``compiles`` / ``compile_s`` (Triton kernels compiled
-during the cold part and the seconds spent compiling them, in sd-kernels' and inductor's kernels
-alike; empty where Triton's JIT cannot be hooked), ``capture_s`` (CUDA-graph capture with its warm-up
-calls, less the compilations inside them), and the environment. "shipped off" sets
-SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another Triton) pays. By default
-the first model is measured both ways, the others with the tables only.
+One row per (model, shipped tables on/off, parallel precompile on/off) in ``DIR/cold.csv``:
+``build_s`` (the random-weight pipeline), ``cold_s`` (``patch(pipe)`` with its defaults, then one
+20-step image, synchronized: kernel tuning or the shipped choices, Triton compilation, cuDNN set-up
+and graph capture included), ``warm_ms`` (the median of 3 more images), ``compiles`` / ``compile_s``
+(Triton kernels compiled during the cold part and the seconds spent compiling them, summed over the
+threads that compiled them, in sd-kernels' and inductor's kernels alike; empty where Triton's JIT
+cannot be hooked), ``capture_s`` (CUDA-graph capture with its warm-up calls, less the compilations
+inside them), and the environment. "shipped off" sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU
+without shipped tables (or another Triton) pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0
+(kernels compile one by one at their first launch, as before sd_kernels.precompile). The first model
+is measured with the defaults, then with each switched off; the others with the defaults only
+(``--first-only``: the first model alone).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import sys
 import tempfile
 import time
 
-FIELDS = ["model", "size", "shipped", "status", "build_s", "cold_s", "compiles", "compile_s", "capture_s", "warm_ms",
-          "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+FIELDS = ["model", "size", "shipped", "precompile", "status", "build_s", "cold_s", "compiles", "compile_s", "capture_s",
+          "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
 class Stopwatch:
@@ -98,14 +101,16 @@ def child(model: str, size: int, steps: int) -> dict:
             "capture_s": round(captures.seconds, 1), "warm_ms": round(warm * 1e3, 1), "cuda_graph": record.cuda_graph}
 
 
-def measure(model: str, size: int, steps: int, shipped: bool) -> dict:
+def measure(model: str, size: int, steps: int, shipped: bool = True, precompile: bool = True) -> dict:
     """``child`` in a new process with empty caches; its row."""
     with tempfile.TemporaryDirectory(prefix="sd-kernels-cold-") as tmp:
         env = {**os.environ, "SD_KERNELS_AUTOTUNE_CACHE": f"{tmp}/autotune", "TRITON_CACHE_DIR": f"{tmp}/triton",
-               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "SD_KERNELS_SHIPPED_TUNING": "1" if shipped else "0"}
+               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "SD_KERNELS_SHIPPED_TUNING": "1" if shipped else "0",
+               "SD_KERNELS_PRECOMPILE": "1" if precompile else "0"}
         proc = subprocess.run([sys.executable, "-m", "bench.cold", "--child", f"{model}@{size}", "--steps",
                                str(steps)], env=env, capture_output=True, text=True)
-    row = {"model": model, "size": size, "shipped": "on" if shipped else "off"}
+    row = {"model": model, "size": size, "shipped": "on" if shipped else "off",
+           "precompile": "on" if precompile else "off"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=pathlib.Path, help="folder for cold.csv")
     ap.add_argument("--models", default="sd15@512,sd21@768,sdxl@1024")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--no-shipped-too", action="store_true", help="measure only with the shipped tables")
+    ap.add_argument("--first-only", action="store_true", help="the first model only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -135,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / "cold.csv"
     new = not path.exists()
     status = 0
-    for i, target in enumerate(parse_targets(args.models)):
-        for shipped in (True, False) if i == 0 and not args.no_shipped_too else (True,):
-            row = measure(target.model, target.size, args.steps, shipped)
+    targets = parse_targets(args.models)
+    for i, target in enumerate(targets[:1] if args.first_only else targets):
+        for shipped, precompile in ((True, True), (True, False), (False, True)) if i == 0 else ((True, True),):
+            row = measure(target.model, target.size, args.steps, shipped, precompile)
             status |= row["status"] != "ok"
-            print(f"  {target.label:<10} shipped {row['shipped']:<3} " + (
+            print(f"  {target.label:<10} shipped {row['shipped']:<3} precompile {row['precompile']:<3} " + (
                 f"build {row['build_s']} s, patch to first image {row['cold_s']} s ({row['compiles']} Triton "
                 f"compiles, {row['compile_s']} s; graph capture {row['capture_s']} s), warm {row['warm_ms']} ms"
                 if row["status"] == "ok" else row["status"]), flush=True)

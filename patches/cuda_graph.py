@@ -23,9 +23,12 @@ Modes (``MODES``; ``cuda_graph=True`` means ``"pipeline"``):
    SDXL, ``encoder_hidden_states``, ``return_dict``, ``cross_attention_kwargs=None`` …): the tensor
    leaves' (shape, strides, dtype, device) and every other leaf's value, with the tree's structure,
    make the signature;
-3. on a new signature: copies the inputs into static buffers, runs one warm-up call on a side stream
-   (Triton autotuning, torch.compile, cuDNN/cuBLAS set-up happen there, outside the capture), then
-   captures one call into a graph that draws from a memory pool shared by all of this model's graphs;
+3. on a new signature: copies the inputs into static buffers; the first time, compiles the Triton
+   kernels the call needs in parallel (``sd_kernels.precompile``: a dry run of the eager method
+   records them, a thread pool compiles them; no longer tried once a dry run found nothing to
+   compile); runs one warm-up call on a side stream (Triton autotuning, torch.compile, cuDNN/cuBLAS
+   set-up happen there, outside the capture), then captures one call into a graph that draws from a
+   memory pool shared by all of this model's graphs;
 4. copies the inputs into that signature's static buffers (a small host tensor — a timestep on the
    host — through pinned memory, asynchronously: the host does not wait), replays, and returns
    **clones** of the outputs, so that the next replay (which rewrites the static outputs) cannot
@@ -58,6 +61,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from sd_kernels import precompile
 from sd_kernels.profiles import scoped
 
 from .families import family_of
@@ -237,9 +241,12 @@ class GraphedCall:
 
     profile_scoped = True  # captures and eager fallbacks run under the patch's profile
 
-    def __init__(self, model: nn.Module, fn, label: str, drop: Iterable[str] = (), timestep: bool = False) -> None:
+    def __init__(self, model: nn.Module, fn, label: str, drop: Iterable[str] = (), timestep: bool = False,
+                 eager=None) -> None:
         check_graphable(model)
         self.forward = fn
+        self.eager_fn = eager if eager is not None else fn  # what a precompile dry run calls (not compiled)
+        self.precompile = True  # until a dry run finds nothing left to compile
         self.label = label
         self.drop = tuple(drop)
         self.timestep = timestep
@@ -310,6 +317,9 @@ class GraphedCall:
             return self._eager("accelerate hooks (offloading) move the weights during the call", args, kwargs)
         graph = self.graphs.get(key)
         if graph is None and key not in self.eager_keys:
+            if self.precompile:
+                report = precompile.precompile(lambda: self.eager_fn(*args, **kwargs), self.device)
+                self.precompile = bool(report and report.recorded)
             try:
                 graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
             except Exception as exc:  # a capture that fails runs eagerly from then on, for this signature
@@ -324,11 +334,12 @@ def install(model: nn.Module, record, method: str = "forward", drop: Iterable[st
             compile: bool = False) -> GraphedCall:
     """Replace ``model.<method>`` by a GraphedCall, through ``record`` (undone by ``unpatch``);
     ``compile``: the graphs capture ``torch.compile(method, fullgraph=True)``."""
-    fn = getattr(model, method)
+    eager = fn = getattr(model, method)
     if compile:
         fn = torch.compile(fn, fullgraph=True)
     fam = family_of(model)
     label = (fam.label if fam else type(model).__name__) + ("" if method == "forward" else f".{method}")
-    graphed = GraphedCall(model, fn, label, drop, timestep=fam is not None and fam.timestep and method == fam.graphed)
+    graphed = GraphedCall(model, fn, label, drop, timestep=fam is not None and fam.timestep and method == fam.graphed,
+                          eager=eager)
     record.set_attr(model, method, graphed, "cuda_graph")
     return graphed

@@ -460,6 +460,26 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
     assert tuning.benched == [16, 32, 16, 32]
 
 
+def test_a_dry_run_leaves_a_key_without_a_tuned_choice_to_the_real_call(tuning, device, monkeypatch):
+    """sd_kernels.precompile's dry run: a key that would need tuning is neither launched, tuned, nor
+    remembered (the autotuner would time launches that the dry run skips); a key the cache file has
+    is remembered as usual."""
+    launcher = Launcher(_tuned_kernel)
+    monkeypatch.setattr(launch_mod, "dry", lambda: True)
+    x = torch.randn(48, device=device)
+    y = torch.full_like(x, float("nan"))
+    launcher(("scale", 48), lambda meta: (triton.cdiv(48, meta["BLOCK"]),), x, y, 48, 3.0)
+    assert tuning.benched == [] and launcher.memo == {} and y.isnan().all()
+    assert not _cache_file(device).exists()
+    monkeypatch.setattr(launch_mod, "dry", lambda: False)
+    _run(launcher, 48, device)  # the real call tunes it
+    assert tuning.benched == [16, 32]
+    fresh = Launcher(_tuned_kernel)  # a new process: the choice is in the file
+    monkeypatch.setattr(launch_mod, "dry", lambda: True)
+    _run(fresh, 48, device)  # under the interpreter the launch is not skipped: it runs with the file's choice
+    assert fresh.memo == launcher.memo and tuning.benched == [16, 32]
+
+
 def test_a_key_the_file_lacks_is_tuned_and_added(tuning, device):
     _run(Launcher(_tuned_kernel), 48, device)
     _run(Launcher(_tuned_kernel), 50, device)

@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 PACKAGES = {"sd_kernels": ROOT / "sd_kernels", "sd_kernels.patches": ROOT / "patches"}
 
 # What each floor may import from the package (prefixes); everything else in sd_kernels is above it.
-LAUNCH = ("sd_kernels.launch", "sd_kernels.direct_launch", "sd_kernels.autotune_cache")
+LAUNCH = ("sd_kernels.launch", "sd_kernels.direct_launch", "sd_kernels.autotune_cache", "sd_kernels.precompile")
 BELOW_LAUNCH = ("sd_kernels.dispatch", "sd_kernels.profiles", *LAUNCH)
 BELOW_OPS = ("sd_kernels.reference", "sd_kernels.testing", *BELOW_LAUNCH, "sd_kernels.ops")
 FLOORS = {

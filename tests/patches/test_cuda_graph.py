@@ -105,6 +105,28 @@ def test_signatures_static_buffers_and_clones(fake_cuda, name):
     assert "forward" not in vars(graphed)
 
 
+def test_new_signatures_precompile_until_a_dry_run_finds_nothing(fake_cuda, monkeypatch):
+    """Before a capture, the eager method runs as sd_kernels.precompile's dry run (then the capture);
+    once a dry run recorded nothing to compile, later signatures capture without one."""
+    from sd_kernels import precompile
+
+    eager, graphed = _cpu_pair("tiny")
+    dry_runs = []
+
+    def fake_precompile(run, device=None):
+        dry_runs.append(device)
+        run()  # the dry run calls the model's eager method (its output is thrown away)
+        return precompile.Report(1 if len(dry_runs) == 1 else 0, 0, 0, 1, 0.0, 0.0)
+
+    monkeypatch.setattr(precompile, "precompile", fake_precompile)
+    with torch.no_grad():
+        for batch, side in [(2, 8), (2, 8), (1, 8), (2, 16), (1, 16)]:
+            x, kw = _cpu_args(eager, batch, side)
+            assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+    assert len(dry_runs) == 2  # the first signature (1 recorded), the second (0 recorded), then none
+    assert len(fake_cuda) == 4
+
+
 def test_calling_conventions_share_or_split_signatures(fake_cuda):
     eager, graphed = _cpu_pair("tiny")
     x, kw = _cpu_args(eager, 2, 8)

@@ -1,0 +1,150 @@
+"""Compiling the Triton kernels a call will need in parallel, before the call runs them.
+
+A new process pays Triton's compilation at the first launch of every kernel specialization, one
+after the other: for SD1.5 at 512² with CUDA graphs, 57 compilations took 19.0 of the 27.4 s from
+``patch(pipe)`` to the first image (H100, ``python -m bench.cold``, 2026-11-23).
+
+``precompile(run, device)`` runs ``run()`` once as a *dry run*: while it runs, a launch that would
+compile a kernel is recorded instead (Triton's ``knobs.runtime.jit_cache_hook`` returns True, and the
+JIT then neither compiles nor launches it); everything else runs as usual, on whatever the skipped
+kernels' outputs hold. Nothing the dry run computes is kept: the caller throws its result away.
+Then the recorded specializations compile on a thread pool (``JITFunction.preload`` of the
+specialization data Triton serializes for the hook), and the caller's real call finds each kernel
+compiled. Triton's compiler spends most of a compilation in native passes and in ptxas, a separate
+process, which is what lets threads overlap (measured in docs/results.md).
+
+What keeps the dry run from leaving anything wrong behind:
+- the hook records only on the dry run's own thread; other threads compile as usual;
+- a kernel whose config is not known yet (no shipped table entry, nothing in the autotune cache)
+  is neither launched nor tuned nor remembered (``sd_kernels.launch.Launcher``; ``dry()`` tells):
+  tuning needs real launches, so the real call tunes it as before; autotuned kernels launched
+  outside a Launcher skip their launch in the dry run (``dry()``) for the same reason;
+- no patched module caches a tensor that a Triton kernel computes (Winograd's transformed weights
+  are computed with torch);
+- if another ``jit_cache_hook`` is set (a profiler, a user's), or the hook or ``preload`` is missing
+  from this Triton, or ``SD_KERNELS_PRECOMPILE=0``, there is no dry run and kernels compile at their
+  first launch as before.
+A compilation that fails in the pool is left to the real call, which compiles the kernel again and
+raises what it raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger("sd_kernels")
+ENV = "SD_KERNELS_PRECOMPILE"
+MAX_THREADS = 16
+_local = threading.local()  # .todo: {(kernel id, specialization data): (kernel, data)} during a dry run
+
+
+@dataclasses.dataclass
+class Report:
+    """What a precompile did: specializations the dry run recorded, compiled in the pool, failed there."""
+
+    recorded: int
+    compiled: int
+    failed: int
+    threads: int
+    dry_s: float
+    compile_s: float
+
+
+def dry() -> bool:
+    """Whether this thread is in a dry run (launches that need a kernel not yet tuned are skipped)."""
+    return getattr(_local, "todo", None) is not None
+
+
+def unavailable() -> str | None:
+    """Why there can be no dry run here, or None."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "the Triton interpreter compiles nothing"
+    try:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+    except ImportError as exc:
+        return f"this Triton has no knobs ({exc})"
+    if not hasattr(knobs.runtime, "jit_cache_hook") or not hasattr(JITFunction, "preload"):
+        return "this Triton has no jit_cache_hook or JITFunction.preload"
+    if knobs.runtime.jit_cache_hook is not None:
+        return "another jit_cache_hook is set"
+    return None
+
+
+def _hook(*, fn: Any = None, compile: Any = None, **_: Any) -> bool:
+    """Triton's jit_cache_hook: True (skip: neither compile nor launch) for what a dry run records."""
+    todo = getattr(_local, "todo", None)
+    if todo is None:
+        return False
+    data = compile.get("specialization_data") if isinstance(compile, dict) else None
+    jit = getattr(fn, "jit_function", None)
+    if not isinstance(data, str) or not callable(getattr(jit, "preload", None)):
+        return False  # compile it now, as without a dry run
+    todo.setdefault((id(jit), data), (jit, data))
+    return True
+
+
+def precompile(run: Callable[[], Any], device: Any = None) -> Report | None:
+    """Dry-run ``run()`` and compile what it would have compiled, on up to MAX_THREADS threads; None
+    when there can be no dry run (``unavailable()``). ``device``: the CUDA device the kernels run on."""
+    why = unavailable()
+    if why is not None:
+        log.debug("sd_kernels: no parallel precompile: %s", why)
+        return None
+    from triton import knobs
+
+    start = time.perf_counter()
+    _local.todo = {}
+    knobs.runtime.jit_cache_hook = _hook
+    try:
+        run()
+    finally:
+        todo, _local.todo = _local.todo, None
+        knobs.runtime.jit_cache_hook = None  # it was None before (unavailable() checked)
+    if device is not None:
+        import torch
+
+        torch.cuda.synchronize(device)  # the dry run's own launches, before the timer reads
+    dry_s = time.perf_counter() - start
+    items = list(todo.values())
+    threads = max(1, min(len(items), os.cpu_count() or 1, MAX_THREADS))
+    start = time.perf_counter()
+    failed = 0
+    if items:
+        with ThreadPoolExecutor(threads, thread_name_prefix="sd-kernels-compile",
+                                initializer=_on_device, initargs=(device,)) as pool:
+            errors = [e for e in pool.map(_preload, items) if e is not None]
+        failed = len(errors)
+        if errors:
+            log.info("sd_kernels: %d of %d kernels did not compile ahead (the call compiles them): %s",
+                     failed, len(items), errors[0])
+    report = Report(len(items), len(items) - failed, failed, threads, round(dry_s, 3),
+                    round(time.perf_counter() - start, 3))
+    log.info("sd_kernels: compiled %d kernels on %d threads in %.1f s (dry run %.2f s)", report.compiled,
+             threads, report.compile_s, dry_s)
+    return report
+
+
+def _on_device(device: Any) -> None:
+    if device is not None:
+        import torch
+
+        torch.cuda.set_device(device)
+
+
+def _preload(item: tuple[Any, str]) -> str | None:
+    jit, data = item
+    try:
+        jit.preload(data)
+    except Exception as exc:  # the real call compiles it and reports what is wrong
+        return f"{getattr(jit, '__name__', jit)}: {type(exc).__name__}: {exc}"
+    return None

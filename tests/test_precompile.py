@@ -1,0 +1,149 @@
+"""sd_kernels.precompile: the dry run records what would compile (on its own thread only), the pool
+compiles it, the hook is put back; when there can be no dry run, it says why. The GPU test checks
+that a precompiled capture compiles nothing more and matches a capture without it."""
+
+import logging
+import threading
+import types
+
+import pytest
+import torch
+
+from sd_kernels import precompile
+
+
+class FakeJit:
+    def __init__(self, fail=()):
+        self.loaded, self.fail = [], set(fail)
+
+    def preload(self, data):
+        if data in self.fail:
+            raise RuntimeError(f"cannot compile {data}")
+        self.loaded.append((data, threading.current_thread().name))
+
+
+def _launch(jit, data):
+    """What Triton's JIT does on a kernel-cache miss: ask the hook, which says whether to skip."""
+    from triton import knobs
+
+    hook = knobs.runtime.jit_cache_hook
+    return bool(hook and hook(key="k", repr="r", fn=types.SimpleNamespace(jit_function=jit),
+                              compile={"key": "k", "specialization_data": data}, is_manual_warmup=False,
+                              already_compiled=False))
+
+
+@pytest.fixture
+def available(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(precompile, "unavailable", lambda: None)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+
+
+def test_dry_run_records_on_its_thread_and_the_pool_compiles(available):
+    from triton import knobs
+
+    jit = FakeJit()
+    elsewhere = []
+
+    def run():
+        assert precompile.dry()
+        assert _launch(jit, "a") and _launch(jit, "b") and _launch(jit, "a")  # skipped, recorded once each
+        other = threading.Thread(target=lambda: elsewhere.append((_launch(jit, "c"), precompile.dry())))
+        other.start()
+        other.join()
+
+    report = precompile.precompile(run)
+    assert elsewhere == [(False, False)]  # another thread compiles as usual, and is not in a dry run
+    assert sorted(d for d, _ in jit.loaded) == ["a", "b"]
+    assert all(name.startswith("sd-kernels-compile") for _, name in jit.loaded)
+    assert (report.recorded, report.compiled, report.failed) == (2, 2, 0)
+    assert knobs.runtime.jit_cache_hook is None and not precompile.dry()
+    assert not _launch(jit, "d")  # no hook left behind
+
+
+def test_failures_are_left_to_the_real_call_and_the_hook_is_restored_after_an_error(available, caplog):
+    from triton import knobs
+
+    jit = FakeJit(fail={"b"})
+    with caplog.at_level(logging.INFO, logger="sd_kernels"):
+        report = precompile.precompile(lambda: (_launch(jit, "a"), _launch(jit, "b")))
+    assert (report.recorded, report.compiled, report.failed) == (2, 1, 1)
+    assert "cannot compile b" in caplog.text
+
+    def broken():
+        _launch(jit, "x")
+        raise ValueError("the dry run failed")
+
+    with pytest.raises(ValueError):
+        precompile.precompile(broken)
+    assert knobs.runtime.jit_cache_hook is None and not precompile.dry()
+
+
+def test_what_the_hook_cannot_record_compiles_now(available):
+    from triton import knobs
+
+    def run():
+        hook = knobs.runtime.jit_cache_hook
+        assert hook(fn=types.SimpleNamespace(jit_function=FakeJit()), compile={"key": "k"}) is False
+        assert hook(fn=types.SimpleNamespace(jit_function=object()), compile={"specialization_data": "a"}) is False
+
+    assert precompile.precompile(run).recorded == 0
+
+
+def test_when_there_is_no_dry_run_it_says_why(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setenv(precompile.ENV, "0")
+    assert precompile.unavailable() == f"{precompile.ENV}=0"
+    monkeypatch.delenv(precompile.ENV)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in precompile.unavailable()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: False)
+    assert "another jit_cache_hook" in precompile.unavailable()
+    ran = []
+    assert precompile.precompile(lambda: ran.append(1)) is None and ran == []  # not even run
+
+
+@pytest.mark.gpu
+def test_gpu_precompiled_capture_compiles_nothing_more_and_matches(monkeypatch):
+    """A fresh graphed UNet (empty Triton cache) compiles its kernels in the pool: the capture after
+    it compiles none, and its replays equal those of a UNet patched with precompiling off."""
+    import copy
+    import os
+    import tempfile
+
+    import triton.compiler
+
+    import sd_kernels
+    from sd_kernels import models
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="sd-kernels-precompile-"))
+    unet = models.build_model("tiny", "unet", device="cuda", dtype=torch.float16)
+    plain = copy.deepcopy(unet)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 16, generator=g).cuda().half()
+    ctx = torch.randn(2, 7, 32, generator=g).cuda().half()
+    compiled_during = []
+    inner = triton.compiler.compile
+
+    def counting(*args, **kwargs):
+        compiled_during.append(threading.current_thread().name)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(triton.compiler, "compile", counting)
+    reports = []
+    real = precompile.precompile
+    monkeypatch.setattr(precompile, "precompile", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+    with torch.inference_mode():
+        sd_kernels.patch(unet, cuda_graph=True)
+        out = unet(x, 10, encoder_hidden_states=ctx).sample
+        assert reports and reports[0] is not None and reports[0].recorded > 0 and reports[0].failed == 0
+        on_main = [n for n in compiled_during if not n.startswith("sd-kernels-compile")]
+        assert not on_main, f"{len(on_main)} compilations outside the pool"
+        monkeypatch.setenv(precompile.ENV, "0")
+        sd_kernels.patch(plain, cuda_graph=True)
+        want = plain(x, 10, encoder_hidden_states=ctx).sample
+    assert os.environ[precompile.ENV] == "0"
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
