@@ -317,8 +317,10 @@ class GraphedCall:
             return self._eager("accelerate hooks (offloading) move the weights during the call", args, kwargs)
         graph = self.graphs.get(key)
         if graph is None and key not in self.eager_keys:
-            if self.precompile:
-                report = precompile.precompile(lambda: self.eager_fn(*args, **kwargs), self.device)
+            if self.precompile:  # on the inputs as the graph will hold them: a host timestep on the device
+                dry_args, dry_kwargs = pytree.tree_unflatten(
+                    [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in leaves], tree)
+                report = precompile.precompile(lambda: self.eager_fn(*dry_args, **dry_kwargs), self.device)
                 self.precompile = bool(report and report.recorded)
             try:
                 graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
