@@ -3,10 +3,14 @@
     python -m bench.unet_kernels --out DIR [--model sd15@512] [--setups stock,patched,patched-no-winograd]
 
 For each setup the UNet (random weights, fp16, batch 2 = one prompt with CFG) is built, set up
-(``stock``: diffusers' own modules, channels_last like the peer; ``patched``: ``patch(unet,
-cuda_graph="unet")``; ``patched-no-winograd``: the same without the winograd family;
-``patched-compile``: with ``compile=True``; ``patched-compile-no-winograd``: both), one call is
-captured in a CUDA graph (the patch's own graph for patched setups), and one replay is profiled.
+(``stock``: diffusers' own modules, channels_last like the peer; ``peer``: the peer of bench.e2e,
+diffusers' recipe — channels_last, ``fuse_qkv_projections()``, ``torch.compile(fullgraph=True)`` —
+whose CUDA graph the bench captures itself (the device time is that of mode="reduce-overhead"'s
+graphs); ``peer-max-autotune``: the same compiled with mode="max-autotune-no-cudagraphs" (the recipe's
+autotuned kernels, graphed the same way); ``patched``: ``patch(unet, cuda_graph="unet")``;
+``patched-no-winograd``: the same without the winograd family; ``patched-compile``: with
+``compile=True``; ``patched-compile-no-winograd``: both), one call is captured in a CUDA graph (the
+patch's own graph for patched setups), and one replay is profiled.
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
 holds per setup the replay's device time, per-category and per-kernel totals, and for patched
 setups how many conv calls were routed to Winograd in which layout.
@@ -27,8 +31,10 @@ import torch
 CATEGORIES = (
     ("winograd", r"_input_transform|_batched_gemm|_output_transform|_fused_gemm_output"),
     ("attention (ours)", r"_flash|_attn|softmax_matmul|_partial"),
-    ("group_norm (ours)", r"_group_norm|_gn_"),
-    ("geglu/gelu (ours)", r"geglu|_gelu"),
+    ("group_norm (ours)", r"_group_norm|_group_stats|_gn_|_pixel_(stats|merge|norm)"),
+    ("geglu/gelu (ours)", r"geglu|_gelu|^_elementwise_kernel"),
+    ("gemm/conv (inductor template)", r"^triton_tem"),
+    ("inductor fused", r"^triton_(poi|red|per)"),  # its names list the fused ops ("convolution" too)
     ("attention (stock)", r"fmha|flash|attention|sdpa"),
     ("conv (cuDNN)", r"conv|implicit|cudnn|xmma|fprop|dgrad|wgrad"),
     ("gemm", r"gemm|cutlass|sm90_|ampere_|sm80_|cublas|nvjet"),
@@ -36,6 +42,10 @@ CATEGORIES = (
     ("layout copies", r"copy|transpose|permute|contiguous|nchwToNhwc|nhwcToNchw"),
     ("elementwise", r"elementwise|vectorized|unrolled|reduce|triton_"),
 )
+
+
+# Setups that graph diffusers' own UNet: the torch.compile mode (None: not compiled).
+STOCK_SETUPS = {"stock": None, "peer": None, "peer-max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def category(name: str) -> str:
@@ -70,10 +80,14 @@ def measure(model: str, size: int, setup: str) -> dict:
     wg_patch._route = recording
     try:
         with torch.no_grad():
-            if setup == "stock":
+            if setup in STOCK_SETUPS:
                 unet.to(memory_format=torch.channels_last)
-                call = lambda: unet(x, t, ctx, **kwargs).sample  # noqa: E731
-                for _ in range(2):
+                fn = unet
+                if setup != "stock":  # the peer: fused QKV, compiled whole (bench.setups.compiled)
+                    unet.fuse_qkv_projections()
+                    fn = torch.compile(unet, fullgraph=True, mode=STOCK_SETUPS[setup])
+                call = lambda: fn(x, t, ctx, **kwargs).sample  # noqa: E731
+                for _ in range(3):
                     call()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -129,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--model", default="sd15@512")
-    ap.add_argument("--setups", default="stock,patched,patched-no-winograd,patched-compile")
+    ap.add_argument("--setups", default="peer,patched,patched-compile")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.unet_kernels needs a CUDA GPU", file=sys.stderr)
