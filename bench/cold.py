@@ -10,8 +10,10 @@ and graph capture included), ``warm_ms`` (the median of 3 more images), ``compil
 (Triton kernels compiled during the cold part and the seconds spent compiling them, summed over the
 threads that compiled them, in sd-kernels' and inductor's kernels alike; empty where Triton's JIT
 cannot be hooked), ``capture_s`` (CUDA-graph capture with its warm-up calls, less the compilations
-inside them), and the environment. "shipped off" sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU
-without shipped tables (or another Triton) pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0
+inside them), ``precompiled`` / ``precompile_s`` (kernels the parallel precompile compiled ahead of
+the captures, and the wall seconds of its dry runs and thread pools), and the environment.
+"shipped off" sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another
+Triton) pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0
 (kernels compile one by one at their first launch, as before sd_kernels.precompile). The first model
 is measured with the defaults, then with each switched off; the others with the defaults only
 (``--first-only``: the first model alone).
@@ -31,7 +33,7 @@ import tempfile
 import time
 
 FIELDS = ["model", "size", "shipped", "precompile", "status", "build_s", "cold_s", "compiles", "compile_s", "capture_s",
-          "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+          "precompiled", "precompile_s", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
 class Stopwatch:
@@ -68,13 +70,16 @@ def child(model: str, size: int, steps: int) -> dict:
     """Runs in the fresh process: build, patch, first image, warm images."""
     compiles = compile_watch()  # before the kernels are defined
     import torch
+    from sd_kernels.patches import cuda_graph  # the installed module the patch uses (not the source tree's)
 
     import sd_kernels
     from bench.e2e import PROMPT
-    from patches import cuda_graph
-    from sd_kernels import models
+    from sd_kernels import models, precompile
 
     captures = Stopwatch(cuda_graph, "capture", exclude=compiles)  # its warm-up call compiles
+    reports = []
+    dry_run = precompile.precompile
+    precompile.precompile = lambda *a, **k: reports.append(dry_run(*a, **k)) or reports[-1]  # what cuda_graph calls
 
     t = time.perf_counter()
     pipe = models.load_pipeline(model, device="cuda", dtype=torch.float16)
@@ -97,8 +102,11 @@ def child(model: str, size: int, steps: int) -> dict:
         cold = time.perf_counter() - t
         compiled = (compiles.calls, round(compiles.seconds, 1)) if compiles.hooked else ("", "")
         warm = statistics.median(image() for _ in range(3))
+    done = [r for r in reports if r is not None]
     return {"build_s": round(build, 1), "cold_s": round(cold, 1), "compiles": compiled[0], "compile_s": compiled[1],
-            "capture_s": round(captures.seconds, 1), "warm_ms": round(warm * 1e3, 1), "cuda_graph": record.cuda_graph}
+            "capture_s": round(captures.seconds, 1), "warm_ms": round(warm * 1e3, 1), "cuda_graph": record.cuda_graph,
+            "precompiled": sum(r.compiled for r in done),
+            "precompile_s": round(sum(r.dry_s + r.compile_s for r in done), 1)}
 
 
 def measure(model: str, size: int, steps: int, shipped: bool = True, precompile: bool = True) -> dict:
@@ -147,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             status |= row["status"] != "ok"
             print(f"  {target.label:<10} shipped {row['shipped']:<3} precompile {row['precompile']:<3} " + (
                 f"build {row['build_s']} s, patch to first image {row['cold_s']} s ({row['compiles']} Triton "
-                f"compiles, {row['compile_s']} s; graph capture {row['capture_s']} s), warm {row['warm_ms']} ms"
+                f"compiles, {row['compile_s']} s; {row['precompiled']} ahead in {row['precompile_s']} s; graph capture "
+                f"{row['capture_s']} s), warm {row['warm_ms']} ms"
                 if row["status"] == "ok" else row["status"]), flush=True)
             with open(path, "a", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
