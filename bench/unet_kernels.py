@@ -12,8 +12,9 @@ autotuned kernels, graphed the same way); ``patched``: ``patch(unet, cuda_graph=
 ``compile=True``; ``patched-compile-no-winograd``: both), one call is captured in a CUDA graph (the
 patch's own graph for patched setups), and one replay is profiled.
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
-holds per setup the replay's device time, per-category and per-kernel totals, and for patched
-setups how many conv calls were routed to Winograd in which layout.
+holds per setup the call's time and the bare graph replay's, per-category and per-kernel totals,
+the idle time between kernels by the category of the kernel after it (and the largest gaps), and
+for patched setups how many conv calls were routed to Winograd in which layout.
 """
 
 from __future__ import annotations
@@ -131,21 +132,32 @@ def measure(model: str, size: int, setup: str) -> dict:
                 torch.cuda.synchronize()
     finally:
         wg_patch._route = route
+    from bench.timeline import gaps
+
     kernels: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
             kernels[ev.name] += ev.device_time
             calls[ev.name] += 1
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
     cats: collections.Counter = collections.Counter()
     for name, us in kernels.items():
         cats[category(name)] += us
+    # Where the replay's idle time sits: the gaps between kernels, by the category of the kernel after.
+    _, idle = gaps(spans)
+    idle_before: collections.Counter = collections.Counter()
+    for g in idle:
+        idle_before[category(g["before"])] += g["us"]
     return {
         "setup": setup, "step_ms": round(step_ms, 4), "graph_replay_ms": round(graph_ms, 4),
         "kernel_ms": round(sum(kernels.values()) / 1e3, 4), "kernels": sum(calls.values()),
         "categories_ms": {c: round(us / 1e3, 4) for c, us in cats.most_common()},
         "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 4), "calls": calls[n], "category": category(n)}
                         for n, us in kernels.most_common(30)],
+        "idle_ms_before": {c: round(us / 1e3, 4) for c, us in idle_before.most_common()},
+        "largest_gaps": [{**g, "after": g["after"][:80], "before": g["before"][:80]} for g in idle[:12]],
         "winograd_routing_per_call": dict(routes),
     }
 
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
               f"kernels, {r['kernel_ms']} ms of them), winograd routing "
               f"{r['winograd_routing_per_call']}")
         for c, ms in r["categories_ms"].items():
-            print(f"   {c:<20} {ms:8.3f} ms")
+            print(f"   {c:<30} {ms:8.3f} ms, idle before its kernels {r['idle_ms_before'].get(c, 0):.3f} ms")
         torch.cuda.empty_cache()
         torch._dynamo.reset()
         args.out.mkdir(parents=True, exist_ok=True)  # after every setup: a run cut short keeps its numbers
