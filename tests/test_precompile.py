@@ -106,6 +106,38 @@ def test_when_there_is_no_dry_run_it_says_why(monkeypatch):
     assert precompile.precompile(lambda: ran.append(1)) is None and ran == []  # not even run
 
 
+# Autotuned kernels launched without a Launcher, and why that is safe in a dry run.
+_OWN_DRY_CHECK = {"sd_kernels.ops.gelu._linear_geglu_kernel": "linear_geglu returns before its launch when dry()"}
+
+
+def test_every_autotuned_kernel_launches_through_a_launcher():
+    """An autotuner run in a dry run would time launches the hook skips and keep a config chosen by
+    noise: each autotuned kernel of sd_kernels.ops is launched by a Launcher (which leaves a key not
+    tuned yet to the real call), or checks dry() itself (listed above, with how)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    import sd_kernels.ops
+    from sd_kernels.launch import Launcher
+
+    tuned, launched = {}, set()
+    for info in pkgutil.iter_modules(sd_kernels.ops.__path__):
+        module = importlib.import_module(f"sd_kernels.ops.{info.name}")
+        for value in vars(module).values():
+            layers = [value]
+            while isinstance(layers[-1], (Autotuner, Heuristics)):
+                layers.append(layers[-1].fn)
+            if any(isinstance(layer, Autotuner) for layer in layers):
+                jit = layers[-1]
+                tuned[f"{jit.fn.__module__}.{jit.fn.__qualname__}"] = jit
+            launched |= {id(value.jit)} if isinstance(value, Launcher) else set()
+    assert len(tuned) >= 8, sorted(tuned)  # flash, 4 GroupNorm, 2 softmax·matmul, linear_geglu, Winograd...
+    loose = sorted(name for name, jit in tuned.items() if id(jit) not in launched and name not in _OWN_DRY_CHECK)
+    assert not loose, f"autotuned kernels launched outside a Launcher: {loose}"
+
+
 @pytest.mark.gpu
 def test_gpu_precompiled_capture_compiles_nothing_more_and_matches(monkeypatch):
     """A fresh graphed UNet (empty Triton cache) compiles its kernels in the pool: the capture after

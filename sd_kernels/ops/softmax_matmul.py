@@ -31,7 +31,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
-from sd_kernels.launch import cdiv, next_pow2
+from sd_kernels.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
 from .attention_common import (
@@ -236,19 +236,25 @@ def _softmax_matmul_one_tile_kernel(
     _store_y(Y, acc / s[:, None], offs_m, offs_n, A, C, stride_ya, stride_yc)
 
 
+# Launchers: the autotuned kernels' choices persist (autotune cache, shipped tables), and a precompile
+# dry run leaves a key not tuned yet to the real call instead of timing launches it skips.
+_ONE_TILE, _TILED = Launcher(_softmax_matmul_one_tile_kernel), Launcher(_softmax_matmul_kernel)
+
+
 def _launch(x4: torch.Tensor, w4: torch.Tensor, y4: torch.Tensor, stats: torch.Tensor, zero_empty: bool):
     """Y4 = softmax(X4)·W4 for 4-D [B, H, ·, ·] views; ``stats`` is a [2, B·H·a] fp32 scratch."""
     B, H, a, kd = x4.shape
     c = w4.shape[-1]
     if y4.numel() == 0:
         return
+    precision, align = dot_precision(w4.dtype), alignment(w4)
     if kd <= ONE_TILE_MAX_K:
-        block_n = min(max(16, next_pow2(c)), 128)
+        block_n, block_k = min(max(16, next_pow2(c)), 128), max(16, next_pow2(kd))
         grid = lambda meta: (cdiv(a, meta["BLOCK_M"]) * cdiv(c, block_n) * B * H,)
-        _softmax_matmul_one_tile_kernel[grid](
-            x4, w4, y4, H, a, kd, c, next_pow2(a), *x4.stride(), *w4.stride(), *y4.stride(),
-            ZERO_EMPTY=zero_empty, PRECISION=dot_precision(w4.dtype), ALIGN=alignment(w4),
-            BLOCK_N=block_n, BLOCK_K=max(16, next_pow2(kd)),
+        key = (next_pow2(a), block_n, block_k, x4.dtype, w4.dtype, y4.dtype, zero_empty, precision, align)
+        _ONE_TILE(
+            key, grid, x4, w4, y4, H, a, kd, c, next_pow2(a), *x4.stride(), *w4.stride(), *y4.stride(),
+            ZERO_EMPTY=zero_empty, PRECISION=precision, ALIGN=align, BLOCK_N=block_n, BLOCK_K=block_k,
         )
         return
     block_c = min(next_pow2(max(kd, 1)), 1024)
@@ -258,11 +264,10 @@ def _launch(x4: torch.Tensor, w4: torch.Tensor, y4: torch.Tensor, stats: torch.T
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_r * block_c > 2048 else 4,
     )
     grid = lambda meta: (cdiv(a, meta["BLOCK_M"]) * cdiv(c, meta["BLOCK_N"]) * B * H,)
-    _softmax_matmul_kernel[grid](
-        x4, w4, stats, y4, H, a, kd, c,
-        next_pow2(a), next_pow2(kd), next_pow2(c), stats.stride(0),
-        *x4.stride(), *w4.stride(), *y4.stride(),
-        PRECISION=dot_precision(w4.dtype), ALIGN=alignment(w4),
+    keys = (next_pow2(a), next_pow2(kd), next_pow2(c))
+    _TILED(
+        (*keys, x4.dtype, w4.dtype, y4.dtype, precision, align), grid, x4, w4, stats, y4, H, a, kd, c,
+        *keys, stats.stride(0), *x4.stride(), *w4.stride(), *y4.stride(), PRECISION=precision, ALIGN=align,
     )
 
 
