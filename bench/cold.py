@@ -11,7 +11,9 @@ and graph capture included), ``warm_ms`` (the median of 3 more images), ``compil
 threads that compiled them, in sd-kernels' and inductor's kernels alike; empty where Triton's JIT
 cannot be hooked), ``capture_s`` (CUDA-graph capture with its warm-up calls, less the compilations
 inside them), ``precompiled`` / ``precompile_s`` (kernels the parallel precompile compiled ahead of
-the captures, and the wall seconds of its dry runs and thread pools), and the environment.
+the captures, and the wall seconds of its dry runs and thread pools), ``late_compiles`` (the kernels
+compiled outside that pool, by name: autotuning, or what a dry run could not record), and the
+environment.
 "shipped off" sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another
 Triton) pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0
 (kernels compile one by one at their first launch, as before sd_kernels.precompile). The first model
@@ -22,6 +24,7 @@ is measured with the defaults, then with each switched off; the others with the 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import json
 import os
@@ -30,10 +33,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 FIELDS = ["model", "size", "shipped", "precompile", "status", "build_s", "cold_s", "compiles", "compile_s", "capture_s",
-          "precompiled", "precompile_s", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+          "precompiled", "precompile_s", "late_compiles", "warm_ms", "cuda_graph", "device", "torch", "triton",
+          "diffusers", "date"]
 
 
 class Stopwatch:
@@ -58,17 +63,27 @@ class Stopwatch:
         setattr(module, name, timed)
 
 
-def compile_watch() -> Stopwatch:
+def compile_watch() -> tuple[Stopwatch, collections.Counter]:
     """Triton's JIT looks up ``triton.compiler.compile`` when a kernel is first launched: wrapped
-    before any kernel runs, it times every compilation (a hit in Triton's disk cache included)."""
+    before any kernel runs, it times every compilation (a hit in Triton's disk cache included), and
+    counts by kernel name those made outside the precompile pool's threads (the second value)."""
     import triton.compiler
 
-    return Stopwatch(triton.compiler, "compile")
+    late: collections.Counter = collections.Counter()
+    inner = triton.compiler.compile
+
+    def named(src, *args, **kwargs):
+        if not threading.current_thread().name.startswith("sd-kernels-compile"):
+            late[getattr(getattr(src, "fn", None), "__name__", "?")] += 1
+        return inner(src, *args, **kwargs)
+
+    triton.compiler.compile = named
+    return Stopwatch(triton.compiler, "compile"), late
 
 
 def child(model: str, size: int, steps: int) -> dict:
     """Runs in the fresh process: build, patch, first image, warm images."""
-    compiles = compile_watch()  # before the kernels are defined
+    compiles, late = compile_watch()  # before the kernels are defined
     import torch
     from sd_kernels.patches import cuda_graph  # the installed module the patch uses (not the source tree's)
 
@@ -106,7 +121,8 @@ def child(model: str, size: int, steps: int) -> dict:
     return {"build_s": round(build, 1), "cold_s": round(cold, 1), "compiles": compiled[0], "compile_s": compiled[1],
             "capture_s": round(captures.seconds, 1), "warm_ms": round(warm * 1e3, 1), "cuda_graph": record.cuda_graph,
             "precompiled": sum(r.compiled for r in done),
-            "precompile_s": round(sum(r.dry_s + r.compile_s for r in done), 1)}
+            "precompile_s": round(sum(r.dry_s + r.compile_s for r in done), 1),
+            "late_compiles": " ".join(f"{name}:{n}" for name, n in late.most_common())}
 
 
 def measure(model: str, size: int, steps: int, shipped: bool = True, precompile: bool = True) -> dict:
