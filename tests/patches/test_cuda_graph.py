@@ -195,7 +195,19 @@ def _two_adapters(*unets):
             unet.add_adapter(config, adapter_name=name)
 
 
-@pytest.mark.parametrize("change", ["set_adapters", "weights", "disable_lora", "fuse_lora", "processor"])
+# (set-up before the capture, the change after it): each alters what the UNet computes.
+CHANGES = {
+    "set_adapters": (None, lambda m: m.set_adapters(["b"])),
+    "weights": (None, lambda m: m.set_adapters(["a", "b"], weights=[0.5, 1.0])),
+    "disable_lora": (None, lambda m: m.disable_lora()),
+    "fuse_lora": (None, lambda m: m.fuse_lora()),
+    "unfuse_lora": (lambda m: m.fuse_lora(), lambda m: m.unfuse_lora()),
+    "delete_adapters": (lambda m: m.set_adapters(["a", "b"]), lambda m: m.delete_adapters("b")),
+    "processor": (None, lambda m: m.set_attn_processor(AttnProcessor())),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_what_a_call_bakes_in_is_watched(fake_cuda, change):
     """A change that alters what the UNet computes without touching its inputs drops the graphs: the
     stand-in graph re-runs the model, so the capture count is what shows it (a real replay would run
@@ -203,24 +215,89 @@ def test_what_a_call_bakes_in_is_watched(fake_cuda, change):
     eager, graphed = _cpu_pair("tiny")
     _two_adapters(eager, graphed)
     x, kw = _cpu_args(eager, 2, 8)
-    steps = {
-        "set_adapters": lambda m: m.set_adapters(["b"]),
-        "weights": lambda m: m.set_adapters(["a", "b"], weights=[0.5, 1.0]),
-        "disable_lora": lambda m: m.disable_lora(),
-        "fuse_lora": lambda m: m.fuse_lora(),
-        "processor": lambda m: m.set_attn_processor(AttnProcessor()),
-    }
+    before, after = CHANGES[change]
     with torch.no_grad():
         for model in (eager, graphed):
             model.set_adapters(["a"])
-        graphed(x, 10, **kw)
+            if before is not None:
+                before(model)
+        first = graphed(x, 10, **kw).sample
         graphed(x, 10, **kw)
         assert len(fake_cuda) == 1
         for model in (eager, graphed):
-            steps[change](model)
-        assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+            after(model)
+        want = eager(x, 10, **kw).sample
+        # the change matters (a stale replay would show); a swapped processor may compute the same values
+        assert change == "processor" or not torch.equal(want, first)
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
         graphed(x, 10, **kw)
     assert len(fake_cuda) == 2  # captured anew once, then replayed
+
+
+def test_lora_scale_per_call_is_part_of_the_signature(fake_cuda):
+    """``cross_attention_kwargs={"scale": s}`` scales the LoRA layers for that call only: each scale is
+    its own graph, and the default scale replays its own again."""
+    eager, graphed = _cpu_pair("tiny")
+    _two_adapters(eager, graphed)
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        for scale in (None, 0.5, None, 0.5):
+            call = kw if scale is None else {**kw, "cross_attention_kwargs": {"scale": scale}}
+            assert torch.equal(graphed(x, 10, **call).sample, eager(x, 10, **call).sample)
+        halved = eager(x, 10, **kw, cross_attention_kwargs={"scale": 0.5}).sample
+        assert not torch.equal(eager(x, 10, **kw).sample, halved)
+    assert len(fake_cuda) == 2
+
+
+def test_ip_adapter_loaded_after_capture_recaptures(fake_cuda):
+    """``load_ip_adapter`` after a capture swaps the cross-attention processors and adds the image
+    projection: the next call captures anew (the new processors run as diffusers ships them until
+    the model is patched again, on both models here)."""
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        graphed(x, 10, **kw)
+        for unet in (eager, graphed):
+            models.load_random_ip_adapters(unet, 1)
+        kw["added_cond_kwargs"] = {"image_embeds": [torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(3))]}
+        assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+    assert len(fake_cuda) == 2
+
+
+def test_lora_hotswap_after_capture_takes_effect(fake_cuda, tmp_path):
+    """diffusers' LoRA hot-swap (``load_lora_weights(..., hotswap=True)``) copies the new adapter's
+    weights into the loaded one's tensors: the graphs read them there (the watch sees the same
+    addresses) or, if a tensor was replaced, capture anew; either way the next call runs the new LoRA."""
+    peft = pytest.importorskip("peft", reason="peft is in the test extra")
+    from peft.utils import get_peft_model_state_dict
+
+    pipes = []
+    for seed in (3, 4):  # two LoRAs of one shape, saved as a user would have them
+        source = models.build_model("tiny", "unet")
+        torch.manual_seed(seed)
+        source.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"],
+                                           init_lora_weights=False))
+        type(models.build_pipeline("tiny")).save_lora_weights(
+            tmp_path / str(seed), unet_lora_layers=get_peft_model_state_dict(source), safe_serialization=True)
+    for graph in (False, True):
+        pipe = models.build_pipeline("tiny")
+        pipe.load_lora_weights(tmp_path / "3", adapter_name="a")
+        sd_kernels.patch(pipe.unet, cuda_graph=graph)
+        pipes.append(pipe)
+    eager, graphed = (p.unet for p in pipes)
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        first = graphed(x, 10, **kw).sample
+        graphed(x, 10, **kw)
+        places = [t.data_ptr() for t in graphed.parameters()]
+        for pipe in pipes:
+            pipe.load_lora_weights(tmp_path / "4", adapter_name="a", hotswap=True)
+        want = eager(x, 10, **kw).sample
+        assert not torch.equal(want, first)
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
+    # the stand-in graph re-runs the model; a real one reads the weights where they were at capture:
+    # so either they are still there, or the graphs were captured anew
+    assert places == [t.data_ptr() for t in graphed.parameters()] or len(fake_cuda) == 2
 
 
 def test_ip_adapter_scale_set_after_capture_recaptures(fake_cuda):
