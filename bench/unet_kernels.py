@@ -63,23 +63,12 @@ def _inputs(cfg: dict, size: int, device="cuda", dtype=torch.float16):
     return x, torch.tensor([500, 500], device=device), ctx, kwargs
 
 
-def timed(fn, reps: int = 20) -> float:
-    """Milliseconds per call of ``fn`` over ``reps`` back-to-back calls (CUDA events, after a sync)."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def measure(model: str, size: int, setup: str) -> dict:
     from sd_kernels.patches import PATCHERS
     from sd_kernels.patches import winograd as wg_patch
 
     import sd_kernels
+    from bench.e2e import steady_ms
     from sd_kernels.models import build_model, load_config
 
     unet = build_model(model, "unet", device="cuda", dtype=torch.float16)
@@ -126,7 +115,7 @@ def measure(model: str, size: int, setup: str) -> dict:
                 graph = next(iter(unet.forward.graphs.values())).graph
             # The call as the setup makes it (ours: the graph wrapper's input copies, output clone and
             # per-call checks), and the bare replay of its graph: their difference is the wrapper's cost.
-            step_ms, graph_ms = timed(replay), timed(graph.replay)
+            step_ms, graph_ms = steady_ms(replay, calls=20), steady_ms(graph.replay, calls=20)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 replay()
                 torch.cuda.synchronize()
