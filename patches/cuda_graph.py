@@ -38,7 +38,9 @@ Under ``torch.compile`` the wrapper steps aside (compile's mode="reduce-overhead
 graph a model); ``patch(..., compile=True)`` instead compiles the method that the graphs capture.
 Calls that cannot be captured run eagerly (logged once per reason): autograd enabled, a tensor
 argument on another device (a host tensor of at most ``HOST_NUMEL`` elements is fine: it is copied
-in), a non-tensor argument that is not hashable, or a capture that raised. The graphs hold the
+in), a non-tensor argument that is not hashable, or a capture that raised while the same call runs
+eagerly (a call the model itself refuses — an IP-Adapter image embedding of the wrong size, say —
+raises the model's own error, and nothing is remembered for that signature). The graphs hold the
 weights by address: in-place weight changes (``load_state_dict``) show in the next replay; what a
 call reads on the host and bakes into the graph is checked on every call and drops the graphs when
 it changed: the module tree (``load_lora_weights`` adds modules, seen in ``peft_config``), moved
@@ -269,10 +271,13 @@ class GraphedCall:
         self.eager_keys.clear()
 
     def _eager(self, reason: str, args, kwargs, level: int = logging.WARNING) -> Any:
+        self._eager_note(reason, level)
+        return self.forward(*args, **kwargs)
+
+    def _eager_note(self, reason: str, level: int = logging.WARNING) -> None:
         if reason not in self._logged:
             self._logged.add(reason)
             log.log(level, "sd_kernels: cuda_graph: running the %s eagerly: %s", self.label, reason)
-        return self.forward(*args, **kwargs)
 
     def _signature(self, leaves: list, tree: pytree.TreeSpec) -> tuple[Any, str | None]:
         parts = []
@@ -325,8 +330,10 @@ class GraphedCall:
             try:
                 graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
             except Exception as exc:  # a capture that fails runs eagerly from then on, for this signature
+                out = self.forward(*args, **kwargs)  # a call the model refuses raises its own error here
                 self.eager_keys.add(key)
-                return self._eager(f"capture failed ({type(exc).__name__}: {exc})", args, kwargs)
+                self._eager_note(f"capture failed ({type(exc).__name__}: {exc})")
+                return out
         if graph is None:
             return self.forward(*args, **kwargs)
         return graph(leaves)

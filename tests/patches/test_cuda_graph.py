@@ -8,6 +8,7 @@ exact unpatch. The same logic runs on CPU against a stand-in graph (FakeGraph be
 
 import copy
 import logging
+import re
 
 import diffusers.loaders.peft  # noqa: F401  (its annotations read torch.cuda.Stream, which fake_cuda replaces)
 import pytest
@@ -262,6 +263,44 @@ def test_ip_adapter_loaded_after_capture_recaptures(fake_cuda):
         kw["added_cond_kwargs"] = {"image_embeds": [torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(3))]}
         assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
     assert len(fake_cuda) == 2
+
+
+def test_a_call_the_model_refuses_raises_its_own_error(fake_cuda, caplog):
+    """Bad input (an IP-Adapter image embedding of the wrong size) gives diffusers' own error, as
+    without the patch: no "capture failed" fallback, nothing remembered for the bad signature, and
+    the right call after it captures and matches."""
+    eager, graphed = _cpu_pair("tiny")
+    for unet in (eager, graphed):
+        models.load_random_ip_adapters(unet, 1)
+    x, kw = _cpu_args(eager, 2, 8)
+    good = {**kw, "added_cond_kwargs": {"image_embeds": [torch.randn(2, 1, 16)]}}
+    bad = {**kw, "added_cond_kwargs": {"image_embeds": [torch.randn(2, 1, 15)]}}
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        with pytest.raises(RuntimeError) as stock_error:
+            eager(x, 10, **bad)
+        with pytest.raises(type(stock_error.value), match=re.escape(str(stock_error.value).splitlines()[0])):
+            graphed(x, 10, **bad)
+        assert torch.equal(graphed(x, 10, **good).sample, eager(x, 10, **good).sample)
+    assert not graphed.forward.eager_keys and len(graphed.forward.graphs) == 1
+    assert not [r for r in caplog.records if "eagerly" in r.message]
+
+
+def test_an_unknown_adapter_name_is_diffusers_error_and_changes_nothing(fake_cuda):
+    pipes = [models.build_pipeline("tiny") for _ in range(2)]
+    _two_adapters(*(p.unet for p in pipes))
+    sd_kernels.patch(pipes[0].unet, cuda_graph=False)
+    sd_kernels.patch(pipes[1].unet, cuda_graph=True)
+    eager, graphed = (p.unet for p in pipes)
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        for pipe in pipes:
+            pipe.set_adapters(["a"])
+        graphed(x, 10, **kw)
+        for pipe in pipes:
+            with pytest.raises(ValueError, match="missing"):
+                pipe.set_adapters(["missing"])
+        assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
+    assert len(fake_cuda) == 1
 
 
 def test_lora_hotswap_after_capture_takes_effect(fake_cuda, tmp_path):
