@@ -125,6 +125,12 @@ def conv2d_3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.conv2d(x, weight, bias, stride=1, padding=1)
 
 
+def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1,
+           padding=0) -> torch.Tensor:
+    """``F.conv2d`` with groups 1 and dilation 1: what ``ops.conv.conv2d`` computes."""
+    return F.conv2d(x, weight, bias, stride=stride, padding=padding)
+
+
 def upcast(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float64) -> tuple:
     """Detached copies in ``dtype`` (default float64) for building oracles; None stays None."""
     return tuple(None if t is None else t.detach().to(dtype) for t in tensors)
