@@ -21,6 +21,7 @@ choices, in the user's autotune cache and the tables the package ships (autotune
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -45,6 +46,7 @@ __all__ = ["AUTOTUNE", "FAST_LAUNCH", "Launcher", "cdiv", "device_properties", "
 # SD_KERNELS_FAST_LAUNCH=0: memoized launches go through Triton's JITFunction.run, not the direct path
 # (read here once; code may also set launch.FAST_LAUNCH, as bench.overhead does to compare the two).
 FAST_LAUNCH = os.environ.get("SD_KERNELS_FAST_LAUNCH", "1") != "0"
+log = logging.getLogger("sd_kernels")
 
 
 class Launcher:
@@ -65,6 +67,7 @@ class Launcher:
         self.tunable = any(len(layer.configs) > 1 for layer in self._autotuners())
         self.config_names = {k for layer in self._autotuners() for c in layer.configs for k in c.all_kwargs()}
         self.cache: CacheFile | None = None  # the file of the last miss's device and directory
+        self.tuned_any = False  # whether a key was autotuned in this process (logged the first time)
         self._fingerprint: str | None = None
 
     def __call__(self, key: Hashable, grid: Callable | tuple, *args: Any, **kwargs: Any) -> None:
@@ -86,6 +89,10 @@ class Launcher:
             meta = self._chosen(args, kwargs, tuned)
             self.jit[grid](*args, **kwargs, **meta)
         else:
+            if self.tunable and not self.tuned_any:  # once per kernel: a shape no table holds is timed now
+                self.tuned_any = True
+                log.info("sd_kernels: autotuning %s for a shape no tuning table holds (key %s); the choice is "
+                         "kept in the autotune cache", self.name, key)
             self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
             if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):

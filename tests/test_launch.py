@@ -480,11 +480,15 @@ def test_a_dry_run_leaves_a_key_without_a_tuned_choice_to_the_real_call(tuning, 
     assert fresh.memo == launcher.memo and tuning.benched == [16, 32]
 
 
-def test_a_key_the_file_lacks_is_tuned_and_added(tuning, device):
-    _run(Launcher(_tuned_kernel), 48, device)
-    _run(Launcher(_tuned_kernel), 50, device)
+def test_a_key_the_file_lacks_is_tuned_and_added(tuning, device, caplog):
+    launcher = Launcher(_tuned_kernel)
+    with caplog.at_level(logging.INFO, logger="sd_kernels"):
+        _run(launcher, 48, device)
+        _run(launcher, 50, device)
     assert tuning.benched == [16, 32, 16, 32]
     assert set(json.loads(_cache_file(device).read_text())["entries"]) == {repr(("scale", 48)), repr(("scale", 50))}
+    tuned = [r.getMessage() for r in caplog.records if "autotuning" in r.getMessage()]
+    assert len(tuned) == 1 and launcher.name in tuned[0]  # said once per kernel, with the first key
 
 
 @pytest.mark.parametrize("content, what", [
