@@ -5,8 +5,9 @@
 For each setup the UNet (random weights, fp16, batch 2 = one prompt with CFG) is built, set up
 (``stock``: diffusers' own modules, channels_last like the peer; ``peer``: the peer of bench.e2e,
 diffusers' recipe — channels_last, ``fuse_qkv_projections()``, ``torch.compile(fullgraph=True)`` —
-whose CUDA graph the bench captures itself (the device time is that of mode="reduce-overhead"'s
-graphs); ``peer-max-autotune``: the same compiled with mode="max-autotune-no-cudagraphs" (the recipe's
+whose CUDA graph the bench captures itself (the kernels mode="reduce-overhead" runs, without its
+cudagraph trees' input copies: captured alike, the two sides compare kernel for kernel);
+``peer-max-autotune``: the same compiled with mode="max-autotune-no-cudagraphs" (the recipe's
 autotuned kernels, graphed the same way); ``patched``: ``patch(unet, cuda_graph="unet")``;
 ``patched-no-winograd``: the same without the winograd family; ``patched-compile``: with
 ``compile=True``; ``patched-compile-no-winograd``: both), one call is captured in a CUDA graph (the
