@@ -8,12 +8,17 @@ from its first conv on (the NCHW latents are read once, in conv_in), and so do t
 Measured on the H100, SD1.5 UNet step, batch 2, from CUDA graphs: stock 12.26 → 10.60 ms; patched
 10.68 → 7.69 ms (bench/results/2026-11-22-h100-layout/).
 
-One place in diffusers breaks the chain: a Transformer2DModel with a 1×1 conv ``proj_out`` (SD1.5,
-SD2.x's conv variants) hands it ``permute(0, 3, 1, 2).contiguous()``, an NCHW map, and a 1×1 weight
-is NCHW and NHWC at once, so the conv, the residual add and everything after it ran NCHW: on the
-H100, 21 of SD1.5's 29 deep 3×3 conv calls per step then saw NCHW inputs (bench.unet_kernels). A
-forward pre-hook on each such ``proj_out`` lays its input NHWC (one copy of the attention output,
-a few µs at SD1.5's largest map) and the UNet stays NHWC from ``conv_in`` to ``conv_out``.
+One place in diffusers breaks the chain: Transformer2DModel's ``_get_output_for_continuous_inputs``
+ends its ``reshape → permute(0, 3, 1, 2)`` with ``.contiguous()``, an NCHW copy, before (1×1 conv
+``proj_out``: SD1.5, SD2.x's conv variants) or after (linear ``proj_out``: SD2.1, SDXL) the output
+projection; the residual add and everything after it then ran NCHW. On the H100, 21 of SD1.5's 29
+deep 3×3 conv calls per step saw NCHW inputs (bench.unet_kernels); in SD2.1 768² and SDXL 1024², 29
+of 61 and 19 of 46 GroupNorm inputs. Where the installed diffusers has the very method we checked
+(patches/verified.py), the patch gives each such block the same method without that copy: the
+permuted view is already NHWC in memory, so one copy fewer and the UNet stays NHWC from ``conv_in``
+to ``conv_out``. Under another diffusers version a forward pre-hook on each 1×1 conv ``proj_out``
+re-lays its input NHWC (one copy more), and blocks with a linear ``proj_out`` are left as they are
+(reported in the record's skips).
 
 The profile's ``channels_last`` lists the parts ("unet", "vae"). The patch converts every 4-D
 parameter of such a model that is not channels_last yet, in place (``param.data``: the Parameter
@@ -22,6 +27,8 @@ back to contiguous NCHW: the values never change, so outputs are bit-identical a
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn as nn
@@ -32,6 +39,7 @@ from sd_kernels.profiles import active_profile
 from .families import family_of
 from .record import PatchRecord
 from .registry import register
+from .verified import VERIFIED_WITH, is_verified
 
 
 def part_of(model: nn.Module) -> str | None:
@@ -65,9 +73,40 @@ def patch_layout(model: nn.Module, record: PatchRecord) -> None:
                 p.data = p.data.contiguous()
 
     record.on_undo(restore, "channels_last_weight", len(converted))
-    hooks = [m.proj_out.register_forward_pre_hook(_nhwc_input) for m in model.modules()
-             if type(getattr(m, "proj_out", None)) is nn.Conv2d]
-    record.on_undo(lambda: [h.remove() for h in hooks], "channels_last_input", len(hooks))
+    _keep_transformer_outputs_nhwc(model, record)
+
+
+def _keep_transformer_outputs_nhwc(model: nn.Module, record: PatchRecord) -> None:
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    blocks = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, Transformer2DModel) and type(getattr(m, "proj_out", None)) in (nn.Conv2d, nn.Linear)]
+    method = Transformer2DModel._get_output_for_continuous_inputs
+    verified = is_verified(method)
+    hooks = []
+    for path, m in blocks:
+        if verified and type(m)._get_output_for_continuous_inputs is method:
+            record.set_attr(m, "_get_output_for_continuous_inputs", types.MethodType(_nhwc_output, m),
+                            "channels_last_output")
+        elif type(m.proj_out) is nn.Conv2d:
+            hooks.append(m.proj_out.register_forward_pre_hook(_nhwc_input))
+        else:
+            record.skip(path, "Transformer2DModel", "its output stays NCHW after the linear proj_out: not the "
+                        f"diffusers {VERIFIED_WITH} _get_output_for_continuous_inputs the NHWC copy mirrors")
+    if hooks:
+        record.on_undo(lambda: [h.remove() for h in hooks], "channels_last_input", len(hooks))
+
+
+def _nhwc_output(self, hidden_states, residual, batch_size, height, width, inner_dim):
+    """Transformer2DModel._get_output_for_continuous_inputs (diffusers 0.42.1) without the
+    ``.contiguous()`` after the permute: [B, H·W, C] rows viewed as [B, C, H, W] are NHWC already."""
+    if not self.use_linear_projection:
+        hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
+        hidden_states = self.proj_out(hidden_states)
+    else:
+        hidden_states = self.proj_out(hidden_states)
+        hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
+    return hidden_states + residual
 
 
 def _nhwc_input(module: nn.Module, args: tuple) -> tuple | None:

@@ -21,6 +21,7 @@ VERIFIED = {
     "AttnProcessor.__call__": "96f0b283a09a7b37",
     "FusedAttnProcessor2_0.__call__": "dd31131145952459",
     "IPAdapterAttnProcessor2_0.__call__": "3626f6de5fcd6280",
+    "Transformer2DModel._get_output_for_continuous_inputs": "4787ea4f43c55009",
 }
 VERIFIED_WITH = "0.42.1"
 

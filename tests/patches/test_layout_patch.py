@@ -95,24 +95,62 @@ def test_winograd_rules_are_per_layout():
     assert hopper.routes_winograd(1280, 1280, "nchw") and not hopper.routes_winograd(1280, 1280, "channels_last")
 
 
-def test_every_conv_after_conv_in_sees_nhwc(pipe):
-    """The UNet stays NHWC end to end: diffusers' Transformer2DModel hands its 1×1 proj_out an NCHW
-    map (a ``.contiguous()`` after a permute), which the patch's pre-hook re-lays; without it every
-    layer after the first attention block would run NCHW. Unpatch removes the hooks."""
-    convs = [(n, m) for n, m in pipe.unet.named_modules() if isinstance(m, torch.nn.Conv2d)]
+def _xl_kwargs(unet):
+    """The SDXL UNet's added conditioning, for a batch of one."""
+    cfg = unet.config
+    n_text = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+    g = torch.Generator().manual_seed(2)
+    return {"added_cond_kwargs": {"text_embeds": torch.randn(1, n_text, generator=g),
+                                  "time_ids": torch.randn(1, 6, generator=g)}}
+
+
+@pytest.mark.parametrize("verified", [True, False], ids=["verified", "other-diffusers"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl"])
+def test_every_layer_after_conv_in_sees_nhwc(name, verified, monkeypatch):
+    """The UNet stays NHWC end to end: diffusers' Transformer2DModel ends its output with an NCHW
+    ``.contiguous()`` (before a 1×1 conv proj_out in SD1.5, after a linear one in SD2.1/SDXL), which
+    the patch's copy of that method leaves out; under a diffusers whose method we have not checked,
+    a pre-hook re-lays a conv proj_out's input, and blocks with a linear proj_out are skipped (NCHW
+    after them, said in the record). Outputs match stock; unpatch restores everything."""
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+    from sd_kernels.patches import layout
+
+    if not verified:
+        monkeypatch.setattr(layout, "is_verified", lambda fn: False)
+    unet = models.build_pipeline(name).unet
+    x = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+    ctx = torch.randn(1, 77, unet.config.cross_attention_dim, generator=torch.Generator().manual_seed(3))
+    kwargs = _xl_kwargs(unet) if name == "tiny-xl" else {}
+    run = lambda: unet(x, 10, encoder_hidden_states=ctx, **kwargs).sample  # noqa: E731
+    linear = unet.config.use_linear_projection
+    blocks = [m for m in unet.modules() if isinstance(m, Transformer2DModel)]
+    assert blocks and all(type(m.proj_out) is (torch.nn.Linear if linear else torch.nn.Conv2d) for m in blocks)
+    stock = run()
+    layers = [(n, m) for n, m in unet.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.GroupNorm))]
     seen = {}
     hooks = []
     try:
-        with sd_kernels.patched(pipe, profile=_profile(["unet"]), ops=["channels_last"]) as record:
-            # registered after the patch's: they see what the conv gets
+        with sd_kernels.patched(unet, profile=_profile(["unet"]), ops=["channels_last"]) as record:
+            # registered after the patch's: they see what the layer gets
             hooks += [m.register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, is_channels_last(a[0])))
-                      for n, m in convs]
-            proj_outs = sum(n.endswith("proj_out") for n, _ in convs)
-            assert record.counts["channels_last_input"] == proj_outs > 0
-            _unet_out(pipe.unet)
-            assert {n for n, cl in seen.items() if not cl} == {"conv_in"}  # the NCHW latents
+                      for n, m in layers]
+            out = run()
+            if verified:
+                assert record.counts["channels_last_output"] == len(blocks)
+                assert "channels_last_input" not in record.counts and not record.skipped
+                assert {n for n, cl in seen.items() if not cl} == {"conv_in"}  # the NCHW latents
+            elif not linear:
+                assert record.counts["channels_last_input"] == len(blocks)
+                assert {n for n, cl in seen.items() if not cl} == {"conv_in"}
+            else:  # left alone and said so: the layers after the first transformer block see NCHW
+                assert len(record.skipped) == len(blocks) and "channels_last_output" not in record.counts
+                assert {n for n, cl in seen.items() if not cl} - {"conv_in"}
+            assert out.is_contiguous(memory_format=torch.channels_last)  # conv_out's weight is NHWC
+            torch.testing.assert_close(out, stock, rtol=1e-5, atol=1e-5)  # fp32 CPU: reordered sums only
+        assert all("_get_output_for_continuous_inputs" not in m.__dict__ for m in blocks)
+        assert all(len(m.proj_out._forward_pre_hooks) == (type(m.proj_out) is torch.nn.Conv2d) for m in blocks)  # ours
         seen.clear()
-        _unet_out(pipe.unet)
+        assert torch.equal(run(), stock)
         assert not any(seen.values())  # stock again: NCHW throughout
     finally:
         for h in hooks:
