@@ -20,6 +20,8 @@ measures that at every conv shape of the SD1.5 UNet and VAE. Nothing patches it 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,11 @@ def _config(m: int, n: int, k: int, warps: int, stages: int, group: int = 8) -> 
 # Tiles in the range Triton's Hopper matmuls use (wgmma needs BLOCK_M a multiple of 64 per warpgroup);
 # BLOCK_K 64 divides every SD channel count (320…2560, 128…512): no masked channel lanes there.
 _HALF_CONFIGS = [_config(128, 128, 64, 8, 3), _config(128, 256, 64, 8, 3), _config(64, 128, 64, 4, 4),
-                 _config(128, 64, 64, 4, 4), _config(256, 128, 64, 8, 3), _config(128, 128, 32, 4, 4)]
+                 _config(128, 64, 64, 4, 4), _config(256, 128, 64, 8, 3), _config(128, 128, 32, 4, 4),
+                 # small tiles for the deep 16² and 8² maps (M = 512 and 128 at batch 2), and a
+                 # deeper BLOCK_K for the 1×1 convs (fewer, longer steps)
+                 _config(64, 64, 64, 4, 4), _config(64, 64, 128, 4, 3), _config(128, 64, 128, 4, 3),
+                 _config(128, 128, 128, 8, 3)]
 _FP32_CONFIGS = [_config(64, 64, 32, 4, 3), _config(128, 64, 32, 8, 3)]
 
 
@@ -49,7 +55,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _autotune():
-    key = ["M", "K", "C", "R", "S", "STRIDE"]
+    key = ["M", "K", "C", "R", "S", "STRIDE", "SPLIT"]
     if interpreting():  # the interpreter would run every config; one small tile covers the logic
         return triton.autotune([_config(16, 16, 16, 4, 1, 2)], key=key)
     return triton.autotune(_HALF_CONFIGS + _FP32_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune})
@@ -62,11 +68,13 @@ def _conv_kernel(
     stride_xn, stride_xc, stride_xh, stride_xw,
     stride_wk, stride_wc, stride_wr, stride_ws,
     stride_yn, stride_yk, stride_yp, stride_yq,
+    stride_ys,
     R: tl.constexpr, S: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One [BLOCK_M output pixels, BLOCK_N output channels] tile of y = conv(x, w) + b."""
+    """One [BLOCK_M output pixels, BLOCK_N output channels] tile of y = conv(x, w) + b; with SPLIT > 1,
+    program (tile, j) sums the j-th of SPLIT slices of the depth into the j-th fp32 partial of Y."""
     # Grouped order: GROUP_M row blocks share each column block's weights in L2.
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N)
@@ -96,7 +104,10 @@ def _conv_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     c_steps = tl.cdiv(C, BLOCK_K)
-    for t in range(0, R * S * c_steps):
+    steps = R * S * c_steps
+    chunk = tl.cdiv(steps, SPLIT)
+    first = tl.program_id(1) * chunk
+    for t in range(first, tl.minimum(first + chunk, steps)):
         tap = t // c_steps
         c = (t - tap * c_steps) * BLOCK_K + offs_k
         r = tap // S
@@ -113,7 +124,7 @@ def _conv_kernel(
 
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_rows = Y + n_img.to(tl.int64) * stride_yn + p * stride_yp + q * stride_yq
+    y_rows = Y + tl.program_id(1) * stride_ys + n_img.to(tl.int64) * stride_yn + p * stride_yp + q * stride_yq
     tl.store(y_rows[:, None] + offs_n[None, :] * stride_yk, acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -180,12 +191,45 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     M = N * P * Q
     precision = "ieee" if x.dtype == torch.float32 and not torch.backends.cudnn.allow_tf32 else "tf32"
     align = alignment(x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1))  # the H, W, K strides it scales
-    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]),)
-    key = (M, K, C, R, S, stride[0], padding[0], x.dtype, precision, align, bias is not None,
-           channels_last, weight.is_contiguous())
+    split = _split_k(M, K, R * S * cdiv(C, 64), x.device)
+    # split depth: fp32 partials [SPLIT, N, P, Q, K], summed in a fixed order after (deterministic)
+    out = y if split == 1 else torch.empty((split, N, P, Q, K), dtype=torch.float32, device=x.device)
+    y_strides = y.stride() if split == 1 else (out.stride(1), out.stride(4), out.stride(2), out.stride(3))
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_N"]), split)
+    has_bias = bias is not None and split == 1
+    key = (M, K, C, R, S, stride[0], padding[0], x.dtype, precision, align, has_bias,
+           channels_last, weight.is_contiguous(), split)
     _CONV(
-        key, grid, x, weight, bias if bias is not None else x, y, M, C, H, W, K, P, Q, padding[0],
-        *x.stride(), *weight.stride(), *y.stride(),
-        R=R, S=S, STRIDE=stride[0], HAS_BIAS=bias is not None, PRECISION=precision, ALIGN=align,
+        key, grid, x, weight, bias if has_bias else x, out, M, C, H, W, K, P, Q, padding[0],
+        *x.stride(), *weight.stride(), *y_strides, out.stride(0) if split > 1 else 0,
+        R=R, S=S, STRIDE=stride[0], HAS_BIAS=has_bias, PRECISION=precision, ALIGN=align, SPLIT=split,
     )
+    if split > 1:
+        total = out.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total.permute(0, 3, 1, 2))
     return y
+
+
+def _split_k(M: int, K: int, steps: int, device: torch.device) -> int:
+    """How many slices the depth is split into: doubled while the output tiles (counted at 128×128,
+    the largest common tile) times the slices fill less than half the GPU's SMs, keeping at least 4
+    depth steps (of 64 channels) per slice, at most 16. The SD UNet's 8² and 16² maps (M = 128, 512
+    at batch 2) leave most SMs idle otherwise."""
+    sms = _multiprocessors(device)
+    tiles, split = cdiv(M, 128) * cdiv(K, 128), 1
+    while split < 16 and tiles * split < sms // 2 and steps // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: no split unless a test asks for one
+        return 0
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -69,6 +69,31 @@ def test_conv2d(case, layout, dtype, device):
     assert ours.is_contiguous(memory_format=fmt)
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
+def test_split_depth(case, split, device, monkeypatch):
+    """The depth split for small maps (fp32 partials, summed after): slices of unequal length (3),
+    1×1 and stride 2, the bias added once."""
+    monkeypatch.setattr(cv, "_split_k", lambda *args: split)
+    N, C, H, W, K, R, stride, padding = case
+    x, w, b = _inputs(N, C, H, W, K, R, torch.float16, device)
+    x, w = channels_last(x), channels_last(w)
+    y = conv2d(x, w, b, stride=stride, padding=padding)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    _check(y, x, w, b, stride, padding)
+
+
+def test_split_choice(monkeypatch):
+    """Slices doubled until the 128×128 tiles times slices fill half the SMs, ≥ 4 depth steps each."""
+    monkeypatch.setattr(cv, "_multiprocessors", lambda device: 132)
+    pick = lambda M, K, steps: cv._split_k(M, K, steps, torch.device("cuda"))  # noqa: E731
+    assert pick(128, 1280, 9 * 20) == 8  # 8² map at batch 2, 3×3 1280 → 1280: 10 tiles → 80 programs
+    assert pick(512, 1280, 9 * 20) == 2  # 16²: 40 tiles → 80
+    assert pick(8192, 320, 9 * 5) == 1  # 64²: 192 tiles fill the GPU
+    assert pick(128, 128, 8) == 2  # a shallow depth: 4 steps per slice at least
+    assert pick(128, 1280, 1000) == 8 and pick(1, 1, 1000) == 16  # at most 16
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_strided_input_and_mixed_layouts(bias, device):
     """A view that is neither NCHW nor NHWC dense, with an NCHW weight for an NHWC-ish input: the
