@@ -6,7 +6,8 @@ record of every change hangs on the patched object, and ``unpatch`` restores the
 and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied
 (the channels_last family re-lays the data of the very same Parameters, and lays it back).
 ``cuda_graph=True`` also replays the UNet, the VAE decode and the text encoders from CUDA graphs and
-keeps the scheduler's timesteps on the host (cuda_graph.py, scheduler.py). ``report`` gives what a
+keeps the scheduler's timesteps on the host (cuda_graph.py, scheduler.py), and finds the pipeline's
+execution device without diffusers' walk over every module (pipeline_host.py). ``report`` gives what a
 patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
 """
 
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile, using_profile
 
-from . import attention, families, gelu, group_norm, layout, memory, winograd  # noqa: F401  (each registers its patcher)
+from . import attention, families, gelu, group_norm, layout, memory, pipeline_host, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
@@ -83,7 +84,8 @@ def patch(
     ``profile``: a profile name or Profile (default: detected); ``ops`` picks op families (default:
     all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays model calls from
     CUDA graphs captured per call signature: True or "pipeline" the UNet, the VAE decode and the
-    text encoders, with the scheduler's timesteps on the host; "unet" the UNet alone
+    text encoders, with the scheduler's timesteps on the host and a faster ``_execution_device``
+    (pipeline_host.py); "unet" the UNet alone
     (patches/cuda_graph.py; needs the UNet on CUDA); "auto" (the default) "pipeline" where the UNet
     can be captured and the profile sets no memory budget, else none; False: eager. ``compile``:
     the graphs capture ``torch.compile(fullgraph=True)`` of the UNet's forward and the VAE's decode
@@ -179,6 +181,7 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
         cuda_graph_mod.install(model, record, method, drop, compile=compile and part in PARTS)
     if record.scheduler is not None:
         host_timesteps(record.scheduler, record)
+    pipeline_host.fast_execution_device(obj, record)
 
 
 def unpatch(obj: object) -> bool:

@@ -460,7 +460,9 @@ def test_pipeline_mode_graphs_every_model_call(fake_cuda, name):
     # one signature per model call kind: UNet (batch 2 with guidance), VAE decode, each encoder's call
     assert len(graphed.unet.forward.graphs) == 1 and len(graphed.vae.decode.graphs) == 1
     assert graphed.scheduler.timesteps.device.type == "cpu"
+    assert record.counts["fast_execution_device"] == 1 and type(graphed) is not type(eager)
     sd_kernels.unpatch(graphed)
+    assert type(graphed) is type(eager)
     assert "decode" not in vars(graphed.vae) and "set_timesteps" not in vars(graphed.scheduler)
     assert all("forward" not in vars(getattr(graphed, p)) for p in encoders)
 

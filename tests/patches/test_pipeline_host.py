@@ -1,0 +1,105 @@
+"""The pipeline's faster ``_execution_device`` (patches/pipeline_host.py): the same device as
+diffusers' property in every state its rules distinguish, the same class name, exact undo. On CPU
+through the function ``patch(pipe, cuda_graph=True)`` calls (it needs CUDA); that the patch calls it
+is checked on the GPU (tests/patches/test_cuda_graph.py)."""
+
+import contextlib
+import json
+import types
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, StableDiffusionPipeline
+from diffusers.hooks import HookRegistry, ModelHook
+from sd_kernels.patches import pipeline_host
+from sd_kernels.patches.record import PatchRecord
+
+from sd_kernels import models
+
+stock_device = DiffusionPipeline._execution_device.fget
+
+
+@pytest.fixture
+def pipe():
+    return models.build_pipeline("tiny")
+
+
+class _OnloadHook(ModelHook):
+    """Stands for diffusers' group-offloading hook: all _execution_device reads is its config."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(onload_device=torch.device(device))
+
+
+def _hook(module, device: str, name: str = "group_offloading"):
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(_OnloadHook(device), name)
+
+
+@contextlib.contextmanager
+def fast(pipe):
+    record = PatchRecord((), "cpu", [])
+    pipeline_host.fast_execution_device(pipe, record)
+    try:
+        yield record
+    finally:
+        record.undo()
+
+
+def test_same_class_name_and_exact_undo(pipe, tmp_path):
+    with fast(pipe) as record:
+        assert record.counts["fast_execution_device"] == 1
+        assert type(pipe) is not StableDiffusionPipeline and isinstance(pipe, StableDiffusionPipeline)
+        assert (type(pipe).__name__, type(pipe).__module__, type(pipe).__qualname__) == (
+            "StableDiffusionPipeline", StableDiffusionPipeline.__module__, "StableDiffusionPipeline")
+        pipe.save_pretrained(tmp_path)
+        assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
+    assert type(pipe) is StableDiffusionPipeline
+
+
+@pytest.mark.parametrize("where", ["none", "deep", "two", "shared", "other-name", "accelerate", "accelerate-none"])
+def test_same_device_as_diffusers(pipe, where):
+    """Group-offloading hooks deep in a component, in two components (the first component in
+    ``components`` order wins, and in it the first module in named_modules order), a module shared
+    twice in a tree, a hook of another name (not group offloading), accelerate's ``_hf_hook``s."""
+    unet, vae = pipe.unet, pipe.vae
+    if where == "deep":
+        _hook(unet.up_blocks[1].resnets[0].conv1, "meta")
+    elif where == "two":
+        _hook(vae.decoder.mid_block, "meta")
+        _hook(unet.down_blocks[0].resnets[0], "cpu")
+        _hook(unet.down_blocks[0].resnets[0].norm1, "meta")
+    elif where == "shared":
+        unet.extra = unet.down_blocks[0]  # visited once, where it first appears
+        _hook(unet.down_blocks[0].resnets[0], "meta")
+    elif where == "other-name":
+        _hook(unet.conv_in, "meta", name="layerwise_casting")
+    elif where.startswith("accelerate"):
+        for model in (unet, vae, pipe.text_encoder):  # as sequential CPU offload leaves them
+            model._hf_hook = types.SimpleNamespace(execution_device=None)
+        inner = list(pipe.text_encoder.modules())[5]
+        inner._hf_hook = types.SimpleNamespace(execution_device=None if where == "accelerate-none" else "meta")
+    want = stock_device(pipe)
+    with fast(pipe) as record:
+        assert record.counts["fast_execution_device"] == 1
+        assert pipe._execution_device == want
+    assert where in ("none", "other-name", "accelerate-none") or want == torch.device("meta")
+
+
+def test_other_diffusers_is_left_alone(pipe, monkeypatch):
+    monkeypatch.setattr(pipeline_host, "verified", lambda: False)
+    with fast(pipe) as record:
+        assert type(pipe) is StableDiffusionPipeline and "fast_execution_device" not in record.counts
+        assert any("_execution_device" in s.reason for s in record.skipped)
+
+
+def test_a_pipeline_class_with_its_own_property_is_left_alone(pipe):
+    class Custom(StableDiffusionPipeline):
+        @property
+        def _execution_device(self):
+            return torch.device("meta")
+
+    pipe.__class__ = Custom
+    with fast(pipe) as record:
+        assert type(pipe) is Custom and pipe._execution_device == torch.device("meta")
+        assert "fast_execution_device" not in record.counts
