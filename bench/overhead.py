@@ -7,6 +7,10 @@ never holds the host back: each call's kernels are shorter than its launch), and
 our calls to ``overhead-profile.txt`` so that the expensive lines are named. The row ``ours, run`` is
 ours with the launcher's direct path off (``sd_kernels.launch.FAST_LAUNCH``, as
 SD_KERNELS_FAST_LAUNCH=0): every launch through Triton's ``JITFunction.run``.
+
+``--pipeline NAME[,NAME]`` also times, per shipped config, the pipeline's ``_execution_device`` (the
+first thing every pipeline call does, while the GPU waits): diffusers' property against the one
+``patch(pipe)``'s pipeline mode installs (patches/pipeline_host.py), interleaved in rounds.
 """
 
 from __future__ import annotations
@@ -108,10 +112,36 @@ def _profile_model(name: str, rows: list[dict]) -> str:
     return "\n".join(texts)
 
 
+def _execution_device_rows(name: str, rounds: int = 10, calls: int = 10) -> list[dict]:
+    """Host time of ``pipe._execution_device``: diffusers' own, and the patched pipeline's."""
+    import statistics
+
+    from diffusers import DiffusionPipeline
+
+    import sd_kernels
+    from sd_kernels.models import build_pipeline
+
+    pipe = build_pipeline(name, device="cuda", dtype=torch.float16)
+    stock = DiffusionPipeline._execution_device.fget
+    times: dict[str, list[float]] = {"stock": [], "ours": []}
+    with sd_kernels.patched(pipe, cuda_graph=True) as record:
+        assert record.counts["fast_execution_device"] == 1, record.format()
+        for _ in range(rounds):
+            for impl, fn in (("stock", lambda: stock(pipe)), ("ours", lambda: pipe._execution_device)):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[impl].append((time.perf_counter() - t) / calls * 1e6)
+    modules = sum(1 for c in pipe.components.values() if isinstance(c, torch.nn.Module) for _ in c.modules())
+    return [{"op": f"{name} pipe._execution_device ({modules} modules)", "impl": impl,
+             "host_us_per_call": round(statistics.median(ts), 1)} for impl, ts in times.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--model", default="", help="also profile one eager UNet step of this shipped config")
+    ap.add_argument("--pipeline", default="", help="also time _execution_device of these shipped configs' pipelines")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.overhead needs a CUDA GPU", file=sys.stderr)
@@ -120,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, profiles = [], []
     if args.model:
         profiles.append(_profile_model(args.model, rows))
+    for name in filter(None, args.pipeline.split(",")):
+        rows += _execution_device_rows(name)
+        for r in rows[-2:]:
+            print(f"  {r['op']:<40} {r['impl']:<9} {r['host_us_per_call']:10.1f} us/call", flush=True)
     from sd_kernels import launch
 
     with torch.inference_mode():

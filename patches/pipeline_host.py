@@ -12,13 +12,15 @@ qualified name: ``save_pretrained`` writes the same ``_class_name``) whose ``_ex
 gives the same answer by the same rules, from a walk that reads each module's ``__dict__`` instead
 of raising and catching an AttributeError per module: the first group-offloading hook in
 ``named_modules`` order of the first component that has one, else accelerate's hooks exactly as
-diffusers reads them, else ``pipe.device``. It is installed only where the installed diffusers has
+diffusers reads them, else ``pipe.device`` (the first component off the CPU, each diffusers model's
+device read with the same faster walk). It is installed only where the installed diffusers has
 the very code this mirrors (patches/verified.py); unpatch gives the object its class back.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn as nn
@@ -74,12 +76,41 @@ def _execution_device(self) -> torch.device:
         if not isinstance(model, nn.Module) or name in self._exclude_from_cpu_offload:
             continue
         if not hasattr(model, "_hf_hook"):
-            return self.device
+            return _pipeline_device(self)
         for module in model.modules():
             hook = getattr(module, "_hf_hook", None)
             if hook is not None and getattr(hook, "execution_device", None) is not None:
                 return torch.device(hook.execution_device)
-    return self.device
+    return _pipeline_device(self)
+
+
+def _pipeline_device(pipe) -> torch.device:
+    """``DiffusionPipeline.device``: the first component not on the CPU (or meta), else the first."""
+    names, _ = pipe._get_signature_keys(pipe)
+    modules = [m for m in (getattr(pipe, n, None) for n in names) if isinstance(m, nn.Module)]
+    devices = (_model_device(m) for m in modules)
+    first = None
+    for device in devices:
+        if device.type not in ("cpu", "meta"):
+            return device
+        first = device if first is None else first
+    return first if first is not None else torch.device("cpu")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """``model.device``; for a diffusers model (``ModelMixin.device``: its group-offloading hook's
+    onload device, else its first parameter's or buffer's) with the faster walk."""
+    from diffusers import ModelMixin
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    if not isinstance(model, ModelMixin) or type(model).device is not ModelMixin.device:
+        return model.device
+    hook = _first_group_hook(model, _GROUP_OFFLOADING)
+    if hook is not None:
+        return hook.config.onload_device
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    return model.device  # no parameters or buffers: diffusers' own fallback
 
 
 @functools.cache
@@ -91,11 +122,13 @@ def _fast_class(cls: type) -> type:
 
 def verified() -> bool:
     """Whether the installed diffusers has the code ``_execution_device`` above mirrors."""
-    from diffusers import DiffusionPipeline
+    from diffusers import DiffusionPipeline, ModelMixin
     from diffusers.hooks import group_offloading as go
+    from diffusers.models import modeling_utils
 
     return all(map(is_verified, (DiffusionPipeline._execution_device.fget, go._get_top_level_group_offload_hook,
-                                 go._get_group_onload_device)))
+                                 go._get_group_onload_device, DiffusionPipeline.device.fget, ModelMixin.device.fget,
+                                 modeling_utils.get_parameter_device)))
 
 
 def fast_execution_device(pipe: object, record: PatchRecord) -> bool:

@@ -25,6 +25,9 @@ VERIFIED = {
     "DiffusionPipeline._execution_device": "f743b5e9ec1d2991",
     "_get_top_level_group_offload_hook": "a58e642ddca09c94",
     "_get_group_onload_device": "c93f14298ad1228a",
+    "DiffusionPipeline.device": "200dc9da61997fda",
+    "ModelMixin.device": "7fd5bd482c58953b",
+    "get_parameter_device": "2512d13c2214e520",
 }
 VERIFIED_WITH = "0.42.1"
 

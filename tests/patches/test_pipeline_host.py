@@ -57,13 +57,16 @@ def test_same_class_name_and_exact_undo(pipe, tmp_path):
     assert type(pipe) is StableDiffusionPipeline
 
 
-@pytest.mark.parametrize("where", ["none", "deep", "two", "shared", "other-name", "accelerate", "accelerate-none"])
+@pytest.mark.parametrize("where", ["none", "meta-part", "deep", "two", "shared", "other-name", "accelerate",
+                                   "accelerate-none"])
 def test_same_device_as_diffusers(pipe, where):
     """Group-offloading hooks deep in a component, in two components (the first component in
     ``components`` order wins, and in it the first module in named_modules order), a module shared
     twice in a tree, a hook of another name (not group offloading), accelerate's ``_hf_hook``s."""
     unet, vae = pipe.unet, pipe.vae
-    if where == "deep":
+    if where == "meta-part":  # the CPU and meta both give way to another device; here none is: the first
+        pipe.text_encoder.to("meta")
+    elif where == "deep":
         _hook(unet.up_blocks[1].resnets[0].conv1, "meta")
     elif where == "two":
         _hook(vae.decoder.mid_block, "meta")
@@ -83,7 +86,7 @@ def test_same_device_as_diffusers(pipe, where):
     with fast(pipe) as record:
         assert record.counts["fast_execution_device"] == 1
         assert pipe._execution_device == want
-    assert where in ("none", "other-name", "accelerate-none") or want == torch.device("meta")
+    assert where in ("none", "meta-part", "other-name", "accelerate-none") or want == torch.device("meta")
 
 
 def test_other_diffusers_is_left_alone(pipe, monkeypatch):
