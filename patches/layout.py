@@ -28,7 +28,7 @@ back to contiguous NCHW: the values never change, so outputs are bit-identical a
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 import torch.nn as nn
@@ -79,20 +79,24 @@ def patch_layout(model: nn.Module, record: PatchRecord) -> None:
 def _keep_transformer_outputs_nhwc(model: nn.Module, record: PatchRecord) -> None:
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
+    # Blocks that take a continuous (image) input are the ones whose output goes through the method;
+    # proj_out may be a Conv2d, a Linear or a wrapper of one (a LoRA layer): the copy calls whatever it is.
     blocks = [(n, m) for n, m in model.named_modules()
-              if isinstance(m, Transformer2DModel) and type(getattr(m, "proj_out", None)) in (nn.Conv2d, nn.Linear)]
+              if isinstance(m, Transformer2DModel) and getattr(m, "is_input_continuous", False)]
     method = Transformer2DModel._get_output_for_continuous_inputs
     verified = is_verified(method)
     hooks = []
     for path, m in blocks:
         if verified and type(m)._get_output_for_continuous_inputs is method:
-            record.set_attr(m, "_get_output_for_continuous_inputs", types.MethodType(_nhwc_output, m),
+            # a partial, not a bound method: a pickled block then loads (a bound method pickles by name)
+            record.set_attr(m, "_get_output_for_continuous_inputs", functools.partial(_nhwc_output, m),
                             "channels_last_output")
         elif type(m.proj_out) is nn.Conv2d:
             hooks.append(m.proj_out.register_forward_pre_hook(_nhwc_input))
         else:
-            record.skip(path, "Transformer2DModel", "its output stays NCHW after the linear proj_out: not the "
-                        f"diffusers {VERIFIED_WITH} _get_output_for_continuous_inputs the NHWC copy mirrors")
+            record.skip(path, "Transformer2DModel", f"its output stays NCHW after its {type(m.proj_out).__name__} "
+                        f"proj_out: not the diffusers {VERIFIED_WITH} _get_output_for_continuous_inputs the NHWC "
+                        "copy mirrors")
     if hooks:
         record.on_undo(lambda: [h.remove() for h in hooks], "channels_last_input", len(hooks))
 

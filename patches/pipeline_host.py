@@ -76,12 +76,19 @@ def _execution_device(self) -> torch.device:
         if not isinstance(model, nn.Module) or name in self._exclude_from_cpu_offload:
             continue
         if not hasattr(model, "_hf_hook"):
-            return _pipeline_device(self)
+            return _device_of(self)
         for module in model.modules():
             hook = getattr(module, "_hf_hook", None)
             if hook is not None and getattr(hook, "execution_device", None) is not None:
                 return torch.device(hook.execution_device)
-    return _pipeline_device(self)
+    return _device_of(self)
+
+
+def _device_of(pipe) -> torch.device:
+    """``pipe.device``: ours where the class has diffusers' property, else the class's own."""
+    from diffusers import DiffusionPipeline
+
+    return _pipeline_device(pipe) if type(pipe).device is DiffusionPipeline.device else pipe.device
 
 
 def _pipeline_device(pipe) -> torch.device:
@@ -113,11 +120,18 @@ def _model_device(model: nn.Module) -> torch.device:
     return model.device  # no parameters or buffers: diffusers' own fallback
 
 
+def _refuse_pickle(self, protocol):
+    """The patched pipeline's class is not importable by its name: say why, as the record does."""
+    raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
+        what="a pickle (torch.save) of", result="loaded one"))
+
+
 @functools.cache
 def _fast_class(cls: type) -> type:
     return type(cls.__name__, (cls,), {"_execution_device": property(_execution_device),
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                       "__doc__": cls.__doc__, "_sd_kernels_fast_device": True})
+                                       "__doc__": cls.__doc__, "__reduce_ex__": _refuse_pickle,
+                                       "_sd_kernels_fast_device": True})
 
 
 def verified() -> bool:

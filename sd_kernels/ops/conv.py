@@ -191,7 +191,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     M = N * P * Q
     precision = "ieee" if x.dtype == torch.float32 and not torch.backends.cudnn.allow_tf32 else "tf32"
     align = alignment(x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1))  # the H, W, K strides it scales
-    split = _split_k(M, K, R * S * cdiv(C, 64), x.device)
+    split = _split_k(M, K, R * S * cdiv(C, 64), x.device)  # depth steps at the common BLOCK_K
     # split depth: fp32 partials [SPLIT, N, P, Q, K], summed in a fixed order after (deterministic)
     out = y if split == 1 else torch.empty((split, N, P, Q, K), dtype=torch.float32, device=x.device)
     y_strides = y.stride() if split == 1 else (out.stride(1), out.stride(4), out.stride(2), out.stride(3))
@@ -215,13 +215,20 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _split_k(M: int, K: int, steps: int, device: torch.device) -> int:
     """How many slices the depth is split into: doubled while the output tiles (counted at 128×128,
     the largest common tile) times the slices fill less than half the GPU's SMs, keeping at least 4
-    depth steps (of 64 channels) per slice, at most 16. The SD UNet's 8² and 16² maps (M = 128, 512
-    at batch 2) leave most SMs idle otherwise."""
+    depth steps (counted at BLOCK_K 64; a BLOCK_K 128 tile takes half as many) in every slice, at
+    most 16. The SD UNet's 8² and 16² maps
+    (M = 128, 512 at batch 2) leave most SMs idle otherwise."""
     sms = _multiprocessors(device)
     tiles, split = cdiv(M, 128) * cdiv(K, 128), 1
-    while split < 16 and tiles * split < sms // 2 and steps // (split * 2) >= 4:
+    while split < 16 and tiles * split < sms // 2 and _slices_fit(steps, split * 2):
         split *= 2
     return split
+
+
+def _slices_fit(steps: int, split: int) -> bool:
+    """The kernel gives each slice cdiv(steps, split) steps, the last one the rest: at least 4 each."""
+    chunk = cdiv(steps, split)
+    return chunk >= 4 and steps - (split - 1) * chunk >= 4
 
 
 def _multiprocessors(device: torch.device) -> int:

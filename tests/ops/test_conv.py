@@ -91,6 +91,8 @@ def test_split_choice(monkeypatch):
     assert pick(512, 1280, 9 * 20) == 2  # 16²: 40 tiles → 80
     assert pick(8192, 320, 9 * 5) == 1  # 64²: 192 tiles fill the GPU
     assert pick(128, 128, 8) == 2  # a shallow depth: 4 steps per slice at least
+    assert pick(128, 128, 36) == 4  # 8 slices of cdiv(36, 8) = 5 steps would leave the last one 1
+    assert pick(1, 1, 33) == 4  # 8 slices of 5 would leave the last none
     assert pick(128, 1280, 1000) == 8 and pick(1, 1, 1000) == 16  # at most 16
 
 

@@ -1,6 +1,7 @@
 """The channels_last patcher (patches/layout.py): which parts it re-lays, exactness, exact undo."""
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -131,6 +132,9 @@ def test_every_layer_after_conv_in_sees_nhwc(name, verified, monkeypatch):
     hooks = []
     try:
         with sd_kernels.patched(unet, profile=_profile(["unet"]), ops=["channels_last"]) as record:
+            if verified:  # the copy is bound as a partial: a pickled block (torch.save) loads, and runs alike
+                clone = pickle.loads(pickle.dumps(blocks[0]))
+                assert clone._get_output_for_continuous_inputs.args[0] is clone
             # registered after the patch's: they see what the layer gets
             hooks += [m.register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, is_channels_last(a[0])))
                       for n, m in layers]

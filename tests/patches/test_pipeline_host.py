@@ -5,6 +5,7 @@ is checked on the GPU (tests/patches/test_cuda_graph.py)."""
 
 import contextlib
 import json
+import pickle
 import types
 
 import pytest
@@ -54,11 +55,14 @@ def test_same_class_name_and_exact_undo(pipe, tmp_path):
             "StableDiffusionPipeline", StableDiffusionPipeline.__module__, "StableDiffusionPipeline")
         pipe.save_pretrained(tmp_path)
         assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
+        with pytest.raises(TypeError, match="unpatch"):  # the record's reason, not pickle's class lookup
+            pickle.dumps(pipe)
     assert type(pipe) is StableDiffusionPipeline
+    assert pickle.loads(pickle.dumps(pipe.scheduler)) is not None
 
 
-@pytest.mark.parametrize("where", ["none", "meta-part", "deep", "two", "shared", "other-name", "accelerate",
-                                   "accelerate-none"])
+@pytest.mark.parametrize("where", ["none", "meta-part", "deep", "two", "siblings", "parent-child", "shared",
+                                   "other-name", "accelerate", "accelerate-none"])
 def test_same_device_as_diffusers(pipe, where):
     """Group-offloading hooks deep in a component, in two components (the first component in
     ``components`` order wins, and in it the first module in named_modules order), a module shared
@@ -72,6 +76,17 @@ def test_same_device_as_diffusers(pipe, where):
         _hook(vae.decoder.mid_block, "meta")
         _hook(unet.down_blocks[0].resnets[0], "cpu")
         _hook(unet.down_blocks[0].resnets[0].norm1, "meta")
+    elif where == "siblings":  # in the first component: the earlier sibling's subtree comes first
+        first = next(m for m in pipe.components.values() if isinstance(m, torch.nn.Module))
+        parent = next(m for m in first.modules() if sum(any(c.children()) for c in m.children()) >= 2)
+        a, b = [c for c in parent.children() if any(c.children())][:2]
+        _hook(list(a.modules())[-1], "meta")  # deep in the earlier sibling
+        _hook(b, "cpu")  # at the top of the later one: a level-order walk would find it first
+    elif where == "parent-child":  # pre-order: a parent before its child
+        first = next(m for m in pipe.components.values() if isinstance(m, torch.nn.Module))
+        parent = next(m for m in first.modules() if any(m.children()) and m is not first)
+        _hook(parent, "meta")
+        _hook(next(parent.children()), "cpu")
     elif where == "shared":
         unet.extra = unet.down_blocks[0]  # visited once, where it first appears
         _hook(unet.down_blocks[0].resnets[0], "meta")
@@ -87,6 +102,18 @@ def test_same_device_as_diffusers(pipe, where):
         assert record.counts["fast_execution_device"] == 1
         assert pipe._execution_device == want
     assert where in ("none", "meta-part", "other-name", "accelerate-none") or want == torch.device("meta")
+
+
+def test_a_pipeline_class_with_its_own_device_keeps_it(pipe):
+    class OwnDevice(StableDiffusionPipeline):
+        @property
+        def device(self):
+            return torch.device("meta")
+
+    pipe.__class__ = OwnDevice
+    with fast(pipe) as record:
+        assert record.counts["fast_execution_device"] == 1
+        assert pipe._execution_device == stock_device(pipe) == torch.device("meta")
 
 
 def test_other_diffusers_is_left_alone(pipe, monkeypatch):
