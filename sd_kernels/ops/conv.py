@@ -216,8 +216,7 @@ def _split_k(M: int, K: int, steps: int, device: torch.device) -> int:
     """How many slices the depth is split into: doubled while the output tiles (counted at 128×128,
     the largest common tile) times the slices fill less than half the GPU's SMs, keeping at least 4
     depth steps (counted at BLOCK_K 64; a BLOCK_K 128 tile takes half as many) in every slice, at
-    most 16. The SD UNet's 8² and 16² maps
-    (M = 128, 512 at batch 2) leave most SMs idle otherwise."""
+    most 16. The SD UNet's 8² and 16² maps (M = 128, 512 at batch 2) leave most SMs idle otherwise."""
     sms = _multiprocessors(device)
     tiles, split = cdiv(M, 128) * cdiv(K, 128), 1
     while split < 16 and tiles * split < sms // 2 and _slices_fit(steps, split * 2):
