@@ -109,6 +109,7 @@ def patch(
     models, others = _models_of(obj, ignore)
     graphed = [model for _, model in models if families.is_denoiser(model)]
     prof = get_profile(profile)  # the patched model's own: its modules run under it, not the process default
+    plan = memory_plan(obj, prof)  # a budget the weights cannot meet raises here, before any change
     if mode == cuda_graph_mod.AUTO:
         mode, why = cuda_graph_mod.auto_mode(graphed, prof)
         if compile and mode is None:
@@ -137,6 +138,7 @@ def patch(
         unpatch(obj)
     record = PatchRecord(ops, prof.name, parts, mode, compile)
     record.profile_spec = prof
+    record.memory_plan = plan
     record.scheduler = scheduler
     record.ignore = ignore
     for part, name in others:
@@ -155,6 +157,22 @@ def patch(
         raise
     object.__setattr__(obj, _ATTR, record)
     return record
+
+
+def memory_plan(obj: object, prof: Profile):
+    """Under a profile with a memory budget: the weights of every model the pipeline holds (or of the
+    bare model), checked against the budget with the profile's intermediate allowance
+    (``sd_kernels.memory.plan_budget``); None without a budget."""
+    budget = prof.memory_budget_bytes()
+    if budget is None:
+        return None
+    from sd_kernels.memory import MB, plan_budget
+
+    if isinstance(obj, nn.Module):
+        held = {type(obj).__name__: obj}
+    else:
+        held = {k: m for k, m in (getattr(obj, "components", None) or {}).items() if isinstance(m, nn.Module)}
+    return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB)
 
 
 def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, mode: str,

@@ -72,6 +72,7 @@ class PatchRecord:
         self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
         self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
         self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
+        self.memory_plan: Any = None  # under a memory budget: the weights checked against it (memory.BudgetPlan)
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
@@ -192,6 +193,8 @@ class PatchRecord:
     def format(self, examples: int = 3) -> str:
         """The summary, then what was left alone grouped by (what, reason), with a few module paths."""
         lines = [self.summary()]
+        if self.memory_plan is not None:
+            lines.append(self.memory_plan.format())
         groups: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
         for s in self.skipped:
             groups[(s.what, s.reason)].append(s.path)

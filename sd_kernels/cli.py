@@ -375,11 +375,13 @@ def _positive_int(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from sd_kernels.dispatch import KernelUnavailable
+    from sd_kernels.memory import MemoryBudgetExceeded
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, OSError, KernelUnavailable) as exc:  # OSError: a hub id with no hub, a full disk
+    # OSError: a hub id with no hub, a full disk; MemoryBudgetExceeded: weights over a profile's budget
+    except (ValueError, TypeError, OSError, KernelUnavailable, MemoryBudgetExceeded) as exc:
         print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,9 @@ distributed-inference docs) and writes each image as soon as it is made.
   only the image in flight. A failing prompt (out of memory, …) is a manifest line with its error;
   the run goes on, and the exit code says that something failed.
 - **Errors before work.** An empty prompt list, an output folder that cannot be written, more
-  processes than GPUs: a ``ValueError`` before any model is built.
+  processes than GPUs: a ``ValueError`` before any model is built; under a profile with a memory
+  budget, weights of a shipped config that cannot fit it: ``MemoryBudgetExceeded`` (its weights are
+  counted on the meta device first).
 """
 
 from __future__ import annotations
@@ -239,6 +241,8 @@ def generate_images(
     shipped = name in models.list_configs()
     side = models.image_side(name, size)
     torch_dtype = getattr(torch, DTYPES[dtype_name(dtype, on_gpu)])
+    if shipped and profile is not None:
+        check_budget(name, torch_dtype, profile)
     identity = {"model": name, "steps": steps, "size": side}
     jobs = plan(prompts, seed)
     done = already_done(out, jobs, identity)
@@ -257,6 +261,17 @@ def generate_images(
     processes = [ProcessStats(**s) for s in every]
     return Summary(out, sum(p.images for p in processes), sum(p.failed for p in processes), len(done),
                    time.perf_counter() - t0, processes, state.is_main_process)
+
+
+def check_budget(name: str, torch_dtype, profile: str):
+    """A shipped config's weights against ``profile``'s memory budget, read off the model built on the
+    meta device (no memory, no weights): MemoryBudgetExceeded before any work where they cannot fit
+    (``sd_kernels.memory.plan_budget``); the plan, or None without a budget."""
+    from sd_kernels import models
+    from sd_kernels.patches import memory_plan
+    from sd_kernels.profiles import get_profile
+
+    return memory_plan(models.build_pipeline(name, device="meta", dtype=torch_dtype), get_profile(profile))
 
 
 def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile, compile, state, stats, run,

@@ -157,12 +157,64 @@ class ComponentMemory:
 
 def weights_mb(module: nn.Module) -> float:
     """Parameters and buffers, MB (shared tensors counted once)."""
+    return weight_bytes(module) / MB
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers, each tensor once (also on the meta device, where
+    every tensor's address is 0: there tensors are told apart by identity)."""
     seen, total = set(), 0
     for t in (*module.parameters(), *module.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        key = id(t) if t.device.type == "meta" else (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
-    return total / MB
+    return total
+
+
+@dataclasses.dataclass
+class BudgetPlan:
+    """How a pipeline's weights sit under a memory budget, checked before any work: ``weights``
+    (bytes per component), ``allowance`` (bytes of intermediates counted per component: the
+    profile's ``intermediate_budget_mb``), and whether all of it fits at once (``resident``)."""
+
+    budget: int
+    weights: dict[str, int]
+    allowance: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights.values()) + self.allowance
+
+    @property
+    def resident(self) -> bool:
+        return self.total <= self.budget
+
+    def format(self) -> str:
+        rows = [f"  {name:<16} {w / MB:9.1f} MB" for name, w in self.weights.items()]
+        return "\n".join([f"memory plan: budget {self.budget / MB:.0f} MB", *rows,
+                          f"  {'intermediates':<16} {self.allowance / MB:9.1f} MB (the profile's allowance)",
+                          f"  {'total':<16} {self.total / MB:9.1f} MB: "
+                          + ("fits, every component resident" if self.resident else "over the budget")])
+
+
+def plan_budget(components: dict[str, nn.Module], budget: int, allowance: int) -> BudgetPlan:
+    """The BudgetPlan of ``components``; raises MemoryBudgetExceeded, naming the component and the
+    bytes, when their weights and ``allowance`` bytes of intermediates cannot be held within
+    ``budget``: first where one component alone cannot (no way of moving weights helps), then where
+    all of them at once cannot (sd_kernels does not move weights in and out under a budget)."""
+    plan = BudgetPlan(budget, {name: weight_bytes(m) for name, m in components.items()}, allowance)
+    for name, w in plan.weights.items():
+        if w + allowance > budget:
+            raise MemoryBudgetExceeded(name, w + allowance, budget, f" ({w} bytes of weights + {allowance} bytes "
+                                       "of intermediates allowed by the profile), before any work")
+    if not plan.resident:
+        parts = " + ".join(f"{name} {w / MB:.1f} MB" for name, w in plan.weights.items())
+        raise MemoryBudgetExceeded(f"the pipeline's weights held at once ({parts})", plan.total, budget,
+                                   f" (with {allowance} bytes of intermediates allowed by the profile), before any "
+                                   "work; each component alone would fit, but sd_kernels does not yet move weights "
+                                   "in and out under a budget")
+    return plan
 
 
 def peak_intermediate_bytes(fn: Callable[[], Any], stats: Any) -> tuple[int, Any]:

@@ -361,3 +361,76 @@ def test_gpu_sd15_vae_decode_tiled_under_s23_ultra_has_no_seams():
             unpatch(vae)
             profiles.set_profile(None)
     assert psnr(_img(out.float()), _img(ref.float())) >= 40
+
+
+# ---------------------------------------------------------------------------------------------
+# The budget checked before any work: weights (counted on the meta device) and the profile's allowance
+
+
+def test_plan_counts_each_tensor_once_and_says_what_is_over():
+    lin = nn.Linear(16, 8).half()
+    shared = nn.Sequential(lin, lin)  # the same weights twice: held once
+    assert memory.weight_bytes(shared) == (16 * 8 + 8) * 2
+    meta = nn.Sequential(nn.Linear(16, 8, device="meta"), nn.Linear(16, 8, device="meta"))  # addresses all 0
+    assert memory.weight_bytes(meta) == 2 * (16 * 8 + 8) * 4
+    plan = memory.plan_budget({"a": lin, "b": meta}, budget=10_000, allowance=100)
+    assert plan.resident and plan.total == 272 + 1088 + 100 and "fits" in plan.format()
+    with pytest.raises(MemoryBudgetExceeded, match=r"^b needs .* \(1088 bytes of weights \+ 100 bytes"):
+        memory.plan_budget({"a": lin, "b": meta}, budget=1000, allowance=100)  # b alone is over
+    with pytest.raises(MemoryBudgetExceeded, match=r"held at once \(a 0\.0 MB \+ b 0\.0 MB\) needs .* \(1460 bytes\)"):
+        memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100)  # each fits, both do not
+
+
+def test_sdxl_under_a_phone_budget_fails_before_any_change():
+    """SDXL's UNet alone (4.9 GB of fp16 weights) is over the S23 Ultra's 4096 MB: patch() says so
+    before it changes anything (the pipeline is built on the meta device: no memory, no weights)."""
+    import sd_kernels
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("sdxl", device="meta", dtype=torch.float16)
+    unet_bytes = memory.weight_bytes(pipe.unet)
+    with pytest.raises(MemoryBudgetExceeded, match=r"^unet needs") as err:
+        sd_kernels.patch(pipe, profile="s23-ultra")
+    assert err.value.asked == unet_bytes + 84 * MiB and err.value.budget == 4096 * MiB
+    assert sd_kernels.patches.patch_record(pipe) is None and "forward" not in vars(pipe.unet)
+
+
+def test_weights_that_fit_only_one_at_a_time_fail_before_any_change():
+    import sd_kernels
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("sd15", device="meta", dtype=torch.float16)
+    total = sum(memory.weight_bytes(m) for m in pipe.components.values() if isinstance(m, nn.Module))
+    tight = dataclasses.replace(profiles.get_profile("s23-ultra"), name="tight",
+                                memory_budget_mb=(total + 84 * MiB) // MiB)  # 1 MiB short of everything at once
+    with pytest.raises(MemoryBudgetExceeded, match="held at once .*does not yet move weights"):
+        sd_kernels.patch(pipe, profile=tight)
+    roomy = dataclasses.replace(tight, memory_budget_mb=tight.memory_budget_mb + 1)
+    plan = sd_kernels.patches.memory_plan(pipe, roomy)
+    assert plan.resident and set(plan.weights) == {"vae", "text_encoder", "unet"}
+
+
+def test_the_plan_is_in_the_record(capsys):
+    import sd_kernels
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("tiny")
+    with sd_kernels.patched(pipe, profile="s23-ultra") as record:
+        assert record.memory_plan.resident and record.memory_plan.budget == 4096 * MiB
+        assert "memory plan: budget 4096 MB" in record.format()
+    with sd_kernels.patched(pipe, profile="cpu") as record:
+        assert record.memory_plan is None
+
+
+def test_generate_checks_the_budget_before_building(tmp_path, monkeypatch, capsys):
+    from sd_kernels import models
+    from sd_kernels.cli import main
+
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
+    (tmp_path / "p.txt").write_text("a cat\n")
+    argv = ["generate", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o"), "--model", "sdxl",
+            "--profile", "s23-ultra", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: unet needs" in err and "over the budget of 4096.0 MB" in err and "before any work" in err
+    assert not (tmp_path / "o" / "manifest.jsonl").exists()
