@@ -54,7 +54,29 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     print(f"\nKernel selection under {prof.name!r} (fp16, SD1.5 shapes; on a device the kernels run on):\n")
     print(format_table(selection_table(prof)))
+    if prof.memory_budget_mb is not None:
+        print(f"\nThe shipped SD configs' fp16 weights under {prof.name!r}'s budget (checked before any work):\n")
+        for line in _budget_lines(prof):
+            print(line)
     return 0
+
+
+def _budget_lines(prof) -> list[str]:
+    """One plan per shipped SD config, its weights counted on the meta device (no memory used)."""
+    import torch
+
+    from sd_kernels import models
+    from sd_kernels.memory import MemoryBudgetExceeded
+    from sd_kernels.patches import memory_plan
+
+    lines = []
+    for name in ("sd15", "sd21", "sdxl"):
+        try:
+            plan = memory_plan(models.build_pipeline(name, device="meta", dtype=torch.float16), prof)
+            lines.append(f"{name}: " + plan.format())
+        except MemoryBudgetExceeded as exc:
+            lines.append(f"{name}: does not fit: {exc}")
+    return lines
 
 
 def _autotune_cache(prof) -> str:

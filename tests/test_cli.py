@@ -11,6 +11,15 @@ def test_info_prints_versions_and_profile(capsys):
     assert "torch" in out and "diffusers" in out and "profile" in out
 
 
+def test_info_under_a_budget_prints_each_configs_weights_against_it(capsys):
+    assert cli.main(["info", "--profile", "mobile-small"]) == 0
+    out = capsys.readouterr().out
+    assert "sd15: memory plan: budget 2560 MB" in out and "fits, every component resident" in out
+    assert "sdxl: does not fit: unet needs" in out
+    assert cli.main(["info", "--profile", "hopper"]) == 0
+    assert "memory plan" not in capsys.readouterr().out  # no budget, no plan
+
+
 def test_demo_writes_a_png_on_cpu(tmp_path, capsys):
     out = tmp_path / "img.png"
     assert cli.main(["demo", "--steps", "2", "--device", "cpu", "--out", str(out)]) == 0
