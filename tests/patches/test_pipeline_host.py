@@ -104,18 +104,6 @@ def test_same_device_as_diffusers(pipe, where):
     assert where in ("none", "meta-part", "other-name", "accelerate-none") or want == torch.device("meta")
 
 
-def test_a_pipeline_class_with_its_own_device_keeps_it(pipe):
-    class OwnDevice(StableDiffusionPipeline):
-        @property
-        def device(self):
-            return torch.device("meta")
-
-    pipe.__class__ = OwnDevice
-    with fast(pipe) as record:
-        assert record.counts["fast_execution_device"] == 1
-        assert pipe._execution_device == stock_device(pipe) == torch.device("meta")
-
-
 def test_other_diffusers_is_left_alone(pipe, monkeypatch):
     monkeypatch.setattr(pipeline_host, "verified", lambda: False)
     with fast(pipe) as record:
@@ -123,13 +111,14 @@ def test_other_diffusers_is_left_alone(pipe, monkeypatch):
         assert any("_execution_device" in s.reason for s in record.skipped)
 
 
-def test_a_pipeline_class_with_its_own_property_is_left_alone(pipe):
-    class Custom(StableDiffusionPipeline):
-        @property
-        def _execution_device(self):
-            return torch.device("meta")
-
-    pipe.__class__ = Custom
+@pytest.mark.parametrize("own", ["device", "_execution_device"])
+def test_a_pipeline_class_with_its_own_property_keeps_it(pipe, own):
+    """A subclass's own ``device`` is what the faster property falls back to; a subclass's own
+    ``_execution_device`` is left in place."""
+    pipe.__class__ = type("Custom", (StableDiffusionPipeline,), {own: property(lambda self: torch.device("meta"))})
+    custom = type(pipe)
     with fast(pipe) as record:
-        assert type(pipe) is Custom and pipe._execution_device == torch.device("meta")
-        assert "fast_execution_device" not in record.counts
+        assert pipe._execution_device == torch.device("meta")
+        assert own != "device" or stock_device(pipe) == torch.device("meta")
+        assert (type(pipe) is custom) == (own == "_execution_device")
+        assert ("fast_execution_device" in record.counts) == (own == "device")
