@@ -325,3 +325,22 @@ def test_switch_bench_sees_every_state_take_effect_on_cpu(tmp_path, monkeypatch)
     assert [r["state"] for r in rows] == [s for s, _ in switch.STATES]
     assert all(float(r["max_diff"]) < 1e-4 for r in rows), rows
     assert all(float(r["stale_diff"]) > 1e-2 for r in rows[1:]), rows
+
+
+def test_step_ops_count_kernels_outside_the_models():
+    import torch
+
+    from bench import step_ops
+
+    count = step_ops._Count()
+    x = torch.randn(4, 4)
+    with count:
+        x.view(16)  # a view: no kernel
+        x + 1  # one
+        torch.tensor(2.0) * 3  # one element: timestep arithmetic, not counted
+        step_ops._uncounted(count, lambda: x * 2)()  # inside a model: not counted
+    assert dict(count.ops) == {"aten.add": 1}
+    rows = step_ops.count_step_ops("tiny")
+    assert set(rows) == set(step_ops.SCHEDULERS)
+    assert all(r["per_step"] > 0 for r in rows.values())
+    assert rows["UniPCMultistepScheduler"]["per_step"] > rows["EulerDiscreteScheduler"]["per_step"]
