@@ -12,9 +12,10 @@ qualified name: ``save_pretrained`` writes the same ``_class_name``) whose ``_ex
 gives the same answer by the same rules, from a walk that reads each module's ``__dict__`` instead
 of raising and catching an AttributeError per module: the first group-offloading hook in
 ``named_modules`` order of the first component that has one, else accelerate's hooks exactly as
-diffusers reads them, else ``pipe.device`` (the first component off the CPU, each diffusers model's
-device read with the same faster walk). It is installed only where the installed diffusers has
-the very code this mirrors (patches/verified.py); unpatch gives the object its class back.
+diffusers reads them, else ``pipe.device`` (the first component off the CPU; each diffusers model's
+device is then its first tensor's, since the walk found no hook, where diffusers walks it again).
+It is installed only where the installed diffusers has the very code this mirrors
+(patches/verified.py); unpatch gives the object its class back.
 """
 
 from __future__ import annotations
@@ -85,14 +86,17 @@ def _execution_device(self) -> torch.device:
 
 
 def _device_of(pipe) -> torch.device:
-    """``pipe.device``: ours where the class has diffusers' property, else the class's own."""
+    """``pipe.device`` once no component has a group-offloading hook (the walk above found none):
+    ours where the class has diffusers' property, else the class's own."""
     from diffusers import DiffusionPipeline
 
     return _pipeline_device(pipe) if type(pipe).device is DiffusionPipeline.device else pipe.device
 
 
 def _pipeline_device(pipe) -> torch.device:
-    """``DiffusionPipeline.device``: the first component not on the CPU (or meta), else the first."""
+    """``DiffusionPipeline.device``: the first component not on the CPU (or meta), else the first.
+    Called where no component has a group-offloading hook, so each model's device is its first
+    tensor's (diffusers' ModelMixin.device would walk the model for a hook once more)."""
     names, _ = pipe._get_signature_keys(pipe)
     modules = [m for m in (getattr(pipe, n, None) for n in names) if isinstance(m, nn.Module)]
     devices = (_model_device(m) for m in modules)
@@ -105,16 +109,12 @@ def _pipeline_device(pipe) -> torch.device:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    """``model.device``; for a diffusers model (``ModelMixin.device``: its group-offloading hook's
-    onload device, else its first parameter's or buffer's) with the faster walk."""
+    """``model.device`` of a model without group-offloading hooks; for a diffusers model
+    (``ModelMixin.device``) that is its first parameter's or buffer's."""
     from diffusers import ModelMixin
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
     if not isinstance(model, ModelMixin) or type(model).device is not ModelMixin.device:
         return model.device
-    hook = _first_group_hook(model, _GROUP_OFFLOADING)
-    if hook is not None:
-        return hook.config.onload_device
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         return tensor.device
     return model.device  # no parameters or buffers: diffusers' own fallback

@@ -65,15 +65,13 @@ def _budget_lines(prof) -> list[str]:
     """One plan per shipped SD config, its weights counted on the meta device (no memory used)."""
     import torch
 
-    from sd_kernels import models
+    from sd_kernels.generate import check_budget
     from sd_kernels.memory import MemoryBudgetExceeded
-    from sd_kernels.patches import memory_plan
 
     lines = []
     for name in ("sd15", "sd21", "sdxl"):
         try:
-            plan = memory_plan(models.build_pipeline(name, device="meta", dtype=torch.float16), prof)
-            lines.append(f"{name}: " + plan.format())
+            lines.append(f"{name}: " + check_budget(name, torch.float16, prof).format())
         except MemoryBudgetExceeded as exc:
             lines.append(f"{name}: does not fit: {exc}")
     return lines

@@ -263,10 +263,10 @@ def generate_images(
                    time.perf_counter() - t0, processes, state.is_main_process)
 
 
-def check_budget(name: str, torch_dtype, profile: str):
-    """A shipped config's weights against ``profile``'s memory budget, read off the model built on the
-    meta device (no memory, no weights): MemoryBudgetExceeded before any work where they cannot fit
-    (``sd_kernels.memory.plan_budget``); the plan, or None without a budget."""
+def check_budget(name: str, torch_dtype, profile):
+    """A shipped config's weights against the memory budget of ``profile`` (a name or a Profile), read
+    off the model built on the meta device (no memory, no weights): MemoryBudgetExceeded before any
+    work where they cannot fit (``sd_kernels.memory.plan_budget``); the plan, or None without a budget."""
     from sd_kernels import models
     from sd_kernels.patches import memory_plan
     from sd_kernels.profiles import get_profile
