@@ -11,15 +11,19 @@ the UNet and the VAE decode with CUDA graphs); patched; patched + CUDA graph; pa
 + compile (``patch(cuda_graph=True, compile=True)``); patched + the peer's compile. Per row:
 
 - ``e2e_ms``: one ``pipe(prompt)`` call, ``steps`` denoising steps at batch 1 with classifier-free
-  guidance (UNet batch 2), fp16, output as a tensor; median of repeats after a warm-up call.
+  guidance (UNet batch 2), fp16, output as a tensor; median of 7 calls after a warm-up call
+  (the H100 machines' end-to-end times vary by several ms from call to call: a median of 2 did not hold).
   "+graph" variants call ``sd_kernels.patch(pipe, cuda_graph=True)`` (stock: with no op patched),
   which replays the UNet, the VAE decode and the text encoder from CUDA graphs and keeps the
   scheduler's timesteps on the host.
 - ``text_ms`` / ``unet_steps_ms`` / ``decode_ms`` / ``overhead_ms``: where one more pipeline call's
   time goes: CUDA events around every text-encoder, UNet and VAE-decode call inside the call
   (summed per part), and the rest of its wall time (scheduler, guidance, pipeline Python, the GPU
-  waiting for the host); ``syncs``: the operations in that call that made the host wait for the GPU
-  (``torch.cuda.set_sync_debug_mode``).
+  waiting for the host), split into ``lead_ms`` (from the call's start to the first model call's
+  first kernel: host work while the GPU idles), ``between_ms`` (GPU time between the first model
+  call and the end of the last one that no model call covers: the scheduler, guidance and copies,
+  and any idling) and ``tail_ms`` (the rest: after the last model call); ``syncs``: the operations
+  in that call that made the host wait for the GPU (``torch.cuda.set_sync_debug_mode``).
 - ``it_per_s``: denoising steps per second, from the marginal cost of a step:
   (steps - 1) / (time of a steps-step call - time of a 1-step call). Text encoding and the decode
   cancel out; the scheduler and guidance stay in, as in the progress bar's it/s.
@@ -62,7 +66,7 @@ BATCH = 2  # one prompt with classifier-free guidance
 ENV_FIELDS = ["device", "torch", "cuda", "triton", "diffusers", "date"]
 FIELDS = ["model", "size", "variant", "status", "steps", "ops", "attention", "patched", "e2e_mode", "e2e_ms",
           "it_per_s", "text_ms", "unet_steps_ms", "controlnet_ms", "decode_ms",
-          "overhead_ms", "syncs", "unet_ms", "unet_device_ms",
+          "overhead_ms", "lead_ms", "between_ms", "tail_ms", "syncs", "unet_ms", "unet_device_ms",
           "vae_ms", "vae_device_ms", "peak_MB", "peak_over_weights_MB", "warmup_s", "unet_rel_err", "vae_rel_err",
           *ENV_FIELDS]
 
@@ -212,9 +216,13 @@ def vae_call(pipe, dtype: torch.dtype, side: int | None = None) -> Callable[[], 
 
 
 def pipeline_call(pipe, size: int, steps: int, **kwargs: Any) -> Callable[[], Any]:
-    """One pipeline call at ``size``² with ``steps`` steps (``kwargs``: e.g. a ControlNet's image)."""
+    """One pipeline call at ``size``² with ``steps`` steps (``kwargs``: e.g. a ControlNet's image).
+    The generator's device is read once, here: diffusers' ``pipe.device`` walks the VAE's modules
+    twice (2–3 ms of host time on the H100 machine), the harness's cost, not the pipeline's."""
+    device = pipe.device
+
     def call() -> Any:
-        gen = torch.Generator(device=pipe.device).manual_seed(0)
+        gen = torch.Generator(device=device).manual_seed(0)
         return pipe(PROMPT, num_inference_steps=steps, height=size, width=size, guidance_scale=7.5,
                     generator=gen, output_type="pt", return_dict=False, **kwargs)[0]
 
@@ -257,6 +265,15 @@ class Spans:
         torch.cuda.synchronize()
         return {label: sum(s.elapsed_time(e) for s, e in pairs) for label, pairs in self.events.items()}
 
+    def bounds(self) -> tuple[Any, Any] | None:
+        """(the earliest start event, the latest end event) over every span, in GPU time; None if none."""
+        pairs = [p for label in self.events.values() for p in label]
+        if not pairs:
+            return None
+        anchor = pairs[0][0]
+        key = anchor.elapsed_time
+        return min((s for s, _ in pairs), key=key), max((e for _, e in pairs), key=key)
+
 
 def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
     """One more ``call()`` of ``pipe``, split into text encoding, UNet steps, VAE decode and the rest
@@ -268,7 +285,9 @@ def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
              (getattr(pipe, "controlnet", None), "forward", "controlnet_ms")]
     with Spans(calls) as spans:
         _sync()
+        call_start, call_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start = time.perf_counter()
+        call_start.record()  # the GPU is idle: it reads the host's clock at the call's start
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")  # the call's own waits, not the two synchronize() around it
@@ -276,12 +295,19 @@ def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
                 call()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        call_end.record()
         _sync()
         total = (time.perf_counter() - start) * 1e3
         parts = spans.totals_ms()
+        bounds = spans.bounds()
     syncs = sum("synchronizing CUDA operation" in str(w.message) for w in caught)
     out: dict[str, Any] = {k: round(v, 2) for k, v in parts.items()}
     out["overhead_ms"] = round(total - sum(parts.values()), 2)
+    if bounds is not None:  # the overhead, split: before the first model call, between the calls, after the last
+        first, last = bounds
+        out["lead_ms"] = round(call_start.elapsed_time(first), 2)
+        out["between_ms"] = round(first.elapsed_time(last) - sum(parts.values()), 2)
+        out["tail_ms"] = round(out["overhead_ms"] - out["lead_ms"] - out["between_ms"], 2)
     out["syncs"] = syncs
     return out
 
@@ -313,9 +339,10 @@ class Bench:
     """One pipeline (one target) and the stock outputs every variant's error is measured against."""
 
     def __init__(self, target: Target, steps: int, device: str = "cuda", dtype: torch.dtype = torch.float16,
-                 repeats: int = 2) -> None:
+                 repeats: int | None = None) -> None:
         from sd_kernels import models
 
+        repeats = repeats or (7 if device == "cuda" else 2)  # a CPU run is a test of the plumbing
         self.target, self.steps, self.device, self.repeats = target, steps, device, repeats
         if target.controlnet:
             self.pipe = models.build_controlnet_pipeline(target.base, device=device, dtype=dtype)
@@ -398,7 +425,7 @@ class CsvLog:
 
 
 def run(items: list[tuple[Target, Setup, str]], out: pathlib.Path, steps: int, max_minutes: float,
-        device: str = "cuda", dtype: torch.dtype = torch.float16, repeats: int = 2) -> list[dict[str, Any]]:
+        device: str = "cuda", dtype: torch.dtype = torch.float16, repeats: int | None = None) -> list[dict[str, Any]]:
     """Measure ``items`` in order, appending rows to ``out``'s CSVs; returns the rows."""
     from tqdm import tqdm
 

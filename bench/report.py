@@ -52,7 +52,7 @@ def ops_tables(rows: list[dict[str, str]]) -> str:
 E2E_COLUMNS = [("model", "model"), ("size", "size"), ("variant", "variant"), ("e2e_ms", "end to end ms"),
                ("it_per_s", "it/s"), ("text_ms", "text enc. ms"), ("unet_steps_ms", "UNet steps ms"),
                ("controlnet_ms", "ControlNet ms"), ("decode_ms", "decode ms"), ("overhead_ms", "overhead ms"),
-               ("syncs", "host syncs"),
+               ("lead_ms", "before 1st model ms"), ("between_ms", "between models ms"), ("syncs", "host syncs"),
                ("unet_ms", "UNet step ms"), ("unet_device_ms", "UNet, graph ms"),
                ("vae_ms", "VAE decode ms"), ("vae_device_ms", "VAE, graph ms"), ("peak_MB", "peak MB"),
                ("warmup_s", "warm-up s"), ("unet_rel_err", "UNet rel err"), ("status", "status")]
@@ -108,7 +108,7 @@ def _component_table(rows: list[dict[str, str]]) -> str:
 # The end-to-end summary bench.e2e prints (terminal tables, the ablation's total, the goals).
 
 SHORT = ["model", "size", "variant", "e2e_ms", "text_ms", "unet_steps_ms", "controlnet_ms", "decode_ms", "overhead_ms",
-         "syncs", "unet_device_ms", "vae_device_ms", "peak_MB", "warmup_s", "status"]
+         "lead_ms", "between_ms", "syncs", "unet_device_ms", "vae_device_ms", "peak_MB", "warmup_s", "status"]
 
 
 def ablation_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

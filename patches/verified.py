@@ -28,6 +28,8 @@ VERIFIED = {
     "DiffusionPipeline.device": "200dc9da61997fda",
     "ModelMixin.device": "7fd5bd482c58953b",
     "get_parameter_device": "2512d13c2214e520",
+    "UniPCMultistepScheduler.multistep_uni_p_bh_update": "287c57208dceb062",
+    "UniPCMultistepScheduler.multistep_uni_c_bh_update": "0527122ebb9676aa",
 }
 VERIFIED_WITH = "0.42.1"
 

@@ -344,3 +344,17 @@ def test_step_ops_count_kernels_outside_the_models():
     assert set(rows) == set(step_ops.SCHEDULERS)
     assert all(r["per_step"] > 0 for r in rows.values())
     assert rows["UniPCMultistepScheduler"]["per_step"] > rows["EulerDiscreteScheduler"]["per_step"]
+
+
+@pytest.mark.gpu
+def test_step_ops_gpu_measures_the_glue_and_the_whole_step_ceiling():
+    """bench.step_ops --gpu on the tiny model: each scheduler's time between model calls, and the
+    bench's own whole-step graphs give the loop's latents (they replay the same code)."""
+    from bench import step_ops
+
+    glue = step_ops.glue_ms("tiny", 64, steps=3, repeats=1)
+    assert set(glue) == set(step_ops.SCHEDULERS) and all(r["between_ms"] > 0 for r in glue.values())
+    ceiling = step_ops.whole_step_ceiling("tiny", 64, steps=3, repeats=1)
+    for name, row in ceiling.items():
+        assert row["loop_ms"] > 0 and row["whole_step_ms"] > 0, name
+        assert row["max_diff"] < 1e-2, (name, row)

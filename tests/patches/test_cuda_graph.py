@@ -628,9 +628,8 @@ class _SyncsPerStep:
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_pipeline_mode_matches_eager_and_the_loop_never_waits(scheduler):
-    """Every model call replayed, the timesteps on the host: the images of the eager pipeline, and no
-    host sync between the end of the first step and the end of the last (UniPC's own step copies its
-    sigmas to the GPU one by one: it is the one scheduler allowed some)."""
+    """Every model call replayed, the timesteps on the host (and UniPC's coefficients): the images of
+    the eager pipeline, and no host sync between the end of the first step and the end of the last."""
     import warnings
 
     eager, graphed = _gpu_pipe_pair(scheduler)
@@ -647,8 +646,7 @@ def test_pipeline_mode_matches_eager_and_the_loop_never_waits(scheduler):
                 torch.cuda.set_sync_debug_mode("default")
     _matches(got, want)
     assert len(steps.counts) >= 4  # PNDM's first step runs twice (its Runge-Kutta warm-up)
-    if scheduler != "UniPCMultistepScheduler":
-        assert steps.counts[-1] == steps.counts[0], steps.counts
+    assert steps.counts[-1] == steps.counts[0], steps.counts
 
 
 @pytest.mark.gpu

@@ -1,0 +1,133 @@
+"""patches/scheduler.py: UniPC's step coefficients on the host (HostScalars), on CPU with the meta
+device standing in for the GPU; the GPU test checks the images and that the loop never waits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sd_kernels.patches import scheduler as sched
+from sd_kernels.patches import verified
+from sd_kernels.patches.record import PatchRecord
+from torch.utils._python_dispatch import TorchDispatchMode
+
+META = torch.device("meta")
+
+
+def _record():
+    return PatchRecord((), "test", [], "pipeline", False)
+
+
+def test_host_scalars_keeps_small_tensors_on_the_host():
+    with sched.HostScalars(META):
+        assert torch.ones((), device=META).device.type == "cpu"
+        assert torch.tensor([1.0, 2.0], device="meta").device.type == "cpu"
+        assert torch.zeros(sched.HOST_NUMEL + 1, device=META).device == META  # a latent-sized tensor goes
+        assert torch.ones(3).to(META).device.type == "cpu"
+        assert torch.ones(3).to(META, torch.float16).dtype == torch.float16
+        assert torch.ones(sched.HOST_NUMEL + 1).to(META).device == META
+        assert torch.ones(3).to(device="meta").device.type == "cpu"
+        big = torch.zeros(2, 3, 5, device=META)
+        mixed = torch.einsum("k,bkc->bc", torch.ones(3), big)  # a host vector meets a device tensor
+        assert mixed.device == META and mixed.shape == (2, 5)
+        assert (torch.ones(()) * big).device == META  # 0-d: a scalar to the kernel, no copy
+    assert torch.ones((), device=META).device == META  # outside the mode nothing changes
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the computing ops (not views) whose output is a small tensor on the meta device:
+    coefficient arithmetic there (``math``), and copies of small tensors to it (``copies``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.math = self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        small = isinstance(out, torch.Tensor) and out.device == META and out.numel() <= sched.HOST_NUMEL
+        if small and not func.is_view:
+            if func is torch.ops.aten._to_copy.default:
+                self.copies += 1
+            else:
+                self.math += 1
+        return out
+
+
+def _unipc_run(patched: bool, steps: int = 6) -> _DeviceOps:
+    import diffusers
+
+    s = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000)
+    s.set_timesteps(steps, device="cpu")  # the pipeline mode's host timesteps
+    record = _record()
+    if patched:
+        assert sched.host_scalars(s, record)
+        assert record.counts["host_scalars"] == 2
+    x = torch.zeros(1, 4, 8, 8, device=META)
+    with _DeviceOps() as count:
+        for t in s.timesteps:
+            x = s.step(torch.zeros(1, 4, 8, 8, device=META), t, x).prev_sample
+    assert x.device == META and x.shape == (1, 4, 8, 8)
+    record.undo()
+    assert not any(n in vars(s) for n in sched.HOST_SCALAR_METHODS["UniPCMultistepScheduler"])
+    return count
+
+
+def test_unipc_coefficients_leave_the_device():
+    """As diffusers ships it, UniPC computes each step's coefficients as small tensors on the samples'
+    device (on a GPU: blocking copies and a checked solve every step); patched, none is computed
+    there, and what reaches it is the one coefficient vector per predictor or corrector einsum."""
+    stock, ours = _unipc_run(patched=False), _unipc_run(patched=True)
+    assert stock.math > 100 and stock.copies > 20
+    assert ours.math == 0 and ours.copies <= 2 * 6
+
+
+def test_other_diffusers_code_is_left_alone(monkeypatch):
+    import diffusers
+
+    monkeypatch.setitem(verified.VERIFIED, "UniPCMultistepScheduler.multistep_uni_c_bh_update", "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        s = diffusers.UniPCMultistepScheduler()
+        record = _record()
+        assert not sched.host_scalars(s, record)
+        assert "multistep_uni_p_bh_update" not in vars(s)
+        assert any("coefficients stay on the GPU" in k.reason for k in record.skipped)
+    finally:
+        monkeypatch.undo()
+        verified.is_verified.cache_clear()
+
+
+def test_only_unipc_has_host_scalar_methods():
+    import diffusers
+
+    assert not sched.host_scalars(diffusers.DDIMScheduler(), _record())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_unipc_on_host_scalars_matches_and_never_waits(dtype):
+    """20 UniPC steps on CUDA latents with random model outputs: patched against diffusers' own
+    (the coefficients computed in float32 on the host instead of the GPU), and no host sync."""
+    import diffusers
+
+    def run(patched, sync_mode="default"):
+        s = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000)
+        s.set_timesteps(20, device="cpu")
+        if patched:
+            sched.host_scalars(s, _record())
+        g = torch.Generator("cuda").manual_seed(0)
+        x = torch.randn(2, 4, 64, 64, device="cuda", generator=g).to(dtype)
+        outs = [torch.randn(2, 4, 64, 64, device="cuda", generator=g).to(dtype) for _ in s.timesteps]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            for t, eps in zip(s.timesteps, outs):
+                x = s.step(eps, t, x).prev_sample
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return x.double()
+
+    want, got = run(False), run(True, "error")  # "error": any host sync inside the patched loop raises
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item() / scale
+    tol = {torch.float16: 4e-3, torch.float32: 1e-5}[dtype]
+    assert err <= tol, f"max difference {err:.2e} of the largest value"
