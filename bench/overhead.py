@@ -10,7 +10,9 @@ SD_KERNELS_FAST_LAUNCH=0): every launch through Triton's ``JITFunction.run``.
 
 ``--pipeline NAME[,NAME]`` also times, per shipped config, the pipeline's ``_execution_device`` (the
 first thing every pipeline call does, while the GPU waits): diffusers' property against the one
-``patch(pipe)``'s pipeline mode installs (patches/pipeline_host.py), interleaved in rounds.
+``patch(pipe)``'s pipeline mode installs (patches/pipeline_host.py), interleaved in rounds; and the
+host time of a whole call up to its first model call (the text encoder), unpatched and patched
+(the fastest of five rounds' medians), with a cProfile of the patched one's in the profile file.
 """
 
 from __future__ import annotations
@@ -137,6 +139,70 @@ def _execution_device_rows(name: str, rounds: int = 10, calls: int = 10) -> list
              "host_us_per_call": round(statistics.median(ts), 1)} for impl, ts in times.items()]
 
 
+class _Reached(Exception):
+    """Raised by the first text-encoder call: the pipeline call ends there."""
+
+
+def _lead_us(pipe, calls: int, prof: cProfile.Profile | None = None) -> float:
+    """Median host µs from the start of a pipeline call to its first text-encoder call (the host work
+    before any GPU work); ``prof`` profiles that part of each call."""
+    import statistics
+
+    from bench.e2e import PROMPT
+
+    encoder, saved = pipe.text_encoder, pipe.text_encoder.__dict__.get("forward")
+    times, reached = [], []
+
+    def stop(*args, **kwargs):
+        reached.append(time.perf_counter())
+        if prof is not None:
+            prof.disable()
+        raise _Reached
+
+    object.__setattr__(encoder, "forward", stop)
+    gen = torch.Generator(pipe.device)
+    try:
+        for _ in range(calls):
+            start = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            try:
+                pipe(PROMPT, num_inference_steps=20, generator=gen.manual_seed(0), output_type="pt")
+            except _Reached:
+                times.append((reached[-1] - start) * 1e6)
+    finally:
+        if saved is None:
+            object.__delattr__(encoder, "forward")
+        else:
+            object.__setattr__(encoder, "forward", saved)
+    return statistics.median(times)
+
+
+def _lead_rows(name: str, calls: int = 30) -> tuple[list[dict], str]:
+    """Host time before a pipeline call's first model call, diffusers' pipeline and ``patch(pipe)``'s
+    (rounds interleaved), and a cProfile of the patched one's."""
+    import sd_kernels
+    from sd_kernels.models import build_pipeline
+
+    pipe = build_pipeline(name, device="cuda", dtype=torch.float16)
+    pipe.set_progress_bar_config(disable=True)
+    times: dict[str, list[float]] = {"stock": [], "ours": []}
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for _ in range(5):
+            times["stock"].append(_lead_us(pipe, calls // 5))
+            with sd_kernels.patched(pipe):
+                times["ours"].append(_lead_us(pipe, calls // 5))
+        with sd_kernels.patched(pipe):
+            _lead_us(pipe, calls, prof)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    rows = [{"op": f"{name} pipeline call, host before its first model call", "impl": impl,
+             "host_us_per_call": round(min(ts), 1)} for impl, ts in times.items()]
+    title = f"==== {name} patch(pipe): a pipeline call up to its first model call, {calls} calls"
+    return rows, f"{title}\n{text.getvalue()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True)
@@ -151,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         profiles.append(_profile_model(args.model, rows))
     for name in filter(None, args.pipeline.split(",")):
-        rows += _execution_device_rows(name)
-        for r in rows[-2:]:
+        lead, text = _lead_rows(name)
+        rows += _execution_device_rows(name) + lead
+        profiles.append(text)
+        for r in rows[-4:]:
             print(f"  {r['op']:<40} {r['impl']:<9} {r['host_us_per_call']:10.1f} us/call", flush=True)
     from sd_kernels import launch
 
