@@ -32,20 +32,31 @@ from .verified import VERIFIED_WITH, is_verified
 _HOOK = "_diffusers_hook"
 
 
+# A walk longer than this is not a module tree (a cycle, or sharing that multiplies paths): diffusers' own.
+_MAX_VISITS = 1_000_000
+
+
 def _first_group_hook(root: nn.Module, name: str):
     """diffusers' ``_get_top_level_group_offload_hook(root)``: the first module in ``named_modules``
-    order (pre-order, each module once) whose hook registry holds a hook called ``name``."""
-    seen: set[int] = set()
+    order (pre-order) whose hook registry holds a hook called ``name``. ``named_modules`` visits a
+    shared module once; this walk may visit it again, but only after its first visit, which would
+    have returned its hook: the answer is the same, without keeping a set of the modules seen."""
     stack = [root]
-    pop, push, visit = stack.pop, stack.extend, seen.add
+    pop, push = stack.pop, stack.extend
+    plain = _PLAIN_CLASSES  # classes that do not define the hook attribute themselves
+    visits = 0
     while stack:
         m = pop()
-        if m is None or id(m) in seen:
+        if m is None:
             continue
-        visit(id(m))
+        visits += 1
+        if visits > _MAX_VISITS:
+            from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+
+            return _get_top_level_group_offload_hook(root) if name == _group_offloading() else None
         d = m.__dict__
         registry = d.get(_HOOK)
-        if registry is None and _class_defines_hook(type(m)):
+        if registry is None and type(m) not in plain and _class_defines_hook(type(m)):
             registry = getattr(m, _HOOK, None)
         if registry is not None:
             hook = registry.get_hook(name)
@@ -57,10 +68,22 @@ def _first_group_hook(root: nn.Module, name: str):
     return None
 
 
-@functools.cache
+def _group_offloading() -> str:
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    return _GROUP_OFFLOADING
+
+
+_PLAIN_CLASSES: set[type] = set()
+
+
 def _class_defines_hook(cls: type) -> bool:
-    """A class that defines the attribute itself (never in diffusers) is read the slow way."""
-    return hasattr(cls, _HOOK)
+    """A class that defines the attribute itself (never in diffusers) is read the slow way; the
+    others are remembered in ``_PLAIN_CLASSES`` (a set look-up per module after the first)."""
+    if hasattr(cls, _HOOK):
+        return True
+    _PLAIN_CLASSES.add(cls)
+    return False
 
 
 def _execution_device(self) -> torch.device:

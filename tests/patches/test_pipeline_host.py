@@ -122,3 +122,24 @@ def test_a_pipeline_class_with_its_own_property_keeps_it(pipe, own):
         assert own != "device" or stock_device(pipe) == torch.device("meta")
         assert (type(pipe) is custom) == (own == "_execution_device")
         assert ("fast_execution_device" in record.counts) == (own == "device")
+
+
+def test_a_module_graph_that_is_not_a_tree_gets_diffusers_answer(monkeypatch):
+    """Shared modules are visited again (after their first visit, so the first hook found is the
+    same); a cycle would never end: past _MAX_VISITS the walk hands over to diffusers' own."""
+    from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+
+    shared = torch.nn.Linear(2, 2)
+    root = torch.nn.Sequential(torch.nn.Sequential(shared), shared, torch.nn.Linear(2, 2))
+    _hook(root[2], "cuda:1")
+    _hook(shared, "cuda:0")
+    assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    looped = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    looped[0].add_module("back", looped)  # a cycle: named_modules ends it, a plain walk would not
+    after = torch.nn.Linear(2, 2)
+    _hook(after, "cuda:2")
+    root = torch.nn.Sequential(looped, after)
+    monkeypatch.setattr(pipeline_host, "_MAX_VISITS", 50)
+    assert _get_top_level_group_offload_hook(root) is not None
+    assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    assert pipeline_host._first_group_hook(root, "other") is None
