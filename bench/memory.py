@@ -8,7 +8,10 @@ Per row: text encoder, one UNet step and the VAE decode, each with weights MB, p
 (peak allocated during the call above what was allocated before it) and median latency (ms, eager:
 the emulation is about memory, not speed). Prints a line per component as it finishes (flushed:
 the run takes minutes per profile) and rewrites DIR/memory.csv after every variant, with what a
-variant measured before it failed; prints the table at the end.
+variant measured before it failed; prints the table at the end. ``--steps N`` (default 20) adds,
+per variant at batch 1, one whole pipeline call measured by ``sd_kernels.memory.PipelineMemory``
+(each component's largest call, the call's total peak with the weights, against the budget), also
+written as tables to DIR/memory-e2e.txt.
 The paper (arXiv 2304.11267): 84 MB of intermediates for SD1.5's UNet on its phones; stock diffusers
 needs 340 MB over the weights at batch 2 with SDPA (REFERENCE.md).
 """
@@ -44,6 +47,31 @@ def measure(pipe, variant: str, batch: int, rows: list[dict], started: float) ->
     memory.memory_report(pipe, batch=batch, progress=finished)
 
 
+def end_to_end(pipe, variant: str, budget: int | None, steps: int, started: float) -> tuple[list[dict], str]:
+    """One whole pipeline call (512² for SD1.5, ``steps`` steps, batch 1 with guidance) measured by
+    ``memory.PipelineMemory``: rows per component (its largest call's peak intermediates, its calls)
+    and a ``total peak`` row (the whole call's peak in use, weights included), and the printed table."""
+    side = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    pipe.set_progress_bar_config(disable=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with memory.PipelineMemory(pipe, budget) as table:
+        pipe("a photograph of an astronaut riding a horse", num_inference_steps=steps, height=side, width=side,
+             generator=torch.Generator("cuda").manual_seed(0), output_type="pt")
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) * 1e3
+    rows = [{"variant": variant, "component": f"e2e {r.part} ({r.calls} calls)", "weights_mb": r.weights / memory.MB,
+             "peak_intermediate_mb": r.peak_intermediate / memory.MB, "ms": float("nan"), "peak_at": ""}
+            for r in table.parts.values()]
+    rows.append({"variant": variant, "component": f"e2e total peak, {steps} steps"
+                 + ("" if budget is None else f" (budget {budget / memory.MB:.0f} MB)"),
+                 "weights_mb": table.weights / memory.MB,
+                 "peak_intermediate_mb": (table.total_peak - table.weights) / memory.MB, "ms": ms, "peak_at": ""})
+    text = table.format(f"{variant}, {side}x{side}, {steps} steps, {ms / 1e3:.1f} s")
+    _say(started, text)
+    return rows, text
+
+
 def _say(started: float, line: str) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {line}", flush=True)
 
@@ -53,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--model", default="sd15")
     ap.add_argument("--profiles", default=",".join(MOBILE), help="comma-separated profile names")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="also one whole pipeline call of this many steps per variant (0: none)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.memory needs a CUDA GPU", file=sys.stderr)
@@ -85,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             w.writerows({**r, **env} for r in rows)
 
     variants = [(f"stock b{batch}", None, batch) for batch in (1, 2)] + [(name, name, 1) for name in names]
+    tables: list[str] = []
     with torch.inference_mode():
         for i, (variant, profile, batch) in enumerate(variants, 1):
             how = f" (patched under {profile})" if profile else ""
@@ -94,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                 patch(pipe, profile=profile)
             try:
                 measure(pipe, variant, batch, done, started)
+                if args.steps and batch == 1:
+                    budget = profiles.get_profile(profile).memory_budget_bytes() if profile else None
+                    e2e_rows, text = end_to_end(pipe, variant, budget, args.steps, started)
+                    done += e2e_rows
+                    tables.append(text)
             except memory.MemoryBudgetExceeded as exc:
                 _say(started, f"{variant}: budget exceeded: {exc}")
                 done.append({"variant": variant, "component": "budget exceeded", "weights_mb": float("nan"),
@@ -104,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 if profile is not None:
                     unpatch(pipe)
                     profiles.set_profile(None)
-    _say(started, f"done: wrote {args.out / 'memory.csv'}")
+    (args.out / "memory-e2e.txt").write_text("\n\n".join(tables) + "\n")
+    _say(started, f"done: wrote {args.out / 'memory.csv'} and memory-e2e.txt")
     print(common.format_table(rows, COLUMNS))
     return 0
 

@@ -23,6 +23,9 @@ distributed-inference docs) and writes each image as soon as it is made.
   processes than GPUs: a ``ValueError`` before any model is built; under a profile with a memory
   budget, weights of a shipped config that cannot fit it: ``MemoryBudgetExceeded`` (its weights are
   counted on the meta device first).
+- **The memory table.** Under a profile with a memory budget, on a GPU, the first image's call is
+  measured (``sd_kernels.memory.PipelineMemory``): weights and peak intermediates per component and
+  the call's total peak against the budget, printed with the summary.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class ProcessStats:
     setup_s: float = 0.0
     first_s: float = 0.0
     steady_s: float = 0.0
+    memory: str = ""  # under a profile with a memory budget, on CUDA: the first image's memory table
 
     @property
     def steady_images_per_s(self) -> float | None:
@@ -112,6 +116,8 @@ class Summary:
             lines.append(f"  process {p.process} ({p.device}): {p.images} images, {p.failed} failed; set-up "
                          f"{p.setup_s:.1f} s, first image {p.first_s:.1f} s, then "
                          + (f"{rate:.2f} images/s" if rate else "-"))
+            if p.memory:
+                lines.append(p.memory)
         return "\n".join(lines)
 
 
@@ -274,6 +280,22 @@ def check_budget(name: str, torch_dtype, profile):
     return memory_plan(models.build_pipeline(name, device="meta", dtype=torch_dtype), get_profile(profile))
 
 
+@contextlib.contextmanager
+def _measured(pipe, record, first: bool, title: str, stats: ProcessStats):
+    """Under a profile with a memory budget, on CUDA: the first image's memory table (weights, peak
+    intermediates per component, the call's total peak against the budget) into ``stats.memory``."""
+    budget = record.profile_spec.memory_budget_bytes() if first else None
+    device = pipe.device if budget is not None else None
+    if device is None or device.type != "cuda":
+        yield
+        return
+    from sd_kernels.memory import CudaMemory, PipelineMemory
+
+    with PipelineMemory(pipe, budget, CudaMemory(device)) as table:
+        yield
+    stats.memory = table.format(title)
+
+
 def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile, compile, state, stats, run,
                identity, progress, t0) -> ProcessStats:
     """This process's images: build and patch its pipeline, then one pipeline call per job."""
@@ -306,8 +328,9 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
         line = entry(job, setup=setup)
         try:
             generator = torch.Generator(device="cpu").manual_seed(job.seed)
-            image = pipe(job.prompt, num_inference_steps=steps, height=side, width=side, generator=generator,
-                         output_type="np").images[0]
+            with _measured(pipe, record, i == 0, f"{record.profile}, {side}x{side}, {steps} steps", stats):
+                image = pipe(job.prompt, num_inference_steps=steps, height=side, width=side, generator=generator,
+                             output_type="np").images[0]
             _save_png(image, out / job.file, {
                 "Software": f"sd-kernels {sd_kernels.__version__}", "Prompt": job.prompt, "Seed": str(job.seed),
                 "Model": name, "Weights": weights, "Steps": str(steps), "Size": f"{side}x{side}",

@@ -302,3 +302,98 @@ def memory_report(pipe, batch: int = 1, prompt: str = "a photograph of an astron
         if progress is not None:
             progress(rows[-1])
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# One whole pipeline call, as a phone would run it
+
+# The calls of a diffusers SD pipeline's components that PipelineMemory measures: (part, method).
+PIPELINE_CALLS = (("text_encoder", "forward"), ("text_encoder_2", "forward"), ("unet", "forward"),
+                  ("controlnet", "forward"), ("vae", "decode"))
+
+
+@dataclasses.dataclass
+class PartMemory:
+    part: str
+    weights: int  # bytes
+    peak_intermediate: int = 0  # bytes above what was allocated when the call began, the largest call's
+    calls: int = 0
+
+
+class PipelineMemory:
+    """``with PipelineMemory(pipe, budget) as table: pipe(...)``: the paper's memory table of one whole
+    pipeline call: per component (text encoders, UNet, ControlNet, VAE decode) its weights, the peak
+    of intermediates over its calls (allocated during a call above what was allocated when it began:
+    neither its inputs nor any weights) and the number of calls; and the peak of the whole call,
+    weights and everything between the components included (``total_peak``), against ``budget``
+    (bytes; None: no budget). Each component's method is wrapped as an instance attribute on top of
+    whatever is there (a patch's guard, CUDA graphs) and put back on exit. ``stats``: a CudaMemory
+    (default) or a stand-in with its methods."""
+
+    def __init__(self, pipe: Any, budget: int | None = None, stats: Any = None) -> None:
+        self.pipe, self.budget = pipe, budget
+        self.stats = CudaMemory() if stats is None else stats
+        self.parts: dict[str, PartMemory] = {}
+        self._calls: list[tuple[nn.Module, str, Any]] = []
+        for part, method in PIPELINE_CALLS:
+            module = getattr(pipe, part, None)
+            if isinstance(module, nn.Module):
+                self.parts[part] = PartMemory(part, weight_bytes(module))
+                self._calls.append((module, method, part))
+        self.weights = weight_bytes_of({k: m for k, m in (getattr(pipe, "components", None) or {}).items()
+                                        if isinstance(m, nn.Module)})
+        self.before = self.total_peak = 0
+
+    def _seen_peak(self) -> None:
+        self.total_peak = max(self.total_peak, self.stats.peak())
+
+    def _wrap(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._seen_peak()  # the peak since the last reset, before this call resets it
+            self.stats.reset_peak()
+            base = self.stats.allocated()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if isinstance(self.stats, CudaMemory):
+                    torch.cuda.synchronize(self.stats.device)
+                row = self.parts[part]
+                row.peak_intermediate = max(row.peak_intermediate, self.stats.peak() - base)
+                row.calls += 1
+                self._seen_peak()
+
+        return call
+
+    def __enter__(self) -> PipelineMemory:
+        self._saved = [(m, name, m.__dict__.get(name)) for m, name, _ in self._calls]
+        for module, name, part in self._calls:
+            object.__setattr__(module, name, self._wrap(getattr(module, name), part))
+        self.stats.reset_peak()
+        self.before = self.stats.allocated()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, old in self._saved:
+            if old is None:
+                object.__delattr__(module, name)
+            else:
+                object.__setattr__(module, name, old)
+        self._seen_peak()
+
+    def format(self, title: str = "") -> str:
+        head = f"memory of one pipeline call{f' ({title})' if title else ''}:"
+        lines = [head, f"  {'component':<16} {'weights MB':>11} {'peak intermediates MB':>22} {'calls':>6}"]
+        for row in self.parts.values():
+            lines.append(f"  {row.part:<16} {row.weights / MB:11.1f} {row.peak_intermediate / MB:22.1f} "
+                         f"{row.calls:6d}")
+        lines.append(f"  {'all weights':<16} {self.weights / MB:11.1f}")
+        verdict = ("" if self.budget is None else f" of the {self.budget / MB:.0f} MB budget: "
+                   + ("within" if self.total_peak <= self.budget else "OVER"))
+        lines.append(f"  total peak in use during the call: {self.total_peak / MB:.1f} MB (in use before it: "
+                     f"{self.before / MB:.1f} MB){verdict}")
+        return "\n".join(lines)
+
+
+def weight_bytes_of(models: dict[str, nn.Module]) -> int:
+    """Bytes of the parameters and buffers of ``models`` together, a tensor shared between them once."""
+    return weight_bytes(nn.ModuleList(models.values())) if models else 0

@@ -244,7 +244,7 @@ def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_pa
     monkeypatch.setattr(bench_memory.common, "environment", lambda: {"device": "fake"})
     monkeypatch.setattr(bench_memory.profiles, "set_profile", lambda profile: None)  # would ask the fake CUDA
     monkeypatch.setattr(memory, "memory_report", report)
-    assert bench_memory.main(["--out", str(tmp_path), "--profiles", "s23-ultra,mobile-small"]) == 0
+    assert bench_memory.main(["--out", str(tmp_path), "--profiles", "s23-ultra,mobile-small", "--steps", "0"]) == 0
 
     out = capsys.readouterr().out
     assert "variant 3/4: s23-ultra (patched under s23-ultra)" in out
@@ -358,3 +358,26 @@ def test_step_ops_gpu_measures_the_glue_and_the_whole_step_ceiling():
     for name, row in ceiling.items():
         assert row["loop_ms"] > 0 and row["whole_step_ms"] > 0, name
         assert row["max_diff"] < 1e-2, (name, row)
+
+
+@pytest.mark.gpu
+def test_memory_bench_end_to_end_under_a_phone_budget():
+    """bench.memory's whole-call table on the GPU: the tiny pipeline patched under s23-ultra, each
+    component measured, the call's peak (weights included) within the budget."""
+    import torch
+
+    import sd_kernels
+    from bench import memory as bench_memory
+    from sd_kernels import memory, models, profiles
+
+    pipe = models.build_pipeline("tiny", device="cuda", dtype=torch.float16)
+    budget = profiles.get_profile("s23-ultra").memory_budget_bytes()
+    with torch.inference_mode(), sd_kernels.patched(pipe, profile="s23-ultra"):
+        rows, text = bench_memory.end_to_end(pipe, "s23-ultra", budget, 3, 0.0)
+    parts = {r["component"].split()[1]: r for r in rows[:-1]}
+    assert set(parts) == {"text_encoder", "unet", "vae"} and all(r["peak_intermediate_mb"] > 0 for r in parts.values())
+    total = rows[-1]
+    assert total["weights_mb"] * memory.MB == pytest.approx(sum(
+        memory.weight_bytes(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
+    assert 0 < (total["weights_mb"] + total["peak_intermediate_mb"]) * memory.MB <= budget
+    assert "within" in text

@@ -152,3 +152,25 @@ def test_two_processes_make_the_same_images_as_one(tmp_path, prompts_file):
     a, b = _pixels(one), _pixels(two)
     assert a.keys() == b.keys() and len(a) == 5
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_memory_table_is_measured_only_on_cuda_under_a_budget(tmp_path):
+    """On the CPU no table is made (the measurement reads CUDA's allocator), and the summary says
+    nothing of one; on the GPU see the test below."""
+    summary = generate.generate_images(["a cat"], tmp_path / "out", model="tiny", steps=2, device="cpu",
+                                       profile="s23-ultra", progress=False)
+    assert summary.written == 1 and summary.processes[0].memory == ""
+    assert "memory of one pipeline call" not in summary.format()
+
+
+@pytest.mark.gpu
+def test_gpu_generate_under_a_phone_budget_prints_the_memory_table(tmp_path, monkeypatch):
+    monkeypatch.delenv("SD_KERNELS_BACKEND")  # the kernels, as a user runs them
+    summary = generate.generate_images(["a cat", "a dog"], tmp_path / "out", model="tiny", steps=3,
+                                       profile="s23-ultra", progress=False)
+    assert summary.written == 2
+    table = summary.processes[0].memory
+    assert "memory of one pipeline call (s23-ultra" in table and "of the 4096 MB budget: within" in table
+    for part in ("text_encoder", "unet", "vae"):
+        assert part in table
+    assert table in summary.format()

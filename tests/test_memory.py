@@ -434,3 +434,49 @@ def test_generate_checks_the_budget_before_building(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert "error: unet needs" in err and "over the budget of 4096.0 MB" in err and "before any work" in err
     assert not (tmp_path / "o" / "manifest.jsonl").exists()
+
+
+class _Grows(nn.Module):
+    """Wraps a model: each call holds ``n`` more bytes of intermediates for its length."""
+
+    def __init__(self, mem, n):
+        super().__init__()
+        self.mem, self.n = mem, n
+
+    def __call__(self, fn):
+        def call(*args, **kwargs):
+            self.mem.alloc(self.n)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.mem.free(self.n)
+
+        return call
+
+
+def test_pipeline_memory_table_of_one_call():
+    """PipelineMemory: per component its weights, the largest call's intermediates, its calls; the
+    whole call's peak against the budget; and every method put back afterwards."""
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("tiny")
+    pipe.set_progress_bar_config(disable=True)
+    weights = sum(memory.weight_bytes(m) for m in pipe.components.values() if isinstance(m, nn.Module))
+    mem = FakeMemory(allocated=weights)
+    sizes = {"text_encoder": 3 * MiB, "unet": 7 * MiB, "vae": 11 * MiB}
+    pipe.vae.decode = _Grows(mem, sizes["vae"])(pipe.vae.decode)  # a patch's wrapper: stays below ours
+    for part in ("text_encoder", "unet"):
+        getattr(pipe, part).forward = _Grows(mem, sizes[part])(getattr(pipe, part).forward)
+    wrapped = {p: vars(getattr(pipe, p))[m] for p, m in (("text_encoder", "forward"), ("unet", "forward"),
+                                                          ("vae", "decode"))}
+    with memory.PipelineMemory(pipe, budget=weights + 10 * MiB, stats=mem) as table, torch.no_grad():
+        pipe("a cat", num_inference_steps=3, height=64, width=64, output_type="pt")
+    assert {p: r.peak_intermediate for p, r in table.parts.items()} == sizes
+    # two prompts encoded (with guidance); PNDM runs its first of 3 steps twice (its Runge-Kutta warm-up)
+    assert {p: r.calls for p, r in table.parts.items()} == {"text_encoder": 2, "unet": 4, "vae": 1}
+    assert table.parts["unet"].weights == memory.weight_bytes(pipe.unet) and table.weights == weights
+    assert table.before == weights and table.total_peak == weights + 11 * MiB
+    text = table.format("test")
+    assert "unet" in text and "OVER" in text and f"{(weights + 11 * MiB) / MiB:.1f} MB" in text
+    assert all(vars(getattr(pipe, p))[m] is wrapped[p] for p, m in (("text_encoder", "forward"),
+                                                                   ("unet", "forward"), ("vae", "decode")))
