@@ -285,7 +285,7 @@ def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
              (getattr(pipe, "controlnet", None), "forward", "controlnet_ms")]
     with Spans(calls) as spans:
         _sync()
-        call_start, call_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        call_start = torch.cuda.Event(enable_timing=True)
         start = time.perf_counter()
         call_start.record()  # the GPU is idle: it reads the host's clock at the call's start
         with warnings.catch_warnings(record=True) as caught:
@@ -295,7 +295,6 @@ def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
                 call()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        call_end.record()
         _sync()
         total = (time.perf_counter() - start) * 1e3
         parts = spans.totals_ms()
@@ -342,7 +341,8 @@ class Bench:
                  repeats: int | None = None) -> None:
         from sd_kernels import models
 
-        repeats = repeats or (7 if device == "cuda" else 2)  # a CPU run is a test of the plumbing
+        if repeats is None:
+            repeats = 7 if device == "cuda" else 2  # a CPU run is a test of the plumbing
         self.target, self.steps, self.device, self.repeats = target, steps, device, repeats
         if target.controlnet:
             self.pipe = models.build_controlnet_pipeline(target.base, device=device, dtype=dtype)

@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 if profile is not None:
                     unpatch(pipe)
                     profiles.set_profile(None)
-    (args.out / "memory-e2e.txt").write_text("\n\n".join(tables) + "\n")
-    _say(started, f"done: wrote {args.out / 'memory.csv'} and memory-e2e.txt")
+    if tables:
+        (args.out / "memory-e2e.txt").write_text("\n\n".join(tables) + "\n")
+    _say(started, f"done: wrote {args.out / 'memory.csv'}" + (" and memory-e2e.txt" if tables else ""))
     print(common.format_table(rows, COLUMNS))
     return 0
 

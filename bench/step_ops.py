@@ -144,8 +144,10 @@ def whole_step_ceiling(model: str = "sd15", size: int = 512, steps: int = 20, re
     - ``loop_ms``: as diffusers' loop runs it: the UNet from its graphs (with their input copies and
       output clone), everything else eagerly;
     - ``whole_step_ms``: one CUDA graph per step index that this bench captures around the very same
-      code (the patched UNet's forward inside): no copies, no launch gaps. It is a ceiling, not a
-      mode: replaying it needs a denoising loop of one's own (see docs/benchmarks.md).
+      code (the patched UNet's forward inside): no input copies or output clones, no launch gaps
+      (UniPC's graphs keep its coefficient vector's copy from a pinned host buffer, which PyTorch
+      may reuse after the capture: its ``max_diff`` says whether the replay still matched). It is a
+      ceiling, not a mode: replaying it needs a denoising loop of one's own (see docs/benchmarks.md).
 
     ``max_diff``: the largest difference between the two loops' final latents."""
     import sd_kernels

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -47,6 +48,8 @@ HOST_SCHEDULERS = ("PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "
                    "DPMSolverMultistepScheduler", "UniPCMultistepScheduler")
 # Scheduler methods whose small tensors HostScalars keeps on the host, per class (see the docstring).
 HOST_SCALAR_METHODS = {"UniPCMultistepScheduler": ("multistep_uni_p_bh_update", "multistep_uni_c_bh_update")}
+# What else runs inside the mode and must be the code checked with it.
+_CALLED_INSIDE = {"UniPCMultistepScheduler": ("_sigma_to_alpha_sigma_t",)}
 HOST_NUMEL = 16  # at most this many elements: a step's coefficients, never a latent
 _FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.tensor, torch.empty})
 
@@ -64,7 +67,10 @@ class HostScalars(TorchFunctionMode):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     def _is_target(self, value: object) -> bool:
         if not isinstance(value, (str, torch.device)):
@@ -88,6 +94,8 @@ class HostScalars(TorchFunctionMode):
         if func in _FACTORIES and self._is_target(kwargs.get("device")):
             out = func(*args, **{**kwargs, "device": "cpu"})
             return out if out.numel() <= HOST_NUMEL else out.to(self.device)
+        if "out" in kwargs or getattr(func, "__name__", "").endswith("_"):  # writes into its arguments: as it is
+            return func(*args, **kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
         if any(isinstance(x, torch.Tensor) and x.device == self.device for x in leaves) and any(
                 _small_host(x) and x.dim() > 0 for x in leaves):
@@ -104,18 +112,20 @@ def host_timesteps(scheduler: object, record: PatchRecord) -> bool:
         record.skip("scheduler", name, "timesteps stay where the pipeline puts them (a scheduler not checked "
                     f"with host timesteps: {', '.join(HOST_SCHEDULERS)})")
         return False
-    method = scheduler.set_timesteps
-    signature = inspect.signature(method)
+    signature = inspect.signature(scheduler.set_timesteps)  # bound: without self
     if "device" not in signature.parameters:
         record.skip("scheduler", name, "its set_timesteps takes no device")
         return False
 
-    @functools.wraps(method)  # inspect.signature (diffusers' retrieve_timesteps reads it) sees the original
-    def set_timesteps(*args, **kwargs):
+    # inspect.signature (diffusers' retrieve_timesteps reads it) sees the class's method through wraps;
+    # bound to the scheduler as a method, so that a copy (copy.deepcopy) is bound to the copy
+    @functools.wraps(type(scheduler).set_timesteps)
+    def on_host(self, *args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.arguments["device"] = "cpu"
-        return method(*bound.args, **bound.kwargs)
+        return type(self).set_timesteps(self, *bound.args, **bound.kwargs)
 
+    set_timesteps = types.MethodType(on_host, scheduler)
     record.set_attr(scheduler, "set_timesteps", set_timesteps, "host_timesteps")
     host_scalars(scheduler, record)
     return True
@@ -129,22 +139,26 @@ def host_scalars(scheduler: object, record: PatchRecord) -> bool:
     names = HOST_SCALAR_METHODS.get(cls.__name__, ())
     if not names:
         return False
-    if not all(is_verified(getattr(cls, n)) for n in names):
+    if not all(is_verified(getattr(cls, n)) for n in (*names, *_CALLED_INSIDE.get(cls.__name__, ()))):
         record.skip("scheduler", cls.__name__, f"its step's coefficients stay on the GPU (the host waits for it "
                     f"every step): not the diffusers {VERIFIED_WITH} code checked with them on the host")
         return False
     for name in names:
-        record.set_attr(scheduler, name, _on_host(getattr(scheduler, name)), "host_scalars")
+        record.set_attr(scheduler, name, types.MethodType(_on_host(getattr(cls, name)), scheduler), "host_scalars")
     return True
 
 
-def _on_host(method):
-    @functools.wraps(method)
-    def run(*args, **kwargs):
+def _on_host(function):
+    """``function`` (a scheduler class's method) run inside HostScalars on its sample's device; as
+    diffusers ships it where the sample is on the CPU or another scheduler solves the step (UniPC's
+    ``solver_p``: code not checked under the mode)."""
+
+    @functools.wraps(function)
+    def run(self, *args, **kwargs):
         sample = kwargs.get("sample", kwargs.get("this_sample"))
-        if not isinstance(sample, torch.Tensor) or sample.device.type == "cpu":
-            return method(*args, **kwargs)
+        if not isinstance(sample, torch.Tensor) or sample.device.type == "cpu" or getattr(self, "solver_p", None):
+            return function(self, *args, **kwargs)
         with HostScalars(sample.device):
-            return method(*args, **kwargs)
+            return function(self, *args, **kwargs)
 
     return run

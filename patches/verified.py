@@ -30,6 +30,7 @@ VERIFIED = {
     "get_parameter_device": "2512d13c2214e520",
     "UniPCMultistepScheduler.multistep_uni_p_bh_update": "287c57208dceb062",
     "UniPCMultistepScheduler.multistep_uni_c_bh_update": "0527122ebb9676aa",
+    "UniPCMultistepScheduler._sigma_to_alpha_sigma_t": "3c6872414f3ab42b",
 }
 VERIFIED_WITH = "0.42.1"
 

@@ -283,11 +283,11 @@ def check_budget(name: str, torch_dtype, profile):
 
 
 @contextlib.contextmanager
-def _measured(pipe, record, first: bool, title: str, stats: ProcessStats):
-    """Under a profile with a memory budget, on CUDA, where ``first`` (the call to measure): its memory
+def _measured(pipe, record, measure: bool, title: str, stats: ProcessStats):
+    """Under a profile with a memory budget, on CUDA, where ``measure`` (the call to measure): its memory
     table (weights, peak intermediates per component, the call's total peak against the budget) into
     ``stats.memory``."""
-    budget = record.profile_spec.memory_budget_bytes() if first else None
+    budget = record.profile_spec.memory_budget_bytes() if measure else None
     device = pipe.device if budget is not None else None
     if device is None or device.type != "cuda":
         yield

@@ -354,9 +354,7 @@ class PipelineMemory:
             base = self.stats.allocated()
             try:
                 return fn(*args, **kwargs)
-            finally:
-                if isinstance(self.stats, CudaMemory):
-                    torch.cuda.synchronize(self.stats.device)
+            finally:  # the allocator's counters are kept on the host: no wait for the GPU
                 row = self.parts[part]
                 row.peak_intermediate = max(row.peak_intermediate, self.stats.peak() - base)
                 row.calls += 1
@@ -365,9 +363,15 @@ class PipelineMemory:
         return call
 
     def __enter__(self) -> PipelineMemory:
-        self._saved = [(m, name, m.__dict__.get(name)) for m, name, _ in self._calls]
-        for module, name, part in self._calls:
-            object.__setattr__(module, name, self._wrap(getattr(module, name), part))
+        self._saved = []
+        try:
+            for module, name, part in self._calls:
+                wrapped = self._wrap(getattr(module, name), part)
+                self._saved.append((module, name, module.__dict__.get(name)))
+                object.__setattr__(module, name, wrapped)
+        except BaseException:
+            self.__exit__()
+            raise
         self.stats.reset_peak()
         self.before = self.stats.allocated()
         return self

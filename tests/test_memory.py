@@ -465,18 +465,22 @@ def test_pipeline_memory_table_of_one_call():
     mem = FakeMemory(allocated=weights)
     sizes = {"text_encoder": 3 * MiB, "unet": 7 * MiB, "vae": 11 * MiB}
     pipe.vae.decode = _Grows(mem, sizes["vae"])(pipe.vae.decode)  # a patch's wrapper: stays below ours
-    for part in ("text_encoder", "unet"):
-        getattr(pipe, part).forward = _Grows(mem, sizes[part])(getattr(pipe, part).forward)
-    wrapped = {p: vars(getattr(pipe, p))[m] for p, m in (("text_encoder", "forward"), ("unet", "forward"),
-                                                          ("vae", "decode"))}
-    with memory.PipelineMemory(pipe, budget=weights + 10 * MiB, stats=mem) as table, torch.no_grad():
-        pipe("a cat", num_inference_steps=3, height=64, width=64, output_type="pt")
+    pipe.unet.forward = _Grows(mem, sizes["unet"])(pipe.unet.forward)
+    wrapped = (vars(pipe.unet)["forward"], vars(pipe.vae)["decode"])
+    encoder = type(pipe.text_encoder)
+    grows = _Grows(mem, sizes["text_encoder"])
+    # the text encoder's forward is its class's (no instance attribute to put back)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(encoder, "forward", grows(encoder.forward))
+        mp.setattr(pipe.scheduler, "step", _Grows(mem, 20 * MiB)(pipe.scheduler.step))  # between the models
+        with memory.PipelineMemory(pipe, budget=weights + 10 * MiB, stats=mem) as table, torch.no_grad():
+            pipe("a cat", num_inference_steps=3, height=64, width=64, output_type="pt")
     assert {p: r.peak_intermediate for p, r in table.parts.items()} == sizes
     # two prompts encoded (with guidance); PNDM runs its first of 3 steps twice (its Runge-Kutta warm-up)
     assert {p: r.calls for p, r in table.parts.items()} == {"text_encoder": 2, "unet": 4, "vae": 1}
     assert table.parts["unet"].weights == memory.weight_bytes(pipe.unet) and table.weights == weights
-    assert table.before == weights and table.total_peak == weights + 11 * MiB
+    assert table.before == weights and table.total_peak == weights + 20 * MiB  # the scheduler's, between calls
     text = table.format("test")
-    assert "unet" in text and "OVER" in text and f"{(weights + 11 * MiB) / MiB:.1f} MB" in text
-    assert all(vars(getattr(pipe, p))[m] is wrapped[p] for p, m in (("text_encoder", "forward"),
-                                                                   ("unet", "forward"), ("vae", "decode")))
+    assert "unet" in text and "OVER" in text and f"{(weights + 20 * MiB) / MiB:.1f} MB" in text
+    assert "forward" not in vars(pipe.text_encoder)  # put back: no instance attribute, as before
+    assert (vars(pipe.unet)["forward"], vars(pipe.vae)["decode"]) == wrapped

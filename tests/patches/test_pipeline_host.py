@@ -134,6 +134,11 @@ def test_a_module_graph_that_is_not_a_tree_gets_diffusers_answer(monkeypatch):
     _hook(root[2], "cuda:1")
     _hook(shared, "cuda:0")
     assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    plain = torch.nn.Linear(2, 2)  # shared and hook-less: visited twice, then the hooked sibling after it
+    root = torch.nn.Sequential(torch.nn.Sequential(plain), plain, torch.nn.Linear(2, 2))
+    _hook(root[2], "cuda:3")
+    assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    assert _get_top_level_group_offload_hook(root).config.onload_device == torch.device("cuda:3")
     looped = torch.nn.Sequential(torch.nn.Linear(2, 2))
     looped[0].add_module("back", looped)  # a cycle: named_modules ends it, a plain walk would not
     after = torch.nn.Linear(2, 2)

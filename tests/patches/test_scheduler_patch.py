@@ -27,9 +27,13 @@ def test_host_scalars_keeps_small_tensors_on_the_host():
         assert torch.ones(sched.HOST_NUMEL + 1).to(META).device == META
         assert torch.ones(3).to(device="meta").device.type == "cpu"
         big = torch.zeros(2, 3, 5, device=META)
-        mixed = torch.einsum("k,bkc->bc", torch.ones(3), big)  # a host vector meets a device tensor
-        assert mixed.device == META and mixed.shape == (2, 5)
-        assert (torch.ones(()) * big).device == META  # 0-d: a scalar to the kernel, no copy
+        with _DeviceOps() as ops:
+            mixed = torch.einsum("k,bkc->bc", torch.ones(3), big)  # a host vector meets a device tensor: copied
+            assert (torch.ones(()) * big).device == META  # 0-d: a scalar to the kernel, no copy
+        assert mixed.device == META and mixed.shape == (2, 5) and ops.copies == 1
+        host = torch.zeros(3)
+        host.add_(torch.ones(3))  # in place: left as it is
+        assert host.tolist() == [1.0, 1.0, 1.0]
     assert torch.ones((), device=META).device == META  # outside the mode nothing changes
 
 
@@ -77,7 +81,25 @@ def test_unipc_coefficients_leave_the_device():
     there, and what reaches it is the one coefficient vector per predictor or corrector einsum."""
     stock, ours = _unipc_run(patched=False), _unipc_run(patched=True)
     assert stock.math > 100 and stock.copies > 20
-    assert ours.math == 0 and ours.copies <= 2 * 6
+    assert ours.math == 0 and 0 < ours.copies <= 2 * 6
+
+
+def test_a_copied_scheduler_runs_its_own_state():
+    """The patch's methods are bound to the scheduler: copy.deepcopy binds the copy's to the copy."""
+    import copy
+
+    import diffusers
+
+    s = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000)
+    record = _record()
+    assert sched.host_timesteps(s, record) and record.counts["host_scalars"] == 2
+    twin = copy.deepcopy(s)
+    twin.set_timesteps(4, device="meta")
+    assert twin.timesteps.device.type == "cpu" and s.num_inference_steps is None  # the copy's own, on the host
+    x = torch.zeros(1, 4, 8, 8, device=META)
+    for t in twin.timesteps:
+        x = twin.step(torch.zeros(1, 4, 8, 8, device=META), t, x).prev_sample
+    assert twin.step_index == 4 and s.step_index is None
 
 
 def test_other_diffusers_code_is_left_alone(monkeypatch):
@@ -103,14 +125,16 @@ def test_only_unipc_has_host_scalar_methods():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [{}, {"solver_order": 3}, {"solver_type": "bh1"}, {"predict_x0": False},
+                                    {"lower_order_final": False}], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gpu_unipc_on_host_scalars_matches_and_never_waits(dtype):
+def test_gpu_unipc_on_host_scalars_matches_and_never_waits(dtype, config):
     """20 UniPC steps on CUDA latents with random model outputs: patched against diffusers' own
     (the coefficients computed in float32 on the host instead of the GPU), and no host sync."""
     import diffusers
 
     def run(patched, sync_mode="default"):
-        s = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000)
+        s = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000, **config)
         s.set_timesteps(20, device="cpu")
         if patched:
             sched.host_scalars(s, _record())
