@@ -23,7 +23,9 @@ selection table of ``sd-kernels info`` needs no GPU):
 - ``chunk_bytes()``: how large one chunked intermediate (attention scores, a feed-forward slice) may
   be, from the intermediate budget;
 - ``memory_budget_bytes()``: the whole process's budget (weights + intermediates), enforced by
-  ``sd_kernels.memory``.
+  ``sd_kernels.memory``;
+- ``fp16_tflops`` / ``bandwidth_gbps``: the phone profiles' device figures for the latency model
+  (``sd_kernels.latency``: a roofline estimate, not a measurement).
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class Profile:
     # Pipeline parts ("unet", "vae") whose conv weights the patch makes channels_last (NHWC), so that
     # cuDNN and the GroupNorm kernel run on NHWC activations; () leaves the memory format alone.
     channels_last: tuple[str, ...] = ()
+    # The device's peak fp16 throughput (TFLOP/s) and memory bandwidth (GB/s), for the latency model
+    # of the phone profiles (sd_kernels/latency.py; sources in docs/profiles.md); None: not modelled.
+    fp16_tflops: float | None = None
+    bandwidth_gbps: float | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -251,6 +257,11 @@ def _validate(p: Profile) -> None:
     _check_int(where, "intermediate_budget_mb", p.intermediate_budget_mb, 4, 2**20)
     _check_int(where, "shared_memory_kb", p.shared_memory_kb, 4, 1024)
     _check_int(where, "register_file_kb", p.register_file_kb, 4, 1024)
+    for key in ("fp16_tflops", "bandwidth_gbps"):
+        value = getattr(p, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < 1e6):
+            _fail(where, key, value, "a positive number or null")
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
     _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
     if p.attention not in ATTENTION_POLICIES:
