@@ -34,6 +34,8 @@ log = logging.getLogger("sd_kernels")
 PARTS, SUPPORTED_MODELS = families.PARTS, families.SUPPORTED_MODELS
 # Pipeline parts that cuda_graph="pipeline" replays from graphs without patching their ops.
 GRAPH_PARTS = ("text_encoder", "text_encoder_2")
+# Components that hold a pipeline's denoiser: left unpatched, they are warned about, not only recorded.
+DENOISER_PARTS = ("unet", "transformer", "transformer_2", "prior")
 _ATTR = "_sd_kernels_patch"  # on the patched object: its record
 _OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched it
 
@@ -61,6 +63,10 @@ def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.M
                if part not in ignore and isinstance(components.get(part), nn.Module)]
     models = [(part, m) for part, m in present if type(m).__name__ in SUPPORTED_MODELS]
     others = [(part, type(m).__name__) for part, m in present if type(m).__name__ not in SUPPORTED_MODELS]
+    # Models in components no family names (a transformer pipeline's denoiser, a third text encoder):
+    # reported too, never left alone in silence.
+    others += [(part, type(m).__name__) for part, m in components.items()
+               if isinstance(m, nn.Module) and part not in PARTS and part not in GRAPH_PARTS and part not in ignore]
     if not models and not ignore:
         found = f" (it has {', '.join(f'{p}: {name}' for p, name in others)})" if others else ""
         raise TypeError(
@@ -142,7 +148,11 @@ def patch(
     record.scheduler = scheduler
     record.ignore = ignore
     for part, name in others:
-        record.skip(part, name, f"not a supported model ({', '.join(SUPPORTED_MODELS)})")
+        record.skip(part, name, f"left as diffusers ships it: not a supported model ({', '.join(SUPPORTED_MODELS)})")
+        if part in DENOISER_PARTS:
+            log.warning("sd_kernels: patch: the %s of this %s (%s) runs as diffusers ships it: sd_kernels has no "
+                        "family for it yet (only the parts %s are patched)", part, type(obj).__name__, name,
+                        ", ".join(p for p, _ in models) or "none")
     try:
         with using_profile(prof):  # the patchers read it (routes, budgets, layouts)
             for part, model in models:
