@@ -381,3 +381,60 @@ def test_memory_bench_end_to_end_under_a_phone_budget():
         memory.weight_bytes(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
     assert 0 < (total["weights_mb"] + total["peak_intermediate_mb"]) * memory.MB <= budget
     assert "within" in text
+
+
+def test_breakdown_splits_the_overhead_into_lead_between_and_tail(monkeypatch):
+    """bench.e2e.breakdown's arithmetic with events that read the host clock (an idle GPU's events
+    complete when recorded): a call that waits 30 ms, encodes (10), waits 5, runs two UNet steps
+    (20 each) with 7 between them, waits 3, decodes (15), then waits 2."""
+    import torch
+
+    clock = {"now": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock["now"]
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    def wait(ms):
+        clock["now"] += ms / 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(e2e.time, "perf_counter", lambda: clock["now"])
+
+    class Model(torch.nn.Module):
+        def __init__(self, ms):
+            super().__init__()
+            self.ms = ms
+
+        def forward(self, *a):
+            wait(self.ms)
+
+        decode = forward
+
+    class Pipe:
+        text_encoder, unet, vae = Model(10), Model(20), Model(15)
+
+    def call():
+        wait(30)
+        Pipe.text_encoder.forward()
+        wait(5)
+        Pipe.unet.forward()
+        wait(7)
+        Pipe.unet.forward()
+        wait(3)
+        Pipe.vae.decode()
+        wait(2)
+
+    out = e2e.breakdown(Pipe, call)
+    assert (out["text_ms"], out["unet_steps_ms"], out["decode_ms"]) == (10, 40, 15)
+    assert (out["lead_ms"], out["between_ms"], out["tail_ms"]) == (30, 15, 2)
+    assert out["overhead_ms"] == 47 and out["syncs"] == 0
+    assert "forward" not in vars(Pipe.unet)  # the spans' wrappers are gone
