@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from sd_kernels.patches.record import set_instance_attr
 
 from bench import common
 from bench.report import print_summary
@@ -249,17 +250,13 @@ class Spans:
         return timed
 
     def __enter__(self) -> Spans:
-        self.saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in self.calls]
-        for obj, name, label in self.calls:
-            object.__setattr__(obj, name, self._timed(getattr(obj, name), label))
+        self.restores = [set_instance_attr(obj, name, self._timed(getattr(obj, name), label), "Spans",
+                                           "it timed it") for obj, name, label in self.calls]
         return self
 
     def __exit__(self, *exc) -> None:
-        for obj, name, old in self.saved:
-            if old is None:
-                object.__delattr__(obj, name)
-            else:
-                object.__setattr__(obj, name, old)
+        for restore in reversed(self.restores):
+            restore()
 
     def totals_ms(self) -> dict[str, float]:
         torch.cuda.synchronize()

@@ -148,9 +148,10 @@ def _lead_us(pipe, calls: int, prof: cProfile.Profile | None = None) -> float:
     before any GPU work); ``prof`` profiles that part of each call."""
     import statistics
 
+    from sd_kernels.patches.record import set_instance_attr
+
     from bench.e2e import PROMPT
 
-    encoder, saved = pipe.text_encoder, pipe.text_encoder.__dict__.get("forward")
     times, reached = [], []
 
     def stop(*args, **kwargs):
@@ -159,7 +160,7 @@ def _lead_us(pipe, calls: int, prof: cProfile.Profile | None = None) -> float:
             prof.disable()
         raise _Reached
 
-    object.__setattr__(encoder, "forward", stop)
+    restore = set_instance_attr(pipe.text_encoder, "forward", stop, "bench.overhead", "it stopped the call there")
     gen = torch.Generator(pipe.device)
     try:
         for _ in range(calls):
@@ -171,10 +172,7 @@ def _lead_us(pipe, calls: int, prof: cProfile.Profile | None = None) -> float:
             except _Reached:
                 times.append((reached[-1] - start) * 1e6)
     finally:
-        if saved is None:
-            object.__delattr__(encoder, "forward")
-        else:
-            object.__setattr__(encoder, "forward", saved)
+        restore()
     return statistics.median(times)
 
 

@@ -51,9 +51,9 @@ def _first_group_hook(root: nn.Module, name: str):
             continue
         visits += 1
         if visits > _MAX_VISITS:
-            from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+            from diffusers.hooks.group_offloading import _GROUP_OFFLOADING, _get_top_level_group_offload_hook
 
-            return _get_top_level_group_offload_hook(root) if name == _group_offloading() else None
+            return _get_top_level_group_offload_hook(root) if name == _GROUP_OFFLOADING else None
         d = m.__dict__
         registry = d.get(_HOOK)
         if registry is None and type(m) not in plain and _class_defines_hook(type(m)):
@@ -66,12 +66,6 @@ def _first_group_hook(root: nn.Module, name: str):
         if children:
             push(reversed(children.values()))
     return None
-
-
-def _group_offloading() -> str:
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
-
-    return _GROUP_OFFLOADING
 
 
 _PLAIN_CLASSES: set[type] = set()

@@ -36,6 +36,27 @@ log = logging.getLogger("sd_kernels")
 _MISSING = object()
 
 
+def set_instance_attr(obj: Any, name: str, value: Any, undoer: str = "unpatch",
+                      after: str = "the patch") -> Callable[[], None]:
+    """``obj.name = value`` as an instance attribute (``object.__setattr__``: past an nn.Module's
+    own ``__setattr__``); returns what puts back what was there (or removes the attribute when
+    nothing was), unless the attribute was set anew meanwhile: then it stays, and ``undoer`` logs
+    that it left it alone."""
+    old = obj.__dict__.get(name, _MISSING)
+    object.__setattr__(obj, name, value)
+
+    def restore() -> None:
+        if obj.__dict__.get(name, _MISSING) is not value:
+            log.warning("sd_kernels: %s left %s.%s alone: it was set anew after %s", undoer, type(obj).__name__,
+                        name, after)
+        elif old is _MISSING:
+            object.__delattr__(obj, name)
+        else:
+            object.__setattr__(obj, name, old)
+
+    return restore
+
+
 @dataclasses.dataclass(frozen=True)
 class Skipped:
     """One module the patch left alone: where, what it is, why."""
@@ -102,7 +123,7 @@ class PatchRecord:
         if isinstance(obj, nn.Module) and name in obj._modules:
             self._undo.append(self._swap_module(obj, name, value))
         else:
-            self._undo.append(self._set_instance_attr(obj, name, value))
+            self._undo.append(set_instance_attr(obj, name, value))
         if kind is not None:
             self.counts[kind] += 1
 
@@ -149,22 +170,6 @@ class PatchRecord:
             else:
                 log.warning("sd_kernels: unpatch left %s.%s alone: it was replaced after the patch",
                             type(parent).__name__, name)
-
-        return restore
-
-    @staticmethod
-    def _set_instance_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
-        old = obj.__dict__.get(name, _MISSING)
-        object.__setattr__(obj, name, value)
-
-        def restore() -> None:
-            if obj.__dict__.get(name, _MISSING) is not value:
-                log.warning("sd_kernels: unpatch left %s.%s alone: it was set anew after the patch",
-                            type(obj).__name__, name)
-            elif old is _MISSING:
-                object.__delattr__(obj, name)
-            else:
-                object.__setattr__(obj, name, old)
 
         return restore
 

@@ -363,12 +363,13 @@ class PipelineMemory:
         return call
 
     def __enter__(self) -> PipelineMemory:
-        self._saved = []
+        from sd_kernels.patches.record import set_instance_attr
+
+        self._restores = []
         try:
             for module, name, part in self._calls:
-                wrapped = self._wrap(getattr(module, name), part)
-                self._saved.append((module, name, module.__dict__.get(name)))
-                object.__setattr__(module, name, wrapped)
+                self._restores.append(set_instance_attr(module, name, self._wrap(getattr(module, name), part),
+                                                        "PipelineMemory", "it wrapped it"))
         except BaseException:
             self.__exit__()
             raise
@@ -377,11 +378,8 @@ class PipelineMemory:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for module, name, old in self._saved:
-            if old is None:
-                object.__delattr__(module, name)
-            else:
-                object.__setattr__(module, name, old)
+        for restore in reversed(self._restores):
+            restore()
         self._seen_peak()
 
     def format(self, title: str = "") -> str:
