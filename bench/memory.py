@@ -52,11 +52,13 @@ def end_to_end(pipe, variant: str, budget: int | None, steps: int, started: floa
     one-step warm-up call, measured by
     ``memory.PipelineMemory``: rows per component (its largest call's peak intermediates, its calls)
     and a ``total peak`` row (the whole call's peak in use, weights included), and the printed table."""
+    from bench.e2e import PROMPT
+
     side = pipe.unet.config.sample_size * pipe.vae_scale_factor
     pipe.set_progress_bar_config(disable=True)
 
     def call(n: int) -> None:
-        pipe("a photograph of an astronaut riding a horse", num_inference_steps=n, height=side, width=side,
+        pipe(PROMPT, num_inference_steps=n, height=side, width=side,
              generator=torch.Generator("cuda").manual_seed(0), output_type="pt")
 
     call(1)  # a warm-up: first calls autotune the UNet's kernels at batch 2 (Triton's timing allocates 256 MB)

@@ -23,10 +23,11 @@ import pathlib
 import sys
 
 import torch
+from sd_kernels.patches.scheduler import HOST_SCHEDULERS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SCHEDULERS = ("PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
-              "DPMSolverMultistepScheduler", "UniPCMultistepScheduler")
+# The schedulers the pipeline mode gives host timesteps (patches/scheduler.py): SD pipelines' usual ones.
+SCHEDULERS = HOST_SCHEDULERS
 
 
 class _Count(TorchDispatchMode):

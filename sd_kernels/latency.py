@@ -166,8 +166,7 @@ def trace(fn: Callable[[], Any], model: nn.Module, profile: Any) -> list[Op]:
         elif silu or type(module).__name__ in ("GELU", "QuickGELUActivation"):
             cost, kind = _elementwise(x, 8.0), "activation"
         elif type(module).__name__ == "GEGLU":
-            gate = (*y[:-1], y[-1])
-            cost, kind = _geglu(gate), "geglu"
+            cost, kind = _geglu(y), "geglu"  # the gate is the output's shape
         elif (hd := _heads(module)) is not None:
             ctx = kwargs.get("encoder_hidden_states")  # cross-attention (diffusers passes it by name)
             seq = x[-2] if len(x) == 3 else x[-1] * x[-2]
