@@ -438,3 +438,27 @@ def test_breakdown_splits_the_overhead_into_lead_between_and_tail(monkeypatch):
     assert (out["lead_ms"], out["between_ms"], out["tail_ms"]) == (30, 15, 2)
     assert out["overhead_ms"] == 47 and out["syncs"] == 0
     assert "forward" not in vars(Pipe.unet)  # the spans' wrappers are gone
+
+
+def test_layer_norm_bench_is_a_family_and_its_impls_agree(device):
+    """bench.ops_layer_norm at tiny shapes (on CPU through the Triton interpreter): bench.run finds it, its
+    stock and ours compute the same op on the inputs it builds, and its byte counts are the docs' 2/6
+    and 4/11 passes of [B, T, D]."""
+    import torch
+
+    from bench import ops_layer_norm as lnb
+    from bench import run
+
+    assert "layer_norm" in run.families()
+    shape = (2, 5, 40)
+    for form in ("table", "emb"):
+        for gated in (False, True):
+            inputs = lnb.make_inputs(shape, form, gated, device=device)
+            assert inputs[-1].shape == ((2, 1, 40) if form == "table" else (2, 40))
+            stock, ours = (lnb.stock_gated, lnb.ours_gated) if gated else (lnb.stock_modulated, lnb.ours_modulated)
+            got, want = ours(*inputs), stock(*inputs)
+            for g, w in zip(got if gated else (got,), want if gated else (want,)):
+                torch.testing.assert_close(g, w, rtol=2e-3, atol=4e-3)
+    n = 2 * 4096 * 1152 * 2
+    assert lnb.traffic((2, 4096, 1152), False) == {"ours": 2 * n + 2 * 2 * 1152 * 2, "stock": 6 * n}
+    assert lnb.traffic((2, 4096, 1152), True) == {"ours": 4 * n + 3 * 2 * 1152 * 2, "stock": 11 * n}

@@ -1,0 +1,203 @@
+"""LayerNorm with adaLN modulation, and the gated residual before it: a DiT block's glue in one pass.
+
+A DiT block (PixArt-Σ, SD3) normalizes its token stream x [B, T, D] over D without an affine of
+its own (elementwise_affine=False, eps 1e-6) and modulates it per sample with vectors the timestep
+embedding gives, scale and shift [B, D] (SD3's AdaLayerNormZero) or [B, 1, D] (PixArt's chunks of
+its [B, 6, D] table):
+
+    layer_norm_modulated:       y = LayerNorm(x)·(1 + scale) + shift
+    gated_residual_layer_norm:  h = residual + gate·branch;  y = LayerNorm(h)·(1 + scale) + shift
+
+where branch is the attention's (or the feed-forward's) output and gate its per-sample gate. Stock
+PyTorch runs these as separate kernels, each reading and writing a [B, T, D] tensor: 3 passes for
+the first (norm, ·(1 + scale), + shift), 5 for the second (gate·branch, + residual, then the three).
+Here one program owns ROWS whole rows of D elements in registers: it reads x (or residual and
+branch) once, writes y (and h) once. docs/kernels/layer_norm.md counts the bytes.
+
+Numerics: everything in fp32, stored in the input's dtype. The statistics are two-pass over the
+registers, mean then Σ(x − mean)², so a large mean against the spread costs nothing (no
+E[x²] − E[x]²). The gated form rounds h to the dtype first and normalizes the rounded value: the
+``normed`` it returns is exactly ``layer_norm_modulated(new_residual)``, what the stock block
+normalizes, and the residual stream it carries on.
+
+Layouts: x, residual and branch are read through their three strides (slices, a strided last dim);
+modulation tensors through a batch and a feature stride (a chunk of [B, 6·D] or [B, 6, D], or a
+batch of 1 broadcast with stride 0). Outputs are contiguous [B, T, D]. D is the whole row in one
+register tile: up to ``_MAX_D``; wider rows, inputs of several dtypes, float64 and autograd inputs
+take the reference (sd_kernels.reference, same names). Not wired into any patch yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sd_kernels import reference
+from sd_kernels.dispatch import tensor_reason, use_kernel
+from sd_kernels.launch import Launcher, cdiv, next_pow2
+
+_ELEMS = 4096  # elements per program: rows of small D are batched up to this (2 rows of D = 1152 or 1536)
+_MAX_D = 8192  # the widest row one program holds: 16 fp32 registers a thread per tensor at 16 warps
+
+
+@triton.jit
+def _per_sample(ptr, sample, d, mask, stride_b, stride_d):
+    """A modulation tensor's values [ROWS, BLOCK_D] for the rows' samples, as fp32."""
+    return tl.load(ptr + sample[:, None] * stride_b + d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, branch_ptr, gate_ptr, h_ptr, y_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr,
+    n_rows, T, D, eps,
+    stride_xb, stride_xt, stride_xd, stride_rb, stride_rt, stride_rd,
+    stride_gb, stride_gd, stride_sb, stride_sd, stride_tb, stride_td,
+    GATED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of the [B·T, D] outputs.
+
+    GATED: x is the residual; h = x + gate·branch is stored to h_ptr and normalized. Otherwise x
+    is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift. Outputs are contiguous.
+    """
+    # int64: row·D and sample·stride pass 2³¹ on large activations.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    mask = (rows < n_rows)[:, None] & d_mask[None, :]
+    sample, token = rows // T, rows % T
+    x_ptrs = x_ptr + (sample * stride_xb + token * stride_xt)[:, None] + d[None, :] * stride_xd
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out = rows[:, None] * D + d[None, :]
+    if GATED:
+        r_ptrs = branch_ptr + (sample * stride_rb + token * stride_rt)[:, None] + d[None, :] * stride_rd
+        branch = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            branch = branch * _per_sample(gate_ptr, sample, d, mask, stride_gb, stride_gd)
+        h = (x + branch).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + out, h, mask=mask)
+        x = h.to(tl.float32)  # normalize what the residual stream carries on
+
+    # IEEE divisions (``/`` is an approximate one on the GPU): a constant row's mean is then exact,
+    # and so its normalized values are 0, not an ulp of the mean amplified by 1/√eps.
+    mean = tl.math.div_rn(tl.sum(x, axis=1), D * 1.0)
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(xc * xc, axis=1), D * 1.0) + eps)
+    y = xc * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        y = y * (1.0 + _per_sample(scale_ptr, sample, d, mask, stride_sb, stride_sd))
+    if HAS_SHIFT:
+        y = y + _per_sample(shift_ptr, sample, d, mask, stride_tb, stride_td)
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Not autotuned: the Launcher is here for its direct launch path (sd_kernels.launch), keyed by the flags and blocks.
+_LAYER_NORM = Launcher(_layer_norm_kernel)
+
+
+def blocks(n_rows: int, d: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``_ELEMS``
+    elements a program, and a warp per 512 of them (8 fp32 a thread, per tensor in flight), 4 to 16."""
+    block_d = next_pow2(d)
+    rows = max(1, min(_ELEMS // block_d, next_pow2(n_rows)))
+    return rows, block_d, min(16, max(4, rows * block_d // 512))
+
+
+def _modulation(m: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
+    """(tensor, batch stride, feature stride) of a [B, D] or [B, 1, D] modulation; stride 0 for a
+    batch of 1 (broadcast) and for a missing one."""
+    if m is None:
+        return None, 0, 0
+    m2 = m if m.dim() == 2 else m.select(1, 0)
+    return m2, (m2.stride(0) if m2.shape[0] > 1 else 0), m2.stride(1)
+
+
+def _kernel_reason(tensors: tuple[torch.Tensor | None, ...], d: int) -> str | None:
+    reason = tensor_reason(*tensors)
+    if reason is not None:
+        return reason
+    dtypes = sorted({str(t.dtype) for t in tensors if t is not None})
+    if len(dtypes) > 1:
+        return f"inputs of several dtypes {dtypes} (the kernel takes one)"
+    if d > _MAX_D:
+        return f"D = {d} is wider than one program's row tile ({_MAX_D})"
+    return None
+
+
+def _alloc(like: torch.Tensor) -> torch.Tensor:
+    """Every output of this module comes from here (tests poison it to catch unwritten elements)."""
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _launch(x, branch, gate, weight, bias, eps, scale, shift) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y (and h when ``branch`` is given) for inputs that passed the checks and dispatch."""
+    bsz, t, d = x.shape
+    y = _alloc(x)
+    h = None if branch is None else _alloc(x)
+    n_rows = bsz * t
+    if y.numel() == 0:
+        return y, h
+    (g, sgb, sgd), (sc, ssb, ssd), (sh, stb, std) = map(_modulation, (gate, scale, shift))
+    rows, block_d, num_warps = blocks(n_rows, d)
+    flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
+                 HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None)
+    key = (*flags.values(), rows, block_d, num_warps)
+    r = x if branch is None else branch
+    _LAYER_NORM(
+        key, (cdiv(n_rows, rows),),
+        x, r, x if g is None else g, y if h is None else h, y,
+        x if weight is None else weight, x if bias is None else bias, x if sc is None else sc, x if sh is None else sh,
+        n_rows, t, d, float(eps),
+        *x.stride(), *r.stride(), sgb, sgd, ssb, ssd, stb, std,
+        **flags, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return y, h
+
+
+def layer_norm_modulated(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.layer_norm(x, [D], weight, bias, eps) * (1 + scale) + shift`` in one kernel.
+
+    x [B, T, D] with any strides; weight, bias [D] or None; scale, shift [B, D] or [B, 1, D] or None.
+    Returns a contiguous [B, T, D] tensor in x's dtype.
+    """
+    reference.check_layer_norm_args("layer_norm_modulated", x, weight, bias, scale=scale, shift=shift)
+    reason = _kernel_reason((x, weight, bias, scale, shift), x.shape[-1])
+    if not use_kernel("layer_norm", x, weight, bias, scale, shift, unsupported=reason):
+        return reference.layer_norm_modulated(x, weight, bias, eps, scale, shift)
+    return _launch(x, None, None, weight, bias, eps, scale, shift)[0]
+
+
+def gated_residual_layer_norm(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * branch`` (gate None: 1) and ``layer_norm_modulated(h, weight, bias, eps,
+    scale, shift)``, in one kernel: residual and branch read once, (h, normed) written once each.
+
+    residual, branch [B, T, D] with any strides; gate, scale, shift [B, D] or [B, 1, D] or None.
+    Returns contiguous (new_residual, normed) in residual's dtype.
+    """
+    reference.check_gated_residual_args(residual, branch, gate, weight, bias, scale, shift)
+    tensors = (residual, branch, gate, weight, bias, scale, shift)
+    if not use_kernel("layer_norm", *tensors, unsupported=_kernel_reason(tensors, residual.shape[-1])):
+        return reference.gated_residual_layer_norm(residual, branch, gate, weight, bias, eps, scale, shift)
+    y, h = _launch(residual, branch, gate, weight, bias, eps, scale, shift)
+    return h, y
