@@ -25,13 +25,13 @@ class Family:
     timestep: bool = False  # the graphed method's second argument is a timestep (a number is made a tensor)
     guarded: tuple[str, ...] = ()  # submodules whose forward runs under a memory budget ("": the model)
     winograd: bool = False  # Winograd may route its 3×3 convs (when replayed from graphs: host cost)
-    tiled_decode: bool = False  # its ``decoder`` may decode in tiles under an intermediate budget
+    stream_decode: bool = False  # its ``decoder`` may decode in row bands under an intermediate budget
 
 
 FAMILIES = (
     Family("UNet2DConditionModel", "unet", "UNet", graphed="forward", timestep=True, guarded=("",), winograd=True),
     Family("AutoencoderKL", "vae", "VAE", graphed="decode", graph_drop=("generator",),
-           guarded=("encoder", "decoder"), tiled_decode=True),
+           guarded=("encoder", "decoder"), stream_decode=True),
     # The ControlNet pipelines' "controlnet": half a UNet (its down and mid blocks) called every step
     # beside it; several ControlNets are one MultiControlNetModel, whose forward calls each in turn.
     Family("ControlNetModel", "controlnet", "ControlNet", graphed="forward", timestep=True, guarded=("",)),
@@ -46,7 +46,7 @@ DENOISER = "UNet2DConditionModel"
 # Patchers in the order they run. No patcher reads another's changes today: winograd asks whether the
 # model will run channels_last from the record's ops and the profile (patches/layout.py
 # makes_channels_last), not from the re-laid weights; memory's chunked feed-forward calls the
-# original FeedForward, whose GELU modules gelu swaps before or after; the tiled decode finds
+# original FeedForward, whose GELU modules gelu swaps before or after; the streamed decode finds
 # GroupNorms by isinstance, fused ones included. The order is fixed (the one alphabetical order gave
 # before it was written here) so that a record undoes in the same order whatever ``ops=`` says, and
 # a new dependency goes here, with its reason.

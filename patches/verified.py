@@ -31,6 +31,8 @@ VERIFIED = {
     "UniPCMultistepScheduler.multistep_uni_p_bh_update": "287c57208dceb062",
     "UniPCMultistepScheduler.multistep_uni_c_bh_update": "0527122ebb9676aa",
     "UniPCMultistepScheduler._sigma_to_alpha_sigma_t": "3c6872414f3ab42b",
+    "Decoder.forward": "be96bf1aec1d895a",
+    "UpDecoderBlock2D.forward": "a4a83c23b787086a",
 }
 VERIFIED_WITH = "0.42.1"
 

@@ -41,6 +41,28 @@ def group_norm(
     return F.silu(y) if activation == "silu" else y
 
 
+def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """(count, mean, M2) per (sample, group), float64 [3, N, G] (ops.group_norm.group_stats)."""
+    g = x.detach().reshape(x.shape[0], num_groups, -1).double()
+    mean = g.mean(-1)
+    return torch.stack([torch.full_like(mean, g.shape[-1]), mean, ((g - mean[..., None]) ** 2).sum(-1)])
+
+
+def group_norm_given(x: torch.Tensor, stats: torch.Tensor, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """act((x − mean)·rstd·w + b) with given [2, N, G] (mean, rstd), in fp32, output in x's dtype."""
+    check_activation(activation)
+    mean, rstd = stats.to(x.device, torch.float32)
+    n, c = x.shape[:2]
+    y = ((x.reshape(n, mean.shape[-1], -1).float() - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+    shape = (1, c) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.float().view(shape)
+    if bias is not None:
+        y = y + bias.float().view(shape)
+    return (F.silu(y) if activation == "silu" else y).to(x.dtype)
+
+
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     check_gelu_approximation(approximate)
     return F.gelu(x, approximate=approximate)
@@ -60,6 +82,90 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     check_geglu_input(h)
     a, gate = h.chunk(2, dim=-1)
     return a * F.gelu(gate, approximate=approximate)
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def check_layer_norm_args(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    **modulation: torch.Tensor | None,
+) -> None:
+    """What ``layer_norm_modulated`` and ``gated_residual_layer_norm`` take: x [B, T, D], an affine
+    weight and bias of shape [D] (torch's message for F.layer_norm), and per-sample modulation tensors
+    (scale, shift, gate) of shape [B, D] or [B, 1, D], B also 1 (broadcast over the batch)."""
+    if x.dim() != 3:
+        raise ValueError(f"{op} needs a 3-D input [B, T, D], got shape {_shape(x)}")
+    b, d = x.shape[0], x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and _shape(t) != [d]:
+            raise RuntimeError(  # F.layer_norm's own words
+                f"Expected {name} to be of same shape as normalized_shape, but got {name} of shape {_shape(t)} "
+                f"and normalized_shape = [{d}]"
+            )
+    for name, t in modulation.items():
+        if t is None:
+            continue
+        ok = (t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1)) and t.shape[0] in (b, 1) and t.shape[-1] == d
+        if not ok:
+            raise ValueError(
+                f"{op}: {name} must have shape [B, D] or [B, 1, D] with B = {b} (or 1) and D = {d}, "
+                f"got {_shape(t)}"
+            )
+
+
+def check_gated_residual_args(residual, branch, gate, weight, bias, scale, shift) -> None:
+    """``check_layer_norm_args`` for the residual, and a branch of exactly its shape (no broadcast)."""
+    check_layer_norm_args("gated_residual_layer_norm", residual, weight, bias, gate=gate, scale=scale, shift=shift)
+    if branch.shape != residual.shape:
+        raise ValueError(f"gated_residual_layer_norm: branch must have the residual's shape {_shape(residual)}, "
+                         f"got {_shape(branch)}")
+
+
+def _per_sample(m: torch.Tensor) -> torch.Tensor:
+    """A modulation tensor [B, D] or [B, 1, D] as [B, 1, D], broadcasting over the tokens."""
+    return m if m.dim() == 3 else m.unsqueeze(1)
+
+
+def layer_norm_modulated(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """adaLN: ``F.layer_norm(x, [D], weight, bias, eps) * (1 + scale) + shift`` over x [B, T, D] with
+    per-sample scale and shift [B, D] or [B, 1, D] (either may be None), as PixArt's and SD3's blocks
+    write it: one torch op at a time, each rounded to x's dtype."""
+    check_layer_norm_args("layer_norm_modulated", x, weight, bias, scale=scale, shift=shift)
+    y = F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    if scale is not None:
+        y = y * (1 + _per_sample(scale))
+    if shift is not None:
+        y = y + _per_sample(shift)
+    return y
+
+
+def gated_residual_layer_norm(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DiT block's gated residual and the next adaLN: ``h = residual + gate * branch`` (gate None: 1),
+    returned with ``layer_norm_modulated(h, weight, bias, eps, scale, shift)``."""
+    check_gated_residual_args(residual, branch, gate, weight, bias, scale, shift)
+    h = residual + (branch if gate is None else _per_sample(gate) * branch)
+    return h, layer_norm_modulated(h, weight, bias, eps, scale, shift)
 
 
 def default_scale(head_dim: int) -> float:

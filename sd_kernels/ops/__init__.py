@@ -6,16 +6,25 @@ from .attention import flash_attention
 from .conv import conv2d
 from .gelu import geglu, gelu, linear_geglu
 from .group_norm import group_norm
+from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
+from .layer_norm import gated_residual_layer_norm, layer_norm_modulated
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
 from .winograd import winograd_conv2d, winograd_weight
 
 __all__ = [
     "conv2d",
     "flash_attention",
+    "gated_residual_layer_norm",
     "geglu",
     "gelu",
     "group_norm",
+    "group_norm_given",
+    "group_partials",
+    "group_stats",
+    "layer_norm_modulated",
     "linear_geglu",
+    "mean_rstd",
+    "merge_group_stats",
     "partial_softmax_attention",
     "softmax_matmul",
     "winograd_conv2d",

@@ -125,22 +125,25 @@ def test_only_unipc_has_host_scalar_methods():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, {"solver_order": 3}, {"solver_type": "bh1"}, {"predict_x0": False},
-                                    {"lower_order_final": False}], ids=str)
+# solver_type="bh1", lower_order_final=False and predict_x0=False are left out: with random model
+# outputs diffusers' own 20 steps end in NaN or inf in every dtype, float64 included, on the CPU and on
+# the H100 (measured 2026-11-24, bench/results/2026-11-24-h100-session11), so there is nothing to compare.
+@pytest.mark.parametrize("config", [{}, {"solver_order": 3}], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_unipc_on_host_scalars_matches_and_never_waits(dtype, config):
-    """20 UniPC steps on CUDA latents with random model outputs: patched against diffusers' own
-    (the coefficients computed in float32 on the host instead of the GPU), and no host sync."""
+    """20 UniPC steps on CUDA latents with random model outputs: patched (the coefficients computed
+    in float32 on the host instead of the GPU) against diffusers' own, both against the same steps
+    in float64: ours within 2× stock's error (plus fp32's own rounding); and no host sync."""
     import diffusers
 
-    def run(patched, sync_mode="default"):
+    def run(patched, sync_mode="default", run_dtype=dtype):  # inputs rounded to dtype whatever run_dtype
         s = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000, **config)
         s.set_timesteps(20, device="cpu")
         if patched:
             sched.host_scalars(s, _record())
         g = torch.Generator("cuda").manual_seed(0)
-        x = torch.randn(2, 4, 64, 64, device="cuda", generator=g).to(dtype)
-        outs = [torch.randn(2, 4, 64, 64, device="cuda", generator=g).to(dtype) for _ in s.timesteps]
+        x = torch.randn(2, 4, 64, 64, device="cuda", generator=g).to(dtype).to(run_dtype)
+        outs = [torch.randn(2, 4, 64, 64, device="cuda", generator=g).to(dtype).to(run_dtype) for _ in s.timesteps]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode(sync_mode)
         try:
@@ -150,8 +153,8 @@ def test_gpu_unipc_on_host_scalars_matches_and_never_waits(dtype, config):
             torch.cuda.set_sync_debug_mode("default")
         return x.double()
 
-    want, got = run(False), run(True, "error")  # "error": any host sync inside the patched loop raises
-    scale = want.abs().max().item()
-    err = (got - want).abs().max().item() / scale
-    tol = {torch.float16: 4e-3, torch.float32: 1e-5}[dtype]
-    assert err <= tol, f"max difference {err:.2e} of the largest value"
+    exact, stock, got = run(False, run_dtype=torch.float64), run(False), run(True, "error")  # "error": a sync raises
+    assert torch.isfinite(exact).all() and torch.isfinite(stock).all()
+    scale = exact.abs().max().item()
+    stock_err, err = ((t - exact).abs().max().item() / scale for t in (stock, got))
+    assert err <= 2 * stock_err + 1e-6, f"ours {err:.2e}, stock {stock_err:.2e} of the largest value"

@@ -1,0 +1,184 @@
+"""The streamed VAE decode (patches/stream_decode.py) against the untiled one, on the GPU.
+
+    python -m bench.stream_decode --out DIR [--model sd15] [--profiles s23-ultra,iphone-14-pro-max,mobile-small]
+
+Rows, one process, fp16, batch 1 at the model's resolution: stock diffusers' decode, the patched
+untiled decode (``patch(vae, cuda_graph=False)`` under the GPU's own profile: the time the issue's
+"≤ 3× untiled" refers to), then per mobile profile the streamed decode its patch installs. Per row:
+median ms over ``--repeats`` calls (CUDA events, eager), peak intermediate MiB (peak allocated during
+the call above what was allocated before it: weights and the latent excluded), PSNR of the image
+against the patched untiled one (images in [0, 1]), the plan. ``--graph`` also times each streamed
+decode replayed from a CUDA graph (the host's launches taken out; the graph's memory pool, what it
+keeps reserved, is reported as ``pool_mb``). Writes DIR/stream-decode.csv and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from bench import common
+
+MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")
+COLUMNS = ["variant", "ms", "vs_untiled", "peak_intermediate_mb", "pool_mb", "psnr_db", "plan"]
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _peak(fn) -> tuple[torch.Tensor, float]:
+    """fn's output and its peak allocated MiB above what was allocated before it, on a second call
+    (the first compiles and tunes kernels, whose own allocations are not the decode's)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _graphed(fn, repeats: int) -> tuple[float, float]:
+    """(median ms of a replay, MiB the graph's pool reserves)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    pool = (torch.cuda.memory_reserved() - reserved) / 2**20
+    ms = _time(graph.replay, repeats)
+    del graph
+    return ms, pool
+
+
+def _profile(vae, z: torch.Tensor, path: pathlib.Path) -> None:
+    """Each segment's peak allocated (above the decode's start) beside the plan's model, then the
+    profiler's table of one decode by the plan, the budget guard left out."""
+    from sd_kernels.patches.stream_decode import plans_of, stream_decode, units
+
+    us = units(vae.decoder)
+    (plan,) = plans_of(vae.decoder).values()
+    lines = []
+    latent = vae.post_quant_conv(z)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+
+    def segment(seg) -> None:
+        torch.cuda.synchronize()
+        lines.append(f"{us[seg.start].name}..{us[seg.stop - 1].name} in {seg.bands} bands: peak "
+                     f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.1f} MiB")
+        torch.cuda.reset_peak_memory_stats()
+
+    stream_decode(vae.decoder, us, plan, latent, segment)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        stream_decode(vae.decoder, us, plan, latent)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    cuda = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(plan.format(us) + "\n" + "\n".join(lines) + "\n\n" + table + "\n\n" + cuda + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--model", default="sd15")
+    ap.add_argument("--profiles", default=",".join(MOBILE))
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--graph", action="store_true", help="also replay each streamed decode from a CUDA graph")
+    ap.add_argument("--profile", action="store_true",
+                    help="per profile: each segment's measured peak beside the plan's model, and the "
+                         "torch.profiler table of one streamed decode (DIR/profile-NAME.txt)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.stream_decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from sd_kernels.patches import patch, patch_record, unpatch
+    from sd_kernels.patches.stream_decode import plans_of, stream_decode, units
+
+    from sd_kernels import models, profiles
+    from sd_kernels.testing import psnr
+
+    started = time.perf_counter()
+    vae = models.build_model(args.model, "vae", device="cuda", dtype=torch.float16)
+    side = models.image_side(args.model) // 2 ** (len(vae.config.block_out_channels) - 1)
+    z = torch.randn(1, vae.config.latent_channels, side, side, device="cuda", dtype=torch.float16,
+                    generator=torch.Generator("cuda").manual_seed(0))
+    env = {**common.environment(), "model": args.model, "dtype": "float16", "latent": f"{side}x{side}"}
+    print(json.dumps(env), flush=True)
+    rows: list[dict] = []
+
+    def decode():
+        return vae.decode(z, return_dict=False)[0]
+
+    def img(x):
+        return (x.float() / 2 + 0.5).clamp(0, 1)
+
+    def row(variant: str, out: torch.Tensor, peak: float, ms: float, plan: str = "", pool: float = float("nan")):
+        rows.append({"variant": variant, "ms": ms, "vs_untiled": ms / rows[1]["ms"] if len(rows) > 1 else float("nan"),
+                     "peak_intermediate_mb": peak, "pool_mb": pool,
+                     "psnr_db": psnr(img(out), img(untiled)) if untiled is not None else float("nan"), "plan": plan})
+        print(f"[{time.perf_counter() - started:6.1f} s] {variant}: {ms:.2f} ms, peak {peak:.1f} MiB, "
+              f"{rows[-1]['psnr_db']:.1f} dB {plan}", flush=True)
+
+    untiled = None
+    with torch.inference_mode():
+        stock, peak = _peak(decode)
+        row("stock eager", stock, peak, _time(decode, args.repeats))
+        patch(vae, cuda_graph=False)
+        untiled, peak = _peak(decode)
+        row(f"patched untiled ({patch_record(vae).profile_spec.name} profile)", untiled, peak,
+            _time(decode, args.repeats))
+        unpatch(vae)
+        for name in [n for n in args.profiles.split(",") if n]:
+            patch(vae, profile=name, cuda_graph=False)
+            try:
+                out, peak = _peak(decode)
+                plan = "; ".join(p.format(units(vae.decoder)) for p in plans_of(vae.decoder).values())
+                row(f"streamed under {name}", out, peak, _time(decode, args.repeats), plan)
+                if args.profile:
+                    _profile(vae, z, args.out / f"profile-{name}.txt")
+                if args.graph:  # the decoder alone (the budget guard reads memory statistics: not capturable)
+                    (p,) = plans_of(vae.decoder).values()
+                    latent = vae.post_quant_conv(z)
+                    run = functools.partial(stream_decode, vae.decoder, units(vae.decoder), p, latent)
+                    ms, pool = _graphed(run, args.repeats)
+                    row(f"streamed under {name}, CUDA graph", out, peak, ms, "", pool)
+            finally:
+                unpatch(vae)
+                profiles.set_profile(None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "stream-decode.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[*COLUMNS, *env])
+        w.writeheader()
+        w.writerows({**r, **env} for r in rows)
+    print(common.format_table(rows, COLUMNS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
