@@ -48,14 +48,11 @@ def _time(fn, repeats: int) -> float:
 def _peak(fn) -> tuple[torch.Tensor, float]:
     """fn's output and its peak allocated MiB above what was allocated before it, on a second call
     (the first compiles and tunes kernels, whose own allocations are not the decode's)."""
+    from sd_kernels import memory
+
     fn()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, (torch.cuda.max_memory_allocated() - before) / 2**20
+    peak, out = memory.peak_intermediate_bytes(fn, memory.CudaMemory())
+    return out, peak / 2**20
 
 
 def _graphed(fn, repeats: int) -> tuple[float, float]:
@@ -77,19 +74,20 @@ def _profile(vae, z: torch.Tensor, path: pathlib.Path) -> None:
     profiler's table of one decode by the plan, the budget guard left out."""
     from sd_kernels.patches.stream_decode import plans_of, stream_decode, units
 
+    from sd_kernels import memory
+
     us = units(vae.decoder)
     (plan,) = plans_of(vae.decoder).values()
     lines = []
     latent = vae.post_quant_conv(z)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    stats = memory.CudaMemory()
+    stats.reset_peak()
+    base = stats.allocated()
 
     def segment(seg) -> None:
-        torch.cuda.synchronize()
         lines.append(f"{us[seg.start].name}..{us[seg.stop - 1].name} in {seg.bands} bands: peak "
-                     f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.1f} MiB")
-        torch.cuda.reset_peak_memory_stats()
+                     f"{(stats.peak() - base) / 2**20:.1f} MiB")
+        stats.reset_peak()  # synchronizes first
 
     stream_decode(vae.decoder, us, plan, latent, segment)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

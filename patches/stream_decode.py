@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
 
+from .record import set_instance_attr
 from .verified import is_verified
 
 log = logging.getLogger("sd_kernels")
@@ -173,7 +174,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class _Shape:
-    """Per unit: input and output heights, widths and bytes per row of the output (all samples)."""
+    """Per unit: input and output heights and output widths; the element size and the samples."""
 
     h_in: tuple[int, ...]
     h_out: tuple[int, ...]
@@ -347,20 +348,18 @@ def _unexpected(x: torch.Tensor) -> torch.Tensor:
 def _norm_forwards(norms: list[nn.Module], stats: dict[nn.Module, torch.Tensor],
                    measure: _Measure | None) -> Iterator[None]:
     """Instance forwards for one pass: known statistics applied, the measured norm measuring."""
-    saved = [norm.__dict__.get("forward") for norm in norms]
+    restores = []
     for norm in norms:
         if norm in stats:
-            norm.forward = functools.partial(_apply_given, norm, stats[norm])
+            forward = functools.partial(_apply_given, norm, stats[norm])
         else:
-            norm.forward = measure if measure is not None and measure.norm is norm else _unexpected
+            forward = measure if measure is not None and measure.norm is norm else _unexpected
+        restores.append(set_instance_attr(norm, "forward", forward, "the streamed decode", "its pass began"))
     try:
         yield
     finally:
-        for norm, forward in zip(norms, saved):
-            if forward is None:
-                norm.__dict__.pop("forward", None)
-            else:
-                norm.forward = forward
+        for restore in reversed(restores):
+            restore()
 
 
 def _bands(height: int, bands: int) -> list[tuple[int, int]]:
@@ -453,8 +452,8 @@ def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Te
         p = plans.get(key)
         if p is None:
             n, _, h, w = sample.shape
-            head = n * decoder.conv_in.out_channels * h * w * next(decoder.up_blocks.parameters()).element_size()
-            p = plans[key] = plan(us, n, h, w, next(decoder.up_blocks.parameters()).element_size(), budget, head)
+            elem = next(decoder.up_blocks.parameters()).element_size()
+            p = plans[key] = plan(us, n, h, w, elem, budget, n * decoder.conv_in.out_channels * h * w * elem)
             log.info("sd_kernels: streamed VAE decode of %s: %s", list(sample.shape), p.format(us))
         if p.untiled:
             return original(sample, latent_embeds)

@@ -412,11 +412,7 @@ def test_gpu_sd15_vae_decode_streamed_within_the_budget_and_exact(profile):
         try:
             assert record.counts["memory.streaming_vae_decode"] == 1
             vae.decode(z)  # compiles and tunes the bands' kernels (their own allocations)
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            out = vae.decode(z).sample
-            peak = torch.cuda.max_memory_allocated() - before
+            peak, out = memory.peak_intermediate_bytes(lambda: vae.decode(z).sample, memory.CudaMemory())
         finally:
             unpatch(vae)
             profiles.set_profile(None)

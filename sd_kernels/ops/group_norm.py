@@ -508,6 +508,12 @@ def _check(x: torch.Tensor, num_groups: int, weight, bias) -> None:
             )
 
 
+def _span_reason(x: torch.Tensor, cpg: int, hw: int, stride_s: int | None) -> str | None:
+    """In-group offsets are int32: the group's extent in x (or in a contiguous copy / output) must fit."""
+    span = max(cpg * hw, 0 if stride_s is None else (cpg - 1) * abs(x.stride(1)) + (hw - 1) * abs(stride_s))
+    return f"one group spans {span} elements (the kernel's in-group offsets are int32)" if span >= 2**31 else None
+
+
 def _kernel_reason(x: torch.Tensor, weight, bias) -> str | None:
     reason = tensor_reason(x, weight, bias)
     if reason is None and x.numel() == 0:
@@ -537,11 +543,7 @@ def group_norm(
     n, c = x.shape[:2]
     hw, cpg = math.prod(x.shape[2:]), c // num_groups
     stride_s = _spatial_stride(x)
-    reason = _kernel_reason(x, weight, bias)
-    # In-group offsets are int32: the group's extent in x (or in a contiguous copy / output) must fit.
-    span = max(cpg * hw, 0 if stride_s is None else (cpg - 1) * abs(x.stride(1)) + (hw - 1) * abs(stride_s))
-    if reason is None and span >= 2**31:
-        reason = f"one group spans {span} elements (the kernel's in-group offsets are int32)"
+    reason = _kernel_reason(x, weight, bias) or _span_reason(x, cpg, hw, stride_s)
     if not use_kernel("group_norm", x, weight, bias, unsupported=reason):
         return reference.group_norm(x, num_groups, weight, bias, eps, activation)
 

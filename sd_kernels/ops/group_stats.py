@@ -39,6 +39,7 @@ from sd_kernels.ops.group_norm import (
     _group_stats_kernel,
     _kernel_reason,
     _load_tile,
+    _span_reason,
     _spatial_stride,
     plan,
     sm_count,
@@ -86,7 +87,7 @@ def _warps(tile_elems: int) -> int:
 
 def _band_plan(x: torch.Tensor, num_groups: int) -> tuple[Plan, int]:
     """The split path's tiles and chunks for x (statistics and normalization alike), and x's spatial
-    stride; x is made to have one (``_spatial_stride``) by the caller."""
+    stride (x has one: ``_band_reason`` sends others to the reference)."""
     n, c = x.shape[:2]
     hw = math.prod(x.shape[2:])
     stride_s = _spatial_stride(x)
@@ -96,15 +97,12 @@ def _band_plan(x: torch.Tensor, num_groups: int) -> tuple[Plan, int]:
 
 
 def _band_reason(x: torch.Tensor, num_groups: int, weight=None, bias=None) -> str | None:
-    reason = _kernel_reason(x, weight, bias)
+    """Why the band kernels cannot take x (they read the spatial dims through one stride, no copy)."""
     stride_s = _spatial_stride(x)
-    if reason is None and stride_s is None:
-        return "spatial dims with no common stride"
-    if reason is None:
-        span = (x.shape[1] // num_groups - 1) * abs(x.stride(1)) + (math.prod(x.shape[2:]) - 1) * abs(stride_s)
-        if span >= 2**31:
-            return f"one group spans {span} elements (the kernel's in-group offsets are int32)"
-    return reason
+    if stride_s is None:
+        return _kernel_reason(x, weight, bias) or "spatial dims with no common stride"
+    return _kernel_reason(x, weight, bias) or _span_reason(x, x.shape[1] // num_groups, math.prod(x.shape[2:]),
+                                                           stride_s)
 
 
 def group_partials(x: torch.Tensor, num_groups: int) -> torch.Tensor:
