@@ -36,13 +36,13 @@ class Setup:
     graph: bool | str = False  # patch(cuda_graph=...)
     compile: str = ""  # torch.compile mode of the peer's recipe ("" none)
     attention: str | None = None
-    patch_compile: bool = False  # patch(compile=True): the graphs capture torch.compile'd calls
+    patch_compile: bool | str = False  # patch(compile=...): the graphs capture torch.compile'd calls
     fuse_qkv: bool = False  # pipe.fuse_qkv_projections() (replaces every attention processor)
 
     @property
     def slow_start(self) -> bool:
         """Whether the set-up compiles (minutes of warm-up)."""
-        return bool(self.compile) or self.patch_compile
+        return bool(self.compile or self.patch_compile)
 
 
 PEER = "stock+compile-graphs"
@@ -60,12 +60,16 @@ VARIANTS = {s.name: s for s in (
           ops=tuple(sorted(set(PATCHERS) - {"winograd"}))),
     # Our best after the peer's fuse_qkv_projections() (our processor serves the fused projections).
     Setup("patched+graph+compile+fused-qkv", patched=True, graph=True, patch_compile=True, fuse_qkv=True),
+    # The same with inductor's autotuning inside our graphs: against the recipe's own mode.
+    Setup("patched+graph+compile-max-autotune+fused-qkv", patched=True, graph=True, patch_compile="max-autotune",
+          fuse_qkv=True),
 )}
 # What a plan runs by default (max-autotune's compile does not fit the GPU machine's 10-minute calls;
 # the Winograd-less row is an ablation, asked for by name).
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune",
                                                           "patched+graph+compile-no-winograd",
-                                                          "patched+graph+compile+fused-qkv"))
+                                                          "patched+graph+compile+fused-qkv",
+                                                          "patched+graph+compile-max-autotune+fused-qkv"))
 NO_COMPILE = tuple(n for n in DEFAULT_VARIANTS if not VARIANTS[n].slow_start)
 # Graphs that replay a part's calls (then its steady time is its device time): ours or inductor's.
 CUDAGRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -143,8 +147,8 @@ def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
     import sd_kernels
 
     graph = {True: "graph"}.get(setup.graph, f"graph={setup.graph}") if setup.graph else ""
-    mode = [m for m in (graph, "compile" if setup.patch_compile else "", setup.compile and f"compile={setup.compile}")
-            if m]
+    ours = {False: "", True: "compile"}.get(setup.patch_compile, f"compile={setup.patch_compile}")
+    mode = [m for m in (graph, ours, setup.compile and f"compile={setup.compile}") if m]
     info = {"e2e_mode": "+".join(mode) or "eager", "patched": "", "profile": ""}
     with contextlib.ExitStack() as stack:
         if setup.fuse_qkv and not setup.compile:  # ours: fused before the patch, which then serves them

@@ -10,8 +10,10 @@ cudagraph trees' input copies: captured alike, the two sides compare kernel for 
 ``peer-max-autotune``: the same compiled with mode="max-autotune-no-cudagraphs" (the recipe's
 autotuned kernels, graphed the same way); ``patched``: ``patch(unet, cuda_graph="unet")``;
 ``patched-no-winograd``: the same without the winograd family; ``patched-compile``: with
-``compile=True``; ``patched-compile-no-winograd``: both), one call is captured in a CUDA graph (the
-patch's own graph for patched setups), and one replay is profiled.
+``compile=True``; ``patched-compile-max-autotune``: ``compile="max-autotune"``; a patched setup ending
+in ``-fused-qkv`` fuses the QKV projections before the patch, like the peer), one call is captured in a
+CUDA graph (the patch's own graph for patched setups), and one replay is profiled. ``warmup_s`` is
+the time from the set-up to a replayable graph (compilation, autotuning, capture).
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
 holds per setup the call's time and the bare graph replay's, per-category and per-kernel totals,
 the idle time between kernels by the category of the kernel after it (and the largest gaps), and
@@ -26,6 +28,7 @@ import json
 import pathlib
 import re
 import sys
+import time
 
 import torch
 
@@ -83,6 +86,7 @@ def measure(model: str, size: int, setup: str) -> dict:
         return tile
 
     wg_patch._route = recording
+    start = time.perf_counter()
     try:
         with torch.no_grad():
             if setup in STOCK_SETUPS:
@@ -99,8 +103,10 @@ def measure(model: str, size: int, setup: str) -> dict:
                     call()
                 replay = graph.replay
             else:
-                compiled = "-compile" in setup
-                ops = sorted(set(PATCHERS) - ({"winograd"} if setup.endswith("-no-winograd") else set()))
+                compiled = "max-autotune" if "-compile-max-autotune" in setup else "-compile" in setup
+                ops = sorted(set(PATCHERS) - ({"winograd"} if "-no-winograd" in setup else set()))
+                if setup.endswith("-fused-qkv"):
+                    unet.fuse_qkv_projections()
                 sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=compiled)
                 # conv_in runs once per executed forward (warm-up, capture), not on replays; compiled,
                 # the routing is decided once, when the forward is traced (no hook: it would be traced)
@@ -114,6 +120,8 @@ def measure(model: str, size: int, setup: str) -> dict:
                 replay = lambda: unet(x, t, ctx, **kwargs)  # noqa: E731  (the patch's graph replays)
                 replay()
                 graph = next(iter(unet.forward.graphs.values())).graph
+            torch.cuda.synchronize()
+            warmup_s = time.perf_counter() - start
             # The call as the setup makes it (ours: the graph wrapper's input copies, output clone and
             # per-call checks), and the bare replay of its graph: their difference is the wrapper's cost.
             step_ms, graph_ms = steady_ms(replay, calls=20), steady_ms(graph.replay, calls=20)
@@ -141,7 +149,8 @@ def measure(model: str, size: int, setup: str) -> dict:
     for g in idle:
         idle_before[category(g["before"])] += g["us"]
     return {
-        "setup": setup, "step_ms": round(step_ms, 4), "graph_replay_ms": round(graph_ms, 4),
+        "setup": setup, "warmup_s": round(warmup_s, 1), "step_ms": round(step_ms, 4),
+        "graph_replay_ms": round(graph_ms, 4),
         "kernel_ms": round(sum(kernels.values()) / 1e3, 4), "kernels": sum(calls.values()),
         "categories_ms": {c: round(us / 1e3, 4) for c, us in cats.most_common()},
         "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 4), "calls": calls[n], "category": category(n)}
@@ -166,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for setup in args.setups.split(","):
         r = measure(name, int(size or 512), setup)
         results.append(r)
-        print(f"== {setup}: step {r['step_ms']} ms, bare graph replay {r['graph_replay_ms']} ms ({r['kernels']} "
+        print(f"== {setup}: warm-up {r['warmup_s']} s, step {r['step_ms']} ms, "
+              f"bare graph replay {r['graph_replay_ms']} ms ({r['kernels']} "
               f"kernels, {r['kernel_ms']} ms of them), winograd routing "
               f"{r['winograd_routing_per_call']}")
         for c, ms in r["categories_ms"].items():

@@ -83,7 +83,7 @@ def patch(
     ops: Iterable[str] | None = None,
     ignore: Iterable[str] = (),
     cuda_graph: bool | str = cuda_graph_mod.AUTO,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> PatchRecord:
     """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
 
@@ -95,7 +95,9 @@ def patch(
     (patches/cuda_graph.py; needs the UNet on CUDA); "auto" (the default) "pipeline" where the UNet
     can be captured and the profile sets no memory budget, else none; False: eager. ``compile``:
     the graphs capture ``torch.compile(fullgraph=True)`` of the UNet's forward and the VAE's decode
-    (a minute or two of compilation on the first call of each shape).
+    (a minute or two of compilation on the first call of each shape); True or "default" in inductor's
+    default mode, "max-autotune" with its GEMM/convolution autotuning (minutes more; inductor's own
+    CUDA graphs stay off either way: ours capture the compiled call).
     Patching an already patched object with the same arguments does nothing; with other arguments
     it is unpatched first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
@@ -105,8 +107,9 @@ def patch(
                             f"(did you mean {name}=[{value!r}]?)")
     ignore = tuple(ignore)
     mode = cuda_graph_mod.mode_of(cuda_graph)
+    asked, compile = compile, cuda_graph_mod.compile_of(compile)
     if compile and mode is None:
-        raise ValueError("compile=True compiles what the CUDA graphs capture: pass cuda_graph=True too "
+        raise ValueError(f"compile={asked!r} compiles what the CUDA graphs capture: pass cuda_graph=True too "
                          "(or torch.compile the patched model yourself)")
     ops = tuple(sorted(PATCHERS)) if ops is None else tuple(sorted(set(ops)))
     unknown = set(ops) - set(PATCHERS)
@@ -119,7 +122,7 @@ def patch(
     if mode == cuda_graph_mod.AUTO:
         mode, why = cuda_graph_mod.auto_mode(graphed, prof)
         if compile and mode is None:
-            raise ValueError(f"compile=True compiles what the CUDA graphs capture, and cuda_graph='auto' "
+            raise ValueError(f"compile={asked!r} compiles what the CUDA graphs capture, and cuda_graph='auto' "
                              f"captures nothing here ({why})")
         log.info("sd_kernels: cuda_graph='auto' -> %s (%s)", mode, why)
     if mode:
@@ -186,7 +189,7 @@ def memory_plan(obj: object, prof: Profile):
 
 
 def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, mode: str,
-                    compile: bool, ignore: Iterable[str]) -> None:
+                    compile: str | None, ignore: Iterable[str]) -> None:
     """The CUDA graphs of ``cuda_graph=mode`` (the UNet's were checked graphable before any change)."""
     for _, model in models:
         if families.is_denoiser(model):
@@ -206,7 +209,7 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
             record.skip(part, type(model).__name__, f"not replayed from CUDA graphs: {reason}")
             continue
         # compile=True compiles the patched families' calls (the VAE decode), not the text encoders
-        cuda_graph_mod.install(model, record, method, drop, compile=compile and part in PARTS)
+        cuda_graph_mod.install(model, record, method, drop, compile=compile if part in PARTS else None)
     if record.scheduler is not None:
         host_timesteps(record.scheduler, record)
     pipeline_host.fast_execution_device(obj, record)

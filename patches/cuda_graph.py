@@ -74,6 +74,9 @@ MODES = ("pipeline", "unet")
 AUTO = "auto"  # patch()'s default: "pipeline" where the UNet can be captured and the profile has no budget
 # A host tensor argument of at most this many elements (a timestep) is copied in; a larger one runs eagerly.
 HOST_NUMEL = 16
+# patch(compile=...): the torch.compile mode of what the graphs capture, by the name patch() takes.
+# Inductor's own CUDA graphs stay off: ours capture the compiled call.
+COMPILE_MODES = {"default": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 # The UNet2DConditionModel.forward argument diffusers turns into a tensor itself when given a number.
 _TIMESTEP = "timestep"
 
@@ -89,6 +92,18 @@ def mode_of(value: Any) -> str | None:
         return value
     raise ValueError(f"cuda_graph={value!r}: choose False, True (= {MODES[0]!r}) or one of "
                      f"{', '.join(map(repr, (*MODES, AUTO)))}")
+
+
+def compile_of(value: Any) -> str | None:
+    """The compile mode ``compile=value`` asks for (None: not compiled); a clear error for anything else."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "default"
+    if isinstance(value, str) and value in COMPILE_MODES:
+        return value
+    raise ValueError(f"compile={value!r}: choose False, True (= 'default') or one of "
+                     f"{', '.join(map(repr, COMPILE_MODES))}")
 
 
 def auto_mode(unets: list[nn.Module], profile: Any) -> tuple[str | None, str]:
@@ -340,12 +355,13 @@ class GraphedCall:
 
 
 def install(model: nn.Module, record, method: str = "forward", drop: Iterable[str] = (),
-            compile: bool = False) -> GraphedCall:
+            compile: str | None = None) -> GraphedCall:
     """Replace ``model.<method>`` by a GraphedCall, through ``record`` (undone by ``unpatch``);
-    ``compile``: the graphs capture ``torch.compile(method, fullgraph=True)``."""
+    ``compile`` (a ``COMPILE_MODES`` name): the graphs capture ``torch.compile(method, fullgraph=True)``
+    in that mode."""
     eager = fn = getattr(model, method)
     if compile:
-        fn = torch.compile(fn, fullgraph=True)
+        fn = torch.compile(fn, fullgraph=True, mode=COMPILE_MODES[compile])
     fam = family_of(model)
     label = (fam.label if fam else type(model).__name__) + ("" if method == "forward" else f".{method}")
     graphed = GraphedCall(model, fn, label, drop, timestep=fam is not None and fam.timestep and method == fam.graphed,

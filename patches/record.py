@@ -84,12 +84,12 @@ def _replace_inside(wrapper: nn.Module, target: nn.Module, value: nn.Module) -> 
 
 class PatchRecord:
     def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: str | None = None,
-                 compile: bool = False) -> None:
+                 compile: str | None = None) -> None:
         self.ops = ops
         self.profile = profile
         self.parts = parts
         self.cuda_graph = cuda_graph  # the graph mode (patches/cuda_graph.py MODES), None for none
-        self.compile = compile
+        self.compile = compile  # the compile mode (patches/cuda_graph.py COMPILE_MODES), None for none
         self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
         self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
         self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
@@ -108,7 +108,7 @@ class PatchRecord:
     def arguments(self) -> dict[str, Any]:
         """The arguments that make this patch again (``patched()`` re-applies a patch it displaced)."""
         return {"profile": self.profile_spec, "ops": self.ops, "ignore": self.ignore,
-                "cuda_graph": self.cuda_graph or False, "compile": self.compile}
+                "cuda_graph": self.cuda_graph or False, "compile": self.compile or False}
 
     def __deepcopy__(self, memo: dict) -> PatchRecord:
         raise TypeError("this object " + self._REFUSED.format(what="a deep copy of", result="copy"))
@@ -192,7 +192,7 @@ class PatchRecord:
     def summary(self) -> str:
         parts = ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))
         graph = f", cuda_graph={self.cuda_graph}" if self.cuda_graph else ""
-        graph += ", compile" if self.compile else ""
+        graph += {None: "", "default": ", compile"}.get(self.compile, f", compile={self.compile}")
         return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}{graph}): {parts or 'nothing'}"
 
     def format(self, examples: int = 3) -> str:

@@ -317,8 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default=DEFAULT_PROMPT)
     demo.add_argument("--out", default="demo.png", help="PNG to write (default demo.png)")
     demo.add_argument("--no-patch", action="store_true", help="run stock only")
-    demo.add_argument("--compile", action="store_true", help="patch(compile=True): the fastest set-up, after "
-                      "a minute or two of compilation")
+    _compile_option(demo, "the fastest set-up, after a minute or two of compilation")
     demo.set_defaults(fn=cmd_demo)
     gen = sub.add_parser("generate", help="generate an image, or one per line of a prompts file (under "
                          "`accelerate launch`: spread over the GPUs), with the patched pipeline",
@@ -334,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
     gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "unet", "off"], default="auto",
                      help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
-    gen.add_argument("--compile", action="store_true", help="patch(compile=True): torch.compile inside the graphs")
+    _compile_option(gen, "torch.compile inside the graphs")
     gen.add_argument("--out", help="PNG to write (default image.png); with --prompts, the folder (default images)")
     gen.set_defaults(fn=cmd_generate)
     bench = sub.add_parser("bench", help="end-to-end benchmarks and the paper's ablation: table, CSV and PNG",
@@ -391,6 +390,21 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _compile_mode(value: str) -> str:
+    from sd_kernels.patches.cuda_graph import compile_of
+
+    try:
+        return compile_of(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _compile_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--compile", nargs="?", const="default", default=False, type=_compile_mode, metavar="MODE",
+                        help=f"patch(compile=MODE): {what}; MODE 'default' (when omitted) or 'max-autotune' "
+                        "(inductor's GEMM/convolution autotuning: minutes more)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -226,7 +226,7 @@ def generate_images(
     device: str | None = None,
     dtype: str | None = None,
     profile: str | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     progress: bool = True,
 ) -> Summary:
     """Generate one image per prompt into the folder ``out`` (see the module docstring): in this

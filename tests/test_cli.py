@@ -91,8 +91,14 @@ def test_bench_and_generate_name_bad_values(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, mode", [(["demo"], False), (["demo", "--compile"], "default"),
+                                        (["generate", "--prompt", "x", "--compile", "max-autotune"], "max-autotune")])
+def test_compile_takes_an_optional_mode(argv, mode):
+    assert cli.build_parser().parse_args(argv).compile == mode
+
+
 @pytest.mark.parametrize("argv", [["generate"], ["generate", "--prompt", "x", "--steps", "0"],
-                                  ["bench", "--selection", "huge"]])
+                                  ["bench", "--selection", "huge"], ["demo", "--compile", "fastest"]])
 def test_bench_and_generate_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)

@@ -520,6 +520,28 @@ def test_auto_graphs_what_can_be_captured_unless_the_profile_caps_memory(fake_cu
     sd_kernels.unpatch(pipe)
 
 
+@pytest.mark.parametrize("asked, mode, label", [
+    (True, "default", ", compile"), ("max-autotune", "max-autotune-no-cudagraphs", ", compile=max-autotune")])
+def test_compile_modes_reach_torch_compile_without_inductors_own_graphs(fake_cuda, monkeypatch, asked, mode, label):
+    """compile= picks torch.compile's mode for what the graphs capture (the UNet's forward, the VAE's
+    decode, not the text encoders); inductor's own CUDA graphs stay off; the record says which; the
+    same arguments again keep the patch, another mode re-patches."""
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append((getattr(fn, "__name__", ""), kwargs))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    _, graphed, record = _pipe_pair(compile=asked)
+    assert sorted(compiled) == [("decode", {"fullgraph": True, "mode": mode}),
+                                ("forward", {"fullgraph": True, "mode": mode})]
+    assert label in record.summary() and record.arguments["compile"] == record.compile
+    assert sd_kernels.patch(graphed, **record.arguments) is record
+    other = "default" if asked == "max-autotune" else "max-autotune"
+    assert sd_kernels.patch(graphed, cuda_graph=True, compile=other).compile == other
+
+
 def test_auto_on_cpu_patches_eagerly_and_compile_says_why_not():
     pipe = models.build_pipeline("tiny")
     assert sd_kernels.patch(pipe).cuda_graph is None and "forward" not in vars(pipe.unet)
@@ -671,8 +693,9 @@ def test_pipeline_mode_drops_its_graphs_when_the_pipeline_moves():
 
 
 @pytest.mark.gpu
-def test_compile_inside_the_graphs_matches_eager():
-    eager, graphed = _gpu_pipe_pair(compile=True)
+@pytest.mark.parametrize("compile", [True, "max-autotune"])
+def test_compile_inside_the_graphs_matches_eager(compile):
+    eager, graphed = _gpu_pipe_pair(compile=compile)
     with torch.no_grad():
         want = _gpu_run(eager)
         for _ in range(2):

@@ -99,6 +99,10 @@ def test_bare_model(pipe, fake_op):
         (None, {"cuda_graph": "whole"}, ValueError, r"cuda_graph='whole': choose False, True \(= 'pipeline'\)"),
         (None, {"cuda_graph": 1}, ValueError, "cuda_graph=1: choose"),
         (None, {"compile": True}, ValueError, "compile=True compiles what the CUDA graphs capture"),
+        (None, {"compile": "max-autotune", "cuda_graph": False}, ValueError,
+         "compile='max-autotune' compiles what the CUDA graphs capture: pass cuda_graph=True"),
+        (None, {"compile": "fast", "cuda_graph": True}, ValueError,
+         r"compile='fast': choose False, True \(= 'default'\) or one of 'default', 'max-autotune'"),
         (None, {"profile": "mali"}, ValueError, "known profiles"),
     ],
 )
