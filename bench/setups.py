@@ -98,21 +98,34 @@ class Unsupported(Exception):
     """A measurement that cannot run here (no GPU for a graph variant, over the time cap, ...)."""
 
 
+def denoiser_of(pipe):
+    """The model the denoising loop calls: the UNet, or a DiT pipeline's transformer."""
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+
+
+def qkv_owner(pipe):
+    """What ``fuse_qkv_projections()`` is called on: SD pipelines fuse their UNet's and VAE's
+    projections; DiT pipelines have no such method, their transformer has."""
+    return pipe if hasattr(pipe, "fuse_qkv_projections") else denoiser_of(pipe)
+
+
 @contextlib.contextmanager
 def compiled(pipe, mode: str, fuse_qkv: bool) -> Iterator[None]:
     """diffusers' recipe: channels_last, fused QKV projections (``fuse_qkv``), torch.compile(mode,
-    fullgraph=True) of the UNet's forward, the ControlNet's (if any: its docs compile it beside the UNet)
-    and the VAE's decode; undone after the block. With a ControlNet and CUDA graphs, each ControlNet
-    call first marks a new step (``torch.compiler.cudagraph_mark_step_begin``, torch's advice for
-    loops over several graphed functions): without it, the UNet's graph reads ControlNet outputs that
-    the next replay overwrote, and torch raises ("accessing tensor output of CUDAGraphs that has been
-    overwritten by a subsequent run", measured on the H100)."""
-    calls = [(pipe.unet, "forward"), (pipe.vae, "decode")]
+    fullgraph=True) of the denoiser's forward (the UNet's, or a DiT pipeline's transformer's), the
+    ControlNet's (if any: its docs compile it beside the UNet) and the VAE's decode; undone after the
+    block. With a ControlNet and CUDA graphs, each ControlNet call first marks a new step
+    (``torch.compiler.cudagraph_mark_step_begin``, torch's advice for loops over several graphed
+    functions): without it, the UNet's graph reads ControlNet outputs that the next replay overwrote,
+    and torch raises ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent
+    run", measured on the H100)."""
+    calls = [(denoiser_of(pipe), "forward"), (pipe.vae, "decode")]
     if getattr(pipe, "controlnet", None) is not None:
         calls.append((pipe.controlnet, "forward"))
     saved = [m.__dict__.get(name) for m, name in calls]  # a patch may have bound its own
+    fused = qkv_owner(pipe)
     if fuse_qkv:
-        pipe.fuse_qkv_projections()
+        fused.fuse_qkv_projections()
     for m, name in calls:
         m.to(memory_format=torch.channels_last)
         fn = torch.compile(getattr(m, name), mode=mode, fullgraph=True)
@@ -129,7 +142,7 @@ def compiled(pipe, mode: str, fuse_qkv: bool) -> Iterator[None]:
                 object.__setattr__(m, name, old)
             m.to(memory_format=torch.contiguous_format)
         if fuse_qkv:
-            pipe.unfuse_qkv_projections()
+            fused.unfuse_qkv_projections()
         torch._dynamo.reset()
 
 
@@ -153,8 +166,8 @@ def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
     info = {"e2e_mode": "+".join(mode) or "eager", "patched": "", "profile": ""}
     with contextlib.ExitStack() as stack:
         if setup.fuse_qkv and not setup.compile:  # ours: fused before the patch, which then serves them
-            pipe.fuse_qkv_projections()
-            stack.callback(pipe.unfuse_qkv_projections)
+            qkv_owner(pipe).fuse_qkv_projections()
+            stack.callback(qkv_owner(pipe).unfuse_qkv_projections)
         if setup.patched or setup.graph:  # stock + graph: patch(ops=()) only installs the CUDA graphs
             profile = (dataclasses.replace(sd_kernels.get_profile(), attention=setup.attention)
                        if setup.attention else None)

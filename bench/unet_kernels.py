@@ -41,6 +41,7 @@ CATEGORIES = (
     ("winograd", r"^_(input_transform|batched_gemm|output_transform|fused_gemm_output)"),
     ("attention (ours)", r"^_(flash|attn|softmax_matmul|row_stats|partial)"),
     ("group_norm (ours)", r"^_(group_norm|group_stats|pixel_(stats|merge|norm))"),
+    ("layer_norm (ours)", r"^_layer_norm_kernel"),
     ("geglu/gelu (ours)", r"^_(linear_geglu|elementwise)_kernel"),
     ("attention (stock)", r"fmha|flash|attention|sdpa"),
     ("conv (cuDNN)", r"conv|implicit|cudnn|xmma|fprop|dgrad|wgrad"),
@@ -57,6 +58,26 @@ STOCK_SETUPS = {"stock": None, "peer": None, "peer-max-autotune": "max-autotune-
 
 def category(name: str) -> str:
     return next((c for c, pat in CATEGORIES if re.search(pat, name, re.I)), "other")
+
+
+def kernel_times(prof) -> tuple[collections.Counter, collections.Counter, list[tuple[float, float, str]]]:
+    """(device µs per kernel name, calls per kernel name, (start, end, name) spans) of a profile."""
+    kernels: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    spans = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            kernels[ev.name] += ev.device_time
+            calls[ev.name] += 1
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    return kernels, calls, spans
+
+
+def categories_us(kernels: collections.Counter) -> collections.Counter:
+    cats: collections.Counter = collections.Counter()
+    for name, us in kernels.items():
+        cats[category(name)] += us
+    return cats
 
 
 def _inputs(cfg: dict, size: int, device="cuda", dtype=torch.float16):
@@ -132,17 +153,8 @@ def measure(model: str, size: int, setup: str) -> dict:
         wg_patch._route = route
     from bench.timeline import gaps
 
-    kernels: collections.Counter = collections.Counter()
-    calls: collections.Counter = collections.Counter()
-    spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
-            kernels[ev.name] += ev.device_time
-            calls[ev.name] += 1
-            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
-    cats: collections.Counter = collections.Counter()
-    for name, us in kernels.items():
-        cats[category(name)] += us
+    kernels, calls, spans = kernel_times(prof)
+    cats = categories_us(kernels)
     # Where the replay's idle time sits: the gaps between kernels, by the category of the kernel after.
     _, idle = gaps(spans)
     idle_before: collections.Counter = collections.Counter()

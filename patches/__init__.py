@@ -1,11 +1,13 @@
 """The drop-in patch for diffusers pipelines: ``patch``, ``unpatch``, ``patched``.
 
-``patch(obj)`` takes a diffusers pipeline or a bare UNet2DConditionModel / AutoencoderKL and routes
-the parts it knows (PARTS) through sd_kernels' ops. It is idempotent and exactly reversible: the
+``patch(obj)`` takes a diffusers pipeline or a bare model of a family it knows (patches/families.py:
+UNet2DConditionModel, AutoencoderKL, ControlNet, PixArtTransformer2DModel) and routes the parts it
+knows (PARTS) through sd_kernels' ops. It is idempotent and exactly reversible: the
 record of every change hangs on the patched object, and ``unpatch`` restores the original modules
 and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied
 (the channels_last family re-lays the data of the very same Parameters, and lays it back).
-``cuda_graph=True`` also replays the UNet, the VAE decode and the text encoders from CUDA graphs and
+``cuda_graph=True`` also replays the denoiser (UNet or PixArt transformer), the VAE decode and the
+text encoders from CUDA graphs and
 keeps the scheduler's timesteps on the host (cuda_graph.py, scheduler.py), and finds the pipeline's
 execution device without diffusers' walk over every module (pipeline_host.py). ``report`` gives what a
 patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
@@ -21,7 +23,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile, using_profile
 
-from . import attention, families, gelu, group_norm, layout, memory, pipeline_host, winograd  # noqa: F401  (each registers its patcher)
+from . import attention, families, gelu, group_norm, layer_norm, layout, memory, pipeline_host, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
@@ -72,7 +74,7 @@ def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.M
         raise TypeError(
             f"{type(obj).__name__} has none of the parts sd_kernels patches{found}; supported: "
             f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} "
-            "(SD1.x, SD2.x, SDXL pipelines, with ControlNet or without)"
+            "(SD1.x, SD2.x, SDXL pipelines, with ControlNet or without; PixArt-α/Σ)"
         )
     return models, others
 
@@ -89,12 +91,13 @@ def patch(
 
     ``profile``: a profile name or Profile (default: detected); ``ops`` picks op families (default:
     all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays model calls from
-    CUDA graphs captured per call signature: True or "pipeline" the UNet, the VAE decode and the
+    CUDA graphs captured per call signature: True or "pipeline" the denoiser (the UNet, or PixArt's
+    transformer), the VAE decode and the
     text encoders, with the scheduler's timesteps on the host and a faster ``_execution_device``
-    (pipeline_host.py); "unet" the UNet alone
-    (patches/cuda_graph.py; needs the UNet on CUDA); "auto" (the default) "pipeline" where the UNet
+    (pipeline_host.py); "unet" the denoiser alone
+    (patches/cuda_graph.py; needs the denoiser on CUDA); "auto" (the default) "pipeline" where the denoiser
     can be captured and the profile sets no memory budget, else none; False: eager. ``compile``:
-    the graphs capture ``torch.compile(fullgraph=True)`` of the UNet's forward and the VAE's decode
+    the graphs capture ``torch.compile(fullgraph=True)`` of the denoiser's forward and the VAE's decode
     (a minute or two of compilation on the first call of each shape); True or "default" in inductor's
     default mode, "max-autotune" with its GEMM/convolution autotuning (minutes more; inductor's own
     CUDA graphs stay off either way: ours capture the compiled call).
@@ -127,8 +130,9 @@ def patch(
         log.info("sd_kernels: cuda_graph='auto' -> %s (%s)", mode, why)
     if mode:
         if not graphed:
-            raise ValueError("cuda_graph=True captures the UNet, but there is no UNet2DConditionModel to patch "
-                             f"in {type(obj).__name__} (ignore={ignore})")
+            denoisers = " or ".join(families.DENOISERS)
+            raise ValueError(f"cuda_graph=True captures the denoiser, but there is no {denoisers} to patch in "
+                             f"{type(obj).__name__} (ignore={ignore})")
         for model in graphed:
             cuda_graph_mod.check_graphable(model)
     old: PatchRecord | None = getattr(obj, _ATTR, None)
@@ -190,7 +194,7 @@ def memory_plan(obj: object, prof: Profile):
 
 def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, mode: str,
                     compile: str | None, ignore: Iterable[str]) -> None:
-    """The CUDA graphs of ``cuda_graph=mode`` (the UNet's were checked graphable before any change)."""
+    """The CUDA graphs of ``cuda_graph=mode`` (the denoiser's were checked graphable before any change)."""
     for _, model in models:
         if families.is_denoiser(model):
             fam = families.family_of(model)

@@ -3,9 +3,9 @@
 Everything that differs between the models a pipeline holds lives here, so that supporting a new
 family is one entry plus whatever patchers it needs: which pipeline component it is, what it is
 called in logs, which of its entry points the CUDA graphs replay (and how), which of its submodules
-run under a memory budget, whether Winograd may route its convs. The patchers run in ``ORDER``
-(their dependencies written down there), whatever order ``ops=`` names them in. The diffusers code
-the patchers re-state is checked by source hash in ``verified.py``.
+run under a memory budget, whether Winograd may route its convs, whether it is the denoiser. The
+patchers run in ``ORDER`` (their dependencies written down there), whatever order ``ops=`` names
+them in. The diffusers code the patchers re-state is checked by source hash in ``verified.py``.
 """
 
 from __future__ import annotations
@@ -26,31 +26,40 @@ class Family:
     guarded: tuple[str, ...] = ()  # submodules whose forward runs under a memory budget ("": the model)
     winograd: bool = False  # Winograd may route its 3×3 convs (when replayed from graphs: host cost)
     stream_decode: bool = False  # its ``decoder`` may decode in row bands under an intermediate budget
+    denoiser: bool = False  # the denoising loop's model: every graph mode captures it ("unet" mode: it alone)
 
 
 FAMILIES = (
-    Family("UNet2DConditionModel", "unet", "UNet", graphed="forward", timestep=True, guarded=("",), winograd=True),
+    Family("UNet2DConditionModel", "unet", "UNet", graphed="forward", timestep=True, guarded=("",), winograd=True,
+           denoiser=True),
     Family("AutoencoderKL", "vae", "VAE", graphed="decode", graph_drop=("generator",),
            guarded=("encoder", "decoder"), stream_decode=True),
     # The ControlNet pipelines' "controlnet": half a UNet (its down and mid blocks) called every step
     # beside it; several ControlNets are one MultiControlNetModel, whose forward calls each in turn.
     Family("ControlNetModel", "controlnet", "ControlNet", graphed="forward", timestep=True, guarded=("",)),
     Family("MultiControlNetModel", "controlnet", "ControlNets", graphed="forward", timestep=True, guarded=("",)),
+    # PixArt-α/Σ's DiT. PixArtSigmaPipeline always passes the timestep as a tensor expanded to the batch
+    # (a number is refused by the model's own timestep embedding), so no timestep conversion; its
+    # encoder_attention_mask and added_cond_kwargs={"resolution": None, "aspect_ratio": None} are
+    # ordinary graph inputs (a tensor, hashable Nones). No 3×3 convs (its patch embedding is a 2×2 one).
+    Family("PixArtTransformer2DModel", "transformer", "PixArt", graphed="forward", guarded=("",), denoiser=True),
 )
 BY_CLASS = {f.model_class: f for f in FAMILIES}
 PARTS = tuple(dict.fromkeys(f.part for f in FAMILIES))  # in patch order; ``ignore=`` skips some
 SUPPORTED_MODELS = tuple(BY_CLASS)
-# The model that every graph mode captures (the denoising loop's): "unet" mode graphs it alone.
-DENOISER = "UNet2DConditionModel"
+# The models that every graph mode captures (the denoising loop's): "unet" mode graphs them alone.
+DENOISERS = tuple(f.model_class for f in FAMILIES if f.denoiser)
 
 # Patchers in the order they run. No patcher reads another's changes today: winograd asks whether the
 # model will run channels_last from the record's ops and the profile (patches/layout.py
 # makes_channels_last), not from the re-laid weights; memory's chunked feed-forward calls the
 # original FeedForward, whose GELU modules gelu swaps before or after; the streamed decode finds
-# GroupNorms by isinstance, fused ones included. The order is fixed (the one alphabetical order gave
+# GroupNorms by isinstance, fused ones included; layer_norm's block forward calls the block's attn1,
+# attn2 and ff as they are when it runs (attention's processors, gelu's modules, memory's chunked
+# feed-forward, whichever ran before or after). The order is fixed (the one alphabetical order gave
 # before it was written here) so that a record undoes in the same order whatever ``ops=`` says, and
 # a new dependency goes here, with its reason.
-ORDER = ("attention", "channels_last", "gelu", "group_norm", "memory", "winograd")
+ORDER = ("attention", "channels_last", "gelu", "group_norm", "layer_norm", "memory", "winograd")
 
 
 def patch_order(ops) -> tuple[str, ...]:
@@ -65,4 +74,4 @@ def family_of(model: nn.Module) -> Family | None:
 
 
 def is_denoiser(model: nn.Module) -> bool:
-    return type(model).__name__ == DENOISER
+    return type(model).__name__ in DENOISERS

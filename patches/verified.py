@@ -22,6 +22,7 @@ VERIFIED = {
     "FusedAttnProcessor2_0.__call__": "dd31131145952459",
     "IPAdapterAttnProcessor2_0.__call__": "3626f6de5fcd6280",
     "Transformer2DModel._get_output_for_continuous_inputs": "4787ea4f43c55009",
+    "BasicTransformerBlock.forward": "440071576ac5ee6f",
     "DiffusionPipeline._execution_device": "f743b5e9ec1d2991",
     "_get_top_level_group_offload_hook": "a58e642ddca09c94",
     "_get_group_onload_device": "c93f14298ad1228a",

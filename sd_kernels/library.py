@@ -29,6 +29,7 @@ from sd_kernels.ops.layout import contiguous_strides, is_channels_last, is_dense
 # the modules by name.
 attention_ops = importlib.import_module("sd_kernels.ops.attention")
 gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
+layer_norm_ops = importlib.import_module("sd_kernels.ops.layer_norm")
 winograd_ops = importlib.import_module("sd_kernels.ops.winograd")
 
 Layout = tuple[tuple[int, ...], tuple[int, ...]]
@@ -94,18 +95,25 @@ def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
 _REGISTERED: list[str] = []
 
 
-def _custom_op(name: str, layout: Callable[..., Layout]):
+def _custom_op(name: str, layout: Callable[..., Layout], outputs: int = 1):
     """Register the decorated (typed) function as ``torch.ops.sd_kernels.<name>``: the real
-    implementation returns its output in ``layout(*args)``, the fake an empty tensor in it."""
+    implementation returns its output in ``layout(*args)``, the fake an empty tensor in it;
+    ``outputs > 1``: a tuple of that many outputs, each in that layout."""
 
     def register(fn):
         @functools.wraps(fn)
         def real(*args):
-            return _relaid(fn(*args), layout(*args))
+            lay = layout(*args)
+            out = fn(*args)
+            return _relaid(out, lay) if outputs == 1 else tuple(_relaid(o, lay) for o in out)
+
+        def fake(*args):
+            lay = layout(*args)
+            return _empty(lay, args[0]) if outputs == 1 else tuple(_empty(lay, args[0]) for _ in range(outputs))
 
         op = torch.library.custom_op(f"sd_kernels::{name}", real, mutates_args=(), tags=_TAGS)
         _REGISTERED.append(name)
-        op.register_fake(lambda *args: _empty(layout(*args), args[0]))
+        op.register_fake(fake)
         return op
 
     return register
@@ -142,6 +150,25 @@ def _linear_geglu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                   scale: float | None, upcast: bool) -> torch.Tensor:
     return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
+
+
+def contiguous_layout(x: torch.Tensor) -> Layout:
+    shape = tuple(x.shape)
+    return shape, contiguous_strides(shape)
+
+
+@_custom_op("layer_norm_modulated", lambda x, *_: contiguous_layout(x))
+def _layer_norm_modulated_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                             scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
+    return layer_norm_ops.layer_norm_modulated(x, weight, bias, eps, scale, shift)
+
+
+@_custom_op("gated_residual_layer_norm", lambda residual, *_: contiguous_layout(residual), outputs=2)
+def _gated_residual_layer_norm_op(
+        residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None,
+        bias: torch.Tensor | None, eps: float, scale: torch.Tensor | None,
+        shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer_norm_ops.gated_residual_layer_norm(residual, branch, gate, weight, bias, eps, scale, shift)
 
 
 @_custom_op("winograd_conv2d", lambda x, weight, *_: conv_layout(x, weight))
@@ -189,6 +216,20 @@ def attention(q, k, v, attn_mask=None, scale=None, upcast=False):
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.attention(q, k, v, attn_mask, None if scale is None else float(scale), upcast)
     return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
+
+
+def layer_norm_modulated(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None):
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.layer_norm_modulated(x, weight, bias, float(eps), scale, shift)
+    return layer_norm_ops.layer_norm_modulated(x, weight, bias, eps, scale, shift)
+
+
+def gated_residual_layer_norm(residual, branch, gate=None, weight=None, bias=None, eps=1e-6, scale=None, shift=None):
+    """(residual + gate·branch, its modulated LayerNorm): ``sd_kernels.ops.gated_residual_layer_norm``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.gated_residual_layer_norm(residual, branch, gate, weight, bias, float(eps),
+                                                              scale, shift)
+    return layer_norm_ops.gated_residual_layer_norm(residual, branch, gate, weight, bias, eps, scale, shift)
 
 
 def winograd_conv2d(x, weight, bias, tile):

@@ -1,9 +1,11 @@
 """Stable Diffusion pipelines with random weights, built offline from configs shipped in the package.
 
-No hub access is needed: ``sd_kernels/configs/<name>.json`` holds the UNet, VAE, text encoder(s)
-and scheduler configs of SD1.5, SD2.1, SDXL and two tiny test models; the CLIP tokenizer is
-generated (a byte-level vocabulary with no merges: every character is a token). The weights are
-random, so images are noise-like: good for speed, memory and fidelity measurements, not for art.
+No hub access is needed: ``sd_kernels/configs/<name>.json`` holds the UNet (or transformer), VAE,
+text encoder(s) and scheduler configs of SD1.5, SD2.1, SDXL, PixArt-Σ and three tiny test models; the
+tokenizers are generated: CLIP's a byte-level vocabulary with no merges, T5's (PixArt) a Unigram
+vocabulary of single printable ASCII characters, with and without the word-start mark; every
+character is a token either way. The weights are random, so images are noise-like: good for speed,
+memory and fidelity measurements, not for art.
 
 ``load_pipeline`` also takes a local directory written by ``save_pretrained`` (or a hub id where
 the hub is reachable) for real checkpoints.
@@ -19,12 +21,16 @@ import os
 import pathlib
 import re
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 import torch
 
 _TEXT_ENCODER_CLASSES = {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection"}
+# The diffusers class of each model part; a config's section may name another with a "class" key.
+_MODEL_CLASSES = {"unet": "UNet2DConditionModel", "transformer": "PixArtTransformer2DModel", "vae": "AutoencoderKL"}
+_PARTS = (*_MODEL_CLASSES, *_TEXT_ENCODER_CLASSES)
 
 
 def list_configs() -> list[str]:
@@ -86,22 +92,67 @@ def write_tokenizer(directory: str | os.PathLike) -> pathlib.Path:
 
 
 @functools.cache
-def _tokenizer_dir() -> str:
-    return str(write_tokenizer(tempfile.mkdtemp(prefix="sd_kernels_tokenizer_")))
+def _written(writer: Callable[[str], pathlib.Path]) -> str:
+    """A temporary directory that ``writer`` (write_tokenizer, write_t5_tokenizer) filled, once a process."""
+    return str(writer(tempfile.mkdtemp(prefix=f"sd_kernels_{writer.__name__}_")))
 
 
 def make_tokenizer():
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer.from_pretrained(_tokenizer_dir())
+    return CLIPTokenizer.from_pretrained(_written(write_tokenizer))
+
+
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2, as in T5's own vocabulary
+
+
+def write_t5_tokenizer(directory: str | os.PathLike) -> pathlib.Path:
+    """Write a minimal T5 tokenizer (tokenizer.json, tokenizer_config.json: no sentencepiece model) to
+    ``directory``: T5's specials, then "▁" and each printable ASCII character alone and after "▁"
+    (192 tokens, Unigram, no byte fallback: anything else is <unk>); "</s>" ends every sequence."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    vocab = [(t, 0.0) for t in T5_SPECIALS] + [("▁", -2.0)]
+    vocab += [("▁" + c, -2.5) for c in chars] + [(c, -3.0) for c in chars]
+    tok = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    metaspace = dict(replacement="▁", prepend_scheme="always", split=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Metaspace(**metaspace)])
+    tok.decoder = decoders.Metaspace(**metaspace)
+    tok.post_processor = processors.TemplateProcessing(single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"],
+                                                       special_tokens=[("</s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    pad, eos, unk = T5_SPECIALS
+    config = {"tokenizer_class": "T5Tokenizer", "model_max_length": 300, "pad_token": pad, "eos_token": eos,
+              "unk_token": unk, "extra_ids": 0, "additional_special_tokens": []}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def make_t5_tokenizer():
+    from transformers import T5TokenizerFast
+
+    return T5TokenizerFast.from_pretrained(_written(write_t5_tokenizer))
 
 
 def _text_encoder(kind: str, cfg: dict[str, Any]):
     import transformers
 
+    cfg = dict(cfg)
+    cls = cfg.pop("class", _TEXT_ENCODER_CLASSES[kind])
+    if cls == "T5EncoderModel":
+        return transformers.T5EncoderModel(transformers.T5Config(**cfg))
     # The generated tokenizer's specials; the pooled output is read at the eos position.
     config = transformers.CLIPTextConfig(**cfg, bos_token_id=512, eos_token_id=513, pad_token_id=513)
-    return getattr(transformers, _TEXT_ENCODER_CLASSES[kind])(config)
+    return getattr(transformers, cls)(config)
+
+
+def _tokenizer_for(encoder):
+    return make_t5_tokenizer() if type(encoder).__name__ == "T5EncoderModel" else make_tokenizer()
 
 
 def _scheduler(cfg: dict[str, Any]):
@@ -112,7 +163,8 @@ def _scheduler(cfg: dict[str, Any]):
 
 
 def build_model(name: str, part: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """One random-weight part (``unet``, ``vae``, ``text_encoder``, ``text_encoder_2``) of config ``name``.
+    """One random-weight part (``unet`` or ``transformer``, ``vae``, ``text_encoder``, ``text_encoder_2``)
+    of config ``name``.
 
     ``device="meta"`` builds it without memory, e.g. to count parameters.
     """
@@ -120,13 +172,12 @@ def build_model(name: str, part: str, device: str | torch.device = "cpu", dtype:
 
     cfg = load_config(name)
     if part not in cfg or part in ("scheduler", "pipeline"):
-        parts = [p for p in cfg if p in ("unet", "vae", *_TEXT_ENCODER_CLASSES)]
+        parts = [p for p in cfg if p in _PARTS]
         raise ValueError(f"config {name!r} has no model part {part!r}; parts: {', '.join(parts)}")
     with torch.device(device):
-        if part == "unet":
-            model = diffusers.UNet2DConditionModel.from_config(cfg["unet"])
-        elif part == "vae":
-            model = diffusers.AutoencoderKL.from_config(cfg["vae"])
+        if part in _MODEL_CLASSES:
+            section = dict(cfg[part])
+            model = getattr(diffusers, section.pop("class", _MODEL_CLASSES[part])).from_config(section)
         else:
             model = _text_encoder(part, cfg[part])
     if dtype != torch.float32:
@@ -158,11 +209,11 @@ def build_pipeline(
 
     cfg = load_config(name)
     torch.manual_seed(seed)
-    parts = {p: build_model(name, p, device, dtype) for p in ("unet", "vae", *_TEXT_ENCODER_CLASSES) if p in cfg}
+    parts = {p: build_model(name, p, device, dtype) for p in _PARTS if p in cfg}
     parts["scheduler"] = _scheduler(cfg["scheduler"])
-    parts["tokenizer"] = make_tokenizer()
+    parts["tokenizer"] = _tokenizer_for(parts["text_encoder"])
     if "text_encoder_2" in parts:
-        parts["tokenizer_2"] = make_tokenizer()
+        parts["tokenizer_2"] = _tokenizer_for(parts["text_encoder_2"])
     pipeline_cls = getattr(diffusers, cfg["pipeline"])
     if cfg["pipeline"] == "StableDiffusionPipeline":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)

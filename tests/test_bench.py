@@ -212,6 +212,32 @@ def test_controlnet_target_runs_the_peer_and_ours_on_the_gpu(tmp_path):
     assert all(r["controlnet_ms"] > 0 for r in rows)
 
 
+@pytest.mark.gpu
+def test_dit_bench_runs_stock_the_peer_and_ours_on_the_tiny_pixart(tmp_path):
+    """bench.dit on tiny-pixart: every default variant measured, ours and the peer within fp16 reach of
+    stock eager (the reference) after a few steps."""
+    import csv
+
+    from bench import dit
+
+    assert dit.main(["--out", str(tmp_path), "--model", "tiny-pixart", "--size", "256", "--steps", "4",
+                     "--calls", "2"]) == 0
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "dit.csv"))}
+    assert list(rows) == list(dit.DEFAULT)
+    assert rows["stock"]["patched"] == ""
+    for name, r in rows.items():
+        assert float(r["e2e_ms"]) > 0 and float(r["step_ms"]) > 0, r
+        assert float(r["latent_rel_err"]) < 2e-2 and float(r["psnr_db"]) > 30, (name, r)
+    assert "layer_norm.BasicTransformerBlock" in rows["patched+graph"]["patched"]
+
+
+def test_dit_bench_names_bad_variants(capsys):
+    from bench import dit
+
+    assert dit.main(["--out", "unused", "--variants", "patched+graph"]) == 2
+    assert "must start with stock" in capsys.readouterr().err
+
+
 def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_path, monkeypatch, capsys):
     """bench.memory's loop on CPU, the GPU parts faked: a line per component as it finishes, the CSV
     rewritten after every variant, and a variant over its budget keeps the components it measured."""

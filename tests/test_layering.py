@@ -89,6 +89,6 @@ def test_one_table_of_model_families():
     assert (PARTS, SUPPORTED_MODELS) == (families.PARTS, families.SUPPORTED_MODELS)
     assert set(profiles.LAYOUT_PARTS) == set(families.PARTS)
     assert sorted(families.ORDER) == sorted(PATCHERS)
-    assert families.DENOISER in families.SUPPORTED_MODELS
+    assert families.DENOISERS and set(families.DENOISERS) <= set(families.SUPPORTED_MODELS)
     for name in ("patches/layout.py", "patches/memory.py", "patches/cuda_graph.py", "patches/winograd.py"):
         assert '"UNet2DConditionModel"' not in (ROOT / name).read_text(), name

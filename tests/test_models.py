@@ -5,7 +5,7 @@ from sd_kernels import models
 
 
 def test_configs_shipped():
-    assert {"sd15", "sd21", "sdxl", "tiny", "tiny-xl"} <= set(models.list_configs())
+    assert {"sd15", "sd21", "sdxl", "tiny", "tiny-xl", "pixart-sigma", "tiny-pixart"} <= set(models.list_configs())
 
 
 def test_unknown_config_lists_known():
@@ -23,7 +23,10 @@ def test_unknown_part():
     "name, part, millions",
     [("sd15", "unet", 859.52), ("sd15", "vae", 83.65), ("sd15", "text_encoder", 123.06),
      ("sd21", "unet", 865.91), ("sd21", "text_encoder", 340.39), ("sdxl", "unet", 2567.46),
-     ("sdxl", "text_encoder_2", 694.66)],
+     ("sdxl", "text_encoder_2", 694.66),
+     # PixArt-Σ XL/2: the 0.6 B DiT (610.86 M here, from its published config) and T5-XXL's encoder (4762.3 M)
+     ("pixart-sigma", "transformer", 610.86), ("pixart-sigma", "text_encoder", 4762.31),
+     ("pixart-sigma", "vae", 83.65)],
 )
 def test_architecture_sizes(name, part, millions):
     model = models.build_model(name, part, device="meta")
@@ -36,15 +39,36 @@ def test_tokenizer_is_offline_and_clip_shaped():
     assert len(ids) == 77 and ids[0] == tok.bos_token_id and tok.eos_token_id in ids
 
 
+def test_t5_tokenizer_is_offline_and_t5_shaped():
+    tok = models.make_t5_tokenizer()
+    enc = tok("A photo!", padding="max_length", max_length=12, truncation=True)
+    ids = enc.input_ids
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    assert len(ids) == 12 and ids[enc.attention_mask.index(0) - 1] == tok.eos_token_id and ids[-1] == 0
+    assert tok.decode(ids, skip_special_tokens=True) == "A photo!"
+    assert len(tok) < models.load_config("tiny-pixart")["text_encoder"]["vocab_size"]
+
+
+def test_pixart_sigma_config_is_the_published_one():
+    cfg = models.load_config("pixart-sigma")
+    t, te = cfg["transformer"], cfg["text_encoder"]
+    assert (t["num_layers"], t["num_attention_heads"], t["attention_head_dim"], t["patch_size"]) == (28, 16, 72, 2)
+    assert (t["sample_size"], t["caption_channels"], t["cross_attention_dim"]) == (128, 4096, 1152)
+    assert (te["d_model"], te["num_layers"], te["num_heads"], te["d_ff"], te["d_kv"]) == (4096, 24, 64, 10240, 64)
+    assert te["feed_forward_proj"] == "gated-gelu" and cfg["vae"]["scaling_factor"] == 0.13025
+    assert "PixArt-Sigma-XL-2-1024-MS" in cfg["description"]
+
+
 def _run(pipe, **kw):
     gen = torch.Generator().manual_seed(0)
     return pipe("a photo", num_inference_steps=2, generator=gen, output_type="np", **kw).images
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-xl"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl", "tiny-pixart"])
 def test_random_pipeline_runs(name):
     pipe = models.build_pipeline(name)
-    images = _run(pipe)
+    # PixArt's pipeline bins the size to its table for sample_size 32 (256²) unless told not to
+    images = _run(pipe, use_resolution_binning=False, height=64, width=64) if "pixart" in name else _run(pipe)
     assert images.shape == (1, 64, 64, 3) and (images >= 0).all() and (images <= 1).all()
 
 

@@ -75,6 +75,8 @@ def test_winograd_tiles_match_the_op():
     ({"winograd": 5}, "winograd = 5; expected a list of rules"),
     ({"disabled_ops": [["x"]]}, "disabled_ops"),
     ({"description": "x" * 300_000}, "at most 2000 characters"),
+    ({"stock_attention_head_dims": 72}, "stock_attention_head_dims = 72; expected a list of head dims"),
+    ({"stock_attention_head_dims": [72, "80"]}, "stock_attention_head_dims"),
 ])
 def test_bad_profile_data_is_a_clear_error(patch, message):
     data = {"name": "mine", "description": "a test", **patch}
@@ -89,6 +91,19 @@ def test_a_pathological_profile_file_is_a_clear_error(tmp_path, content, message
     path.write_text(content)
     with pytest.raises(ProfileError, match=message):
         profiles.load_file(path)
+
+
+def test_stock_attention_head_dims_route_only_those_to_sdpa():
+    """hopper lists PixArt-Σ's 72 (cuDNN measured faster than our flash there); SD's 40/80/160 and
+    SD3's 64 stay flash; a forced policy still wins over the list."""
+    hopper = profiles.get_profile("hopper")
+    assert hopper.stock_attention_head_dims == (72,)
+    assert hopper.attention_choice(4096, 4096, 72)[0] == "sdpa"
+    assert hopper.attention_choice(4096, 300, 72)[0] == "sdpa"
+    assert [hopper.attention_choice(4096, 4096, d)[0] for d in (40, 64, 80, 160)] == ["flash"] * 4
+    assert dataclasses.replace(hopper, attention="flash").attention_choice(4096, 4096, 72)[0] == "flash"
+    saved = json.loads(json.dumps(hopper.describe()))  # what `sd-kernels info` prints, as a JSON file holds it
+    assert profiles.from_dict(saved, "x.json") == hopper
 
 
 def test_profile_is_frozen_and_replace_validates():

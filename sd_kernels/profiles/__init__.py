@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 ATTENTION_POLICIES = ("auto", "flash", "partial_softmax", "sdpa")
-LAYOUT_PARTS = ("unet", "vae", "controlnet")  # the pipeline parts ``channels_last`` may name (patches.PARTS)
+# the pipeline parts ``channels_last`` may name (patches.PARTS)
+LAYOUT_PARTS = ("unet", "vae", "controlnet", "transformer")
 WINOGRAD_LAYOUTS = ("nchw", "channels_last")
 WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no Triton import here)
 # Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).
@@ -111,6 +112,8 @@ class Profile:
     attention: str = "auto"
     flash_block: tuple[int, int] = (128, 64)  # (BLOCK_M query rows, BLOCK_N keys) of the fit rule
     flash_min_keys: int = 0  # "auto": below this many keys the partial softmax's scores are small
+    # "auto": head dims where stock SDPA was measured faster than our kernels on this device (run there)
+    stock_attention_head_dims: tuple[int, ...] = ()
     # GEGLU's projection runs as the fused linear_geglu kernel when its input features K are at most
     # this (0: never; cuBLAS linear + our geglu). The fused kernel saves the 2n-wide intermediate but
     # its matmul loses to cuBLAS as K grows (docs/kernels/gelu.md); SD's K: 320, 640, 1280.
@@ -174,6 +177,8 @@ class Profile:
         or "sdpa". ``dispatch.use_kernel`` may still refuse a kernel (device, dtype, shape)."""
         if self.attention != "auto":
             return self.attention, f"profile {self.name!r} sets attention={self.attention}"
+        if head_dim in self.stock_attention_head_dims:
+            return "sdpa", f"head dim {head_dim}: stock SDPA measured faster here (stock_attention_head_dims)"
         misfit = self.flash_fit_reason(head_dim, dtype)
         if misfit is not None:
             return "partial_softmax", misfit
@@ -264,6 +269,8 @@ def _validate(p: Profile) -> None:
             _fail(where, key, value, "a positive number or null")
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
     _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
+    for d in p.stock_attention_head_dims:
+        _check_int(where, "stock_attention_head_dims", d, 1, 2**12, optional=False)
     if p.attention not in ATTENTION_POLICIES:
         _fail(where, "attention", p.attention, f"one of {ATTENTION_POLICIES}")
     bm, bn = p.flash_block if len(p.flash_block) == 2 else (0, 0)
@@ -342,6 +349,10 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
     if not isinstance(parts, list):
         _fail(where, "channels_last", parts, f"a list of part names from {LAYOUT_PARTS}")
     kw["channels_last"] = tuple(parts)
+    dims = kw.get("stock_attention_head_dims", [])
+    if not isinstance(dims, list):
+        _fail(where, "stock_attention_head_dims", dims, "a list of head dims")
+    kw["stock_attention_head_dims"] = tuple(dims)
     try:
         return Profile(**kw)
     except TypeError as exc:  # a value of the wrong type that the bounds checks tripped over
@@ -353,6 +364,7 @@ def _to_json(p: Profile) -> dict[str, Any]:
     out["disabled_ops"] = sorted(p.disabled_ops)
     out["flash_block"] = list(p.flash_block)
     out["channels_last"] = list(p.channels_last)
+    out["stock_attention_head_dims"] = list(p.stock_attention_head_dims)
     if p.match is not None:
         out["match"] = {"capability": [list(c) for c in p.match.capability], "names": list(p.match.names),
                         "min_sms": p.match.min_sms}

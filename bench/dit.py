@@ -1,0 +1,157 @@
+"""Transformer (DiT) pipelines end to end: stock, the peer and ours in one process, with fidelity.
+
+    python -m bench.dit --out DIR [--model pixart-sigma] [--size 1024] [--steps 20] [--calls 3]
+                        [--variants stock,patched+graph,stock+compile-graphs,patched+graph+compile+fused-qkv]
+
+The variants are bench/setups.py's, applied to the pipeline's transformer where SD pipelines have a
+UNet: ``stock`` (diffusers eager, SDPA), ``patched+graph`` (``patch(pipe)``'s default: the transformer,
+the VAE decode and the text encoder replayed from CUDA graphs, host timesteps), the peer
+``stock+compile-graphs`` (the transformer's QKV projections fused, ``torch.compile(mode=
+"reduce-overhead", fullgraph=True)`` of its forward and of the VAE's decode, the VAE channels_last),
+``patched+graph+compile+fused-qkv`` (the same fusion, then ``patch(pipe, compile=True)``). Random
+weights from the shipped config, fp16, one prompt with classifier-free guidance (transformer batch 2).
+
+Per variant, one row of ``DIR/dit.csv``, written as soon as it is measured: ``warmup_s`` (set-up and
+the first call: compilation, tuning, capture), ``e2e_ms`` (median of ``--calls`` pipeline calls,
+output a tensor), ``step_ms`` (one transformer call at batch 2 on the first step's inputs, back to
+back as the loop issues them, steady: the device time for graphed or compiled variants),
+``latent_rel_err`` (the final latents against stock eager's, relative L2), ``psnr_db`` (the decoded
+image against stock eager's, pixels in [0, 1]) and ``kernels_ms`` (that transformer call's device time
+by kernel category, bench.unet_kernels.CATEGORIES, from a profile of one call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.common import environment
+from bench.e2e import PROMPT, steady_ms, wall_ms
+from bench.setups import PEER, VARIANTS, applied, denoiser_of
+
+DEFAULT = ("stock", "patched+graph", PEER, "patched+graph+compile+fused-qkv")
+COLUMNS = ["model", "size", "steps", "variant", "warmup_s", "e2e_ms", "vs_peer", "step_ms", "latent_rel_err",
+           "psnr_db", "kernels_ms", "patched", "device", "torch", "triton", "diffusers", "date"]
+
+
+def _first_call(model: torch.nn.Module) -> tuple[dict, object]:
+    """(a dict that gets the first call's args and kwargs, cloned; the hook's handle)."""
+    seen: dict = {}
+
+    def clone(v):
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    def hook(_module, args, kwargs):
+        if not seen:
+            seen["args"] = tuple(clone(a) for a in args)
+            seen["kwargs"] = {k: clone(v) for k, v in kwargs.items()}
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _psnr(image: torch.Tensor, ref: torch.Tensor) -> float:
+    mse = ((image.float() - ref.float()) ** 2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict) -> dict:
+    device = pipe._execution_device
+
+    def call(output_type: str) -> torch.Tensor:
+        gen = torch.Generator(device=device).manual_seed(0)
+        return pipe(PROMPT, num_inference_steps=steps, height=size, width=size, generator=gen,
+                    output_type=output_type, return_dict=False, clean_caption=False)[0]
+
+    start = time.perf_counter()
+    with torch.no_grad(), applied(pipe, VARIANTS[name]) as info:  # as the pipeline runs: graphs capture only so
+        denoiser = denoiser_of(pipe)  # after the set-up: its forward may be compiled or graphed
+        seen, hook = _first_call(denoiser)
+        image = call("pt")
+        torch.cuda.synchronize()
+        warmup = time.perf_counter() - start
+        hook.remove()
+        e2e = statistics.median(wall_ms(lambda: call("pt")) for _ in range(calls))
+        latent = call("latent")
+        step_call = lambda: denoiser(*seen["args"], **seen["kwargs"])  # noqa: E731
+        step = steady_ms(step_call)
+        kernels = _kernel_categories(step_call)
+    if not ref:
+        ref.update(latent=latent.float(), image=image.float())
+    err = ((latent.float() - ref["latent"]).norm() / ref["latent"].norm()).item()
+    return {"variant": name, "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "step_ms": round(step, 3),
+            "latent_rel_err": f"{err:.2e}", "psnr_db": round(_psnr(image, ref["image"]), 2),
+            "kernels_ms": " ".join(f"{c}={ms}" for c, ms in kernels.items()), "patched": info["patched"]}
+
+
+def _kernel_categories(call) -> dict[str, float]:
+    """Device ms per kernel category (bench.unet_kernels.CATEGORIES) of one call, after a warm one."""
+    from bench.unet_kernels import categories_us, kernel_times
+
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return {c: round(us / 1e3, 3) for c, us in categories_us(kernel_times(prof)[0]).most_common()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--model", default="pixart-sigma")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(DEFAULT))
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or variants[0] != "stock":
+        print(f"bench.dit: --variants must start with stock (the reference) and name bench/setups.py variants; "
+              f"unknown: {unknown}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench.dit needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from sd_kernels.models import build_pipeline
+
+    env = environment()
+    stamp = {k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")}
+    t0 = time.perf_counter()
+    pipe = build_pipeline(args.model, "cuda", torch.float16)
+    pipe.set_progress_bar_config(disable=True)
+    embeds = pipe.encode_prompt(PROMPT, device="cuda", clean_caption=False)[0]
+    if not torch.isfinite(embeds).all():
+        print("bench.dit: the random-weight text encoder's fp16 output is not finite", file=sys.stderr)
+        return 1
+    print(f"[{time.perf_counter() - t0:6.1f} s] built {args.model} ({stamp})", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    ref: dict = {}
+    for name in variants:
+        row = {"model": args.model, "size": args.size, "steps": args.steps,
+               **measure(pipe, name, args.size, args.steps, args.calls, ref), **stamp}
+        rows.append(row)
+        peer = next((r["e2e_ms"] for r in rows if r["variant"] == PEER), None)
+        for r in rows:
+            r["vs_peer"] = round(r["e2e_ms"] / peer, 3) if peer else ""
+        print(f"[{time.perf_counter() - t0:6.1f} s] {name}: warm-up {row['warmup_s']} s, e2e {row['e2e_ms']} ms, "
+              f"step {row['step_ms']} ms, latent err {row['latent_rel_err']}, {row['psnr_db']} dB; "
+              f"kernels {row['kernels_ms']}; {row['patched']}", flush=True)
+        with open(args.out / "dit.csv", "w", newline="") as f:  # after every variant: a cut run keeps its rows
+            writer = csv.DictWriter(f, COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""PixArt-Σ (patches/families.py: PixArtTransformer2DModel, part "transformer"): the tiny config's
+transformer and whole PixArtSigmaPipeline patched and exactly unpatched; the ada_norm_single blocks'
+fused adaLN forward (patches/layer_norm.py) through the kernels against float64, its fallbacks; the
+pipeline's model calls replayed from (stand-in) CUDA graphs."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+from diffusers.models.activations import GELU
+from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+from sd_kernels.patches import cuda_graph
+from sd_kernels.patches.layer_norm import AdaNormSingleForward
+from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
+
+import sd_kernels
+from sd_kernels import dispatch, models
+from sd_kernels.testing import assert_close_to_reference
+
+verified = importlib.import_module("sd_kernels.patches.verified")
+
+
+@pytest.fixture
+def transformer():
+    return models.build_model("tiny-pixart", "transformer")
+
+
+def _inputs(model, batch=2, side=8, seed=0):
+    """What PixArtSigmaPipeline passes: latents, T5 states with their padding mask, a timestep tensor
+    expanded to the batch, and the resolution / aspect-ratio conditions it sets to None."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, model.config.in_channels, side, side, generator=g)
+    ctx = torch.randn(batch, 7, model.config.caption_channels, generator=g)
+    mask = torch.ones(batch, 7)
+    mask[0, 5:] = 0  # a padded prompt: the cross-attention gets an additive mask
+    t = torch.tensor(500).expand(batch)
+    return x, {"encoder_hidden_states": ctx, "encoder_attention_mask": mask, "timestep": t,
+               "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}
+
+
+def _run(model, x, kw, dtype=torch.float32):
+    cast = lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    with torch.no_grad():
+        return model(cast(x), **{k: cast(v) for k, v in kw.items()}, return_dict=False)[0]
+
+
+def _census(model):
+    """What the patch should replace in the transformer, counted before patching."""
+    return {
+        "attention_processor": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0
+                                   for m in model.modules()),
+        "gelu.GELU": sum(type(m) is GELU and m.approximate == "tanh" for m in model.modules()),
+        "layer_norm.BasicTransformerBlock": sum(type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"
+                                                for m in model.modules()),
+    }
+
+
+def _tree(model):
+    return [(name, m, getattr(m, "processor", None), vars(m).get("forward")) for name, m in model.named_modules()]
+
+
+def _same(tree, other) -> bool:
+    return len(tree) == len(other) and all(all(a is b for a, b in zip(s[1:], o[1:])) and s[0] == o[0]
+                                           for s, o in zip(tree, other))
+
+
+def test_tiny_config_is_pixart_sigma_shaped(transformer):
+    assert transformer.config.attention_head_dim == 24  # not a power of two, as PixArt-Σ's 72
+    assert transformer.config.norm_type == "ada_norm_single" and not transformer.config.use_additional_conditions
+
+
+def test_patch_and_unpatch_restore_exactly(transformer):
+    x, kw = _inputs(transformer)
+    expected, tree = _census(transformer), _tree(transformer)
+    params = dict(transformer.state_dict(keep_vars=True))
+    stock = _run(transformer, x, kw)
+    record = sd_kernels.patch(transformer)
+    assert dict(record.counts) == expected and all(v > 0 for v in expected.values())
+    assert record.parts == ["PixArtTransformer2DModel"] and not record.skipped
+    blocks = [m for m in transformer.modules() if type(m) is BasicTransformerBlock]
+    assert all(isinstance(vars(b)["forward"], AdaNormSingleForward) for b in blocks)
+    now = transformer.state_dict(keep_vars=True)
+    assert now.keys() == params.keys() and all(now[k] is params[k] for k in params)
+    assert sd_kernels.patch(transformer) is record  # idempotent
+    assert sd_kernels.unpatch(transformer)
+    assert _same(_tree(transformer), tree)
+    assert all("forward" not in vars(b) for b in blocks) and not hasattr(transformer, "_sd_kernels_owner")
+    assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_transformer_through_kernels(transformer):
+    """The tiny transformer with the kernels (the interpreter on CPU: attention at head dim 24, GELU
+    tanh, the fused adaLN LayerNorms) against a float64 copy; no op took the reference."""
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["layer_norm.BasicTransformerBlock"] == 2
+        dispatch.reset_fallbacks()
+        assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
+        assert not dispatch.fallbacks()  # the kernels ran, not the reference
+    assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_reference_ops_compute_what_stock_computes(transformer, monkeypatch):
+    """With the PyTorch reference behind every op, the fused forward is stock's arithmetic in stock's
+    order: bit-identical outputs (the plumbing: chunks, gates, masks, the cross-attention residual)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=["layer_norm"]) as record:
+        assert dict(record.counts) == {"layer_norm.BasicTransformerBlock": 2}
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_a_block_without_cross_attention_fuses_its_self_attention_residual(monkeypatch):
+    from sd_kernels.patches import layer_norm as ln_patch
+    from sd_kernels.patches.record import PatchRecord
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    block = BasicTransformerBlock(48, 2, 24, norm_type="ada_norm_single", num_embeds_ada_norm=1000,
+                                  norm_elementwise_affine=False, norm_eps=1e-6,
+                                  activation_fn="gelu-approximate").eval()
+    assert block.attn2 is None
+    torch.nn.init.normal_(block.scale_shift_table)
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(2, 5, 48, generator=g), torch.randn(2, 6 * 48, generator=g)
+    calls = []
+    monkeypatch.setattr(ln_patch, "gated_residual_layer_norm", lambda *a: calls.append(a[2]) or
+                        importlib.import_module("sd_kernels.library").gated_residual_layer_norm(*a))
+    with torch.no_grad():
+        stock = block(x, timestep=t)
+        record = PatchRecord(("layer_norm",), "cpu", ["block"])
+        ln_patch.patch_layer_norm(block, record)
+        assert torch.equal(block(x, timestep=t), stock)
+        record.undo()
+    assert len(calls) == 1 and calls[0] is not None  # fused with gate_msa
+
+
+def test_calls_it_does_not_serve_run_diffusers_forward(transformer, monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    kw["cross_attention_kwargs"] = {"scale": None}  # diffusers ignores it; the fused path does not serve it
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=["layer_norm"]):
+        seen = []
+        original = BasicTransformerBlock.forward
+        monkeypatch.setattr(BasicTransformerBlock, "forward", lambda self, *a, **k: seen.append(1) or
+                            original(self, *a, **k))
+        assert torch.equal(_run(transformer, x, kw), stock)
+        assert len(seen) == transformer.config.num_layers
+
+
+def test_unverified_diffusers_forward_is_left_alone(transformer, monkeypatch):
+    monkeypatch.setitem(verified.VERIFIED, "BasicTransformerBlock.forward", "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        with sd_kernels.patched(transformer) as record:
+            assert "layer_norm.BasicTransformerBlock" not in record.counts
+            assert record.counts["attention_processor"] > 0  # the other patchers still apply
+            skipped = [s for s in record.skipped if s.what == "BasicTransformerBlock.forward"]
+            assert len(skipped) == transformer.config.num_layers
+            assert "not the diffusers 0.42.1 forward" in skipped[0].reason
+            assert not any("forward" in vars(m) for m in transformer.modules())
+    finally:
+        verified.is_verified.cache_clear()
+
+
+def test_a_block_of_another_structure_is_reported_not_patched(transformer):
+    block = transformer.transformer_blocks[0]
+    block.pos_embed = torch.nn.Identity()
+    with sd_kernels.patched(transformer, ops=["layer_norm"]) as record:
+        assert record.counts["layer_norm.BasicTransformerBlock"] == transformer.config.num_layers - 1
+        assert "forward" not in vars(block)
+        (skip,) = record.skipped
+        assert skip.path == "PixArtTransformer2DModel.transformer_blocks.0" and "pos_embed" in skip.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole pipeline.
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = models.build_pipeline("tiny-pixart")
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _pipe_run(pipe, steps=2, **kwargs):
+    return pipe(prompt="a cat", num_inference_steps=steps, height=64, width=64, output_type="pt",
+                use_resolution_binning=False, max_sequence_length=16,
+                generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
+    stock = _pipe_run(pipe)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    with sd_kernels.patched(pipe) as record:
+        assert record.parts == ["vae", "transformer"]
+        counts = dict(record.counts)
+        assert counts.pop("layer_norm.BasicTransformerBlock") == 2 and counts.pop("gelu.GELU") == 2
+        assert counts.pop("attention_processor") == 4 + 2  # 2 blocks × (self, cross) + the VAE's mid-blocks
+        assert set(counts) == {"group_norm", "group_norm_silu", "resnet_fused_forward", "silu_folded"}  # the VAE
+        assert not any(s.path == "transformer" for s in record.skipped)
+        assert torch.equal(_pipe_run(pipe), stock)
+    assert torch.equal(_pipe_run(pipe), stock)
+
+
+def test_pipeline_through_kernels_close_to_stock(pipe):
+    """Two steps with the transformer's kernels (the interpreter), the VAE left to stock: the images
+    against a float64 run of the same pipeline."""
+    stock = _pipe_run(pipe)
+    pipe64 = copy.deepcopy(pipe).to(torch.float64)
+    ref64 = _pipe_run(pipe64)
+    with sd_kernels.patched(pipe, ignore=("vae",)) as record:
+        assert record.parts == ["transformer"]
+        dispatch.reset_fallbacks()
+        assert_close_to_reference(_pipe_run(pipe), stock, ref64)
+        assert not dispatch.fallbacks()
+
+
+def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
+    eager = models.build_pipeline("tiny-pixart")
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    record = sd_kernels.patch(graphed)  # "auto": the transformer can be captured (the stand-in says so)
+    assert record.cuda_graph == "pipeline"
+    assert record.counts["cuda_graph"] == 3  # the transformer, the VAE decode, the T5 encoder
+    assert isinstance(vars(graphed.transformer)["forward"], cuda_graph.GraphedCall)
+    assert isinstance(vars(graphed.text_encoder)["forward"], cuda_graph.GraphedCall)
+    with torch.no_grad():
+        for steps in (3, 2):
+            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
+    assert len(graphed.transformer.forward.graphs) == 1  # one signature: batch 2 (guidance), a tensor timestep
+    assert graphed.scheduler.timesteps.device.type == "cpu" and record.counts["host_timesteps"] == 1
+    sd_kernels.unpatch(graphed)
+    assert "forward" not in vars(graphed.transformer) and "forward" not in vars(graphed.text_encoder)
+
+
+def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
+    pipe = models.build_pipeline("tiny-pixart")
+    record = sd_kernels.patch(pipe, cuda_graph="unet")
+    assert record.counts["cuda_graph"] == 1 and isinstance(vars(pipe.transformer)["forward"], cuda_graph.GraphedCall)
+    assert "decode" not in vars(pipe.vae) and "set_timesteps" not in vars(pipe.scheduler)
+    sd_kernels.unpatch(pipe)
+
+
+def test_cli_generate_tiny_pixart(tmp_path, capsys, monkeypatch):
+    from sd_kernels import cli
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    out = tmp_path / "pixart.png"
+    assert cli.main(["generate", "--prompt", "a red cube", "--model", "tiny-pixart", "--steps", "1", "--size", "64",
+                     "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layer_norm.BasicTransformerBlock: 2" in text and out.exists()
+
+
+@pytest.mark.slow
+def test_patched_transformer_compiles_fullgraph(transformer):
+    """torch.compile(fullgraph=True) of the patched transformer: no graph break, the fused adaLN ops as
+    torch.ops.sd_kernels nodes (one modulated norm and one gated norm per block), eager's outputs."""
+    x, kw = _inputs(transformer)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with sd_kernels.patched(transformer, cuda_graph=False) as record, torch.no_grad():
+        eager = _run(transformer, x, kw)
+        torch._dynamo.reset()
+        compiled = torch.compile(transformer, backend=backend, fullgraph=True)
+        out = compiled(x, **kw, return_dict=False)[0]
+        torch._dynamo.reset()
+    (gm,) = graphs
+    calls = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    blocks = record.counts["layer_norm.BasicTransformerBlock"]
+    for op in ("layer_norm_modulated", "gated_residual_layer_norm"):
+        assert calls.count(f"sd_kernels.{op}.default") == blocks, op
+    assert calls.count("sd_kernels.attention.default") == record.counts["attention_processor"]
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_transformer_fp16_against_float64_and_exact_unpatch():
+    """On the GPU, fp16: the patched tiny transformer eager and replayed from its CUDA graph against a
+    float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical again."""
+    model = models.build_model("tiny-pixart", "transformer", device="cuda", dtype=torch.float16)
+    x, kw = _inputs(model, side=16)
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    x = x.cuda()
+    stock = _run(model, x, kw, torch.float16)
+    ref64 = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
+    for graph in (False, "unet"):
+        with sd_kernels.patched(model, cuda_graph=graph) as record:
+            assert record.counts["layer_norm.BasicTransformerBlock"] == 2
+            for _ in range(2):  # the graph's capture, then a replay
+                assert_close_to_reference(_run(model, x, kw, torch.float16), stock, ref64)
+    assert torch.equal(_run(model, x, kw, torch.float16), stock)
