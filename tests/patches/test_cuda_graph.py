@@ -651,10 +651,16 @@ class _SyncsPerStep:
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_pipeline_mode_matches_eager_and_the_loop_never_waits(scheduler):
     """Every model call replayed, the timesteps on the host (and UniPC's coefficients): the images of
-    the eager pipeline, and no host sync between the end of the first step and the end of the last."""
+    the eager pipeline given the same scheduler arithmetic (host timesteps, UniPC's host coefficients:
+    they round differently from diffusers' device ones, up to 3 fp16 ulps of the image here; their
+    accuracy against float64 is test_scheduler_patch's), and no host sync between the end of the first
+    step and the end of the last."""
     import warnings
 
+    from sd_kernels.patches.scheduler import host_timesteps
+
     eager, graphed = _gpu_pipe_pair(scheduler)
+    assert host_timesteps(eager.scheduler, sd_kernels.patch(eager, cuda_graph=False))  # the patch it has
     with torch.no_grad():
         want = _gpu_run(eager)
         _matches(_gpu_run(graphed), want)  # captures
