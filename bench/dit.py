@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import pathlib
 import statistics
 import sys
@@ -35,6 +34,7 @@ import torch
 from bench.common import environment
 from bench.e2e import PROMPT, steady_ms, wall_ms
 from bench.setups import PEER, VARIANTS, applied, denoiser_of
+from sd_kernels.testing import psnr, rel_err
 
 DEFAULT = ("stock", "patched+graph", PEER, "patched+graph+compile+fused-qkv")
 COLUMNS = ["model", "size", "steps", "variant", "warmup_s", "e2e_ms", "vs_peer", "step_ms", "latent_rel_err",
@@ -54,11 +54,6 @@ def _first_call(model: torch.nn.Module) -> tuple[dict, object]:
             seen["kwargs"] = {k: clone(v) for k, v in kwargs.items()}
 
     return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _psnr(image: torch.Tensor, ref: torch.Tensor) -> float:
-    mse = ((image.float() - ref.float()) ** 2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
 def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict) -> dict:
@@ -83,10 +78,9 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict) -> di
         step = steady_ms(step_call)
         kernels = _kernel_categories(step_call)
     if not ref:
-        ref.update(latent=latent.float(), image=image.float())
-    err = ((latent.float() - ref["latent"]).norm() / ref["latent"].norm()).item()
+        ref.update(latent=latent, image=image)
     return {"variant": name, "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "step_ms": round(step, 3),
-            "latent_rel_err": f"{err:.2e}", "psnr_db": round(_psnr(image, ref["image"]), 2),
+            "latent_rel_err": f"{rel_err(latent, ref['latent']):.2e}", "psnr_db": round(psnr(image, ref["image"]), 2),
             "kernels_ms": " ".join(f"{c}={ms}" for c, ms in kernels.items()), "patched": info["patched"]}
 
 

@@ -8,10 +8,11 @@ pipeline's own Python (scheduler, guidance, progress bar) hides behind the GPU's
 
 Modes (``MODES``; ``cuda_graph=True`` means ``"pipeline"``):
 
-- ``"pipeline"``: the UNet's ``forward``, the VAE's ``decode`` and the text encoders' ``forward`` each
+- ``"pipeline"``: the denoiser's ``forward`` (the UNet's, or a DiT's transformer's: families.DENOISERS),
+  the VAE's ``decode`` and the text encoders' ``forward`` each
   replayed from graphs, and the scheduler's timesteps kept on the host (patches/scheduler.py), which
   removes the host sync that diffusers' PNDM/DDIM steps make on every step.
-- ``"unet"``: the UNet's ``forward`` only.
+- ``"unet"``: the denoiser's ``forward`` only (named for the UNet, the first denoiser).
 
 ``GraphedCall`` replaces one method of a model (an instance attribute set through the record, so
 ``unpatch`` removes it and the graphs with it). On each call it:
@@ -114,8 +115,8 @@ def auto_mode(unets: list[nn.Module], profile: Any) -> tuple[str | None, str]:
         return None, f"profile {profile.name!r} caps memory"
     reasons = [r for r in map(graphable_reason, unets) if r is not None]
     if not unets or reasons:
-        return None, reasons[0] if reasons else "no UNet to capture"
-    return MODES[0], "the UNet is on CUDA"
+        return None, reasons[0] if reasons else "no denoiser (UNet, DiT transformer) to capture"
+    return MODES[0], f"the {type(unets[0]).__name__} is on CUDA"
 
 
 def graphable_reason(model: nn.Module) -> str | None:

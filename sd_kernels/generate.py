@@ -323,7 +323,8 @@ def _run_share(mine, out, name, shipped, steps, side, seed, torch_dtype, profile
             _append(out, entry(job, status="error", error=error))
         stats.failed = len(mine)
         return stats
-    setup = f"patch(profile={record.profile!r}, cuda_graph={record.cuda_graph!r}, compile={compile})"
+    args = record.arguments
+    setup = f"patch(profile={record.profile!r}, cuda_graph={record.cuda_graph!r}, compile={args['compile']!r})"
     stats.setup_s = time.perf_counter() - t0
     weights = f"random weights from the shipped config {name!r}" if shipped else f"loaded from {name}"
     for i, job in enumerate(tqdm(mine, desc="images", disable=not progress)):

@@ -77,8 +77,14 @@ def conv_layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
 _TAGS = (torch.Tag.needs_exact_strides,)
 
 
-def _empty(layout: Layout, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(*layout, dtype=like.dtype, device=like.device)
+def _empty(layout: Layout, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty_strided(*layout, dtype=dtype or like.dtype, device=like.device)
+
+
+def _promoted(*tensors: torch.Tensor | None) -> torch.dtype:
+    """The dtype torch's type promotion gives ``tensors`` (Nones skipped): what a reference computed
+    op by op returns where the kernel refuses mixed dtypes."""
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors if t is not None])
 
 
 def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -95,10 +101,12 @@ def _relaid(out: torch.Tensor, layout: Layout) -> torch.Tensor:
 _REGISTERED: list[str] = []
 
 
-def _custom_op(name: str, layout: Callable[..., Layout], outputs: int = 1):
+def _custom_op(name: str, layout: Callable[..., Layout], outputs: int = 1,
+               dtypes: Callable[..., tuple[torch.dtype, ...]] | None = None):
     """Register the decorated (typed) function as ``torch.ops.sd_kernels.<name>``: the real
-    implementation returns its output in ``layout(*args)``, the fake an empty tensor in it;
-    ``outputs > 1``: a tuple of that many outputs, each in that layout."""
+    implementation returns its output in ``layout(*args)``, the fake an empty tensor in it, of the
+    first argument's dtype or ``dtypes(*args)``'s (one per output); ``outputs > 1``: a tuple of that
+    many outputs, each in that layout."""
 
     def register(fn):
         @functools.wraps(fn)
@@ -109,7 +117,9 @@ def _custom_op(name: str, layout: Callable[..., Layout], outputs: int = 1):
 
         def fake(*args):
             lay = layout(*args)
-            return _empty(lay, args[0]) if outputs == 1 else tuple(_empty(lay, args[0]) for _ in range(outputs))
+            kinds = dtypes(*args) if dtypes is not None else (args[0].dtype,) * outputs
+            empties = tuple(_empty(lay, args[0], kind) for kind in kinds)
+            return empties[0] if outputs == 1 else empties
 
         op = torch.library.custom_op(f"sd_kernels::{name}", real, mutates_args=(), tags=_TAGS)
         _REGISTERED.append(name)
@@ -157,13 +167,23 @@ def contiguous_layout(x: torch.Tensor) -> Layout:
     return shape, contiguous_strides(shape)
 
 
-@_custom_op("layer_norm_modulated", lambda x, *_: contiguous_layout(x))
+def _modulated_dtypes(x, weight, bias, eps, scale, shift) -> tuple[torch.dtype]:
+    return (_promoted(x, weight, bias, scale, shift),)
+
+
+def _gated_dtypes(residual, branch, gate, weight, bias, eps, scale, shift) -> tuple[torch.dtype, torch.dtype]:
+    h = _promoted(residual, branch, gate)
+    return h, functools.reduce(torch.promote_types, [h, _promoted(weight, bias, scale, shift, residual)])
+
+
+@_custom_op("layer_norm_modulated", lambda x, *_: contiguous_layout(x), dtypes=_modulated_dtypes)
 def _layer_norm_modulated_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                              scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
     return layer_norm_ops.layer_norm_modulated(x, weight, bias, eps, scale, shift)
 
 
-@_custom_op("gated_residual_layer_norm", lambda residual, *_: contiguous_layout(residual), outputs=2)
+@_custom_op("gated_residual_layer_norm", lambda residual, *_: contiguous_layout(residual), outputs=2,
+            dtypes=_gated_dtypes)
 def _gated_residual_layer_norm_op(
         residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None,
         bias: torch.Tensor | None, eps: float, scale: torch.Tensor | None,
@@ -219,6 +239,7 @@ def attention(q, k, v, attn_mask=None, scale=None, upcast=False):
 
 
 def layer_norm_modulated(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None):
+    """LayerNorm with adaLN modulation: ``sd_kernels.ops.layer_norm_modulated``."""
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.layer_norm_modulated(x, weight, bias, float(eps), scale, shift)
     return layer_norm_ops.layer_norm_modulated(x, weight, bias, eps, scale, shift)

@@ -97,6 +97,11 @@ def test_compile_takes_an_optional_mode(argv, mode):
     assert cli.build_parser().parse_args(argv).compile == mode
 
 
+def test_compile_without_the_patch_is_refused_before_any_work(capsys):
+    assert cli.main(["demo", "--no-patch", "--compile", "--device", "cpu"]) == 2
+    assert "cannot go with --no-patch" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["generate"], ["generate", "--prompt", "x", "--steps", "0"],
                                   ["bench", "--selection", "huge"], ["demo", "--compile", "fastest"]])
 def test_bench_and_generate_usage_errors(argv, capsys):

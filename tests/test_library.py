@@ -43,6 +43,11 @@ def _cases():
         "gated_residual_layer_norm": (_OPS.gated_residual_layer_norm,
                                       (r(5, 3, 16).transpose(0, 1), h, r(3, 1, 16), r(16), r(16), 1e-6, r(3, 16),
                                        None)),
+        # mixed dtypes: the kernels refuse them and the reference promotes; the fakes must promote alike
+        "layer_norm_modulated-mixed": (_OPS.layer_norm_modulated, (h.bfloat16(), None, None, 1e-6, r(3, 16), None)),
+        "gated_residual_layer_norm-mixed": (_OPS.gated_residual_layer_norm,
+                                            (h.bfloat16(), h.bfloat16(), r(3, 16), None, None, 1e-6, None,
+                                             r(3, 16).double())),
     }
 
 

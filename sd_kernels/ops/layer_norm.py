@@ -24,7 +24,8 @@ Layouts: x, residual and branch are read through their three strides (slices, a 
 modulation tensors through a batch and a feature stride (a chunk of [B, 6·D] or [B, 6, D], or a
 batch of 1 broadcast with stride 0). Outputs are contiguous [B, T, D]. D is the whole row in one
 register tile: up to ``_MAX_D``; wider rows, inputs of several dtypes, float64 and autograd inputs
-take the reference (sd_kernels.reference, same names). Not wired into any patch yet.
+take the reference (sd_kernels.reference, same names). patches/layer_norm.py routes PixArt's
+ada_norm_single blocks through both.
 """
 
 from __future__ import annotations

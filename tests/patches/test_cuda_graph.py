@@ -536,7 +536,7 @@ def test_compile_modes_reach_torch_compile_without_inductors_own_graphs(fake_cud
     _, graphed, record = _pipe_pair(compile=asked)
     assert sorted(compiled) == [("decode", {"fullgraph": True, "mode": mode}),
                                 ("forward", {"fullgraph": True, "mode": mode})]
-    assert label in record.summary() and record.arguments["compile"] == record.compile
+    assert f"{label}):" in record.summary() and record.arguments["compile"] == record.compile
     assert sd_kernels.patch(graphed, **record.arguments) is record
     other = "default" if asked == "max-autotune" else "max-autotune"
     assert sd_kernels.patch(graphed, cuda_graph=True, compile=other).compile == other
