@@ -8,8 +8,10 @@ norm_q / norm_k, residual connection, rescale_output_factor) with the one
 picks FlashAttention, the partially fused softmax or stock SDPA per call.
 
 Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor``,
-``FusedAttnProcessor2_0`` or ``IPAdapterAttnProcessor2_0`` are touched, and only while their source
-is the one mirrored (patches/verified.py); other custom processors are left alone. An IP-Adapter
+``FusedAttnProcessor2_0``, ``IPAdapterAttnProcessor2_0`` or ``JointAttnProcessor2_0`` (SD3's joint
+text + image attention: ``SDKernelsJointAttnProcessor``, patches/joint_attention.py) are touched, and
+only while their source is the one mirrored (patches/verified.py); other custom processors are left
+alone. An IP-Adapter
 processor keeps its object (its weights and scales): it becomes ``SDKernelsIPAdapterProcessor``
 (patches/ip_adapter.py) by a change of class that unpatch reverts. For
 ``AttnProcessor`` (diffusers' choice when ``scale_qk=False``) the replacement keeps its differences:
@@ -31,11 +33,12 @@ from sd_kernels.profiles import scoped
 
 from . import attention_steps as steps
 from .group_norm import SCALE_DEPRECATION
+from .joint_attention import SDKernelsJointAttnProcessor
 from .record import PatchRecord
 from .registry import register
 from .verified import VERIFIED_WITH, is_verified
 
-SERVED = "AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0 and IPAdapterAttnProcessor2_0"
+SERVED = "AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0, IPAdapterAttnProcessor2_0 and JointAttnProcessor2_0"
 
 
 class SDKernelsAttnProcessor:
@@ -90,7 +93,7 @@ class SDKernelsAttnProcessor:
         return steps.finish(attn, hidden_states, residual, shape)
 
 
-def _replacement(processor) -> SDKernelsAttnProcessor | type | str | None:
+def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProcessor | type | str | None:
     """Our processor for a stock one, the class a stock IP-Adapter processor becomes, a reason (str)
     where the stock one is not the code ours mirrors, or None for a custom processor."""
     from diffusers.models.attention_processor import (
@@ -98,8 +101,14 @@ def _replacement(processor) -> SDKernelsAttnProcessor | type | str | None:
         AttnProcessor2_0,
         FusedAttnProcessor2_0,
         IPAdapterAttnProcessor2_0,
+        JointAttnProcessor2_0,
     )
 
+    if type(processor) is JointAttnProcessor2_0:
+        if not is_verified(JointAttnProcessor2_0.__call__):
+            return (f"JointAttnProcessor2_0.__call__ is not the diffusers {VERIFIED_WITH} code that "
+                    "sd_kernels' joint processor mirrors: left as it is")
+        return SDKernelsJointAttnProcessor()
     for cls, kind in ((AttnProcessor2_0, {}), (AttnProcessor, {"legacy": True}),
                       (FusedAttnProcessor2_0, {"fused": True}), (IPAdapterAttnProcessor2_0, None)):
         if type(processor) is cls:
@@ -117,7 +126,8 @@ def _replacement(processor) -> SDKernelsAttnProcessor | type | str | None:
 @register("attention")
 def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
-    AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``; turn each
+    AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``, one whose
+    processor is JointAttnProcessor2_0 an ``SDKernelsJointAttnProcessor``; turn each
     IPAdapterAttnProcessor2_0 into an ``SDKernelsIPAdapterProcessor``."""
     from diffusers.models.attention_processor import Attention
 
@@ -130,6 +140,8 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
             elif isinstance(new, type):
                 record.set_class(processor, new, "ip_adapter_processor")
             elif new is not None:
-                record.set_attr(module, "processor", new, "attention_processor")
+                kind = "joint_attention_processor" if isinstance(new, SDKernelsJointAttnProcessor) else None
+                record.set_attr(module, "processor", new, kind or "attention_processor")
             else:
-                record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")
+                record.skip(path, type(processor).__name__,
+                            f"custom attention processor (only {SERVED} are served)")

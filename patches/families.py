@@ -27,6 +27,9 @@ class Family:
     winograd: bool = False  # Winograd may route its 3×3 convs (when replayed from graphs: host cost)
     stream_decode: bool = False  # its ``decoder`` may decode in row bands under an intermediate budget
     denoiser: bool = False  # the denoising loop's model: every graph mode captures it ("unet" mode: it alone)
+    # "pipeline" mode keeps the scheduler's timesteps on the host for this denoiser's pipelines; False
+    # where the pipeline copies each timestep to the device itself (a host one would make it wait)
+    host_timesteps: bool = True
 
 
 FAMILIES = (
@@ -42,7 +45,16 @@ FAMILIES = (
     # (a number is refused by the model's own timestep embedding), so no timestep conversion; its
     # encoder_attention_mask and added_cond_kwargs={"resolution": None, "aspect_ratio": None} are
     # ordinary graph inputs (a tensor, hashable Nones). No 3×3 convs (its patch embedding is a 2×2 one).
-    Family("PixArtTransformer2DModel", "transformer", "PixArt", graphed="forward", guarded=("",), denoiser=True),
+    # PixArtSigmaPipeline runs ``t[None].to(latents.device)`` on each step's timestep: a host one would be
+    # a blocking copy every step, so its timesteps stay where diffusers puts them (DPM-Solver then reads
+    # its step index once, on the first step).
+    Family("PixArtTransformer2DModel", "transformer", "PixArt", graphed="forward", guarded=("",), denoiser=True,
+           host_timesteps=False),
+    # Stable Diffusion 3's MMDiT. StableDiffusion3Pipeline passes the timestep as a tensor expanded to the
+    # batch (t.expand(B); float sigmas × 1000), so no timestep conversion; pooled_projections is a
+    # tensor and joint_attention_kwargs the pipeline's (None unless set: a hashable leaf), so every
+    # keyword is an ordinary graph input and none is dropped. No 3×3 convs (a 2×2 patch embedding).
+    Family("SD3Transformer2DModel", "transformer", "SD3", graphed="forward", guarded=("",), denoiser=True),
 )
 BY_CLASS = {f.model_class: f for f in FAMILIES}
 PARTS = tuple(dict.fromkeys(f.part for f in FAMILIES))  # in patch order; ``ignore=`` skips some
@@ -54,9 +66,10 @@ DENOISERS = tuple(f.model_class for f in FAMILIES if f.denoiser)
 # model will run channels_last from the record's ops and the profile (patches/layout.py
 # makes_channels_last), not from the re-laid weights; memory's chunked feed-forward calls the
 # original FeedForward, whose GELU modules gelu swaps before or after; the streamed decode finds
-# GroupNorms by isinstance, fused ones included; layer_norm's block forward calls the block's attn1,
-# attn2 and ff as they are when it runs (attention's processors, gelu's modules, memory's chunked
-# feed-forward, whichever ran before or after). The order is fixed (the one alphabetical order gave
+# GroupNorms by isinstance, fused ones included; layer_norm's block forwards call the blocks' attention
+# and feed-forward modules (attn1 / attn2 / ff, SD3's attn / ff / ff_context) as they are when they
+# run (attention's processors, gelu's modules, memory's chunked feed-forward, whichever ran before
+# or after). The order is fixed (the one alphabetical order gave
 # before it was written here) so that a record undoes in the same order whatever ``ops=`` says, and
 # a new dependency goes here, with its reason.
 ORDER = ("attention", "channels_last", "gelu", "group_norm", "layer_norm", "memory", "winograd")

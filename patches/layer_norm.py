@@ -24,6 +24,31 @@ diffusers' forward is not the verified source this re-states (patches/verified.p
 not a plain ``nn.LayerNorm`` over the last dim, or where a ``pos_embed`` sits between norm1 and the
 attention; blocks of another ``norm_type`` (the UNet's "layer_norm" blocks) and subclasses are not
 this patcher's to touch.
+
+SD3's ``JointTransformerBlock`` (every block of SD3Transformer2DModel) runs two streams, the image
+tokens and the text context, through one joint attention (``attn``). Each stream has an
+``AdaLayerNormZero`` (``norm1``, ``norm1_context``: ``linear(silu(temb))`` chunked into six [B, D]
+vectors, then LayerNorm modulated with two of them) and a plain ``norm2`` / ``norm2_context``:
+
+per stream, stock (diffusers 0.42.1 ``JointTransformerBlock.forward``, ``AdaLayerNormZero.forward``)
+and here:
+
+- ``norm1.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]``: ``layer_norm_modulated``;
+- ``x = x + gate_msa.unsqueeze(1) * attn_output`` then
+  ``norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]``: ``gated_residual_layer_norm``;
+- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: as stock (the next block's norm1 follows).
+
+The last block of an SD3 transformer is ``context_pre_only``: its context goes through an
+``AdaLayerNormContinuous`` into the attention and no further; that norm runs as diffusers' module,
+the image stream is fused as in every other block. ``JointBlockForward`` (counted as
+``layer_norm.JointTransformerBlock``) calls the original forward for a call it does not serve:
+``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, other processor
+arguments; a LoRA ``scale`` never reaches the blocks), hidden states not [B, T, D], no context.
+Blocks are left alone (``record.skip``) where ``JointTransformerBlock.forward`` or
+``AdaLayerNormZero.forward`` is not the verified source, for SD3.5's dual-attention blocks
+(``use_dual_attention``: an ``SD35AdaLayerNormZeroX`` norm1 and a second attention), and where a
+norm is not the plain module the fused forward assumes (an ``fp32_layer_norm`` adaLN, a class
+embedding inside ``AdaLayerNormZero``).
 """
 
 from __future__ import annotations
@@ -42,6 +67,13 @@ from .verified import VERIFIED_WITH, is_verified
 
 log = logging.getLogger("sd_kernels")
 _LOGGED: set[str] = set()
+
+
+def _note_fallback(block: str, reason: str) -> None:
+    """Log, once a process per reason, that a block call runs diffusers' forward."""
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        log.info("sd_kernels: layer_norm: a %s call runs diffusers' forward: %s", block, reason)
 
 
 def _plain_layer_norm(norm: nn.Module | None) -> bool:
@@ -102,9 +134,7 @@ class AdaNormSingleForward:
         block = self.block
         reason = self._unserved(hidden_states, timestep, cross_attention_kwargs)
         if reason is not None:
-            if reason not in _LOGGED:
-                _LOGGED.add(reason)
-                log.info("sd_kernels: layer_norm: a BasicTransformerBlock call runs diffusers' forward: %s", reason)
+            _note_fallback("BasicTransformerBlock", reason)
             return type(block).forward(block, hidden_states, attention_mask, encoder_hidden_states,
                                        encoder_attention_mask, timestep, cross_attention_kwargs, class_labels,
                                        added_cond_kwargs)
@@ -159,10 +189,141 @@ def _unfit(block: nn.Module) -> str | None:
     return None
 
 
+def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor):
+    """diffusers' ``AdaLayerNormZero.forward`` (no class embedding: ``norm.emb`` is None) with its
+    modulated LayerNorm in one kernel: (normed x, gate_msa, shift_mlp, scale_mlp, gate_mlp)."""
+    emb = norm.linear(norm.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    x = _modulated(norm.norm, x, scale_msa[:, None], shift_msa[:, None])
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _feed_forward(block: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``ff(x)``, chunked as diffusers' block does when ``set_chunk_feed_forward`` asked for it."""
+    if block._chunk_size is not None:
+        from diffusers.models.attention import _chunked_feed_forward
+
+        return _chunked_feed_forward(ff, x, block._chunk_dim, block._chunk_size)
+    return ff(x)
+
+
+class JointBlockForward:
+    """The instance ``forward`` of one SD3 ``JointTransformerBlock``: diffusers 0.42.1's forward with
+    each stream's adaLN-Zero LayerNorm in ``layer_norm_modulated`` and each stream's gated attention
+    residual + norm2 in ``gated_residual_layer_norm``; any call it does not serve goes to the class's
+    forward."""
+
+    profile_scoped = True
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.block).__name__})"
+
+    @staticmethod
+    def _unserved(hidden_states, encoder_hidden_states, joint_attention_kwargs) -> str | None:
+        if joint_attention_kwargs:
+            return f"joint_attention_kwargs {sorted(joint_attention_kwargs)}"
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            return "hidden states that are not [B, T, D]"
+        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3:
+            return "no [B, T, D] context"
+        return None
+
+    @scoped
+    def __call__(
+        self,
+        hidden_states: torch.FloatTensor,
+        encoder_hidden_states: torch.FloatTensor,
+        temb: torch.FloatTensor,
+        joint_attention_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        block = self.block
+        reason = self._unserved(hidden_states, encoder_hidden_states, joint_attention_kwargs)
+        if reason is not None:
+            _note_fallback("JointTransformerBlock", reason)
+            return type(block).forward(block, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(block.norm1, hidden_states, temb)
+        if block.context_pre_only:
+            norm_encoder_hidden_states = block.norm1_context(encoder_hidden_states, temb)
+        else:
+            norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_norm_zero(
+                block.norm1_context, encoder_hidden_states, temb)
+
+        attn_output, context_attn_output = block.attn(
+            hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states)
+
+        # hidden_states + gate_msa.unsqueeze(1) * attn_output, then norm2 modulated with scale/shift_mlp
+        hidden_states, norm_hidden_states = _gated_norm(block.norm2, hidden_states, attn_output, gate_msa.unsqueeze(1),
+                                                        scale_mlp[:, None], shift_mlp[:, None])
+        ff_output = _feed_forward(block, block.ff, norm_hidden_states)
+        hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
+
+        if block.context_pre_only:
+            encoder_hidden_states = None
+        else:
+            encoder_hidden_states, norm_encoder_hidden_states = _gated_norm(
+                block.norm2_context, encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1),
+                c_scale_mlp[:, None], c_shift_mlp[:, None])
+            context_ff_output = _feed_forward(block, block.ff_context, norm_encoder_hidden_states)
+            encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
+
+        return encoder_hidden_states, hidden_states
+
+
+def _plain_ada_norm_zero(norm: nn.Module) -> bool:
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    return type(norm) is AdaLayerNormZero and norm.emb is None and _plain_layer_norm(norm.norm)
+
+
+def _unfit_joint(block: nn.Module) -> str | None:
+    """Why a JointTransformerBlock's structure is not the one ``JointBlockForward`` serves."""
+    if block.use_dual_attention or block.attn2 is not None:
+        return "SD3.5 dual attention (a second attention and an SD35AdaLayerNormZeroX norm1)"
+    norms = [("norm1", _plain_ada_norm_zero(block.norm1)), ("norm2", _plain_layer_norm(block.norm2))]
+    if not block.context_pre_only:
+        norms += [("norm1_context", _plain_ada_norm_zero(block.norm1_context)),
+                  ("norm2_context", _plain_layer_norm(block.norm2_context))]
+    odd = [f"{name} {type(getattr(block, name)).__name__}" for name, ok in norms if not ok]
+    if odd:
+        return (f"{', '.join(odd)}: not the plain AdaLayerNormZero (LayerNorm, no class embedding) / LayerNorm "
+                "over the last dim that the fused forward assumes")
+    return None
+
+
+def _patch_joint_blocks(model: nn.Module, record: PatchRecord) -> None:
+    """Give every SD3 ``JointTransformerBlock`` (exact type) of ``model`` a ``JointBlockForward``, while
+    diffusers' block forward and ``AdaLayerNormZero.forward`` are the verified ones."""
+    from diffusers.models.attention import JointTransformerBlock
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    blocks = [(path, m) for path, m in model.named_modules() if type(m) is JointTransformerBlock]
+    stale = [fn.__qualname__ for fn in (JointTransformerBlock.forward, AdaLayerNormZero.forward)
+             if not is_verified(fn)]
+    for path, block in blocks:
+        if stale:
+            record.skip(path, stale[0], f"not the diffusers {VERIFIED_WITH} code that the fused adaLN-Zero "
+                        "forward re-states: left as it is")
+        elif (reason := _unfit_joint(block)) is not None:
+            record.skip(path, "JointTransformerBlock", f"left as it is: {reason}")
+        else:
+            record.set_attr(block, "forward", JointBlockForward(block), "layer_norm.JointTransformerBlock")
+
+
 @register("layer_norm")
 def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
-    """Give every ``BasicTransformerBlock`` (exact type) of ``model`` with ``norm_type="ada_norm_single"``
-    an ``AdaNormSingleForward``, while diffusers' forward is the verified one."""
+    """Fuse the adaLN glue of ``model``'s DiT blocks: every ``BasicTransformerBlock`` (exact type) with
+    ``norm_type="ada_norm_single"`` (PixArt) gets an ``AdaNormSingleForward``, every
+    ``JointTransformerBlock`` (SD3) a ``JointBlockForward``, each while the diffusers code it re-states
+    is the verified one."""
+    _patch_joint_blocks(model, record)
+    _patch_ada_norm_single_blocks(model, record)
+
+
+def _patch_ada_norm_single_blocks(model: nn.Module, record: PatchRecord) -> None:
     from diffusers.models.attention import BasicTransformerBlock
 
     blocks = [(path, m) for path, m in model.named_modules()

@@ -1,8 +1,8 @@
 """Stable Diffusion pipelines with random weights, built offline from configs shipped in the package.
 
 No hub access is needed: ``sd_kernels/configs/<name>.json`` holds the UNet (or transformer), VAE,
-text encoder(s) and scheduler configs of SD1.5, SD2.1, SDXL, PixArt-Σ and three tiny test models; the
-tokenizers are generated: CLIP's a byte-level vocabulary with no merges, T5's (PixArt) a Unigram
+text encoder(s) and scheduler configs of SD1.5, SD2.1, SDXL, PixArt-Σ, SD3-medium and four tiny test models;
+the tokenizers are generated: CLIP's a byte-level vocabulary with no merges, T5's (PixArt, SD3) a Unigram
 vocabulary of single printable ASCII characters, with and without the word-start mark; every
 character is a token either way. The weights are random, so images are noise-like: good for speed,
 memory and fidelity measurements, not for art.
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-_TEXT_ENCODER_CLASSES = {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection"}
+_TEXT_ENCODER_CLASSES = {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection",
+                         "text_encoder_3": "T5EncoderModel"}
 # The diffusers class of each model part; a config's section may name another with a "class" key.
 _MODEL_CLASSES = {"unet": "UNet2DConditionModel", "transformer": "PixArtTransformer2DModel", "vae": "AutoencoderKL"}
 _PARTS = (*_MODEL_CLASSES, *_TEXT_ENCODER_CLASSES)
@@ -163,8 +164,8 @@ def _scheduler(cfg: dict[str, Any]):
 
 
 def build_model(name: str, part: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """One random-weight part (``unet`` or ``transformer``, ``vae``, ``text_encoder``, ``text_encoder_2``)
-    of config ``name``.
+    """One random-weight part (``unet`` or ``transformer``, ``vae``, ``text_encoder``, ``text_encoder_2``,
+    ``text_encoder_3``) of config ``name``.
 
     ``device="meta"`` builds it without memory, e.g. to count parameters.
     """
@@ -212,8 +213,9 @@ def build_pipeline(
     parts = {p: build_model(name, p, device, dtype) for p in _PARTS if p in cfg}
     parts["scheduler"] = _scheduler(cfg["scheduler"])
     parts["tokenizer"] = _tokenizer_for(parts["text_encoder"])
-    if "text_encoder_2" in parts:
-        parts["tokenizer_2"] = _tokenizer_for(parts["text_encoder_2"])
+    for i in (2, 3):  # SDXL's second CLIP; SD3's second CLIP and its T5
+        if f"text_encoder_{i}" in parts:
+            parts[f"tokenizer_{i}"] = _tokenizer_for(parts[f"text_encoder_{i}"])
     pipeline_cls = getattr(diffusers, cfg["pipeline"])
     if cfg["pipeline"] == "StableDiffusionPipeline":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)

@@ -5,7 +5,8 @@ from sd_kernels import models
 
 
 def test_configs_shipped():
-    assert {"sd15", "sd21", "sdxl", "tiny", "tiny-xl", "pixart-sigma", "tiny-pixart"} <= set(models.list_configs())
+    assert {"sd15", "sd21", "sdxl", "tiny", "tiny-xl", "pixart-sigma", "tiny-pixart", "sd3-medium",
+            "tiny-sd3"} <= set(models.list_configs())
 
 
 def test_unknown_config_lists_known():
@@ -26,7 +27,12 @@ def test_unknown_part():
      ("sdxl", "text_encoder_2", 694.66),
      # PixArt-Σ XL/2: the 0.6 B DiT (610.86 M here, from its published config) and T5-XXL's encoder (4762.3 M)
      ("pixart-sigma", "transformer", 610.86), ("pixart-sigma", "text_encoder", 4762.31),
-     ("pixart-sigma", "vae", 83.65)],
+     ("pixart-sigma", "vae", 83.65),
+     # SD3-medium: the 2B MMDiT (2028.33 M), CLIP-L and CLIP-G with projections, T5-XXL's encoder, and
+     # its 16-channel VAE (no quant convs)
+     ("sd3-medium", "transformer", 2028.33), ("sd3-medium", "text_encoder", 123.65),
+     ("sd3-medium", "text_encoder_2", 694.66), ("sd3-medium", "text_encoder_3", 4762.31),
+     ("sd3-medium", "vae", 83.82)],
 )
 def test_architecture_sizes(name, part, millions):
     model = models.build_model(name, part, device="meta")
@@ -59,16 +65,43 @@ def test_pixart_sigma_config_is_the_published_one():
     assert "PixArt-Sigma-XL-2-1024-MS" in cfg["description"]
 
 
+def test_sd3_medium_config_is_the_published_one():
+    cfg = models.load_config("sd3-medium")
+    t, vae = cfg["transformer"], cfg["vae"]
+    assert (t["num_layers"], t["num_attention_heads"], t["attention_head_dim"], t["patch_size"]) == (24, 24, 64, 2)
+    assert (t["sample_size"], t["pooled_projection_dim"], t["caption_projection_dim"]) == (128, 2048, 1536)
+    assert (t["joint_attention_dim"], t["in_channels"], t["out_channels"]) == (4096, 16, 16)
+    assert (vae["latent_channels"], vae["shift_factor"], vae["scaling_factor"]) == (16, 0.0609, 1.5305)
+    clip_g = cfg["text_encoder_2"]
+    assert (clip_g["hidden_size"], clip_g["num_hidden_layers"], clip_g["projection_dim"]) == (1280, 32, 1280)
+    assert cfg["text_encoder_3"]["d_model"] == t["joint_attention_dim"]
+    assert cfg["text_encoder"]["projection_dim"] + clip_g["projection_dim"] == t["pooled_projection_dim"]
+    assert "stable-diffusion-3-medium-diffusers" in cfg["description"]
+
+
+def test_sd3_pipeline_has_three_offline_tokenizers():
+    pipe = models.build_pipeline("tiny-sd3")
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline"
+    assert type(pipe.tokenizer).__name__ == type(pipe.tokenizer_2).__name__ == "CLIPTokenizer"
+    assert type(pipe.tokenizer_3).__name__.startswith("T5Tokenizer")  # transformers 5 names the fast one so
+    assert type(pipe.text_encoder_3).__name__ == "T5EncoderModel"
+
+
 def _run(pipe, **kw):
     gen = torch.Generator().manual_seed(0)
     return pipe("a photo", num_inference_steps=2, generator=gen, output_type="np", **kw).images
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-xl", "tiny-pixart"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl", "tiny-pixart", "tiny-sd3"])
 def test_random_pipeline_runs(name):
     pipe = models.build_pipeline(name)
     # PixArt's pipeline bins the size to its table for sample_size 32 (256²) unless told not to
-    images = _run(pipe, use_resolution_binning=False, height=64, width=64) if "pixart" in name else _run(pipe)
+    if "pixart" in name:
+        images = _run(pipe, use_resolution_binning=False, height=64, width=64)
+    elif "sd3" in name:  # its default size is sample_size 32 × the tiny VAE's 4: 128²
+        images = _run(pipe, height=64, width=64, max_sequence_length=16)
+    else:
+        images = _run(pipe)
     assert images.shape == (1, 64, 64, 3) and (images >= 0).all() and (images <= 1).all()
 
 

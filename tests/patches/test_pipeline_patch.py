@@ -215,30 +215,31 @@ class Parts:
 def test_unsupported_pipeline_lists_what_is_supported():
     with pytest.raises(TypeError, match=r"\(it has unet: Linear, transformer: Linear\); supported: unet, vae, "
                                         r"controlnet, transformer as UNet2DConditionModel, AutoencoderKL, "
-                                        r"ControlNetModel, MultiControlNetModel, PixArtTransformer2DModel"):
+                                        r"ControlNetModel, MultiControlNetModel, PixArtTransformer2DModel, "
+                                        r"SD3Transformer2DModel"):
         sd_kernels.patch(Parts(unet=nn.Linear(2, 2), transformer=nn.Linear(2, 2)))
 
 
 def test_a_transformer_pipeline_patches_its_vae_and_says_the_transformer_is_left_alone(pipe, caplog):
-    """A DiT pipeline whose transformer no family names (SD3; PixArt's has one: test_pixart_patch.py).
-    The VAE is patched, the transformer (and any other model no family names) is in the record, and a
-    warning says so."""
+    """A DiT pipeline whose transformer no family names (Flux; PixArt's and SD3's have one:
+    test_pixart_patch.py, test_sd3_patch.py). The VAE is patched, the transformer (and any other model
+    no family names) is in the record, and a warning says so."""
     import logging
 
-    from diffusers import SD3Transformer2DModel
+    from diffusers import FluxTransformer2DModel
 
-    transformer = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
-                                        num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
-                                        pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
-    dit = Parts(transformer=transformer, vae=pipe.vae, text_encoder_3=nn.Linear(2, 2))
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                         pooled_projection_dim=16, axes_dims_rope=(2, 2, 4))
+    dit = Parts(transformer=transformer, vae=pipe.vae, image_encoder=nn.Linear(2, 2))
     with caplog.at_level(logging.WARNING, logger="sd_kernels"), sd_kernels.patched(dit) as record:
         assert record.parts == ["vae"] and record.counts["group_norm_silu"] > 0
         skipped = {(k.path, k.what) for k in record.skipped}
-        assert {("transformer", "SD3Transformer2DModel"), ("text_encoder_3", "Linear")} <= skipped
+        assert {("transformer", "FluxTransformer2DModel"), ("image_encoder", "Linear")} <= skipped
         assert "transformer" in record.format() and "left as diffusers ships it" in record.format()
     warned = [r.getMessage() for r in caplog.records if "has no family" in r.getMessage()]
-    assert len(warned) == 1 and "transformer of this Parts (SD3Transformer2DModel)" in warned[0]
-    assert "text_encoder_3" not in warned[0]  # recorded, not warned about: not a denoiser
+    assert len(warned) == 1 and "transformer of this Parts (FluxTransformer2DModel)" in warned[0]
+    assert "image_encoder" not in warned[0]  # recorded, not warned about: not a denoiser
 
 
 def test_an_unsupported_part_is_reported_and_the_rest_patched(pipe):

@@ -1,0 +1,299 @@
+"""Stable Diffusion 3 (patches/families.py: SD3Transformer2DModel, part "transformer"): the tiny config's
+transformer and whole StableDiffusion3Pipeline patched and exactly unpatched; the joint attention
+processor (patches/joint_attention.py) and the joint blocks' fused adaLN-Zero forward
+(patches/layer_norm.py) through the kernels against float64, their fallbacks; the pipeline's model
+calls replayed from (stand-in) CUDA graphs."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+from diffusers import SD3Transformer2DModel
+from diffusers.models.activations import GELU
+from diffusers.models.attention import JointTransformerBlock
+from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from sd_kernels.patches import cuda_graph
+from sd_kernels.patches.joint_attention import SDKernelsJointAttnProcessor
+from sd_kernels.patches.layer_norm import JointBlockForward
+from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
+
+import sd_kernels
+from sd_kernels import dispatch, models
+from sd_kernels.testing import assert_close_to_reference
+
+verified = importlib.import_module("sd_kernels.patches.verified")
+
+
+@pytest.fixture
+def transformer():
+    return models.build_model("tiny-sd3", "transformer")
+
+
+def _inputs(model, batch=2, side=16, seed=0):
+    """What StableDiffusion3Pipeline passes: latents, the CLIP + T5 context and the pooled CLIP
+    projections, a float timestep tensor expanded to the batch, joint_attention_kwargs None."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, model.config.in_channels, side, side, generator=g)
+    ctx = torch.randn(batch, 9, model.config.joint_attention_dim, generator=g)
+    pooled = torch.randn(batch, model.config.pooled_projection_dim, generator=g)
+    t = torch.tensor(812.5).expand(batch)
+    return x, {"encoder_hidden_states": ctx, "pooled_projections": pooled, "timestep": t,
+               "joint_attention_kwargs": None}
+
+
+def _run(model, x, kw, dtype=torch.float32):
+    cast = lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    with torch.no_grad():
+        return model(cast(x), **{k: cast(v) for k, v in kw.items()}, return_dict=False)[0]
+
+
+def _census(model):
+    """What the patch should replace in the transformer, counted before patching."""
+    return {
+        "joint_attention_processor": sum(isinstance(m, Attention) and type(m.processor) is JointAttnProcessor2_0
+                                         for m in model.modules()),
+        "gelu.GELU": sum(type(m) is GELU and m.approximate == "tanh" for m in model.modules()),
+        "layer_norm.JointTransformerBlock": sum(type(m) is JointTransformerBlock for m in model.modules()),
+    }
+
+
+def _tree(model):
+    return [(name, m, getattr(m, "processor", None), vars(m).get("forward")) for name, m in model.named_modules()]
+
+
+def _same(tree, other) -> bool:
+    return len(tree) == len(other) and all(all(a is b for a, b in zip(s[1:], o[1:])) and s[0] == o[0]
+                                           for s, o in zip(tree, other))
+
+
+def test_tiny_config_is_sd3_shaped(transformer):
+    assert transformer.config.attention_head_dim == 24  # not a power of two
+    blocks = transformer.transformer_blocks
+    assert [b.context_pre_only for b in blocks] == [False, True]  # SD3's last block: context in, none out
+    assert not any(b.use_dual_attention for b in blocks) and transformer.config.qk_norm is None
+    assert transformer.config.caption_projection_dim == transformer.inner_dim
+
+
+def test_patch_and_unpatch_restore_exactly(transformer):
+    x, kw = _inputs(transformer)
+    expected, tree = _census(transformer), _tree(transformer)
+    assert expected == {"joint_attention_processor": 2, "gelu.GELU": 3, "layer_norm.JointTransformerBlock": 2}
+    params = dict(transformer.state_dict(keep_vars=True))
+    stock = _run(transformer, x, kw)
+    record = sd_kernels.patch(transformer)
+    assert dict(record.counts) == expected
+    assert record.parts == ["SD3Transformer2DModel"] and not record.skipped
+    blocks = list(transformer.transformer_blocks)
+    assert all(isinstance(vars(b)["forward"], JointBlockForward) for b in blocks)
+    assert all(isinstance(b.attn.processor, SDKernelsJointAttnProcessor) for b in blocks)
+    now = transformer.state_dict(keep_vars=True)
+    assert now.keys() == params.keys() and all(now[k] is params[k] for k in params)
+    assert sd_kernels.patch(transformer) is record  # idempotent
+    assert sd_kernels.unpatch(transformer)
+    assert _same(_tree(transformer), tree)
+    assert all("forward" not in vars(b) for b in blocks) and not hasattr(transformer, "_sd_kernels_owner")
+    assert all(type(b.attn.processor) is JointAttnProcessor2_0 for b in blocks)
+    assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_transformer_through_kernels(transformer):
+    """The tiny transformer with the kernels (the interpreter on CPU: joint attention at head dim 24 over
+    64 image + 9 context tokens, GELU tanh, the fused adaLN-Zero LayerNorms) against a float64 copy;
+    no op took the reference."""
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["layer_norm.JointTransformerBlock"] == 2
+        dispatch.reset_fallbacks()
+        assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
+        assert not dispatch.fallbacks()  # the kernels ran, not the reference
+    assert torch.equal(_run(transformer, x, kw), stock)
+
+
+@pytest.mark.parametrize("ops", [["layer_norm"], ["attention"], None])
+def test_reference_ops_compute_what_stock_computes(transformer, monkeypatch, ops):
+    """With the PyTorch reference behind every op, the patched forward is stock's arithmetic in stock's
+    order: bit-identical outputs (the plumbing: adaLN chunks, gates, the joint concatenation and split,
+    the context_pre_only block)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=ops, cuda_graph=False):
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_fused_ops_are_the_ones_called(transformer, monkeypatch):
+    """Per full block: norm1 and norm1_context modulated, both streams' gated residual + norm2 fused;
+    the context_pre_only block: norm1 and the image stream's only."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    ln_patch = importlib.import_module("sd_kernels.patches.layer_norm")
+    calls = []
+    for name in ("layer_norm_modulated", "gated_residual_layer_norm"):
+        original = getattr(ln_patch, name)
+        monkeypatch.setattr(ln_patch, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+    x, kw = _inputs(transformer)
+    with sd_kernels.patched(transformer, ops=["layer_norm"]):
+        _run(transformer, x, kw)
+    assert calls.count("layer_norm_modulated") == 2 + 1 and calls.count("gated_residual_layer_norm") == 2 + 1
+
+
+def test_calls_it_does_not_serve_run_diffusers_forward(transformer, monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    kw["joint_attention_kwargs"] = {"unused": None}  # diffusers' Attention drops it with a warning
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=["layer_norm"]):
+        seen = []
+        original = JointTransformerBlock.forward
+        monkeypatch.setattr(JointTransformerBlock, "forward", lambda self, *a, **k: seen.append(1) or
+                            original(self, *a, **k))
+        assert torch.equal(_run(transformer, x, kw), stock)
+        assert len(seen) == transformer.config.num_layers
+        seen.clear()
+        kw["joint_attention_kwargs"] = {"scale": 1.0}  # a LoRA scale: the model pops it, the blocks get {}
+        _run(transformer, x, kw)
+        assert not seen
+
+
+@pytest.mark.parametrize("qualname", ["JointTransformerBlock.forward", "AdaLayerNormZero.forward",
+                                      "JointAttnProcessor2_0.__call__"])
+def test_unverified_diffusers_code_is_left_alone(transformer, monkeypatch, qualname):
+    monkeypatch.setitem(verified.VERIFIED, qualname, "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        with sd_kernels.patched(transformer, cuda_graph=False) as record:
+            skipped = [s for s in record.skipped if s.what == qualname or qualname.startswith(s.what)]
+            if qualname.startswith("JointAttn"):
+                assert "joint_attention_processor" not in record.counts
+                assert record.counts["layer_norm.JointTransformerBlock"] == 2  # the other patchers still apply
+                assert all(type(b.attn.processor) is JointAttnProcessor2_0 for b in transformer.transformer_blocks)
+            else:
+                assert "layer_norm.JointTransformerBlock" not in record.counts
+                assert record.counts["joint_attention_processor"] == 2
+                assert not any("forward" in vars(m) for m in transformer.modules())
+            assert len(skipped) == transformer.config.num_layers
+            assert "not the diffusers 0.42.1" in skipped[0].reason
+    finally:
+        verified.is_verified.cache_clear()
+
+
+def test_sd35_blocks_dual_attention_left_alone_qk_norm_served(monkeypatch):
+    """SD3.5's structure: a dual-attention block (SD35AdaLayerNormZeroX, a second image-only attention)
+    is reported and left to diffusers' forward; its attentions (RMSNorm q/k, the image-only call of the
+    joint processor) and the plain block are patched; with reference ops, stock's bits."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=24,
+                                  num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=48,
+                                  pooled_projection_dim=64, out_channels=16, pos_embed_max_size=16,
+                                  dual_attention_layers=(0,), qk_norm="rms_norm").eval()
+    x, kw = _inputs(model)
+    stock = _run(model, x, kw)
+    with sd_kernels.patched(model, cuda_graph=False) as record:
+        assert record.counts["layer_norm.JointTransformerBlock"] == 2
+        assert record.counts["joint_attention_processor"] == 3 + 1  # the joint attentions + block 0's attn2
+        (skip,) = record.skipped
+        assert skip.path == "SD3Transformer2DModel.transformer_blocks.0" and "dual attention" in skip.reason
+        assert torch.equal(_run(model, x, kw), stock)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole pipeline.
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = models.build_pipeline("tiny-sd3")
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _pipe_run(pipe, steps=2, **kwargs):
+    return pipe(prompt="a cat", num_inference_steps=steps, height=64, width=64, output_type="pt",
+                max_sequence_length=16, generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
+    stock = _pipe_run(pipe)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    with sd_kernels.patched(pipe) as record:
+        assert record.parts == ["vae", "transformer"]
+        counts = dict(record.counts)
+        assert counts.pop("layer_norm.JointTransformerBlock") == 2 and counts.pop("gelu.GELU") == 3
+        assert counts.pop("joint_attention_processor") == 2 and counts.pop("attention_processor") == 2  # VAE mids
+        assert set(counts) == {"group_norm", "group_norm_silu", "resnet_fused_forward", "silu_folded"}  # the VAE
+        assert not any(s.path == "transformer" for s in record.skipped)
+        assert torch.equal(_pipe_run(pipe), stock)
+    assert torch.equal(_pipe_run(pipe), stock)
+
+
+def test_pipeline_through_kernels_close_to_stock(pipe):
+    """Two steps with the transformer's kernels (the interpreter), the VAE left to stock: the images
+    against a float64 run of the same pipeline."""
+    stock = _pipe_run(pipe)
+    pipe64 = copy.deepcopy(pipe).to(torch.float64)
+    ref64 = _pipe_run(pipe64)
+    with sd_kernels.patched(pipe, ignore=("vae",)) as record:
+        assert record.parts == ["transformer"]
+        dispatch.reset_fallbacks()
+        assert_close_to_reference(_pipe_run(pipe), stock, ref64)
+        assert not dispatch.fallbacks()
+
+
+def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
+    eager = models.build_pipeline("tiny-sd3")
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    record = sd_kernels.patch(graphed)  # "auto": the transformer can be captured (the stand-in says so)
+    assert record.cuda_graph == "pipeline"
+    assert record.counts["cuda_graph"] == 5  # the transformer, the VAE decode, two CLIPs and the T5
+    for part in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        assert isinstance(vars(getattr(graphed, part))["forward"], cuda_graph.GraphedCall), part
+    with torch.no_grad():
+        for steps in (3, 2):
+            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
+    assert len(graphed.transformer.forward.graphs) == 1  # one signature: batch 2 (guidance), a tensor timestep
+    # FlowMatchEulerDiscreteScheduler is not among the schedulers checked with host timesteps
+    assert "host_timesteps" not in record.counts
+    assert any(s.path == "scheduler" and s.what == "FlowMatchEulerDiscreteScheduler" for s in record.skipped)
+    sd_kernels.unpatch(graphed)
+    assert all("forward" not in vars(getattr(graphed, p)) for p in ("transformer", "text_encoder_3"))
+
+
+def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
+    pipe = models.build_pipeline("tiny-sd3")
+    record = sd_kernels.patch(pipe, cuda_graph="unet")
+    assert record.counts["cuda_graph"] == 1 and isinstance(vars(pipe.transformer)["forward"], cuda_graph.GraphedCall)
+    assert "decode" not in vars(pipe.vae) and "forward" not in vars(pipe.text_encoder_3)
+    sd_kernels.unpatch(pipe)
+
+
+def test_cli_generate_tiny_sd3(tmp_path, capsys, monkeypatch):
+    from sd_kernels import cli
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    out = tmp_path / "sd3.png"
+    assert cli.main(["generate", "--prompt", "a red cube", "--model", "tiny-sd3", "--steps", "1", "--size", "64",
+                     "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layer_norm.JointTransformerBlock: 2" in text and "joint_attention_processor: 2" in text and out.exists()
+
+
+@pytest.mark.gpu
+def test_gpu_transformer_fp16_against_float64_and_exact_unpatch():
+    """On the GPU, fp16: the patched tiny SD3 transformer eager and replayed from its CUDA graph against a
+    float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical again."""
+    model = models.build_model("tiny-sd3", "transformer", device="cuda", dtype=torch.float16)
+    x, kw = _inputs(model, side=32)
+    x, kw = x.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    stock = _run(model, x, kw, torch.float16)
+    ref64 = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
+    for graph in (False, "unet"):
+        with sd_kernels.patched(model, cuda_graph=graph) as record:
+            assert record.counts["layer_norm.JointTransformerBlock"] == 2
+            for _ in range(2):  # the graph's capture, then a replay
+                assert_close_to_reference(_run(model, x, kw, torch.float16), stock, ref64)
+    assert torch.equal(_run(model, x, kw, torch.float16), stock)
