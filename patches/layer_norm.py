@@ -97,10 +97,18 @@ def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor
     return h, norm(h) * (1 + scale) + shift
 
 
-class AdaNormSingleForward:
-    """The instance ``forward`` of one ada_norm_single ``BasicTransformerBlock``: diffusers 0.42.1's
-    forward for that norm type, with its modulated LayerNorms (and the gated residual before norm2) in
-    sd_kernels' fused ops; any call it does not serve goes to the class's forward."""
+def _feed_forward(block: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``ff(x)``, chunked as diffusers' block does when ``set_chunk_feed_forward`` asked for it."""
+    if block._chunk_size is not None:
+        from diffusers.models.attention import _chunked_feed_forward
+
+        return _chunked_feed_forward(ff, x, block._chunk_dim, block._chunk_size)
+    return ff(x)
+
+
+class _BlockForward:
+    """An instance ``forward`` installed on one diffusers block (it keeps the block, runs under the
+    patch's profile)."""
 
     profile_scoped = True
 
@@ -109,6 +117,12 @@ class AdaNormSingleForward:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.block).__name__})"
+
+
+class AdaNormSingleForward(_BlockForward):
+    """The instance ``forward`` of one ada_norm_single ``BasicTransformerBlock``: diffusers 0.42.1's
+    forward for that norm type, with its modulated LayerNorms (and the gated residual before norm2) in
+    sd_kernels' fused ops; any call it does not serve goes to the class's forward."""
 
     def _unserved(self, hidden_states, timestep, cross_attention_kwargs) -> str | None:
         if cross_attention_kwargs:
@@ -166,13 +180,7 @@ class AdaNormSingleForward:
             residual, branch, gate = hidden_states, attn_output, None
         hidden_states, norm_hidden_states = _gated_norm(block.norm2, residual, branch, gate, scale_mlp, shift_mlp)
 
-        if block._chunk_size is not None:
-            from diffusers.models.attention import _chunked_feed_forward
-
-            ff_output = _chunked_feed_forward(block.ff, norm_hidden_states, block._chunk_dim, block._chunk_size)
-        else:
-            ff_output = block.ff(norm_hidden_states)
-        ff_output = gate_mlp * ff_output
+        ff_output = gate_mlp * _feed_forward(block, block.ff, norm_hidden_states)
         hidden_states = ff_output + hidden_states
         if hidden_states.ndim == 4:
             hidden_states = hidden_states.squeeze(1)
@@ -198,28 +206,11 @@ def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor):
     return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
-def _feed_forward(block: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``ff(x)``, chunked as diffusers' block does when ``set_chunk_feed_forward`` asked for it."""
-    if block._chunk_size is not None:
-        from diffusers.models.attention import _chunked_feed_forward
-
-        return _chunked_feed_forward(ff, x, block._chunk_dim, block._chunk_size)
-    return ff(x)
-
-
-class JointBlockForward:
+class JointBlockForward(_BlockForward):
     """The instance ``forward`` of one SD3 ``JointTransformerBlock``: diffusers 0.42.1's forward with
     each stream's adaLN-Zero LayerNorm in ``layer_norm_modulated`` and each stream's gated attention
     residual + norm2 in ``gated_residual_layer_norm``; any call it does not serve goes to the class's
     forward."""
-
-    profile_scoped = True
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({type(self.block).__name__})"
 
     @staticmethod
     def _unserved(hidden_states, encoder_hidden_states, joint_attention_kwargs) -> str | None:
@@ -294,48 +285,36 @@ def _unfit_joint(block: nn.Module) -> str | None:
     return None
 
 
-def _patch_joint_blocks(model: nn.Module, record: PatchRecord) -> None:
-    """Give every SD3 ``JointTransformerBlock`` (exact type) of ``model`` a ``JointBlockForward``, while
-    diffusers' block forward and ``AdaLayerNormZero.forward`` are the verified ones."""
-    from diffusers.models.attention import JointTransformerBlock
-    from diffusers.models.normalization import AdaLayerNormZero
-
-    blocks = [(path, m) for path, m in model.named_modules() if type(m) is JointTransformerBlock]
-    stale = [fn.__qualname__ for fn in (JointTransformerBlock.forward, AdaLayerNormZero.forward)
-             if not is_verified(fn)]
+def _install(record: PatchRecord, blocks: list[tuple[str, nn.Module]], sources: tuple,
+             unfit, forward: type[_BlockForward], kind: str) -> None:
+    """Give each of ``blocks`` a ``forward`` instance, counted as ``layer_norm.<kind>``, while every
+    function of ``sources`` (the diffusers code it re-states) is the verified one; a block ``unfit``
+    names a reason for is left as it is. Every block left alone is listed in the record."""
+    stale = [fn.__qualname__ for fn in sources if not is_verified(fn)]
     for path, block in blocks:
         if stale:
-            record.skip(path, stale[0], f"not the diffusers {VERIFIED_WITH} code that the fused adaLN-Zero "
+            record.skip(path, stale[0], f"not the diffusers {VERIFIED_WITH} forward that the fused adaLN "
                         "forward re-states: left as it is")
-        elif (reason := _unfit_joint(block)) is not None:
-            record.skip(path, "JointTransformerBlock", f"left as it is: {reason}")
+        elif (reason := unfit(block)) is not None:
+            record.skip(path, kind, f"left as it is: {reason}")
         else:
-            record.set_attr(block, "forward", JointBlockForward(block), "layer_norm.JointTransformerBlock")
+            record.set_attr(block, "forward", forward(block), f"layer_norm.{kind}")
 
 
 @register("layer_norm")
 def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
-    """Fuse the adaLN glue of ``model``'s DiT blocks: every ``BasicTransformerBlock`` (exact type) with
-    ``norm_type="ada_norm_single"`` (PixArt) gets an ``AdaNormSingleForward``, every
-    ``JointTransformerBlock`` (SD3) a ``JointBlockForward``, each while the diffusers code it re-states
-    is the verified one."""
-    _patch_joint_blocks(model, record)
-    _patch_ada_norm_single_blocks(model, record)
+    """Fuse the adaLN glue of ``model``'s DiT blocks: every ``JointTransformerBlock`` (SD3; exact type)
+    gets a ``JointBlockForward`` while diffusers' block forward and ``AdaLayerNormZero.forward`` are the
+    verified ones, every ``BasicTransformerBlock`` (exact type) with ``norm_type="ada_norm_single"``
+    (PixArt) an ``AdaNormSingleForward`` while the block's forward is."""
+    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
+    from diffusers.models.normalization import AdaLayerNormZero
 
-
-def _patch_ada_norm_single_blocks(model: nn.Module, record: PatchRecord) -> None:
-    from diffusers.models.attention import BasicTransformerBlock
-
-    blocks = [(path, m) for path, m in model.named_modules()
+    modules = list(model.named_modules())
+    joint = [(path, m) for path, m in modules if type(m) is JointTransformerBlock]
+    _install(record, joint, (JointTransformerBlock.forward, AdaLayerNormZero.forward), _unfit_joint,
+             JointBlockForward, "JointTransformerBlock")
+    single = [(path, m) for path, m in modules
               if type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"]
-    if blocks and not is_verified(BasicTransformerBlock.forward):
-        for path, _ in blocks:
-            record.skip(path, "BasicTransformerBlock.forward", f"not the diffusers {VERIFIED_WITH} forward that "
-                        "the fused adaLN forward re-states: left as it is")
-        return
-    for path, block in blocks:
-        reason = _unfit(block)
-        if reason is not None:
-            record.skip(path, "BasicTransformerBlock", f"ada_norm_single block left as it is: {reason}")
-            continue
-        record.set_attr(block, "forward", AdaNormSingleForward(block), "layer_norm.BasicTransformerBlock")
+    _install(record, single, (BasicTransformerBlock.forward,), _unfit, AdaNormSingleForward,
+             "BasicTransformerBlock")

@@ -173,7 +173,7 @@ def _modulated_dtypes(x, weight, bias, eps, scale, shift) -> tuple[torch.dtype]:
 
 def _gated_dtypes(residual, branch, gate, weight, bias, eps, scale, shift) -> tuple[torch.dtype, torch.dtype]:
     h = _promoted(residual, branch, gate)
-    return h, functools.reduce(torch.promote_types, [h, _promoted(weight, bias, scale, shift, residual)])
+    return h, torch.promote_types(h, _promoted(residual, weight, bias, scale, shift))
 
 
 @_custom_op("layer_norm_modulated", lambda x, *_: contiguous_layout(x), dtypes=_modulated_dtypes)

@@ -345,14 +345,12 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
     if not isinstance(ops, list) or not all(isinstance(o, str) for o in ops):
         _fail(where, "disabled_ops", ops, "a list of op names")
     kw["disabled_ops"] = frozenset(ops)
-    parts = kw.get("channels_last", [])
-    if not isinstance(parts, list):
-        _fail(where, "channels_last", parts, f"a list of part names from {LAYOUT_PARTS}")
-    kw["channels_last"] = tuple(parts)
-    dims = kw.get("stock_attention_head_dims", [])
-    if not isinstance(dims, list):
-        _fail(where, "stock_attention_head_dims", dims, "a list of head dims")
-    kw["stock_attention_head_dims"] = tuple(dims)
+    for key, expected in (("channels_last", f"a list of part names from {LAYOUT_PARTS}"),
+                          ("stock_attention_head_dims", "a list of head dims")):  # JSON lists, tuples here
+        value = kw.get(key, [])
+        if not isinstance(value, list):
+            _fail(where, key, value, expected)
+        kw[key] = tuple(value)
     try:
         return Profile(**kw)
     except TypeError as exc:  # a value of the wrong type that the bounds checks tripped over

@@ -13,6 +13,7 @@ from diffusers import SD3Transformer2DModel
 from diffusers.models.activations import GELU
 from diffusers.models.attention import JointTransformerBlock
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from dit_checks import VAE_COUNTS, check_transformer_kernels_close_to_stock
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.joint_attention import SDKernelsJointAttnProcessor
 from sd_kernels.patches.layer_norm import JointBlockForward
@@ -223,23 +224,14 @@ def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatc
         counts = dict(record.counts)
         assert counts.pop("layer_norm.JointTransformerBlock") == 2 and counts.pop("gelu.GELU") == 3
         assert counts.pop("joint_attention_processor") == 2 and counts.pop("attention_processor") == 2  # VAE mids
-        assert set(counts) == {"group_norm", "group_norm_silu", "resnet_fused_forward", "silu_folded"}  # the VAE
+        assert set(counts) == VAE_COUNTS
         assert not any(s.path == "transformer" for s in record.skipped)
         assert torch.equal(_pipe_run(pipe), stock)
     assert torch.equal(_pipe_run(pipe), stock)
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):
-    """Two steps with the transformer's kernels (the interpreter), the VAE left to stock: the images
-    against a float64 run of the same pipeline."""
-    stock = _pipe_run(pipe)
-    pipe64 = copy.deepcopy(pipe).to(torch.float64)
-    ref64 = _pipe_run(pipe64)
-    with sd_kernels.patched(pipe, ignore=("vae",)) as record:
-        assert record.parts == ["transformer"]
-        dispatch.reset_fallbacks()
-        assert_close_to_reference(_pipe_run(pipe), stock, ref64)
-        assert not dispatch.fallbacks()
+    check_transformer_kernels_close_to_stock(pipe, _pipe_run)
 
 
 def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
