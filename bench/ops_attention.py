@@ -9,9 +9,10 @@ backend choice; an SDPA backend that refuses a shape is left out and named in ``
 partial softmax's ``extra`` columns give its peak memory beyond inputs and output against the size of
 X (what the paper's design must add) and against the naive path's (X and softmax(X)).
 
-``python -m bench.ops_attention OUT`` runs the tuning sweep instead (``sweep``): flash configs and
+``python -m bench.ops_attention OUT [--dit]`` runs the tuning sweep instead (``sweep``): flash configs and
 head-dim splits at the self-attention shapes, the partial softmax's two paths at the cross-attention
-shapes, written to OUT/sweep.json.
+shapes, written to OUT/sweep.json; ``--dit`` sweeps the diffusion transformers' self-attention shapes
+instead (``DIT_SHAPES``: PixArt-Σ, SD3's joint text + image sequence, FLUX's, at 1024²).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ SHAPES = [  # (B, H, Sq, Sk, D)
     (1, 1, 4096, 4096, 512),  # the VAE's mid-block attention
 ]
 QUICK = [SHAPES[0], SHAPES[1], SHAPES[-1]]
+DIT_SHAPES = [  # 1024², batch 2 (guidance; FLUX: one sample at batch 1 would halve it), 64² latent patches
+    (2, 16, 4096, 4096, 72),  # PixArt-Σ: 16 heads of 72
+    (2, 24, 4429, 4429, 64),  # SD3-medium: 24 heads of 64 over 4,096 image + 333 text tokens (77 CLIP + 256 T5)
+    (1, 24, 4608, 4608, 128),  # FLUX.1: 24 heads of 128 over 4,096 image + 512 text tokens
+]
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -127,11 +133,20 @@ SWEEP_CONFIGS = {  # head dim: (BLOCK_M, BLOCK_N, warps, stages, maxnreg) candid
     80: [(128, 64, 8, 3, None), (128, 64, 8, 2, None), (64, 64, 4, 3, None), (128, 128, 8, 3, 128),
          (128, 64, 8, 3, 128)],
     160: [(64, 64, 4, 2, None), (128, 64, 8, 2, None), (64, 32, 4, 2, None)],
+    64: [(128, 128, 8, 3, 128), (128, 128, 8, 2, None), (128, 64, 8, 3, None), (128, 64, 8, 2, None),
+         (128, 64, 4, 3, None), (64, 64, 4, 3, None)],
+    72: [(128, 64, 8, 3, None), (128, 64, 8, 2, None), (128, 128, 8, 2, None), (128, 128, 8, 3, 128),
+         (64, 64, 4, 3, None), (128, 32, 8, 3, None), (64, 128, 4, 2, None)],
+    128: [(128, 64, 8, 3, None), (128, 64, 8, 2, None), (128, 128, 8, 2, None), (64, 64, 4, 3, None),
+          (128, 32, 8, 3, None)],
 }
 SWEEP_BLOCKS = {  # head dim: ((D_LO, D_HI) for Q·Kᵀ, (DV_LO, DV_HI) for P·V) candidates
     40: [((32, 16), (64, 0)), ((32, 16), (32, 16)), ((64, 0), (64, 0))],
     80: [((64, 16), (64, 16)), ((64, 16), (128, 0))],
     160: [((128, 32), (128, 32))],
+    64: [((64, 0), (64, 0))],
+    72: [((64, 16), (64, 16)), ((64, 16), (128, 0)), ((128, 0), (128, 0))],
+    128: [((128, 0), (128, 0))],
 }
 
 
@@ -153,7 +168,7 @@ def _sweep_row(shape, impl, fn, inputs, ref, nxt, **info) -> dict:
     return row
 
 
-def sweep() -> list[dict]:
+def sweep(shapes=SHAPES) -> list[dict]:
     """Every candidate config × head-dim split at SD's self-attention shapes, the
     SDPA backends beside them, and the partial softmax's one-tile kernel against its two-kernel
     path at the cross-attention shapes. Device times from CUDA graphs; errors against float64."""
@@ -163,7 +178,7 @@ def sweep() -> list[dict]:
     smm = importlib.import_module("sd_kernels.ops.softmax_matmul")
 
     rows = []
-    for shape in [s for s in SHAPES if s[4] in SWEEP_CONFIGS or s[3] == 77]:
+    for shape in [s for s in shapes if s[4] in SWEEP_CONFIGS or s[3] == 77]:
         inputs = _qkv(*shape)
         ref = reference.attention(*(t.double() for t in inputs))
         nxt = rotating(functools.partial(_qkv, *shape), sum(t.numel() * t.element_size() for t in inputs))
@@ -209,5 +224,5 @@ if __name__ == "__main__":
 
     out = pathlib.Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    result = sweep()
+    result = sweep(DIT_SHAPES if "--dit" in sys.argv[2:] else SHAPES)
     (out / "sweep.json").write_text(json.dumps(result, indent=1))

@@ -1,10 +1,11 @@
-"""GELU family benchmarks (fp16): gelu, geglu, linear_geglu, the SD feed-forward block, and the paper's
-figure (``paper_figure``: kernels launched and bytes moved by a tanh GELU built from 8 torch ops vs one
-kernel).
+"""GELU family benchmarks (fp16): gelu, geglu, linear_geglu, the SD feed-forward block, the DiTs' tanh-GELU
+projection (``linear_gelu``), and the paper's figure (``paper_figure``: kernels launched and bytes moved
+by a tanh GELU built from 8 torch ops vs one kernel).
 
 Shapes are SD1.5's at 512² with classifier-free guidance (batch 2): 64², 32², 16² latent tokens
 (4096, 1024, 256) with model dims 320, 640, 1280; a transformer block's feed-forward is
 ``Linear(dim, 8·dim) → GEGLU → Linear(4·dim, dim)``, so GEGLU's input h is [2, tokens, 8·dim].
+The DiTs' feed-forward is ``Linear(dim, 4·dim) → GELU(tanh) → Linear(4·dim, dim)`` (``DIT_LEVELS``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch.nn.functional as F
 
 from bench.common import Case, rotating, time_ms
 from sd_kernels import reference
-from sd_kernels.ops import geglu, gelu, linear_geglu
+from sd_kernels.ops import geglu, gelu, linear_geglu, linear_gelu
 from sd_kernels.testing import rel_err
 
 DTYPE = torch.float16
 GELU_SHAPES = [(2, 4096, 1280), (8192, 2560)]
 SD_LEVELS = [(4096, 320), (1024, 640), (256, 1280)]  # (tokens per image, model dim); batch 2
+DIT_LEVELS = [  # (rows, model dim) of a DiT feed-forward at 1024²: PixArt-Σ, SD3-medium's image and text
+    (8192, 1152), (8192, 1536), (666, 1536), (4096, 3072)]  # streams (batch 2), FLUX's image stream (batch 1)
 
 # The paper's figure: the tanh GELU 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) as built-in ops, one
 # kernel each. Steps are (output, op, operands); strings name tensors ("x" is the input), so the
@@ -226,9 +229,31 @@ def _paper_case() -> Iterator[Case]:
                 lambda x: reference.gelu(x, "tanh"), nbytes=2 * math.prod(shape) * 2, extra=extra)
 
 
+def stock_linear_gelu(x, w, b):
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def ours_linear_then_gelu(x, w, b):
+    return gelu(F.linear(x, w, b), "tanh")
+
+
+def _linear_gelu_cases(quick: bool) -> Iterator[Case]:
+    """The tanh-GELU projection: cuBLAS linear + F.gelu (stock), inductor's (compiled), cuBLAS linear +
+    our gelu (ours), ``linear_gelu`` as the active profile runs it (cuBLASLt's epilogue on hopper)."""
+    for m, dim in DIT_LEVELS:  # all four in --quick too: the op has no other shapes
+        n = 4 * dim
+        make = lambda m=m, d=dim, n=n: (_randn(m, d), _randn(n, d, scale=d**-0.5), _randn(n, scale=0.1))
+        yield _case("linear_gelu", f"{m}x{dim}->{n}", "tanh", make,
+                    {"stock": stock_linear_gelu, "compiled": _compiled(stock_linear_gelu),
+                     "ours": ours_linear_then_gelu, "ours_epilogue": lambda x, w, b: linear_gelu(x, w, b, "tanh")},
+                    stock_linear_gelu,  # run on float64 copies: the oracle
+                    nbytes=(m * dim + n * dim + n + m * n) * 2, flops=2 * m * dim * n)
+
+
 def cases(quick: bool) -> Iterator[Case]:
     yield from _paper_case()
     yield from _gelu_cases(quick)
     yield from _geglu_cases(quick)
     yield from _linear_geglu_cases(quick)
     yield from _feed_forward_cases(quick)
+    yield from _linear_gelu_cases(quick)

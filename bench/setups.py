@@ -47,10 +47,14 @@ class Setup:
 
 
 PEER = "stock+compile-graphs"
+PEER_UNFUSED = "stock+compile-graphs-unfused-qkv"
 VARIANTS = {s.name: s for s in (
     Setup("stock"),
     Setup("stock+graph", graph=True),
     Setup(PEER, compile="reduce-overhead", fuse_qkv=True),
+    # The recipe less fuse_qkv_projections(): whether the fused projections (strided q/k/v into
+    # cuDNN's attention) pay on the DiTs, measured beside it (bench.dit takes the faster peer row).
+    Setup(PEER_UNFUSED, compile="reduce-overhead"),
     Setup("patched", patched=True),
     Setup("patched+graph", patched=True, graph=True),
     Setup("patched+graph+compile", patched=True, graph=True, patch_compile=True),
@@ -67,7 +71,7 @@ VARIANTS = {s.name: s for s in (
 )}
 # What a plan runs by default (max-autotune's compile does not fit the GPU machine's 10-minute calls;
 # the Winograd-less row is an ablation, asked for by name).
-DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune",
+DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune", PEER_UNFUSED,
                                                           "patched+graph+compile-no-winograd",
                                                           "patched+graph+compile+fused-qkv",
                                                           "patched+graph+compile-max-autotune+fused-qkv"))

@@ -3,7 +3,7 @@
 | diffusers module  | computes                              | replacement runs                          |
 |-------------------|---------------------------------------|-------------------------------------------|
 | GEGLU             | a, g = proj(x).chunk(2); a·gelu(g)    | ``geglu(proj(x))`` or ``linear_geglu``      |
-| GELU              | gelu(proj(x), approximate)            | ``gelu(proj(x), approximate)``            |
+| GELU              | gelu(proj(x), approximate)            | ``linear_gelu(x, proj.weight, proj.bias)`` |
 | ApproximateGELU   | y = proj(x); y·sigmoid(1.702·y)       | ``quick_gelu(proj(x))``                   |
 
 SD's transformer blocks hold these as ``FeedForward.net[0]`` (``net`` is a ModuleList; its child
@@ -14,6 +14,9 @@ keys) stay the very same objects, and a LoRA-wrapped ``proj`` keeps working.
 Whether GEGLU runs its projection through cuBLAS + our geglu (two kernels, the 2n-wide projection
 written once and read once) or our fused ``linear_geglu`` (one kernel, no intermediate, but a Triton
 matmul instead of cuBLAS) is decided per shape by ``fuse_linear_geglu``; see docs/kernels/gelu.md.
+GELU's ``linear_gelu`` is cuBLASLt's matmul with its bias + tanh-GELU epilogue where the profile sets
+``gelu_epilogue`` (the DiTs' feed-forward), else ``gelu(proj(x))``; a ``proj`` that is not exactly an
+``nn.Linear`` (LoRA-wrapped) always runs as itself, then ``gelu``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.library import geglu, gelu, linear_geglu, quick_gelu
+from sd_kernels.library import geglu, gelu, linear_geglu, linear_gelu, quick_gelu
 from sd_kernels.profiles import active_profile, scoped
 
 from .record import PatchRecord
@@ -69,7 +72,10 @@ class FusedGELU(_Replacement):
 
     @scoped
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return gelu(self.proj(hidden_states), self.approximate)
+        proj = self.proj
+        if type(proj) is nn.Linear:
+            return linear_gelu(hidden_states, proj.weight, proj.bias, self.approximate)
+        return gelu(proj(hidden_states), self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

@@ -232,6 +232,12 @@ def linear_geglu(x, weight, bias=None, approximate="none"):
     return gelu_ops.linear_geglu(x, weight, bias, approximate)
 
 
+def linear_gelu(x, weight, bias=None, approximate="none"):
+    """gelu(x·Wᵀ + b): cuBLASLt's GELU epilogue where it applies (plain ATen, traced as such by
+    torch.compile), else cuBLAS's linear and ``gelu`` above (``sd_kernels.ops.gelu.linear_gelu``)."""
+    return gelu_ops.linear_gelu(x, weight, bias, approximate, activation=gelu)
+
+
 def attention(q, k, v, attn_mask=None, scale=None, upcast=False):
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.attention(q, k, v, attn_mask, None if scale is None else float(scale), upcast)

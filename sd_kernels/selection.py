@@ -1,4 +1,4 @@
-"""The selection table: for SD's shapes, which kernel a profile picks and why.
+"""The selection table: for SD's (and the DiTs') shapes, which kernel a profile picks and why.
 
 A floor above the ops and the patchers (it asks their shape rules), so that ``sd_kernels.profiles``,
 which the ops read, imports none of them (tests/test_layering.py).
@@ -21,9 +21,13 @@ ATTENTION_SHAPES = [
     ("self 32²", 2, 8, 1024, 1024, 80), ("cross 32²", 2, 8, 1024, 77, 80),
     ("self 16²", 2, 8, 256, 256, 160), ("cross 16²", 2, 8, 256, 77, 160),
     ("vae mid", 1, 1, 4096, 4096, 512),
+    # the DiTs at 1024²: PixArt-Σ's self- and cross-attention (300 T5 tokens), SD3's and FLUX's joint
+    ("pixart self", 2, 16, 4096, 4096, 72), ("pixart cross", 2, 16, 4096, 300, 72),
+    ("sd3 joint", 2, 24, 4429, 4429, 64), ("flux joint", 1, 24, 4608, 4608, 128),
 ]
 GROUP_NORM_SHAPES = [(2, 320, 64, 64), (2, 1280, 8, 8), (1, 512, 64, 64), (1, 128, 512, 512)]  # 32 groups
 GEGLU_SHAPES = [(8192, 320, 1280), (2048, 640, 2560), (512, 1280, 5120)]  # rows × k → n (2n projected)
+GELU_SHAPES = [(8192, 1152, 4608), (8192, 1536, 6144)]  # the DiTs' tanh-GELU projections: rows × k → n
 CONV_SHAPES = [(2, 320, 64, 64, 320), (2, 640, 32, 32, 640), (2, 1280, 16, 16, 1280), (2, 1280, 8, 8, 1280),
                (1, 512, 64, 64, 512), (1, 128, 512, 512, 128)]
 
@@ -77,6 +81,16 @@ def _geglu(p: Profile, rows: int, k: int, n: int) -> tuple[str, str]:
     return "cuBLAS linear + geglu", f"k {k} > linear_geglu_max_k {p.linear_geglu_max_k}"
 
 
+def _gelu(p: Profile) -> tuple[str, str]:
+    off = p.disabled_reason("linear_gelu")
+    if p.gelu_epilogue and not off:
+        return "cuBLASLt linear + GELU epilogue", "gelu_epilogue: one matmul, bias and tanh GELU on its accumulator"
+    why = off or "the profile does not set gelu_epilogue"
+    if p.disabled_reason("gelu"):
+        return "cuBLAS linear + F.gelu (stock)", f"{why}; {p.disabled_reason('gelu')}"
+    return "cuBLAS linear + gelu", why
+
+
 def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str, cl: bool) -> tuple[str, str]:
     tile = p.winograd_tile(n, c, h, w, k, dtype, "channels_last" if cl else "nchw")
     if tile is None:
@@ -90,6 +104,7 @@ def selection_table(profile: Profile, dtype: str = "float16") -> list[Row]:
     rows += [Row("group_norm", f"{n}x{c}x{h}x{w} {'nhwc' if cl else 'nchw'}", *_group_norm(profile, n, c, h, w, cl))
              for n, c, h, w in GROUP_NORM_SHAPES for cl in (False, True)]
     rows += [Row("geglu", f"{r}x{k}->{n}", *_geglu(profile, r, k, n)) for r, k, n in GEGLU_SHAPES]
+    rows += [Row("gelu tanh", f"{r}x{k}->{n}", *_gelu(profile)) for r, k, n in GELU_SHAPES]
     rows += [Row("conv3x3", f"{n}x{c}x{h}x{w}->{k} {'nhwc' if cl else 'nchw'}",
                  *_conv(profile, n, c, h, w, k, dtype, cl)) for n, c, h, w, k in CONV_SHAPES for cl in (False, True)]
     return rows

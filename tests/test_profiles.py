@@ -47,7 +47,7 @@ def test_every_catalog_file_loads_round_trips_and_is_sane(name):
 def test_every_op_a_profile_can_disable_is_one_dispatch_is_asked_about():
     asked = set()
     for path in (ROOT / "sd_kernels" / "ops").glob("*.py"):
-        asked |= set(re.findall(r'use_kernel\(\s*"(\w+)"', path.read_text()))
+        asked |= set(re.findall(r'(?:use_kernel|disabled_reason)\(\s*"(\w+)"', path.read_text()))
     assert asked == set(profiles.KNOWN_OPS)
 
 
@@ -77,6 +77,8 @@ def test_winograd_tiles_match_the_op():
     ({"description": "x" * 300_000}, "at most 2000 characters"),
     ({"stock_attention_head_dims": 72}, "stock_attention_head_dims = 72; expected a list of head dims"),
     ({"stock_attention_head_dims": [72, "80"]}, "stock_attention_head_dims"),
+    ({"gelu_epilogue": 1}, "gelu_epilogue = 1; expected true or false"),
+    ({"stock_attention_ragged_keys": "4096"}, "stock_attention_ragged_keys"),
 ])
 def test_bad_profile_data_is_a_clear_error(patch, message):
     data = {"name": "mine", "description": "a test", **patch}
@@ -94,16 +96,30 @@ def test_a_pathological_profile_file_is_a_clear_error(tmp_path, content, message
 
 
 def test_stock_attention_head_dims_route_only_those_to_sdpa():
-    """hopper lists PixArt-Σ's 72 (cuDNN measured faster than our flash there); SD's 40/80/160 and
-    SD3's 64 stay flash; a forced policy still wins over the list."""
+    """hopper lists PixArt-Σ's 72 and FLUX's 128 (cuDNN measured faster than our flash there); SD's
+    40/80/160 and 64 stay flash; a forced policy still wins over the list."""
     hopper = profiles.get_profile("hopper")
-    assert hopper.stock_attention_head_dims == (72,)
+    assert hopper.stock_attention_head_dims == (72, 128)
     assert hopper.attention_choice(4096, 4096, 72)[0] == "sdpa"
     assert hopper.attention_choice(4096, 300, 72)[0] == "sdpa"
+    assert hopper.attention_choice(4608, 4608, 128)[0] == "sdpa"
     assert [hopper.attention_choice(4096, 4096, d)[0] for d in (40, 64, 80, 160)] == ["flash"] * 4
     assert dataclasses.replace(hopper, attention="flash").attention_choice(4096, 4096, 72)[0] == "flash"
     saved = json.loads(json.dumps(hopper.describe()))  # what `sd-kernels info` prints, as a JSON file holds it
     assert profiles.from_dict(saved, "x.json") == hopper
+
+
+def test_stock_attention_ragged_keys():
+    """hopper: 1,024 keys or more that are not a multiple of 64 (SD3's joint 4,429) go to stock SDPA;
+    SD's cross-attention (77 keys), SD2.1's 144 and every multiple of 64 stay ours."""
+    hopper = profiles.get_profile("hopper")
+    assert hopper.stock_attention_ragged_keys == 1024
+    path = lambda sk: hopper.attention_choice(4096, sk, 64)[0]  # noqa: E731
+    assert path(4429) == "sdpa" and "4429 keys" in hopper.attention_choice(4096, 4429, 64)[1]
+    assert [path(sk) for sk in (77, 144, 1000, 1024, 4096, 4160)] == ["flash"] * 6
+    assert profiles.get_profile("cuda").stock_attention_ragged_keys is None
+    with pytest.raises(ProfileError, match="stock_attention_ragged_keys"):
+        dataclasses.replace(hopper, stock_attention_ragged_keys=0)
 
 
 def test_profile_is_frozen_and_replace_validates():
@@ -262,10 +278,12 @@ def _kernels(name):
 def test_selection_table_is_stable_and_pinned():
     assert _kernels("s23-ultra") == _kernels("s23-ultra")
     attn = lambda name: [k for op, _, k in _kernels(name) if op == "attention"]
-    # self/cross at 64², 32², 16², then the VAE's D = 512
-    assert attn("hopper") == ["flash"] * 6 + ["partial_softmax"]
-    assert attn("s23-ultra") == ["flash"] + ["partial_softmax"] * 6
-    assert attn("mobile-small") == ["partial_softmax"] * 7
+    # self/cross at 64², 32², 16², then the VAE's D = 512, then PixArt's self/cross, SD3's and FLUX's joint
+    assert attn("hopper") == ["flash"] * 6 + ["partial_softmax"] + ["sdpa (stock)"] * 4
+    assert attn("s23-ultra") == ["flash"] + ["partial_softmax"] * 10
+    assert attn("mobile-small") == ["partial_softmax"] * 11
+    gelus = lambda name: {k for op, _, k in _kernels(name) if op == "gelu tanh"}  # noqa: E731
+    assert gelus("hopper") == {"cuBLASLt linear + GELU epilogue"} and gelus("cuda") == {"cuBLAS linear + gelu"}
     convs = [k for op, _, k in _kernels("hopper") if op == "conv3x3"]
     # (nchw, nhwc) per shape: 320@64², 640@32², 1280@16², 1280@8², then the VAE's 512@64², 128@512²
     assert convs == (["F.conv2d (stock)"] * 2 + ["winograd F(4,3)", "F.conv2d (stock)"]

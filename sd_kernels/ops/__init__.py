@@ -4,7 +4,7 @@ runs its Triton kernel or the reference accordingly."""
 
 from .attention import flash_attention
 from .conv import conv2d
-from .gelu import geglu, gelu, linear_geglu
+from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
 from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated
@@ -23,6 +23,7 @@ __all__ = [
     "group_stats",
     "layer_norm_modulated",
     "linear_geglu",
+    "linear_gelu",
     "mean_rstd",
     "merge_group_stats",
     "partial_softmax_attention",

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, keep_plan, plan_context, tensor_reason, use_kernel
+from sd_kernels import profiles, reference
+from sd_kernels.dispatch import backend, interpreting, keep_plan, plan_context, tensor_reason, use_kernel
 from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 from sd_kernels.precompile import dry
@@ -360,3 +360,53 @@ def linear_geglu(
         HAS_BIAS=bias is not None, ACT=approximate, PRECISION=precision,
     )
     return y
+
+
+@torch.compiler.assume_constant_result
+def _profile_epilogue_reason() -> str:
+    """What the environment and the active profile say against the GELU epilogue ("" for nothing):
+    read when torch.compile traces, a constant of the compiled graph like ``fuse_linear_geglu``."""
+    if backend() == "reference":
+        return "SD_KERNELS_BACKEND=reference"
+    profile = profiles.active_profile()
+    if not profile.gelu_epilogue:
+        return f"profile {profile.name!r} does not set gelu_epilogue"
+    return profile.disabled_reason("linear_gelu") or ""
+
+
+def gelu_epilogue_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         approximate: str) -> str | None:
+    """Why ``linear_gelu`` cannot take cuBLASLt's GELU epilogue for this call, or None (it can).
+
+    The epilogue is the tanh GELU, on CUDA only (``torch._addmm_activation`` applies the erf GELU on
+    the CPU), with the bias added before it, in half precision only (in fp32 its GELU measured 2.0e-6
+    relative error on the H100 where cuBLAS + F.gelu make 8e-8: fine below fp16's rounding, not at
+    fp32's); the active profile decides whether it is worth it
+    (``Profile.gelu_epilogue``; ``disabled_ops: ["linear_gelu"]`` turns it off); the reference
+    backend never takes it, and neither do inputs autograd tracks. Reads metadata only."""
+    if approximate != "tanh":
+        return f"approximate={approximate!r} (the epilogue is the tanh GELU)"
+    if bias is None:
+        return "no bias (the epilogue adds one)"
+    if not (x.is_cuda and weight.is_cuda and bias.is_cuda):
+        return "not on a CUDA device"
+    if x.dtype not in (torch.float16, torch.bfloat16):  # fp32: the epilogue's tanh measured 25x stock's error
+        return f"dtype {x.dtype} (the epilogue is taken for float16 and bfloat16)"
+    return _profile_epilogue_reason() or tensor_reason(x, weight, bias)
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                approximate: str = "none", activation=None) -> torch.Tensor:
+    """``gelu(F.linear(x, weight, bias), approximate)``: diffusers' GELU module, projection included.
+
+    x [..., K], weight [n, K], bias [n] → [..., n]. Where ``gelu_epilogue_reason`` finds nothing
+    against it, one cuBLASLt matmul whose epilogue adds the bias and applies the tanh GELU on the fp32
+    accumulator (``torch._addmm_activation``, which torch.compile keeps as one ATen call): the
+    [..., n] projection is written once, as the activation, and never read back. Otherwise cuBLAS's
+    linear, then ``activation`` (default: our ``gelu`` kernel; sd_kernels.library passes its custom
+    op). Not a Triton kernel: a choice between two library routes."""
+    reference.check_gelu_approximation(approximate)
+    if gelu_epilogue_reason(x, weight, bias, approximate) is not None:
+        return (activation or gelu)(F.linear(x, weight, bias), approximate)
+    rows = x.reshape(-1, x.shape[-1])  # a view of a contiguous x (DiT tokens): no copy
+    return torch._addmm_activation(bias, rows, weight.t(), use_gelu=True).view(*x.shape[:-1], weight.shape[0])

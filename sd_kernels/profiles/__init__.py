@@ -48,7 +48,7 @@ WINOGRAD_LAYOUTS = ("nchw", "channels_last")
 WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no Triton import here)
 # Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).
 KNOWN_OPS = ("flash_attention", "partial_softmax_attention", "softmax_matmul", "group_norm", "gelu", "geglu",
-             "linear_geglu", "winograd_conv2d", "conv2d", "layer_norm")
+             "linear_geglu", "linear_gelu", "winograd_conv2d", "conv2d", "layer_norm")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # With an intermediate budget, one chunked intermediate (a slice of attention scores or of the
 # feed-forward's 2n-wide projection) may take this share of it: the rest holds the activations
@@ -114,10 +114,17 @@ class Profile:
     flash_min_keys: int = 0  # "auto": below this many keys the partial softmax's scores are small
     # "auto": head dims where stock SDPA was measured faster than our kernels on this device (run there)
     stock_attention_head_dims: tuple[int, ...] = ()
+    # "auto": at least this many keys, not a multiple of 64, go to stock SDPA (None: never). The flash
+    # kernel then masks every key block (docs/kernels/attention.md); SD3's joint 4,429 tokens measured slower.
+    stock_attention_ragged_keys: int | None = None
     # GEGLU's projection runs as the fused linear_geglu kernel when its input features K are at most
     # this (0: never; cuBLAS linear + our geglu). The fused kernel saves the 2n-wide intermediate but
     # its matmul loses to cuBLAS as K grows (docs/kernels/gelu.md); SD's K: 320, 640, 1280.
     linear_geglu_max_k: int = 0
+    # A tanh-GELU projection (diffusers' GELU module with approximate="tanh": the DiTs' feed-forward)
+    # runs as one cuBLASLt matmul with its bias + GELU epilogue instead of cuBLAS's linear and our
+    # gelu kernel (sd_kernels.ops.gelu.linear_gelu; CUDA only; docs/kernels/gelu.md).
+    gelu_epilogue: bool = False
     winograd: tuple[WinogradRule, ...] = ()
     disabled_ops: frozenset[str] = frozenset()
     autotune_cache: str | None = None  # a directory for autotune results ("{name}" is substituted)
@@ -179,6 +186,10 @@ class Profile:
             return self.attention, f"profile {self.name!r} sets attention={self.attention}"
         if head_dim in self.stock_attention_head_dims:
             return "sdpa", f"head dim {head_dim}: stock SDPA measured faster here (stock_attention_head_dims)"
+        ragged = self.stock_attention_ragged_keys
+        if ragged is not None and sk >= ragged and sk % 64:
+            return "sdpa", (f"{sk} keys, not a multiple of 64: every key block masked; stock SDPA measured faster "
+                            f"here (stock_attention_ragged_keys {ragged})")
         misfit = self.flash_fit_reason(head_dim, dtype)
         if misfit is not None:
             return "partial_softmax", misfit
@@ -262,6 +273,7 @@ def _validate(p: Profile) -> None:
     _check_int(where, "intermediate_budget_mb", p.intermediate_budget_mb, 4, 2**20)
     _check_int(where, "shared_memory_kb", p.shared_memory_kb, 4, 1024)
     _check_int(where, "register_file_kb", p.register_file_kb, 4, 1024)
+    _check_int(where, "stock_attention_ragged_keys", p.stock_attention_ragged_keys, 1, 2**30)
     for key in ("fp16_tflops", "bandwidth_gbps"):
         value = getattr(p, key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -269,6 +281,8 @@ def _validate(p: Profile) -> None:
             _fail(where, key, value, "a positive number or null")
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
     _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
+    if not isinstance(p.gelu_epilogue, bool):
+        _fail(where, "gelu_epilogue", p.gelu_epilogue, "true or false")
     for d in p.stock_attention_head_dims:
         _check_int(where, "stock_attention_head_dims", d, 1, 2**12, optional=False)
     if p.attention not in ATTENTION_POLICIES:

@@ -1,4 +1,4 @@
-"""gelu, quick_gelu, geglu, linear_geglu against float64, with stock PyTorch's error as the yardstick.
+"""gelu, quick_gelu, geglu, linear_geglu, linear_gelu against float64, with stock PyTorch's error as the yardstick.
 
 CPU: tiny shapes through the Triton interpreter (linear_geglu in fp32/fp16 only: the interpreter's
 bf16 tl.dot is garbage). GPU (-m gpu): SD1.5's feed-forward shapes, bf16 dots, offsets past 2^31.
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, reference
-from sd_kernels.ops import geglu, gelu, linear_geglu
+from sd_kernels import dispatch, profiles, reference
+from sd_kernels.ops import geglu, gelu, linear_geglu, linear_gelu
 from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_, rel_err
 
 gelu_mod = importlib.import_module("sd_kernels.ops.gelu")  # the name `gelu` in sd_kernels.ops is the function
@@ -153,6 +153,57 @@ def test_linear_geglu_tanh_and_strided_operands(dtype, device):
     x, w, b = _linear_inputs((2, 33, 40), 24, dtype, device)
     w_col_major = w.t().contiguous().t()  # same values, K-major storage: the kernel takes any strides
     _check_linear_geglu(non_contiguous(x), w_col_major, b, "tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_gelu: cuBLASLt's bias + tanh-GELU epilogue on CUDA where the profile sets it; else linear + gelu
+
+
+def _gelu_linear_inputs(x_shape, n, dtype, device, bias=True):
+    x, w, b = _linear_inputs(x_shape, n, dtype, device, bias)
+    return x, w[:n].contiguous(), None if b is None else b[:n].contiguous()
+
+
+def _check_linear_gelu(x, w, b, approximate):
+    ours = linear_gelu(x, w, b, approximate)
+    stock = F.gelu(F.linear(x, w, b), approximate=approximate)
+    ref64 = reference.gelu(F.linear(*(None if t is None else t.double() for t in (x, w, b))), approximate)
+    return assert_close_to_reference(ours, stock, ref64)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_shape, n", LINEAR_CASES)
+def test_linear_gelu(x_shape, n, bias, approximate, device):
+    _check_linear_gelu(*_gelu_linear_inputs(x_shape, n, torch.float32, device, bias), approximate)
+
+
+def _epilogue_profile(monkeypatch, **fields):
+    import dataclasses
+
+    monkeypatch.setattr(profiles, "_active", dataclasses.replace(profiles.get_profile("cpu"), **fields))
+
+
+def test_gelu_epilogue_reason(monkeypatch, device):
+    """Only the tanh GELU with a bias, on CUDA, where the profile sets gelu_epilogue and does not disable
+    linear_gelu, outside the reference backend, for inputs autograd does not track."""
+    x, w, b = _gelu_linear_inputs((3, 16), 8, torch.float32, device)
+    why = lambda approximate="tanh", bias=b: gelu_mod.gelu_epilogue_reason(x, w, bias, approximate)  # noqa: E731
+    assert "tanh" in why("none") and "bias" in why(bias=None) and "CUDA" in why()
+    _epilogue_profile(monkeypatch)
+    assert "does not set gelu_epilogue" in gelu_mod._profile_epilogue_reason()
+    _epilogue_profile(monkeypatch, gelu_epilogue=True)
+    assert gelu_mod._profile_epilogue_reason() == ""
+    _epilogue_profile(monkeypatch, gelu_epilogue=True, disabled_ops=frozenset({"linear_gelu"}))
+    assert "disables linear_gelu" in gelu_mod._profile_epilogue_reason()
+    _epilogue_profile(monkeypatch, gelu_epilogue=True)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert "reference" in gelu_mod._profile_epilogue_reason()
+
+
+def test_only_hopper_takes_the_gelu_epilogue():
+    """Set where it was measured (docs/kernels/gelu.md): the H100."""
+    assert {n for n in profiles.list_profiles() if profiles.get_profile(n).gelu_epilogue} == {"hopper"}
 
 
 @pytest.mark.parametrize("shape", [(0, 6), (3, 0), (2, 0, 4)])
@@ -313,6 +364,47 @@ def test_linear_geglu_gpu(x_shape, n, dtype, approximate):
     """Tolerance from stock: cuBLAS linear at the same dtype (fp32: no TF32), then geglu."""
     x, w, b = _linear_inputs(x_shape, n, dtype, "cuda")
     _check_linear_geglu(x, w, b, approximate)
+
+
+DIT_GELU = [((2, 4096, 1152), 4608), ((2, 333, 1536), 6144), ((2, 77, 40), 72)]  # PixArt, SD3's context, odd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape, n", DIT_GELU)
+def test_linear_gelu_gpu_epilogue(x_shape, n, dtype, kind, monkeypatch):
+    """The tanh GELU projection through cuBLASLt's epilogue in half precision (the test counts that it
+    ran; fp32 takes linear + gelu) against float64, stock (cuBLAS linear + F.gelu at the same dtype)
+    the yardstick."""
+    _epilogue_profile(monkeypatch, gelu_epilogue=True)
+    calls = []
+    addmm_act = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: calls.append(1) or addmm_act(*a, **k))
+    x, w, b = _gelu_linear_inputs(x_shape, n, dtype, "cuda")
+    _check_linear_gelu(layout(x, kind), w, b, "tanh")
+    assert calls == ([] if dtype == torch.float32 else [1])  # fp32: linear + gelu (the epilogue's error)
+    _check_linear_gelu(x, w, b, "none")  # the erf GELU: linear + our gelu
+    assert len(calls) == (dtype != torch.float32)
+
+
+@pytest.mark.gpu
+def test_linear_gelu_gpu_compiles_to_the_epilogue(monkeypatch):
+    """Under torch.compile(fullgraph=True) the epilogue is one ATen call; the output matches eager's."""
+    from sd_kernels import library
+
+    _epilogue_profile(monkeypatch, gelu_epilogue=True)
+    torch._dynamo.reset()
+    x, w, b = _gelu_linear_inputs((2, 4096, 1152), 4608, torch.float16, "cuda")
+    compiled = torch.compile(lambda x: library.linear_gelu(x, w, b, "tanh"), fullgraph=True)
+    torch.testing.assert_close(compiled(x), linear_gelu(x, w, b, "tanh"), rtol=0, atol=0)  # compiles
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        compiled(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("Memset")]  # cuBLASLt clears its workspace (measured)
+    assert len(kernels) == 1, kernels  # the matmul with its epilogue, no separate GELU kernel
 
 
 @pytest.mark.gpu
