@@ -1,16 +1,17 @@
 """The drop-in patch for diffusers pipelines: ``patch``, ``unpatch``, ``patched``.
 
 ``patch(obj)`` takes a diffusers pipeline or a bare model of a family it knows (patches/families.py:
-UNet2DConditionModel, AutoencoderKL, ControlNet, PixArtTransformer2DModel, SD3Transformer2DModel) and
-routes the parts it knows (PARTS) through sd_kernels' ops. It is idempotent and exactly reversible: the
-record of every change hangs on the patched object, and ``unpatch`` restores the original modules
-and processors, so outputs are bit-identical to a never-patched model. Parameters are never copied
-(the channels_last family re-lays the data of the very same Parameters, and lays it back).
-``cuda_graph=True`` also replays the denoiser (UNet, PixArt or SD3 transformer), the VAE decode and the
-text encoders from CUDA graphs and
-keeps the scheduler's timesteps on the host (cuda_graph.py, scheduler.py), and finds the pipeline's
-execution device without diffusers' walk over every module (pipeline_host.py). ``report`` gives what a
-patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole story.
+UNet2DConditionModel, AutoencoderKL, ControlNet, PixArtTransformer2DModel, SD3Transformer2DModel,
+FluxTransformer2DModel) and routes the parts it knows (PARTS) through sd_kernels' ops. It is idempotent
+and exactly reversible: the record of every change hangs on the patched object, and ``unpatch``
+restores the original modules and processors, so outputs are bit-identical to a never-patched model.
+Parameters are never copied (the channels_last family re-lays the data of the very same Parameters,
+and lays it back). ``cuda_graph=True`` also replays the denoiser (UNet, PixArt, SD3 or FLUX
+transformer), the VAE decode and the text encoders from CUDA graphs and keeps the scheduler's
+timesteps on the host where the family allows it (cuda_graph.py, scheduler.py), and finds the
+pipeline's execution device without diffusers' walk over every module (pipeline_host.py). ``report``
+gives what a patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole
+story.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ log = logging.getLogger("sd_kernels")
 # patches/families.py, the one table of model families.
 PARTS, SUPPORTED_MODELS = families.PARTS, families.SUPPORTED_MODELS
 # Pipeline parts that cuda_graph="pipeline" replays from graphs without patching their ops.
-GRAPH_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # SD3's third: its T5
+GRAPH_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # SD3: its T5 is the third; FLUX: the second
 # Components that hold a pipeline's denoiser: left unpatched, they are warned about, not only recorded.
 DENOISER_PARTS = ("unet", "transformer", "transformer_2", "prior")
 _ATTR = "_sd_kernels_patch"  # on the patched object: its record
@@ -74,7 +75,7 @@ def _models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.M
         raise TypeError(
             f"{type(obj).__name__} has none of the parts sd_kernels patches{found}; supported: "
             f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} "
-            "(SD1.x, SD2.x, SDXL pipelines, with ControlNet or without; PixArt-α/Σ; SD3)"
+            "(SD1.x, SD2.x, SDXL pipelines, with ControlNet or without; PixArt-α/Σ; SD3; FLUX.1)"
         )
     return models, others
 
@@ -91,8 +92,8 @@ def patch(
 
     ``profile``: a profile name or Profile (default: detected); ``ops`` picks op families (default:
     all of ``PATCHERS``); ``ignore`` skips pipeline parts; ``cuda_graph`` replays model calls from
-    CUDA graphs captured per call signature: True or "pipeline" the denoiser (the UNet, or PixArt's or
-    SD3's transformer), the VAE decode and the
+    CUDA graphs captured per call signature: True or "pipeline" the denoiser (the UNet, or PixArt's,
+    SD3's or FLUX's transformer), the VAE decode and the
     text encoders, with the scheduler's timesteps on the host and a faster ``_execution_device``
     (pipeline_host.py); "unet" the denoiser alone
     (patches/cuda_graph.py; needs the denoiser on CUDA); "auto" (the default) "pipeline" where the denoiser
@@ -214,12 +215,10 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
             continue
         # compile=True compiles the patched families' calls (the VAE decode), not the text encoders
         cuda_graph_mod.install(model, record, method, drop, compile=compile if part in PARTS else None)
-    device_steps = [f.label for _, m in models if (f := families.family_of(m)) is not None and f.denoiser
-                    and not f.host_timesteps]
+    device_steps = [f.device_timesteps for _, m in models if (f := families.family_of(m)) is not None
+                    and f.denoiser and not f.host_timesteps]
     if record.scheduler is not None and device_steps:
-        record.skip("scheduler", type(record.scheduler).__name__, f"timesteps stay on the device: the "
-                    f"{device_steps[0]} pipeline copies each step's timestep to the device itself (a host one "
-                    "would make it wait)")
+        record.skip("scheduler", type(record.scheduler).__name__, f"timesteps stay on the device: {device_steps[0]}")
     elif record.scheduler is not None:
         host_timesteps(record.scheduler, record)
     pipeline_host.fast_execution_device(obj, record)

@@ -11,7 +11,9 @@ Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor``,
 ``FusedAttnProcessor2_0``, ``IPAdapterAttnProcessor2_0`` or ``JointAttnProcessor2_0`` (SD3's joint
 text + image attention: ``SDKernelsJointAttnProcessor``, patches/joint_attention.py) are touched, and
 only while their source is the one mirrored (patches/verified.py); other custom processors are left
-alone. An IP-Adapter
+alone. FLUX's attention modules are diffusers' ``FluxAttention`` (not an ``Attention``): one whose
+processor is exactly ``FluxAttnProcessor`` gets ``SDKernelsFluxAttnProcessor`` (patches/flux_attention.py)
+on the same terms. An IP-Adapter
 processor keeps its object (its weights and scales): it becomes ``SDKernelsIPAdapterProcessor``
 (patches/ip_adapter.py) by a change of class that unpatch reverts. For
 ``AttnProcessor`` (diffusers' choice when ``scale_qk=False``) the replacement keeps its differences:
@@ -32,6 +34,7 @@ import torch.nn as nn
 from sd_kernels.profiles import scoped
 
 from . import attention_steps as steps
+from . import flux_attention
 from .group_norm import SCALE_DEPRECATION
 from .joint_attention import SDKernelsJointAttnProcessor
 from .record import PatchRecord
@@ -128,11 +131,20 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
     AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``, one whose
     processor is JointAttnProcessor2_0 an ``SDKernelsJointAttnProcessor``; turn each
-    IPAdapterAttnProcessor2_0 into an ``SDKernelsIPAdapterProcessor``."""
+    IPAdapterAttnProcessor2_0 into an ``SDKernelsIPAdapterProcessor``; give every ``FluxAttention``
+    whose processor is FluxAttnProcessor an ``SDKernelsFluxAttnProcessor``."""
     from diffusers.models.attention_processor import Attention
 
+    flux = flux_attention.flux_attention_class()
     for path, module in model.named_modules():
-        if isinstance(module, Attention):
+        if flux is not None and isinstance(module, flux):
+            processor = getattr(module, "processor", None)
+            new = flux_attention.replacement(processor)
+            if isinstance(new, str):
+                record.skip(path, type(processor).__name__, new)
+            else:
+                record.set_attr(module, "processor", new, flux_attention.KIND)
+        elif isinstance(module, Attention):
             processor = getattr(module, "processor", None)
             new = _replacement(processor)
             if isinstance(new, str):

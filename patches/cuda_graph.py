@@ -48,15 +48,17 @@ it changed: the module tree (``load_lora_weights`` adds modules, seen in ``peft_
 weights (``.to(...)``, seen in the parameters' and buffers' addresses; the first call after a move
 runs eagerly and the next captures, so weights moved around every call — SDXL's fp32 VAE upcast —
 never pay for a capture they will not replay), the adapters' activation, scales, disabling
-and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), and the attention processors and
-their ``scale`` (``set_attn_processor``, ``set_ip_adapter_scale``); offloading hooks added after the
-patch make the calls eager.
+and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), the attention processors, their
+``scale`` and the attention backend diffusers' dispatch would run (``set_attn_processor``,
+``set_ip_adapter_scale``, ``set_attention_backend``, the ``attention_backend`` context manager: FLUX's
+processors read them); offloading hooks added after the patch make the calls eager.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -163,9 +165,17 @@ MOVED = ("its weights moved since the last call; the next call with them in plac
 _MODEL_FLAGS = ("use_tiling", "use_slicing")
 
 
+def _active_attention_backend() -> Any:
+    """The attention backend diffusers' dispatch runs when a processor names none (None where that
+    module was never imported)."""
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    return None if dispatch is None else dispatch._AttentionBackendRegistry._active_backend
+
+
 class _Watch:
     """The Python-side state a captured call bakes in and a user may change between calls: the
-    attention processors (``set_attn_processor``, IP-Adapter's, with their ``scale``) and, once peft
+    attention processors (``set_attn_processor``, IP-Adapter's, with their ``scale`` and the backend
+    set on them or for the process, which processors that call diffusers' dispatch read) and, once peft
     adapters are loaded, every tuner layer's active adapters, scales, disabled flag and merged
     adapters (``set_adapters`` with names or weights, ``disable_lora``, ``fuse_lora``, LoRA
     hot-swap), the VAE's tiling and slicing switches, and the weights behind state that a patched
@@ -191,8 +201,9 @@ class _Watch:
     def state(self, tree: tuple) -> tuple:
         if tree != self.tree:
             self._find(tree)
-        procs = tuple((id(p := m.processor), repr(getattr(p, "scale", None))) for m in self.attention)
-        flags = tuple(getattr(self.model, f, None) for f in _MODEL_FLAGS)
+        procs = tuple((id(p := m.processor), repr(getattr(p, "scale", None)), getattr(p, "_attention_backend", None))
+                      for m in self.attention)
+        flags = (*(getattr(self.model, f, None) for f in _MODEL_FLAGS), _active_attention_backend())
         tuners = tuple((repr(getattr(m, "_active_adapter", None)), repr(getattr(m, "scaling", None)),
                         getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
         return procs, tuners, flags, tuple(m.graph_state() for m in self.derived)

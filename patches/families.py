@@ -28,8 +28,9 @@ class Family:
     stream_decode: bool = False  # its ``decoder`` may decode in row bands under an intermediate budget
     denoiser: bool = False  # the denoising loop's model: every graph mode captures it ("unet" mode: it alone)
     # "pipeline" mode keeps the scheduler's timesteps on the host for this denoiser's pipelines; False
-    # where the pipeline copies each timestep to the device itself (a host one would make it wait)
+    # where host timesteps would cost a wait or break a call, and ``device_timesteps`` says why (the record's note)
     host_timesteps: bool = True
+    device_timesteps: str = ""
 
 
 FAMILIES = (
@@ -49,12 +50,30 @@ FAMILIES = (
     # a blocking copy every step, so its timesteps stay where diffusers puts them (DPM-Solver then reads
     # its step index once, on the first step).
     Family("PixArtTransformer2DModel", "transformer", "PixArt", graphed="forward", guarded=("",), denoiser=True,
-           host_timesteps=False),
+           host_timesteps=False, device_timesteps="the PixArt pipeline copies each step's timestep to the device "
+           "itself (a host one would make it wait)"),
     # Stable Diffusion 3's MMDiT. StableDiffusion3Pipeline passes the timestep as a tensor expanded to the
     # batch (t.expand(B); float sigmas × 1000), so no timestep conversion; pooled_projections is a
     # tensor and joint_attention_kwargs the pipeline's (None unless set: a hashable leaf), so every
     # keyword is an ordinary graph input and none is dropped. No 3×3 convs (a 2×2 patch embedding).
     Family("SD3Transformer2DModel", "transformer", "SD3", graphed="forward", guarded=("",), denoiser=True),
+    # FLUX.1's MMDiT (double-stream and single-stream blocks). FluxPipeline passes the timestep as a tensor
+    # (``t.expand(B).to(latents.dtype) / 1000``; the model multiplies by 1000 again), the guidance as one
+    # (``torch.full([1], scale, device=...).expand(B)``, None for a model without guidance_embeds),
+    # txt_ids / img_ids as tensors and joint_attention_kwargs as a dict ({} unless set), so no timestep
+    # conversion and no keyword dropped. No 3×3 convs (linear patch embedding).
+    # Its timesteps stay on the device (host_timesteps=False), the choice with no host sync: the
+    # transformer uses the timestep where it arrives (no ``.to(device)`` of its own, unlike the UNet's
+    # 0-d case) and the pipeline never moves it, so a host timestep would reach the model only through a
+    # graph's copy-in and would break every eager call (a GraphedCall's fallback, a new signature whose
+    # capture fails: a CPU tensor into CUDA weights); on the device nothing in the loop reads one back:
+    # the pipeline calls ``scheduler.set_begin_index(0)`` (no timestep lookup) and FlowMatchEuler's step
+    # indexes its device sigmas by a Python step index (FlowMatchEuler is not among the host-timestep
+    # schedulers either way).
+    Family("FluxTransformer2DModel", "transformer", "FLUX", graphed="forward", guarded=("",), denoiser=True,
+           host_timesteps=False, device_timesteps="the FLUX transformer takes the pipeline's timestep where it is "
+           "(a host one would fail every eager call) and its pipeline sets the scheduler's begin index (no "
+           "timestep lookup, no sync)"),
 )
 BY_CLASS = {f.model_class: f for f in FAMILIES}
 PARTS = tuple(dict.fromkeys(f.part for f in FAMILIES))  # in patch order; ``ignore=`` skips some

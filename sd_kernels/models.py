@@ -1,8 +1,8 @@
 """Stable Diffusion pipelines with random weights, built offline from configs shipped in the package.
 
 No hub access is needed: ``sd_kernels/configs/<name>.json`` holds the UNet (or transformer), VAE,
-text encoder(s) and scheduler configs of SD1.5, SD2.1, SDXL, PixArt-Σ, SD3-medium and four tiny test models;
-the tokenizers are generated: CLIP's a byte-level vocabulary with no merges, T5's (PixArt, SD3) a Unigram
+text encoder(s) and scheduler configs of SD1.5, SD2.1, SDXL, PixArt-Σ, SD3-medium, FLUX.1-dev and five tiny test
+models; the tokenizers are generated: CLIP's a byte-level vocabulary with no merges, T5's (PixArt, SD3, FLUX) a Unigram
 vocabulary of single printable ASCII characters, with and without the word-start mark; every
 character is a token either way. The weights are random, so images are noise-like: good for speed,
 memory and fidelity measurements, not for art.
@@ -213,7 +213,7 @@ def build_pipeline(
     parts = {p: build_model(name, p, device, dtype) for p in _PARTS if p in cfg}
     parts["scheduler"] = _scheduler(cfg["scheduler"])
     parts["tokenizer"] = _tokenizer_for(parts["text_encoder"])
-    for i in (2, 3):  # SDXL's second CLIP; SD3's second CLIP and its T5
+    for i in (2, 3):  # SDXL's second CLIP; SD3's second CLIP and its T5; FLUX's T5 (its second)
         if f"text_encoder_{i}" in parts:
             parts[f"tokenizer_{i}"] = _tokenizer_for(parts[f"text_encoder_{i}"])
     pipeline_cls = getattr(diffusers, cfg["pipeline"])

@@ -6,7 +6,7 @@ from sd_kernels import models
 
 def test_configs_shipped():
     assert {"sd15", "sd21", "sdxl", "tiny", "tiny-xl", "pixart-sigma", "tiny-pixart", "sd3-medium",
-            "tiny-sd3"} <= set(models.list_configs())
+            "tiny-sd3", "flux-dev", "tiny-flux"} <= set(models.list_configs())
 
 
 def test_unknown_config_lists_known():
@@ -32,7 +32,11 @@ def test_unknown_part():
      # its 16-channel VAE (no quant convs)
      ("sd3-medium", "transformer", 2028.33), ("sd3-medium", "text_encoder", 123.65),
      ("sd3-medium", "text_encoder_2", 694.66), ("sd3-medium", "text_encoder_3", 4762.31),
-     ("sd3-medium", "vae", 83.82)],
+     ("sd3-medium", "vae", 83.82),
+     # FLUX.1-dev: the 12B MMDiT (11901.41 M: 19 double-stream and 38 single-stream blocks), CLIP-L's text
+     # model, T5-XXL's encoder, and its 16-channel VAE (SD3's architecture, no quant convs)
+     ("flux-dev", "transformer", 11901.41), ("flux-dev", "text_encoder", 123.06),
+     ("flux-dev", "text_encoder_2", 4762.31), ("flux-dev", "vae", 83.82)],
 )
 def test_architecture_sizes(name, part, millions):
     model = models.build_model(name, part, device="meta")
@@ -87,18 +91,46 @@ def test_sd3_pipeline_has_three_offline_tokenizers():
     assert type(pipe.text_encoder_3).__name__ == "T5EncoderModel"
 
 
+def test_flux_dev_config_is_the_published_one():
+    cfg = models.load_config("flux-dev")
+    t, vae = cfg["transformer"], cfg["vae"]
+    blocks = (t["num_layers"], t["num_single_layers"], t["num_attention_heads"], t["attention_head_dim"])
+    assert blocks == (19, 38, 24, 128)
+    widths = (t["patch_size"], t["in_channels"], t["joint_attention_dim"], t["pooled_projection_dim"])
+    assert widths == (1, 64, 4096, 768)
+    assert t["guidance_embeds"] is True and t["axes_dims_rope"] == [16, 56, 56]
+    assert sum(t["axes_dims_rope"]) == t["attention_head_dim"]
+    assert (vae["latent_channels"], vae["shift_factor"], vae["scaling_factor"]) == (16, 0.1159, 0.3611)
+    assert 4 * vae["latent_channels"] == t["in_channels"]  # latents packed 2x2
+    clip, t5 = cfg["text_encoder"], cfg["text_encoder_2"]
+    assert clip["class"] == "CLIPTextModel" and clip["hidden_size"] == t["pooled_projection_dim"]
+    assert t5["class"] == "T5EncoderModel" and t5["d_model"] == t["joint_attention_dim"]
+    sched = cfg["scheduler"]
+    assert sched["class"] == "FlowMatchEulerDiscreteScheduler" and sched["use_dynamic_shifting"] is True
+    assert "black-forest-labs/FLUX.1-dev" in cfg["description"]
+
+
+def test_flux_pipeline_has_two_offline_tokenizers():
+    pipe = models.build_pipeline("tiny-flux")
+    assert type(pipe).__name__ == "FluxPipeline"
+    assert type(pipe.tokenizer).__name__ == "CLIPTokenizer" and type(pipe.text_encoder).__name__ == "CLIPTextModel"
+    assert type(pipe.tokenizer_2).__name__.startswith("T5Tokenizer")  # transformers 5 names the fast one so
+    assert type(pipe.text_encoder_2).__name__ == "T5EncoderModel"
+
+
 def _run(pipe, **kw):
     gen = torch.Generator().manual_seed(0)
     return pipe("a photo", num_inference_steps=2, generator=gen, output_type="np", **kw).images
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-xl", "tiny-pixart", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-xl", "tiny-pixart", "tiny-sd3", "tiny-flux"])
 def test_random_pipeline_runs(name):
     pipe = models.build_pipeline(name)
     # PixArt's pipeline bins the size to its table for sample_size 32 (256²) unless told not to
     if "pixart" in name:
         images = _run(pipe, use_resolution_binning=False, height=64, width=64)
-    elif "sd3" in name:  # its default size is sample_size 32 × the tiny VAE's 4: 128²
+    elif "sd3" in name or "flux" in name:  # SD3's default size is 128² here (sample_size 32 × the tiny VAE's 4),
+        # FLUX's 512² (its pipeline's 128 × 4)
         images = _run(pipe, height=64, width=64, max_sequence_length=16)
     else:
         images = _run(pipe)

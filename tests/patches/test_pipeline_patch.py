@@ -216,29 +216,29 @@ def test_unsupported_pipeline_lists_what_is_supported():
     with pytest.raises(TypeError, match=r"\(it has unet: Linear, transformer: Linear\); supported: unet, vae, "
                                         r"controlnet, transformer as UNet2DConditionModel, AutoencoderKL, "
                                         r"ControlNetModel, MultiControlNetModel, PixArtTransformer2DModel, "
-                                        r"SD3Transformer2DModel"):
+                                        r"SD3Transformer2DModel, FluxTransformer2DModel"):
         sd_kernels.patch(Parts(unet=nn.Linear(2, 2), transformer=nn.Linear(2, 2)))
 
 
 def test_a_transformer_pipeline_patches_its_vae_and_says_the_transformer_is_left_alone(pipe, caplog):
-    """A DiT pipeline whose transformer no family names (Flux; PixArt's and SD3's have one:
-    test_pixart_patch.py, test_sd3_patch.py). The VAE is patched, the transformer (and any other model
-    no family names) is in the record, and a warning says so."""
+    """A DiT pipeline whose transformer no family names (Sana; PixArt's, SD3's and FLUX's have one:
+    test_pixart_patch.py, test_sd3_patch.py, test_flux_patch.py). The VAE is patched, the transformer
+    (and any other model no family names) is in the record, and a warning says so."""
     import logging
 
-    from diffusers import FluxTransformer2DModel
+    from diffusers import SanaTransformer2DModel
 
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                         pooled_projection_dim=16, axes_dims_rope=(2, 2, 4))
+    transformer = SanaTransformer2DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                         num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
+                                         cross_attention_dim=16, caption_channels=16, sample_size=8, patch_size=1)
     dit = Parts(transformer=transformer, vae=pipe.vae, image_encoder=nn.Linear(2, 2))
     with caplog.at_level(logging.WARNING, logger="sd_kernels"), sd_kernels.patched(dit) as record:
         assert record.parts == ["vae"] and record.counts["group_norm_silu"] > 0
         skipped = {(k.path, k.what) for k in record.skipped}
-        assert {("transformer", "FluxTransformer2DModel"), ("image_encoder", "Linear")} <= skipped
+        assert {("transformer", "SanaTransformer2DModel"), ("image_encoder", "Linear")} <= skipped
         assert "transformer" in record.format() and "left as diffusers ships it" in record.format()
     warned = [r.getMessage() for r in caplog.records if "has no family" in r.getMessage()]
-    assert len(warned) == 1 and "transformer of this Parts (FluxTransformer2DModel)" in warned[0]
+    assert len(warned) == 1 and "transformer of this Parts (SanaTransformer2DModel)" in warned[0]
     assert "image_encoder" not in warned[0]  # recorded, not warned about: not a denoiser
 
 

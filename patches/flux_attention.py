@@ -1,0 +1,177 @@
+"""FLUX's attention on sd_kernels: ``SDKernelsFluxAttnProcessor``.
+
+It is diffusers' ``FluxAttnProcessor.__call__`` (diffusers 0.42.1, models/transformers/transformer_flux.py)
+line for line, for both of FLUX's blocks: the double-stream ``FluxTransformerBlock`` (image and text
+streams, ``added_kv_proj_dim`` set) and the single-stream ``FluxSingleTransformerBlock`` (one stream of
+text and image tokens already concatenated, ``pre_only``: no ``to_out``). The q/k/v projections come
+from diffusers' own ``_get_qkv_projections`` (separate ``to_q`` / ``to_k`` / ``to_v``, or after
+``transformer.fuse_qkv_projections()`` one ``to_qkv`` GEMM and, for the text stream, one
+``to_added_qkv``: diffusers 0.42.1 keeps ``FluxAttnProcessor`` for fused projections and reads
+``attn.fused_projections``), unflattened to [B, S, H, D]; ``norm_q`` / ``norm_k`` (and
+``norm_added_q`` / ``norm_added_k``) are the module's RMSNorms; the text stream is concatenated in
+front of the image stream; the rotary embedding is diffusers' ``apply_rotary_emb`` (``sequence_dim=1``);
+after the attention the streams are split back, ``to_out`` on the image's, ``to_add_out`` on the text's.
+
+The attention core: diffusers calls ``dispatch_attention_fn`` on [B, S, H, D], which by default
+(its "native" backend) runs ``F.scaled_dot_product_attention`` on the [B, H, S, D] views
+``x.permute(0, 2, 1, 3)`` and permutes the result back. Here those views go to
+``sd_kernels.library.attention`` (FlashAttention, the partially fused softmax or stock SDPA, as the
+profile says); the kernels read the views in place and write the output with the heads inner, so
+the permute back and diffusers' ``flatten(2, 3)`` stay views. Every call the native backend would not
+serve goes to diffusers' ``dispatch_attention_fn`` as diffusers calls it: an ``attention_mask`` (only
+through ``joint_attention_kwargs``; diffusers' native backend reshapes a [B, S] mask, which this leaves
+to it), a backend chosen on the processor (``attn.set_attention_backend``) or for the process
+(``DIFFUSERS_ATTN_BACKEND``, the ``attention_backend`` context manager), context parallelism
+(``_parallel_config``).
+
+patches/attention.py installs it on every ``FluxAttention`` whose processor is exactly
+``FluxAttnProcessor`` while that ``__call__`` is the verified source (patches/verified.py) and no
+backend or parallel config was set on it; other processors (``FluxIPAdapterAttnProcessor``, NPU / XLA
+ones, a user's) are left alone and listed in the record.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from sd_kernels.library import attention
+from sd_kernels.profiles import scoped
+
+from .verified import VERIFIED_WITH, is_verified
+
+KIND = "flux_attention_processor"
+_FLUX = "diffusers.models.transformers.transformer_flux"
+_CHOSEN = ("_attention_backend", "_parallel_config")  # what diffusers' set_attention_backend / enable_parallelism set
+
+
+def flux_attention_class() -> type | None:
+    """diffusers' ``FluxAttention``, or None where its module was never imported (then no model holds one)."""
+    module = sys.modules.get(_FLUX)
+    return None if module is None else module.FluxAttention
+
+
+def replacement(processor) -> SDKernelsFluxAttnProcessor | str:
+    """Our processor for a FluxAttention's stock one, or why it is left alone."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    if type(processor) is not FluxAttnProcessor:
+        return f"custom FLUX attention processor (only {FluxAttnProcessor.__name__} is served on FluxAttention)"
+    if not is_verified(FluxAttnProcessor.__call__):
+        return (f"FluxAttnProcessor.__call__ is not the diffusers {VERIFIED_WITH} code that sd_kernels' FLUX "
+                "processor mirrors: left as it is")
+    chosen = [f"{name}={value!r}" for name in _CHOSEN if (value := getattr(processor, name, None)) is not None]
+    if chosen:
+        return f"left as it is: {', '.join(chosen)} chosen for it (diffusers' dispatch runs what was chosen)"
+    return SDKernelsFluxAttnProcessor(processor)
+
+
+def _native_backend() -> bool:
+    """Whether diffusers' dispatch would run its default "native" backend (torch SDPA) when no backend
+    is named: none set for the process (``DIFFUSERS_ATTN_BACKEND``, ``attention_backend(...)``)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    return _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+
+
+def _delegated(name: str) -> property:
+    """``processor.<name>`` read from and written to the stock processor it replaces."""
+    return property(lambda self: getattr(self.original, name),
+                    lambda self, value: setattr(self.original, name, value))
+
+
+class SDKernelsFluxAttnProcessor:
+    """diffusers' FluxAttnProcessor with sd_kernels' attention in place of the native backend's SDPA."""
+
+    # What diffusers' set_attention_backend() and enable_parallelism() set on a processor (then its calls
+    # go to diffusers' dispatch), kept on the stock processor this one replaces: a choice made while
+    # patched stays after unpatch puts it back.
+    _attention_backend = _delegated("_attention_backend")
+    _parallel_config = _delegated("_parallel_config")
+    profile_scoped = True
+
+    def __init__(self, original) -> None:
+        self.original = original  # the FluxAttnProcessor replaced (unpatch puts it back)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """diffusers' ``dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
+        backend=self._attention_backend, parallel_config=self._parallel_config)`` on [B, S, H, D]."""
+        if (attention_mask is None and self._attention_backend is None and self._parallel_config is None
+                and _native_backend()):
+            # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
+            query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+            return attention(query, key, value).permute(0, 2, 1, 3)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+
+    # The parameters are diffusers' (FluxAttention.forward passes a processor only the keyword arguments
+    # its __call__'s signature names, and warns about the others).
+    @scoped
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+
+            encoder_query = attn.norm_added_q(encoder_query)
+            encoder_key = attn.norm_added_k(encoder_key)
+
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+        # diffusers: dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=...,
+        # parallel_config=...)
+        hidden_states = self._attention(query, key, value, attention_mask)
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[0](hidden_states.contiguous())
+            hidden_states = attn.to_out[1](hidden_states)
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+
+            return hidden_states, encoder_hidden_states
+        else:
+            return hidden_states

@@ -1,0 +1,429 @@
+"""FLUX.1 (patches/families.py: FluxTransformer2DModel, part "transformer"): the tiny config's transformer
+and whole FluxPipeline patched and exactly unpatched; the FLUX attention processor
+(patches/flux_attention.py) of the double- and single-stream blocks through the kernels against
+float64, with fused projections, and its fallbacks (unverified source, custom processors, a chosen
+attention backend, a mask); the pipeline's model calls replayed from (stand-in) CUDA graphs with the
+timesteps left on the device."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+from diffusers import FluxPipeline
+from diffusers.models.activations import GELU
+from diffusers.models.attention_dispatch import attention_backend
+from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+from dit_checks import VAE_COUNTS, check_transformer_kernels_close_to_stock
+from sd_kernels.patches import cuda_graph
+from sd_kernels.patches.flux_attention import SDKernelsFluxAttnProcessor
+from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
+
+import sd_kernels
+from sd_kernels import dispatch, models
+from sd_kernels.testing import assert_close_to_reference
+
+verified = importlib.import_module("sd_kernels.patches.verified")
+dispatch_module = importlib.import_module("diffusers.models.attention_dispatch")
+
+
+@pytest.fixture
+def transformer():
+    return models.build_model("tiny-flux", "transformer")
+
+
+def _inputs(model, batch=2, side=8, text=9, seed=0):
+    """What FluxPipeline passes: packed latents [B, side², 4·16] with their position ids, the T5 context
+    with zero text ids, the pooled CLIP output, ``t.expand(B) / 1000`` and the guidance expanded to the
+    batch, joint_attention_kwargs {} (the pipeline's when none is given)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, side * side, model.config.in_channels, generator=g)
+    ctx = torch.randn(batch, text, model.config.joint_attention_dim, generator=g)
+    pooled = torch.randn(batch, model.config.pooled_projection_dim, generator=g)
+    img_ids = FluxPipeline._prepare_latent_image_ids(batch, side, side, "cpu", torch.float32)
+    return x, {"encoder_hidden_states": ctx, "pooled_projections": pooled,
+               "timestep": torch.tensor(812.5).expand(batch) / 1000, "img_ids": img_ids,
+               "txt_ids": torch.zeros(text, 3), "guidance": torch.full([1], 3.5).expand(batch),
+               "joint_attention_kwargs": {}}
+
+
+def _run(model, x, kw, dtype=torch.float32):
+    cast = lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    with torch.no_grad():
+        return model(cast(x), **{k: cast(v) for k, v in kw.items()}, return_dict=False)[0]
+
+
+def _census(model):
+    """What the patch should replace in the transformer, counted before patching."""
+    return {
+        "flux_attention_processor": sum(isinstance(m, FluxAttention) and type(m.processor) is FluxAttnProcessor
+                                        for m in model.modules()),
+        "gelu.GELU": sum(type(m) is GELU and m.approximate == "tanh" for m in model.modules()),
+    }
+
+
+def _tree(model):
+    return [(name, m, getattr(m, "processor", None), vars(m).get("forward")) for name, m in model.named_modules()]
+
+
+def _same(tree, other) -> bool:
+    return len(tree) == len(other) and all(all(a is b for a, b in zip(s[1:], o[1:])) and s[0] == o[0]
+                                           for s, o in zip(tree, other))
+
+
+def _attentions(model):
+    return [m for m in model.modules() if isinstance(m, FluxAttention)]
+
+
+def test_tiny_config_is_flux_shaped(transformer):
+    cfg = transformer.config
+    assert cfg.attention_head_dim == 24 and sum(cfg.axes_dims_rope) == cfg.attention_head_dim  # not a power of two
+    assert cfg.guidance_embeds and cfg.patch_size == 1 and cfg.in_channels == 4 * 16  # 16 channels packed 2x2
+    double, single = transformer.transformer_blocks, transformer.single_transformer_blocks
+    assert len(double) == len(single) == 2
+    assert all(b.attn.added_kv_proj_dim is not None and not b.attn.pre_only for b in double)  # two streams
+    assert all(b.attn.added_kv_proj_dim is None and b.attn.pre_only for b in single)  # one stream, no to_out
+    assert all(type(b.act_mlp) is nn.GELU and b.act_mlp.approximate == "tanh" for b in single)
+
+
+def test_patch_and_unpatch_restore_exactly(transformer):
+    x, kw = _inputs(transformer)
+    expected, tree = _census(transformer), _tree(transformer)
+    assert expected == {"flux_attention_processor": 4, "gelu.GELU": 4}  # 2 double + 2 single; ff, ff_context
+    params = dict(transformer.state_dict(keep_vars=True))
+    stock = _run(transformer, x, kw)
+    record = sd_kernels.patch(transformer)
+    assert dict(record.counts) == expected
+    assert record.parts == ["FluxTransformer2DModel"] and not record.skipped
+    assert all(isinstance(a.processor, SDKernelsFluxAttnProcessor) for a in _attentions(transformer))
+    # the single blocks' nn.GELU(approximate="tanh") is torch's module, not diffusers': left as it is
+    assert all(type(b.act_mlp) is nn.GELU for b in transformer.single_transformer_blocks)
+    now = transformer.state_dict(keep_vars=True)
+    assert now.keys() == params.keys() and all(now[k] is params[k] for k in params)
+    assert sd_kernels.patch(transformer) is record  # idempotent
+    assert sd_kernels.unpatch(transformer)
+    assert _same(_tree(transformer), tree) and not hasattr(transformer, "_sd_kernels_owner")
+    assert all(type(a.processor) is FluxAttnProcessor for a in _attentions(transformer))
+    assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_processor_takes_the_arguments_diffusers_passes(transformer):
+    """FluxAttention.forward hands a processor only the keyword arguments its __call__ names (and warns
+    about the others): ours names the same ones."""
+    import inspect
+
+    stock = inspect.signature(FluxAttnProcessor().__call__).parameters
+    ours = inspect.signature(SDKernelsFluxAttnProcessor(FluxAttnProcessor()).__call__).parameters
+    assert list(ours) == list(stock)
+
+
+def test_transformer_through_kernels(transformer):
+    """The tiny transformer with the kernels (the interpreter on CPU: attention at head dim 24 over 9 text
+    + 64 image tokens, in the double and the single blocks; GELU tanh) against a float64 copy; no op
+    took the reference."""
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["flux_attention_processor"] == 4
+        dispatch.reset_fallbacks()
+        assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
+        assert not dispatch.fallbacks()  # the kernels ran, not the reference
+    assert torch.equal(_run(transformer, x, kw), stock)
+
+
+@pytest.mark.parametrize("ops", [["attention"], None])
+def test_reference_ops_compute_what_stock_computes(transformer, monkeypatch, ops):
+    """With the PyTorch reference behind every op, the patched forward is stock's arithmetic in stock's
+    order: bit-identical outputs (the plumbing: projections, QK RMSNorm, the text-first concatenation,
+    the rotary embedding, the [B, S, H, D] <-> [B, H, S, D] views, the split back)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=ops, cuda_graph=False):
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_fused_projections_are_served(transformer, monkeypatch):
+    """After ``transformer.fuse_qkv_projections()`` diffusers keeps FluxAttnProcessor and reads
+    ``attn.fused_projections`` (to_qkv, and to_added_qkv for the text stream): ours too, with stock's
+    bits on the reference and within the float64 tolerance on the kernels."""
+    x, kw = _inputs(transformer)
+    ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
+    transformer.fuse_qkv_projections()
+    assert all(a.fused_projections and type(a.processor) is FluxAttnProcessor for a in _attentions(transformer))
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["flux_attention_processor"] == 4 and not record.skipped
+        assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_unverified_diffusers_processor_is_left_alone(transformer, monkeypatch):
+    monkeypatch.setitem(verified.VERIFIED, "FluxAttnProcessor.__call__", "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        with sd_kernels.patched(transformer, cuda_graph=False) as record:
+            assert "flux_attention_processor" not in record.counts
+            assert record.counts["gelu.GELU"] == 4  # the other patchers still apply
+            assert all(type(a.processor) is FluxAttnProcessor for a in _attentions(transformer))
+            assert len(record.skipped) == 4 and all(s.what == "FluxAttnProcessor" for s in record.skipped)
+            assert "not the diffusers 0.42.1" in record.skipped[0].reason
+    finally:
+        verified.is_verified.cache_clear()
+
+
+def test_custom_processors_and_chosen_backends_are_left_alone(transformer, monkeypatch):
+    """A processor of another class (a user's subclass here; FLUX's IP-Adapter one alike) and a stock one
+    given a backend with ``set_attention_backend`` are listed and kept; the others are served."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+
+    class Mine(FluxAttnProcessor):
+        pass
+
+    double, single = transformer.transformer_blocks, transformer.single_transformer_blocks
+    double[1].attn.set_processor(Mine())
+    single[0].attn.set_attention_backend("native")
+    kept = (double[1].attn.processor, single[0].attn.processor)
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["flux_attention_processor"] == 2
+        reasons = {s.path.removeprefix("FluxTransformer2DModel."): (s.what, s.reason) for s in record.skipped}
+        assert set(reasons) == {"transformer_blocks.1.attn", "single_transformer_blocks.0.attn"}
+        what, reason = reasons["transformer_blocks.1.attn"]
+        assert what == "Mine" and "custom FLUX attention processor" in reason
+        what, reason = reasons["single_transformer_blocks.0.attn"]
+        assert what == "FluxAttnProcessor" and "_attention_backend" in reason
+        assert (double[1].attn.processor, single[0].attn.processor) == kept
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def _count_dispatch(monkeypatch) -> list:
+    calls = []
+    original = dispatch_module.dispatch_attention_fn
+    monkeypatch.setattr(dispatch_module, "dispatch_attention_fn", lambda *a, **k: calls.append(k) or original(*a, **k))
+    return calls
+
+
+def test_calls_the_native_backend_would_not_serve_go_to_diffusers_dispatch(transformer, monkeypatch):
+    """A process-wide backend (the ``attention_backend`` context manager, DIFFUSERS_ATTN_BACKEND), one set
+    on a patched processor after the patch, and an attention mask (through joint_attention_kwargs) run
+    diffusers' dispatch as diffusers' processor does: stock's bits."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    mask = torch.ones(2, 9 + 64, dtype=torch.bool)
+    mask[0, 5:9] = False  # a padded prompt
+    masked = {**kw, "joint_attention_kwargs": {"attention_mask": mask}}
+    with attention_backend("_native_math"):
+        stock_math = _run(transformer, x, kw)
+    stock_masked = _run(transformer, x, masked)
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        calls = _count_dispatch(monkeypatch)
+        _run(transformer, x, kw)
+        assert not calls  # the default: our attention
+        with attention_backend("_native_math"):
+            assert torch.equal(_run(transformer, x, kw), stock_math)
+        assert len(calls) == 4 and all(c["backend"] is None for c in calls)
+        calls.clear()
+        assert torch.equal(_run(transformer, x, masked), stock_masked)
+        assert len(calls) == 4 and all(c["attn_mask"] is mask for c in calls)
+        calls.clear()
+        transformer.single_transformer_blocks[1].attn.set_attention_backend("_native_math")
+        _run(transformer, x, kw)
+        assert [c["backend"] for c in calls] == ["_native_math"]
+    # the choice made while patched was made on the stock processor too: it stays after unpatch
+    processor = transformer.single_transformer_blocks[1].attn.processor
+    assert type(processor) is FluxAttnProcessor and processor._attention_backend == "_native_math"
+
+
+@pytest.mark.slow
+def test_patched_transformer_compiles_fullgraph(transformer):
+    """torch.compile(fullgraph=True) of the patched transformer: no graph break, one
+    torch.ops.sd_kernels.attention node per FLUX attention, eager's outputs."""
+    x, kw = _inputs(transformer)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with sd_kernels.patched(transformer, cuda_graph=False) as record, torch.no_grad():
+        counts = dict(record.counts)  # (unpatch empties them)
+        eager = _run(transformer, x, kw)
+        torch._dynamo.reset()
+        compiled = torch.compile(transformer, backend=backend, fullgraph=True)
+        out = compiled(x, **kw, return_dict=False)[0]
+        torch._dynamo.reset()
+    (gm,) = graphs
+    # the custom ops' targets, whatever torch names them (the packet or its .default overload)
+    calls = [str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls.count("sd_kernels.attention") == counts["flux_attention_processor"] == 4
+    gelus = [c for c in calls if c.startswith("sd_kernels.") and "gelu" in c]  # gelu, or linear_gelu
+    assert len(gelus) == counts["gelu.GELU"] == 4
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole pipeline.
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = models.build_pipeline("tiny-flux")
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _pipe_run(pipe, steps=2, **kwargs):
+    return pipe(prompt="a cat", num_inference_steps=steps, height=64, width=64, output_type="pt",
+                max_sequence_length=16, generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
+    stock = _pipe_run(pipe)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    with sd_kernels.patched(pipe) as record:
+        assert record.parts == ["vae", "transformer"]
+        counts = dict(record.counts)
+        assert counts.pop("flux_attention_processor") == 4 and counts.pop("gelu.GELU") == 4
+        assert counts.pop("attention_processor") == 2  # the VAE's mid-block attentions
+        assert set(counts) == VAE_COUNTS
+        assert not any(s.path == "transformer" for s in record.skipped)
+        assert torch.equal(_pipe_run(pipe), stock)
+    assert torch.equal(_pipe_run(pipe), stock)
+
+
+def test_pipeline_through_kernels_close_to_stock(pipe):
+    check_transformer_kernels_close_to_stock(pipe, _pipe_run)
+
+
+def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
+    eager = models.build_pipeline("tiny-flux")
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    record = sd_kernels.patch(graphed)  # "auto": the transformer can be captured (the stand-in says so)
+    assert record.cuda_graph == "pipeline"
+    assert record.counts["cuda_graph"] == 4  # the transformer, the VAE decode, the CLIP and the T5
+    for part in ("transformer", "text_encoder", "text_encoder_2"):
+        assert isinstance(vars(getattr(graphed, part))["forward"], cuda_graph.GraphedCall), part
+    with torch.no_grad():
+        for steps in (3, 2):
+            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
+    # one signature: batch 1, a float timestep and the guidance as tensors, joint_attention_kwargs {}
+    assert len(graphed.transformer.forward.graphs) == 1
+    # the timesteps stay on the device (Family.host_timesteps=False), said in the record
+    assert "host_timesteps" not in record.counts and "set_timesteps" not in vars(graphed.scheduler)
+    (note,) = [s for s in record.skipped if s.path == "scheduler"]
+    assert note.what == "FlowMatchEulerDiscreteScheduler" and "FLUX transformer" in note.reason
+    sd_kernels.unpatch(graphed)
+    assert all("forward" not in vars(getattr(graphed, p)) for p in ("transformer", "text_encoder_2"))
+
+
+def test_pipeline_mode_keeps_device_timesteps_for_a_host_timestep_scheduler(fake_cuda):  # noqa: F811
+    """A scheduler the host-timestep mode knows (DPM-Solver++ with flow sigmas) keeps its timesteps on
+    the device under FLUX too; the images are eager's."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    eager = models.build_pipeline("tiny-flux")
+    eager.scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                                  use_dynamic_shifting=True, time_shift_type="exponential")
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    record = sd_kernels.patch(graphed)
+    assert "host_timesteps" not in record.counts and "set_timesteps" not in vars(graphed.scheduler)
+    with torch.no_grad():
+        assert torch.equal(_pipe_run(graphed, 3), _pipe_run(eager, 3))
+
+
+def test_an_attention_backend_chosen_after_capture_captures_anew(fake_cuda):  # noqa: F811
+    """The graphs bake in which attention ran: a backend set on the transformer's processors
+    (``set_attention_backend``) or for the process (``attention_backend(...)``) after the capture drops
+    the transformer's graph, and the next call captures with diffusers' dispatch."""
+    model = models.build_model("tiny-flux", "transformer")
+    x, kw = _inputs(model)
+    record = sd_kernels.patch(model, cuda_graph="unet")
+    graphs = vars(model)["forward"].graphs
+    _run(model, x, kw)
+    _run(model, x, kw)
+    assert len(fake_cuda) == 1  # captured once, then replayed
+    with attention_backend("_native_math"):
+        _run(model, x, kw)
+    assert len(fake_cuda) == 2 and len(graphs) == 1
+    _run(model, x, kw)  # the process default again: captured anew
+    assert len(fake_cuda) == 3
+    model.set_attention_backend("_native_math")
+    _run(model, x, kw)
+    assert len(fake_cuda) == 4
+    assert record.counts["flux_attention_processor"] == 4
+    sd_kernels.unpatch(model)
+
+
+def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
+    pipe = models.build_pipeline("tiny-flux")
+    record = sd_kernels.patch(pipe, cuda_graph="unet")
+    assert record.counts["cuda_graph"] == 1 and isinstance(vars(pipe.transformer)["forward"], cuda_graph.GraphedCall)
+    assert "decode" not in vars(pipe.vae) and "forward" not in vars(pipe.text_encoder_2)
+    sd_kernels.unpatch(pipe)
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_cli_tiny_flux(tmp_path, capsys, monkeypatch, command):
+    from sd_kernels import cli
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    out = tmp_path / "flux.png"
+    assert cli.main([command, "--prompt", "a red cube", "--model", "tiny-flux", "--steps", "1", "--size", "64",
+                     "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "flux_attention_processor: 4" in text and "gelu.GELU: 4" in text and out.exists()
+
+
+@pytest.mark.gpu
+def test_gpu_transformer_fp16_against_float64_and_exact_unpatch():
+    """On the GPU, fp16: the patched tiny FLUX transformer eager and replayed from its CUDA graph against a
+    float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical again."""
+    model = models.build_model("tiny-flux", "transformer", device="cuda", dtype=torch.float16)
+    x, kw = _inputs(model, side=16)
+    x, kw = x.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    stock = _run(model, x, kw, torch.float16)
+    ref64 = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
+    for graph in (False, "unet"):
+        with sd_kernels.patched(model, cuda_graph=graph) as record:
+            assert record.counts["flux_attention_processor"] == 4
+            for _ in range(2):  # the graph's capture, then a replay
+                assert_close_to_reference(_run(model, x, kw, torch.float16), stock, ref64)
+    assert torch.equal(_run(model, x, kw, torch.float16), stock)
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_mode_matches_eager_and_never_syncs_in_the_loop():
+    """tiny-flux with every model call replayed and the timesteps on the device: the eager patched
+    pipeline's images, and no host sync between the first step's end and the last's."""
+    import warnings
+
+    eager = models.build_pipeline("tiny-flux", device="cuda", dtype=torch.float16)
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    assert sd_kernels.patch(graphed).cuda_graph == "pipeline"
+    run = lambda pipe, **kw: pipe(prompt="a cat", num_inference_steps=4, height=128, width=128, output_type="pt",
+                                  max_sequence_length=16, generator=torch.Generator("cuda").manual_seed(0), **kw).images
+    counts = []
+    with torch.no_grad():
+        want = run(eager)
+        torch.testing.assert_close(run(graphed), want, rtol=1e-3, atol=1e-3)  # captures
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                got = run(graphed, callback_on_step_end=lambda p, i, t, kw: counts.append(
+                    sum("synchronizing" in str(w.message) for w in caught)) or kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    assert len(counts) == 4 and counts[-1] == counts[0], counts
