@@ -10,7 +10,8 @@ the VAE decode and the text encoders replayed from CUDA graphs), the peer ``stoc
 fullgraph=True)`` of its forward and of the VAE's decode, the VAE channels_last) and the same without
 the fused projections (``stock+compile-graphs-unfused-qkv``), ``patched+graph+compile``
 (``patch(pipe, compile=True)``) and ``patched+graph+compile+fused-qkv`` (the fusion first). Random
-weights from the shipped config, fp16, one prompt with classifier-free guidance (transformer batch 2).
+weights from the shipped config, fp16 (``--dtype``), one prompt with classifier-free guidance (transformer
+batch 2; FLUX.1-dev embeds its guidance: batch 1).
 ``vs_peer`` divides by the faster of the two peer rows: the peer at its best.
 
 Per variant, one row of ``DIR/dit.csv``, written as soon as it is measured: ``warmup_s`` (set-up and
@@ -40,7 +41,7 @@ from bench.setups import PEER, PEER_UNFUSED, VARIANTS, applied, denoiser_of
 from sd_kernels.testing import psnr, rel_err
 
 DEFAULT = ("stock", "patched+graph", PEER, PEER_UNFUSED, "patched+graph+compile", "patched+graph+compile+fused-qkv")
-COLUMNS = ["model", "size", "steps", "variant", "warmup_s", "e2e_ms", "vs_peer", "step_ms", "latent_rel_err",
+COLUMNS = ["model", "size", "steps", "dtype", "variant", "warmup_s", "e2e_ms", "vs_peer", "step_ms", "latent_rel_err",
            "psnr_db", "kernels_ms", "patched", "device", "torch", "triton", "diffusers", "date"]
 
 
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                    help="bfloat16: FLUX's own dtype (its random-weight activations may overflow fp16)")
     ap.add_argument("--variants", default=",".join(DEFAULT))
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     stamp = {k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")}
     t0 = time.perf_counter()
-    pipe = build_pipeline(args.model, "cuda", torch.float16)
+    pipe = build_pipeline(args.model, "cuda", getattr(torch, args.dtype))
     pipe.set_progress_bar_config(disable=True)
     embeds = pipe.encode_prompt(PROMPT, device="cuda", **_extra_kwargs(pipe.encode_prompt))[0]
     if not torch.isfinite(embeds).all():
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     ref: dict = {}
     for name in variants:
-        row = {"model": args.model, "size": args.size, "steps": args.steps,
+        row = {"model": args.model, "size": args.size, "steps": args.steps, "dtype": args.dtype,
                **measure(pipe, name, args.size, args.steps, args.calls, ref), **stamp}
         rows.append(row)
         peer = min((r["e2e_ms"] for r in rows if r["variant"] in (PEER, PEER_UNFUSED)), default=None)

@@ -271,12 +271,14 @@ def test_patched_transformer_compiles_fullgraph(transformer):
         compiled = torch.compile(transformer, backend=backend, fullgraph=True)
         out = compiled(x, **kw, return_dict=False)[0]
         torch._dynamo.reset()
+        counts = dict(record.counts)  # read while patched: unpatch empties the record
     (gm,) = graphs
     calls = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    blocks = record.counts["layer_norm.BasicTransformerBlock"]
+    blocks = counts["layer_norm.BasicTransformerBlock"]
+    assert blocks > 0 and counts["attention_processor"] > 0, counts
     for op in ("layer_norm_modulated", "gated_residual_layer_norm"):
-        assert calls.count(f"sd_kernels.{op}.default") == blocks, op
-    assert calls.count("sd_kernels.attention.default") == record.counts["attention_processor"]
+        assert sum(c.startswith(f"sd_kernels.{op}") for c in calls) == blocks, (op, calls)
+    assert sum(c.startswith("sd_kernels.attention") for c in calls) == counts["attention_processor"], calls
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
 
 
