@@ -1,5 +1,5 @@
-"""Checks the DiT families' tests share (test_pixart_patch.py, test_sd3_patch.py): the same tiny VAE
-and the same pipeline-level comparison against float64."""
+"""Checks the DiT families' tests share (test_pixart_patch.py, test_sd3_patch.py, test_flux_patch.py): the
+same tiny VAE, the same pipeline-level comparison against float64 and the same GPU checks."""
 
 import copy
 
@@ -23,3 +23,57 @@ def check_transformer_kernels_close_to_stock(pipe, run) -> None:
         dispatch.reset_fallbacks()
         assert_close_to_reference(run(pipe), stock, ref64)
         assert not dispatch.fallbacks()
+
+
+def check_gpu_transformer_fp16(config: str, inputs, run, count: str, expected: int, side: int) -> None:
+    """On the GPU, fp16: the patched tiny transformer of ``config`` eager and replayed from its CUDA graph
+    against a float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical
+    again. ``inputs(model, side)`` and ``run(model, x, kw, dtype)`` are the test file's own; ``count``
+    is a record count that must equal ``expected`` while patched."""
+    from sd_kernels import models
+
+    model = models.build_model(config, "transformer", device="cuda", dtype=torch.float16)
+    x, kw = inputs(model, side=side)
+    x, kw = x.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    stock = run(model, x, kw, torch.float16)
+    ref64 = run(copy.deepcopy(model).double(), x, kw, torch.float64)
+    for graph in (False, "unet"):
+        with sd_kernels.patched(model, cuda_graph=graph) as record:
+            assert record.counts[count] == expected, record.counts
+            for _ in range(2):  # the graph's capture, then a replay
+                assert_close_to_reference(run(model, x, kw, torch.float16), stock, ref64)
+    assert torch.equal(run(model, x, kw, torch.float16), stock)
+
+
+def check_gpu_pipeline_mode_syncs(config: str, size: int, step_callback, steps: int = 4, **call_kwargs) -> None:
+    """tiny ``config`` with every model call replayed: the eager patched pipeline's images, and no host
+    sync between the first step's end and the last's. ``step_callback(count)`` gives the pipeline call's
+    keyword arguments that call ``count()`` at every step's end (each pipeline has its own callback API)."""
+    import warnings
+
+    from sd_kernels import models
+
+    eager = models.build_pipeline(config, device="cuda", dtype=torch.float16)
+    eager.set_progress_bar_config(disable=True)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    assert sd_kernels.patch(graphed).cuda_graph == "pipeline"
+
+    def run(pipe, **kw):
+        return pipe(prompt="a cat", num_inference_steps=steps, height=size, width=size, output_type="pt",
+                    generator=torch.Generator("cuda").manual_seed(0), **call_kwargs, **kw).images
+
+    counts = []
+    with torch.no_grad():
+        want = run(eager)
+        torch.testing.assert_close(run(graphed), want, rtol=1e-3, atol=1e-3)  # captures
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                got = run(graphed, **step_callback(
+                    lambda: counts.append(sum("synchronizing" in str(w.message) for w in caught))))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    assert len(counts) == steps and counts[-1] == counts[0], counts

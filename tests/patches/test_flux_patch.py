@@ -15,7 +15,12 @@ from diffusers import FluxPipeline
 from diffusers.models.activations import GELU
 from diffusers.models.attention_dispatch import attention_backend
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
-from dit_checks import VAE_COUNTS, check_transformer_kernels_close_to_stock
+from dit_checks import (
+    VAE_COUNTS,
+    check_gpu_pipeline_mode_syncs,
+    check_gpu_transformer_fp16,
+    check_transformer_kernels_close_to_stock,
+)
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.flux_attention import SDKernelsFluxAttnProcessor
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
@@ -385,45 +390,11 @@ def test_cli_tiny_flux(tmp_path, capsys, monkeypatch, command):
 
 @pytest.mark.gpu
 def test_gpu_transformer_fp16_against_float64_and_exact_unpatch():
-    """On the GPU, fp16: the patched tiny FLUX transformer eager and replayed from its CUDA graph against a
-    float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical again."""
-    model = models.build_model("tiny-flux", "transformer", device="cuda", dtype=torch.float16)
-    x, kw = _inputs(model, side=16)
-    x, kw = x.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    stock = _run(model, x, kw, torch.float16)
-    ref64 = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
-    for graph in (False, "unet"):
-        with sd_kernels.patched(model, cuda_graph=graph) as record:
-            assert record.counts["flux_attention_processor"] == 4
-            for _ in range(2):  # the graph's capture, then a replay
-                assert_close_to_reference(_run(model, x, kw, torch.float16), stock, ref64)
-    assert torch.equal(_run(model, x, kw, torch.float16), stock)
+    check_gpu_transformer_fp16("tiny-flux", _inputs, _run, "flux_attention_processor", 4, side=16)
 
 
 @pytest.mark.gpu
 def test_gpu_pipeline_mode_matches_eager_and_never_syncs_in_the_loop():
-    """tiny-flux with every model call replayed and the timesteps on the device: the eager patched
-    pipeline's images, and no host sync between the first step's end and the last's."""
-    import warnings
-
-    eager = models.build_pipeline("tiny-flux", device="cuda", dtype=torch.float16)
-    eager.set_progress_bar_config(disable=True)
-    graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager, cuda_graph=False)
-    assert sd_kernels.patch(graphed).cuda_graph == "pipeline"
-    run = lambda pipe, **kw: pipe(prompt="a cat", num_inference_steps=4, height=128, width=128, output_type="pt",
-                                  max_sequence_length=16, generator=torch.Generator("cuda").manual_seed(0), **kw).images
-    counts = []
-    with torch.no_grad():
-        want = run(eager)
-        torch.testing.assert_close(run(graphed), want, rtol=1e-3, atol=1e-3)  # captures
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                got = run(graphed, callback_on_step_end=lambda p, i, t, kw: counts.append(
-                    sum("synchronizing" in str(w.message) for w in caught)) or kw)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-    assert len(counts) == 4 and counts[-1] == counts[0], counts
+    """The timesteps on the device: no host sync between the first step's end and the last's."""
+    check_gpu_pipeline_mode_syncs("tiny-flux", 128, lambda count: {
+        "callback_on_step_end": lambda p, i, t, kw: count() or kw}, max_sequence_length=16)

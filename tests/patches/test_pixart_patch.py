@@ -11,7 +11,12 @@ import torch
 from diffusers.models.activations import GELU
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
-from dit_checks import VAE_COUNTS, check_transformer_kernels_close_to_stock
+from dit_checks import (
+    VAE_COUNTS,
+    check_gpu_pipeline_mode_syncs,
+    check_gpu_transformer_fp16,
+    check_transformer_kernels_close_to_stock,
+)
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.layer_norm import AdaNormSingleForward
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
@@ -284,48 +289,12 @@ def test_patched_transformer_compiles_fullgraph(transformer):
 
 @pytest.mark.gpu
 def test_gpu_transformer_fp16_against_float64_and_exact_unpatch():
-    """On the GPU, fp16: the patched tiny transformer eager and replayed from its CUDA graph against a
-    float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical again."""
-    model = models.build_model("tiny-pixart", "transformer", device="cuda", dtype=torch.float16)
-    x, kw = _inputs(model, side=16)
-    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    x = x.cuda()
-    stock = _run(model, x, kw, torch.float16)
-    ref64 = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
-    for graph in (False, "unet"):
-        with sd_kernels.patched(model, cuda_graph=graph) as record:
-            assert record.counts["layer_norm.BasicTransformerBlock"] == 2
-            for _ in range(2):  # the graph's capture, then a replay
-                assert_close_to_reference(_run(model, x, kw, torch.float16), stock, ref64)
-    assert torch.equal(_run(model, x, kw, torch.float16), stock)
+    check_gpu_transformer_fp16("tiny-pixart", _inputs, _run, "layer_norm.BasicTransformerBlock", 2, side=16)
 
 
 @pytest.mark.gpu
 def test_gpu_pipeline_mode_matches_eager_and_syncs_at_most_on_the_first_step():
-    """tiny-pixart with every model call replayed: the eager patched pipeline's images, and after the
-    first step's end (DPM-Solver's step-index lookup) no host sync until the last step's end."""
-    import warnings
-
-    eager = models.build_pipeline("tiny-pixart", device="cuda", dtype=torch.float16)
-    eager.set_progress_bar_config(disable=True)
-    graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager, cuda_graph=False)
-    assert sd_kernels.patch(graphed).cuda_graph == "pipeline"
-    run = lambda pipe, **kw: pipe(prompt="a cat", num_inference_steps=4, height=256, width=256, output_type="pt",
-                                  max_sequence_length=16, clean_caption=False,
-                                  generator=torch.Generator("cuda").manual_seed(0), **kw).images
-    counts = []
-    with torch.no_grad():
-        want = run(eager)
-        torch.testing.assert_close(run(graphed), want, rtol=1e-3, atol=1e-3)  # captures
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                # PixArt's pipeline has the legacy per-step callback only (it swallows unknown kwargs)
-                got = run(graphed, callback_steps=1, callback=lambda i, t, latents: counts.append(
-                    sum("synchronizing" in str(w.message) for w in caught)))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-    assert len(counts) == 4 and counts[-1] == counts[0], counts
+    """After the first step's end (DPM-Solver's step-index lookup) no host sync until the last step's
+    end. PixArt's pipeline has the legacy per-step callback only (it swallows unknown kwargs)."""
+    check_gpu_pipeline_mode_syncs("tiny-pixart", 256, lambda count: {
+        "callback_steps": 1, "callback": lambda i, t, latents: count()}, max_sequence_length=16, clean_caption=False)

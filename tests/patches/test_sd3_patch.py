@@ -13,7 +13,7 @@ from diffusers import SD3Transformer2DModel
 from diffusers.models.activations import GELU
 from diffusers.models.attention import JointTransformerBlock
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
-from dit_checks import VAE_COUNTS, check_transformer_kernels_close_to_stock
+from dit_checks import VAE_COUNTS, check_gpu_transformer_fp16, check_transformer_kernels_close_to_stock
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.joint_attention import SDKernelsJointAttnProcessor
 from sd_kernels.patches.layer_norm import JointBlockForward
@@ -276,16 +276,4 @@ def test_cli_generate_tiny_sd3(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_transformer_fp16_against_float64_and_exact_unpatch():
-    """On the GPU, fp16: the patched tiny SD3 transformer eager and replayed from its CUDA graph against a
-    float64 copy within a small multiple of stock fp16's own error; unpatched, bit-identical again."""
-    model = models.build_model("tiny-sd3", "transformer", device="cuda", dtype=torch.float16)
-    x, kw = _inputs(model, side=32)
-    x, kw = x.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    stock = _run(model, x, kw, torch.float16)
-    ref64 = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
-    for graph in (False, "unet"):
-        with sd_kernels.patched(model, cuda_graph=graph) as record:
-            assert record.counts["layer_norm.JointTransformerBlock"] == 2
-            for _ in range(2):  # the graph's capture, then a replay
-                assert_close_to_reference(_run(model, x, kw, torch.float16), stock, ref64)
-    assert torch.equal(_run(model, x, kw, torch.float16), stock)
+    check_gpu_transformer_fp16("tiny-sd3", _inputs, _run, "layer_norm.JointTransformerBlock", 2, side=32)
