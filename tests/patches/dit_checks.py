@@ -4,6 +4,7 @@ same tiny VAE, the same pipeline-level comparison against float64 and the same G
 import copy
 
 import torch
+from sd_kernels.patches import cuda_graph
 
 import sd_kernels
 from sd_kernels import dispatch
@@ -77,3 +78,48 @@ def check_gpu_pipeline_mode_syncs(config: str, size: int, step_callback, steps: 
                 torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     assert len(counts) == steps and counts[-1] == counts[0], counts
+
+
+def tiny_pipeline(config: str):
+    from sd_kernels import models
+
+    pipe = models.build_pipeline(config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def check_pipeline_exact_with_reference_ops(pipe, run, monkeypatch, transformer_counts: dict[str, int]) -> None:
+    """``patch(pipe)`` patches the VAE and the transformer, with exactly ``transformer_counts`` beside the
+    tiny VAE's counts (``attention_processor`` counts the VAE's two mid-block attentions too) and
+    nothing of the transformer skipped; with the reference ops the images are stock's, patched and after."""
+    stock = run(pipe)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    with sd_kernels.patched(pipe) as record:
+        assert record.parts == ["vae", "transformer"]
+        counts = dict(record.counts)
+        for kind, expected in transformer_counts.items():
+            assert counts.pop(kind) == expected, kind
+        assert set(counts) == VAE_COUNTS
+        assert not any(s.path == "transformer" for s in record.skipped)
+        assert torch.equal(run(pipe), stock)
+    assert torch.equal(run(pipe), stock)
+
+
+def check_pipeline_mode_graphs(config: str, run, graphed_parts: tuple[str, ...]):
+    """tiny ``config`` patched with ``cuda_graph="auto"`` (the stand-in for graphs says it can capture):
+    pipeline mode, exactly ``graphed_parts`` replayed (the transformer first), the eager patched
+    pipeline's images at 3 then 2 steps, one transformer signature. Returns (the graphed pipeline, its
+    record) for the family's own checks, before it unpatches."""
+    eager = tiny_pipeline(config)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    record = sd_kernels.patch(graphed)
+    assert record.cuda_graph == "pipeline"
+    assert record.counts["cuda_graph"] == len(graphed_parts) + 1  # and the VAE decode
+    for part in graphed_parts:
+        assert isinstance(vars(getattr(graphed, part))["forward"], cuda_graph.GraphedCall), part
+    with torch.no_grad():
+        for steps in (3, 2):
+            assert torch.equal(run(graphed, steps), run(eager, steps))
+    assert len(graphed.transformer.forward.graphs) == 1
+    return graphed, record

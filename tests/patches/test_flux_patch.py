@@ -16,10 +16,12 @@ from diffusers.models.activations import GELU
 from diffusers.models.attention_dispatch import attention_backend
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 from dit_checks import (
-    VAE_COUNTS,
     check_gpu_pipeline_mode_syncs,
     check_gpu_transformer_fp16,
+    check_pipeline_exact_with_reference_ops,
+    check_pipeline_mode_graphs,
     check_transformer_kernels_close_to_stock,
+    tiny_pipeline,
 )
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.flux_attention import SDKernelsFluxAttnProcessor
@@ -277,9 +279,7 @@ def test_patched_transformer_compiles_fullgraph(transformer):
 
 @pytest.fixture(scope="module")
 def pipe():
-    p = models.build_pipeline("tiny-flux")
-    p.set_progress_bar_config(disable=True)
-    return p
+    return tiny_pipeline("tiny-flux")
 
 
 def _pipe_run(pipe, steps=2, **kwargs):
@@ -288,17 +288,9 @@ def _pipe_run(pipe, steps=2, **kwargs):
 
 
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
-    stock = _pipe_run(pipe)
-    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
-    with sd_kernels.patched(pipe) as record:
-        assert record.parts == ["vae", "transformer"]
-        counts = dict(record.counts)
-        assert counts.pop("flux_attention_processor") == 4 and counts.pop("gelu.GELU") == 4
-        assert counts.pop("attention_processor") == 2  # the VAE's mid-block attentions
-        assert set(counts) == VAE_COUNTS
-        assert not any(s.path == "transformer" for s in record.skipped)
-        assert torch.equal(_pipe_run(pipe), stock)
-    assert torch.equal(_pipe_run(pipe), stock)
+    check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
+        "flux_attention_processor": 4, "gelu.GELU": 4,
+        "attention_processor": 2})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):
@@ -306,20 +298,8 @@ def test_pipeline_through_kernels_close_to_stock(pipe):
 
 
 def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
-    eager = models.build_pipeline("tiny-flux")
-    eager.set_progress_bar_config(disable=True)
-    graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager, cuda_graph=False)
-    record = sd_kernels.patch(graphed)  # "auto": the transformer can be captured (the stand-in says so)
-    assert record.cuda_graph == "pipeline"
-    assert record.counts["cuda_graph"] == 4  # the transformer, the VAE decode, the CLIP and the T5
-    for part in ("transformer", "text_encoder", "text_encoder_2"):
-        assert isinstance(vars(getattr(graphed, part))["forward"], cuda_graph.GraphedCall), part
-    with torch.no_grad():
-        for steps in (3, 2):
-            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
-    # one signature: batch 1, a float timestep and the guidance as tensors, joint_attention_kwargs {}
-    assert len(graphed.transformer.forward.graphs) == 1
+    graphed, record = check_pipeline_mode_graphs("tiny-flux", _pipe_run, (
+        "transformer", "text_encoder", "text_encoder_2"))
     # the timesteps stay on the device (Family.host_timesteps=False), said in the record
     assert "host_timesteps" not in record.counts and "set_timesteps" not in vars(graphed.scheduler)
     (note,) = [s for s in record.skipped if s.path == "scheduler"]

@@ -12,10 +12,12 @@ from diffusers.models.activations import GELU
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from dit_checks import (
-    VAE_COUNTS,
     check_gpu_pipeline_mode_syncs,
     check_gpu_transformer_fp16,
+    check_pipeline_exact_with_reference_ops,
+    check_pipeline_mode_graphs,
     check_transformer_kernels_close_to_stock,
+    tiny_pipeline,
 )
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.layer_norm import AdaNormSingleForward
@@ -190,9 +192,7 @@ def test_a_block_of_another_structure_is_reported_not_patched(transformer):
 
 @pytest.fixture(scope="module")
 def pipe():
-    p = models.build_pipeline("tiny-pixart")
-    p.set_progress_bar_config(disable=True)
-    return p
+    return tiny_pipeline("tiny-pixart")
 
 
 def _pipe_run(pipe, steps=2, **kwargs):
@@ -202,17 +202,9 @@ def _pipe_run(pipe, steps=2, **kwargs):
 
 
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
-    stock = _pipe_run(pipe)
-    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
-    with sd_kernels.patched(pipe) as record:
-        assert record.parts == ["vae", "transformer"]
-        counts = dict(record.counts)
-        assert counts.pop("layer_norm.BasicTransformerBlock") == 2 and counts.pop("gelu.GELU") == 2
-        assert counts.pop("attention_processor") == 4 + 2  # 2 blocks × (self, cross) + the VAE's mid-blocks
-        assert set(counts) == VAE_COUNTS
-        assert not any(s.path == "transformer" for s in record.skipped)
-        assert torch.equal(_pipe_run(pipe), stock)
-    assert torch.equal(_pipe_run(pipe), stock)
+    check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
+        "layer_norm.BasicTransformerBlock": 2, "gelu.GELU": 2,
+        "attention_processor": 4 + 2})  # 2 blocks × (self, cross) + the VAE's mid-blocks
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):
@@ -220,19 +212,7 @@ def test_pipeline_through_kernels_close_to_stock(pipe):
 
 
 def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
-    eager = models.build_pipeline("tiny-pixart")
-    eager.set_progress_bar_config(disable=True)
-    graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager, cuda_graph=False)
-    record = sd_kernels.patch(graphed)  # "auto": the transformer can be captured (the stand-in says so)
-    assert record.cuda_graph == "pipeline"
-    assert record.counts["cuda_graph"] == 3  # the transformer, the VAE decode, the T5 encoder
-    assert isinstance(vars(graphed.transformer)["forward"], cuda_graph.GraphedCall)
-    assert isinstance(vars(graphed.text_encoder)["forward"], cuda_graph.GraphedCall)
-    with torch.no_grad():
-        for steps in (3, 2):
-            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
-    assert len(graphed.transformer.forward.graphs) == 1  # one signature: batch 2 (guidance), a tensor timestep
+    graphed, record = check_pipeline_mode_graphs("tiny-pixart", _pipe_run, ("transformer", "text_encoder"))
     # PixArt's pipeline copies each timestep to the device itself: host timesteps would make it wait
     assert "host_timesteps" not in record.counts and "set_timesteps" not in vars(graphed.scheduler)
     assert any(s.path == "scheduler" and "stay on the device" in s.reason for s in record.skipped)

@@ -13,7 +13,13 @@ from diffusers import SD3Transformer2DModel
 from diffusers.models.activations import GELU
 from diffusers.models.attention import JointTransformerBlock
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
-from dit_checks import VAE_COUNTS, check_gpu_transformer_fp16, check_transformer_kernels_close_to_stock
+from dit_checks import (
+    check_gpu_transformer_fp16,
+    check_pipeline_exact_with_reference_ops,
+    check_pipeline_mode_graphs,
+    check_transformer_kernels_close_to_stock,
+    tiny_pipeline,
+)
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.joint_attention import SDKernelsJointAttnProcessor
 from sd_kernels.patches.layer_norm import JointBlockForward
@@ -206,9 +212,7 @@ def test_sd35_blocks_dual_attention_left_alone_qk_norm_served(monkeypatch):
 
 @pytest.fixture(scope="module")
 def pipe():
-    p = models.build_pipeline("tiny-sd3")
-    p.set_progress_bar_config(disable=True)
-    return p
+    return tiny_pipeline("tiny-sd3")
 
 
 def _pipe_run(pipe, steps=2, **kwargs):
@@ -217,17 +221,9 @@ def _pipe_run(pipe, steps=2, **kwargs):
 
 
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
-    stock = _pipe_run(pipe)
-    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
-    with sd_kernels.patched(pipe) as record:
-        assert record.parts == ["vae", "transformer"]
-        counts = dict(record.counts)
-        assert counts.pop("layer_norm.JointTransformerBlock") == 2 and counts.pop("gelu.GELU") == 3
-        assert counts.pop("joint_attention_processor") == 2 and counts.pop("attention_processor") == 2  # VAE mids
-        assert set(counts) == VAE_COUNTS
-        assert not any(s.path == "transformer" for s in record.skipped)
-        assert torch.equal(_pipe_run(pipe), stock)
-    assert torch.equal(_pipe_run(pipe), stock)
+    check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
+        "layer_norm.JointTransformerBlock": 2, "gelu.GELU": 3,
+        "joint_attention_processor": 2, "attention_processor": 2})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):
@@ -235,19 +231,8 @@ def test_pipeline_through_kernels_close_to_stock(pipe):
 
 
 def test_pipeline_mode_graphs_the_transformer_call(fake_cuda):  # noqa: F811
-    eager = models.build_pipeline("tiny-sd3")
-    eager.set_progress_bar_config(disable=True)
-    graphed = copy.deepcopy(eager)
-    sd_kernels.patch(eager, cuda_graph=False)
-    record = sd_kernels.patch(graphed)  # "auto": the transformer can be captured (the stand-in says so)
-    assert record.cuda_graph == "pipeline"
-    assert record.counts["cuda_graph"] == 5  # the transformer, the VAE decode, two CLIPs and the T5
-    for part in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        assert isinstance(vars(getattr(graphed, part))["forward"], cuda_graph.GraphedCall), part
-    with torch.no_grad():
-        for steps in (3, 2):
-            assert torch.equal(_pipe_run(graphed, steps), _pipe_run(eager, steps))
-    assert len(graphed.transformer.forward.graphs) == 1  # one signature: batch 2 (guidance), a tensor timestep
+    graphed, record = check_pipeline_mode_graphs("tiny-sd3", _pipe_run, (
+        "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"))
     # FlowMatchEulerDiscreteScheduler is not among the schedulers checked with host timesteps
     assert "host_timesteps" not in record.counts
     assert any(s.path == "scheduler" and s.what == "FlowMatchEulerDiscreteScheduler" for s in record.skipped)
