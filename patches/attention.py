@@ -41,6 +41,9 @@ from .record import PatchRecord
 from .registry import register
 from .verified import VERIFIED_WITH, is_verified
 
+# The record's count name of each processor we install (others: "attention_processor").
+_KINDS = {SDKernelsJointAttnProcessor: "joint_attention_processor",
+          flux_attention.SDKernelsFluxAttnProcessor: flux_attention.KIND}
 SERVED = "AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0, IPAdapterAttnProcessor2_0 and JointAttnProcessor2_0"
 
 
@@ -138,22 +141,18 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     flux = flux_attention.flux_attention_class()
     for path, module in model.named_modules():
         if flux is not None and isinstance(module, flux):
-            processor = getattr(module, "processor", None)
-            new = flux_attention.replacement(processor)
-            if isinstance(new, str):
-                record.skip(path, type(processor).__name__, new)
-            else:
-                record.set_attr(module, "processor", new, flux_attention.KIND)
+            replace = flux_attention.replacement
         elif isinstance(module, Attention):
-            processor = getattr(module, "processor", None)
-            new = _replacement(processor)
-            if isinstance(new, str):
-                record.skip(path, type(processor).__name__, new)
-            elif isinstance(new, type):
-                record.set_class(processor, new, "ip_adapter_processor")
-            elif new is not None:
-                kind = "joint_attention_processor" if isinstance(new, SDKernelsJointAttnProcessor) else None
-                record.set_attr(module, "processor", new, kind or "attention_processor")
-            else:
-                record.skip(path, type(processor).__name__,
-                            f"custom attention processor (only {SERVED} are served)")
+            replace = _replacement
+        else:
+            continue
+        processor = getattr(module, "processor", None)
+        new = replace(processor)
+        if isinstance(new, str):
+            record.skip(path, type(processor).__name__, new)
+        elif isinstance(new, type):
+            record.set_class(processor, new, "ip_adapter_processor")
+        elif new is not None:
+            record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
+        else:
+            record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")
