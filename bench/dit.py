@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     pipe.set_progress_bar_config(disable=True)
     embeds = pipe.encode_prompt(PROMPT, device="cuda", **_extra_kwargs(pipe.encode_prompt))[0]
     if not torch.isfinite(embeds).all():
-        print("bench.dit: the random-weight text encoder's fp16 output is not finite", file=sys.stderr)
+        print(f"bench.dit: the random-weight text encoder's {args.dtype} output is not finite", file=sys.stderr)
         return 1
     print(f"[{time.perf_counter() - t0:6.1f} s] built {args.model} ({stamp})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
