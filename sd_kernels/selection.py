@@ -65,8 +65,9 @@ def _group_norm(p: Profile, n: int, c: int, h: int, w: int, channels_last: bool)
         return "F.group_norm (stock)", off
     pl = plan(n, 32, c // 32, h * w, channels_last, register_file_kb=p.register_file_kb)  # at an H100's SMs
     if pl.pixels:
-        return "group_norm", (f"pixel path, {pl.chunks} chunks a sample, 3 launches; tiles {pl.block_s}x{pl.block_c} "
-                              f"(statistics), {pl.norm_block_s}x{pl.norm_block_c} (normalize)")
+        return "group_norm", (f"pixel path, 3 launches; {pl.stat_chunks} / {pl.chunks} chunks a sample, "
+                              f"tiles {pl.block_s}x{pl.block_c} / {pl.norm_block_s}x{pl.norm_block_c} "
+                              "(statistics / normalize)")
     kind = "one tile" if pl.one_tile else f"split into {pl.chunks} programs per group" if pl.split else "looped"
     return "group_norm", f"{kind}; tile {pl.block_c}x{pl.block_s}"
 

@@ -87,6 +87,8 @@ def _run(name: str, size: int) -> None:
 def test_shipped_tables_cover_every_group_norm_of_the_sd_models(name, size, device, recorded):
     _run(name, size)
     assert sum(map(len, recorded.values())) >= 10  # the recorders saw the calls
-    missing = {launcher: sorted(keys - _table(device, TUNED[launcher])) for launcher, keys in recorded.items()}
+    # A launcher these models never call (the split path's statistics, since the UNet and VAE run
+    # channels_last on Hopper) needs no table.
+    missing = {launcher: sorted(keys - _table(device, TUNED[launcher])) for launcher, keys in recorded.items() if keys}
     missing = {k: v for k, v in missing.items() if v}
     assert not missing, f"{name}@{size}: keys no shipped table on {device} holds (run python -m bench.tune): {missing}"

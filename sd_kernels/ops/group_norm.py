@@ -19,8 +19,9 @@ program per group (or per chunk of a group), the third one per chunk of whole pi
 * **pixels** (three launches, channels-fast inputs: channels_last, [B, C, HW] views of [B, HW, C]):
   a group's pixels there are CPG-element runs C elements apart (8–160 bytes of every C·2), which
   group programs read piecemeal. Instead a program owns all C channels of a chunk of pixels, a
-  contiguous slab. ``_pixel_stats_kernel`` keeps a per-lane Welford on [pixels, G_P, CPG_P] tiles
-  (channel g·CPG + c at lane (g, c)) and merges each group's lanes into partial (count, mean, M2)
+  contiguous slab. ``_pixel_stats_kernel`` keeps a per-lane Welford on [pixels, C padded] tiles
+  (read in full-width vectors), merges the pixel lanes into per-channel statistics and those, laid
+  out [groups, channels of a group] by a gather, into partial (count, mean, M2)
   per (sample, chunk, group); ``_pixel_merge_kernel`` merges a group's partials into (mean, rstd);
   ``_pixel_norm_kernel`` normalizes [pixels, C padded to a power of two] tiles with per-channel
   mean and rstd·w gathered once per program. Taken for channels-fast inputs unless the group is one
@@ -28,10 +29,16 @@ program per group (or per chunk of a group), the third one per chunk of whole pi
   ``_TILE_ELEMS``. The merge is a launch of its own: merging in the normalize prologue would make
   every program read all G·S partials of its sample (≈ 100 KB at S = 256).
 
-Statistics are fp32 and safe for inputs whose mean is large against their spread: every lane keeps
-a Welford (count, mean, M2) over the tiles it sees, and lanes, chunks and partials are combined with
-the k-way form of Chan's merge, mean = Σ nᵢ·meanᵢ / n, M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ − mean)², whose
-terms are all nonnegative: no E[x²] − E[x]² cancellation anywhere. Normalizing computes
+Statistics are fp32 and safe for inputs whose mean is large against their spread. On the group
+paths every lane keeps a Welford (count, mean, M2) over the tiles it sees; lanes, chunks and partials
+are combined with the k-way form of Chan's merge, mean = Σ nᵢ·meanᵢ / n, M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ −
+mean)², whose terms are all nonnegative: no E[x²] − E[x]² cancellation. The pixel path's statistics
+launch instead sums d = x − p and d² per channel and chunk, p being one of the very values summed
+(the chunk's first pixel of that channel), then M2 = Σd² − (Σd)²/n: a Welford per lane made that
+launch slower than its loads (measured, session 14). The subtraction loses at most a factor
+1 + n·(mean − p)²/M2 of fp32's precision, and because p is one of the n values, (p − mean)² ≤ M2:
+the loss is at most a factor n + 1 (n = the chunk's pixels, 16–128 at SD's shapes), however large
+the mean. Channels, chunks and partials then meet in Chan's merge as above. Normalizing computes
 (x − mean)·(rstd·w) + b for the same reason.
 
 Layouts: the spatial dims are read through one stride (stride_s), so NCHW, channels_last, the
@@ -66,7 +73,8 @@ _SPLIT_ELEMS_FEW = 32 * 1024  # ... or above this when there are fewer groups th
 _H100_SMS = 132  # the SM count they were tuned at, and the one assumed without a CUDA device
 _FEW_GROUPS = 64  # at 132 SMs: below this many (sample, group) pairs the fused path leaves most SMs idle
 _TARGET_PROGRAMS = 512  # at 132 SMs: the split path aims for ≈ 4 programs per SM
-_PIXEL_PROGRAMS = 512  # at 132 SMs: the pixel path's programs over all samples (its own knob: NCHW stays put)
+_PIXEL_PROGRAMS = 512  # at 132 SMs: the pixel path's normalize programs over all samples (its own knob)
+_PIXEL_STAT_PROGRAMS = 256  # ... and its statistics programs: each a few tiles (measured faster than one)
 _HOPPER_REGISTERS_KB = 256  # 64 K 32-bit registers per block, where _ONE_TILE_ELEMS was tuned
 _ONE_TILE_ELEMS = 16384  # a fused group up to this many (padded) elements is read once, kept in registers;
 # also the most the warps can hold: the autotuner's 16 warps × 32 threads × 32 elements a thread
@@ -148,15 +156,16 @@ def _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT: tl.constexpr, HA
     return scale, shift
 
 
-def _autotune(key, tile=("BLOCK_C", "BLOCK_S")):
+def _autotune(key, tile=("BLOCK_C", "BLOCK_S"), per_thread=32):
     # Tiles are picked on the host; only the warps are tuned. The interpreter would run every config.
-    # ``tile``: the constexprs whose product is the tile's element count.
+    # ``tile``: the constexprs whose product is the tile's element count; ``per_thread``: the most
+    # tile elements a thread may hold (32: x, mean and M2 each in registers).
     warps = (4,) if interpreting() else (4, 8, 16)
 
-    def prune(configs, named_args, **kwargs):  # ≤ 32 elements a thread (x, mean, M2 each in registers)
+    def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         elems = math.prod(args[name] for name in tile)
-        kept = [c for c in configs if elems // (32 * c.num_warps) <= 32]
+        kept = [c for c in configs if elems // (32 * c.num_warps) <= per_thread]
         return kept or configs[-1:]
 
     return triton.autotune([triton.Config({}, num_warps=w) for w in warps], key=key,
@@ -255,50 +264,57 @@ def _group_norm_kernel(
 # The chunk's base is an int64 pointer; offsets inside a chunk are int32 (the host checks the span).
 
 
-@_autotune(key=["HW", "G", "S", "CPG", "G_P", "CPG_P", "BLOCK_S"], tile=("BLOCK_S", "G_P", "CPG_P"))
+@_autotune(key=["HW", "G", "S", "CPG", "C_P", "G_P", "CPG_P", "BLOCK_S"], tile=("BLOCK_S", "C_P"), per_thread=64)
 @triton.jit
 def _pixel_stats_kernel(
-    x_ptr, part_ptr, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
-    CPG: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    x_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
+    CPG: tl.constexpr, C_P: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Pixel path, launch 1: partial (count, mean, M2) of every (sample, chunk, group), as
     part[3, N, G, S] (a group's S partials contiguous, for the merge launch).
 
-    The tile is [BLOCK_S pixels, G_P groups, CPG_P channels]; channel g·CPG + c sits at lane (g, c),
-    so the (g, c) lanes of one pixel address the pixel's C channels in order (with CPG_P − CPG
-    masked lanes after each group's run): whole pixels, read front to back. Each lane keeps a
-    Welford (mean, M2) over the chunk's pixel tiles, as in ``_chunk_stats``; the lanes of a group are
-    merged (Chan) over the pixel and channel axes at the end, one reduction per program."""
+    The tile is [BLOCK_S pixels, C_P = C padded to a power of two]: whole pixels, flat, read in
+    full-width vectors. Every channel is shifted by its pivot p, the chunk's first value of that
+    channel, and each lane sums d = x − p and d² over the chunk's tiles; the pixel lanes are reduced
+    once, at the end (reducing every tile measured slower). A channel's mean is p + Σd/n and its
+    M2 = Σd² − (Σd)²/n (the module docstring says why the shift keeps that subtraction exact
+    enough); a gather lays the channels out as [G_P groups, CPG_P channels] (channel g·CPG + c at
+    (g, c)) for a Chan merge of each group's channels. Fastest at 4 warps, 64 elements a thread:
+    the only cross-warp reduction is the last one."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     s_lo = pid_s * CHUNK
     n_s = tl.minimum(CHUNK, HW - s_lo)  # pixels in this chunk
     x_blk = x_ptr + pid_n.to(tl.int64) * stride_xn + s_lo.to(tl.int64) * stride_xs
-    s = tl.arange(0, BLOCK_S)[:, None, None]
-    g = tl.arange(0, G_P)[None, :, None]
-    c = tl.arange(0, CPG_P)[None, None, :]
-    lane = (g < G) & (c < CPG)
-    offs_c = (g * CPG + c) * stride_xc
-    mean = tl.zeros((BLOCK_S, G_P, CPG_P), dtype=tl.float32)
-    m2 = tl.zeros((BLOCK_S, G_P, CPG_P), dtype=tl.float32)
-    k = 0.0
+    s = tl.arange(0, BLOCK_S)[:, None]
+    ch = tl.arange(0, C_P)[None, :]
+    c_ok = ch < C
+    pivot = tl.load(x_blk + ch * stride_xc, mask=c_ok, other=0.0).to(tl.float32)
+    s1 = tl.zeros((BLOCK_S, C_P), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_S, C_P), dtype=tl.float32)
     for s0 in range(0, n_s, BLOCK_S):
-        mask = lane & (s0 + s < n_s)
-        x = tl.load(x_blk + offs_c + (s0 + s) * stride_xs, mask=mask, other=0.0).to(tl.float32)
-        k += 1.0
-        delta = x - mean
-        mean = tl.where(mask, mean + delta * (1.0 / k), mean)
-        m2 = tl.where(mask, m2 + delta * (x - mean), m2)
-    # Only the last pixel tile is masked, so a valid lane's count is its number of pixel tiles.
-    pixel_tiles = tl.maximum(n_s - s + (BLOCK_S - 1), 0) // BLOCK_S
-    count = tl.where(lane, pixel_tiles, 0).to(tl.float32)
-    n_g = tl.sum(tl.sum(count, axis=2), axis=0)  # [G_P]
-    mu = tl.sum(tl.sum(count * mean, axis=2), axis=0) / tl.maximum(n_g, 1.0)
-    d = mean - mu[None, :, None]
-    m2_g = tl.sum(tl.sum(m2 + count * d * d, axis=2), axis=0)
+        mask = c_ok & (s0 + s < n_s)
+        x = tl.load(x_blk + ch * stride_xc + (s0 + s) * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, x - pivot, 0.0)
+        s1 += d
+        s2 += d * d
+    n = n_s.to(tl.float32)
+    sum1, sum2 = tl.sum(s1, axis=0), tl.sum(s2, axis=0)  # [C_P]
+    mu_c = tl.reshape(pivot, (C_P,)) + sum1 / n
+    m2_c = tl.maximum(sum2 - sum1 * sum1 / n, 0.0)
+    # Channels to groups: lane (g, c) takes channel g·CPG + c (clamped where the lane is padding).
+    g = tl.arange(0, G_P)[:, None]
+    c = tl.arange(0, CPG_P)[None, :]
+    lane = (g < G) & (c < CPG)
+    at = tl.reshape(tl.minimum(g * CPG + c, C_P - 1), (G_P * CPG_P,))
+    mu_l = tl.reshape(tl.gather(mu_c, at, 0), (G_P, CPG_P))
+    m2_l = tl.where(lane, tl.reshape(tl.gather(m2_c, at, 0), (G_P, CPG_P)), 0.0)
+    mu = tl.sum(tl.where(lane, mu_l, 0.0), axis=1) / CPG  # every channel of a group has n pixels
+    dg = tl.where(lane, mu_l - mu[:, None], 0.0)
+    m2_g = tl.sum(m2_l + n * dg * dg, axis=1)
     gs = tl.arange(0, G_P)
     plane = tl.num_programs(0) * G * S
     idx = (pid_n * G + gs) * S + pid_s
-    tl.store(part_ptr + idx, n_g, mask=gs < G)
+    tl.store(part_ptr + idx, tl.full((G_P,), CPG, tl.float32) * n, mask=gs < G)
     tl.store(part_ptr + plane + idx, mu, mask=gs < G)
     tl.store(part_ptr + 2 * plane + idx, m2_g, mask=gs < G)
 
@@ -323,7 +339,7 @@ def _pixel_merge_kernel(part_ptr, S, eps, PART_BLOCK: tl.constexpr):
 @_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
 @triton.jit
 def _pixel_norm_kernel(
-    x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, C, G, HW, S,
+    x_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, C, G, HW, S,
     stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
     CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
@@ -341,7 +357,7 @@ def _pixel_norm_kernel(
     y_blk = y_ptr + pid_n.to(tl.int64) * stride_yn + s_lo.to(tl.int64) * stride_ys
     ch = tl.arange(0, BLOCK_C)
     c_mask = ch < C
-    stat_ptr = part_ptr + 3 * tl.num_programs(0) * G * S + pid_n * G + ch // CPG
+    stat_ptr += pid_n * G + ch // CPG  # stat[2, N·G], the merge launch's output
     mean = tl.load(stat_ptr, mask=c_mask, other=0.0)
     rstd = tl.load(stat_ptr + tl.num_programs(0) * G, mask=c_mask, other=0.0)
     scale, shift = _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT, HAS_BIAS)
@@ -364,7 +380,7 @@ class Plan:
     whether programs own whole pixels (``pixels``: the channels-fast path) rather than groups.
 
     Group paths: the tile is [block_c channels of a group, block_s pixels]; S chunks per group.
-    Pixel path: the statistics tile is [block_s pixels, block_c = G_P·CPG_P padded channels], the
+    Pixel path: the statistics tile is [block_s pixels, block_c = C padded to a power of two], the
     normalize tile [norm_block_s pixels, norm_block_c = C padded]; S chunks per sample."""
 
     block_c: int
@@ -376,6 +392,8 @@ class Plan:
     pixels: bool = False
     norm_block_c: int = 0  # pixel path only
     norm_block_s: int = 0
+    stat_chunk: int = 0  # pixel path only: pixels per statistics program, whose launch has its own chunks
+    stat_chunks: int = 0
 
     @property
     def launches(self) -> int:
@@ -437,7 +455,7 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     p2c, p2s = next_pow2(cpg), next_pow2(hw)
     if not pixels and not split and p2c * p2s <= one_tile_elems(register_file_kb):
         return Plan(p2c, p2s, one_tile=True, split=False, chunk=hw, chunks=1)
-    if pixels or (pixels is None and channels_fast and next_pow2(groups) * p2c <= _TILE_ELEMS):
+    if pixels or (pixels is None and channels_fast and next_pow2(groups * cpg) <= _TILE_ELEMS):
         return _pixel_plan(n, groups, cpg, hw, sms)
     if channels_fast and p2c <= _TILE_ELEMS:  # a pixel's CPG channels are one contiguous run: all of it
         block_c = p2c
@@ -453,18 +471,22 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
 
 
 def _pixel_plan(n: int, groups: int, cpg: int, hw: int, sms: int) -> Plan:
-    """The pixel path's tiles and chunks: ≈ _PIXEL_PROGRAMS programs (scaled to the SMs) over all
-    samples, each a whole number of statistics tiles; the normalize tile is the largest power of
-    two of pixels dividing the chunk that fits _TILE_ELEMS with C padded (at least one pixel)."""
-    block_c = next_pow2(groups) * next_pow2(cpg)
+    """The pixel path's tiles and chunks: ≈ _PIXEL_PROGRAMS normalize and _PIXEL_STAT_PROGRAMS
+    statistics programs (scaled to the SMs) over all samples, each a whole number of statistics
+    tiles; the normalize tile is the largest power of two of pixels dividing the chunk that fits
+    _TILE_ELEMS with C padded (at least one pixel)."""
+    block_c = norm_c = next_pow2(groups * cpg)
     block_s = max(1, min(next_pow2(hw), _TILE_ELEMS // block_c))
     tiles = cdiv(hw, block_s)
-    per_sample = min(tiles, cdiv(_per_sms(_PIXEL_PROGRAMS, sms), n))
-    chunk = cdiv(tiles, per_sample) * block_s
-    norm_c = next_pow2(groups * cpg)
+
+    def chunking(programs: int) -> tuple[int, int]:
+        chunk = cdiv(tiles, min(tiles, cdiv(_per_sms(programs, sms), n))) * block_s
+        return chunk, cdiv(hw, chunk)
+
+    (chunk, chunks), (stat_chunk, stat_chunks) = chunking(_PIXEL_PROGRAMS), chunking(_PIXEL_STAT_PROGRAMS)
     norm_s = max(1, min(chunk & -chunk, _TILE_ELEMS // norm_c))
-    return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=cdiv(hw, chunk),
-                pixels=True, norm_block_c=norm_c, norm_block_s=norm_s)
+    return Plan(block_c, block_s, one_tile=False, split=True, chunk=chunk, chunks=chunks,
+                pixels=True, norm_block_c=norm_c, norm_block_s=norm_s, stat_chunk=stat_chunk, stat_chunks=stat_chunks)
 
 
 _STATS, _NORM = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel)
@@ -557,7 +579,8 @@ def group_norm(
     p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sms, register_file_kb=kb, pixels=pixels)
     # The pixel path's in-chunk offsets are int32: a chunk's extent in x and y must fit (it always
     # does at SD's sizes; a sample of > 2³¹ elements in one chunk plans the group paths instead).
-    chunk_span = (p.chunk - 1) * max(abs(stride_s), abs(ys)) + (c - 1) * max(abs(x.stride(1)), abs(y.stride(1)))
+    chunk_span = ((max(p.chunk, p.stat_chunk) - 1) * max(abs(stride_s), abs(ys))
+                  + (c - 1) * max(abs(x.stride(1)), abs(y.stride(1))))
     if p.pixels and chunk_span >= 2**31:
         p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sms, register_file_kb=kb, pixels=False)
 
@@ -566,16 +589,17 @@ def group_norm(
     # (hw, num_groups, cpg, p) and the tensors' dtypes.
     key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, activation)
-    if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S], then stat[2, N·G]
-        parts = torch.empty((3 * p.chunks + 2) * n * num_groups, dtype=torch.float32, device=x.device)
-        grid = (n, p.chunks)
+    if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S_stat], then stat[2, N·G]
+        parts = torch.empty((3 * p.stat_chunks + 2) * n * num_groups, dtype=torch.float32, device=x.device)
         _PIXEL_STATS(
-            key, grid, x, parts, num_groups, hw, p.chunks, x.stride(0), x.stride(1), stride_s, p.chunk,
-            CPG=cpg, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
+            key, (n, p.stat_chunks), x, parts, c, num_groups, hw, p.stat_chunks,
+            x.stride(0), x.stride(1), stride_s, p.stat_chunk,
+            CPG=cpg, C_P=p.block_c, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
         )
-        _PIXEL_MERGE(key, (n * num_groups,), parts, p.chunks, float(eps), PART_BLOCK=next_pow2(p.chunks))
+        _PIXEL_MERGE(key, (n * num_groups,), parts, p.stat_chunks, float(eps), PART_BLOCK=next_pow2(p.stat_chunks))
         _PIXEL_NORM(
-            key, grid, x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
+            key, (n, p.chunks), x, y, weight if weight is not None else x, bias if bias is not None else x,
+            parts[3 * p.stat_chunks * n * num_groups:],
             c, num_groups, hw, p.chunks,
             x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
             CPG=cpg, BLOCK_C=p.norm_block_c, BLOCK_S=p.norm_block_s,

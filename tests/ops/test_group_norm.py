@@ -300,11 +300,13 @@ def test_vae_shapes_split_over_the_whole_gpu_in_nchw(shape):
 
 def _assert_sound_pixel_plan(p, n, c, hw, g=32):
     assert p.pixels and p.split and p.launches == 3 and not p.one_tile
-    assert p.block_c == gn.next_pow2(g) * gn.next_pow2(c // g) and p.block_c * p.block_s <= gn._TILE_ELEMS
+    assert p.block_c == gn.next_pow2(c) and p.block_c * p.block_s <= gn._TILE_ELEMS
     assert p.norm_block_c == gn.next_pow2(c) and p.norm_block_c * p.norm_block_s <= gn._TILE_ELEMS
     assert p.chunk % p.block_s == 0 and p.chunk % p.norm_block_s == 0  # only a sample's last tile is masked
     assert (p.chunks - 1) * p.chunk < hw <= p.chunks * p.chunk
-    assert n * p.chunks >= 132 and p.chunks <= 1024  # every SM busy; the merge loads ≤ 1024 partials at once
+    assert n * p.chunks >= 132 and p.chunks <= 1024  # every SM busy
+    assert p.stat_chunk % p.block_s == 0 and (p.stat_chunks - 1) * p.stat_chunk < hw <= p.stat_chunks * p.stat_chunk
+    assert n * p.stat_chunks >= 132 and p.stat_chunks <= 1024  # the merge loads ≤ 1024 partials at once
 
 
 @pytest.mark.parametrize("shape", UNET_SHAPES)
