@@ -19,9 +19,10 @@ program per group (or per chunk of a group), the third one per chunk of whole pi
 * **pixels** (three launches, channels-fast inputs: channels_last, [B, C, HW] views of [B, HW, C]):
   a group's pixels there are CPG-element runs C elements apart (8–160 bytes of every C·2), which
   group programs read piecemeal. Instead a program owns all C channels of a chunk of pixels, a
-  contiguous slab. ``_pixel_stats_kernel`` keeps a per-lane Welford on [pixels, C padded] tiles
-  (read in full-width vectors), merges the pixel lanes into per-channel statistics and those, laid
-  out [groups, channels of a group] by a gather, into partial (count, mean, M2)
+  contiguous slab. ``_pixel_stats_kernel`` sums each channel's deviations from a pivot (and their
+  squares) on [pixels, C padded] tiles read in full-width vectors, reduces the pixel lanes into
+  per-channel statistics and merges those, laid out [groups, channels of a group] by a gather,
+  into partial (count, mean, M2)
   per (sample, chunk, group); ``_pixel_merge_kernel`` merges a group's partials into (mean, rstd);
   ``_pixel_norm_kernel`` normalizes [pixels, C padded to a power of two] tiles with per-channel
   mean and rstd·w gathered once per program. Taken for channels-fast inputs unless the group is one
@@ -37,9 +38,10 @@ launch instead sums d = x − p and d² per channel and chunk, p being one of th
 (the chunk's first pixel of that channel), then M2 = Σd² − (Σd)²/n: a Welford per lane made that
 launch slower than its loads (measured, session 14). The subtraction loses at most a factor
 1 + n·(mean − p)²/M2 of fp32's precision, and because p is one of the n values, (p − mean)² ≤ M2:
-the loss is at most a factor n + 1 (n = the chunk's pixels, 16–128 at SD's shapes), however large
-the mean. Channels, chunks and partials then meet in Chan's merge as above. Normalizing computes
-(x − mean)·(rstd·w) + b for the same reason.
+the loss is at most a factor n + 1 (n = the chunk's pixels, 2–1,024 at SD's shapes) however large
+the mean, and about 2 when p is a typical value of its channel. Channels, chunks and partials
+then meet in Chan's merge as above. Normalizing computes (x − mean)·(rstd·w) + b for the same
+reason.
 
 Layouts: the spatial dims are read through one stride (stride_s), so NCHW, channels_last, the
 VAE attention's [B, C, HW] views and strided slices run without copies and the output keeps the
@@ -440,7 +442,7 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     """The path and tiles for x [n, groups·cpg, hw] (``channels_fast``: channels have the smaller
     stride, e.g. channels_last). ``split_threshold``: group elements above which the split path
     runs; None applies the size heuristic (see the module docstring). ``sms``: the device's SM count
-    (``sm_count``), which scales _FEW_GROUPS, _TARGET_PROGRAMS and _PIXEL_PROGRAMS;
+    (``sm_count``), which scales _FEW_GROUPS, _TARGET_PROGRAMS, _PIXEL_PROGRAMS and _PIXEL_STAT_PROGRAMS;
     ``register_file_kb``: the active profile's, which bounds the one-tile path (``one_tile_elems``).
     ``pixels``: None lets the
     heuristic choose the pixel path (channels-fast inputs whose group is not one tile and whose

@@ -1,16 +1,43 @@
 """Session 14 scratch: the pixel path's statistics launch alone, three kernels x warps x programs, SD shapes."""
-import importlib, importlib.util, json, os, sys
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
 import torch
-import triton, triton.language as tl
+import triton
+import triton.language as tl
+
+from bench.common import time_graph_ms
+
 new = importlib.import_module("sd_kernels.ops.group_norm")
-spec = importlib.util.spec_from_file_location("gn_old", "scratch/gn_old.py"); old = importlib.util.module_from_spec(spec)
-sys.modules["gn_old"] = old; spec.loader.exec_module(old)
+spec = importlib.util.spec_from_file_location("gn_old", "scratch/gn_old.py")
+old = importlib.util.module_from_spec(spec)
+sys.modules["gn_old"] = old
+spec.loader.exec_module(old)
 
 
 @triton.jit
-def pivot_stats(x_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
-                CPG: tl.constexpr, C_P: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                PER_TILE: tl.constexpr):
+def pivot_stats(
+    x_ptr,
+    part_ptr,
+    C,
+    G,
+    HW,
+    S,
+    stride_xn,
+    stride_xc,
+    stride_xs,
+    CHUNK,
+    CPG: tl.constexpr,
+    C_P: tl.constexpr,
+    G_P: tl.constexpr,
+    CPG_P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PER_TILE: tl.constexpr,
+):
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     s_lo = pid_s * CHUNK
     n_s = tl.minimum(CHUNK, HW - s_lo)
@@ -60,19 +87,7 @@ def pivot_stats(x_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, C
 
 
 def graph_us(fn, calls=10, reps=15):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls): fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    ts.sort(); return ts[len(ts) // 2] / calls * 1000
+    return time_graph_ms(fn, calls=calls, replays=reps) * 1000
 
 
 def ref_parts(x, G, S, chunk):
@@ -80,43 +95,75 @@ def ref_parts(x, G, S, chunk):
     xv = x.permute(0, 2, 3, 1).reshape(n, H * W, G, C // G).double()
     out = torch.zeros(3, n, G, S, dtype=torch.float64, device=x.device)
     for j in range(S):
-        blk = xv[:, j * chunk:(j + 1) * chunk]
+        blk = xv[:, j * chunk : (j + 1) * chunk]
         out[0, :, :, j] = blk.shape[1] * (C // G)
         out[1, :, :, j] = blk.mean(dim=(1, 3))
         out[2, :, :, j] = ((blk - blk.mean(dim=(1, 3), keepdim=True)) ** 2).sum(dim=(1, 3))
     return out
 
 
-SHAPES = [(2, 320, 64, 64), (2, 640, 64, 64), (2, 960, 64, 64), (2, 640, 32, 32), (2, 1920, 32, 32), (2, 320, 128, 128), (2, 960, 128, 128)]
+SHAPES = [
+    (2, 320, 64, 64),
+    (2, 640, 64, 64),
+    (2, 960, 64, 64),
+    (2, 640, 32, 32),
+    (2, 1920, 32, 32),
+    (2, 320, 128, 128),
+    (2, 960, 128, 128),
+]
 res = []
 for shape in SHAPES:
-    n, C, H, W = shape; G = 32; cpg = C // G; hw = H * W
+    n, C, H, W = shape
+    G = 32
+    cpg = C // G
+    hw = H * W
     x = (torch.randn(shape, device="cuda", dtype=torch.float16) * 2 + 3).to(memory_format=torch.channels_last)
-    C_P = triton.next_power_of_2(C); G_P = 32; CPG_P = triton.next_power_of_2(cpg)
+    C_P = triton.next_power_of_2(C)
+    G_P = 32
+    CPG_P = triton.next_power_of_2(cpg)
     for programs in (128, 256, 512, 1024):
         block_s = max(1, min(triton.next_power_of_2(hw), 8192 // C_P))
-        tiles = -(-hw // block_s); per = min(tiles, -(-programs // n)); chunk = -(-tiles // per) * block_s; S = -(-hw // chunk)
+        tiles = -(-hw // block_s)
+        per = min(tiles, -(-programs // n))
+        chunk = -(-tiles // per) * block_s
+        S = -(-hw // chunk)
         parts = torch.empty(3 * n * G * S + 2 * n * G, device="cuda", dtype=torch.float32)
         ref = ref_parts(x, G, S, chunk)
         args = (x, parts, C, G, hw, S, x.stride(0), x.stride(1), x.stride(3), chunk)
         kernels = {
-            "old": (old._pixel_stats_kernel.fn, (x, parts, G, hw, S, x.stride(0), x.stride(1), x.stride(3), chunk),
-                    dict(CPG=cpg, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s)),
-            "welford": (new._pixel_stats_kernel.fn, args, dict(CPG=cpg, C_P=C_P, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s)),
+            "old": (
+                old._pixel_stats_kernel.fn,
+                (x, parts, G, hw, S, x.stride(0), x.stride(1), x.stride(3), chunk),
+                dict(CPG=cpg, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s),
+            ),
+            "welford": (
+                new._pixel_stats_kernel.fn,
+                args,
+                dict(CPG=cpg, C_P=C_P, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s),
+            ),
             "pivot": (pivot_stats, args, dict(CPG=cpg, C_P=C_P, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s, PER_TILE=False)),
-            "pivot_tile": (pivot_stats, args, dict(CPG=cpg, C_P=C_P, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s, PER_TILE=True)),
+            "pivot_tile": (
+                pivot_stats,
+                args,
+                dict(CPG=cpg, C_P=C_P, G_P=G_P, CPG_P=CPG_P, BLOCK_S=block_s, PER_TILE=True),
+            ),
         }
         for name, (k, a, kw) in kernels.items():
             for w in (4, 8, 16):
-                if 8192 // (32 * w) > 64: continue
+                if 8192 // (32 * w) > 64:
+                    continue
                 try:
-                    fn = lambda: k[(n, S)](*a, **kw, num_warps=w)
-                    fn(); torch.cuda.synchronize()
-                    got = parts[:3 * n * G * S].view(3, n, G, S).double()
+                    fn = lambda: k[(n, S)](*a, **kw, num_warps=w)  # noqa: B023 (called in the loop)
+                    fn()
+                    torch.cuda.synchronize()
+                    got = parts[: 3 * n * G * S].view(3, n, G, S).double()
                     err = ((got - ref).abs() / (ref.abs() + 1e-3)).max().item()
                     us = graph_us(fn)
                 except Exception as e:
                     us, err = float("nan"), repr(e)[:80]
-                r = dict(shape=shape, programs=n * S, chunk=chunk, block_s=block_s, kernel=name, warps=w, us=us, err=err)
-                res.append(r); print(json.dumps(r), flush=True)
+                r = dict(
+                    shape=shape, programs=n * S, chunk=chunk, block_s=block_s, kernel=name, warps=w, us=us, err=err
+                )
+                res.append(r)
+                print(json.dumps(r), flush=True)
 json.dump(res, open(os.environ["OUT"] + "/r/gnstats.json", "w"))
