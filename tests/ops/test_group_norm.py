@@ -44,7 +44,8 @@ def force_path(monkeypatch):
     (split_threshold, pixels) to pass to group_norm.
 
     Tiles shrink to 32 elements so that tiny shapes still loop over several tiles and chunks; the
-    pixel path also aims at 4 programs in all, so that its chunks hold several tiles."""
+    pixel path also aims at 4 normalize and 8 statistics programs in all, so that its chunks hold
+    several tiles and the two launches chunk differently."""
 
     def force(path: str) -> dict:
         if path == "one_tile":
@@ -53,6 +54,7 @@ def force_path(monkeypatch):
         monkeypatch.setattr(gn, "_TILE_ELEMS", 32)
         if path == "pixels":
             monkeypatch.setattr(gn, "_PIXEL_PROGRAMS", 4)
+            monkeypatch.setattr(gn, "_PIXEL_STAT_PROGRAMS", 8)  # chunks of their own, unlike the normalize's
             return {"pixels": True}
         return {"split_threshold": NO_SPLIT if path == "looped" else 0, "pixels": False}
 
@@ -170,6 +172,21 @@ def test_pixel_path_loops_over_tiles_and_chunks(force_path, plans, device):
     (p,) = plans
     assert p.chunks > 1 and p.chunk > p.block_s and 35 % p.chunk and p.chunk % p.block_s == 0
     assert p.chunk > p.norm_block_s and p.chunk % p.norm_block_s == 0 and p.norm_block_c == 64
+    assert p.stat_chunks > 1 and p.stat_chunk > p.block_s and p.stat_chunk != p.chunk and 35 % p.stat_chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pixel_path_pivot_is_an_outlier(dtype, force_path, device):
+    """The pixel path's statistics sum deviations from each chunk's first pixel (its pivot). A pivot
+    5,000 σ from the rest of its channel is that shift's worst case (the cancellation it causes is
+    bounded by the chunk's pixel count, not by the outlier's size): the output stays as close to
+    float64 as stock's. (Large means, the case the shift exists for, are test_large_mean's.)"""
+    kw = force_path("pixels")
+    x, w, b = _inputs((3, 40, 7, 5), dtype, device)
+    x[:, :, 0, 0] = 1e4  # every sample's first chunk starts at the outlier
+    x[:, :, 2, 2] = -1e4  # and the second (pixel 12: the statistics chunks are 12 pixels here)
+    x = layout(x, "channels_last")
+    _check(x, 8, w, b, None, group_norm(x, 8, w, b, 1e-5, None, **kw))
 
 
 @pytest.mark.parametrize("shape, g", [((1, 32, 48, 48), 4), ((1, 40, 48, 48), 8)])
