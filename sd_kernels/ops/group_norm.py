@@ -322,9 +322,9 @@ def _pixel_stats_kernel(
 
 
 @triton.jit
-def _pixel_merge_kernel(part_ptr, S, eps, PART_BLOCK: tl.constexpr):
+def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
     """Pixel path, launch 2, one program per (sample, group): merges the group's S partials (Chan)
-    into (mean, rstd), stored after the partials as stat[2, N·G]."""
+    into (mean, rstd), stored as stat[2, N·G]."""
     pid = tl.program_id(0)
     plane = tl.num_programs(0) * S
     k = tl.arange(0, PART_BLOCK)
@@ -333,7 +333,6 @@ def _pixel_merge_kernel(part_ptr, S, eps, PART_BLOCK: tl.constexpr):
     count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
                                   tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
                                   tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
-    stat_ptr = part_ptr + 3 * plane
     tl.store(stat_ptr + pid, mean)
     tl.store(stat_ptr + tl.num_programs(0) + pid, 1.0 / tl.sqrt(m2 / count + eps))
 
@@ -592,16 +591,17 @@ def group_norm(
     key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, activation)
     if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S_stat], then stat[2, N·G]
-        parts = torch.empty((3 * p.stat_chunks + 2) * n * num_groups, dtype=torch.float32, device=x.device)
+        buf = torch.empty((3 * p.stat_chunks + 2) * n * num_groups, dtype=torch.float32, device=x.device)
+        parts, stat = buf.split([3 * p.stat_chunks * n * num_groups, 2 * n * num_groups])
         _PIXEL_STATS(
             key, (n, p.stat_chunks), x, parts, c, num_groups, hw, p.stat_chunks,
             x.stride(0), x.stride(1), stride_s, p.stat_chunk,
             CPG=cpg, C_P=p.block_c, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
         )
-        _PIXEL_MERGE(key, (n * num_groups,), parts, p.stat_chunks, float(eps), PART_BLOCK=next_pow2(p.stat_chunks))
+        _PIXEL_MERGE(key, (n * num_groups,), parts, stat, p.stat_chunks, float(eps),
+                     PART_BLOCK=next_pow2(p.stat_chunks))
         _PIXEL_NORM(
-            key, (n, p.chunks), x, y, weight if weight is not None else x, bias if bias is not None else x,
-            parts[3 * p.stat_chunks * n * num_groups:],
+            key, (n, p.chunks), x, y, weight if weight is not None else x, bias if bias is not None else x, stat,
             c, num_groups, hw, p.chunks,
             x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
             CPG=cpg, BLOCK_C=p.norm_block_c, BLOCK_S=p.norm_block_s,
