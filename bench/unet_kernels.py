@@ -15,8 +15,9 @@ in ``-fused-qkv`` fuses the QKV projections before the patch, like the peer), on
 CUDA graph (the patch's own graph for patched setups), and one replay is profiled. ``warmup_s`` is
 the time from the set-up to a replayable graph (compilation, autotuning, capture).
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
-holds per setup the call's time and the bare graph replay's, per-category and per-kernel totals,
-the idle time between kernels by the category of the kernel after it (and the largest gaps), and
+holds per setup the call's time and the bare graph replay's, per-category and per-kernel totals (every kernel),
+the idle time between kernels by the category of the kernel after it, by the pair of categories and of
+kernel names on either side (and the largest gaps), and
 for patched setups how many conv calls were routed to Winograd in which layout.
 """
 
@@ -158,17 +159,23 @@ def measure(model: str, size: int, setup: str) -> dict:
     # Where the replay's idle time sits: the gaps between kernels, by the category of the kernel after.
     _, idle = gaps(spans)
     idle_before: collections.Counter = collections.Counter()
+    transitions: collections.Counter = collections.Counter()  # (category after, category before): idle µs
+    pairs: collections.Counter = collections.Counter()  # the same by kernel names
     for g in idle:
         idle_before[category(g["before"])] += g["us"]
+        transitions[f"{category(g['after'])} -> {category(g['before'])}"] += g["us"]
+        pairs[f"{g['after'][:60]} -> {g['before'][:60]}"] += g["us"]
     return {
         "setup": setup, "warmup_s": round(warmup_s, 1), "step_ms": round(step_ms, 4),
         "graph_replay_ms": round(graph_ms, 4),
         "kernel_ms": round(sum(kernels.values()) / 1e3, 4), "kernels": sum(calls.values()),
         "categories_ms": {c: round(us / 1e3, 4) for c, us in cats.most_common()},
-        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 4), "calls": calls[n], "category": category(n)}
-                        for n, us in kernels.most_common(30)],
+        "top_kernels": [{"name": n[:160], "ms": round(us / 1e3, 4), "calls": calls[n], "category": category(n)}
+                        for n, us in kernels.most_common()],
         "idle_ms_before": {c: round(us / 1e3, 4) for c, us in idle_before.most_common()},
         "largest_gaps": [{**g, "after": g["after"][:80], "before": g["before"][:80]} for g in idle[:12]],
+        "idle_ms_by_transition": {k: round(us / 1e3, 4) for k, us in transitions.most_common()},
+        "idle_ms_by_kernel_pair": {k: round(us / 1e3, 4) for k, us in pairs.most_common(40)},
         "winograd_routing_per_call": dict(routes),
     }
 
