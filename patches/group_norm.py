@@ -60,8 +60,10 @@ class FusedGroupNorm(nn.GroupNorm):
         self.activation = activation
 
     @scoped
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """``shift`` ([N, C], ours alone: nn.GroupNorm takes x only): normalize x + shift[:, :, None, …]
+        without writing the sum (``_resnet_forward`` passes conv1's bias + the time embedding)."""
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, shift)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
@@ -83,9 +85,30 @@ def _fused_silu(norm: nn.Module) -> bool:
     return isinstance(norm, FusedGroupNorm) and norm.activation == "silu"
 
 
+def _folds_into_norm2(block: nn.Module, temb: torch.Tensor | None) -> bool:
+    """Whether conv1's bias and the time embedding can reach norm2 as its ``shift`` instead of being
+    added to conv1's output (an elementwise pass over it): diffusers' "default" time-embedding norm,
+    a projected temb, our norm2, and conv1 a plain, hook-free nn.Conv2d with a bias (a LoRA layer,
+    a WinogradConv2d or an offloading hook runs its own forward)."""
+    conv = block.conv1
+    return (block.time_embedding_norm == "default" and temb is not None and block.time_emb_proj is not None
+            and isinstance(block.norm2, FusedGroupNorm) and type(conv) is nn.Conv2d and conv.bias is not None
+            and not (conv._forward_hooks or conv._forward_pre_hooks or _global_hooks()))
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """diffusers 0.42.1 ``ResnetBlock2D.forward``, line for line, except that the SiLU after a norm
-    is skipped when that norm already applied it (``_fused_silu``)."""
+    is skipped when that norm already applied it (``_fused_silu``), and that where
+    ``_folds_into_norm2`` holds, conv1 runs without its bias and norm2 normalizes
+    conv1(x) + (bias + temb) from a per-(sample, channel) shift in fp32: the same sum, never written
+    (diffusers rounds conv1's output and the sum to the activations' dtype; this rounds the conv
+    output without the bias, and the rest in fp32)."""
     from diffusers.utils import deprecate
 
     if len(args) > 0 or kwargs.get("scale", None) is not None:
@@ -108,14 +131,21 @@ def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args,
         input_tensor = self.downsample(input_tensor)
         hidden_states = self.downsample(hidden_states)
 
-    hidden_states = self.conv1(hidden_states)
+    fold = _folds_into_norm2(self, temb)
+    if fold:
+        hidden_states = self.conv1._conv_forward(hidden_states, self.conv1.weight, None)
+    else:
+        hidden_states = self.conv1(hidden_states)
 
     if self.time_emb_proj is not None:
         if not self.skip_time_act:
             temb = self.nonlinearity(temb)
         temb = self.time_emb_proj(temb)[:, :, None, None]
 
-    if self.time_embedding_norm == "default":
+    if fold:
+        shift = temb[:, :, 0, 0].float() + self.conv1.bias.float()
+        hidden_states = self.norm2(hidden_states, shift.expand(hidden_states.shape[:2]))
+    elif self.time_embedding_norm == "default":
         if temb is not None:
             hidden_states = hidden_states + temb
         hidden_states = self.norm2(hidden_states)

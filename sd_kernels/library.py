@@ -131,8 +131,9 @@ def _custom_op(name: str, layout: Callable[..., Layout], outputs: int = 1,
 
 @_custom_op("group_norm", lambda x, *_: dense_layout(x))
 def _group_norm_op(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
-                   bias: torch.Tensor | None, eps: float, activation: str | None) -> torch.Tensor:
-    return ops.group_norm(x, num_groups, weight, bias, eps, activation)
+                   bias: torch.Tensor | None, eps: float, activation: str | None,
+                   shift: torch.Tensor | None) -> torch.Tensor:
+    return ops.group_norm(x, num_groups, weight, bias, eps, activation, shift=shift)
 
 
 @_custom_op("gelu", lambda x, *_: dense_layout(x))
@@ -202,10 +203,10 @@ def _winograd_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 # What patched modules call: the plain op in eager, the custom op while compiling.
 
 
-def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None):
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None, shift=None):
     if torch.compiler.is_compiling():
-        return torch.ops.sd_kernels.group_norm(x, num_groups, weight, bias, float(eps), activation)
-    return ops.group_norm(x, num_groups, weight, bias, eps, activation)
+        return torch.ops.sd_kernels.group_norm(x, num_groups, weight, bias, float(eps), activation, shift)
+    return ops.group_norm(x, num_groups, weight, bias, eps, activation, shift=shift)
 
 
 def gelu(x, approximate="none"):

@@ -34,9 +34,17 @@ def group_norm(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
     activation: str | None = None,
+    *,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.group_norm`` followed by an optional activation (``"silu"``)."""
+    """``F.group_norm`` followed by an optional activation (``"silu"``); with ``shift`` ([N, C]), of
+    x + shift[:, :, None, …] summed in the wider of the two dtypes, the result in x's."""
     check_activation(activation)
+    if shift is not None:
+        dtype = x.dtype
+        x = x + shift.view(*shift.shape, *(1,) * (x.dim() - 2))
+        weight, bias = (None if t is None else t.to(x.dtype) for t in (weight, bias))
+        return group_norm(x, num_groups, weight, bias, eps, activation).to(dtype)
     y = F.group_norm(x, num_groups, weight, bias, eps)
     return F.silu(y) if activation == "silu" else y
 

@@ -203,15 +203,16 @@ def _group_stats_kernel(
 @_autotune(key=["HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S", "ONE_TILE", "HAS_PARTIALS"])
 @triton.jit
 def _group_norm_kernel(
-    x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, G, HW, S, eps,
+    x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, part_ptr, G, HW, S, eps,
     stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
     CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_TILE: tl.constexpr,
     HAS_PARTIALS: tl.constexpr, PART_BLOCK: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):
     """y = act((x − mean)·rstd·w + b) over this program's chunk of its group.
 
-    ONE_TILE: the whole group is one register tile, read once. HAS_PARTIALS: the statistics are
+    ONE_TILE: the whole group is one register tile, read once (HAS_SHIFT: x + shift[n, c] is, the
+    sum made in registers; the other branches never see a shift). HAS_PARTIALS: the statistics are
     merged from the split path's partials. Otherwise the program streams its group for them first.
     """
     pid_g = tl.program_id(0)
@@ -227,6 +228,9 @@ def _group_norm_kernel(
         c = tl.arange(0, BLOCK_C)
         s = tl.arange(0, BLOCK_S)
         x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
+        if HAS_SHIFT:
+            sh = tl.load(shift_ptr + n * G * CPG + w_base + c, mask=c < CPG, other=0.0).to(tl.float32)
+            x = tl.where(mask, x + sh[:, None], 0.0)
         count = CPG * HW * 1.0
         mean = tl.sum(x) / count
         d = tl.where(mask, x - mean, 0.0)
@@ -269,8 +273,9 @@ def _group_norm_kernel(
 @_autotune(key=["HW", "G", "S", "CPG", "C_P", "G_P", "CPG_P", "BLOCK_S"], tile=("BLOCK_S", "C_P"), per_thread=64)
 @triton.jit
 def _pixel_stats_kernel(
-    x_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
+    x_ptr, shift_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
     CPG: tl.constexpr, C_P: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
 ):
     """Pixel path, launch 1: partial (count, mean, M2) of every (sample, chunk, group), as
     part[3, N, G, S] (a group's S partials contiguous, for the merge launch).
@@ -282,7 +287,8 @@ def _pixel_stats_kernel(
     M2 = Σd² − (Σd)²/n (the module docstring says why the shift keeps that subtraction exact
     enough); a gather lays the channels out as [G_P groups, CPG_P channels] (channel g·CPG + c at
     (g, c)) for a Chan merge of each group's channels. Fastest at 4 warps, 64 elements a thread:
-    the only cross-warp reduction is the last one."""
+    the only cross-warp reduction is the last one. HAS_SHIFT: the statistics are those of
+    x + shift[n, c]; the shift moves only the pivot (d = (x + s) − (p + s) = x − p)."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     s_lo = pid_s * CHUNK
     n_s = tl.minimum(CHUNK, HW - s_lo)  # pixels in this chunk
@@ -301,6 +307,8 @@ def _pixel_stats_kernel(
         s2 += d * d
     n = n_s.to(tl.float32)
     sum1, sum2 = tl.sum(s1, axis=0), tl.sum(s2, axis=0)  # [C_P]
+    if HAS_SHIFT:
+        pivot += tl.load(shift_ptr + pid_n * C + ch, mask=c_ok, other=0.0).to(tl.float32)
     mu_c = tl.reshape(pivot, (C_P,)) + sum1 / n
     m2_c = tl.maximum(sum2 - sum1 * sum1 / n, 0.0)
     # Channels to groups: lane (g, c) takes channel g·CPG + c (clamped where the lane is padding).
@@ -340,16 +348,17 @@ def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
 @_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
 @triton.jit
 def _pixel_norm_kernel(
-    x_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, C, G, HW, S,
+    x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, C, G, HW, S,
     stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
     CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):
     """Pixel path, launch 3: y = act((x − mean)·(rstd·w) + b) over the chunk's [pixels, C] slab.
 
     The tile is [BLOCK_S pixels, BLOCK_C = C padded to a power of two]: whole pixels, flat, so a
     channels-last slab is read and written in full-width vectors. Per-channel mean and rstd·w are
-    gathered once from the merged per-group statistics (group = channel // CPG)."""
+    gathered once from the merged per-group statistics (group = channel // CPG). HAS_SHIFT: x + shift[n, c]
+    is normalized, as x − (mean − shift)."""
     pid_n = tl.program_id(0)
     pid_s = S - 1 - tl.program_id(1)  # reversed: the statistics launch read the last chunks last
     s_lo = pid_s * CHUNK
@@ -361,6 +370,8 @@ def _pixel_norm_kernel(
     stat_ptr += pid_n * G + ch // CPG  # stat[2, N·G], the merge launch's output
     mean = tl.load(stat_ptr, mask=c_mask, other=0.0)
     rstd = tl.load(stat_ptr + tl.num_programs(0) * G, mask=c_mask, other=0.0)
+    if HAS_SHIFT:
+        mean -= tl.load(shift_ptr + pid_n * C + ch, mask=c_mask, other=0.0).to(tl.float32)
     scale, shift = _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT, HAS_BIAS)
     s = tl.arange(0, BLOCK_S)
     for s0 in range(0, n_s, BLOCK_S):
@@ -537,8 +548,21 @@ def _span_reason(x: torch.Tensor, cpg: int, hw: int, stride_s: int | None) -> st
     return f"one group spans {span} elements (the kernel's in-group offsets are int32)" if span >= 2**31 else None
 
 
-def _kernel_reason(x: torch.Tensor, weight, bias) -> str | None:
-    reason = tensor_reason(x, weight, bias)
+def _check_shift(x: torch.Tensor, shift: torch.Tensor | None) -> None:
+    if shift is not None and (shift.dim() != 2 or tuple(shift.shape) != tuple(x.shape[:2])
+                              or not shift.is_floating_point()):
+        raise ValueError(f"group_norm: shift must be a floating-point [N, C] = {list(x.shape[:2])} tensor, got "
+                         f"{shift.dtype} {list(shift.shape)}")
+
+
+def _shifted(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x + shift[:, :, None, …] in x's dtype and memory format (the streaming group paths' input when
+    shifted): one elementwise kernel over x, the shift rounded to x's dtype first."""
+    return x + shift.to(x.dtype).view(*shift.shape, *(1,) * (x.dim() - 2))
+
+
+def _kernel_reason(x: torch.Tensor, weight, bias, shift=None) -> str | None:
+    reason = tensor_reason(x, weight, bias, shift)
     if reason is None and x.numel() == 0:
         return "empty input"
     return reason
@@ -551,24 +575,30 @@ def group_norm(
     eps: float = 1e-5,
     activation: str | None = None,
     *,
+    shift: torch.Tensor | None = None,
     split_threshold: int | None = None,
     pixels: bool | None = None,
 ) -> torch.Tensor:
     """``F.group_norm(x, num_groups, weight, bias, eps)``, then ``activation`` ("silu" or None), fused.
 
     x is [N, C, *spatial] in any memory format; the output keeps x's strides when x is dense
-    (contiguous, channels_last, permuted). ``split_threshold`` (group elements above which the
-    two-launch split path runs; None: the size heuristic) and ``pixels`` (None: the heuristic; True:
-    the pixel path, for channels-fast x only; False: never) are for tuning and tests (``plan``).
+    (contiguous, channels_last, permuted). ``shift`` ([N, C], any float dtype): normalize
+    x + shift[:, :, None, …] instead, the sum in fp32 and never written (the pixel path folds it into
+    its pivots and means, a one-tile group adds it in registers); the streaming group paths (looped,
+    split) add it to x first, in x's dtype, one elementwise kernel. ``split_threshold``
+    (group elements above which the two-launch split path runs; None: the size heuristic) and
+    ``pixels`` (None: the heuristic; True: the pixel path, for channels-fast x only; False: never)
+    are for tuning and tests (``plan``).
     """
     reference.check_activation(activation)
     _check(x, num_groups, weight, bias)
+    _check_shift(x, shift)
     n, c = x.shape[:2]
     hw, cpg = math.prod(x.shape[2:]), c // num_groups
     stride_s = _spatial_stride(x)
-    reason = _kernel_reason(x, weight, bias) or _span_reason(x, cpg, hw, stride_s)
-    if not use_kernel("group_norm", x, weight, bias, unsupported=reason):
-        return reference.group_norm(x, num_groups, weight, bias, eps, activation)
+    reason = _kernel_reason(x, weight, bias, shift) or _span_reason(x, cpg, hw, stride_s)
+    if not use_kernel("group_norm", x, weight, bias, shift, unsupported=reason):
+        return reference.group_norm(x, num_groups, weight, bias, eps, activation, shift=shift)
 
     if stride_s is None:  # spatial dims with no common stride (e.g. H and W swapped): one copy
         x = x.contiguous()
@@ -584,28 +614,35 @@ def group_norm(
                   + (c - 1) * max(abs(x.stride(1)), abs(y.stride(1))))
     if p.pixels and chunk_span >= 2**31:
         p = plan(n, num_groups, cpg, hw, channels_fast, split_threshold, sms=sms, register_file_kb=kb, pixels=False)
+    if shift is not None and not (p.pixels or p.one_tile):  # the streaming group paths normalize the sum, made here
+        x, shift = _shifted(x, shift), None
+        stride_s = _spatial_stride(x)
+    shift_arg = x if shift is None else shift.contiguous()  # dummy pointer when unused
 
     grid = (n * num_groups, p.chunks)
     # Launcher keys: the autotuners key on (HW, G, S, CPG, tiles, path) and the dtypes, all set by
-    # (hw, num_groups, cpg, p) and the tensors' dtypes.
+    # (hw, num_groups, cpg, p) and the tensors' dtypes; a shifted call is a key of its own (its kernels are
+    # another specialization, which a dry run must find through its own table entry).
     key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
-           None if bias is None else bias.dtype, activation)
+           None if bias is None else bias.dtype, activation) + (() if shift is None else ("shift",))
     if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S_stat], then stat[2, N·G]
         buf = torch.empty((3 * p.stat_chunks + 2) * n * num_groups, dtype=torch.float32, device=x.device)
         parts, stat = buf.split([3 * p.stat_chunks * n * num_groups, 2 * n * num_groups])
         _PIXEL_STATS(
-            key, (n, p.stat_chunks), x, parts, c, num_groups, hw, p.stat_chunks,
+            key, (n, p.stat_chunks), x, shift_arg, parts, c, num_groups, hw, p.stat_chunks,
             x.stride(0), x.stride(1), stride_s, p.stat_chunk,
             CPG=cpg, C_P=p.block_c, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
+            HAS_SHIFT=shift is not None,
         )
         _PIXEL_MERGE(key, (n * num_groups,), parts, stat, p.stat_chunks, float(eps),
                      PART_BLOCK=next_pow2(p.stat_chunks))
         _PIXEL_NORM(
-            key, (n, p.chunks), x, y, weight if weight is not None else x, bias if bias is not None else x, stat,
-            c, num_groups, hw, p.chunks,
+            key, (n, p.chunks), x, shift_arg, y, weight if weight is not None else x,
+            bias if bias is not None else x, stat, c, num_groups, hw, p.chunks,
             x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
             CPG=cpg, BLOCK_C=p.norm_block_c, BLOCK_S=p.norm_block_s,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
+            HAS_SHIFT=shift is not None,
         )
         return y
     parts = x  # dummy pointer when unused
@@ -616,11 +653,12 @@ def group_norm(
             CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s,
         )
     _NORM(
-        key, grid, x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
+        key, grid, x, shift_arg, y, weight if weight is not None else x, bias if bias is not None else x, parts,
         num_groups, hw, p.chunks, float(eps),
         x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
         CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, ONE_TILE=p.one_tile,
         HAS_PARTIALS=p.split, PART_BLOCK=next_pow2(p.chunks),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
+        HAS_SHIFT=shift is not None,
     )
     return y

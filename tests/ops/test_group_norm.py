@@ -237,6 +237,57 @@ def test_large_mean(dtype, mean, kind, path, force_path, device):
         assert rel_err(ours, ref64) < 16 * 2.0**-24 * mean / 2.0
 
 
+def _shift(n, c, dtype, device, offset=0.0):
+    return (offset + torch.randn(n, c, dtype=torch.float64, device=device)).to(dtype)
+
+
+def _check_shifted(x, g, w, b, shift, activation, ours):
+    """Against x + shift normalized: stock sums in the wider dtype (reference.group_norm(shift=)),
+    float64 in float64."""
+    stock = reference.group_norm(x, g, w, b, 1e-5, activation, shift=shift)
+    x64, w64, b64, s64 = reference.upcast(x, w, b, shift)
+    ref64 = reference.group_norm(x64, g, w64, b64, 1e-5, activation, shift=s64)
+    return assert_close_to_reference(ours, stock, ref64, factor=4.0)
+
+
+@pytest.mark.parametrize("path", [*PATHS, "pixels"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shift_dtype", [torch.float32, "x"])
+def test_shift_is_added_before_the_statistics(path, dtype, shift_dtype, force_path, plans, device):
+    """group_norm(x, shift=s) normalizes x + s[:, :, None, None] (ResnetBlock2D's conv1 bias + time
+    embedding): on the pixel path folded into the pivots and means, in a one-tile group added in
+    registers, on the streaming group paths added to x first."""
+    kw = force_path(path)
+    x, w, b = _inputs((3, 40, 7, 5), dtype, device)
+    x = layout(x, "channels_last")
+    shift = _shift(3, 40, dtype if shift_dtype == "x" else shift_dtype, device)
+    ours = group_norm(x, 8, w, b, 1e-5, "silu", shift=shift, **kw)
+    _check_shifted(x, 8, w, b, shift, "silu", ours)
+    assert ours.stride() == x.stride()
+    assert plans[-1].pixels == (path == "pixels")
+
+
+@pytest.mark.parametrize("path", ["looped", "pixels"])
+def test_shift_that_is_the_mean(path, force_path, device):
+    """A shift of 1,000 (the groups' mean then comes from it): the pixel path's pivot carries it, so
+    the statistics stay as exact as for a large mean in x; and a [1, C] shift expanded over the batch
+    (stride 0) reads the same row for every sample."""
+    kw = force_path(path)
+    x, w, b = _inputs((2, 40, 6, 6), torch.float32, device)
+    x = layout(x, "channels_last")
+    shift = _shift(1, 40, torch.float32, device, offset=1000.0).expand(2, 40)
+    ours = group_norm(x, 8, w, b, 1e-5, None, shift=shift, **kw)
+    _check_shifted(x, 8, w, b, shift, None, ours)
+
+
+@pytest.mark.parametrize("shape, dtype", [((2, 5), torch.float32), ((2, 6, 1, 1), torch.float32),
+                                          ((1, 6), torch.float32), ((2, 6), torch.int32)])
+def test_bad_shift_raises(shape, dtype, device):
+    x = torch.randn(2, 6, 4, 4, device=device)
+    with pytest.raises(ValueError, match="shift must be a floating-point"):
+        group_norm(x, 3, shift=torch.zeros(shape, dtype=dtype, device=device))
+
+
 def test_eps_and_constant_groups(device):
     """A constant group has variance 0: the output is exactly the bias (through eps), never NaN."""
     x = torch.full((2, 4, 3, 3), 7.0, device=device)
@@ -484,6 +535,24 @@ def test_gpu_sd_shapes_channels_last(shape, dtype, activation, plans):
     assert ours.stride() == x.stride()
     (p,) = plans
     assert p.pixels or p.one_tile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8)])
+def test_gpu_shift_at_resnet_norm2_shapes(shape, dtype, plans, monkeypatch):
+    """norm2 of SD1.5's ResnetBlock2Ds with conv1's bias + temb as the shift: as exact as stock's
+    x + shift then GroupNorm, in the launches of the unshifted call (the pixel path's three, a
+    one-tile group's one)."""
+    monkeypatch.setattr(gn, "_alloc", _ALLOC)
+    x, w, b = _inputs(shape, dtype, "cuda")
+    x = layout(x, "channels_last")
+    shift = _shift(shape[0], shape[1], torch.float32, "cuda", offset=0.5)
+    ours = group_norm(x, 32, w, b, 1e-5, "silu", shift=shift)
+    _check_shifted(x, 32, w, b, shift, "silu", ours)
+    launches = _kernel_launches(lambda: group_norm(x, 32, w, b, 1e-5, "silu", shift=shift))
+    assert plans[-1].pixels or plans[-1].one_tile
+    assert launches == plans[-1].launches
 
 
 @pytest.mark.gpu

@@ -151,6 +151,41 @@ def test_fused_resnet_forward_matches_diffusers(variant):
         assert torch.equal(block(x, temb), stock)
 
 
+class _ConvSubclass(nn.Conv2d):  # what a LoRA or Winograd wrapper is to the fold: not a plain nn.Conv2d
+    pass
+
+
+@pytest.mark.parametrize("conv1", ["plain", "hooked", "subclass", "no_bias"])
+def test_conv1_bias_and_temb_fold_into_norm2(conv1, monkeypatch):
+    """A plain, hook-free conv1 with a bias runs without it, and norm2 gets bias + temb as its shift;
+    any other conv1 runs its own forward and the sum is added as diffusers adds it. Same outputs."""
+    block = ResnetBlock2D(in_channels=16, out_channels=32, temb_channels=8, groups=4).eval()
+    if conv1 == "subclass":
+        block.conv1 = _ConvSubclass(16, 32, 3, padding=1)
+    if conv1 == "no_bias":
+        block.conv1.bias = None
+    calls = []
+    if conv1 == "hooked":
+        block.conv1.register_forward_hook(lambda *_: calls.append(1))
+    x, temb = torch.randn(2, 16, 6, 6), torch.randn(2, 8)
+    with torch.no_grad():
+        stock = block(x, temb)
+        ref64 = copy.deepcopy(block).double()(x.double(), temb.double())
+    calls.clear()
+    gn_patch.patch_group_norm(block, PatchRecord(("group_norm",), "cpu", ["block"]))
+    shifts = []
+    norm = gn_patch.group_norm
+    monkeypatch.setattr(gn_patch, "group_norm", lambda *a: shifts.append(a[6]) or norm(*a))
+    with torch.no_grad():
+        assert_close_to_reference(block(x, temb), stock, ref64)
+    folded = shifts[1] is not None  # norm1, norm2
+    assert folded == (conv1 == "plain") and shifts[0] is None
+    assert calls == ([1] if conv1 == "hooked" else [])
+    if folded:
+        want = block.time_emb_proj(torch.nn.functional.silu(temb)) + block.conv1.bias
+        assert shifts[1].dtype == torch.float32 and torch.allclose(shifts[1], want)
+
+
 def test_resnet_without_silu_only_swaps_norms():
     block = ResnetBlock2D(in_channels=16, temb_channels=8, groups=4, non_linearity="mish").eval()
     record = PatchRecord(("group_norm",), "cpu", ["block"])
