@@ -19,9 +19,8 @@ What keeps the dry run from leaving anything wrong behind:
 - a kernel whose config is not known yet (no shipped table entry, nothing in the autotune cache)
   is neither launched nor tuned nor remembered (``sd_kernels.launch.Launcher``; ``dry()`` tells):
   tuning needs real launches, so the real call tunes it as before. Every autotuned kernel of
-  ``sd_kernels.ops`` launches through a Launcher, or checks ``dry()`` itself (linear_geglu): an
-  autotuner run in a dry run would time launches the hook skips and keep a config chosen by noise
-  (tests/test_precompile.py checks this);
+  ``sd_kernels.ops`` launches through a Launcher: an autotuner run in a dry run would time launches
+  the hook skips and keep a config chosen by noise (tests/test_precompile.py checks this);
 - no patched module caches a tensor that a Triton kernel computes (Winograd's transformed weights
   are computed with torch);
 - if another ``jit_cache_hook`` is set (a profiler, a user's), or the hook or ``preload`` is missing

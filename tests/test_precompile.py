@@ -106,8 +106,9 @@ def test_when_there_is_no_dry_run_it_says_why(monkeypatch):
     assert precompile.precompile(lambda: ran.append(1)) is None and ran == []  # not even run
 
 
-# Autotuned kernels launched without a Launcher, and why that is safe in a dry run.
-_OWN_DRY_CHECK = {"sd_kernels.ops.gelu._linear_geglu_kernel": "linear_geglu returns before its launch when dry()"}
+# Autotuned kernels launched without a Launcher, and why that is safe in a dry run (none since session 15:
+# linear_geglu launches through one too).
+_OWN_DRY_CHECK: dict[str, str] = {}
 
 
 def test_every_autotuned_kernel_launches_through_a_launcher():
@@ -144,8 +145,11 @@ def test_gpu_precompiled_capture_compiles_nothing_more_and_matches(monkeypatch):
     """A fresh graphed UNet (empty Triton cache) compiles its kernels in the pool: the capture after
     it compiles none but the configs its autotuners try (a kernel with no known config is left to the
     real call, which tunes it: the tiny model's shapes are in no shipped table), and its replays equal
-    those of a UNet patched with precompiling off."""
+    those of a UNet patched with precompiling off. The profile is the device's without the fused
+    linear_geglu: with it, every kernel of the tiny UNet is an autotuned one with no table entry, and
+    the dry run would have nothing to record."""
     import copy
+    import dataclasses
     import os
     import tempfile
 
@@ -153,7 +157,7 @@ def test_gpu_precompiled_capture_compiles_nothing_more_and_matches(monkeypatch):
     from triton.runtime import autotuner
 
     import sd_kernels
-    from sd_kernels import models
+    from sd_kernels import models, profiles
 
     monkeypatch.setenv("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="sd-kernels-precompile-"))
     unet = models.build_model("tiny", "unet", device="cuda", dtype=torch.float16)
@@ -182,15 +186,16 @@ def test_gpu_precompiled_capture_compiles_nothing_more_and_matches(monkeypatch):
     reports = []
     real = precompile.precompile
     monkeypatch.setattr(precompile, "precompile", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+    profile = dataclasses.replace(profiles.get_profile(), linear_geglu_max_k=0)
     with torch.inference_mode():
-        sd_kernels.patch(unet, cuda_graph=True)
+        sd_kernels.patch(unet, cuda_graph=True, profile=profile)
         out = unet(x, 10, encoder_hidden_states=ctx).sample
         assert reports and reports[0] is not None and reports[0].recorded > 0 and reports[0].failed == 0
         on_main = [n for n in compiled_during if not n.startswith("sd-kernels-compile")]
         assert not on_main, f"{len(on_main)} compilations outside the pool and outside autotuning"
         assert len(compiled_during) >= reports[0].compiled > 0
         monkeypatch.setenv(precompile.ENV, "0")
-        sd_kernels.patch(plain, cuda_graph=True)
+        sd_kernels.patch(plain, cuda_graph=True, profile=profile)
         want = plain(x, 10, encoder_hidden_states=ctx).sample
     assert os.environ[precompile.ENV] == "0"
     torch.testing.assert_close(out, want, rtol=0, atol=0)

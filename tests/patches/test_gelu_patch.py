@@ -82,10 +82,13 @@ def _max_k(monkeypatch, k):
 
 
 def test_default_is_cublas_plus_geglu():
+    """Fusing is measured data: only the hopper profile fuses, at K ≤ 320 (SD1.5's 64² level measured
+    faster as one kernel on the H100, docs/kernels/gelu.md; at K = 640 it lost)."""
     from sd_kernels import profiles
 
     assert not gelu_patch.fuse_linear_geglu(8192, 320, 1280)
-    assert all(profiles.get_profile(name).linear_geglu_max_k == 0 for name in profiles.list_profiles())
+    fusing = {name: profiles.get_profile(name).linear_geglu_max_k for name in profiles.list_profiles()}
+    assert {name: k for name, k in fusing.items() if k} == {"hopper": 320}
 
 
 def _unet_out(unet):
