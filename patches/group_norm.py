@@ -6,7 +6,8 @@ Three kinds of change, counted in the record under these names:
 * ``resnet_fused_forward`` (+ 2 × ``group_norm_silu``): a ResnetBlock2D whose ``nonlinearity`` is
   SiLU gets its norms swapped for fused GroupNorm+SiLU modules and its instance ``forward`` rebound
   to ``_resnet_forward``, a copy of diffusers 0.42.1's forward that skips the SiLU a fused norm has
-  already applied. The block's ``nonlinearity`` itself is untouched: forward also applies it to
+  already applied, and (``_folds_into_norm2``) runs a plain conv1 without its bias, handing bias +
+  temb to norm2 as its shift: the sum is normalized without being written (docs/kernels/group_norm.md). The block's ``nonlinearity`` itself is untouched: forward also applies it to
   ``temb``. With ``time_embedding_norm="scale_shift"`` the SiLU comes after the scale and shift,
   so norm2 is swapped without it (``group_norm``). The copy is only used while diffusers' forward
   is the one it copies (a hash of its source); under another diffusers version the norms are
