@@ -7,8 +7,10 @@ Three kinds of change, counted in the record under these names:
   SiLU gets its norms swapped for fused GroupNorm+SiLU modules and its instance ``forward`` rebound
   to ``_resnet_forward``, a copy of diffusers 0.42.1's forward that skips the SiLU a fused norm has
   already applied, and (``_folds_into_norm2``) runs a plain conv1 without its bias, handing bias +
-  temb to norm2 as its shift: the sum is normalized without being written (docs/kernels/group_norm.md). The block's ``nonlinearity`` itself is untouched: forward also applies it to
-  ``temb``. With ``time_embedding_norm="scale_shift"`` the SiLU comes after the scale and shift,
+  temb to norm2 as its shift: the sum is normalized without being written (docs/kernels/group_norm.md;
+  not under SD_KERNELS_BACKEND=reference, which keeps stock's arithmetic). The block's
+  ``nonlinearity`` itself is untouched: forward also applies it to ``temb``.
+  With ``time_embedding_norm="scale_shift"`` the SiLU comes after the scale and shift,
   so norm2 is swapped without it (``group_norm``). The copy is only used while diffusers' forward
   is the one it copies (a hash of its source); under another diffusers version the norms are
   swapped without the SiLU instead (``group_norm``), which is always exact.
@@ -33,6 +35,7 @@ import types
 import torch
 import torch.nn as nn
 
+from sd_kernels.dispatch import backend
 from sd_kernels.library import group_norm
 from sd_kernels.profiles import scoped
 
@@ -94,7 +97,14 @@ def _folds_into_norm2(block: nn.Module, temb: torch.Tensor | None) -> bool:
     conv = block.conv1
     return (block.time_embedding_norm == "default" and temb is not None and block.time_emb_proj is not None
             and isinstance(block.norm2, FusedGroupNorm) and type(conv) is nn.Conv2d and conv.bias is not None
-            and not (conv._forward_hooks or conv._forward_pre_hooks or _global_hooks()))
+            and not (conv._forward_hooks or conv._forward_pre_hooks or _global_hooks()) and not _reference_backend())
+
+
+@torch.compiler.assume_constant_result
+def _reference_backend() -> bool:
+    """SD_KERNELS_BACKEND=reference promises stock's arithmetic exactly (no kernels, no fusions): the
+    fold, which rounds differently, stays off then (a constant for torch.compile, read when tracing)."""
+    return backend() == "reference"
 
 
 def _global_hooks() -> bool:

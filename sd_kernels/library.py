@@ -132,7 +132,7 @@ def _custom_op(name: str, layout: Callable[..., Layout], outputs: int = 1,
 @_custom_op("group_norm", lambda x, *_: dense_layout(x))
 def _group_norm_op(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, activation: str | None,
-                   shift: torch.Tensor | None) -> torch.Tensor:
+                   shift: torch.Tensor | None = None) -> torch.Tensor:
     return ops.group_norm(x, num_groups, weight, bias, eps, activation, shift=shift)
 
 

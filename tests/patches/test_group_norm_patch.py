@@ -155,10 +155,13 @@ class _ConvSubclass(nn.Conv2d):  # what a LoRA or Winograd wrapper is to the fol
     pass
 
 
-@pytest.mark.parametrize("conv1", ["plain", "hooked", "subclass", "no_bias"])
+@pytest.mark.parametrize("conv1", ["plain", "hooked", "subclass", "no_bias", "reference_backend"])
 def test_conv1_bias_and_temb_fold_into_norm2(conv1, monkeypatch):
     """A plain, hook-free conv1 with a bias runs without it, and norm2 gets bias + temb as its shift;
-    any other conv1 runs its own forward and the sum is added as diffusers adds it. Same outputs."""
+    any other conv1 runs its own forward and the sum is added as diffusers adds it. Same outputs.
+    SD_KERNELS_BACKEND=reference keeps stock's arithmetic: no fold, the very same output."""
+    if conv1 == "reference_backend":
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     block = ResnetBlock2D(in_channels=16, out_channels=32, temb_channels=8, groups=4).eval()
     if conv1 == "subclass":
         block.conv1 = _ConvSubclass(16, 32, 3, padding=1)
@@ -181,6 +184,9 @@ def test_conv1_bias_and_temb_fold_into_norm2(conv1, monkeypatch):
     folded = shifts[1] is not None  # norm1, norm2
     assert folded == (conv1 == "plain") and shifts[0] is None
     assert calls == ([1] if conv1 == "hooked" else [])
+    if conv1 == "reference_backend":
+        with torch.no_grad():
+            assert torch.equal(block(x, temb), stock)
     if folded:
         want = block.time_emb_proj(torch.nn.functional.silu(temb)) + block.conv1.bias
         assert shifts[1].dtype == torch.float32 and torch.allclose(shifts[1], want)
