@@ -106,15 +106,10 @@ def test_when_there_is_no_dry_run_it_says_why(monkeypatch):
     assert precompile.precompile(lambda: ran.append(1)) is None and ran == []  # not even run
 
 
-# Autotuned kernels launched without a Launcher, and why that is safe in a dry run (none since session 15:
-# linear_geglu launches through one too).
-_OWN_DRY_CHECK: dict[str, str] = {}
-
-
 def test_every_autotuned_kernel_launches_through_a_launcher():
     """An autotuner run in a dry run would time launches the hook skips and keep a config chosen by
     noise: each autotuned kernel of sd_kernels.ops is launched by a Launcher (which leaves a key not
-    tuned yet to the real call), or checks dry() itself (listed above, with how)."""
+    tuned yet to the real call)."""
     import importlib
     import pkgutil
 
@@ -136,7 +131,7 @@ def test_every_autotuned_kernel_launches_through_a_launcher():
             if isinstance(value, Launcher):
                 launched.add(id(value.jit))
     assert len(tuned) >= 8, sorted(tuned)  # flash, 4 GroupNorm, 2 softmax·matmul, linear_geglu, Winograd...
-    loose = sorted(name for name, jit in tuned.items() if id(jit) not in launched and name not in _OWN_DRY_CHECK)
+    loose = sorted(name for name, jit in tuned.items() if id(jit) not in launched)
     assert not loose, f"autotuned kernels launched outside a Launcher: {loose}"
 
 
