@@ -280,6 +280,9 @@ def breakdown(pipe, call: Callable[[], Any]) -> dict[str, Any]:
     encoders = [(getattr(pipe, p, None), "forward", "text_ms") for p in ("text_encoder", "text_encoder_2")]
     calls = [*encoders, (pipe.unet, "forward", "unet_steps_ms"), (pipe.vae, "decode", "decode_ms"),
              (getattr(pipe, "controlnet", None), "forward", "controlnet_ms")]
+    # cuda_graph="step": the UNet call queues nothing, scheduler.step replays the whole step (guidance and
+    # scheduler work included in unet_steps_ms; a step that falls back calls the UNet from inside it)
+    calls.append((vars(pipe).get("_sd_kernels_whole_step"), "_run", "unet_steps_ms"))
     with Spans(calls) as spans:
         _sync()
         call_start = torch.cuda.Event(enable_timing=True)

@@ -65,6 +65,9 @@ VARIANTS = {s.name: s for s in (
           ops=tuple(sorted(set(PATCHERS) - {"winograd"}))),
     # Our best after the peer's fuse_qkv_projections() (our processor serves the fused projections).
     Setup("patched+graph+compile+fused-qkv", patched=True, graph=True, patch_compile=True, fuse_qkv=True),
+    # Each denoising step (guidance batch, UNet, combine, scheduler.step) from one graph, without and with compile.
+    Setup("patched+step-graph", patched=True, graph="step"),
+    Setup("patched+step-graph+compile+fused-qkv", patched=True, graph="step", patch_compile=True, fuse_qkv=True),
     # The same with inductor's autotuning inside our graphs: against the recipe's own mode.
     Setup("patched+graph+compile-max-autotune+fused-qkv", patched=True, graph=True, patch_compile="max-autotune",
           fuse_qkv=True),
@@ -74,6 +77,7 @@ VARIANTS = {s.name: s for s in (
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune", PEER_UNFUSED,
                                                           "patched+graph+compile-no-winograd",
                                                           "patched+graph+compile+fused-qkv",
+                                                          "patched+step-graph", "patched+step-graph+compile+fused-qkv",
                                                           "patched+graph+compile-max-autotune+fused-qkv"))
 NO_COMPILE = tuple(n for n in DEFAULT_VARIANTS if not VARIANTS[n].slow_start)
 # Graphs that replay a part's calls (then its steady time is its device time): ours or inductor's.
@@ -95,7 +99,7 @@ def graphs_part(setup: Setup, part: str) -> bool:
     """Whether ``setup`` replays ``part``'s ("unet", "vae") calls from CUDA graphs."""
     if setup.compile in CUDAGRAPH_COMPILE_MODES:
         return True
-    return bool(setup.graph) and (part == "unet" or setup.graph in (True, "pipeline"))
+    return bool(setup.graph) and (part == "unet" or setup.graph in (True, "pipeline", "step"))
 
 
 class Unsupported(Exception):

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile, using_profile
 
-from . import attention, families, gelu, group_norm, layer_norm, layout, memory, pipeline_host, winograd  # noqa: F401  (each registers its patcher)
+from . import attention, families, gelu, group_norm, layer_norm, layout, memory, pipeline_host, whole_step, winograd  # noqa: F401  (each registers its patcher)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS
@@ -95,7 +95,9 @@ def patch(
     CUDA graphs captured per call signature: True or "pipeline" the denoiser (the UNet, or PixArt's,
     SD3's or FLUX's transformer), the VAE decode and the
     text encoders, with the scheduler's timesteps on the host and a faster ``_execution_device``
-    (pipeline_host.py); "unet" the denoiser alone
+    (pipeline_host.py); "step" all that, and each denoising step of an SD/SDXL text-to-image pipeline
+    (guidance batch, UNet, guidance combine, ``scheduler.step``) replayed from one graph
+    (patches/whole_step.py); "unet" the denoiser alone
     (patches/cuda_graph.py; needs the denoiser on CUDA); "auto" (the default) "pipeline" where the denoiser
     can be captured and the profile sets no memory budget, else none; False: eager. ``compile``:
     the graphs capture ``torch.compile(fullgraph=True)`` of the denoiser's forward and the VAE's decode
@@ -143,7 +145,7 @@ def patch(
             raise ValueError(f"the {part} of this {type(obj).__name__} is already patched through another object "
                              "(a pipeline sharing it, or the bare model): unpatch that one first")
     parts = [p for p, _ in models]
-    scheduler = getattr(obj, "scheduler", None) if mode == "pipeline" else None
+    scheduler = getattr(obj, "scheduler", None) if mode in cuda_graph_mod.PIPELINE_MODES else None
     if old is not None:
         # The whole profile, not its name: dataclasses.replace(profile, attention=...) keeps the name.
         if (old.ops, old.profile_spec, old.parts, old.ignore, old.cuda_graph, old.compile, old.scheduler) == (
@@ -200,7 +202,7 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
         if families.is_denoiser(model):
             fam = families.family_of(model)
             cuda_graph_mod.install(model, record, fam.graphed, fam.graph_drop, compile=compile)
-    if mode != "pipeline":
+    if mode not in cuda_graph_mod.PIPELINE_MODES:
         return
     record.scope = ""
     components = getattr(obj, "components", None) or {}
@@ -222,6 +224,12 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
     elif record.scheduler is not None:
         host_timesteps(record.scheduler, record)
     pipeline_host.fast_execution_device(obj, record)
+    unet = getattr(obj, "unet", None)
+    if mode == "step" and not isinstance(getattr(unet, "__dict__", {}).get("forward"), cuda_graph_mod.GraphedCall):
+        record.skip("", type(obj).__name__, "cuda_graph='step' needs the pipeline's UNet graphed: the pipeline mode's "
+                    "graphs run instead")
+    elif mode == "step":
+        whole_step.install(obj, vars(unet)["forward"], record)
 
 
 def unpatch(obj: object) -> bool:

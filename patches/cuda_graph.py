@@ -12,6 +12,9 @@ Modes (``MODES``; ``cuda_graph=True`` means ``"pipeline"``):
   the VAE's ``decode`` and the text encoders' ``forward`` each
   replayed from graphs, and the scheduler's timesteps kept on the host (patches/scheduler.py), which
   removes the host sync that diffusers' PNDM/DDIM steps make on every step.
+- ``"step"``: all of ``"pipeline"``, and each denoising step of an SD/SDXL text-to-image pipeline
+  (guidance batch, UNet, guidance combine, ``scheduler.step``) replayed from one graph
+  (patches/whole_step.py; the UNet's ``GraphedCall`` hands its step calls to it).
 - ``"unet"``: the denoiser's ``forward`` only (named for the UNet, the first denoiser).
 
 ``GraphedCall`` replaces one method of a model (an instance attribute set through the record, so
@@ -73,7 +76,8 @@ from .families import family_of
 
 log = logging.getLogger("sd_kernels")
 
-MODES = ("pipeline", "unet")
+MODES = ("pipeline", "unet", "step")
+PIPELINE_MODES = ("pipeline", "step")  # the modes that graph the whole pipeline's model calls
 AUTO = "auto"  # patch()'s default: "pipeline" where the UNet can be captured and the profile has no budget
 # A host tensor argument of at most this many elements (a timestep) is copied in; a larger one runs eagerly.
 HOST_NUMEL = 16
@@ -288,14 +292,18 @@ class GraphedCall:
         self.watch = _Watch(model)
         self.state = _model_state(model, self.watch)
         self._logged: set[str] = set()
+        self.step_hook = None  # cuda_graph="step": the pipeline's WholeStep (patches/whole_step.py)
 
     def __repr__(self) -> str:
         return f"GraphedCall({self.label}, {len(self.graphs)} graphs)"
 
     def reset(self) -> None:
-        """Drop every captured graph (the next call of each signature captures anew)."""
+        """Drop every captured graph (the next call of each signature captures anew), the whole-step
+        graphs that capture this call too."""
         self.graphs.clear()
         self.eager_keys.clear()
+        if self.step_hook is not None:
+            self.step_hook.reset()
 
     def _eager(self, reason: str, args, kwargs, level: int = logging.WARNING) -> Any:
         self._eager_note(reason, level)
@@ -321,39 +329,61 @@ class GraphedCall:
                 parts.append((type(x), x))
         return (tree, tuple(parts)), None
 
-    @scoped
-    def __call__(self, *args, **kwargs) -> Any:
-        if torch.compiler.is_compiling():  # torch.compile traces the model itself (mode="reduce-overhead" graphs it)
-            return self.forward(*args, **kwargs)
-        for name in self.drop:
-            kwargs.pop(name, None)
+    def eager_reason(self) -> tuple[str, int] | None:
+        """(why this call must run eagerly, log level), or None where captured graphs may replay. Drops
+        every graph (``reset``) when the model changed since the last call (see ``_model_state``)."""
         if torch.is_grad_enabled():
-            return self._eager("autograd is enabled (capture only runs under torch.no_grad / inference_mode)",
-                               args, kwargs)
-        if self.timestep and args[1:2]:
-            args = (args[0], _timestep_tensor(args[1]), *args[2:])
-        elif self.timestep and _TIMESTEP in kwargs:
-            kwargs = {**kwargs, _TIMESTEP: _timestep_tensor(kwargs[_TIMESTEP])}
-        leaves, tree = pytree.tree_flatten((args, kwargs))
-        key, reason = self._signature(leaves, tree)
-        if reason is not None:
-            return self._eager(reason, args, kwargs)
+            return "autograd is enabled (capture only runs under torch.no_grad / inference_mode)", logging.WARNING
         state = _model_state(self.model_ref, self.watch)
         if state != self.state:  # the captured kernels would run stale modules or read freed weights
             moved = state[0] == self.state[0] and state[1] != self.state[1]  # same modules, new places
             self.reset()
             self.state = state
             if moved:  # capture only once the weights stay put for a second call: never for every call
-                return self._eager(MOVED, args, kwargs, logging.INFO)
+                return MOVED, logging.INFO
         if state[2]:
-            return self._eager("accelerate hooks (offloading) move the weights during the call", args, kwargs)
+            return "accelerate hooks (offloading) move the weights during the call", logging.WARNING
+        return None
+
+    def prepare(self, leaves: list, tree: pytree.TreeSpec) -> None:
+        """Before a capture: compile, in parallel, the Triton kernels a call on these arguments needs
+        (a precompile dry run of the eager method; no longer tried once one found nothing to compile)."""
+        if self.precompile:  # on the inputs as the graph will hold them: a host timestep on the device
+            dry_args, dry_kwargs = pytree.tree_unflatten(
+                [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in leaves], tree)
+            report = precompile.precompile(lambda: self.eager_fn(*dry_args, **dry_kwargs), self.device)
+            self.precompile = bool(report and report.recorded)
+
+    def normalise(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments as the graphs take them: ignored keywords dropped, a number timestep made the
+        tensor diffusers would make of it."""
+        for name in self.drop:
+            kwargs.pop(name, None)
+        if self.timestep and args[1:2]:
+            args = (args[0], _timestep_tensor(args[1]), *args[2:])
+        elif self.timestep and _TIMESTEP in kwargs:
+            kwargs = {**kwargs, _TIMESTEP: _timestep_tensor(kwargs[_TIMESTEP])}
+        return args, kwargs
+
+    @scoped
+    def __call__(self, *args, **kwargs) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile traces the model itself (mode="reduce-overhead" graphs it)
+            return self.forward(*args, **kwargs)
+        if self.step_hook is not None:  # cuda_graph="step": the step's graph runs this call (patches/whole_step.py)
+            out = self.step_hook.intercept(self, args, kwargs)
+            if out is not None:
+                return out
+        args, kwargs = self.normalise(args, kwargs)
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        key, reason = self._signature(leaves, tree)
+        level = logging.WARNING
+        if reason is None:
+            reason, level = self.eager_reason() or (None, level)
+        if reason is not None:
+            return self._eager(reason, args, kwargs, level)
         graph = self.graphs.get(key)
         if graph is None and key not in self.eager_keys:
-            if self.precompile:  # on the inputs as the graph will hold them: a host timestep on the device
-                dry_args, dry_kwargs = pytree.tree_unflatten(
-                    [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in leaves], tree)
-                report = precompile.precompile(lambda: self.eager_fn(*dry_args, **dry_kwargs), self.device)
-                self.precompile = bool(report and report.recorded)
+            self.prepare(leaves, tree)
             try:
                 graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
             except Exception as exc:  # a capture that fails runs eagerly from then on, for this signature

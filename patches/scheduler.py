@@ -63,7 +63,11 @@ class HostScalars(TorchFunctionMode):
     tensor of at most ``HOST_NUMEL`` elements keeps it there, and ``torch.ones/zeros/full/tensor/
     empty(..., device=device)`` of that size are made there. Where a host tensor of one or more
     dimensions meets a tensor on ``device`` in one call, it is copied over from pinned memory,
-    asynchronously (a 0-d host tensor needs no copy: kernels take it as a scalar)."""
+    asynchronously (a 0-d host tensor needs no copy: kernels take it as a scalar). While a CUDA graph
+    captures the step (patches/whole_step.py), ``keep`` is a list that holds those pinned sources: the
+    graph's copy node reads them again on every replay."""
+
+    keep: list | None = None
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -84,6 +88,8 @@ class HostScalars(TorchFunctionMode):
     def _over(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # from pinned memory the copy is queued: the host does not wait
             x = x.pin_memory()
+            if HostScalars.keep is not None:
+                HostScalars.keep.append(x)
         return x.to(self.device, non_blocking=True)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -27,6 +27,8 @@ VERIFIED = {
     "AdaLayerNormZero.forward": "93374820c014f812",
     "Transformer2DModel._get_output_for_continuous_inputs": "4787ea4f43c55009",
     "BasicTransformerBlock.forward": "440071576ac5ee6f",
+    "StableDiffusionPipeline.__call__": "35adac16365e855f",
+    "StableDiffusionXLPipeline.__call__": "4d58fbfc599e50c2",
     "DiffusionPipeline._execution_device": "f743b5e9ec1d2991",
     "_get_top_level_group_offload_hook": "a58e642ddca09c94",
     "_get_group_onload_device": "c93f14298ad1228a",

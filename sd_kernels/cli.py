@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_options(gen, "shipped config (random weights: the image is noise-like), a local pipeline "
                       "directory or a hub id; default: sd15 on a GPU, tiny on CPU")
     gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
-    gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "unet", "off"], default="auto",
+    gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "step", "unet", "off"], default="auto",
                      help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
     _compile_option(gen, "torch.compile inside the graphs")
     gen.add_argument("--out", help="PNG to write (default image.png); with --prompts, the folder (default images)")

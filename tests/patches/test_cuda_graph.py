@@ -67,7 +67,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")
     captures = []
 
-    def capture(run, pool, stream):
+    def capture(run, pool, stream, warmup=1):
         captures.append((pool, stream))
         graph = FakeGraph(run)
         return graph, graph.out
@@ -427,8 +427,8 @@ SCHEDULERS = ["PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "Euler
               "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"]
 
 
-def _pipe_pair(name="tiny", scheduler=None, device="cpu", dtype=torch.float32, compile=False):
-    """(patched eagerly, patched with cuda_graph=True, the latter's record): copies of one tiny
+def _pipe_pair(name="tiny", scheduler=None, device="cpu", dtype=torch.float32, compile=False, mode=True):
+    """(patched eagerly, patched with cuda_graph=mode, the latter's record): copies of one tiny
     pipeline with the same scheduler."""
     import diffusers
 
@@ -438,7 +438,7 @@ def _pipe_pair(name="tiny", scheduler=None, device="cpu", dtype=torch.float32, c
         eager.scheduler = getattr(diffusers, scheduler).from_config(eager.scheduler.config)
     graphed = copy.deepcopy(eager)
     sd_kernels.patch(eager, cuda_graph=False)
-    return eager, graphed, sd_kernels.patch(graphed, cuda_graph=True, compile=compile)
+    return eager, graphed, sd_kernels.patch(graphed, cuda_graph=mode, compile=compile)
 
 
 def _pipe_run(pipe, steps=3, **kwargs):
