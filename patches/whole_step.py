@@ -70,14 +70,14 @@ from torch.utils import _pytree as pytree
 
 from sd_kernels.profiles import scoped
 
-from .cuda_graph import GraphedCall, _timestep_tensor, capture
+from .cuda_graph import GraphedCall, _copy_in, _timestep_tensor, capture
 from .record import PatchRecord
 from .scheduler import HOST_SCHEDULERS, HostScalars, host_timesteps
 from .verified import VERIFIED_WITH, is_verified
 
 log = logging.getLogger("sd_kernels")
 
-# Pipelines whose denoising loop body _StepBody re-states (checked: their __call__'s source).
+# Pipelines whose denoising loop body loop_body re-states (checked: their __call__'s source).
 STEP_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
 # Schedulers whose step was checked inside a captured graph (the ones the pipeline mode gives host timesteps).
 SCHEDULERS = HOST_SCHEDULERS
@@ -241,8 +241,6 @@ class _Tape:
             module.randn_tensor = real
 
     def draw(self, module: types.ModuleType, generator: object) -> None:
-        if not self.specs:
-            return
         for (shape, kwargs, seeded), buf in zip(self.specs, self.buffers):
             buf.copy_(module.randn_tensor(shape, generator=generator if seeded else None, **kwargs))
 
@@ -310,7 +308,10 @@ def loop_body(scheduler, unet, latents, lmi, pending: _Pending, t_unet, kwargs: 
 class _StepGraph:
     """One captured step: its static inputs, the graph, its outputs and the scheduler state it left."""
 
-    def __init__(self, owner: WholeStep, scheduler, pending: _Pending, latents, bound, guide, slab: _Slab) -> None:
+    def __init__(self, owner: WholeStep, scheduler, pending: _Pending, latents, bound, guide, slab: _Slab,
+                 pre: dict, pre_tensors: list[torch.Tensor]) -> None:
+        """``pre``: the scheduler's snapshot before the step; ``pre_tensors``: its tensors on the
+        model's device (``scheduler_key``), which the graph reads by address."""
         graphed = pending.graphed
         self.latents = latents.clone()  # this step's own copy: a scheduler may keep a step's sample
         self.t_unet = _timestep_tensor(pending.t_unet)
@@ -319,9 +320,8 @@ class _StepGraph:
         self.tape = _Tape()
         self.pinned: list[torch.Tensor] = []
         module = sys.modules[type(scheduler).step.__module__]
-        pre = snapshot(scheduler)
         pre_ids = {id(t) for t in state_tensors(pre)}
-        self.pre_tensors = scheduler_key(scheduler, graphed.device)[1]  # what the graph reads of the state
+        self.pre_tensors = pre_tensors
         device = graphed.device
         kwargs = slab.kwargs
 
@@ -368,10 +368,7 @@ class _Slab:
             last = self.sources[i]
             if last is not None and last[0] is src and last[1] is not None and last[1] == _version(src):
                 continue
-            if src.device.type == "cpu" and dst.device.type == "cuda":
-                dst.copy_(src.pin_memory(), non_blocking=True)
-            else:
-                dst.copy_(src)
+            _copy_in(dst, src)
             self.sources[i] = (src, _version(src))
 
 
@@ -566,7 +563,7 @@ class WholeStep:
             try:
                 if inputs_key not in self._prepared:
                     graphed.prepare(*pytree.tree_flatten((args, kwargs)))
-                entry = _StepGraph(self, scheduler, pending, latents, bound, guide, slab)
+                entry = _StepGraph(self, scheduler, pending, latents, bound, guide, slab, pre, state)
             except Exception as exc:
                 restore(scheduler, pre)
                 self.failed.add(key)

@@ -104,28 +104,18 @@ class _Callback:
         return kwargs
 
 
-def test_callbacks_that_change_tensors_and_guidance(fake_step):
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
+def test_callbacks_that_change_tensors_and_guidance(fake_step, grad_off):
+    """Under torch.inference_mode the tensors keep no version counter: the slab copies them in on every
+    step (an in-place change by a callback cannot be seen otherwise)."""
     eager, graphed, _ = _pair("tiny", "DPMSolverMultistepScheduler")
     inputs = ["latents", "prompt_embeds"]
-    with torch.no_grad():
+    with grad_off():
         for _ in range(2):
             want = _run(eager, 5, callback_on_step_end=_Callback(), callback_on_step_end_tensor_inputs=inputs)
             got = _run(graphed, 5, callback_on_step_end=_Callback(), callback_on_step_end_tensor_inputs=inputs)
             assert torch.equal(got, want)
     assert len(graphed.unet.forward.graphs) == 0 and _steps(graphed).steps == 10
-
-
-def test_under_inference_mode_sources_are_copied_every_step(fake_step):
-    """Inference tensors keep no version counter: the slab copies them in on every step (an in-place
-    change by a callback cannot be seen otherwise)."""
-    eager, graphed, _ = _pair("tiny", "DPMSolverMultistepScheduler")
-    inputs = ["latents", "prompt_embeds"]
-    with torch.inference_mode():
-        for _ in range(2):
-            want = _run(eager, 5, callback_on_step_end=_Callback(), callback_on_step_end_tensor_inputs=inputs)
-            got = _run(graphed, 5, callback_on_step_end=_Callback(), callback_on_step_end_tensor_inputs=inputs)
-            assert torch.equal(got, want)
-    assert _steps(graphed).steps == 10
 
 
 def test_an_unchecked_scheduler_replays_the_unet_alone_logged_once(fake_step, caplog):
