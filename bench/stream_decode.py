@@ -4,12 +4,16 @@
 
 Rows, one process, fp16, batch 1 at the model's resolution: stock diffusers' decode, the patched
 untiled decode (``patch(vae, cuda_graph=False)`` under the GPU's own profile: the time the issue's
-"≤ 3× untiled" refers to), then per mobile profile the streamed decode its patch installs. Per row:
+"≤ 3× untiled" refers to; with ``--graph`` also replayed from a CUDA graph, the fair reference for
+the streamed replays), then per mobile profile the streamed decode its patch installs. Per row:
 median ms over ``--repeats`` calls (CUDA events, eager), peak intermediate MiB (peak allocated during
 the call above what was allocated before it: weights and the latent excluded), PSNR of the image
 against the patched untiled one (images in [0, 1]), the plan. ``--graph`` also times each streamed
 decode replayed from a CUDA graph (the host's launches taken out; the graph's memory pool, what it
-keeps reserved, is reported as ``pool_mb``). Writes DIR/stream-decode.csv and prints the table.
+keeps reserved, is reported as ``pool_mb``). Then each upsampler of the decoder on its whole input,
+as diffusers runs it (nearest-2× + 3×3 conv) and as the streamed decode does (``_polyphase``, one
+band), with the largest difference between the two (``upsampler-ops.csv``). Writes
+DIR/stream-decode.csv and prints the tables.
 """
 
 from __future__ import annotations
@@ -101,6 +105,34 @@ def _profile(vae, z: torch.Tensor, path: pathlib.Path) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _upsamplers(vae, z: torch.Tensor, repeats: int) -> list[dict]:
+    """Each upsampler on its whole input (taken from one decode): diffusers' module against the
+    streamed decode's polyphase band, ms each and the largest absolute difference."""
+    from sd_kernels.patches import stream_decode as sd
+
+    inputs = {}
+    us = [u for u in sd.units(vae.decoder) if u.kind == "upsample"]
+    hooks = [u.module.register_forward_pre_hook(lambda m, a, name=u.name: inputs.setdefault(name, a[0]))
+             for u in us]
+    try:
+        vae.decode(z)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for u in us:
+        x = inputs[u.name]
+        h = x.shape[2]
+        stock = functools.partial(u.module, x)
+        poly = functools.partial(sd._upsample_band, u, x, 0, h, 0, 2 * h, h, None)
+        a, b = stock(), poly()
+        out.append({"upsampler": u.name, "input": "x".join(map(str, x.shape)),
+                    "interpolate_conv_ms": _time(stock, repeats), "polyphase_ms": _time(poly, repeats),
+                    "max_abs_diff": (a.float() - b.float()).abs().max().item(),
+                    "max_abs_out": a.float().abs().max().item()})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True)
@@ -136,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     def img(x):
         return (x.float() / 2 + 0.5).clamp(0, 1)
 
+    refs: dict[str, float] = {}  # the untiled decode's ms, eager and replayed: what each row is set against
+
     def row(variant: str, out: torch.Tensor, peak: float, ms: float, plan: str = "", pool: float = float("nan")):
-        rows.append({"variant": variant, "ms": ms, "vs_untiled": ms / rows[1]["ms"] if len(rows) > 1 else float("nan"),
+        ref = refs.get("graph" if "CUDA graph" in variant else "eager")
+        rows.append({"variant": variant, "ms": ms, "vs_untiled": ms / ref if ref else float("nan"),
                      "peak_intermediate_mb": peak, "pool_mb": pool,
                      "psnr_db": psnr(img(out), img(untiled)) if untiled is not None else float("nan"), "plan": plan})
         print(f"[{time.perf_counter() - started:6.1f} s] {variant}: {ms:.2f} ms, peak {peak:.1f} MiB, "
@@ -151,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         untiled, peak = _peak(decode)
         row(f"patched untiled ({patch_record(vae).profile_spec.name} profile)", untiled, peak,
             _time(decode, args.repeats))
+        refs["eager"] = rows[-1]["ms"]
+        if args.graph:  # the decoder alone, as the streamed rows below
+            ms, pool = _graphed(functools.partial(vae.decoder, vae.post_quant_conv(z)), args.repeats)
+            row("patched untiled, CUDA graph", untiled, peak, ms, "", pool)
+            refs["graph"] = ms
+        upsamplers = _upsamplers(vae, z, args.repeats)
         unpatch(vae)
         for name in [n for n in args.profiles.split(",") if n]:
             patch(vae, profile=name, cuda_graph=False)
@@ -174,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         w = csv.DictWriter(f, fieldnames=[*COLUMNS, *env])
         w.writeheader()
         w.writerows({**r, **env} for r in rows)
+    with open(args.out / "upsampler-ops.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[*upsamplers[0], *env])
+        w.writeheader()
+        w.writerows({**r, **env} for r in upsamplers)
     print(common.format_table(rows, COLUMNS))
+    print(common.format_table(upsamplers, list(upsamplers[0])))
     return 0
 
 

@@ -2,60 +2,68 @@
 
 The decoder's GroupNorms normalize with statistics of the *whole* image, so a band cannot be run
 alone: everything before a norm must have been seen before the norm applies. The decode therefore
-runs as a few **segments**, each from an activation kept in memory (``_Rows``: row chunks, dropped
-from the top as they are consumed) to the next one kept, or to the image:
+runs as a few **segments**, each from an activation kept in memory to the next one kept, or to the
+image. Every kept activation lives in one buffer allocated per decode (``_layout``: each segment's
+output starts far enough below its input that no band's rows overwrite rows a later band reads),
+so the decode's memory is that buffer and a band's live tensors, whatever the allocator does with
+blocks of many sizes; a batch is decoded one sample at a time:
 
 1. the head (conv_in and the mid-block, with its global attention) at latent resolution, whole;
 2. per segment, for each norm of its units in order whose statistics are not known yet, a
-   **statistics pass**: the segment's units up to that norm run band by band, the other norms
+   **statistics pass**: the segment's units run band by band up to that norm, the norms before it
    applying their known statistics, and the norm's input rows that the band owns are summed per
-   (sample, group) (``ops.group_stats``: count, mean, M2; bands merged with Chan's formula, no
-   E[x²] − E[x]² cancellation), then the pass stops at the norm (``_Stop``). A norm that reads the
-   segment's kept input directly (a ResNet's norm1, the output norm) needs no pass: its statistics
-   come from the kept chunks;
+   (sample, group) (``ops.group_partials``: count, mean, M2; bands merged with Chan's formula, no
+   E[x²] − E[x]² cancellation); the band stops there. A norm that reads the segment's kept input
+   directly (a ResNet's norm1, the output norm) needs no pass: its statistics come from the kept
+   chunks;
 3. the segment's **final pass** runs its units band by band with every norm applying the whole
-   image's statistics (``ops.group_norm_given``) and keeps each band's rows of the output.
+   image's statistics (``ops.group_norm_given``) and writes each band's rows of the output into the
+   buffer, over input rows no later band reads: a segment holds about the larger of its input and
+   output, not both.
 
-A band of a unit's output needs a few more rows of its input (``Unit.need``: 2 for a ResNet's two
-3×3 convs, 1 input row for nearest-2× + 3×3 conv); the unit runs on that taller band (each conv's
-zero padding lands on rows that are cropped away, except at the image's edges, where it is the
-real padding) and the band's own rows are kept: no seams, the untiled decode to rounding.
+A band runs each unit as its own short sequence of ops (``_resnet_band``, ``_upsample_band``,
+``_head_band``), not the module's forward: the norms apply given statistics (fused with their
+SiLU; norm2 in place), every 3×3 convolution computes only the rows the next op needs (no vertical
+padding inside the image: ``_conv_rows``), and the nearest-2× + 3×3 upsampler runs as one 2×2
+convolution of four phases at the input's resolution (``_polyphase``: 16 instead of 36
+multiply-adds per input pixel and channel pair, no upsampled copy), interleaved into the band. The
+image is the untiled decode's up to rounding (the phases' summed weights are rounded once to the
+weights' dtype; the norms' statistics are merged in float64).
 
-``plan`` chooses where segments end and how many bands each takes, from a memory model (what is
-kept + a band's working set; ``_working``) and a time model (convolution FLOPs + a host cost per
-unit and band; ``_cost``): keeping an activation saves the passes that would recompute it, but it
-must fit under the budget beside a band. The model only chooses; bench.memory measures the peak.
-Verified against diffusers 0.42.1's Decoder.forward and UpDecoderBlock2D.forward (source hashes); an
-unverified diffusers, a decoder of another structure (SpatialNorm, a transposed-conv upsampler) or
-a latent_embeds argument runs the original forward.
+``plan`` chooses where segments end and how many bands each takes, from a memory model (the
+segment's span of the buffer + the widest unit's live tensors; ``_peak``) and a time model (convolution
+FLOPs + a cost per launch; ``_cost``): keeping an activation saves the passes that would recompute
+it, but it must fit under the budget beside a band. The model only chooses; bench.stream_decode
+measures the peak. Verified against diffusers 0.42.1's Decoder.forward, UpDecoderBlock2D.forward and
+ResnetBlock2D.forward (source hashes, the last because a band re-states it); an unverified
+diffusers, a decoder of another structure (SpatialNorm, a transposed-conv upsampler, a convolution
+with hooks or of another class) or a latent_embeds argument runs the original forward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
 
-from .record import set_instance_attr
 from .verified import is_verified
 
 log = logging.getLogger("sd_kernels")
 
-# The time model (bench.memory measures the real thing): effective conv throughput and the host
-# time of one unit on one band (its ~10 launches).
+# The time model (bench.stream_decode measures the real thing): effective conv throughput and the
+# cost of one kernel launch (host time when eager, the gap between kernels when replayed).
 _FLOPS = 300e12
-_UNIT_SECONDS = 60e-6
-_WORKING_COPIES = 5  # a unit's band: its input, the block's intermediates, the add and the scale (measured on the H100)
+_LAUNCH_SECONDS = 8e-6
+_WORKING_COPIES = 5  # a module's forward on a whole tensor: its input, intermediates, the add and the scale
 _SEGMENT_SECONDS = 10e-6  # a segment's own bookkeeping: of two equal plans, the one of fewer segments
-_MAX_BANDS = 128  # the most bands a segment is cut into (host time grows with them)
+_MAX_BANDS = 128  # the most bands a segment is cut into (launches grow with them)
 _PLAN_SHARE = 0.9  # the share of the budget the model may plan to (the rest: what it does not see)
 
 
@@ -63,63 +71,97 @@ class Unsupported(Exception):
     """The decoder is not one this module streams (the message says why)."""
 
 
-class _Stop(Exception):
-    """Ends a statistics pass at the norm being measured."""
-
-
 @dataclasses.dataclass
 class Unit:
     """One step of the up-stack: a ResNet block, an upsampler or the output head (norm, act, conv)."""
 
     name: str
-    call: Callable[[torch.Tensor], torch.Tensor]
+    kind: str  # "resnet", "upsample" or "head"
+    module: nn.Module  # the ResnetBlock2D, the Upsample2D, or the decoder (head)
     radius: int  # input rows of context a band's output needs on each side
     scale: int  # output rows per input row
     c_in: int
     c_out: int
-    norms: tuple[nn.Module, ...] = ()  # the GroupNorms it calls, in order; the first reads its input
-    flops: tuple[float, ...] = (0.0,)  # per output pixel: before each norm, then in all (last)
+    norms: tuple[nn.Module, ...] = ()  # the GroupNorms it applies, in order; the first reads its input
 
     def need(self, lo: int, hi: int, height: int) -> tuple[int, int]:
         """Input rows [ilo, ihi) that output rows [lo, hi) need (clipped to the input's height)."""
         if self.scale == 1:
             return max(lo - self.radius, 0), min(hi + self.radius, height)
-        # nearest upsampling, then a conv of radius ``radius`` at the output resolution
-        return max((lo - self.radius) // self.scale, 0), min(-(-(hi + self.radius) // self.scale), height)
+        # whole output row pairs [2·i0, 2·i1) from the phases at i0..i1, each reading input rows i - 1, i
+        return max(lo // 2 - 1, 0), min(-(-hi // 2) + 1, height)
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The unit on a whole tensor, by its module (a one-band segment: the norms' own statistics)."""
+        if self.kind == "resnet":
+            return self.module(x, None)
+        if self.kind == "upsample":
+            return self.module(x)
+        d = self.module
+        return d.conv_out(d.conv_act(d.conv_norm_out(x)))
+
+    def flops(self, rows: int, width: int, upto: int | None = None) -> float:
+        """Multiply-adds × 2 of ``rows`` output rows of ``width`` (up to norm ``upto``'s input, or all)."""
+        px = rows * width
+        if self.kind == "resnet":
+            conv1 = 18 * self.c_in * self.c_out * (px + 2 * width)  # two more rows for conv2's context
+            if upto is not None:
+                return 0.0 if upto == 0 else conv1
+            return conv1 + px * (18 * self.c_out * self.c_out + 2 * self.c_in * self.c_out * (self.c_in != self.c_out))
+        if self.kind == "upsample":
+            return 8.0 * self.c_in * self.c_out * px  # four taps per output pixel (_polyphase)
+        return 0.0 if upto is not None else 18.0 * self.c_in * self.c_out * px
+
+    def launches(self, upto: int | None = None) -> int:
+        if self.kind == "resnet":
+            return (1, 3)[upto] if upto is not None else 6
+        if self.kind == "upsample":
+            return 2
+        return 1 if upto is not None else 2
 
 
-def _conv_radius(conv: nn.Module) -> int:
-    k, p, s, d = conv.kernel_size, conv.padding, conv.stride, conv.dilation
-    if not isinstance(conv, nn.Conv2d) or k[0] != k[1] or s != (1, 1) or d != (1, 1) or p != (k[0] // 2,) * 2 \
-            or k[0] % 2 == 0:
-        raise Unsupported(f"a convolution other than a same-padded odd square one ({conv})")
-    return k[0] // 2
+def _plain_conv(conv: nn.Module, where: str, kernel: int | None = None) -> None:
+    """A convolution a band may run as ``F.conv2d`` on its weights: an exact nn.Conv2d, odd square
+    kernel, same padding, stride 1, no hooks (a LoRA layer, a Winograd or an offloaded conv runs its
+    own forward, which a band cannot)."""
+    k = conv.kernel_size if isinstance(conv, nn.Conv2d) else None
+    if (type(conv) is not nn.Conv2d or k[0] != k[1] or k[0] % 2 == 0 or (kernel is not None and k[0] != kernel)
+            or conv.padding != (k[0] // 2,) * 2 or conv.stride != (1, 1) or conv.dilation != (1, 1)
+            or conv.groups != 1 or conv.padding_mode != "zeros" or conv._forward_hooks or conv._forward_pre_hooks):
+        raise Unsupported(f"{where} is not a plain same-padded nn.Conv2d without hooks ({conv})")
 
 
-def _is_group_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.GroupNorm)
+def _norm(norm: nn.Module, where: str) -> None:
+    """A GroupNorm a band applies with given statistics and a SiLU: nn.GroupNorm (ours included)
+    that applies no activation of its own, or SiLU (ours fused, ``activation == "silu"``)."""
+    if not isinstance(norm, nn.GroupNorm) or getattr(norm, "activation", "silu") not in (None, "silu") \
+            or norm._forward_hooks or norm._forward_pre_hooks:
+        raise Unsupported(f"{where} is a {type(norm).__name__} (not a plain GroupNorm)")
 
 
 def _resnet(name: str, r: nn.Module) -> Unit:
-    norms = (r.norm1, r.norm2)
-    if type(r).__name__ != "ResnetBlock2D" or r.up or r.down or not all(map(_is_group_norm, norms)):
-        raise Unsupported(f"{name} is a {type(r).__name__} with up/down sampling or conditioned norms")
-    c_in, c_out = r.conv1.in_channels, r.conv2.out_channels
-    k1, k2 = ((2 * _conv_radius(c) + 1) ** 2 for c in (r.conv1, r.conv2))
-    conv1 = 2 * k1 * c_in * c_out
-    total = conv1 + 2 * k2 * c_out * c_out + (2 * c_in * c_out if r.conv_shortcut is not None else 0)
-    return Unit(name, lambda x: r(x, None), _conv_radius(r.conv1) + _conv_radius(r.conv2), 1, c_in, c_out,
-                norms, (0.0, conv1, total))
+    from diffusers.models.resnet import ResnetBlock2D
+
+    if type(r) is not ResnetBlock2D or not is_verified(ResnetBlock2D.forward):
+        raise Unsupported(f"{name} is a {type(r).__name__}, not diffusers 0.42.1's ResnetBlock2D")
+    if r.up or r.down or r.time_emb_proj is not None or type(r.nonlinearity) is not nn.SiLU \
+            or (r.dropout.p and r.training):
+        raise Unsupported(f"{name} samples up/down, takes a time embedding, or applies no plain SiLU")
+    _norm(r.norm1, f"{name}.norm1")
+    _norm(r.norm2, f"{name}.norm2")
+    _plain_conv(r.conv1, f"{name}.conv1", 3)
+    _plain_conv(r.conv2, f"{name}.conv2", 3)
+    if r.conv_shortcut is not None:
+        _plain_conv(r.conv_shortcut, f"{name}.conv_shortcut", 1)
+    return Unit(name, "resnet", r, 2, 1, r.conv1.in_channels, r.conv2.out_channels, (r.norm1, r.norm2))
 
 
 def _upsampler(name: str, u: nn.Module) -> Unit:
     if (type(u).__name__ != "Upsample2D" or not u.use_conv or u.use_conv_transpose or not u.interpolate
-            or u.norm is not None or u.name != "conv"):
+            or u.norm is not None or u.name != "conv" or getattr(u, "interpolate_mode", "nearest") != "nearest"):
         raise Unsupported(f"{name} is not a nearest-2× + conv Upsample2D")
-    c = u.conv.in_channels
-    k = 2 * _conv_radius(u.conv) + 1
-    return Unit(name, lambda x: u(x), _conv_radius(u.conv), 2, c, u.conv.out_channels, (),
-                (2.0 * k * k * c * u.conv.out_channels,))
+    _plain_conv(u.conv, f"{name}.conv", 3)
+    return Unit(name, "upsample", u, 1, 2, u.conv.in_channels, u.conv.out_channels)
 
 
 def units(decoder: nn.Module) -> list[Unit]:
@@ -135,12 +177,13 @@ def units(decoder: nn.Module) -> list[Unit]:
             raise Unsupported(f"up_blocks.{i} is a {type(block).__name__}")
         out += [_resnet(f"up_blocks.{i}.resnets.{j}", r) for j, r in enumerate(block.resnets)]
         out += [_upsampler(f"up_blocks.{i}.upsamplers.{j}", u) for j, u in enumerate(block.upsamplers or ())]
-    norm, conv = decoder.conv_norm_out, decoder.conv_out
-    if not _is_group_norm(norm):
-        raise Unsupported(f"conv_norm_out is a {type(norm).__name__}")
-    k = 2 * _conv_radius(conv) + 1
-    out.append(Unit("conv_out", lambda x: conv(decoder.conv_act(norm(x))), _conv_radius(conv), 1, conv.in_channels,
-                    conv.out_channels, (norm,), (0.0, 2.0 * k * k * conv.in_channels * conv.out_channels)))
+    norm, act, conv = decoder.conv_norm_out, decoder.conv_act, decoder.conv_out
+    _norm(norm, "conv_norm_out")
+    # our GroupNorm patch folds conv_act's SiLU into the norm and leaves an nn.Identity
+    if not (type(act) is nn.SiLU or (type(act) is nn.Identity and getattr(norm, "activation", None) == "silu")):
+        raise Unsupported(f"conv_act is a {type(act).__name__}")
+    _plain_conv(conv, "conv_out", 3)
+    out.append(Unit("conv_out", "head", decoder, 1, 1, conv.in_channels, conv.out_channels, (norm,)))
     return out
 
 
@@ -185,6 +228,11 @@ class _Shape:
     def out_bytes(self, us: list[Unit], j: int) -> int:
         return self.n * us[j].c_out * self.h_out[j] * self.w_out[j] * self.elem
 
+    def row_bytes(self, us: list[Unit], j: int, out: bool = True) -> int:
+        """Bytes of one row of unit j's output (or input)."""
+        c, w = (us[j].c_out, self.w_out[j]) if out else (us[j].c_in, self.w_out[j] // us[j].scale)
+        return self.n * c * w * self.elem
+
 
 def _shape(us: list[Unit], n: int, h: int, w: int, elem: int) -> _Shape:
     h_in, h_out, w_out = [], [], []
@@ -196,55 +244,151 @@ def _shape(us: list[Unit], n: int, h: int, w: int, elem: int) -> _Shape:
     return _Shape(tuple(h_in), tuple(h_out), tuple(w_out), elem, n)
 
 
-def _band_rows(us: list[Unit], sh: _Shape, start: int, last: int, bands: int) -> list[int]:
-    """Output rows of each unit start..last for one band of ``bands`` over unit ``last``'s output."""
-    rows = [0] * (last + 1)
-    r = -(-sh.h_out[last] // bands)
+def _spans(us: list[Unit], sh: _Shape, start: int, last: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+    """(input lo, input hi, output lo, output hi) of units start..last for output rows [lo, hi) of the last."""
+    spans = []
     for j in range(last, start - 1, -1):
-        rows[j] = min(r, sh.h_out[j])
-        r = min(-(-rows[j] // us[j].scale) + 2 * -(-us[j].radius // us[j].scale), sh.h_in[j])
-    return rows
+        ilo, ihi = us[j].need(lo, hi, sh.h_in[j])
+        spans.append((ilo, ihi, lo, hi))
+        lo, hi = ilo, ihi
+    return spans[::-1]
 
 
-def _working(us: list[Unit], sh: _Shape, start: int, last: int, bands: int) -> int:
-    """Bytes a band of units start..last holds at once (the widest unit's, ``_WORKING_COPIES`` times)."""
-    rows = _band_rows(us, sh, start, last, bands)
-    # a unit computes on its whole input band: its output band with the halo, at the output width
-    return max(_WORKING_COPIES * sh.n * sh.elem * sh.w_out[j] * max(us[j].c_in, us[j].c_out)
-               * min(sh.h_out[j], rows[j] + 2 * us[j].radius * us[j].scale)
-               for j in range(start, last + 1))
+def _bands(height: int, bands: int) -> list[tuple[int, int]]:
+    r = -(-height // bands)
+    return [(lo, min(lo + r, height)) for lo in range(0, height, r)]
 
 
-def _pass_seconds(us: list[Unit], sh: _Shape, start: int, last: int, bands: int, flops_index: int) -> float:
-    """Units start..last on all bands, the last one up to its ``flops_index`` entry."""
-    rows = _band_rows(us, sh, start, last, bands)
-    flops = 0.0
-    for j in range(start, last + 1):
-        per_px = us[j].flops[flops_index if j == last else -1]
-        flops += per_px * sh.n * sh.w_out[j] * min(sh.h_out[j], (rows[j] + 2 * us[j].radius * us[j].scale) * bands)
-    return flops / _FLOPS + bands * (last - start + 1) * _UNIT_SECONDS
+def _sample(n: int) -> list[int]:
+    """Indices of the bands the models look at: the two at each edge and one in the middle (the
+    bands between are alike)."""
+    return sorted({i for i in (0, 1, n // 2, n - 2, n - 1) if 0 <= i < n})
+
+
+def _live(us: list[Unit], sh: _Shape, j: int, span: tuple[int, int, int, int]) -> int:
+    """Bytes unit j's band holds at its widest moment (its input band included), as the band
+    functions below run it."""
+    ilo, ihi, lo, hi = span
+    x = sh.row_bytes(us, j, out=False) * (ihi - ilo)
+    rows = sh.row_bytes(us, j)
+    u = us[j]
+    if u.kind == "resnet":
+        h = rows * min(hi - lo + 2, sh.h_out[j])
+        o = rows * (hi - lo)
+        # conv1 (x, norm1's output, h); conv2 (x, h normalized in place, o); the shortcut (x, o, its output)
+        return max(2 * x + h, x + h + o, x + 2 * o)
+    if u.kind == "upsample":
+        pairs = -(-hi // 2) - lo // 2
+        return x + rows * (pairs + 1) * 2 + rows * 2 * pairs  # the phases (4 channels a pixel, half the rows)
+    return 2 * x + rows * (hi - lo)
+
+
+def _pass_cost(us: list[Unit], sh: _Shape, start: int, last: int, bands: int, upto: int | None) -> float:
+    cuts = _bands(sh.h_out[last], bands)
+    seconds = 0.0
+    picked = _sample(len(cuts))
+    for i in picked:
+        for j, (_, _, a, b) in enumerate(_spans(us, sh, start, last, *cuts[i]), start):
+            up = upto if j == last else None
+            seconds += us[j].flops(b - a, sh.w_out[j], up) / _FLOPS + us[j].launches(up) * _LAUNCH_SECONDS
+    return seconds * len(cuts) / len(picked)
 
 
 def _cost(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> float:
-    """Seconds of a segment: a statistics pass per norm that does not read the kept input, the final
-    pass; in one band, only the final pass (the norms see the whole tensor)."""
-    seconds = _SEGMENT_SECONDS + _pass_seconds(us, sh, start, stop - 1, bands, -1)
+    """Seconds of a segment: a statistics pass per norm that does not read the kept input (each
+    ending with a launch of the partial statistics per band), and the final pass."""
     if bands == 1:
-        return seconds
+        return _SEGMENT_SECONDS + sum(us[j].flops(sh.h_out[j], sh.w_out[j]) / _FLOPS + us[j].launches()
+                                      * _LAUNCH_SECONDS for j in range(start, stop))
+    seconds = _SEGMENT_SECONDS + _pass_cost(us, sh, start, stop - 1, bands, None)
     for j in range(start, stop):
         for k in range(len(us[j].norms)):
             if j > start or k > 0:
-                seconds += _pass_seconds(us, sh, start, j, bands, k)
+                seconds += _pass_cost(us, sh, start, j, bands, k) + bands * _LAUNCH_SECONDS
     return seconds
+
+
+def _shift(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> int:
+    """How far below its input (bytes) a segment's output starts in the buffer (``_layout``) so that
+    no band's output rows overwrite input rows a later band still reads."""
+    if bands == 1:
+        return 0  # the module's output is written once the whole input has been read
+    last = stop - 1
+    r_in = sh.row_bytes(us, start, out=False)
+    r_out = sh.row_bytes(us, last)
+    cuts = _bands(sh.h_out[last], bands)
+    return max([0] + [cuts[i][1] * r_out - _spans(us, sh, start, last, *cuts[i + 1])[0][0] * r_in
+                      for i in _sample(len(cuts) - 1)])
+
+
+def _working(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> int:
+    """Bytes a segment holds beside the buffer: the widest unit's live tensors over its bands (in
+    one band, ``_WORKING_COPIES`` of the widest activation: the modules' own temporaries and
+    output); the image, in the last segment."""
+    last = stop - 1
+    image = sh.out_bytes(us, last) if stop == len(us) else 0
+    if bands == 1:
+        return image + _WORKING_COPIES * max(sh.n * sh.elem * sh.w_out[j] * sh.h_out[j] * max(us[j].c_in, us[j].c_out)
+                                             for j in range(start, stop))
+    cuts = _bands(sh.h_out[last], bands)
+    return image + max(_live(us, sh, j, span) for i in _sample(len(cuts))
+                       for j, span in enumerate(_spans(us, sh, start, last, *cuts[i]), start))
+
+
+def _peak(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, kept_in: int) -> int:
+    """Modelled peak bytes of a segment alone: its span of the buffer (its input, and its output
+    ``_shift`` below it; the image is not kept) + ``_working``. ``plan`` then fits every
+    segment's band beside the whole buffer (``_layout``)."""
+    out = 0 if stop == len(us) else sh.out_bytes(us, stop - 1)
+    span = max(kept_in + _shift(us, sh, start, stop, bands), out)
+    return span + _working(us, sh, start, stop, bands)
+
+
+def _layout(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], head_bytes: int) -> tuple[list[int], int]:
+    """Byte offsets in one buffer of the activations kept (the head's output, then each segment's
+    but the last's), and the buffer's size. Each segment's output starts ``_shift`` below its input
+    (the last kept one at 0): rows written never cover rows still to be read."""
+    sizes = [head_bytes] + [sh.out_bytes(us, seg.stop - 1) for seg in segments[:-1]]
+    bases = [0] * len(sizes)
+    for i in range(len(sizes) - 2, -1, -1):
+        seg = segments[i]
+        bases[i] = bases[i + 1] + _shift(us, sh, seg.start, seg.stop, seg.bands)
+    return bases, max(base + size for base, size in zip(bases, sizes))
 
 
 def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_bytes: int) -> Plan:
     """Segments and bands for a latent of n×h×w (head output ``head_bytes``) under ``budget`` bytes:
-    the fastest plan (``_cost``) whose modelled peak fits ``_PLAN_SHARE`` of the budget; if none
-    does, the one of the smallest modelled peak."""
+    the fastest plan (``_cost``) whose segments' modelled peaks fit ``_PLAN_SHARE`` of the budget
+    (else the one of the smallest peak); then, since the buffer is held for the whole decode, each
+    segment in the fewest bands whose live tensors fit beside the whole buffer."""
     sh = _shape(us, n, h, w, elem)
-    kept = [head_bytes] + [sh.out_bytes(us, j) for j in range(len(us))]  # kept[j]: input of unit j
     limit = budget * _PLAN_SHARE
+    segments, _ = _search(us, sh, limit, head_bytes)
+    for _ in range(4):  # bands re-chosen beside the whole buffer (the shifts move it a little)
+        _, buffer = _layout(us, sh, segments, head_bytes)
+        rebanded = tuple(_reband(us, sh, seg, limit - buffer) for seg in segments)
+        if rebanded == segments:
+            break
+        segments = rebanded
+    _, buffer = _layout(us, sh, segments, head_bytes)
+    peak = buffer + max(_working(us, sh, s.start, s.stop, s.bands) for s in segments)
+    return Plan(segments, peak, sum(_cost(us, sh, s.start, s.stop, s.bands) for s in segments), budget)
+
+
+def _reband(us: list[Unit], sh: _Shape, seg: Segment, room: float) -> Segment:
+    """``seg`` in the fewest bands whose live tensors fit ``room`` bytes beside the buffer (as it was
+    if it fits; the most bands if none does)."""
+    if _working(us, sh, seg.start, seg.stop, seg.bands) <= room:
+        return seg
+    counts = list(_band_counts(sh.h_out[seg.stop - 1]))
+    fits = [b for b in counts if b > seg.bands and _working(us, sh, seg.start, seg.stop, b) <= room]
+    return Segment(seg.start, seg.stop, fits[0] if fits else counts[-1])
+
+
+def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int) -> tuple[tuple[Segment, ...], float]:
+    """The dynamic program over where segments end and their bands: the fastest plan whose every
+    segment's ``_peak`` (alone) fits ``limit``, else the one of the smallest peak."""
+    kept = [head_bytes] + [sh.out_bytes(us, j) for j in range(len(us))]  # kept[j]: input of unit j
     # best[i]: (seconds, peak, segments) of the up-stack's units [0, i) with unit i-1's output kept
     best: list[tuple[float, int, tuple[Segment, ...]] | None] = [(0.0, kept[0], ())] + [None] * len(us)
     fallback: list[tuple[int, float, tuple[Segment, ...]] | None] = [(kept[0], 0.0, ())] + [None] * len(us)
@@ -253,9 +397,7 @@ def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_by
             if best[start] is None and fallback[start] is None:
                 continue
             for bands in _band_counts(sh.h_out[stop - 1]):
-                # the input is dropped a chunk at a time as the output grows: both, nearly, at the end
-                held = kept[start] + kept[stop]
-                peak = held + _working(us, sh, start, stop - 1, bands)
+                peak = _peak(us, sh, start, stop, bands, kept[start])
                 seconds = _cost(us, sh, start, stop, bands)
                 if best[start] is not None and peak <= limit:
                     done, done_peak, segments = best[start]
@@ -267,10 +409,8 @@ def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_by
                 if fallback[stop] is None or cand2[:2] < fallback[stop][:2]:
                     fallback[stop] = cand2
     if best[-1] is not None:
-        seconds, peak, segments = best[-1]
-    else:
-        peak, seconds, segments = fallback[-1]
-    return Plan(segments, peak, seconds, budget)
+        return best[-1][2], best[-1][0]
+    return fallback[-1][2], fallback[-1][1]
 
 
 def _band_counts(height: int) -> Iterator[int]:
@@ -284,149 +424,218 @@ def _band_counts(height: int) -> Iterator[int]:
 
 
 # ---------------------------------------------------------------------------------------------
+# A band of a unit
+
+
+def _conv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: int, b: int, c: int, d: int,
+               height: int, up: int, down: int) -> torch.Tensor:
+    """Output rows [c, d) of a same-width convolution whose output row y reads input rows
+    y − up … y + down (zeros outside [0, height)), from x = input rows [a, b) = [c − up, d + down)
+    clipped to the image. Inside the image nothing is padded: exactly the rows asked for are
+    computed; where the band is clipped at an edge, the conv pads (the image's own zero padding)
+    and the one surplus row on the other side is cropped."""
+    pad_w = (weight.shape[3] - 1) // 2 if weight.shape[3] % 2 else 1
+    p = 0 if (a == c - up and b == d + down) else max(up, down)
+    first = a - p + up  # the output row index of the conv's first row
+    y = F.conv2d(x, weight, bias, 1, (p, pad_w))
+    return y[:, :, c - first:d - first]
+
+
+def _polyphase(u: Unit, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Nearest-2× then a 3×3 conv, as one 2×2 conv of 4·C_out channels on the input: output pixel
+    (2i + a, 2j + b) is phase (a, b) at (i + a, j + b), whose 2×2 taps read input rows i + a − 1,
+    i + a (and the columns alike). Phase a's tap rows sum the 3×3 kernel's rows {−1 | 0, +1} (a = 0)
+    or {−1, 0 | +1} (a = 1). Summed in float64, rounded once to the weights' dtype; cached per conv
+    (weakly) and per weight version, dtype and layout; made of device ops only (no host copy, so a
+    CUDA graph may capture a first call)."""
+    conv = u.module.conv
+    cl = like.dim() == 4 and like.shape[1] > 1 and like.stride(1) == 1
+    key = (conv.weight.data_ptr(), conv.weight._version, conv.weight.dtype, conv.weight.device, cl,
+           None if conv.bias is None else (conv.bias.data_ptr(), conv.bias._version))
+    cached = _PHASES.get(conv)
+    if cached is None or cached[0] != key:
+        w = conv.weight.double()
+        taps = {0: ((0,), (1, 2)), 1: ((0, 1), (2,))}
+
+        def fold(t: torch.Tensor, dim: int, a: int) -> torch.Tensor:
+            return torch.stack([sum(t.select(dim, i) for i in group) for group in taps[a]], dim)
+
+        w4 = torch.cat([fold(fold(w, 2, a), 3, b) for a in (0, 1) for b in (0, 1)]).to(conv.weight.dtype)
+        w4 = w4.contiguous(memory_format=torch.channels_last) if cl else w4.contiguous()
+        b4 = None if conv.bias is None else conv.bias.repeat(4)
+        cached = _PHASES[conv] = (key, w4, b4)
+    return cached[1], cached[2]
+
+
+_PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _interleave(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[n, c, 2i + a, 2j + b] = p[n, (2a + b)·C + c, i + a, j + b] for the rows of out (one copy,
+    through two strided views: any layout of either)."""
+    n, c, h2, w2 = out.shape
+    sn, sc, sh, sw = p.stride()
+    src = p.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (sn, sc, sh, 2 * c * sc + sh, sw, c * sc + sw),
+                       p.storage_offset())
+    on, oc, oh, ow = out.stride()
+    out.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (on, oc, 2 * oh, oh, 2 * ow, ow), out.storage_offset()).copy_(src)
+    return out
+
+
+class _Pass:
+    """One pass over bands: the statistics known so far, and the norm it measures (None: the final
+    pass), whose band partials it gathers."""
+
+    def __init__(self, stats: dict[nn.Module, torch.Tensor], target: nn.Module | None = None) -> None:
+        self.stats, self.target, self.parts = stats, target, []
+
+    def measured(self, norm: nn.Module, x: torch.Tensor) -> bool:
+        """If ``norm`` is the one measured: x (its input, the band's own rows) summed; the band stops."""
+        if norm is not self.target:
+            return False
+        self.parts.append(group_partials(x, norm.num_groups))
+        return True
+
+    def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        stats = self.stats.get(norm)
+        if stats is None:
+            raise RuntimeError("sd_kernels: a norm without statistics ran in a streamed decode (a bug)")
+        return group_norm_given(x, stats, norm.weight, norm.bias, "silu", out=out)
+
+    def result(self) -> torch.Tensor:
+        return mean_rstd(merge_group_stats(torch.cat(self.parts, -1)), self.target.eps)
+
+
+def _resnet_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,
+                 p: _Pass) -> torch.Tensor | None:
+    """diffusers' ResnetBlock2D.forward (no time embedding, SiLU, eval) on input rows [a, b), output
+    rows [c, d): norm1 + SiLU, conv1 on the rows conv2 needs, norm2 + SiLU in place, conv2, the
+    shortcut added in place, ``/ output_scale_factor`` where it is not 1."""
+    r = u.module
+    own = x[:, :, c - a:d - a]
+    if p.measured(r.norm1, own):
+        return None
+    t = p.norm(r.norm1, x)
+    c1, d1 = max(c - 1, 0), min(d + 1, height)
+    h = _conv_rows(t, r.conv1.weight, r.conv1.bias, a, b, c1, d1, height, 1, 1)
+    del t
+    if p.measured(r.norm2, h[:, :, c - c1:d - c1]):
+        return None
+    h = p.norm(r.norm2, h, out=h)
+    o = _conv_rows(h, r.conv2.weight, r.conv2.bias, c1, d1, c, d, height, 1, 1)
+    del h
+    if r.conv_shortcut is not None:
+        own = F.conv2d(own, r.conv_shortcut.weight, r.conv_shortcut.bias)
+    o = o.add_(own)
+    return o if r.output_scale_factor == 1 else o.div_(r.output_scale_factor)
+
+
+def _upsample_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,
+                   p: _Pass) -> torch.Tensor:
+    """Output rows [c, d) of nearest-2× + 3×3 conv from input rows [a, b), by ``_polyphase``: the
+    phases at i0..i1 (one 2×2 conv), interleaved into rows [2·i0, 2·i1), cropped to [c, d)."""
+    i0, i1 = c // 2, -(-d // 2)
+    w4, b4 = _polyphase(u, x)
+    phases = _conv_rows(x, w4, b4, a, b, i0, i1 + 1, height, 1, 0)
+    n, _, _, w = x.shape
+    fmt = torch.channels_last if phases.stride(1) == 1 else torch.contiguous_format
+    out = torch.empty(n, u.c_out, 2 * (i1 - i0), 2 * w, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return _interleave(phases, out)[:, :, c - 2 * i0:d - 2 * i0]
+
+
+def _head_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,
+               p: _Pass) -> torch.Tensor | None:
+    """conv_out(SiLU(conv_norm_out(x))) on input rows [a, b), output rows [c, d)."""
+    norm, conv = u.module.conv_norm_out, u.module.conv_out
+    if p.measured(norm, x[:, :, c - a:d - a]):
+        return None
+    return _conv_rows(p.norm(norm, x), conv.weight, conv.bias, a, b, c, d, height, 1, 1)
+
+
+_BAND = {"resnet": _resnet_band, "upsample": _upsample_band, "head": _head_band}
+
+
+# ---------------------------------------------------------------------------------------------
 # Running it
 
 
-class _Rows:
-    """An [N, C, H, W] activation kept as row chunks appended top to bottom; read by row range;
-    dropped from the top once consumed."""
+@dataclasses.dataclass
+class _Kept:
+    """An activation of one sample kept in the decode's buffer: rows of [W, C] from an element
+    offset, read and written as [1, C, rows, W] channels_last views."""
 
-    def __init__(self, first: torch.Tensor | None = None) -> None:
-        self.chunks: list[tuple[int, torch.Tensor]] = [] if first is None else [(0, first)]
-
-    def append(self, lo: int, t: torch.Tensor) -> None:
-        self.chunks.append((lo, t))
+    buf: torch.Tensor  # flat
+    base: int  # element offset
+    h: int
+    w: int
+    c: int
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
-        parts = [t[:, :, max(lo, a) - a:min(hi, a + t.shape[2]) - a] for a, t in self.chunks
-                 if a < hi and a + t.shape[2] > lo]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+        r = self.w * self.c
+        return self.buf[self.base + lo * r:self.base + hi * r].view(1, hi - lo, self.w, self.c).permute(0, 3, 1, 2)
 
-    def drop_before(self, row: int) -> None:
-        self.chunks = [(a, t) for a, t in self.chunks if a + t.shape[2] > row]
-
-
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in a storage of its own size (a band's own rows are a view into the band with its halo)."""
-    fmt = torch.channels_last if t.dim() == 4 and t.stride(1) == 1 and t.shape[1] > 1 else torch.contiguous_format
-    return t.contiguous(memory_format=fmt) if t.is_contiguous(memory_format=fmt) else t.clone(memory_format=fmt)
+    def write(self, lo: int, y: torch.Tensor) -> None:
+        self.rows(lo, lo + y.shape[2]).copy_(y)
 
 
-def _spans(us: list[Unit], sh: _Shape, start: int, last: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-    """(input lo, input hi, output lo, output hi) of units start..last for output rows [lo, hi) of the last."""
-    spans = []
-    for j in range(last, start - 1, -1):
-        ilo, ihi = us[j].need(lo, hi, sh.h_in[j])
-        spans.append((ilo, ihi, lo, hi))
-        lo, hi = ilo, ihi
-    return spans[::-1]
-
-
-class _Measure:
-    """A norm's stand-in during its statistics pass: adds the band's own rows' (count, mean, M2)."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        self.norm, self.parts, self.own = norm, [], (0, 0)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.parts.append(group_partials(x[:, :, self.own[0]:self.own[1]], self.norm.num_groups))
-        raise _Stop
-
-    def stats(self) -> torch.Tensor:
-        return mean_rstd(merge_group_stats(torch.cat(self.parts, -1)), self.norm.eps)
-
-
-def _apply_given(norm: nn.Module, stats: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return group_norm_given(x, stats, norm.weight, norm.bias, getattr(norm, "activation", None))
-
-
-def _unexpected(x: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("sd_kernels: a norm without statistics ran in a streamed decode (a bug)")
-
-
-@contextlib.contextmanager
-def _norm_forwards(norms: list[nn.Module], stats: dict[nn.Module, torch.Tensor],
-                   measure: _Measure | None) -> Iterator[None]:
-    """Instance forwards for one pass: known statistics applied, the measured norm measuring."""
-    restores = []
-    for norm in norms:
-        if norm in stats:
-            forward = functools.partial(_apply_given, norm, stats[norm])
-        else:
-            forward = measure if measure is not None and measure.norm is norm else _unexpected
-        restores.append(set_instance_attr(norm, "forward", forward, "the streamed decode", "its pass began"))
-    try:
-        yield
-    finally:
-        for restore in reversed(restores):
-            restore()
-
-
-def _bands(height: int, bands: int) -> list[tuple[int, int]]:
-    r = -(-height // bands)
-    return [(lo, min(lo + r, height)) for lo in range(0, height, r)]
-
-
-def _run_band(us: list[Unit], spans: list[tuple[int, int, int, int]], src: _Rows, start: int,
-              measure: _Measure | None = None) -> torch.Tensor:
+def _run_band(us: list[Unit], sh: _Shape, spans: list[tuple[int, int, int, int]], src: _Kept, start: int,
+              p: _Pass) -> torch.Tensor | None:
     x = src.rows(spans[0][0], spans[0][1])
-    for j, (ilo, _, lo, hi) in enumerate(spans, start):
-        if measure is not None and j == len(spans) + start - 1:
-            measure.own = (lo - ilo, hi - ilo)  # a unit with norms keeps its rows (scale 1)
-        first = ilo * us[j].scale
-        x = us[j].call(x)[:, :, lo - first:hi - first]
+    for j, (a, b, c, d) in enumerate(spans, start):
+        x = _BAND[us[j].kind](us[j], x, a, b, c, d, sh.h_in[j], p)
+        if x is None:
+            return None
     return x
 
 
 def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
                   on_segment: Callable[[Segment], None] | None = None) -> torch.Tensor:
-    """``decoder(z)`` by plan ``p`` (see the module docstring); ``on_segment`` is called after each
-    segment (bench.stream_decode reads the memory peak of each)."""
+    """``decoder(z)`` by plan ``p`` (see the module docstring), one sample at a time; ``on_segment`` is
+    called after each segment (bench.stream_decode reads the memory peak of each)."""
+    if z.shape[0] > 1:
+        return torch.cat([stream_decode(decoder, us, p, z[i:i + 1], on_segment) for i in range(z.shape[0])])
     head = decoder.mid_block(decoder.conv_in(z), None)
-    sh = _shape(us, head.shape[0], head.shape[2], head.shape[3], head.element_size())
-    norms = [norm for u in us for norm in u.norms]
-    stats: dict[nn.Module, torch.Tensor] = {}
-    src, out = _Rows(head), None
+    sh = _shape(us, 1, head.shape[2], head.shape[3], head.element_size())
+    bases, size = _layout(us, sh, p.segments, head.numel() * head.element_size())
+    buf = head.new_empty(size // sh.elem)
+    src = _Kept(buf, bases[0] // sh.elem, head.shape[2], head.shape[3], head.shape[1])
+    src.write(0, head)
     del head
-    for seg in p.segments:
+    stats: dict[nn.Module, torch.Tensor] = {}
+    out = None
+    for i, seg in enumerate(p.segments):
         last = seg.stop - 1
+        final = seg.stop == len(us)
+        dst = None if final else _Kept(buf, bases[i + 1] // sh.elem, sh.h_out[last], sh.w_out[last], us[last].c_out)
         if seg.bands == 1:  # the whole tensor at every unit: the norms take their own statistics
-            x = src.rows(0, sh.h_in[seg.start])
-            src = None
+            x = src.rows(0, src.h)
             for u in us[seg.start:seg.stop]:
-                x = u.call(x)
-            src = _Rows(x)
-            if on_segment is not None:
-                on_segment(seg)
-            if seg.stop == len(us):
-                return x
-            continue
-        for j in range(seg.start, seg.stop):
-            for k, norm in enumerate(us[j].norms):
-                measure = _Measure(norm)
-                if j == seg.start and k == 0:  # it reads the kept input: its chunks are the statistics' parts
-                    measure.parts = [group_partials(t, norm.num_groups) for _, t in src.chunks]
-                else:
-                    with _norm_forwards(norms, stats, measure):
+                x = u.whole(x)
+            if final:
+                out = x
+            else:
+                dst.write(0, x)
+        else:
+            for j in range(seg.start, seg.stop):
+                for k, norm in enumerate(us[j].norms):
+                    measure = _Pass(stats, norm)
+                    if j == seg.start and k == 0:  # it reads the kept input: the statistics are the input's
+                        measure.parts = [group_partials(src.rows(0, src.h), norm.num_groups)]
+                    else:
                         for lo, hi in _bands(sh.h_out[j], seg.bands):
-                            with contextlib.suppress(_Stop):
-                                _run_band(us, _spans(us, sh, seg.start, j, lo, hi), src, seg.start, measure)
-                stats[norm] = measure.stats()
-        kept = _Rows()
-        bands = _bands(sh.h_out[last], seg.bands)
-        with _norm_forwards(norms, stats, None):
-            for b, (lo, hi) in enumerate(bands):
-                y = _run_band(us, _spans(us, sh, seg.start, last, lo, hi), src, seg.start)
-                if seg.stop == len(us):
+                            _run_band(us, sh, _spans(us, sh, seg.start, j, lo, hi), src, seg.start, measure)
+                    stats[norm] = measure.result()
+            run = _Pass(stats)
+            for lo, hi in _bands(sh.h_out[last], seg.bands):
+                y = _run_band(us, sh, _spans(us, sh, seg.start, last, lo, hi), src, seg.start, run)
+                if final:
                     if out is None:
-                        out = y.new_empty(*y.shape[:2], sh.h_out[last], sh.w_out[last])
+                        out = y.new_empty(1, y.shape[1], sh.h_out[last], sh.w_out[last])
                     out[:, :, lo:hi] = y
-                else:
-                    kept.append(lo, _compact(y))
+                else:  # below the input rows later bands read (``_layout``)
+                    dst.write(lo, y)
                 del y
-                if b + 1 < len(bands):  # free what the next band no longer reads
-                    src.drop_before(_spans(us, sh, seg.start, last, *bands[b + 1])[0][0])
-        src = kept
+        src = dst
         if on_segment is not None:
             on_segment(seg)
     return out
@@ -468,4 +677,3 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def plans_of(decoder: nn.Module) -> dict[tuple, Plan]:
     """The plans a streaming forward of ``decoder`` made, per (latent shape, dtype) (logs, tests, bench)."""
     return _PLANS.get(decoder, {})
-

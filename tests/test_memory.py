@@ -307,15 +307,41 @@ def test_streamed_decode_of_a_channels_last_decoder(tiny_vae):
         torch.testing.assert_close(stream_decode(vae.decoder, us, p, z), vae.decoder(z), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_polyphase_upsampler_is_nearest_then_conv(layout):
+    """The streamed decode's upsampler (one 2×2 conv of four phases at the input's resolution,
+    interleaved) gives diffusers' nearest-2× + 3×3 conv on any band of output rows, the image's
+    edges included, in float64 to rounding; a change of the conv's weights is seen."""
+    from diffusers.models.upsampling import Upsample2D
+
+    from sd_kernels.patches import stream_decode as sd
+
+    torch.manual_seed(0)
+    m = Upsample2D(6, use_conv=True, out_channels=5).double()
+    x = torch.randn(2, 6, 7, 5, dtype=torch.float64)
+    if layout == "nhwc":
+        m, x = m.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    u = sd._upsampler("u", m)
+    for _ in range(2):
+        want = m(x)
+        for c, d in [(0, 14), (0, 5), (3, 9), (9, 14), (1, 2), (13, 14), (4, 6)]:
+            a, b = u.need(c, d, 7)
+            got = sd._upsample_band(u, x[:, :, a:b], a, b, c, d, 7, None)
+            assert got.shape == want[:, :, c:d].shape
+            torch.testing.assert_close(got, want[:, :, c:d], rtol=0, atol=1e-12)
+        with torch.no_grad():
+            m.conv.weight.mul_(-2)  # the cached phases must follow
+
+
 def test_a_measured_norm_sees_each_row_once(tiny_vae, monkeypatch):
     """A statistics pass sums each row of a norm's input exactly once over its bands: the counts
     merged for every norm are the image's pixels times the group's channels."""
     from sd_kernels.patches import stream_decode as sd
 
     merged = []
-    stats = sd._Measure.stats
-    monkeypatch.setattr(sd._Measure, "stats", lambda self: merged.append(
-        (self.norm, sd.merge_group_stats(torch.cat(self.parts, -1))[0])) or stats(self))
+    result = sd._Pass.result
+    monkeypatch.setattr(sd._Pass, "result", lambda self: merged.append(
+        (self.target, sd.merge_group_stats(torch.cat(self.parts, -1))[0])) or result(self))
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     z = torch.randn(1, 4, 20, 11)
     us, p = _plan(tiny_vae.decoder, z, 400_000)
@@ -323,6 +349,7 @@ def test_a_measured_norm_sees_each_row_once(tiny_vae, monkeypatch):
         sd.stream_decode(tiny_vae.decoder, us, p, z)
     sizes = {id(n): (u, i) for i, u in enumerate(us) for n in u.norms}
     assert len(merged) == sum(len(u.norms) for s in p.segments if s.bands > 1 for u in us[s.start:s.stop])
+    assert any(s.bands > 1 and s.stop - s.start > 1 for s in p.segments), p.format(us)  # passes through units
     sh = sd._shape(us, 1, 20, 11, 4)
     for norm, count in merged:
         _, i = sizes[id(norm)]

@@ -151,22 +151,31 @@ def group_norm_given(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     activation: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``group_norm`` with given statistics: act((x − mean)·rstd·w + b) per (sample, group), with
     ``stats`` = [2, N, G] (mean, rstd) (``mean_rstd``), e.g. those of a whole image of which x is a
-    band. The output keeps x's strides when x is dense."""
+    band. The output keeps x's strides when x is dense; ``out`` (x's shape and dtype, any strides
+    with a common spatial one; ``out=x`` normalizes in place: each element is read and written by
+    the same program) receives it instead."""
     reference.check_activation(activation)
     if stats.dim() != 3 or stats.shape[:2] != (2, x.shape[0]):
         raise ValueError(f"stats must be [2, N, G] (mean, rstd) for x of shape {list(x.shape)}, "
                          f"got {list(stats.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out must have x's shape, dtype and device ({list(x.shape)}, {x.dtype}, {x.device}), "
+                         f"got {list(out.shape)}, {out.dtype}, {out.device}")
     num_groups = stats.shape[2]
     _check(x, num_groups, weight, bias)
-    if not use_kernel("group_norm", x, weight, bias, unsupported=_band_reason(x, num_groups, weight, bias)):
-        return reference.group_norm_given(x, stats, weight, bias, activation)
+    unsupported = _band_reason(x, num_groups, weight, bias) or (
+        None if out is None or _spatial_stride(out) is not None else "out's spatial dims have no common stride")
+    if not use_kernel("group_norm", x, weight, bias, unsupported=unsupported):
+        y = reference.group_norm_given(x, stats, weight, bias, activation)
+        return y if out is None else out.copy_(y)
     n, c = x.shape[:2]
     hw = math.prod(x.shape[2:])
     p, stride_s = _band_plan(x, num_groups)
-    y = _alloc(x.shape, x.stride() if is_dense(x) else contiguous_strides(x.shape), x)
+    y = out if out is not None else _alloc(x.shape, x.stride() if is_dense(x) else contiguous_strides(x.shape), x)
     stat = stats.to(device=x.device, dtype=torch.float32).contiguous()
     key = ("given", hw, num_groups, c // num_groups, p, x.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, activation)

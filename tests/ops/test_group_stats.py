@@ -66,6 +66,25 @@ def test_merge_has_no_cancellation():
     torch.testing.assert_close(merge_group_stats(parts), whole, rtol=1e-12, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_given_statistics_in_place_and_into_out(kind, dtype, device):
+    """``out=x`` normalizes in place (a band of a larger tensor, as the streamed decode's norm2 does)
+    and ``out=`` another tensor receives the same values as a fresh output."""
+    whole = _layout(torch.randn(1, 16, 12, 5) * 2 + 1, kind).to(device, dtype)
+    w, b = torch.randn(16, device=device), torch.randn(16, device=device)
+    mr = mean_rstd(group_stats(whole, 4), 1e-6)
+    want = group_norm_given(whole[:, :, 2:9], mr, w, b, "silu")
+    into = poison_(torch.empty_like(want))
+    assert group_norm_given(whole[:, :, 2:9], mr, w, b, "silu", out=into) is into
+    band = whole[:, :, 2:9]
+    assert group_norm_given(band, mr, w, b, "silu", out=band) is band
+    torch.testing.assert_close(into, want, rtol=0, atol=0)
+    torch.testing.assert_close(whole[:, :, 2:9], want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        group_norm_given(whole, mr, w, b, out=whole[:, :, 1:])
+
+
 def test_bad_stats_shape_raises(device):
     x = torch.randn(2, 8, 3, 3, device=device)
     with pytest.raises(ValueError, match=r"stats must be \[2, N, G\]"):
