@@ -254,12 +254,14 @@ def tiny_vae():
 
 
 def _plan(decoder, z, budget):
+    """The plan whose modelled peak fits ``budget`` (the planner holds ``_UNSEEN`` back for cuDNN's
+    workspace on the GPU: given here on top, so that tiny budgets plan what they say)."""
     from sd_kernels.patches import stream_decode as sd
 
     us = sd.units(decoder)
     n, _, h, w = z.shape
     head = n * decoder.conv_in.out_channels * h * w * z.element_size()
-    return us, sd.plan(us, n, h, w, z.element_size(), budget, head)
+    return us, sd.plan(us, n, h, w, z.element_size(), budget + sd._UNSEEN, head)
 
 
 def test_units_of_the_tiny_decoder(tiny_vae):
@@ -362,7 +364,7 @@ def test_plan_fits_the_budget_and_prefers_fewer_passes(tiny_vae):
     _, roomy = _plan(tiny_vae.decoder, z, 10**9)
     assert roomy.untiled and len(roomy.segments) == 1
     _, tight = _plan(tiny_vae.decoder, z, 4 * 2**20)  # untiled: ≈ 12 MiB by the model
-    assert tight.peak <= 4 * 2**20 * 0.9 and not tight.untiled
+    assert tight.peak <= 4 * 2**20 and not tight.untiled
     _, impossible = _plan(tiny_vae.decoder, z, 1)
     assert impossible.peak > 1  # the smallest-peak plan, over the budget: still a plan
 
@@ -375,7 +377,9 @@ def test_sd15_plan_under_s23_ultra_keeps_the_model_peak_under_84_mb():
     vae = models.build_model("sd15", "vae", device="meta", dtype=torch.float16)
     us = sd.units(vae.decoder)
     p = sd.plan(us, 1, 64, 64, 2, 84 * 2**20, 512 * 64 * 64 * 2)
-    assert not p.untiled and p.peak <= 84 * 2**20 * 0.9, p.format(us)
+    assert not p.untiled and p.peak <= 84 * 2**20 - sd._UNSEEN, p.format(us)
+    # the 512² activations are kept (one pass per ResNet there), not recomputed from 256² for each norm
+    assert any(us[s.start].name == "up_blocks.3.resnets.1" and s.stop - s.start == 1 for s in p.segments), p.format(us)
 
 
 def test_an_unsupported_decoder_runs_untiled_and_says_so(tiny_vae, caplog):
