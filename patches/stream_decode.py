@@ -230,7 +230,7 @@ class _Shape:
     n: int
 
     def out_bytes(self, us: list[Unit], j: int) -> int:
-        return self.n * us[j].c_out * self.h_out[j] * self.w_out[j] * self.elem
+        return self.row_bytes(us, j) * self.h_out[j]
 
     def row_bytes(self, us: list[Unit], j: int, out: bool = True) -> int:
         """Bytes of one row of unit j's output (or input)."""
@@ -367,7 +367,7 @@ def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_by
     segment in the fewest bands whose live tensors fit beside the whole buffer."""
     sh = _shape(us, n, h, w, elem)
     limit = budget - _UNSEEN
-    segments, _ = _search(us, sh, limit, head_bytes)
+    segments = _search(us, sh, limit, head_bytes)
     for _ in range(4):  # bands re-chosen beside the whole buffer (the shifts move it a little)
         _, buffer = _layout(us, sh, segments, head_bytes)
         rebanded = tuple(_reband(us, sh, seg, limit - buffer) for seg in segments)
@@ -389,12 +389,13 @@ def _reband(us: list[Unit], sh: _Shape, seg: Segment, room: float) -> Segment:
     return Segment(seg.start, seg.stop, fits[0] if fits else counts[-1])
 
 
-def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int) -> tuple[tuple[Segment, ...], float]:
+def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int) -> tuple[Segment, ...]:
     """The dynamic program over where segments end and their bands: the fastest plan whose every
     segment's ``_peak`` (alone) fits ``limit``, else the one of the smallest peak."""
     kept = [head_bytes] + [sh.out_bytes(us, j) for j in range(len(us))]  # kept[j]: input of unit j
-    # best[i]: (seconds, peak, segments) of the up-stack's units [0, i) with unit i-1's output kept
-    best: list[tuple[float, int, tuple[Segment, ...]] | None] = [(0.0, kept[0], ())] + [None] * len(us)
+    # best[i]: (seconds, segments) of the up-stack's units [0, i) with unit i-1's output kept;
+    # fallback[i]: (peak, seconds, segments), the smallest peak
+    best: list[tuple[float, tuple[Segment, ...]] | None] = [(0.0, ())] + [None] * len(us)
     fallback: list[tuple[int, float, tuple[Segment, ...]] | None] = [(kept[0], 0.0, ())] + [None] * len(us)
     for stop in range(1, len(us) + 1):
         for start in range(stop):
@@ -403,18 +404,16 @@ def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int) -> tuple[
             for bands in _band_counts(sh.h_out[stop - 1]):
                 peak = _peak(us, sh, start, stop, bands, kept[start])
                 seconds = _cost(us, sh, start, stop, bands)
+                seg = Segment(start, stop, bands)
                 if best[start] is not None and peak <= limit:
-                    done, done_peak, segments = best[start]
-                    cand = (done + seconds, max(done_peak, peak), segments + (Segment(start, stop, bands),))
+                    cand = (best[start][0] + seconds, best[start][1] + (seg,))
                     if best[stop] is None or cand[0] < best[stop][0]:
                         best[stop] = cand
                 prev = fallback[start]
-                cand2 = (max(prev[0], peak), prev[1] + seconds, prev[2] + (Segment(start, stop, bands),))
+                cand2 = (max(prev[0], peak), prev[1] + seconds, prev[2] + (seg,))
                 if fallback[stop] is None or cand2[:2] < fallback[stop][:2]:
                     fallback[stop] = cand2
-    if best[-1] is not None:
-        return best[-1][2], best[-1][0]
-    return fallback[-1][2], fallback[-1][1]
+    return best[-1][1] if best[-1] is not None else fallback[-1][2]
 
 
 def _band_counts(height: int) -> Iterator[int]:
@@ -648,7 +647,8 @@ def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
 def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Tensor]:
     """A ``forward`` for a diffusers VAE ``Decoder`` that streams (``stream_decode``) when the plan for
     the latent's shape under ``budget`` bytes bands anything, and runs the original otherwise (or for
-    latent_embeds, gradients, an unsupported decoder: ``Unsupported`` is logged once)."""
+    latent_embeds, gradients, an unsupported decoder: ``Unsupported`` is logged once). The plan is
+    one sample's: ``stream_decode`` decodes a batch one sample at a time."""
     original = decoder.forward
     try:
         us: list[Unit] | None = units(decoder)
@@ -664,9 +664,9 @@ def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Te
         key = (tuple(sample.shape), sample.dtype)
         p = plans.get(key)
         if p is None:
-            n, _, h, w = sample.shape
+            _, _, h, w = sample.shape
             elem = next(decoder.up_blocks.parameters()).element_size()
-            p = plans[key] = plan(us, n, h, w, elem, budget, n * decoder.conv_in.out_channels * h * w * elem)
+            p = plans[key] = plan(us, 1, h, w, elem, budget, decoder.conv_in.out_channels * h * w * elem)
             log.info("sd_kernels: streamed VAE decode of %s: %s", list(sample.shape), p.format(us))
         if p.untiled:
             return original(sample, latent_embeds)

@@ -315,7 +315,6 @@ def test_polyphase_upsampler_is_nearest_then_conv(layout):
     interleaved) gives diffusers' nearest-2× + 3×3 conv on any band of output rows, the image's
     edges included, in float64 to rounding; a change of the conv's weights is seen."""
     from diffusers.models.upsampling import Upsample2D
-
     from sd_kernels.patches import stream_decode as sd
 
     torch.manual_seed(0)
@@ -380,6 +379,22 @@ def test_sd15_plan_under_s23_ultra_keeps_the_model_peak_under_84_mb():
     assert not p.untiled and p.peak <= 84 * 2**20 - sd._UNSEEN, p.format(us)
     # the 512² activations are kept (one pass per ResNet there), not recomputed from 256² for each norm
     assert any(us[s.start].name == "up_blocks.3.resnets.1" and s.stop - s.start == 1 for s in p.segments), p.format(us)
+
+
+def test_a_batch_is_planned_and_decoded_one_sample_at_a_time(tiny_vae, monkeypatch):
+    """``stream_decode`` decodes a batch sample by sample, so the forward plans for one sample: a
+    batch of 2 gets the same plan as a batch of 1, and the untiled decode's images."""
+    from sd_kernels.patches import stream_decode as sd
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    z = torch.randn(2, 4, 16, 12)
+    _, one = _plan(tiny_vae.decoder, z[:1], 400_000)
+    with torch.no_grad():
+        out = sd.streaming_forward(tiny_vae.decoder, 400_000 + sd._UNSEEN)(z)
+        ref = tiny_vae.decoder(z)
+    (p,) = sd.plans_of(tiny_vae.decoder).values()
+    assert p.segments == one.segments and not p.untiled
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
 
 
 def test_an_unsupported_decoder_runs_untiled_and_says_so(tiny_vae, caplog):
