@@ -52,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
+from sd_kernels.ops.residual import bias_residual
 
 from .verified import is_verified
 
@@ -69,6 +70,11 @@ _MAX_BANDS = 128  # the most bands a segment is cut into (launches grow with the
 # call 2, by the algorithm cuDNN picks, not by the band's size) and the allocator's rounding of a
 # band's temporaries.
 _UNSEEN = 10 * 2**20
+# What the model does not see once the workspace of each band convolution is measured (``plan``'s
+# ``workspace``): the caching allocator charging a band's temporaries for the slightly larger cached
+# blocks they land in (it splits a block only when more than 1 MiB would be left over).
+_SLACK = 3 * 2**20
+_PROBES = 8  # plans made at most while measuring the workspace of their convolutions
 
 
 class Unsupported(Exception):
@@ -117,8 +123,8 @@ class Unit:
         return 0.0 if upto is not None else 18.0 * self.c_in * self.c_out * px
 
     def launches(self, upto: int | None = None) -> int:
-        if self.kind == "resnet":
-            return (1, 3)[upto] if upto is not None else 6
+        if self.kind == "resnet":  # norm1, conv1, norm2, conv2, the tail (+ the shortcut's conv)
+            return (1, 3)[upto] if upto is not None else 5 + (self.c_in != self.c_out)
         if self.kind == "upsample":
             return 2
         return 1 if upto is not None else 2
@@ -228,6 +234,9 @@ class _Shape:
     w_out: tuple[int, ...]
     elem: int
     n: int
+    # cuDNN's workspace per band convolution (``Conv``), measured on the device (``measure_workspace``);
+    # a convolution not measured is taken to need none
+    workspace: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def out_bytes(self, us: list[Unit], j: int) -> int:
         return self.row_bytes(us, j) * self.h_out[j]
@@ -238,14 +247,78 @@ class _Shape:
         return self.n * c * w * self.elem
 
 
-def _shape(us: list[Unit], n: int, h: int, w: int, elem: int) -> _Shape:
+def _shape(us: list[Unit], n: int, h: int, w: int, elem: int, workspace: dict | None = None) -> _Shape:
     h_in, h_out, w_out = [], [], []
     for u in us:
         h_in.append(h)
         h, w = h * u.scale, w * u.scale
         h_out.append(h)
         w_out.append(w)
-    return _Shape(tuple(h_in), tuple(h_out), tuple(w_out), elem, n)
+    return _Shape(tuple(h_in), tuple(h_out), tuple(w_out), elem, n, {} if workspace is None else workspace)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv:
+    """One convolution a band (or a whole-tensor unit) runs: unit ``unit``'s conv ``role`` on ``rows``
+    input rows with ``pad`` rows of zero padding above and below (what ``_conv_rows`` passes)."""
+
+    unit: int
+    role: str  # "conv1", "conv2", "shortcut", "up" (the polyphase 2×2), "head", or "whole.<module>"
+    rows: int
+    pad: int
+
+
+def _pad(a: int, b: int, c: int, d: int, up: int, down: int) -> int:
+    """The vertical padding ``_conv_rows`` gives a conv of input rows [a, b) for output rows [c, d)."""
+    return 0 if (a == c - up and b == d + down) else max(up, down)
+
+
+def _unit_convs(us: list[Unit], sh: _Shape, j: int, span: tuple[int, int, int, int] | None,
+                upto: int | None = None) -> list[Conv]:
+    """The convolutions unit j runs on one band (``span``; None: the whole tensor, by its module),
+    up to norm ``upto``'s input (None: all), as the band functions below run them."""
+    u, h = us[j], sh.h_in[j]
+    if span is None:
+        roles = {"resnet": ("conv1", "conv2") + (("conv_shortcut",) if u.c_in != u.c_out else ()),
+                 "upsample": ("conv",), "head": ("conv_out",)}[u.kind]
+        rows = h * u.scale if u.kind == "upsample" else h
+        return [Conv(j, f"whole.{r}", rows, 0 if r == "conv_shortcut" else 1) for r in roles]
+    a, b, c, d = span
+    if u.kind == "resnet":
+        if upto == 0:
+            return []
+        c1, d1 = max(c - 1, 0), min(d + 1, sh.h_out[j])
+        out = [Conv(j, "conv1", b - a, _pad(a, b, c1, d1, 1, 1))]
+        if upto is None:
+            out.append(Conv(j, "conv2", d1 - c1, _pad(c1, d1, c, d, 1, 1)))
+            if u.c_in != u.c_out:
+                out.append(Conv(j, "shortcut", d - c, 0))
+        return out
+    if u.kind == "upsample":
+        i0, i1 = c // 2, -(-d // 2)
+        return [Conv(j, "up", b - a, _pad(a, b, i0, i1 + 1, 1, 0))]
+    return [] if upto is not None else [Conv(j, "head", b - a, _pad(a, b, c, d, 1, 1))]
+
+
+def _segment_convs(us: list[Unit], sh: _Shape, seg: Segment) -> set[Conv]:
+    """Every convolution a segment runs, over its statistics passes and its final pass."""
+    if seg.bands == 1:
+        return {cv for j in range(seg.start, seg.stop) for cv in _unit_convs(us, sh, j, None)}
+    convs: set[Conv] = set()
+    passes = [(j, k) for j in range(seg.start, seg.stop) for k in range(len(us[j].norms))
+              if j > seg.start or k > 0] + [(seg.stop - 1, None)]
+    for last, upto in passes:
+        for lo, hi in _bands(sh.h_out[last], seg.bands):
+            for j, span in enumerate(_spans(us, sh, seg.start, last, lo, hi), seg.start):
+                convs.update(_unit_convs(us, sh, j, span, upto if j == last else None))
+    return convs
+
+
+def _workspace(us: list[Unit], sh: _Shape, j: int, span: tuple[int, int, int, int]) -> int:
+    """The most workspace (bytes, as measured) any convolution of unit j's band takes."""
+    if not sh.workspace:
+        return 0
+    return max((sh.workspace.get(cv, 0) for cv in _unit_convs(us, sh, j, span)), default=0)
 
 
 def _spans(us: list[Unit], sh: _Shape, start: int, last: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
@@ -269,22 +342,24 @@ def _sample(n: int) -> list[int]:
     return sorted({i for i in (0, 1, n // 2, n - 2, n - 1) if 0 <= i < n})
 
 
-def _live(us: list[Unit], sh: _Shape, j: int, span: tuple[int, int, int, int]) -> int:
-    """Bytes unit j's band holds at its widest moment (its input band included), as the band
-    functions below run it."""
+def _live(us: list[Unit], sh: _Shape, j: int, span: tuple[int, int, int, int], kept: bool) -> int:
+    """Bytes unit j's band holds at its widest moment, as the band functions below run it: its
+    input band included unless it is ``kept`` (a view of the decode's buffer, counted there)."""
     ilo, ihi, lo, hi = span
-    x = sh.row_bytes(us, j, out=False) * (ihi - ilo)
+    x = 0 if kept else sh.row_bytes(us, j, out=False) * (ihi - ilo)
+    t = sh.row_bytes(us, j, out=False) * (ihi - ilo)  # norm1's output (or the head norm's)
     rows = sh.row_bytes(us, j)
     u = us[j]
+    ws = _workspace(us, sh, j, span)  # beside any of the convolutions (counted at the widest moment)
     if u.kind == "resnet":
         h = rows * min(hi - lo + 2, sh.h_out[j])
         o = rows * (hi - lo)
         # conv1 (x, norm1's output, h); conv2 (x, h normalized in place, o); the shortcut (x, o, its output)
-        return max(2 * x + h, x + h + o, x + 2 * o)
+        return max(x + t + h, x + h + o, x + 2 * o) + ws
     if u.kind == "upsample":
         pairs = -(-hi // 2) - lo // 2
-        return x + rows * (pairs + 1) * 2 + rows * 2 * pairs  # the phases (4 channels a pixel, half the rows)
-    return 2 * x + rows * (hi - lo)
+        return x + rows * (pairs + 1) * 2 + rows * 2 * pairs + ws  # the phases (4 channels a pixel, half the rows)
+    return x + t + rows * (hi - lo) + ws
 
 
 def _pass_cost(us: list[Unit], sh: _Shape, start: int, last: int, bands: int, upto: int | None) -> float:
@@ -335,7 +410,7 @@ def _working(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> i
         return image + _WORKING_COPIES * max(sh.n * sh.elem * sh.w_out[j] * sh.h_out[j] * max(us[j].c_in, us[j].c_out)
                                              for j in range(start, stop))
     cuts = _bands(sh.h_out[last], bands)
-    return image + max(_live(us, sh, j, span) for i in _sample(len(cuts))
+    return image + max(_live(us, sh, j, span, j == start) for i in _sample(len(cuts))
                        for j, span in enumerate(_spans(us, sh, start, last, *cuts[i]), start))
 
 
@@ -360,23 +435,44 @@ def _layout(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], head_byte
     return bases, max(base + size for base, size in zip(bases, sizes))
 
 
-def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_bytes: int) -> Plan:
+def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_bytes: int,
+         workspace: dict[Conv, int] | None = None) -> Plan:
     """Segments and bands for a latent of n×h×w (head output ``head_bytes``) under ``budget`` bytes:
-    the fastest plan (``_cost``) whose segments' modelled peaks fit the budget less ``_UNSEEN``
-    (else the one of the smallest peak); then, since the buffer is held for the whole decode, each
-    segment in the fewest bands whose live tensors fit beside the whole buffer."""
-    sh = _shape(us, n, h, w, elem)
-    limit = budget - _UNSEEN
-    segments = _search(us, sh, limit, head_bytes)
-    for _ in range(4):  # bands re-chosen beside the whole buffer (the shifts move it a little)
+    the fastest plan (``_cost``) whose segments' modelled peaks fit the budget less what the model
+    does not see (else the one of the smallest peak); then, since the buffer is held for the whole
+    decode, each segment in the fewest bands whose live tensors fit beside the whole buffer.
+    ``workspace``: cuDNN's workspace per band convolution as measured (``measure_workspace``), counted
+    in each band's live bytes; then only ``_SLACK`` is held back, else ``_UNSEEN``."""
+    sh = _shape(us, n, h, w, elem, workspace)
+    limit = budget - (_UNSEEN if workspace is None else _SLACK)
+    barred: set[int] = set()
+    while True:
+        segments = _fit(us, sh, _search(us, sh, limit, head_bytes, frozenset(barred)), limit, head_bytes)
+        bases, buffer = _layout(us, sh, segments, head_bytes)
+        peak = buffer + max(_working(us, sh, s.start, s.stop, s.bands) for s in segments)
+        # The search checks each segment alone; in the buffer, a kept activation sits above the
+        # shifts of every later segment (``_layout``), and the earlier ones above it. Over the
+        # limit, the search runs again without keeping the largest of the activations that reach
+        # the buffer's top.
+        kept = [(sh.out_bytes(us, seg.stop - 1), base, seg.stop) for base, seg in zip(bases[1:], segments[:-1])]
+        top = [(size, stop) for size, base, stop in kept if base + size >= buffer - 2**20 and stop not in barred]
+        if peak <= limit or not top:
+            break
+        barred.add(max(top)[1])
+    return Plan(segments, peak, sum(_cost(us, sh, s.start, s.stop, s.bands) for s in segments), budget)
+
+
+def _fit(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], limit: float,
+         head_bytes: int) -> tuple[Segment, ...]:
+    """Each segment in the fewest bands whose live tensors fit beside the whole buffer (re-chosen a
+    few times: the shifts move the buffer a little)."""
+    for _ in range(4):
         _, buffer = _layout(us, sh, segments, head_bytes)
         rebanded = tuple(_reband(us, sh, seg, limit - buffer) for seg in segments)
         if rebanded == segments:
             break
         segments = rebanded
-    _, buffer = _layout(us, sh, segments, head_bytes)
-    peak = buffer + max(_working(us, sh, s.start, s.stop, s.bands) for s in segments)
-    return Plan(segments, peak, sum(_cost(us, sh, s.start, s.stop, s.bands) for s in segments), budget)
+    return segments
 
 
 def _reband(us: list[Unit], sh: _Shape, seg: Segment, room: float) -> Segment:
@@ -389,15 +485,18 @@ def _reband(us: list[Unit], sh: _Shape, seg: Segment, room: float) -> Segment:
     return Segment(seg.start, seg.stop, fits[0] if fits else counts[-1])
 
 
-def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int) -> tuple[Segment, ...]:
+def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int, barred: frozenset[int]) -> tuple[Segment, ...]:
     """The dynamic program over where segments end and their bands: the fastest plan whose every
-    segment's ``_peak`` (alone) fits ``limit``, else the one of the smallest peak."""
+    segment's ``_peak`` (alone) fits ``limit``, else the one of the smallest peak; no segment ends
+    before a unit in ``barred`` (its input is not kept)."""
     kept = [head_bytes] + [sh.out_bytes(us, j) for j in range(len(us))]  # kept[j]: input of unit j
     # best[i]: (seconds, segments) of the up-stack's units [0, i) with unit i-1's output kept;
     # fallback[i]: (peak, seconds, segments), the smallest peak
     best: list[tuple[float, tuple[Segment, ...]] | None] = [(0.0, ())] + [None] * len(us)
     fallback: list[tuple[int, float, tuple[Segment, ...]] | None] = [(kept[0], 0.0, ())] + [None] * len(us)
     for stop in range(1, len(us) + 1):
+        if stop in barred:
+            continue
         for start in range(stop):
             if best[start] is None and fallback[start] is None:
                 continue
@@ -426,35 +525,90 @@ def _band_counts(height: int) -> Iterator[int]:
             yield -(-height // r)
 
 
+def convs_of(us: list[Unit], p: Plan, h: int, w: int, elem: int) -> set[Conv]:
+    """Every convolution plan ``p`` runs for a latent of h×w (one sample)."""
+    sh = _shape(us, 1, h, w, elem)
+    return {cv for seg in p.segments for cv in _segment_convs(us, sh, seg)}
+
+
+def measure_workspace(us: list[Unit], convs: set[Conv], h: int, w: int, dtype: torch.dtype, device: torch.device,
+                      channels_last: bool) -> dict[Conv, int]:
+    """cuDNN's workspace for each convolution, in ``dtype`` on ``device``: the conv run once on
+    zeros of its band's shape, the bytes the caching allocator handed out beyond its output (a
+    cumulative counter: no peak is reset). cuDNN keeps the plan it picked per shape, so the decode
+    runs the same one. Off CUDA nothing is measured."""
+    if torch.device(device).type != "cuda":
+        return {}
+    sh = _shape(us, 1, h, w, torch.empty(0, dtype=dtype).element_size())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = {}
+    for cv in sorted(convs, key=dataclasses.astuple):
+        x = torch.zeros(conv_input(us, sh, cv), dtype=dtype, device=device).contiguous(memory_format=fmt)
+        weight = _polyphase(us[cv.unit], x) if cv.role == "up" else _conv_module(us[cv.unit], cv.role).weight
+        before = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"]
+        y = F.conv2d(x, weight, None, 1, (cv.pad, 0 if weight.shape[3] == 1 else 1))
+        handed = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"] - before
+        out[cv] = max(handed - -(-y.untyped_storage().nbytes() // 512) * 512, 0)
+        del x, y
+    return out
+
+
+def conv_input(us: list[Unit], sh: _Shape, cv: Conv) -> tuple[int, int, int, int]:
+    """The shape of a convolution's input (one sample)."""
+    u, role = us[cv.unit], cv.role.removeprefix("whole.")
+    width = sh.w_out[cv.unit] if role == "conv" else sh.w_out[cv.unit] // u.scale  # "conv": after the 2× upsampling
+    return 1, u.c_out if role == "conv2" else u.c_in, cv.rows, width
+
+
+def _conv_module(u: Unit, role: str) -> nn.Module:
+    role = role.removeprefix("whole.")
+    if u.kind == "head":
+        return u.module.conv_out
+    if u.kind == "upsample":
+        return u.module.conv
+    return getattr(u.module, "conv_shortcut" if role == "shortcut" else role)
+
+
 # ---------------------------------------------------------------------------------------------
 # A band of a unit
 
 
-def _conv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: int, b: int, c: int, d: int,
+def _conv_rows(x: torch.Tensor, weight: torch.Tensor, a: int, b: int, c: int, d: int,
                height: int, up: int, down: int) -> torch.Tensor:
-    """Output rows [c, d) of a same-width convolution whose output row y reads input rows
-    y − up … y + down (zeros outside [0, height)), from x = input rows [a, b) = [c − up, d + down)
-    clipped to the image. Inside the image nothing is padded: exactly the rows asked for are
-    computed; where the band is clipped at an edge, the conv pads (the image's own zero padding)
-    and the one surplus row on the other side is cropped."""
+    """Output rows [c, d) of a same-width convolution without its bias whose output row y reads
+    input rows y − up … y + down (zeros outside [0, height)), from x = input rows [a, b) =
+    [c − up, d + down) clipped to the image. Inside the image nothing is padded: exactly the rows
+    asked for are computed; where the band is clipped at an edge, the conv pads (the image's own
+    zero padding) and the one surplus row on the other side is cropped. The bias is left to the op
+    after (cuDNN would add it in a kernel of its own)."""
     pad_w = (weight.shape[3] - 1) // 2 if weight.shape[3] % 2 else 1
     p = 0 if (a == c - up and b == d + down) else max(up, down)
     first = a - p + up  # the output row index of the conv's first row
-    y = F.conv2d(x, weight, bias, 1, (p, pad_w))
+    y = F.conv2d(x, weight, None, 1, (p, pad_w))
     return y[:, :, c - first:d - first]
 
 
-def _polyphase(u: Unit, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b share no byte of memory (a kernel may then read one while writing the other)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        lo = t.data_ptr()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a1 <= b0 or b1 <= a0
+
+
+def _polyphase(u: Unit, like: torch.Tensor) -> torch.Tensor:
     """Nearest-2× then a 3×3 conv, as one 2×2 conv of 4·C_out channels on the input: output pixel
     (2i + a, 2j + b) is phase (a, b) at (i + a, j + b), whose 2×2 taps read input rows i + a − 1,
     i + a (and the columns alike). Phase a's tap rows sum the 3×3 kernel's rows {−1 | 0, +1} (a = 0)
     or {−1, 0 | +1} (a = 1). Summed in float64, rounded once to the weights' dtype; cached per conv
     (weakly) and per weight version, dtype and layout; made of device ops only (no host copy, so a
-    CUDA graph may capture a first call)."""
+    CUDA graph may capture a first call). The bias is not folded: ``_interleave`` adds it."""
     conv = u.module.conv
     cl = like.dim() == 4 and like.shape[1] > 1 and like.stride(1) == 1
-    key = (conv.weight.data_ptr(), conv.weight._version, conv.weight.dtype, conv.weight.device, cl,
-           None if conv.bias is None else (conv.bias.data_ptr(), conv.bias._version))
+    key = (conv.weight.data_ptr(), conv.weight._version, conv.weight.dtype, conv.weight.device, cl)
     cached = _PHASES.get(conv)
     if cached is None or cached[0] != key:
         w = conv.weight.double()
@@ -465,23 +619,26 @@ def _polyphase(u: Unit, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
 
         w4 = torch.cat([fold(fold(w, 2, a), 3, b) for a in (0, 1) for b in (0, 1)]).to(conv.weight.dtype)
         w4 = w4.contiguous(memory_format=torch.channels_last) if cl else w4.contiguous()
-        b4 = None if conv.bias is None else conv.bias.repeat(4)
-        cached = _PHASES[conv] = (key, w4, b4)
-    return cached[1], cached[2]
+        cached = _PHASES[conv] = (key, w4)
+    return cached[1]
 
 
 _PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _interleave(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[n, c, 2i + a, 2j + b] = p[n, (2a + b)·C + c, i + a, j + b] for the rows of out (one copy,
-    through two strided views: any layout of either)."""
+def _interleave(p: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out[n, c, 2i + a, 2j + b] = p[n, (2a + b)·C + c, i + a, j + b] + bias[c] for the rows of out
+    (one elementwise kernel through two strided views: any layout of either)."""
     n, c, h2, w2 = out.shape
     sn, sc, sh, sw = p.stride()
     src = p.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (sn, sc, sh, 2 * c * sc + sh, sw, c * sc + sw),
                        p.storage_offset())
     on, oc, oh, ow = out.stride()
-    out.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (on, oc, 2 * oh, oh, 2 * ow, ow), out.storage_offset()).copy_(src)
+    dst = out.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (on, oc, 2 * oh, oh, 2 * ow, ow), out.storage_offset())
+    if bias is None:
+        dst.copy_(src)
+    else:
+        torch.add(src, bias.view(1, c, 1, 1, 1, 1), out=dst)
     return out
 
 
@@ -499,60 +656,81 @@ class _Pass:
         self.parts.append(group_partials(x, norm.num_groups))
         return True
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None,
+             shift: torch.Tensor | None = None) -> torch.Tensor:
+        """norm + SiLU of x (+ ``shift``, a [C] bias not yet added) with the whole image's statistics."""
         stats = self.stats.get(norm)
         if stats is None:
             raise RuntimeError("sd_kernels: a norm without statistics ran in a streamed decode (a bug)")
-        return group_norm_given(x, stats, norm.weight, norm.bias, "silu", out=out)
+        return group_norm_given(x, stats, norm.weight, norm.bias, "silu", out=out,
+                                shift=None if shift is None else shift.view(1, -1))
 
     def result(self) -> torch.Tensor:
         return mean_rstd(merge_group_stats(torch.cat(self.parts, -1)), self.target.eps)
 
 
 def _resnet_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,
-                 p: _Pass) -> torch.Tensor | None:
+                 p: _Pass, dst: torch.Tensor | None = None) -> torch.Tensor | None:
     """diffusers' ResnetBlock2D.forward (no time embedding, SiLU, eval) on input rows [a, b), output
-    rows [c, d): norm1 + SiLU, conv1 on the rows conv2 needs, norm2 + SiLU in place, conv2, the
-    shortcut added in place, ``/ output_scale_factor`` where it is not 1."""
+    rows [c, d): norm1 + SiLU, conv1 on the rows conv2 needs, norm2 + SiLU in place (conv1's bias
+    added as it reads), conv2, then conv2's bias, the shortcut (and its conv's bias) and
+    ``/ output_scale_factor`` in one pass (``ops.bias_residual``), into ``dst`` (the output's rows,
+    e.g. in the decode's buffer) where no read of the band's input can meet it."""
     r = u.module
     own = x[:, :, c - a:d - a]
     if p.measured(r.norm1, own):
         return None
     t = p.norm(r.norm1, x)
     c1, d1 = max(c - 1, 0), min(d + 1, height)
-    h = _conv_rows(t, r.conv1.weight, r.conv1.bias, a, b, c1, d1, height, 1, 1)
+    h = _conv_rows(t, r.conv1.weight, a, b, c1, d1, height, 1, 1)
     del t
-    if p.measured(r.norm2, h[:, :, c - c1:d - c1]):
+    if p.target is r.norm2:  # a statistics pass: of conv1's output with its bias
+        if r.conv1.bias is not None:
+            h = h.add_(r.conv1.bias.view(1, -1, 1, 1))
+        p.measured(r.norm2, h[:, :, c - c1:d - c1])
         return None
-    h = p.norm(r.norm2, h, out=h)
-    o = _conv_rows(h, r.conv2.weight, r.conv2.bias, c1, d1, c, d, height, 1, 1)
+    h = p.norm(r.norm2, h, out=h, shift=r.conv1.bias)
+    o = _conv_rows(h, r.conv2.weight, c1, d1, c, d, height, 1, 1)
     del h
+    skip, bias2 = own, None
     if r.conv_shortcut is not None:
-        own = F.conv2d(own, r.conv_shortcut.weight, r.conv_shortcut.bias)
-    o = o.add_(own)
-    return o if r.output_scale_factor == 1 else o.div_(r.output_scale_factor)
+        skip, bias2 = F.conv2d(own, r.conv_shortcut.weight), r.conv_shortcut.bias
+    if r.conv2.bias is None:
+        bias, bias2 = bias2, None
+    else:
+        bias = r.conv2.bias
+    if dst is None or not _disjoint(dst, skip):
+        dst = o
+    if bias is None:  # no bias anywhere (a decoder built without): the residual alone
+        return torch.add(o, skip, out=dst).div_(r.output_scale_factor)
+    return bias_residual(o, bias, skip, bias2, r.output_scale_factor, out=dst)
 
 
 def _upsample_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,
-                   p: _Pass) -> torch.Tensor:
+                   p: _Pass, dst: torch.Tensor | None = None) -> torch.Tensor:
     """Output rows [c, d) of nearest-2× + 3×3 conv from input rows [a, b), by ``_polyphase``: the
-    phases at i0..i1 (one 2×2 conv), interleaved into rows [2·i0, 2·i1), cropped to [c, d)."""
+    phases at i0..i1 (one 2×2 conv), interleaved with the bias into rows [2·i0, 2·i1), cropped to
+    [c, d); straight into ``dst`` when the band is whole row pairs."""
     i0, i1 = c // 2, -(-d // 2)
-    w4, b4 = _polyphase(u, x)
-    phases = _conv_rows(x, w4, b4, a, b, i0, i1 + 1, height, 1, 0)
+    phases = _conv_rows(x, _polyphase(u, x), a, b, i0, i1 + 1, height, 1, 0)
+    if dst is not None and (c, d) == (2 * i0, 2 * i1):
+        return _interleave(phases, u.module.conv.bias, dst)
     n, _, _, w = x.shape
     fmt = torch.channels_last if phases.stride(1) == 1 else torch.contiguous_format
     out = torch.empty(n, u.c_out, 2 * (i1 - i0), 2 * w, dtype=x.dtype, device=x.device, memory_format=fmt)
-    return _interleave(phases, out)[:, :, c - 2 * i0:d - 2 * i0]
+    return _interleave(phases, u.module.conv.bias, out)[:, :, c - 2 * i0:d - 2 * i0]
 
 
 def _head_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,
-               p: _Pass) -> torch.Tensor | None:
-    """conv_out(SiLU(conv_norm_out(x))) on input rows [a, b), output rows [c, d)."""
+               p: _Pass, dst: torch.Tensor | None = None) -> torch.Tensor | None:
+    """conv_out(SiLU(conv_norm_out(x))) on input rows [a, b), output rows [c, d) (into ``dst``)."""
     norm, conv = u.module.conv_norm_out, u.module.conv_out
     if p.measured(norm, x[:, :, c - a:d - a]):
         return None
-    return _conv_rows(p.norm(norm, x), conv.weight, conv.bias, a, b, c, d, height, 1, 1)
+    y = _conv_rows(p.norm(norm, x), conv.weight, a, b, c, d, height, 1, 1)
+    if conv.bias is None:
+        return y if dst is None else dst.copy_(y)
+    return bias_residual(y, conv.bias, out=dst if dst is not None else y)
 
 
 _BAND = {"resnet": _resnet_band, "upsample": _upsample_band, "head": _head_band}
@@ -582,10 +760,13 @@ class _Kept:
 
 
 def _run_band(us: list[Unit], sh: _Shape, spans: list[tuple[int, int, int, int]], src: _Kept, start: int,
-              p: _Pass) -> torch.Tensor | None:
+              p: _Pass, dst: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The band's units in turn from the kept input; the last one's output into ``dst`` where it can
+    (the returned tensor: ``dst`` itself, or the output to copy there)."""
     x = src.rows(spans[0][0], spans[0][1])
+    last = start + len(spans) - 1
     for j, (a, b, c, d) in enumerate(spans, start):
-        x = _BAND[us[j].kind](us[j], x, a, b, c, d, sh.h_in[j], p)
+        x = _BAND[us[j].kind](us[j], x, a, b, c, d, sh.h_in[j], p, dst if j == last else None)
         if x is None:
             return None
     return x
@@ -629,14 +810,14 @@ def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
                             _run_band(us, sh, _spans(us, sh, seg.start, j, lo, hi), src, seg.start, measure)
                     stats[norm] = measure.result()
             run = _Pass(stats)
+            if final:
+                out = buf.new_empty(1, us[last].c_out, sh.h_out[last], sh.w_out[last])
             for lo, hi in _bands(sh.h_out[last], seg.bands):
-                y = _run_band(us, sh, _spans(us, sh, seg.start, last, lo, hi), src, seg.start, run)
-                if final:
-                    if out is None:
-                        out = y.new_empty(1, y.shape[1], sh.h_out[last], sh.w_out[last])
-                    out[:, :, lo:hi] = y
-                else:  # below the input rows later bands read (``_layout``)
-                    dst.write(lo, y)
+                # the output rows: of the image, or in the buffer below the input rows later bands read
+                rows = out[:, :, lo:hi] if final else dst.rows(lo, hi)
+                y = _run_band(us, sh, _spans(us, sh, seg.start, last, lo, hi), src, seg.start, run, rows)
+                if y.data_ptr() != rows.data_ptr():
+                    rows.copy_(y)
                 del y
         src = dst
         if on_segment is not None:
@@ -664,9 +845,7 @@ def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Te
         key = (tuple(sample.shape), sample.dtype)
         p = plans.get(key)
         if p is None:
-            _, _, h, w = sample.shape
-            elem = next(decoder.up_blocks.parameters()).element_size()
-            p = plans[key] = plan(us, 1, h, w, elem, budget, decoder.conv_in.out_channels * h * w * elem)
+            p = plans[key] = _plan_measured(decoder, us, sample, budget)
             log.info("sd_kernels: streamed VAE decode of %s: %s", list(sample.shape), p.format(us))
         if p.untiled:
             return original(sample, latent_embeds)
@@ -676,6 +855,31 @@ def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Te
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan_measured(decoder: nn.Module, us: list[Unit], sample: torch.Tensor, budget: int) -> Plan:
+    """The plan for ``sample``'s latent shape, on a CUDA device with the workspace of its
+    convolutions measured (``measure_workspace``): plan, measure the convolutions not yet measured,
+    plan again with them, until a plan runs only measured ones (at most ``_PROBES`` plans; past
+    that, or on another device or inside a CUDA graph capture, ``_UNSEEN`` is held back instead)."""
+    _, _, h, w = sample.shape
+    param = next(decoder.up_blocks.parameters())
+    elem = param.element_size()
+    head_bytes = decoder.conv_in.out_channels * h * w * elem
+    if param.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return plan(us, 1, h, w, elem, budget, head_bytes)
+    # channels_last weights make channels_last activations (cuDNN's output follows its operands)
+    cl = decoder.conv_in.weight.stride(1) == 1 and decoder.conv_in.in_channels > 1
+    workspace: dict[Conv, int] = {}
+    for _ in range(_PROBES):
+        p = plan(us, 1, h, w, elem, budget, head_bytes, workspace)
+        new = convs_of(us, p, h, w, elem) - workspace.keys()
+        if not new:
+            return p
+        workspace.update(measure_workspace(us, new, h, w, param.dtype, param.device, cl))
+    log.info("sd_kernels: the streamed decode's plan kept meeting unmeasured convolutions; %d MiB held back "
+             "for their workspace instead", _UNSEEN >> 20)
+    return plan(us, 1, h, w, elem, budget, head_bytes)
 
 
 def plans_of(decoder: nn.Module) -> dict[tuple, Plan]:

@@ -57,18 +57,34 @@ def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 def group_norm_given(x: torch.Tensor, stats: torch.Tensor, weight: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
-    """act((x − mean)·rstd·w + b) with given [2, N, G] (mean, rstd), in fp32, output in x's dtype."""
+                     bias: torch.Tensor | None = None, activation: str | None = None,
+                     shift: torch.Tensor | None = None) -> torch.Tensor:
+    """act((x [+ shift[:, :, None, …]] − mean)·rstd·w + b) with given [2, N, G] (mean, rstd), in fp32,
+    output in x's dtype."""
     check_activation(activation)
     mean, rstd = stats.to(x.device, torch.float32)
     n, c = x.shape[:2]
-    y = ((x.reshape(n, mean.shape[-1], -1).float() - mean[..., None]) * rstd[..., None]).reshape(x.shape)
     shape = (1, c) + (1,) * (x.dim() - 2)
+    xf = x.float() if shift is None else x.float() + shift.float().view(n, c, *shape[2:])
+    y = ((xf.reshape(n, mean.shape[-1], -1) - mean[..., None]) * rstd[..., None]).reshape(x.shape)
     if weight is not None:
         y = y * weight.float().view(shape)
     if bias is not None:
         y = y + bias.float().view(shape)
     return (F.silu(y) if activation == "silu" else y).to(x.dtype)
+
+
+def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None = None,
+                  bias2: torch.Tensor | None = None, divisor: float = 1.0) -> torch.Tensor:
+    """(y + bias[c] [+ bias2[c]] [+ skip]) / divisor, in fp32 (float64 for float64 y), in y's dtype and layout."""
+    wide = torch.float64 if y.dtype == torch.float64 else torch.float32
+    shape = (1, -1) + (1,) * (y.dim() - 2)
+    v = y.to(wide) + bias.to(wide).view(shape)
+    if bias2 is not None:
+        v = v + bias2.to(wide).view(shape)
+    if skip is not None:
+        v = v + skip.to(wide)
+    return (v / divisor).to(y.dtype)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

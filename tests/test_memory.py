@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from sd_kernels import memory, profiles
 from sd_kernels.memory import BudgetGuard, MemoryBudgetExceeded
@@ -327,7 +328,8 @@ def test_polyphase_upsampler_is_nearest_then_conv(layout):
         want = m(x)
         for c, d in [(0, 14), (0, 5), (3, 9), (9, 14), (1, 2), (13, 14), (4, 6)]:
             a, b = u.need(c, d, 7)
-            got = sd._upsample_band(u, x[:, :, a:b], a, b, c, d, 7, None)
+            with torch.no_grad():  # as the streamed decode runs (under grad it runs the original)
+                got = sd._upsample_band(u, x[:, :, a:b], a, b, c, d, 7, None)
             assert got.shape == want[:, :, c:d].shape
             torch.testing.assert_close(got, want[:, :, c:d], rtol=0, atol=1e-12)
         with torch.no_grad():
@@ -356,6 +358,57 @@ def test_a_measured_norm_sees_each_row_once(tiny_vae, monkeypatch):
         _, i = sizes[id(norm)]
         pixels = sh.h_in[i] * sh.w_out[i] // us[i].scale
         assert torch.all(count == pixels * norm.num_channels // norm.num_groups), (us[i].name, count)
+
+
+@pytest.mark.parametrize("budget", [400_000, 150_000, 10**12])
+def test_convs_of_a_plan_are_the_convs_it_runs(tiny_vae, budget, monkeypatch):
+    """``convs_of`` (what the workspace probe measures and the model charges) names exactly the
+    convolutions a streamed decode runs: input shape, weight shape and padding, over every pass."""
+    from sd_kernels.patches import stream_decode as sd
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    z = torch.randn(1, 4, 20, 11)
+    us, p = _plan(tiny_vae.decoder, z, budget)
+    ran, conv2d = set(), F.conv2d
+    dec = tiny_vae.decoder
+    head = {id(m.weight) for m in [dec.conv_in, *dec.mid_block.modules()] if isinstance(m, nn.Conv2d)}
+
+    def spy(x, weight, bias=None, stride=1, padding=0, *args):
+        if id(weight) not in head:  # the up-stack's (the head runs whole, before the buffer)
+            pad = tuple(padding) if isinstance(padding, tuple) else (padding,) * 2
+            ran.add((tuple(x.shape), tuple(weight.shape), pad))
+        return conv2d(x, weight, bias, stride, padding, *args)
+
+    monkeypatch.setattr(F, "conv2d", spy)
+    with torch.no_grad():
+        sd.stream_decode(tiny_vae.decoder, us, p, z)
+    sh = sd._shape(us, 1, 20, 11, 4)
+    named = set()
+    for cv in sd.convs_of(us, p, 20, 11, 4):
+        u = us[cv.unit]
+        w = sd._polyphase(u, z).shape if cv.role == "up" else sd._conv_module(u, cv.role).weight.shape
+        named.add((sd.conv_input(us, sh, cv), tuple(w), (cv.pad, 0 if w[3] == 1 else 1)))
+    assert named == ran
+    assert p.untiled == (budget == 10**12)
+
+
+def test_measured_workspace_is_charged_to_its_band(tiny_vae):
+    """A plan given measured workspace (as the GPU's first decode of a shape measures it) holds only
+    ``_SLACK`` back and charges each band the workspace of its convolutions: charging every conv of
+    a plan makes its bands' modelled peaks grow by it, and the next plan still fits."""
+    from sd_kernels.patches import stream_decode as sd
+
+    us = sd.units(tiny_vae.decoder)
+    budget, head = 400_000 + sd._SLACK, 64 * 20 * 11 * 4
+    p0 = sd.plan(us, 1, 20, 11, 4, budget, head, workspace={})
+    assert not p0.untiled and p0.peak <= budget - sd._SLACK
+    ws = dict.fromkeys(sd.convs_of(us, p0, 20, 11, 4), 30_000)
+    sh0, sh1 = sd._shape(us, 1, 20, 11, 4, {}), sd._shape(us, 1, 20, 11, 4, ws)
+    for s in p0.segments:
+        if s.bands > 1:
+            assert sd._working(us, sh1, s.start, s.stop, s.bands) == sd._working(us, sh0, s.start, s.stop, s.bands) + 30_000
+    p1 = sd.plan(us, 1, 20, 11, 4, budget, head, workspace=ws)
+    assert p1.peak <= budget - sd._SLACK and p1 != p0
 
 
 def test_plan_fits_the_budget_and_prefers_fewer_passes(tiny_vae):

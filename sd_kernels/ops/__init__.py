@@ -8,10 +8,12 @@ from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
 from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated
+from .residual import bias_residual
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
 from .winograd import winograd_conv2d, winograd_weight
 
 __all__ = [
+    "bias_residual",
     "conv2d",
     "flash_attention",
     "gated_residual_layer_norm",

@@ -35,6 +35,7 @@ from sd_kernels.ops.group_norm import (
     _alloc,
     _channel_affine,
     _check,
+    _check_shift,
     _finish,
     _group_stats_kernel,
     _kernel_reason,
@@ -49,13 +50,13 @@ from sd_kernels.ops.layout import contiguous_strides, is_dense
 
 @triton.jit
 def _given_norm_kernel(
-    x_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, G, HW,
+    x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, G, HW,
     stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
     CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):
-    """y = act((x − mean)·rstd·w + b) over this program's chunk of its group, with the caller's
-    (mean, rstd) per (sample, group) as stat[2, N·G]. Grid (N·G, S), as the group paths'."""
+    """y = act((x [+ shift[n, c]] − mean)·rstd·w + b) over this program's chunk of its group, with the
+    caller's (mean, rstd) per (sample, group) as stat[2, N·G]. Grid (N·G, S), as the group paths'."""
     pid_g, pid_s = tl.program_id(0), tl.program_id(1)
     n, g = pid_g // G, pid_g % G
     x_grp = x_ptr + n.to(tl.int64) * stride_xn + (g * CPG).to(tl.int64) * stride_xc
@@ -67,10 +68,13 @@ def _given_norm_kernel(
     for c0 in range(0, CPG, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         scale, shift = _channel_affine(w_ptr, b_ptr, g * CPG + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
+        centre = tl.full((BLOCK_C,), 0.0, tl.float32) + mean
+        if HAS_SHIFT:  # x + shift − mean: the shift folded into the centre, per channel
+            centre -= tl.load(shift_ptr + n * G * CPG + g * CPG + c, mask=c < CPG, other=0.0).to(tl.float32)
         for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
-            y = _finish((x - mean) * scale[:, None] + shift[:, None], ACT)
+            y = _finish((x - centre[:, None]) * scale[:, None] + shift[:, None], ACT)
             tl.store(y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -152,13 +156,17 @@ def group_norm_given(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     out: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``group_norm`` with given statistics: act((x − mean)·rstd·w + b) per (sample, group), with
     ``stats`` = [2, N, G] (mean, rstd) (``mean_rstd``), e.g. those of a whole image of which x is a
     band. The output keeps x's strides when x is dense; ``out`` (x's shape and dtype, any strides
     with a common spatial one; ``out=x`` normalizes in place: each element is read and written by
-    the same program) receives it instead."""
+    the same program) receives it instead. ``shift`` ([N, C]): normalize x + shift[:, :, None, …]
+    (e.g. a convolution's bias not yet added), the sum made in fp32 and never written; ``stats``
+    are then the sum's."""
     reference.check_activation(activation)
+    _check_shift(x, shift)
     if stats.dim() != 3 or stats.shape[:2] != (2, x.shape[0]):
         raise ValueError(f"stats must be [2, N, G] (mean, rstd) for x of shape {list(x.shape)}, "
                          f"got {list(stats.shape)}")
@@ -170,7 +178,7 @@ def group_norm_given(
     unsupported = _band_reason(x, num_groups, weight, bias) or (
         None if out is None or _spatial_stride(out) is not None else "out's spatial dims have no common stride")
     if not use_kernel("group_norm", x, weight, bias, unsupported=unsupported):
-        y = reference.group_norm_given(x, stats, weight, bias, activation)
+        y = reference.group_norm_given(x, stats, weight, bias, activation, shift=shift)
         return y if out is None else out.copy_(y)
     n, c = x.shape[:2]
     hw = math.prod(x.shape[2:])
@@ -178,11 +186,12 @@ def group_norm_given(
     y = out if out is not None else _alloc(x.shape, x.stride() if is_dense(x) else contiguous_strides(x.shape), x)
     stat = stats.to(device=x.device, dtype=torch.float32).contiguous()
     key = ("given", hw, num_groups, c // num_groups, p, x.dtype, None if weight is None else weight.dtype,
-           None if bias is None else bias.dtype, activation)
-    _GIVEN_NORM(key, (n * num_groups, p.chunks), x, y, weight if weight is not None else x,
+           None if bias is None else bias.dtype, activation, None if shift is None else shift.dtype)
+    _GIVEN_NORM(key, (n * num_groups, p.chunks), x, x if shift is None else shift.contiguous(), y,
+                weight if weight is not None else x,
                 bias if bias is not None else x, stat, num_groups, hw,
                 x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), _spatial_stride(y), p.chunk,
                 CPG=c // num_groups, BLOCK_C=p.block_c, BLOCK_S=p.block_s,
                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
-                num_warps=_warps(p.block_c * p.block_s))
+                HAS_SHIFT=shift is not None, num_warps=_warps(p.block_c * p.block_s))
     return y

@@ -85,6 +85,27 @@ def test_given_statistics_in_place_and_into_out(kind, dtype, device):
         group_norm_given(whole, mr, w, b, out=whole[:, :, 1:])
 
 
+@pytest.mark.parametrize("kind", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_given_statistics_of_x_plus_a_shift(kind, dtype, device):
+    """``shift=`` (a conv's bias not yet added, as the streamed decode's norm2 takes conv1's):
+    GroupNorm of x + shift[c] with that sum's statistics, against float64; in place too."""
+    x = _layout(torch.randn(1, 24, 7, 6) * 2 + 1, kind).to(device, dtype)
+    shift = (torch.randn(24) * 3).to(device, dtype)
+    w, b = torch.randn(24, device=device), torch.randn(24, device=device)
+    xs = x.double() + shift.double().view(1, -1, 1, 1)
+    mr = mean_rstd(reference.group_stats(xs, 6), 1e-6)
+    want = F.silu(F.group_norm(xs, 6, w.double(), b.double(), 1e-6))
+    stock = reference.group_norm((x + shift.view(1, -1, 1, 1)), 6, w.to(dtype), b.to(dtype), 1e-6, "silu")
+    stock_err = (stock.double() - want).abs().max().item()
+    got = group_norm_given(x, mr, w, b, "silu", shift=shift.view(1, -1))
+    assert (got.double() - want).abs().max().item() <= max(4 * stock_err, 1e-5)
+    assert group_norm_given(x, mr, w, b, "silu", out=x, shift=shift.view(1, -1)) is x
+    torch.testing.assert_close(x, got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="shift must be"):
+        group_norm_given(x, mr, w, b, shift=shift)
+
+
 def test_bad_stats_shape_raises(device):
     x = torch.randn(2, 8, 3, 3, device=device)
     with pytest.raises(ValueError, match=r"stats must be \[2, N, G\]"):

@@ -1,0 +1,96 @@
+"""bias_residual (a ResNet block's tail: conv2's bias, the shortcut and its bias, the output scale, in
+one pass) against float64: odd shapes, every layout and dtype, in place and into a view of a larger
+buffer (as the streamed VAE decode writes its bands). CPU: the interpreter; GPU (-m gpu): the SD1.5
+VAE decoder's band shapes."""
+
+import pytest
+import torch
+
+from sd_kernels import reference
+from sd_kernels.ops import bias_residual
+from sd_kernels.testing import UNIT_ROUNDOFF, channels_last, non_contiguous, poison_
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _layout(x, kind):
+    return {"nchw": lambda t: t, "nhwc": channels_last, "strided": non_contiguous}[kind](x)
+
+
+def _want(y, bias, skip, bias2, divisor):
+    v = y.double() + bias.double().view(1, -1, 1, 1)
+    v = v if bias2 is None else v + bias2.double().view(1, -1, 1, 1)
+    return (v if skip is None else v + skip.double()) / divisor
+
+
+def _tolerance(y, bias, skip, bias2, divisor, want):
+    """Twice what PyTorch's ops make of it at y's dtype, as diffusers runs them (each sum rounded), or
+    one ulp of the result (one rounding, the interpreter's fp32 → bf16 truncating)."""
+    v = y + bias.view(1, -1, 1, 1)
+    if skip is not None:
+        v = (skip if bias2 is None else skip + bias2.view(1, -1, 1, 1)) + v
+    stock = ((v / divisor).double() - want).abs().max().item()
+    return max(2 * stock, 2 * UNIT_ROUNDOFF[y.dtype] * want.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(1, 24, 5, 7), (2, 40, 3, 9), (1, 3, 11, 4)])
+@pytest.mark.parametrize("kind", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("skip, bias2, divisor", [(False, False, 1.0), (True, False, 1.0), (True, True, 2.0)])
+def test_bias_residual_is_the_sum(shape, kind, dtype, skip, bias2, divisor, device):
+    g = torch.Generator().manual_seed(0)
+    y = _layout(torch.randn(shape, generator=g) * 3, kind).to(device, dtype)
+    bias = torch.randn(shape[1], generator=g).to(device, dtype)
+    s = _layout(torch.randn(shape, generator=g), kind).to(device, dtype) if skip else None
+    b2 = torch.randn(shape[1], generator=g).to(device, dtype) if bias2 else None
+    want = _want(y, bias, s, b2, divisor)
+    got = bias_residual(y, bias, s, b2, divisor)
+    assert got.dtype == dtype and got.shape == y.shape
+    assert got.stride() == y.stride() or kind == "strided"
+    err = (got.double() - want).abs().max().item()
+    assert err <= _tolerance(y, bias, s, b2, divisor, want), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bias_residual_in_place_and_into_a_band_of_a_buffer(dtype, device):
+    """``out=y`` in place; ``out=`` rows of a channels_last buffer (a view) get the values and
+    nothing else of the buffer changes."""
+    y = channels_last(torch.randn(1, 16, 6, 5)).to(device, dtype)
+    bias, skip = torch.randn(16).to(device, dtype), channels_last(torch.randn(1, 16, 6, 5)).to(device, dtype)
+    want = bias_residual(y, bias, skip)
+    buf = poison_(channels_last(torch.empty(1, 16, 10, 5, device=device, dtype=dtype)))
+    before = buf.clone()
+    assert bias_residual(y, bias, skip, out=buf[:, :, 3:9]) is not None
+    torch.testing.assert_close(buf[:, :, 3:9], want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([buf[:, :, :3], buf[:, :, 9:]], 2),
+                               torch.cat([before[:, :, :3], before[:, :, 9:]], 2), rtol=0, atol=0, equal_nan=True)
+    y2 = y.clone()
+    assert bias_residual(y2, bias, skip, out=y2) is y2
+    torch.testing.assert_close(y2, want, rtol=0, atol=0)
+
+
+def test_bias_residual_checks_its_arguments(device):
+    y = torch.randn(1, 8, 3, 3, device=device)
+    with pytest.raises(ValueError, match="bias must be"):
+        bias_residual(y, torch.randn(7, device=device))
+    with pytest.raises(ValueError, match="skip must have"):
+        bias_residual(y, torch.randn(8, device=device), torch.randn(1, 8, 3, 2, device=device))
+    with pytest.raises(ValueError, match="out must have y's dtype"):
+        bias_residual(y, torch.randn(8, device=device), out=torch.empty_like(y, dtype=torch.float16))
+
+
+def test_reference_matches_the_kernel_contract():
+    y, b = torch.randn(1, 4, 2, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(reference.bias_residual(y, b, y, b, 4.0), (2 * y + 2 * b.view(1, -1, 1, 1)) / 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 512, 24, 256), (1, 256, 18, 512), (1, 128, 19, 512)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_vae_band_shapes(shape, dtype):
+    y = channels_last(torch.randn(shape)).to("cuda", dtype)
+    skip = channels_last(torch.randn(shape)).to("cuda", dtype)
+    bias, b2 = torch.randn(shape[1]).to("cuda", dtype), torch.randn(shape[1]).to("cuda", dtype)
+    want = _want(y, bias, skip, b2, 1.0)
+    err = (bias_residual(y, bias, skip, b2).double() - want).abs().max().item()
+    assert err <= _tolerance(y, bias, skip, b2, 1.0, want)
