@@ -375,7 +375,21 @@ def _pass_cost(us: list[Unit], sh: _Shape, start: int, last: int, bands: int, up
 
 def _cost(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> float:
     """Seconds of a segment: a statistics pass per norm that does not read the kept input (each
-    ending with a launch of the partial statistics per band), and the final pass."""
+    ending with a launch of the partial statistics per band), and the final pass. Remembered per
+    structure of the units and shape (the search asks again for every plan it makes)."""
+    key = (tuple((u.kind, u.c_in, u.c_out, u.radius, u.scale, len(u.norms)) for u in us), sh, start, stop, bands)
+    seconds = _COSTS.get(key)
+    if seconds is None:
+        if len(_COSTS) > 2**16:
+            _COSTS.clear()
+        seconds = _COSTS[key] = _segment_seconds(us, sh, start, stop, bands)
+    return seconds
+
+
+_COSTS: dict[tuple, float] = {}
+
+
+def _segment_seconds(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> float:
     if bands == 1:
         return _SEGMENT_SECONDS + sum(us[j].flops(sh.h_out[j], sh.w_out[j]) / _FLOPS + us[j].launches()
                                       * _LAUNCH_SECONDS for j in range(start, stop))
