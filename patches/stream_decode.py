@@ -515,6 +515,11 @@ def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int, barred: f
             if best[start] is None and fallback[start] is None:
                 continue
             for bands in _band_counts(sh.h_out[stop - 1]):
+                if bands == 1 and stop - start < len(us):
+                    # modules run whole only where the whole decode does: their temporaries are a
+                    # rule of thumb (``_WORKING_COPIES``), a band's are counted op by op (session 18:
+                    # a whole 64² segment peaked 4–9 MiB above its model under mobile-small)
+                    continue
                 peak = _peak(us, sh, start, stop, bands, kept[start])
                 seconds = _cost(us, sh, start, stop, bands)
                 seg = Segment(start, stop, bands)
