@@ -1,0 +1,11 @@
+# Session 18, call 2 (H100): the planner measures cuDNN's workspace of each band convolution (3 MiB slack held
+# back): GPU tests, bench.stream_decode --graph --profile, diagnostic at 3/2/1 MiB slack, the memory table.
+set -u
+R=$OUT/r; mkdir -p $R
+nvidia-smi --query-gpu=name,driver_version --format=csv > $R/gpu.txt
+python3 -c "import torch, triton, diffusers, transformers; print(torch.__version__, triton.__version__, diffusers.__version__, transformers.__version__, torch.version.cuda)" >> $R/gpu.txt 2>&1
+timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/ops/test_residual.py tests/ops/test_group_stats.py tests/test_memory.py -k "stream or residual or shift or vae_band" > $R/gpu-tests.txt 2>&1; echo "rc $?" >> $R/gpu-tests.txt
+timeout 120 python3 -m bench.stream_decode --out $R/sd --graph --profile > $R/bench-stream.txt 2>&1; echo "rc $?" >> $R/bench-stream.txt
+timeout 170 python3 scratch/s18diag2.py $R/diag > $R/diag.txt 2>&1; echo "rc $?" >> $R/diag.txt
+timeout 140 python3 -m bench.memory --out $R/mem --steps 20 > $R/bench-memory.txt 2>&1; echo "rc $?" >> $R/bench-memory.txt
+cd $OUT && tar czf r.tgz r && rm -rf r
