@@ -33,11 +33,14 @@ weights' dtype; the norms' statistics are merged in float64).
 ``plan`` chooses where segments end and how many bands each takes, from a memory model (the
 segment's span of the buffer + the widest unit's live tensors; ``_peak``) and a time model (convolution
 FLOPs + a cost per launch; ``_cost``): keeping an activation saves the passes that would recompute
-it, but it must fit under the budget beside a band. The model only chooses; bench.stream_decode
-measures the peak. Verified against diffusers 0.42.1's Decoder.forward, UpDecoderBlock2D.forward and
-ResnetBlock2D.forward (source hashes, the last because a band re-states it); an unverified
-diffusers, a decoder of another structure (SpatialNorm, a transposed-conv upsampler, a convolution
-with hooks or of another class) or a latent_embeds argument runs the original forward.
+it, but it must fit under the budget beside a band. On a CUDA device each band is charged the cuDNN
+workspace measured for its convolutions (``_plan_measured``, ``measure_workspace``); the biases of
+the convolutions are added by the ops after them (``ops.bias_residual`` for a ResNet's tail). The
+model only chooses; bench.stream_decode measures the peak. Verified against diffusers 0.42.1's
+Decoder.forward, UpDecoderBlock2D.forward and ResnetBlock2D.forward (source hashes, the last because
+a band re-states it); an unverified diffusers, a decoder of another structure (SpatialNorm, a
+transposed-conv upsampler, a convolution with hooks or of another class) or a latent_embeds argument
+runs the original forward.
 """
 
 from __future__ import annotations

@@ -406,7 +406,8 @@ def test_measured_workspace_is_charged_to_its_band(tiny_vae):
     sh0, sh1 = sd._shape(us, 1, 20, 11, 4, {}), sd._shape(us, 1, 20, 11, 4, ws)
     for s in p0.segments:
         if s.bands > 1:
-            assert sd._working(us, sh1, s.start, s.stop, s.bands) == sd._working(us, sh0, s.start, s.stop, s.bands) + 30_000
+            base = sd._working(us, sh0, s.start, s.stop, s.bands)
+            assert sd._working(us, sh1, s.start, s.stop, s.bands) == base + 30_000
     p1 = sd.plan(us, 1, 20, 11, 4, budget, head, workspace=ws)
     assert p1.peak <= budget - sd._SLACK and p1 != p0
 
