@@ -30,17 +30,17 @@ multiply-adds per input pixel and channel pair, no upsampled copy), interleaved 
 image is the untiled decode's up to rounding (the phases' summed weights are rounded once to the
 weights' dtype; the norms' statistics are merged in float64).
 
-``plan`` chooses where segments end and how many bands each takes, from a memory model (the
-segment's span of the buffer + the widest unit's live tensors; ``_peak``) and a time model (convolution
-FLOPs + a cost per launch; ``_cost``): keeping an activation saves the passes that would recompute
-it, but it must fit under the budget beside a band. On a CUDA device each band is charged the cuDNN
-workspace measured for its convolutions (``_plan_measured``, ``measure_workspace``); the biases of
-the convolutions are added by the ops after them (``ops.bias_residual`` for a ResNet's tail). The
-model only chooses; bench.stream_decode measures the peak. Verified against diffusers 0.42.1's
-Decoder.forward, UpDecoderBlock2D.forward and ResnetBlock2D.forward (source hashes, the last because
-a band re-states it); an unverified diffusers, a decoder of another structure (SpatialNorm, a
-transposed-conv upsampler, a convolution with hooks or of another class) or a latent_embeds argument
-runs the original forward.
+``plan`` (patches/stream_plan.py) chooses where segments end and how many bands each takes, from a
+memory model (the segment's span of the buffer + the widest unit's live tensors; ``_peak``) and a
+time model (convolution FLOPs + a cost per launch; ``_cost``): keeping an activation saves the
+passes that would recompute it, but it must fit under the budget beside a band. On a CUDA device
+each band is charged the cuDNN workspace measured for its convolutions (``_plan_measured``,
+``measure_workspace``); the biases of the convolutions are added by the ops after them
+(``ops.bias_residual`` for a ResNet's tail). The model only chooses; bench.stream_decode measures
+the peak. Verified against diffusers 0.42.1's Decoder.forward, UpDecoderBlock2D.forward and
+ResnetBlock2D.forward (source hashes, the last because a band re-states it); an unverified
+diffusers, a decoder of another structure (SpatialNorm, a transposed-conv upsampler, a convolution
+with hooks or of another class) or a latent_embeds argument runs the original forward.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
 from sd_kernels.ops.residual import bias_residual
 
-from .stream_plan import (  # noqa: F401  (_SLACK, _UNSEEN, _working: the planner's, named here for tests and bench)
+from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, named here for tests and bench)
     _PROBES,
     _SLACK,
     _UNSEEN,
@@ -67,12 +67,12 @@ from .stream_plan import (  # noqa: F401  (_SLACK, _UNSEEN, _working: the planne
     Unit,
     _bands,
     _layout,
-    _segment_convs,
     _Shape,
     _shape,
     _spans,
     _working,
     conv_input,
+    convs_of,
     plan,
 )
 from .verified import is_verified
@@ -80,11 +80,8 @@ from .verified import is_verified
 log = logging.getLogger("sd_kernels")
 
 
-
 class Unsupported(Exception):
     """The decoder is not one this module streams (the message says why)."""
-
-
 
 
 def _plain_conv(conv: nn.Module, where: str, kernel: int | None = None) -> None:
@@ -154,14 +151,6 @@ def units(decoder: nn.Module) -> list[Unit]:
     return out
 
 
-
-
-def convs_of(us: list[Unit], p: Plan, h: int, w: int, elem: int) -> set[Conv]:
-    """Every convolution plan ``p`` runs for a latent of h×w (one sample)."""
-    sh = _shape(us, 1, h, w, elem)
-    return {cv for seg in p.segments for cv in _segment_convs(us, sh, seg)}
-
-
 def measure_workspace(us: list[Unit], convs: set[Conv], h: int, w: int, dtype: torch.dtype, device: torch.device,
                       channels_last: bool) -> dict[Conv, int]:
     """cuDNN's workspace for each convolution, in ``dtype`` on ``device``: the conv run once on
@@ -182,8 +171,6 @@ def measure_workspace(us: list[Unit], convs: set[Conv], h: int, w: int, dtype: t
         out[cv] = max(handed - -(-y.untyped_storage().nbytes() // 512) * 512, 0)
         del x, y
     return out
-
-
 
 
 def _conv_module(u: Unit, role: str) -> nn.Module:

@@ -427,6 +427,12 @@ def _band_counts(height: int) -> Iterator[int]:
             yield -(-height // r)
 
 
+def convs_of(us: list[Unit], p: Plan, h: int, w: int, elem: int) -> set[Conv]:
+    """Every convolution plan ``p`` runs for a latent of h×w (one sample)."""
+    sh = _shape(us, 1, h, w, elem)
+    return {cv for seg in p.segments for cv in _segment_convs(us, sh, seg)}
+
+
 def conv_input(us: list[Unit], sh: _Shape, cv: Conv) -> tuple[int, int, int, int]:
     """The shape of a convolution's input (one sample)."""
     u, role = us[cv.unit], cv.role.removeprefix("whole.")
