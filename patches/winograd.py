@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from sd_kernels import library
 from sd_kernels.ops.layout import is_channels_last
-from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, weight_version, winograd_conv2d
+from sd_kernels.ops.weight_cache import weight_version
+from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, winograd_conv2d
 from sd_kernels.profiles import active_profile, scoped
 
 from .families import family_of

@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import weakref
 from fractions import Fraction
 
 import torch
@@ -47,6 +46,7 @@ from sd_kernels import reference
 from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import is_channels_last
+from sd_kernels.ops.weight_cache import DerivedWeights, find
 
 R = 3  # filter size
 
@@ -187,6 +187,10 @@ class WinogradWeight:
     tile: int
     weight: torch.Tensor
 
+    @property
+    def nbytes(self) -> int:
+        return self.u.nbytes
+
 
 def winograd_weight(weight: torch.Tensor, tile: int = 4, dtype: torch.dtype | None = None) -> WinogradWeight:
     """U[ξ] = (G g Gᵀ)[ξ] for every (output, input) channel pair, in float64, stored in ``dtype``
@@ -201,39 +205,16 @@ def winograd_weight(weight: torch.Tensor, tile: int = 4, dtype: torch.dtype | No
     return WinogradWeight(u.to(dtype or weight.dtype).contiguous(), tile, weight)
 
 
-class WeightCache:
+class WeightCache(DerivedWeights):
     """The transformed weights of one conv weight, per (tile, dtype, device), recomputed when the
-    weight's storage or version counter changes (an in-place update: a fused LoRA,
-    ``load_state_dict``). A patched conv owns one; while it lives, ``cached_weight(weight, tile)``
-    finds it by the weight tensor, which is how the torch.compile custom op (it sees tensors only)
-    reaches it. Dropping the owner frees the transformed weights."""
+    weight changes (ops/weight_cache.py). A patched conv owns one; while it lives,
+    ``cached_weight(weight, tile)`` finds it by the weight tensor, which is how the torch.compile
+    custom op (it sees tensors only) reaches it. Dropping the owner frees the transformed weights."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-        self.slots: dict[tuple, tuple[tuple, WinogradWeight]] = {}  # (tile, dtype, device) → (version, U)
-        key = id(weight)  # unique while this cache (and so the weight) lives
-        _CACHES[key] = weakref.ref(self, lambda ref: _CACHES.pop(key) if _CACHES.get(key) is ref else None)
-
-    def get(self, tile: int) -> WinogradWeight:
-        w = self.weight
-        slot, version = (tile, w.dtype, w.device), weight_version(w)
-        cached = self.slots.get(slot)
-        if cached is None or cached[0] != version:
-            cached = self.slots[slot] = (version, winograd_weight(w, tile))
-        return cached[1]
-
-    def nbytes(self) -> int:
-        return sum(u.u.numel() * u.u.element_size() for _, u in self.slots.values())
+        super().__init__(weight, "winograd", winograd_weight)
 
 
-def weight_version(w: torch.Tensor) -> tuple:
-    """What identifies a weight's values for the cache: its storage and version counter. Inference
-    tensors (made under torch.inference_mode) have no version counter, and cannot be updated in place
-    outside it: their storage alone identifies them."""
-    return w.data_ptr(), None if w.is_inference() else w._version
-
-
-_CACHES: dict[int, weakref.ref] = {}  # id(weight) → the WeightCache its owner keeps
 uncached_calls = 0  # cached_weight calls that found no cache (each transformed the weight anew)
 
 
@@ -241,9 +222,8 @@ def cached_weight(weight: torch.Tensor, tile: int) -> WinogradWeight:
     """``weight``'s transform for ``tile`` from the WeightCache that holds this very tensor, or, where
     none does, computed for this call only (counted in ``uncached_calls``)."""
     global uncached_calls
-    ref = _CACHES.get(id(weight))
-    cache = ref() if ref is not None else None
-    if cache is None or cache.weight is not weight:
+    cache = find(weight, "winograd")
+    if cache is None:
         uncached_calls += 1
         return winograd_weight(weight, tile)
     return cache.get(tile)
