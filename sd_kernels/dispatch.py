@@ -81,16 +81,18 @@ def tensor_reason(*tensors: torch.Tensor | None, also: tuple[torch.dtype, ...] =
     return None
 
 
-def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None = None) -> bool:
+def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None = None,
+               any_device: bool = False) -> bool:
     """Decide whether ``op`` runs its Triton kernel on these inputs.
 
     ``unsupported`` is the op's own reason why its kernel cannot take this call (a shape or dtype
-    off its ground), or None. Returns False (run the reference) or True (run the kernel).
+    off its ground), or None. ``any_device``: the op is made of torch calls (a rewrite, no Triton
+    kernel), so no device is refused. Returns False (run the reference) or True (run the kernel).
     """
     mode = backend()
     if mode == "reference":
         return False
-    reason = unsupported or _device_reason(tensors)
+    reason = unsupported or (None if any_device else _device_reason(tensors))
     if reason is None:
         reason = profiles.active_profile().disabled_reason(op)
     if reason is None:

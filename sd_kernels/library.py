@@ -30,6 +30,7 @@ from sd_kernels.ops.layout import contiguous_strides, is_channels_last, is_dense
 attention_ops = importlib.import_module("sd_kernels.ops.attention")
 gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
 layer_norm_ops = importlib.import_module("sd_kernels.ops.layer_norm")
+upsample_ops = importlib.import_module("sd_kernels.ops.upsample")
 winograd_ops = importlib.import_module("sd_kernels.ops.winograd")
 
 Layout = tuple[tuple[int, ...], tuple[int, ...]]
@@ -64,10 +65,11 @@ def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Layou
     return shape, contiguous_strides(shape)
 
 
-def conv_layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
-    """A 3×3 same-size conv: [N, K, H, W] in x's memory format (channels_last stays so)."""
+def conv_layout(x: torch.Tensor, weight: torch.Tensor, scale: int = 1) -> Layout:
+    """A 3×3 same-size conv (of x upsampled ``scale`` times): [N, K, scale·H, scale·W] in x's memory
+    format (channels_last stays so)."""
     n, _, h, w = x.shape
-    k = weight.shape[0]
+    k, h, w = weight.shape[0], scale * h, scale * w
     shape = (n, k, h, w)
     return shape, (h * w * k, 1, w * k, k) if is_channels_last(x) else contiguous_strides(shape)
 
@@ -199,6 +201,12 @@ def _winograd_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return winograd_ops.winograd_conv2d(x, winograd_ops.cached_weight(weight, tile), bias)
 
 
+@_custom_op("upsample_conv2d", lambda x, weight, *_: conv_layout(x, weight, 2))
+def _upsample_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # The phases come from the cache of the patched upsampler that owns ``weight``.
+    return upsample_ops.upsample_conv2d(x, weight, bias, cached=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # What patched modules call: the plain op in eager, the custom op while compiling.
 
@@ -266,6 +274,14 @@ def winograd_conv2d(x, weight, bias, tile):
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.winograd_conv2d(x, weight, bias, int(tile))
     return winograd_ops.winograd_conv2d(x, winograd_ops.cached_weight(weight, tile), bias)
+
+
+def upsample_conv2d(x, weight, bias):
+    """Nearest-2× + 3×3 conv as the polyphase 2×2 conv; the phases are cached by the patched
+    upsampler that owns ``weight`` (sd_kernels.ops.upsample.PhaseCache)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.upsample_conv2d(x, weight, bias)
+    return upsample_ops.upsample_conv2d(x, weight, bias, cached=True)
 
 
 OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

@@ -255,6 +255,12 @@ def conv2d_3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.conv2d(x, weight, bias, stride=1, padding=1)
 
 
+def upsample_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Nearest-neighbour 2× upsampling, then a 3×3 convolution with padding 1: diffusers'
+    ``Upsample2D`` with its conv, as it runs it (``F.interpolate(..., scale_factor=2.0, mode="nearest")``)."""
+    return conv2d_3x3(F.interpolate(x, scale_factor=2.0, mode="nearest"), weight, bias)
+
+
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1,
            padding=0) -> torch.Tensor:
     """``F.conv2d`` with groups 1 and dilation 1: what ``ops.conv.conv2d`` computes."""

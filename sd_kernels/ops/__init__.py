@@ -10,6 +10,7 @@ from .group_stats import group_norm_given, group_partials, group_stats, mean_rst
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated
 from .residual import bias_residual
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
+from .upsample import upsample_conv2d
 from .winograd import winograd_conv2d, winograd_weight
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "merge_group_stats",
     "partial_softmax_attention",
     "softmax_matmul",
+    "upsample_conv2d",
     "winograd_conv2d",
     "winograd_weight",
 ]
