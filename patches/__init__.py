@@ -24,7 +24,19 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile, using_profile
 
-from . import attention, families, gelu, group_norm, layer_norm, layout, memory, pipeline_host, whole_step, winograd  # noqa: F401  (each registers its patcher)
+from . import (  # noqa: F401  (each registers its patcher)
+    attention,
+    families,
+    gelu,
+    group_norm,
+    layer_norm,
+    layout,
+    memory,
+    pipeline_host,
+    upsample,
+    whole_step,
+    winograd,
+)
 from . import cuda_graph as cuda_graph_mod
 from .record import PatchRecord
 from .registry import PATCHERS

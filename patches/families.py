@@ -88,10 +88,11 @@ DENOISERS = tuple(f.model_class for f in FAMILIES if f.denoiser)
 # GroupNorms by isinstance, fused ones included; layer_norm's block forwards call the blocks' attention
 # and feed-forward modules (attn1 / attn2 / ff, SD3's attn / ff / ff_context) as they are when they
 # run (attention's processors, gelu's modules, memory's chunked feed-forward, whichever ran before
-# or after). The order is fixed (the one alphabetical order gave
-# before it was written here) so that a record undoes in the same order whatever ``ops=`` says, and
-# a new dependency goes here, with its reason.
-ORDER = ("attention", "channels_last", "gelu", "group_norm", "layer_norm", "memory", "winograd")
+# or after); upsample changes the Upsample2D modules' class in place and reads their conv's weight,
+# whatever winograd makes of the conv module (a WinogradConv2d holds the same weight). The order is
+# fixed (the one alphabetical order gave before it was written here) so that a record undoes in the
+# same order whatever ``ops=`` says, and a new dependency goes here, with its reason.
+ORDER = ("attention", "channels_last", "gelu", "group_norm", "layer_norm", "memory", "upsample", "winograd")
 
 
 def patch_order(ops) -> tuple[str, ...]:

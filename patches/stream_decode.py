@@ -25,8 +25,8 @@ A band runs each unit as its own short sequence of ops (``_resnet_band``, ``_ups
 ``_head_band``), not the module's forward: the norms apply given statistics (fused with their
 SiLU; norm2 in place), every 3×3 convolution computes only the rows the next op needs (no vertical
 padding inside the image: ``_conv_rows``), and the nearest-2× + 3×3 upsampler runs as one 2×2
-convolution of four phases at the input's resolution (``_polyphase``: 16 instead of 36
-multiply-adds per input pixel and channel pair, no upsampled copy), interleaved into the band. The
+convolution of four phases at the input's resolution (``ops.upsample``'s algebra: 16 instead of
+36 multiply-adds per input pixel and channel pair, no upsampled copy), interleaved into the band. The
 image is the untiled decode's up to rounding (the phases' summed weights are rounded once to the
 weights' dtype; the norms' statistics are merged in float64).
 
@@ -56,6 +56,8 @@ import torch.nn.functional as F
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
 from sd_kernels.ops.residual import bias_residual
+from sd_kernels.ops.upsample import interleave_phases, polyphase_weight
+from sd_kernels.ops.weight_cache import weight_version
 
 from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, named here for tests and bench)
     _PROBES,
@@ -121,8 +123,9 @@ def _resnet(name: str, r: nn.Module) -> Unit:
 
 
 def _upsampler(name: str, u: nn.Module) -> Unit:
-    if (type(u).__name__ != "Upsample2D" or not u.use_conv or u.use_conv_transpose or not u.interpolate
-            or u.norm is not None or u.name != "conv" or getattr(u, "interpolate_mode", "nearest") != "nearest"):
+    if (type(u).__name__ not in ("Upsample2D", "PolyphaseUpsample2D")  # the upsample family's class: same module
+            or not u.use_conv or u.use_conv_transpose or not u.interpolate or u.norm is not None
+            or u.name != "conv" or getattr(u, "interpolate_mode", "nearest") != "nearest"):
         raise Unsupported(f"{name} is not a nearest-2× + conv Upsample2D")
     _plain_conv(u.conv, f"{name}.conv", 3)
     return Unit(name, "upsample", u, 1, 2, u.conv.in_channels, u.conv.out_channels)
@@ -213,46 +216,19 @@ def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _polyphase(u: Unit, like: torch.Tensor) -> torch.Tensor:
-    """Nearest-2× then a 3×3 conv, as one 2×2 conv of 4·C_out channels on the input: output pixel
-    (2i + a, 2j + b) is phase (a, b) at (i + a, j + b), whose 2×2 taps read input rows i + a − 1,
-    i + a (and the columns alike). Phase a's tap rows sum the 3×3 kernel's rows {−1 | 0, +1} (a = 0)
-    or {−1, 0 | +1} (a = 1). Summed in float64, rounded once to the weights' dtype; cached per conv
-    (weakly) and per weight version, dtype and layout; made of device ops only (no host copy, so a
-    CUDA graph may capture a first call). The bias is not folded: ``_interleave`` adds it."""
+    """The upsampler's conv as the four phases' 2×2 weights (``ops.upsample.polyphase_weight``):
+    output pixel (2i + a, 2j + b) is phase (a, b) at (i + a, j + b). Cached per conv (weakly) and per
+    weight version, dtype and layout. The bias is not folded: ``interleave_phases`` adds it."""
     conv = u.module.conv
     cl = like.dim() == 4 and like.shape[1] > 1 and like.stride(1) == 1
-    key = (conv.weight.data_ptr(), conv.weight._version, conv.weight.dtype, conv.weight.device, cl)
+    key = (*weight_version(conv.weight), conv.weight.dtype, conv.weight.device, cl)
     cached = _PHASES.get(conv)
     if cached is None or cached[0] != key:
-        w = conv.weight.double()
-        taps = {0: ((0,), (1, 2)), 1: ((0, 1), (2,))}
-
-        def fold(t: torch.Tensor, dim: int, a: int) -> torch.Tensor:
-            return torch.stack([sum(t.select(dim, i) for i in group) for group in taps[a]], dim)
-
-        w4 = torch.cat([fold(fold(w, 2, a), 3, b) for a in (0, 1) for b in (0, 1)]).to(conv.weight.dtype)
-        w4 = w4.contiguous(memory_format=torch.channels_last) if cl else w4.contiguous()
-        cached = _PHASES[conv] = (key, w4)
+        cached = _PHASES[conv] = (key, polyphase_weight(conv.weight, cl))
     return cached[1]
 
 
 _PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _interleave(p: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out[n, c, 2i + a, 2j + b] = p[n, (2a + b)·C + c, i + a, j + b] + bias[c] for the rows of out
-    (one elementwise kernel through two strided views: any layout of either)."""
-    n, c, h2, w2 = out.shape
-    sn, sc, sh, sw = p.stride()
-    src = p.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (sn, sc, sh, 2 * c * sc + sh, sw, c * sc + sw),
-                       p.storage_offset())
-    on, oc, oh, ow = out.stride()
-    dst = out.as_strided((n, c, h2 // 2, 2, w2 // 2, 2), (on, oc, 2 * oh, oh, 2 * ow, ow), out.storage_offset())
-    if bias is None:
-        dst.copy_(src)
-    else:
-        torch.add(src, bias.view(1, c, 1, 1, 1, 1), out=dst)
-    return out
 
 
 class _Pass:
@@ -327,11 +303,11 @@ def _upsample_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, hei
     i0, i1 = c // 2, -(-d // 2)
     phases = _conv_rows(x, _polyphase(u, x), a, b, i0, i1 + 1, height, 1, 0)
     if dst is not None and (c, d) == (2 * i0, 2 * i1):
-        return _interleave(phases, u.module.conv.bias, dst)
+        return interleave_phases(phases, u.module.conv.bias, dst)
     n, _, _, w = x.shape
     fmt = torch.channels_last if phases.stride(1) == 1 else torch.contiguous_format
     out = torch.empty(n, u.c_out, 2 * (i1 - i0), 2 * w, dtype=x.dtype, device=x.device, memory_format=fmt)
-    return _interleave(phases, u.module.conv.bias, out)[:, :, c - 2 * i0:d - 2 * i0]
+    return interleave_phases(phases, u.module.conv.bias, out)[:, :, c - 2 * i0:d - 2 * i0]
 
 
 def _head_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,

@@ -40,6 +40,7 @@ VERIFIED = {
     "UniPCMultistepScheduler._sigma_to_alpha_sigma_t": "3c6872414f3ab42b",
     "Decoder.forward": "be96bf1aec1d895a",
     "UpDecoderBlock2D.forward": "a4a83c23b787086a",
+    "Upsample2D.forward": "3c0e13df5e4ac796",
 }
 VERIFIED_WITH = "0.42.1"
 

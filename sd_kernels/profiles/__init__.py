@@ -48,7 +48,8 @@ WINOGRAD_LAYOUTS = ("nchw", "channels_last")
 WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no Triton import here)
 # Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).
 KNOWN_OPS = ("flash_attention", "partial_softmax_attention", "softmax_matmul", "group_norm", "gelu", "geglu",
-             "linear_geglu", "linear_gelu", "winograd_conv2d", "conv2d", "layer_norm", "residual")
+             "linear_geglu", "linear_gelu", "winograd_conv2d", "conv2d", "layer_norm", "residual",
+             "upsample_conv2d")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # With an intermediate budget, one chunked intermediate (a slice of attention scores or of the
 # feed-forward's 2n-wide projection) may take this share of it: the rest holds the activations
@@ -125,6 +126,11 @@ class Profile:
     # runs as one cuBLASLt matmul with its bias + GELU epilogue instead of cuBLAS's linear and our
     # gelu kernel (sd_kernels.ops.gelu.linear_gelu; CUDA only; docs/kernels/gelu.md).
     gelu_epilogue: bool = False
+    # Upsample2D (nearest 2× + 3×3 conv) runs as the polyphase 2×2 conv (ops.upsample_conv2d) when its
+    # input has at least this many pixels (H·W), else as diffusers runs it. On the H100 the SD1.5 UNet's
+    # 2×1280×8² upsampler lost (0.84x: the GEMM is small, the interleave a pass of its own) and
+    # 2×1280×16² won (1.21x) (docs/kernels/upsample.md).
+    polyphase_min_pixels: int = 256
     winograd: tuple[WinogradRule, ...] = ()
     disabled_ops: frozenset[str] = frozenset()
     autotune_cache: str | None = None  # a directory for autotune results ("{name}" is substituted)
@@ -281,6 +287,7 @@ def _validate(p: Profile) -> None:
             _fail(where, key, value, "a positive number or null")
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
     _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
+    _check_int(where, "polyphase_min_pixels", p.polyphase_min_pixels, 0, 2**40, optional=False)
     if not isinstance(p.gelu_epilogue, bool):
         _fail(where, "gelu_epilogue", p.gelu_epilogue, "true or false")
     for d in p.stock_attention_head_dims:

@@ -51,6 +51,7 @@ def _census(model: nn.Module) -> dict[str, int]:
     """What the patch should replace in ``model``, counted before patching."""
     from diffusers.models.autoencoders.vae import Decoder, Encoder
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+    from diffusers.models.upsampling import Upsample2D
 
     return {
         "attention_processor": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0
@@ -59,6 +60,8 @@ def _census(model: nn.Module) -> dict[str, int]:
         "norms": sum(type(m) is nn.GroupNorm for m in model.modules()),
         "resnet_fused_forward": sum(type(m) is ResnetBlock2D for m in model.modules()),
         "silu_folded": sum(type(m) in (UNet2DConditionModel, Encoder, Decoder) for m in model.modules()),
+        "upsample.polyphase": sum(type(m) is Upsample2D and m.use_conv and not m.use_conv_transpose
+                                  for m in model.modules()),
     }
 
 
