@@ -11,8 +11,9 @@ the call above what was allocated before it: weights and the latent excluded), P
 against the patched untiled one (images in [0, 1]), the plan. ``--graph`` also times each streamed
 decode replayed from a CUDA graph (the host's launches taken out; the graph's memory pool, what it
 keeps reserved, is reported as ``pool_mb``). Then each upsampler of the decoder on its whole input,
-as diffusers runs it (nearest-2× + 3×3 conv) and as the streamed decode does (``_polyphase``, one
-band), with the largest difference between the two (``upsampler-ops.csv``). Writes
+as diffusers runs it (nearest-2× + 3×3 conv: ``reference.upsample_conv2d``, also under a patch that
+made the module polyphase) and as the streamed decode does (``_polyphase``, one band), with the
+largest difference between the two (``upsampler-ops.csv``). Writes
 DIR/stream-decode.csv and prints the tables.
 """
 
@@ -30,6 +31,7 @@ import time
 import torch
 
 from bench import common
+from sd_kernels import reference
 
 MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")
 COLUMNS = ["variant", "ms", "vs_untiled", "peak_intermediate_mb", "pool_mb", "psnr_db", "plan"]
@@ -123,7 +125,8 @@ def _upsamplers(vae, z: torch.Tensor, repeats: int) -> list[dict]:
     for u in us:
         x = inputs[u.name]
         h = x.shape[2]
-        stock = functools.partial(u.module, x)
+        conv = u.module.conv  # diffusers' ops, whatever class the upsampler has now (the upsample family's)
+        stock = functools.partial(reference.upsample_conv2d, x, conv.weight, conv.bias)
         poly = functools.partial(sd._upsample_band, u, x, 0, h, 0, 2 * h, h, None)
         a, b = stock(), poly()
         out.append({"upsampler": u.name, "input": "x".join(map(str, x.shape)),
