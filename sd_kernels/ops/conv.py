@@ -141,14 +141,20 @@ def _pair(v, name: str) -> tuple[int, int]:
     return pair
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias, stride: tuple, padding: tuple) -> None:
-    if x.dim() != 4 or weight.dim() != 4:
-        raise ValueError(f"conv2d needs 4-D x [N, C, H, W] and weight [K, C, R, S], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A convolution's operands agree: x's channels are the weight's input channels, the bias is [K]
+    (the checks every conv op here shares; the callers check dims and kernel sizes)."""
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight {tuple(weight.shape)} expects {weight.shape[1]} input channels, x has {x.shape[1]}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias, stride: tuple, padding: tuple) -> None:
+    if x.dim() != 4 or weight.dim() != 4:
+        raise ValueError(f"conv2d needs 4-D x [N, C, H, W] and weight [K, C, R, S], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    check_operands(x, weight, bias)
     if min(stride) < 1 or min(padding) < 0:
         raise ValueError(f"conv2d: stride {stride} must be ≥ 1 and padding {padding} ≥ 0")
     for dim in (0, 1):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from sd_kernels import reference
 from sd_kernels.dispatch import tensor_reason, use_kernel
+from sd_kernels.ops.conv import check_operands
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.weight_cache import DerivedWeights, find
 
@@ -78,10 +79,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[-2:]) != (3, 3):
         raise ValueError(f"upsample_conv2d needs a 4-D x and a [K, C, 3, 3] weight, got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)}")
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight {tuple(weight.shape)} expects {weight.shape[1]} input channels, x has {x.shape[1]}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_operands(x, weight, bias)
 
 
 def upsample_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -45,6 +45,7 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
+from sd_kernels.ops.conv import check_operands
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.weight_cache import DerivedWeights, find
 
@@ -588,10 +589,7 @@ def winograd_conv2d(
     reason = unsupported_conv(w, stride, padding, dilation, groups)
     if reason is not None:
         raise ValueError(f"winograd_conv2d: {reason}")
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"weight {tuple(w.shape)} expects {w.shape[1]} input channels, x has {x.shape[1]}")
-    if bias is not None and tuple(bias.shape) != (w.shape[0],):
-        raise ValueError(f"bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
+    check_operands(x, w, bias)
     u = cached.u if cached is not None else None
     reason = _kernel_reason(x, u if u is not None else w, bias)
     if not use_kernel("winograd_conv2d", x, w, bias, u, unsupported=reason):
