@@ -12,9 +12,9 @@ of at least the profile's ``polyphase_min_pixels``, no ``output_size`` other tha
 conv's weight bytes) are cached on the module, recomputed when the weight changes in place (a fused
 LoRA), and freed by ``unpatch``.
 
-Profiles with a memory budget disable it (``disabled_ops``): the phases are weights that the
-budget's plan does not count (118 MB for SD1.5's UNet in fp16), and the streamed decode already runs
-its upsamplers this way.
+The shipped mobile profiles disable it (``disabled_ops``): the phases are weights that a memory
+budget's plan does not count (118 MB for SD1.5's UNet in fp16), and their streamed decode already
+runs its upsamplers this way. A profile of one's own with a memory budget should list it too.
 """
 
 from __future__ import annotations
