@@ -56,8 +56,7 @@ import torch.nn.functional as F
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
 from sd_kernels.ops.residual import bias_residual
-from sd_kernels.ops.upsample import interleave_phases, polyphase_weight
-from sd_kernels.ops.weight_cache import weight_version
+from sd_kernels.ops.upsample import PhaseCache, interleave_phases
 
 from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, named here for tests and bench)
     _PROBES,
@@ -217,15 +216,14 @@ def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _polyphase(u: Unit, like: torch.Tensor) -> torch.Tensor:
     """The upsampler's conv as the four phases' 2×2 weights (``ops.upsample.polyphase_weight``):
-    output pixel (2i + a, 2j + b) is phase (a, b) at (i + a, j + b). Cached per conv (weakly) and per
-    weight version, dtype and layout. The bias is not folded: ``interleave_phases`` adds it."""
+    output pixel (2i + a, 2j + b) is phase (a, b) at (i + a, j + b). Kept in a ``PhaseCache`` per conv
+    (held weakly), per weight version, dtype and layout. The bias is not folded: ``interleave_phases``
+    adds it."""
     conv = u.module.conv
-    cl = like.dim() == 4 and like.shape[1] > 1 and like.stride(1) == 1
-    key = (*weight_version(conv.weight), conv.weight.dtype, conv.weight.device, cl)
-    cached = _PHASES.get(conv)
-    if cached is None or cached[0] != key:
-        cached = _PHASES[conv] = (key, polyphase_weight(conv.weight, cl))
-    return cached[1]
+    cache = _PHASES.get(conv)
+    if cache is None or cache.weight is not conv.weight:  # first use, or the parameter was replaced
+        cache = _PHASES[conv] = PhaseCache(conv.weight)
+    return cache.get(like.dim() == 4 and like.shape[1] > 1 and like.stride(1) == 1)
 
 
 _PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
