@@ -33,6 +33,7 @@ from . import (  # noqa: F401  (each registers its patcher)
     layout,
     memory,
     pipeline_host,
+    text_padding,
     upsample,
     whole_step,
     winograd,
@@ -182,6 +183,7 @@ def patch(
                 record.set_attr(model, _OWNER, record, kind=None)
                 for op in families.patch_order(ops):
                     PATCHERS[op](model, record)
+            _install_text_padding(obj, models, record, ops)
             if mode:
                 _install_graphs(obj, models, record, mode, compile, ignore)
     except BaseException:
@@ -205,6 +207,18 @@ def memory_plan(obj: object, prof: Profile):
     else:
         held = {k: m for k, m in (getattr(obj, "components", None) or {}).items() if isinstance(m, nn.Module)}
     return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB)
+
+
+def _install_text_padding(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, ops) -> None:
+    """A pipeline whose denoiser's cross-attention masks the prompt's padding: its ``encode_prompt``
+    cuts the padding no row attends to (part of the "attention" family; patches/text_padding.py)."""
+    if "attention" not in ops or isinstance(obj, nn.Module):
+        return
+    record.scope = ""
+    for _, model in models:
+        fam = families.family_of(model)
+        if fam is not None and fam.denoiser and fam.text_padding:
+            text_padding.install(obj, model, record)
 
 
 def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, mode: str,

@@ -31,6 +31,9 @@ class Family:
     # where host timesteps would cost a wait or break a call, and ``device_timesteps`` says why (the record's note)
     host_timesteps: bool = True
     device_timesteps: str = ""
+    # its pipelines pad the prompt and mask the padding out of the cross-attention only: the patch cuts
+    # the padding no row attends to (patches/text_padding.py)
+    text_padding: bool = False
 
 
 FAMILIES = (
@@ -50,8 +53,9 @@ FAMILIES = (
     # a blocking copy every step, so its timesteps stay where diffusers puts them (DPM-Solver then reads
     # its step index once, on the first step).
     Family("PixArtTransformer2DModel", "transformer", "PixArt", graphed="forward", guarded=("",), denoiser=True,
-           host_timesteps=False, device_timesteps="the PixArt pipeline copies each step's timestep to the device "
-           "itself (a host one would make it wait)"),
+           text_padding=True, host_timesteps=False,
+           device_timesteps="the PixArt pipeline copies each step's timestep to the device itself (a host one would "
+           "make it wait)"),
     # Stable Diffusion 3's MMDiT. StableDiffusion3Pipeline passes the timestep as a tensor expanded to the
     # batch (t.expand(B); float sigmas × 1000), so no timestep conversion; pooled_projections is a
     # tensor and joint_attention_kwargs the pipeline's (None unless set: a hashable leaf), so every

@@ -41,6 +41,9 @@ VERIFIED = {
     "Decoder.forward": "be96bf1aec1d895a",
     "UpDecoderBlock2D.forward": "a4a83c23b787086a",
     "Upsample2D.forward": "3c0e13df5e4ac796",
+    "PixArtSigmaPipeline.encode_prompt": "720b88e8b5a3892a",
+    "PixArtAlphaPipeline.encode_prompt": "dca0bf45d71bad9f",
+    "PixArtTransformer2DModel.forward": "7d77c5dc2fc3cc2c",
 }
 VERIFIED_WITH = "0.42.1"
 
