@@ -24,16 +24,12 @@ The T5 encoder itself still runs over the padded prompt.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from sd_kernels.dispatch import backend
 
 from .record import PatchRecord
 from .verified import VERIFIED_WITH, is_verified
-
-log = logging.getLogger("sd_kernels")
 
 TOKEN_BUCKET = 64
 KIND = "text_padding"
@@ -69,8 +65,7 @@ class TrimmedEncodePrompt:
         out = self.encode_prompt(*args, **kwargs)
         if backend() == "reference" or not isinstance(out, tuple) or len(out) != 4:
             return out
-        embeds, mask, neg_embeds, neg_mask = out
-        keep = kept_tokens((mask, neg_mask))
+        keep = kept_tokens(out[1::2])  # (mask, negative mask)
         if keep is None:
             return out
         return tuple(None if t is None else t[:, :keep].contiguous() for t in out)
