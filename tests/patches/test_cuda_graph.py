@@ -542,6 +542,20 @@ def test_compile_modes_reach_torch_compile_without_inductors_own_graphs(fake_cud
     assert sd_kernels.patch(graphed, cuda_graph=True, compile=other).compile == other
 
 
+def test_compile_takes_a_t5_text_encoder_too(fake_cuda, monkeypatch):
+    """PixArt's T5 encoder is compiled with its transformer and VAE decode (COMPILED_TEXT_ENCODERS);
+    SD's CLIP encoder is not (the test above); without compile= nothing is."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn.__self__) or fn)
+    pipe = models.build_pipeline("tiny-pixart")
+    sd_kernels.patch(pipe, cuda_graph=True)
+    assert compiled == [] and isinstance(vars(pipe.text_encoder)["forward"], cuda_graph.GraphedCall)
+    sd_kernels.patch(pipe, cuda_graph=True, compile=True)
+    assert sorted(type(m).__name__ for m in compiled) == ["AutoencoderKL", "PixArtTransformer2DModel",
+                                                          "T5EncoderModel"]
+    sd_kernels.unpatch(pipe)
+
+
 def test_auto_on_cpu_patches_eagerly_and_compile_says_why_not():
     pipe = models.build_pipeline("tiny")
     assert sd_kernels.patch(pipe).cuda_graph is None and "forward" not in vars(pipe.unet)

@@ -60,14 +60,18 @@ def _run(pipe, **kwargs):
                 use_resolution_binning=False, generator=torch.Generator().manual_seed(0), **kwargs).images
 
 
-def _tokens_seen(pipe, **kwargs) -> tuple[torch.Tensor, set[int]]:
+def _tokens_seen(pipe, **kwargs) -> tuple[torch.Tensor, set[int], set[int]]:
+    """The images, and the token counts the transformer's cross-attention and the T5 encoder saw."""
     seen: set[int] = set()
-    hook = pipe.transformer.register_forward_pre_hook(
-        lambda _m, _a, kw: seen.add(kw["encoder_hidden_states"].shape[1]), with_kwargs=True)
+    encoded: set[int] = set()
+    hooks = (pipe.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.add(kw["encoder_hidden_states"].shape[1]), with_kwargs=True),
+        pipe.text_encoder.register_forward_pre_hook(lambda _m, a: encoded.add(a[0].shape[1])))
     try:
-        return _run(pipe, **kwargs), seen
+        return _run(pipe, **kwargs), seen, encoded
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.fixture
@@ -77,20 +81,70 @@ def stock_attention():
 
 
 def test_padding_cut_gives_stock_images(pipe, stock_attention):
-    stock, seen = _tokens_seen(pipe)
-    assert seen == {300}
+    stock, seen, encoded = _tokens_seen(pipe)
+    assert seen == encoded == {300}
     with sd_kernels.patched(pipe, ops=["attention"], profile=stock_attention) as record:
-        assert record.counts[text_padding.KIND] == 1
-        trimmed, seen = _tokens_seen(pipe)
-        assert seen == {64}
+        assert record.counts[text_padding.KIND] == 2  # encode_prompt's wrapper, the T5 encoder's hooks
+        trimmed, seen, encoded = _tokens_seen(pipe)
+        assert seen == encoded == {64}  # the prompt and the empty negative prompt: 64 tokens each
         torch.testing.assert_close(trimmed, stock, rtol=1e-5, atol=1e-5)
-        # a negative prompt longer than the prompt sets the length for both
+        # a negative prompt longer than the prompt sets the length for both; T5 cuts each call by its own
         negative = " ".join(["blurry"] * 20)
         assert 64 < len(pipe.tokenizer(negative).input_ids) <= 128
-        _, seen = _tokens_seen(pipe, negative_prompt=negative)
-        assert seen == {128}
+        _, seen, encoded = _tokens_seen(pipe, negative_prompt=negative)
+        assert seen == {128} and encoded == {64, 128}
     assert "encode_prompt" not in vars(pipe)
-    assert _tokens_seen(pipe)[1] == {300}
+    assert not pipe.text_encoder._forward_pre_hooks and not pipe.text_encoder._forward_hooks
+    assert _tokens_seen(pipe)[1:] == ({300}, {300})
+
+
+def _encoded(pipe, negative):
+    return pipe.encode_prompt("a cat", negative_prompt=negative, device="cpu", clean_caption=False)
+
+
+def test_encode_prompt_keeps_stock_values_where_any_row_attends(pipe, stock_attention):
+    """T5 over the prompt's tokens: the embeddings are stock's at every attended token; the padding a
+    longer negative prompt keeps in the prompt's row is zeros (masked, so weighted 0)."""
+    negative = " ".join(["blurry"] * 20)
+    with torch.no_grad():
+        stock = _encoded(pipe, negative)
+        with sd_kernels.patched(pipe, ops=["attention"], profile=stock_attention):
+            cut = _encoded(pipe, negative)
+    assert [t.shape[1] for t in cut] == [128] * 4
+    for embeds, stock_embeds, mask in ((cut[0], stock[0], cut[1]), (cut[2], stock[2], cut[3])):
+        attended = mask[0].bool()
+        torch.testing.assert_close(embeds[0, attended], stock_embeds[0, :128][attended], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cut[1], stock[1][:, :128]) and torch.equal(cut[3], stock[3][:, :128])
+    assert not cut[0][0, 64:].any()  # past the prompt's own 64: zeros up to the negative's length
+    assert int(cut[1].sum()) < 64 < int(cut[3].sum())
+
+
+def test_text_encoder_runs_whole_outside_encode_prompt_and_when_ignored(pipe, stock_attention):
+    ids = pipe.tokenizer("a cat", padding="max_length", max_length=300, return_tensors="pt")
+    with torch.no_grad():
+        stock = pipe.text_encoder(ids.input_ids, attention_mask=ids.attention_mask)[0]
+        with sd_kernels.patched(pipe, ops=["attention"], profile=stock_attention):
+            assert torch.equal(pipe.text_encoder(ids.input_ids, attention_mask=ids.attention_mask)[0], stock)
+        with sd_kernels.patched(pipe, ops=["attention"], profile=stock_attention, ignore=["text_encoder"]) as rec:
+            assert rec.counts[text_padding.KIND] == 1 and not pipe.text_encoder._forward_hooks
+            assert _tokens_seen(pipe)[1:] == ({64}, {300})
+
+
+def test_a_failing_encode_prompt_leaves_the_hooks_off(pipe, stock_attention):
+    with sd_kernels.patched(pipe, ops=["attention"], profile=stock_attention):
+        wrapper = vars(pipe)["encode_prompt"]
+
+        def fail(_m, _a):
+            assert wrapper.tokens.on
+            raise RuntimeError("the encoder failed")
+
+        hook = pipe.text_encoder.register_forward_pre_hook(fail)
+        try:
+            with pytest.raises(RuntimeError, match="the encoder failed"):
+                _encoded(pipe, None)
+        finally:
+            hook.remove()
+        assert not wrapper.tokens.on
 
 
 def test_reference_backend_and_other_families_keep_the_padding(pipe, monkeypatch):
@@ -98,7 +152,7 @@ def test_reference_backend_and_other_families_keep_the_padding(pipe, monkeypatch
         assert text_padding.KIND not in record.counts and "encode_prompt" not in vars(pipe)
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     with sd_kernels.patched(pipe, ops=["attention"]):
-        assert _tokens_seen(pipe)[1] == {300}
+        assert _tokens_seen(pipe)[1:] == ({300}, {300})
 
 
 def test_unverified_encode_prompt_is_left_alone(pipe, monkeypatch):
@@ -111,3 +165,29 @@ def test_unverified_encode_prompt_is_left_alone(pipe, monkeypatch):
             assert any("encode_prompt is not the one verified" in s.reason for s in record.skipped)
     finally:
         text_padding.is_verified.cache_clear()
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_pipeline_over_the_prompts_tokens_matches_stock():
+    """On the GPU, fp16, ``patch(pipe, compile=True)``: T5 compiled in its graphs and run over the
+    prompt's 64 tokens, the transformer's cross-attention over 64 keys; the images stay within
+    inductor's reordering of stock's (the compile test's tolerance, tests/patches/test_cuda_graph.py)."""
+    from sd_kernels.patches import cuda_graph
+
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("tiny-pixart", device="cuda", dtype=torch.float16)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        stock = _run(pipe)
+        try:
+            with sd_kernels.patched(pipe, cuda_graph=True, compile=True) as record:
+                assert record.counts[text_padding.KIND] == 2
+                graphed = vars(pipe.text_encoder)["forward"]
+                assert isinstance(graphed, cuda_graph.GraphedCall) and graphed.forward is not graphed.eager_fn
+                for _ in range(2):  # the capture, then a replay
+                    images, seen, encoded = _tokens_seen(pipe)
+                    assert seen == encoded == {64}
+                    torch.testing.assert_close(images, stock, rtol=2e-2, atol=2e-2)
+        finally:
+            torch._dynamo.reset()
