@@ -15,7 +15,7 @@ PixArt-Σ step, docs/patch.md).
 after the last token any row attends to, rounded up to a multiple of ``TOKEN_BUCKET`` (each distinct
 length is a new CUDA graph signature, and a new compilation under ``compile=True``: the rounding
 bounds them to five at 300 tokens). It reads the masks on the host once per pipeline call, after the
-text encoder ran and before the denoising loop. It leaves the outputs whole when a mask is not 0/1,
+text encoder ran and before the denoising loop (and once per T5 call before it, below). It leaves the outputs whole when a mask is not 0/1,
 when a row attends to no token (stock then spreads that row over every key, padding included), under
 ``SD_KERNELS_BACKEND=reference`` (whose promise is stock's arithmetic, bit for bit), and when the
 pipeline's ``encode_prompt`` or the transformer's ``forward`` is not the verified diffusers source.
@@ -29,7 +29,7 @@ depends only on j − i, which a cut at the end does not change; everything else
 The zeros stand where stock has T5's outputs for padding: every row masks them, so the transformer
 gives them weight exactly 0 (and the cut above removes most of them). ``encode_prompt`` sizes the
 negative prompt's tokenization from the prompt's embeddings: the padding back keeps that length.
-Measured on the H100: 15.6 ms per replayed T5-XXL call at 300 tokens, 8.3 at 64 (docs/patch.md).
+Measured on the H100: 15.70 ms per replayed T5-XXL call at 300 tokens, 8.29 at 64 (docs/patch.md).
 """
 
 from __future__ import annotations

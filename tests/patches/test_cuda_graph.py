@@ -524,7 +524,7 @@ def test_auto_graphs_what_can_be_captured_unless_the_profile_caps_memory(fake_cu
     (True, "default", ", compile"), ("max-autotune", "max-autotune-no-cudagraphs", ", compile=max-autotune")])
 def test_compile_modes_reach_torch_compile_without_inductors_own_graphs(fake_cuda, monkeypatch, asked, mode, label):
     """compile= picks torch.compile's mode for what the graphs capture (the UNet's forward, the VAE's
-    decode, not the text encoders); inductor's own CUDA graphs stay off; the record says which; the
+    decode, not SD's CLIP text encoder); inductor's own CUDA graphs stay off; the record says which; the
     same arguments again keep the patch, another mode re-patches."""
     compiled = []
 

@@ -130,6 +130,30 @@ def test_text_encoder_runs_whole_outside_encode_prompt_and_when_ignored(pipe, st
             assert _tokens_seen(pipe)[1:] == ({64}, {300})
 
 
+def test_a_cut_call_pads_tuple_and_model_outputs_back():
+    """The hooks alone, on a stand-in encoder: ids and mask cut to 64, the first output padded back with
+    zeros (a tuple, return_dict=False, or a ModelOutput), the rest passed through; off, nothing changes."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    tokens = text_padding.PromptTokens()
+    module = type("Encoder", (), {"config": type("Config", (), {"output_hidden_states": False,
+                                                                "output_attentions": False})()})()
+    ids, mask = torch.arange(300)[None], _mask(7)
+    assert tokens.before(module, (ids,), {"attention_mask": mask}) is None  # off
+    tokens.on = True
+    (cut,), kw = tokens.before(module, (ids,), {"attention_mask": mask})
+    assert cut.shape == kw["attention_mask"].shape == (1, 64) and torch.equal(cut, ids[:, :64])
+    hidden = torch.randn(1, 64, 8)
+    padded, extra = tokens.after(module, (cut,), kw, (hidden, "extra"))
+    assert padded.shape == (1, 300, 8) and torch.equal(padded[:, :64], hidden) and not padded[:, 64:].any()
+    assert extra == "extra" and tokens.full is None
+    tokens.before(module, (ids,), {"attention_mask": mask})
+    out = tokens.after(module, (cut,), kw, BaseModelOutput(last_hidden_state=hidden))
+    assert out.last_hidden_state.shape == out[0].shape == (1, 300, 8)
+    assert tokens.after(module, (ids,), {}, (hidden,)) is None  # no cut pending: the output as it is
+    assert tokens.before(module, (ids,), {"attention_mask": mask, "return_dict": False}) is None  # another form
+
+
 def test_a_failing_encode_prompt_leaves_the_hooks_off(pipe, stock_attention):
     with sd_kernels.patched(pipe, ops=["attention"], profile=stock_attention):
         wrapper = vars(pipe)["encode_prompt"]
