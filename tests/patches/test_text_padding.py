@@ -55,8 +55,8 @@ def pipe():
     return tiny_pipeline("tiny-pixart")
 
 
-def _run(pipe, **kwargs):
-    return pipe(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="pt",
+def _run(pipe, prompt="a cat", **kwargs):
+    return pipe(prompt=prompt, num_inference_steps=2, height=64, width=64, output_type="pt",
                 use_resolution_binning=False, generator=torch.Generator().manual_seed(0), **kwargs).images
 
 
@@ -194,24 +194,31 @@ def test_unverified_encode_prompt_is_left_alone(pipe, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_compiled_pipeline_over_the_prompts_tokens_matches_stock():
     """On the GPU, fp16, ``patch(pipe, compile=True)``: T5 compiled in its graphs and run over the
-    prompt's 64 tokens, the transformer's cross-attention over 64 keys; the images stay within
-    inductor's reordering of stock's (the compile test's tolerance, tests/patches/test_cuda_graph.py)."""
+    prompt's 64 tokens, the transformer's cross-attention over 64 keys; then another prompt replayed
+    from the same graphs, and a negative prompt that makes T5 run (and compile) at 128 tokens too; the
+    images stay within inductor's reordering of stock's (the compile test's tolerance,
+    tests/patches/test_cuda_graph.py)."""
     from sd_kernels.patches import cuda_graph
 
     from sd_kernels import models
 
     pipe = models.build_pipeline("tiny-pixart", device="cuda", dtype=torch.float16)
     pipe.set_progress_bar_config(disable=True)
+    negative = " ".join(["blurry"] * 20)
+    cases = [({}, {64}, {64}), ({"prompt": "a dog on a beach"}, {64}, {64}),  # the capture, then a replay
+             ({"prompt": "a dog on a beach", "negative_prompt": negative}, {128}, {64, 128})]
     with torch.no_grad():
-        stock = _run(pipe)
+        stock = [_run(pipe, **kwargs) for kwargs, _, _ in cases]
+        assert not torch.allclose(stock[0], stock[1], rtol=2e-2, atol=2e-2)  # a stale replay would show
         try:
             with sd_kernels.patched(pipe, cuda_graph=True, compile=True) as record:
                 assert record.counts[text_padding.KIND] == 2
                 graphed = vars(pipe.text_encoder)["forward"]
                 assert isinstance(graphed, cuda_graph.GraphedCall) and graphed.forward is not graphed.eager_fn
-                for _ in range(2):  # the capture, then a replay
-                    images, seen, encoded = _tokens_seen(pipe)
-                    assert seen == encoded == {64}
-                    torch.testing.assert_close(images, stock, rtol=2e-2, atol=2e-2)
+                for (kwargs, attended, encoded_lengths), want in zip(cases, stock):
+                    images, seen, encoded = _tokens_seen(pipe, **kwargs)
+                    assert seen == attended and encoded == encoded_lengths
+                    torch.testing.assert_close(images, want, rtol=2e-2, atol=2e-2)
+                assert len(graphed.graphs) == 2  # T5 at 64 and at 128 tokens
         finally:
             torch._dynamo.reset()
