@@ -17,9 +17,9 @@ length is a new CUDA graph signature, and a new compilation under ``compile=True
 bounds them to five at 300 tokens). It reads the masks on the host once per pipeline call, after the
 text encoder ran and before the denoising loop (and once per T5 call before it, below). It leaves the
 outputs whole when a mask is not 0/1, when a row attends to no token (stock then spreads that row
-over every key, padding included), under
-``SD_KERNELS_BACKEND=reference`` (whose promise is stock's arithmetic, bit for bit), and when the
-pipeline's ``encode_prompt`` or the transformer's ``forward`` is not the verified diffusers source.
+over every key, padding included), under ``SD_KERNELS_BACKEND=reference`` (whose promise is stock's
+arithmetic, bit for bit), and when the pipeline's ``encode_prompt`` or the transformer's ``forward``
+is not the verified diffusers source.
 
 The T5 encoder runs over the prompt's tokens too (``PromptTokens``, hooks on the pipeline's
 ``T5EncoderModel``, active only inside the wrapped ``encode_prompt``): each call gets its input ids
