@@ -35,6 +35,8 @@ Measured on the H100: 15.70 ms per replayed T5-XXL call at 300 tokens, 8.29 at 6
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from sd_kernels.dispatch import backend
@@ -75,6 +77,15 @@ class PromptTokens:
         self.on = False
         self.full: int | None = None  # the length asked for, between the two hooks of a cut call
 
+    @contextlib.contextmanager
+    def active(self):
+        """The hooks on for the block, off after it (whether or not it raised)."""
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+
     def before(self, module, args, kwargs):
         self.full = None
         if not self.on or len(args) != 1 or set(kwargs) != {"attention_mask"}:
@@ -114,14 +125,8 @@ class TrimmedEncodePrompt:
     def __call__(self, *args, **kwargs):
         if backend() == "reference":
             return self.encode_prompt(*args, **kwargs)
-        if self.tokens is None:
+        with contextlib.nullcontext() if self.tokens is None else self.tokens.active():
             out = self.encode_prompt(*args, **kwargs)
-        else:
-            self.tokens.on = True
-            try:
-                out = self.encode_prompt(*args, **kwargs)
-            finally:
-                self.tokens.on = False
         if not isinstance(out, tuple) or len(out) != 4:
             return out
         keep = kept_tokens(out[1::2])  # (mask, negative mask)
