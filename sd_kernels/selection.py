@@ -43,6 +43,8 @@ def _attention(p: Profile, b: int, h: int, sq: int, sk: int, d: int, dtype: str)
     from sd_kernels.ops.attention import FLASH_MAX_HEAD_DIM
 
     path, why = p.attention_choice(sq, sk, d, dtype)
+    if path == "flash_wgmma" and p.disabled_reason("flash_attention"):
+        path, why = p.attention_choice(sq, sk, d, dtype, wgmma=False)
     if path == "flash" and d > FLASH_MAX_HEAD_DIM:
         path, why = "partial_softmax", f"head dim {d} > the flash kernel's {FLASH_MAX_HEAD_DIM}"
     if path == "flash" and p.disabled_reason("flash_attention"):

@@ -97,10 +97,13 @@ def test_a_pathological_profile_file_is_a_clear_error(tmp_path, content, message
 
 def test_stock_attention_head_dims_route_only_those_to_sdpa():
     """hopper lists PixArt-Σ's 72 and FLUX's 128 (cuDNN measured faster than our flash there); SD's
-    40/80/160 and 64 stay flash; a forced policy still wins over the list."""
+    40/80/160 and 64 stay flash; a forced policy still wins over the list. 72's long self-attention
+    goes to the wgmma kernel first (its list is checked before this one)."""
     hopper = profiles.get_profile("hopper")
     assert hopper.stock_attention_head_dims == (72, 128)
-    assert hopper.attention_choice(4096, 4096, 72)[0] == "sdpa"
+    assert hopper.wgmma_attention_head_dims == (72,)
+    assert hopper.attention_choice(4096, 4096, 72)[0] == "flash_wgmma"
+    assert hopper.attention_choice(4096, 4096, 72, wgmma=False)[0] == "sdpa"
     assert hopper.attention_choice(4096, 300, 72)[0] == "sdpa"
     assert hopper.attention_choice(4608, 4608, 128)[0] == "sdpa"
     assert [hopper.attention_choice(4096, 4096, d)[0] for d in (40, 64, 80, 160)] == ["flash"] * 4
@@ -279,7 +282,7 @@ def test_selection_table_is_stable_and_pinned():
     assert _kernels("s23-ultra") == _kernels("s23-ultra")
     attn = lambda name: [k for op, _, k in _kernels(name) if op == "attention"]
     # self/cross at 64², 32², 16², then the VAE's D = 512, then PixArt's self/cross, SD3's and FLUX's joint
-    assert attn("hopper") == ["flash"] * 6 + ["partial_softmax"] + ["sdpa (stock)"] * 4
+    assert attn("hopper") == ["flash"] * 6 + ["partial_softmax"] + ["flash_wgmma"] + ["sdpa (stock)"] * 3
     assert attn("s23-ultra") == ["flash"] + ["partial_softmax"] * 10
     assert attn("mobile-small") == ["partial_softmax"] * 11
     gelus = lambda name: {k for op, _, k in _kernels(name) if op == "gelu tanh"}  # noqa: E731

@@ -35,6 +35,7 @@ from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import misaligned, realigned
 
 from . import attention_common as _common
+from . import attention_wgmma as _wgmma
 from . import softmax_matmul as _partial
 from .attention_common import (
     LOG2E,
@@ -485,7 +486,7 @@ FLASH_MAX_HEAD_DIM = MAX_HEAD_DIM
 # query rows are split into chunks); None: the active profile's ``chunk_bytes()`` (256 MiB unless it
 # sets an intermediate budget). SD's 4096-token self-attention would need 512 MiB at once.
 PARTIAL_SOFTMAX_MAX_CHUNK_BYTES: int | None = None
-PATHS = ("flash", "partial_softmax", "sdpa")
+PATHS = ("flash_wgmma", "flash", "partial_softmax", "sdpa")
 
 
 def partial_softmax_chunk_bytes() -> int:
@@ -498,7 +499,12 @@ def _choose_path(q, k, v, attn_mask, batch) -> str:
     """The active profile's policy (``Profile.attention_path``), then what the kernels can take."""
     from sd_kernels.profiles import active_profile
 
-    want = active_profile().attention_path(q.shape[-2], k.shape[-2], q.shape[-1], str(q.dtype).removeprefix("torch."))
+    profile, dtype = active_profile(), str(q.dtype).removeprefix("torch.")
+    want = profile.attention_path(q.shape[-2], k.shape[-2], q.shape[-1], dtype)
+    if want == "flash_wgmma":
+        if _wgmma.reason(q, k, v, attn_mask) is None and use_kernel("flash_attention", q, k, v, attn_mask):
+            return "flash_wgmma"
+        want = profile.attention_choice(q.shape[-2], k.shape[-2], q.shape[-1], dtype, wgmma=False)[0]
     reason = kernel_reason(q, k, v, attn_mask, batch=batch)
     flash_ok = (want == "flash" and reason is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM
                 and _flash_shape_reason(q, v) is None)
@@ -510,7 +516,7 @@ def _choose_path(q, k, v, attn_mask, batch) -> str:
 
 
 def attention_path(q, k, v, attn_mask=None) -> str:
-    """The path ``attention`` takes for these inputs: "flash", "partial_softmax" or "sdpa" (stock)."""
+    """The path ``attention`` takes for these inputs: one of ``PATHS`` ("sdpa": stock)."""
     return _choose_path(q, k, v, attn_mask, check_attention_args("attention", q, k, v, attn_mask))
 
 
@@ -522,8 +528,9 @@ def attention(
     scale: float | None = None,
     upcast: bool = False,
 ) -> torch.Tensor:
-    """Attention by the path ``attention_path`` picks: FlashAttention where it fits, else the paper's
-    partially fused softmax, else (no kernel can run) stock ``F.scaled_dot_product_attention``.
+    """Attention by the path ``attention_path`` picks: FlashAttention where it fits (the Hopper wgmma
+    kernel at the head dims the profile lists for it), else the paper's partially fused softmax, else
+    (no kernel can run, or the profile measured stock faster) ``F.scaled_dot_product_attention``.
 
     ``upcast`` (diffusers' ``upcast_attention``) asks for the scores in fp32: flash always keeps them
     in fp32 on chip; the partial softmax then writes its X in fp32 instead of the input dtype.
@@ -536,6 +543,8 @@ def attention(
         return out
     batch = check_attention_args("attention", q, k, v, attn_mask)
     path = _choose_path(q, k, v, attn_mask, batch)
+    if path == "flash_wgmma":
+        return _wgmma.attention_wgmma(q, k, v, scale)
     if path == "flash":
         return _flash_planned(key, q, k, v, attn_mask, batch, scale)
     if path == "partial_softmax":

@@ -17,8 +17,9 @@ are emulations, chosen by name.
 What a profile decides (every decision is a pure function of the profile and a shape, so the
 selection table of ``sd-kernels info`` needs no GPU):
 - ``disabled_reason(op)``: an op (or fusion) switched off;
-- ``attention_path(sq, sk, head_dim, dtype)``: flash / partial_softmax / sdpa (the ``attention``
-  policy; "auto" = flash where the head dim and the on-chip memory allow, else the partial softmax);
+- ``attention_path(sq, sk, head_dim, dtype)``: flash_wgmma / flash / partial_softmax / sdpa (the
+  ``attention`` policy; "auto" = flash where the head dim and the on-chip memory allow, else the
+  partial softmax; the Hopper wgmma kernel or stock SDPA at the head dims measured for them);
 - ``winograd_tile(n, c, h, w, k, dtype)``: the Winograd F(m, 3) tile for one conv, or None;
 - ``chunk_bytes()``: how large one chunked intermediate (attention scores, a feed-forward slice) may
   be, from the intermediate budget;
@@ -56,6 +57,9 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # that live across the chunk loop (the block's input, q/k/v, the output being filled).
 CHUNK_SHARE = 4
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # no intermediate budget: ops.attention's historical default
+# Fewer keys than this never take the wgmma kernel: at PixArt-Σ's 300-key cross-attention it measured
+# 0.065 ms against cuDNN's 0.060 (H100, session 22); at 4,096 keys 0.403 against 0.448.
+WGMMA_MIN_KEYS = 1024
 _DIR = pathlib.Path(__file__).parent
 
 
@@ -113,6 +117,10 @@ class Profile:
     attention: str = "auto"
     flash_block: tuple[int, int] = (128, 64)  # (BLOCK_M query rows, BLOCK_N keys) of the fit rule
     flash_min_keys: int = 0  # "auto": below this many keys the partial softmax's scores are small
+    # "auto": head dims where the Hopper wgmma kernel (ops/attention_wgmma.py) was measured faster than
+    # stock SDPA, for calls of at least WGMMA_MIN_KEYS keys; a call that kernel cannot take (a mask,
+    # no sm_90, not Triton 3.6) takes the path this profile picks without it
+    wgmma_attention_head_dims: tuple[int, ...] = ()
     # "auto": head dims where stock SDPA was measured faster than our kernels on this device (run there)
     stock_attention_head_dims: tuple[int, ...] = ()
     # "auto": at least this many keys, not a multiple of 64, go to stock SDPA (None: never). The flash
@@ -185,11 +193,17 @@ class Profile:
             return f"accumulators {accum} B > {regs} B of registers at head dim {head_dim} ({bm}x{bn} tile)"
         return None
 
-    def attention_choice(self, sq: int, sk: int, head_dim: int, dtype: str = "float16") -> tuple[str, str]:
-        """(path, why) the policy picks before the kernels' own limits: "flash", "partial_softmax"
-        or "sdpa". ``dispatch.use_kernel`` may still refuse a kernel (device, dtype, shape)."""
+    def attention_choice(self, sq: int, sk: int, head_dim: int, dtype: str = "float16",
+                         wgmma: bool = True) -> tuple[str, str]:
+        """(path, why) the policy picks before the kernels' own limits: "flash_wgmma", "flash",
+        "partial_softmax" or "sdpa". ``dispatch.use_kernel`` may still refuse a kernel (device, dtype,
+        shape); ``wgmma=False``: the choice for a call the wgmma kernel cannot take."""
         if self.attention != "auto":
             return self.attention, f"profile {self.name!r} sets attention={self.attention}"
+        if (wgmma and head_dim in self.wgmma_attention_head_dims and sk >= WGMMA_MIN_KEYS
+                and dtype in ("float16", "bfloat16")):
+            return "flash_wgmma", (f"head dim {head_dim}, {sk} keys: the Hopper wgmma kernel measured faster "
+                                   "than stock here (wgmma_attention_head_dims)")
         if head_dim in self.stock_attention_head_dims:
             return "sdpa", f"head dim {head_dim}: stock SDPA measured faster here (stock_attention_head_dims)"
         ragged = self.stock_attention_ragged_keys
@@ -290,8 +304,9 @@ def _validate(p: Profile) -> None:
     _check_int(where, "polyphase_min_pixels", p.polyphase_min_pixels, 0, 2**40, optional=False)
     if not isinstance(p.gelu_epilogue, bool):
         _fail(where, "gelu_epilogue", p.gelu_epilogue, "true or false")
-    for d in p.stock_attention_head_dims:
-        _check_int(where, "stock_attention_head_dims", d, 1, 2**12, optional=False)
+    for key in ("stock_attention_head_dims", "wgmma_attention_head_dims"):
+        for d in getattr(p, key):
+            _check_int(where, key, d, 1, 2**12, optional=False)
     if p.attention not in ATTENTION_POLICIES:
         _fail(where, "attention", p.attention, f"one of {ATTENTION_POLICIES}")
     bm, bn = p.flash_block if len(p.flash_block) == 2 else (0, 0)
@@ -367,7 +382,8 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
         _fail(where, "disabled_ops", ops, "a list of op names")
     kw["disabled_ops"] = frozenset(ops)
     for key, expected in (("channels_last", f"a list of part names from {LAYOUT_PARTS}"),
-                          ("stock_attention_head_dims", "a list of head dims")):  # JSON lists, tuples here
+                          ("stock_attention_head_dims", "a list of head dims"),
+                          ("wgmma_attention_head_dims", "a list of head dims")):  # JSON lists, tuples here
         value = kw.get(key, [])
         if not isinstance(value, list):
             _fail(where, key, value, expected)

@@ -1,0 +1,121 @@
+"""Attention by the Hopper wgmma kernel (ops/attention_wgmma_kernel.py): when it can run, and its launch.
+
+The kernel is written in Gluon against Triton 3.6 and runs on sm_90 only; elsewhere ``reason``
+says why not and ``ops.attention`` takes its other paths. No attention mask, no autograd;
+fp16 or bf16 [B, H, S, D] views whose strides TMA can address (16-byte aligned, D contiguous).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import torch
+import triton
+
+TESTED_TRITON = "3.6."  # Gluon is experimental: its API changed after 3.6
+MAX_HEAD_DIM = 128
+BLOCK_M = 64  # query rows per consumer warpgroup; a program has two
+BLOCK_N = 128  # keys per block
+STAGES = 3  # key/value blocks in the shared-memory ring (2 stalls the loader: docs)
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why this Triton cannot build the kernel, or None."""
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return (f"Triton {triton.__version__}: the wgmma attention kernel is written against Triton "
+                f"{TESTED_TRITON}x's Gluon API, which later versions changed")
+    try:
+        _kernel()
+    except Exception as exc:  # noqa: BLE001 - any import failure means the same: no kernel
+        return f"Gluon unavailable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _kernel():
+    return importlib.import_module("sd_kernels.ops.attention_wgmma_kernel")
+
+
+def _tma_reason(t: torch.Tensor) -> str | None:
+    if t.stride(-1) != 1:
+        return "the head dim is not contiguous"
+    if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        return "a stride or the base address is not 16-byte aligned (TMA)"
+    return None
+
+
+def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> str | None:
+    """Why the wgmma kernel cannot take this call, or None."""
+    if attn_mask is not None:
+        return "an attention mask (the wgmma kernel takes none)"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return "not [B, H, S, D] tensors"
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: fp16 or bf16, all alike"
+    b, h, _, d = q.shape
+    if k.shape[:2] != (b, h) or v.shape != k.shape or k.shape[-1] != d:
+        return "k and v must match q's batch, heads and head dim (no broadcasting)"
+    if d > MAX_HEAD_DIM or d % 8:
+        return f"head dim {d}: a multiple of 8 up to {MAX_HEAD_DIM}"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "autograd (forward only)"
+    for t in (q, k, v):
+        if (why := _tma_reason(t)) is not None:
+            return why
+    if not (q.is_cuda and k.device == q.device and v.device == q.device):
+        return "not on one CUDA device"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 (Hopper) GPU"
+    return unavailable()
+
+
+def split_head_dim(d: int) -> tuple[int, int, bool]:
+    """(D_LO, D_HI, has_hi): the head dim as one power-of-two block, or 64 + 16 for 65..80."""
+    if d <= 64:
+        return 64, 16, False
+    if d <= 80:
+        return 64, 16, True
+    return 128, 16, False
+
+
+def _descriptors(x: torch.Tensor, rows: int, d_lo: int, d_hi: int) -> list:
+    """TMA descriptors of x [B, H, S, D] seen as [B, S, H, D], blocks [1, rows, 1, D_LO / D_HI]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    b, h, s, d = x.shape
+    kind = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
+    shape, strides = [b, s, h, d], [x.stride(0), x.stride(2), x.stride(1), 1]
+    out = []
+    for width in (d_lo, d_hi):
+        block = [1, rows, 1, width]
+        out.append(TensorDescriptor(x, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, kind)))
+    return out
+
+
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """[B, H, Sq, D] in ``library.attention_layout``'s layout: heads inner when q's are."""
+    b, h, s, d = q.shape
+    if q.stride(1) < q.stride(2):
+        return torch.empty(b, s, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    return torch.empty(b, h, s, d, device=q.device, dtype=q.dtype)
+
+
+def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale)·v for calls ``reason`` accepts (it is not checked again here)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    d_lo, d_hi, has_hi = split_head_dim(d)
+    out = output_like(q)
+    qd, kd, vd, od = (_descriptors(t, r, d_lo, d_hi) for t, r in ((q, BLOCK_M), (k, BLOCK_N), (v, BLOCK_N),
+                                                                   (out, BLOCK_M)))
+    qk_scale = (d ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
+    grid = (triton.cdiv(sq, 2 * BLOCK_M), b * h)
+    with torch.cuda.device(q.device):
+        _kernel()._attn_wgmma_fwd[grid](*qd, *kd, *vd, *od, h, sk, qk_scale, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                      NS=STAGES, HAS_HI=has_hi, EVEN_K=sk % BLOCK_N == 0, num_warps=4,
+                                      maxnreg=168)
+    return out
