@@ -495,14 +495,14 @@ def partial_softmax_chunk_bytes() -> int:
     return PARTIAL_SOFTMAX_MAX_CHUNK_BYTES or active_profile().chunk_bytes()
 
 
-def _choose_path(q, k, v, attn_mask, batch) -> str:
+def _choose_path(q, k, v, attn_mask, batch, scale=None) -> str:
     """The active profile's policy (``Profile.attention_path``), then what the kernels can take."""
     from sd_kernels.profiles import active_profile
 
     profile, dtype = active_profile(), str(q.dtype).removeprefix("torch.")
     want = profile.attention_path(q.shape[-2], k.shape[-2], q.shape[-1], dtype)
     if want == "flash_wgmma":
-        if _wgmma.reason(q, k, v, attn_mask) is None and use_kernel("flash_attention", q, k, v, attn_mask):
+        if _wgmma.reason(q, k, v, attn_mask, scale) is None and use_kernel("flash_attention", q, k, v, attn_mask):
             return "flash_wgmma"
         want = profile.attention_choice(q.shape[-2], k.shape[-2], q.shape[-1], dtype, wgmma=False)[0]
     reason = kernel_reason(q, k, v, attn_mask, batch=batch)
@@ -542,7 +542,7 @@ def attention(
     if out is not None:
         return out
     batch = check_attention_args("attention", q, k, v, attn_mask)
-    path = _choose_path(q, k, v, attn_mask, batch)
+    path = _choose_path(q, k, v, attn_mask, batch, scale)
     if path == "flash_wgmma":
         return _wgmma.attention_wgmma(q, k, v, scale)
     if path == "flash":

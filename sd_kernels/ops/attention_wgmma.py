@@ -47,10 +47,13 @@ def _tma_reason(t: torch.Tensor) -> str | None:
     return None
 
 
-def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> str | None:
+def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+           scale: float | None = None) -> str | None:
     """Why the wgmma kernel cannot take this call, or None."""
     if attn_mask is not None:
         return "an attention mask (the wgmma kernel takes none)"
+    if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):
+        return f"scale {scale!r}: the kernel takes the row max of the unscaled scores, so a number > 0"
     if not (q.dim() == k.dim() == v.dim() == 4):
         return "not [B, H, S, D] tensors"
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:

@@ -125,9 +125,10 @@ def _consumer(qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
     mbarrier.wait(ready.index(0), 0)
     s_acc = _scores(q_lo, q_hi, k_lo.index(0), k_hi.index(0), s_acc, HAS_HI)
     s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
-    s = _masked(s_acc, 0, Sk, s_layout, BLOCK_N, EVEN_K) * qk_scale
-    m_i = gl.max(s, axis=1)
-    p = gl.exp2(s - gl.expand_dims(m_i, 1))
+    # the row max on the raw scores (qk_scale > 0), so that scale and shift are one FFMA per score
+    s = _masked(s_acc, 0, Sk, s_layout, BLOCK_N, EVEN_K)
+    m_i = gl.max(s, axis=1) * qk_scale
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
     l_i = gl.sum(p, axis=1)
     p_lo = gl.convert_layout(p.to(dtype), plo_layout)
     p_hi = gl.convert_layout(p.to(dtype), phi_layout)
@@ -144,10 +145,10 @@ def _consumer(qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
         o_lo, o_hi = _pv(p_lo, p_hi, v_lo.index(sp), v_hi.index(sp), o_lo, o_hi, HAS_HI)
         mbarrier.arrive(turn.index(1 - WG), count=1)
         s_acc = warpgroup_mma_wait(1 + HAS_HI, deps=(s_acc, ))  # the scores; P·V may still run
-        s = _masked(s_acc, j * BLOCK_N, Sk, s_layout, BLOCK_N, EVEN_K) * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        s = _masked(s_acc, j * BLOCK_N, Sk, s_layout, BLOCK_N, EVEN_K)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p16 = p.to(dtype)
@@ -178,7 +179,8 @@ def _consumer(qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
 def _attn_wgmma_fwd(qd_lo, qd_hi, kd_lo, kd_hi, vd_lo, vd_hi, od_lo, od_hi, H, Sk, qk_scale,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr, HAS_HI: gl.constexpr,
                   EVEN_K: gl.constexpr):
-    """Grid (cdiv(Sq, 2·BLOCK_M), B·H); descriptors over [B, S, H, D] with blocks [1, rows, 1, D_*]."""
+    """Grid (cdiv(Sq, 2·BLOCK_M), B·H); descriptors over [B, S, H, D] with blocks [1, rows, 1, D_*].
+    qk_scale = scale·log2(e) > 0."""
     m0 = gl.program_id(0) * (2 * BLOCK_M)
     bh = gl.program_id(1)
     b = bh // H
