@@ -42,6 +42,8 @@ def _kernel():
 def _tma_reason(t: torch.Tensor) -> str | None:
     if t.stride(-1) != 1:
         return "the head dim is not contiguous"
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return "a broadcast (stride 0) dimension"
     if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
         return "a stride or the base address is not 16-byte aligned (TMA)"
     return None
@@ -63,6 +65,8 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
         return "k and v must match q's batch, heads and head dim (no broadcasting)"
     if d > MAX_HEAD_DIM or d % 8:
         return f"head dim {d}: a multiple of 8 up to {MAX_HEAD_DIM}"
+    if q.numel() == 0 or k.numel() == 0:
+        return "an empty batch, head or sequence"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "autograd (forward only)"
     for t in (q, k, v):

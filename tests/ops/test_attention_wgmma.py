@@ -40,6 +40,9 @@ def qkv(b, h, sq, sk, d, dtype, device="cpu", layout="diffusers"):
     (lambda q, k, v: (q, k[:, :1], v[:, :1], None), "no broadcasting"),
     (lambda q, k, v: (q[..., :36], k[..., :36], v[..., :36], None), "head dim 36"),
     (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, None), "not contiguous"),
+    (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], None), "empty"),
+    (lambda q, k, v: (q[:, :, :0], k, v, None), "empty"),
+    (lambda q, k, v: (q, k[:1, :, :1].expand_as(k), v, None), "broadcast"),
     (lambda q, k, v: (q, k, v, None), "CUDA"),
 ])
 def test_reason_names_what_the_kernel_cannot_take(change, match):
