@@ -105,6 +105,14 @@ def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None =
     return False
 
 
+def declined(op: str, reason: str) -> None:
+    """A kernel the profile chose declined this call and another path runs it: logged the first time
+    per (op, reason) and counted in ``fallbacks()``, like a fallback (it never raises)."""
+    if _fallbacks[(op, reason)] == 0:
+        log.warning("sd_kernels: %s declined, the profile's other path runs: %s", op, reason)
+    _fallbacks[(op, reason)] += 1
+
+
 def fallbacks() -> dict[tuple[str, str], int]:
     """How often each (op, reason) fell back to the reference since start (or the last reset)."""
     return dict(_fallbacks)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import MAX_PLANS, interpreting, keep_plan, plan_context, use_kernel
+from sd_kernels.dispatch import MAX_PLANS, declined, interpreting, keep_plan, plan_context, use_kernel
 from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import misaligned, realigned
 
@@ -502,8 +502,11 @@ def _choose_path(q, k, v, attn_mask, batch, scale=None) -> str:
     profile, dtype = active_profile(), str(q.dtype).removeprefix("torch.")
     want = profile.attention_path(q.shape[-2], k.shape[-2], q.shape[-1], dtype)
     if want == "flash_wgmma":
-        if _wgmma.reason(q, k, v, attn_mask, scale) is None and use_kernel("flash_attention", q, k, v, attn_mask):
+        why = _wgmma.reason(q, k, v, attn_mask, scale)
+        if why is None and use_kernel("flash_attention", q, k, v, attn_mask):
             return "flash_wgmma"
+        if why is not None:
+            declined("flash_wgmma", why)
         want = profile.attention_choice(q.shape[-2], k.shape[-2], q.shape[-1], dtype, wgmma=False)[0]
     reason = kernel_reason(q, k, v, attn_mask, batch=batch)
     flash_ok = (want == "flash" and reason is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM
@@ -515,9 +518,9 @@ def _choose_path(q, k, v, attn_mask, batch, scale=None) -> str:
     return "sdpa"
 
 
-def attention_path(q, k, v, attn_mask=None) -> str:
+def attention_path(q, k, v, attn_mask=None, scale=None) -> str:
     """The path ``attention`` takes for these inputs: one of ``PATHS`` ("sdpa": stock)."""
-    return _choose_path(q, k, v, attn_mask, check_attention_args("attention", q, k, v, attn_mask))
+    return _choose_path(q, k, v, attn_mask, check_attention_args("attention", q, k, v, attn_mask), scale)
 
 
 def attention(

@@ -14,11 +14,14 @@ import math
 import torch
 import triton
 
+from . import attention_common as _common
+
 TESTED_TRITON = "3.6."  # Gluon is experimental: its API changed after 3.6
 MAX_HEAD_DIM = 128
 BLOCK_M = 64  # query rows per consumer warpgroup; a program has two
 BLOCK_N = 128  # keys per block
 STAGES = 3  # key/value blocks in the shared-memory ring (2 stalls the loader: docs)
+MAX_GRID_Y = 65535
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -54,8 +57,9 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
     """Why the wgmma kernel cannot take this call, or None."""
     if attn_mask is not None:
         return "an attention mask (the wgmma kernel takes none)"
-    if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):
-        return f"scale {scale!r}: the kernel takes the row max of the unscaled scores, so a number > 0"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not 0 < scale < math.inf):
+        return f"scale {scale!r}: the kernel takes the row max of the unscaled scores, so a finite number > 0"
     if not (q.dim() == k.dim() == v.dim() == 4):
         return "not [B, H, S, D] tensors"
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -67,13 +71,15 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
         return f"head dim {d}: a multiple of 8 up to {MAX_HEAD_DIM}"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty batch, head or sequence"
+    if b * h > MAX_GRID_Y:
+        return f"{b * h} (batch, head) pairs > {MAX_GRID_Y}, CUDA's grid limit on the axis they take"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "autograd (forward only)"
     for t in (q, k, v):
         if (why := _tma_reason(t)) is not None:
             return why
-    if not (q.is_cuda and k.device == q.device and v.device == q.device):
-        return "not on one CUDA device"
+    if not (q.is_cuda and k.device == q.device and v.device == q.device) or torch.version.hip is not None:
+        return "not on one CUDA (NVIDIA) device"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 (Hopper) GPU"
     return unavailable()
@@ -105,10 +111,7 @@ def _descriptors(x: torch.Tensor, rows: int, d_lo: int, d_hi: int) -> list:
 
 def output_like(q: torch.Tensor) -> torch.Tensor:
     """[B, H, Sq, D] in ``library.attention_layout``'s layout: heads inner when q's are."""
-    b, h, s, d = q.shape
-    if q.stride(1) < q.stride(2):
-        return torch.empty(b, s, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
-    return torch.empty(b, h, s, d, device=q.device, dtype=q.dtype)
+    return _common.alloc_output(q.shape, q, heads_inner=q.stride(1) < q.stride(2))  # looked up per call
 
 
 def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

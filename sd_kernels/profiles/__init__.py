@@ -203,7 +203,8 @@ class Profile:
         if (wgmma and head_dim in self.wgmma_attention_head_dims and sk >= WGMMA_MIN_KEYS
                 and dtype in ("float16", "bfloat16")):
             return "flash_wgmma", (f"head dim {head_dim}, {sk} keys: the Hopper wgmma kernel measured faster "
-                                   "than stock here (wgmma_attention_head_dims)")
+                                   "than stock here (wgmma_attention_head_dims; needs sm_90 and Triton 3.6, "
+                                   "else the path without it)")
         if head_dim in self.stock_attention_head_dims:
             return "sdpa", f"head dim {head_dim}: stock SDPA measured faster here (stock_attention_head_dims)"
         ragged = self.stock_attention_ragged_keys
@@ -307,6 +308,9 @@ def _validate(p: Profile) -> None:
     for key in ("stock_attention_head_dims", "wgmma_attention_head_dims"):
         for d in getattr(p, key):
             _check_int(where, key, d, 1, 2**12, optional=False)
+    if any(d > 128 or d % 8 for d in p.wgmma_attention_head_dims):
+        _fail(where, "wgmma_attention_head_dims", list(p.wgmma_attention_head_dims),
+              "head dims the wgmma kernel takes: multiples of 8 up to 128")
     if p.attention not in ATTENTION_POLICIES:
         _fail(where, "attention", p.attention, f"one of {ATTENTION_POLICIES}")
     bm, bn = p.flash_block if len(p.flash_block) == 2 else (0, 0)

@@ -4,6 +4,7 @@ The kernel is Gluon, which the Triton interpreter cannot run, and it is tied to 
 numerical tests need an H100-class GPU with that Triton and say so when they skip.
 """
 
+import dataclasses
 import importlib
 import re
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from sd_kernels import profiles, reference
+from sd_kernels import dispatch, profiles, reference
 from sd_kernels.library import attention_layout
 from sd_kernels.ops import attention_wgmma as wg
 from sd_kernels.testing import assert_close_to_reference
@@ -51,7 +52,7 @@ def test_reason_names_what_the_kernel_cannot_take(change, match):
     assert why is not None and re.search(match, why), why
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.2, torch.tensor(0.1)])
+@pytest.mark.parametrize("scale", [0.0, -0.2, float("inf"), True, torch.tensor(0.1)])
 def test_reason_refuses_a_scale_that_is_not_a_positive_number(scale):
     q, k, v = qkv(1, 2, 8, 8, 72, torch.float16)
     assert "scale" in wg.reason(q, k, v, None, scale)
@@ -104,13 +105,36 @@ def test_hopper_profile_chooses_it_at_pixarts_self_attention():
 
 def test_a_call_it_cannot_take_runs_the_path_without_it(monkeypatch):
     monkeypatch.setattr(profiles, "_active", profiles.get_profile("hopper"))
+    dispatch.reset_fallbacks()
     q, k, v = qkv(1, 2, 1024, 1024, 72, torch.float16)  # on the CPU: the kernel declines
     assert attn_mod.attention_path(q, k, v) == "sdpa"
     out = attn_mod.attention(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    assert any(op == "flash_wgmma" and "CUDA" in why for op, why in dispatch.fallbacks())  # said, and counted
 
 
-@pytest.mark.parametrize("value", ["72", [0], [72.5]])
+def test_the_path_without_it_is_the_profiles_not_always_stock(monkeypatch):
+    """A profile listing head dim 64 for the kernel: a declined call runs our flash kernel, as without it."""
+    mine = dataclasses.replace(profiles.get_profile("hopper"), wgmma_attention_head_dims=(64,))
+    monkeypatch.setattr(profiles, "_active", mine)
+    q, k, v = qkv(1, 1, 1024, 1024, 64, torch.float16)
+    assert mine.attention_choice(1024, 1024, 64)[0] == "flash_wgmma"
+    assert attn_mod.attention_path(q, k, v) == "flash"
+
+
+def test_a_call_it_takes_goes_to_it_with_its_scale(monkeypatch):
+    """The dispatch with the kernel's checks passed (patched: no GPU here): the path is flash_wgmma,
+    and the scale reaches the kernel's checks."""
+    monkeypatch.setattr(profiles, "_active", profiles.get_profile("hopper"))
+    seen = []
+    monkeypatch.setattr(wg, "reason", lambda q, k, v, mask, scale=None: seen.append(scale))
+    monkeypatch.setattr(attn_mod, "use_kernel", lambda *a, **kw: True)
+    q, k, v = qkv(1, 2, 1024, 1024, 72, torch.float16)
+    assert attn_mod.attention_path(q, k, v, scale=0.25) == "flash_wgmma"
+    assert seen == [0.25]
+
+
+@pytest.mark.parametrize("value", ["72", [0], [72.5], [136], [100]])
 def test_profile_json_checks_the_head_dims(value):
     with pytest.raises(profiles.ProfileError, match="wgmma_attention_head_dims"):
         profiles.from_dict({"name": "x", "description": "x", "wgmma_attention_head_dims": value})
@@ -129,6 +153,7 @@ def _gpu_reason():
 
 
 gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+poisoned = pytest.mark.usefixtures("poisoned_attention_outputs")  # unwritten output elements are NaN
 
 
 def check(q, k, v, scale=None):
@@ -141,6 +166,7 @@ def check(q, k, v, scale=None):
 
 
 @gpu
+@poisoned
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [
     (2, 3, 333, 333, 72),  # ragged query rows and keys, PixArt's head dim
@@ -156,6 +182,7 @@ def test_matches_float64(shape, dtype):
 
 
 @gpu
+@poisoned
 @pytest.mark.parametrize("layout", ["diffusers", "contiguous"])
 def test_layouts_and_scale(layout):
     q, k, v = qkv(2, 3, 200, 300, 72, torch.float16, "cuda", layout)
@@ -164,6 +191,7 @@ def test_layouts_and_scale(layout):
 
 
 @gpu
+@poisoned
 def test_sliced_heads_of_a_fused_projection():
     """q, k, v as diffusers' fused QKV projection slices them: strided, heads inner."""
     b, s, h, d = 2, 257, 4, 72
@@ -173,6 +201,7 @@ def test_sliced_heads_of_a_fused_projection():
 
 
 @gpu
+@poisoned
 def test_ops_attention_takes_it_under_the_hopper_profile(monkeypatch):
     monkeypatch.setattr(profiles, "_active", profiles.get_profile("hopper"))
     q, k, v = qkv(2, 16, 1024, 1024, 72, torch.float16, "cuda")
@@ -181,6 +210,7 @@ def test_ops_attention_takes_it_under_the_hopper_profile(monkeypatch):
     torch.testing.assert_close(attn_mod.attention(q, k, v), wg.attention_wgmma(q, k, v), rtol=0, atol=0)
     mask = torch.ones(1024, 1024, device="cuda", dtype=torch.bool)
     assert attn_mod.attention_path(q, k, v, mask) == "sdpa"
+    assert attn_mod.attention_path(q, k, v, scale=-0.2) == "sdpa"
     for scale in (-0.2, 0.0):  # the path without it: stock's very call, NaNs included. Session 22, call 8:
         # with equal_nan off this failed on NaN in 1.4% of the elements at scale -0.2; both sides are the
         # same F.scaled_dot_product_attention call (this version was not re-run on the GPU)
