@@ -286,7 +286,7 @@ class GraphedCall:
         self.device = next(model.parameters()).device
         self.model_ref = model
         self.graphs: dict[Any, _Graph] = {}
-        self.eager_keys: set = set()
+        self.eager_keys: dict[Any, Any] = {}  # signature whose capture failed -> the function it runs
         self.pool = torch.cuda.graph_pool_handle()  # shared by all signatures' graphs
         self.stream = torch.cuda.Stream(self.device)  # the side stream captures run on
         self.watch = _Watch(model)
@@ -387,13 +387,25 @@ class GraphedCall:
             try:
                 graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
             except Exception as exc:  # a capture that fails runs eagerly from then on, for this signature
-                out = self.forward(*args, **kwargs)  # a call the model refuses raises its own error here
-                self.eager_keys.add(key)
-                self._eager_note(f"capture failed ({type(exc).__name__}: {exc})")
+                out, self.eager_keys[key], how = self._after_failed_capture(args, kwargs)
+                self._eager_note(f"capture failed ({type(exc).__name__}: {exc}){how}")
                 return out
         if graph is None:
-            return self.forward(*args, **kwargs)
+            return self.eager_keys.get(key, self.forward)(*args, **kwargs)
         return graph(leaves)
+
+    def _after_failed_capture(self, args, kwargs) -> tuple[Any, Any, str]:
+        """(output, the function this signature runs from now on, a note) after a failed capture: the
+        captured function run outside a graph; where that is a compiled one and raises too (a compiler
+        failure at a new shape), the uncompiled method. A call the model refuses raises its own error
+        from the last function tried."""
+        try:
+            return self.forward(*args, **kwargs), self.forward, ""
+        except Exception as exc:
+            if self.eager_fn is self.forward:
+                raise
+            failed = f"; compiled, it failed too ({type(exc).__name__}: {exc}), so it runs uncompiled"
+        return self.eager_fn(*args, **kwargs), self.eager_fn, failed
 
 
 def install(model: nn.Module, record, method: str = "forward", drop: Iterable[str] = (),

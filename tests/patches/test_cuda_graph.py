@@ -166,6 +166,35 @@ def test_eager_fallbacks_are_logged_once(fake_cuda, monkeypatch, caplog):
     assert len(messages) == 2 and "autograd" in messages[0] and "capture failed" in messages[1]
 
 
+def test_a_compiled_call_that_fails_to_capture_and_to_run_runs_uncompiled(fake_cuda, monkeypatch, caplog):
+    """compile=: a signature whose capture fails and whose compiled function raises too (a compiler
+    failure at a new shape) runs the uncompiled method from then on, said once; not captured again."""
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    call = graphed.forward
+    tried = []
+
+    def compiled(*args, **kwargs):  # stands in for torch.compile(forward) failing at this shape
+        tried.append(None)
+        raise RuntimeError("inductor: lowering failed")
+
+    call.eager_fn, call.forward = call.forward, compiled
+
+    def broken(run, pool, stream):
+        fake_cuda.append(None)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(cuda_graph, "capture", broken)
+    monkeypatch.setattr(call, "precompile", False)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        want = eager(x, 10, **kw).sample
+        for _ in range(3):
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+    assert len(fake_cuda) == 1 and len(tried) == 1  # neither the capture nor the compiled function again
+    notes = [r.message for r in caplog.records if "eagerly" in r.message]
+    assert len(notes) == 1 and "runs uncompiled" in notes[0] and "lowering failed" in notes[0]
+
+
 def _lora_after_capture(eager, graphed, x, kw):
     """Both models get the same random LoRA after ``graphed`` captured a call: (graphed's output, eager's)."""
     peft = pytest.importorskip("peft", reason="peft is in the test extra")
