@@ -99,17 +99,20 @@ def use_kernel(op: str, *tensors: torch.Tensor | None, unsupported: str | None =
         return True
     if mode == "triton":
         raise KernelUnavailable(f"{op}: {reason}")
-    if _fallbacks[(op, reason)] == 0:
-        log.warning("sd_kernels: %s runs the PyTorch reference: %s", op, reason)
-    _fallbacks[(op, reason)] += 1
+    _count(op, reason, "runs the PyTorch reference")
     return False
 
 
 def declined(op: str, reason: str) -> None:
     """A kernel the profile chose declined this call and another path runs it: logged the first time
     per (op, reason) and counted in ``fallbacks()``, like a fallback (it never raises)."""
+    _count(op, reason, "declined, the profile's other path runs")
+
+
+def _count(op: str, reason: str, what: str) -> None:
+    """Count one fallback of ``op`` for ``reason``; the first of each pair is logged."""
     if _fallbacks[(op, reason)] == 0:
-        log.warning("sd_kernels: %s declined, the profile's other path runs: %s", op, reason)
+        log.warning("sd_kernels: %s %s: %s", op, what, reason)
     _fallbacks[(op, reason)] += 1
 
 
