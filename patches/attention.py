@@ -8,8 +8,9 @@ norm_q / norm_k, residual connection, rescale_output_factor) with the one
 picks FlashAttention, the partially fused softmax or stock SDPA per call.
 
 Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor``,
-``FusedAttnProcessor2_0``, ``IPAdapterAttnProcessor2_0`` or ``JointAttnProcessor2_0`` (SD3's joint
-text + image attention: ``SDKernelsJointAttnProcessor``, patches/joint_attention.py) are touched, and
+``FusedAttnProcessor2_0``, ``IPAdapterAttnProcessor2_0``, ``JointAttnProcessor2_0`` or
+``FusedJointAttnProcessor2_0`` (SD3's joint text + image attention, unfused or after
+``fuse_qkv_projections()``: ``SDKernelsJointAttnProcessor``, patches/joint_attention.py) are touched, and
 only while their source is the one mirrored (patches/verified.py); other custom processors are left
 alone. FLUX's attention modules are diffusers' ``FluxAttention`` (not an ``Attention``): one whose
 processor is exactly ``FluxAttnProcessor`` gets ``SDKernelsFluxAttnProcessor`` (patches/flux_attention.py)
@@ -44,7 +45,8 @@ from .verified import VERIFIED_WITH, is_verified
 # The record's count name of each processor we install (others: "attention_processor").
 _KINDS = {SDKernelsJointAttnProcessor: "joint_attention_processor",
           flux_attention.SDKernelsFluxAttnProcessor: flux_attention.KIND}
-SERVED = "AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0, IPAdapterAttnProcessor2_0 and JointAttnProcessor2_0"
+SERVED = ("AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0, IPAdapterAttnProcessor2_0, JointAttnProcessor2_0 "
+          "and FusedJointAttnProcessor2_0")
 
 
 class SDKernelsAttnProcessor:
@@ -106,15 +108,17 @@ def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProces
         AttnProcessor,
         AttnProcessor2_0,
         FusedAttnProcessor2_0,
+        FusedJointAttnProcessor2_0,
         IPAdapterAttnProcessor2_0,
         JointAttnProcessor2_0,
     )
 
-    if type(processor) is JointAttnProcessor2_0:
-        if not is_verified(JointAttnProcessor2_0.__call__):
-            return (f"JointAttnProcessor2_0.__call__ is not the diffusers {VERIFIED_WITH} code that "
-                    "sd_kernels' joint processor mirrors: left as it is")
-        return SDKernelsJointAttnProcessor()
+    for cls, fused in ((JointAttnProcessor2_0, False), (FusedJointAttnProcessor2_0, True)):
+        if type(processor) is cls:
+            if not is_verified(cls.__call__):
+                return (f"{cls.__name__}.__call__ is not the diffusers {VERIFIED_WITH} code that "
+                        "sd_kernels' joint processor mirrors: left as it is")
+            return SDKernelsJointAttnProcessor(fused=fused)
     for cls, kind in ((AttnProcessor2_0, {}), (AttnProcessor, {"legacy": True}),
                       (FusedAttnProcessor2_0, {"fused": True}), (IPAdapterAttnProcessor2_0, None)):
         if type(processor) is cls:
@@ -133,7 +137,7 @@ def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProces
 def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
     AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``, one whose
-    processor is JointAttnProcessor2_0 an ``SDKernelsJointAttnProcessor``; turn each
+    processor is JointAttnProcessor2_0 or FusedJointAttnProcessor2_0 an ``SDKernelsJointAttnProcessor``; turn each
     IPAdapterAttnProcessor2_0 into an ``SDKernelsIPAdapterProcessor``; give every ``FluxAttention``
     whose processor is FluxAttnProcessor an ``SDKernelsFluxAttnProcessor``."""
     from diffusers.models.attention_processor import Attention

@@ -12,8 +12,16 @@ SDPA per call as the profile says. Like diffusers' processor it ignores ``attent
 other argument. Called without ``encoder_hidden_states`` (SD3.5's second, image-only attention) it
 is plain self-attention and returns the image stream alone, as diffusers' does.
 
+``fused=True`` re-states ``FusedJointAttnProcessor2_0.__call__`` instead (what
+``pipe.fuse_qkv_projections()`` installs): one ``to_qkv`` GEMM for the image stream, one
+``to_added_qkv`` for the context, concatenated before the heads are split, no norm_q / norm_k (diffusers'
+fused processor applies none), the same attention call and output projections. It takes 4-D
+streams ([B, C, H, W]) as diffusers' code means to and returns each in its own shape; diffusers' splits
+the image stream off by ``residual.shape[1]``, the channel count there, and fails.
+
 patches/attention.py installs it on every ``Attention`` whose processor is exactly
-``JointAttnProcessor2_0`` while that ``__call__`` is the verified source (patches/verified.py).
+``JointAttnProcessor2_0`` or ``FusedJointAttnProcessor2_0`` while that ``__call__`` is the verified
+source (patches/verified.py).
 """
 
 from __future__ import annotations
@@ -29,8 +37,11 @@ class SDKernelsJointAttnProcessor:
 
     profile_scoped = True
 
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused  # FusedJointAttnProcessor2_0 (after pipe.fuse_qkv_projections())
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(fused={self.fused})"
 
     @scoped
     def __call__(
@@ -42,6 +53,8 @@ class SDKernelsJointAttnProcessor:
         *args,
         **kwargs,
     ) -> torch.FloatTensor:
+        if self.fused:
+            return self._fused(attn, hidden_states, encoder_hidden_states)
         residual = hidden_states
 
         batch_size = hidden_states.shape[0]
@@ -82,25 +95,53 @@ class SDKernelsJointAttnProcessor:
             key = torch.cat([key, context_key], dim=2)
             value = torch.cat([value, context_value], dim=2)
 
-        # diffusers: F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-        hidden_states = attention(query, key, value)
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
-
+        hidden_states, context = _attend(attn, query, key, value, batch_size, head_dim, residual.shape[1],
+                                         encoder_hidden_states is not None)
         if encoder_hidden_states is not None:
-            # Split the attention outputs.
-            hidden_states, encoder_hidden_states = (
-                hidden_states[:, : residual.shape[1]],
-                hidden_states[:, residual.shape[1] :],
-            )
-            if not attn.context_pre_only:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-
-        # linear proj
-        hidden_states = attn.to_out[0](hidden_states)
-        # dropout
-        hidden_states = attn.to_out[1](hidden_states)
-
-        if encoder_hidden_states is not None:
-            return hidden_states, encoder_hidden_states
+            return hidden_states, context
         return hidden_states
+
+    def _fused(self, attn, hidden_states, encoder_hidden_states):
+        """diffusers' FusedJointAttnProcessor2_0.__call__: one to_qkv GEMM per stream (to_added_qkv for
+        the context), no norm_q / norm_k (diffusers' fused processor applies none), a context always."""
+        shapes = [t.shape if t.ndim == 4 else None for t in (hidden_states, encoder_hidden_states)]
+        hidden_states, encoder_hidden_states = (
+            t if shape is None else t.view(shape[0], shape[1], shape[2] * shape[3]).transpose(1, 2)
+            for t, shape in zip((hidden_states, encoder_hidden_states), shapes))
+        batch_size = encoder_hidden_states.shape[0]
+        image_len = hidden_states.shape[1]
+
+        qkv = attn.to_qkv(hidden_states)
+        query, key, value = torch.split(qkv, qkv.shape[-1] // 3, dim=-1)
+        encoder_qkv = attn.to_added_qkv(encoder_hidden_states)
+        context_query, context_key, context_value = torch.split(encoder_qkv, encoder_qkv.shape[-1] // 3, dim=-1)
+        query = torch.cat([query, context_query], dim=1)
+        key = torch.cat([key, context_key], dim=1)
+        value = torch.cat([value, context_value], dim=1)
+
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+        outputs = _attend(attn, query, key, value, batch_size, head_dim, image_len, True)
+        return tuple(t if shape is None else t.transpose(-1, -2).reshape(shape) for t, shape in zip(outputs, shapes))
+
+
+def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: int, joint: bool):
+    """The attention of both streams' concatenation and the output projections: (the image stream,
+    the context stream or None)."""
+    # diffusers: F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+    hidden_states = attention(query, key, value)
+    hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+    hidden_states = hidden_states.to(query.dtype)
+
+    context = None
+    if joint:
+        # Split the attention outputs.
+        hidden_states, context = hidden_states[:, :image_len], hidden_states[:, image_len:]
+        if not attn.context_pre_only:
+            context = attn.to_add_out(context)
+
+    # linear proj
+    hidden_states = attn.to_out[0](hidden_states)
+    # dropout
+    hidden_states = attn.to_out[1](hidden_states)
+    return hidden_states, context

@@ -22,6 +22,7 @@ VERIFIED = {
     "FusedAttnProcessor2_0.__call__": "dd31131145952459",
     "IPAdapterAttnProcessor2_0.__call__": "3626f6de5fcd6280",
     "JointAttnProcessor2_0.__call__": "392b6bf56c8505d1",
+    "FusedJointAttnProcessor2_0.__call__": "38ab0a3e81c938e3",
     "FluxAttnProcessor.__call__": "d5b36134887ebe45",
     "JointTransformerBlock.forward": "9dd8f9decdd27284",
     "AdaLayerNormZero.forward": "93374820c014f812",

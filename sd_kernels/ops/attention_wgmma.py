@@ -18,7 +18,10 @@ from . import attention_common as _common
 
 TESTED_TRITON = "3.6."  # Gluon is experimental: its API changed after 3.6
 MAX_HEAD_DIM = 128
-BLOCK_M = 64  # query rows per consumer warpgroup; a program has two
+BLOCK_M = 64  # query rows per consumer warpgroup
+# consumer warpgroups per program -> (the kernel's maxnreg, registers of each consumer run as a worker
+# partition): 4 (NC = 3) or 3 warpgroups of 128 threads share 64K registers (the loader's takes 24)
+REGISTERS = {2: (168, 240), 3: (128, 160)}
 BLOCK_N = 128  # keys per block
 STAGES = 3  # key/value blocks in the shared-memory ring (2 stalls the loader: docs)
 MAX_GRID_Y = 65535
@@ -114,18 +117,29 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
     return _common.alloc_output(q.shape, q, heads_inner=q.stride(1) < q.stride(2))  # looked up per call
 
 
-def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """softmax(q·kᵀ·scale)·v for calls ``reason`` accepts (it is not checked again here)."""
+def consumers(d: int) -> int:
+    """Consumer warpgroups per program: three at head dims up to 64, where a key block's softmax
+    takes as long as its two wgmmas, so two other warpgroups' wgmmas must cover it (FA3 takes 192
+    query rows there too); two above."""
+    return 3 if d <= 64 else 2
+
+
+def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    n_consumers: int | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale)·v for calls ``reason`` accepts (it is not checked again here).
+    ``n_consumers`` (2 or 3) overrides ``consumers(d)``, for benchmarks."""
     b, h, sq, d = q.shape
+    nc = consumers(d) if n_consumers is None else n_consumers
+    maxnreg, consumer_regs = REGISTERS[nc]
     sk = k.shape[2]
     d_lo, d_hi, has_hi = split_head_dim(d)
     out = output_like(q)
     qd, kd, vd, od = (_descriptors(t, r, d_lo, d_hi) for t, r in ((q, BLOCK_M), (k, BLOCK_N), (v, BLOCK_N),
                                                                    (out, BLOCK_M)))
     qk_scale = (d ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
-    grid = (triton.cdiv(sq, 2 * BLOCK_M), b * h)
+    grid = (triton.cdiv(sq, nc * BLOCK_M), b * h)
     with torch.cuda.device(q.device):
         _kernel()._attn_wgmma_fwd[grid](*qd, *kd, *vd, *od, h, sk, qk_scale, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                      NS=STAGES, HAS_HI=has_hi, EVEN_K=sk % BLOCK_N == 0, num_warps=4,
-                                      maxnreg=168)
+                                        NS=STAGES, HAS_HI=has_hi, EVEN_K=sk % BLOCK_N == 0, NC=nc,
+                                        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return out

@@ -5,10 +5,11 @@ experimental and its API changed after 3.6 (e.g. TMA copies were renamed), so th
 to the version it was measured on. The math and the schedule: docs/kernels/attention.md, "The
 Hopper kernel".
 
-One program takes 2 × BLOCK_M query rows of one (batch, head) in three partitions:
-- two consumer warpgroups of 4 warps, BLOCK_M = 64 rows each, with all of Q·Kᵀ, the online
-  softmax and P·V in registers and wgmma; they take turns to issue their wgmmas (ping-pong), so
-  one's softmax runs while the tensor cores work for the other;
+One program takes NC × BLOCK_M query rows of one (batch, head) in NC + 1 partitions:
+- NC (2 or 3) consumer warpgroups of 4 warps, BLOCK_M = 64 rows each, with all of Q·Kᵀ, the online
+  softmax and P·V in registers and wgmma; they take turns to issue their wgmmas (a token passed
+  round a ring of mbarriers: FA3's ping-pong for two), so one's softmax runs while the tensor cores
+  work for the others;
 - one loader warp that streams K and V blocks through an NS-stage shared-memory ring by TMA.
 The head dim is D_LO + D_HI columns (72 → 64 + 16); TMA reads the columns past D and the rows past
 the sequence as zeros, so neither needs a mask; only a ragged last key block masks its scores.
@@ -27,9 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _loader(kd_lo, kd_hi, vd_lo, vd_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, b, h, n_blocks,
-            BLOCK_N: gl.constexpr, HAS_HI: gl.constexpr):
-    """Fill ring stage j % NS with key/value block j once both consumers released its last use."""
+def _loader(kd_lo, kd_hi, vd_lo, vd_hi, ring, b, h, n_blocks, BLOCK_N: gl.constexpr, HAS_HI: gl.constexpr):
+    """Fill ring stage j % NS with key/value block j once every consumer released its last use."""
+    k_lo, k_hi, v_lo, v_hi, ready, empty, _ = ring
     NS: gl.constexpr = k_lo.shape[0]
     D_LO: gl.constexpr = kd_lo.block_type.shape[3]
     nbytes: gl.constexpr = 2 * kd_lo.block_type.nbytes + 2 * kd_hi.block_type.nbytes * HAS_HI
@@ -88,13 +89,16 @@ def _rescaled(o, factor, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, turn, b, h, m0, n_blocks, Sk,
-              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_HI: gl.constexpr,
-              EVEN_K: gl.constexpr, WG: gl.constexpr):
+def _consumer(qo, ring, b, h, m0, n_blocks, Sk, qk_scale, HAS_HI: gl.constexpr, EVEN_K: gl.constexpr,
+              WG: gl.constexpr, NC: gl.constexpr):
     """Rows m0 .. m0 + BLOCK_M: Q·Kᵀ of block j and P·V of block j-1 go out together, the softmax of
     block j runs under the P·V, then O is rescaled (FA3's intra-warpgroup overlap)."""
+    qd_lo, qd_hi, od_lo, od_hi = qo
+    k_lo, k_hi, v_lo, v_hi, ready, empty, turn = ring
     num_warps: gl.constexpr = gl.num_warps()
     NS: gl.constexpr = k_lo.shape[0]
+    BLOCK_N: gl.constexpr = k_lo.shape[2]
+    BLOCK_M: gl.constexpr = qd_lo.block_type.shape[1]
     DL: gl.constexpr = qd_lo.block_type.shape[3]
     DH: gl.constexpr = qd_hi.block_type.shape[3]
     dtype: gl.constexpr = qd_lo.dtype
@@ -139,11 +143,12 @@ def _consumer(qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
         st = j % NS
         sp = (j - 1) % NS
         mbarrier.wait(ready.index(st), (j // NS) & 1)
-        # ping-pong: warpgroup WG issues after the other one did, alternately (WG 0 first)
-        mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 - WG))
+        # the token ring: warpgroup WG issues after WG - 1 did in this round (WG 0 after the last
+        # one's previous round; its first wait passes on the fresh barrier's phase 1)
+        mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 if WG == 0 else 0))
         s_acc = _scores(q_lo, q_hi, k_lo.index(st), k_hi.index(st), s_acc, HAS_HI)
         o_lo, o_hi = _pv(p_lo, p_hi, v_lo.index(sp), v_hi.index(sp), o_lo, o_hi, HAS_HI)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % NC), count=1)
         s_acc = warpgroup_mma_wait(1 + HAS_HI, deps=(s_acc, ))  # the scores; P·V may still run
         s = _masked(s_acc, j * BLOCK_N, Sk, s_layout, BLOCK_N, EVEN_K)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -177,11 +182,12 @@ def _consumer(qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
 
 @gluon.jit
 def _attn_wgmma_fwd(qd_lo, qd_hi, kd_lo, kd_hi, vd_lo, vd_hi, od_lo, od_hi, H, Sk, qk_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr, HAS_HI: gl.constexpr,
-                  EVEN_K: gl.constexpr):
-    """Grid (cdiv(Sq, 2·BLOCK_M), B·H); descriptors over [B, S, H, D] with blocks [1, rows, 1, D_*].
-    qk_scale = scale·log2(e) > 0."""
-    m0 = gl.program_id(0) * (2 * BLOCK_M)
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr, HAS_HI: gl.constexpr,
+                    EVEN_K: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (cdiv(Sq, NC·BLOCK_M), B·H); descriptors over [B, S, H, D] with blocks [1, rows, 1, D_*].
+    qk_scale = scale·log2(e) > 0. CONSUMER_REGS: registers per thread of each consumer that runs as
+    a worker partition (the first consumer is the default partition)."""
+    m0 = gl.program_id(0) * (NC * BLOCK_M)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
@@ -194,15 +200,22 @@ def _attn_wgmma_fwd(qd_lo, qd_hi, kd_lo, kd_hi, vd_lo, vd_hi, od_lo, od_hi, H, S
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    gl.warp_specialize([
-        (_consumer, (qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, turn, b, h, m0, n_blocks,
-                     Sk, qk_scale, BLOCK_M, BLOCK_N, HAS_HI, EVEN_K, 0)),
-        (_consumer, (qd_lo, qd_hi, od_lo, od_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, turn, b, h, m0 + BLOCK_M,
-                     n_blocks, Sk, qk_scale, BLOCK_M, BLOCK_N, HAS_HI, EVEN_K, 1)),
-        (_loader, (kd_lo, kd_hi, vd_lo, vd_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, b, h, n_blocks, BLOCK_N,
-                   HAS_HI)),
-    ], [4, 1], [240, 24])
+        mbarrier.init(empty.index(i), count=NC)  # every consumer releases a stage
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NC):
+        mbarrier.init(turn.index(i), count=1)
+    qo = (qd_lo, qd_hi, od_lo, od_hi)
+    ring = (k_lo, k_hi, v_lo, v_hi, ready, empty, turn)
+    if NC == 2:
+        gl.warp_specialize([
+            (_consumer, (qo, ring, b, h, m0, n_blocks, Sk, qk_scale, HAS_HI, EVEN_K, 0, NC)),
+            (_consumer, (qo, ring, b, h, m0 + BLOCK_M, n_blocks, Sk, qk_scale, HAS_HI, EVEN_K, 1, NC)),
+            (_loader, (kd_lo, kd_hi, vd_lo, vd_hi, ring, b, h, n_blocks, BLOCK_N, HAS_HI)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (qo, ring, b, h, m0, n_blocks, Sk, qk_scale, HAS_HI, EVEN_K, 0, NC)),
+            (_consumer, (qo, ring, b, h, m0 + BLOCK_M, n_blocks, Sk, qk_scale, HAS_HI, EVEN_K, 1, NC)),
+            (_consumer, (qo, ring, b, h, m0 + 2 * BLOCK_M, n_blocks, Sk, qk_scale, HAS_HI, EVEN_K, 2, NC)),
+            (_loader, (kd_lo, kd_hi, vd_lo, vd_hi, ring, b, h, n_blocks, BLOCK_N, HAS_HI)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -156,9 +156,9 @@ gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 poisoned = pytest.mark.usefixtures("poisoned_attention_outputs")  # unwritten output elements are NaN
 
 
-def check(q, k, v, scale=None):
+def check(q, k, v, scale=None, n_consumers=None):
     assert wg.reason(q, k, v, None, scale) is None
-    ours = wg.attention_wgmma(q, k, v, scale)
+    ours = wg.attention_wgmma(q, k, v, scale, n_consumers)
     ref64 = reference.attention(q.double(), k.double(), v.double(), None, scale)
     stock = F.scaled_dot_product_attention(q, k, v, scale=scale)
     assert_close_to_reference(ours, stock, ref64)
@@ -177,8 +177,11 @@ def check(q, k, v, scale=None):
     (1, 2, 384, 512, 128),
     (1, 1, 64, 129, 80),
 ], ids=lambda s: "x".join(map(str, s)))
-def test_matches_float64(shape, dtype):
-    check(*qkv(*shape, dtype, "cuda"))
+@pytest.mark.parametrize("n_consumers", [2, 3])
+def test_matches_float64(shape, dtype, n_consumers):
+    """Both programs' shapes (two or three consumer warpgroups) at every head dim, whichever the
+    head dim picks by default."""
+    check(*qkv(*shape, dtype, "cuda"), n_consumers=n_consumers)
 
 
 @gpu

@@ -12,7 +12,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.models.activations import GELU
 from diffusers.models.attention import JointTransformerBlock
-from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from diffusers.models.attention_processor import Attention, FusedJointAttnProcessor2_0, JointAttnProcessor2_0
 from dit_checks import (
     check_gpu_transformer_fp16,
     check_pipeline_exact_with_reference_ops,
@@ -117,6 +117,61 @@ def test_transformer_through_kernels(transformer):
         assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
         assert not dispatch.fallbacks()  # the kernels ran, not the reference
     assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_fused_qkv_projections_served(transformer, monkeypatch):
+    """After ``fuse_qkv_projections()`` (FusedJointAttnProcessor2_0: one to_qkv and one to_added_qkv GEMM)
+    the joint processor serves the fused projections: with the reference behind every op it computes
+    what diffusers' fused processor does, bit for bit; with the kernels it is close to float64; unpatch
+    puts diffusers' fused processors back."""
+    transformer.fuse_qkv_projections()
+    stock_processors = [b.attn.processor for b in transformer.transformer_blocks]
+    assert {type(p) for p in stock_processors} == {FusedJointAttnProcessor2_0}
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["joint_attention_processor"] == 2 and not record.skipped
+        assert all(b.attn.processor.fused for b in transformer.transformer_blocks)
+        dispatch.reset_fallbacks()
+        assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
+        assert not dispatch.fallbacks()
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+        assert torch.equal(_run(transformer, x, kw), stock)
+    assert [b.attn.processor for b in transformer.transformer_blocks] == stock_processors
+
+
+def test_unverified_fused_joint_processor_is_left_alone(transformer, monkeypatch):
+    transformer.fuse_qkv_projections()
+    monkeypatch.setitem(verified.VERIFIED, "FusedJointAttnProcessor2_0.__call__", "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        with sd_kernels.patched(transformer, cuda_graph=False) as record:
+            assert "joint_attention_processor" not in record.counts
+            assert all(type(b.attn.processor) is FusedJointAttnProcessor2_0 for b in transformer.transformer_blocks)
+            reasons = [s.reason for s in record.skipped if s.what == "FusedJointAttnProcessor2_0"]
+            assert len(reasons) == 2 and "not the diffusers 0.42.1" in reasons[0]
+    finally:
+        verified.is_verified.cache_clear()
+
+
+def test_fused_joint_processor_takes_4d_streams(transformer):
+    """diffusers' fused processor reads [B, C, H, W] streams too, but slices the image stream by the
+    channel count there (residual.shape[1] before the reshape) and fails; ours gives the 3-D call's
+    result in each stream's 4-D shape."""
+    transformer.fuse_qkv_projections()
+    attn = transformer.transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, attn.inner_dim, 4, 4, generator=g), torch.randn(2, attn.inner_dim, 2, 3, generator=g)
+    flat = lambda t: t.flatten(2).transpose(1, 2)
+    ours = SDKernelsJointAttnProcessor(fused=True)
+    with torch.no_grad():
+        got = ours(attn, x, ctx)
+        want = ours(attn, flat(x), flat(ctx))
+        with pytest.raises(RuntimeError):
+            attn.processor(attn, x, ctx)
+    assert [t.shape for t in got] == [x.shape, ctx.shape]
+    assert all(torch.equal(flat(a), b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("ops", [["layer_norm"], ["attention"], None])
