@@ -97,28 +97,31 @@ def test_a_pathological_profile_file_is_a_clear_error(tmp_path, content, message
 
 def test_stock_attention_head_dims_route_only_those_to_sdpa():
     """hopper lists PixArt-Σ's 72 and FLUX's 128 (cuDNN measured faster than our flash there); SD's
-    40/80/160 and 64 stay flash; a forced policy still wins over the list. 72's long self-attention
-    goes to the wgmma kernel first (its list is checked before this one)."""
+    40/80/160 stay flash; a forced policy still wins over the list. 64's and 72's long attention goes
+    to the wgmma kernel first (its list is checked before this one); without it 64 is flash."""
     hopper = profiles.get_profile("hopper")
     assert hopper.stock_attention_head_dims == (72, 128)
-    assert hopper.wgmma_attention_head_dims == (72,)
+    assert hopper.wgmma_attention_head_dims == (64, 72)
     assert hopper.attention_choice(4096, 4096, 72)[0] == "flash_wgmma"
     assert hopper.attention_choice(4096, 4096, 72, wgmma=False)[0] == "sdpa"
     assert hopper.attention_choice(4096, 300, 72)[0] == "sdpa"
     assert hopper.attention_choice(4608, 4608, 128)[0] == "sdpa"
-    assert [hopper.attention_choice(4096, 4096, d)[0] for d in (40, 64, 80, 160)] == ["flash"] * 4
+    assert [hopper.attention_choice(4096, 4096, d)[0] for d in (40, 64, 80, 160)] == ["flash", "flash_wgmma",
+                                                                                       "flash", "flash"]
+    assert hopper.attention_choice(4096, 4096, 64, wgmma=False)[0] == "flash"
     assert dataclasses.replace(hopper, attention="flash").attention_choice(4096, 4096, 72)[0] == "flash"
     saved = json.loads(json.dumps(hopper.describe()))  # what `sd-kernels info` prints, as a JSON file holds it
     assert profiles.from_dict(saved, "x.json") == hopper
 
 
 def test_stock_attention_ragged_keys():
-    """hopper: 1,024 keys or more that are not a multiple of 64 (SD3's joint 4,429) go to stock SDPA;
-    SD's cross-attention (77 keys), SD2.1's 144 and every multiple of 64 stay ours."""
+    """hopper, for a call the wgmma kernel cannot take: 1,024 keys or more that are not a multiple of 64
+    (SD3's joint 4,429) go to stock SDPA; SD's cross-attention (77 keys), SD2.1's 144 and every multiple
+    of 64 stay ours."""
     hopper = profiles.get_profile("hopper")
     assert hopper.stock_attention_ragged_keys == 1024
-    path = lambda sk: hopper.attention_choice(4096, sk, 64)[0]  # noqa: E731
-    assert path(4429) == "sdpa" and "4429 keys" in hopper.attention_choice(4096, 4429, 64)[1]
+    path = lambda sk: hopper.attention_choice(4096, sk, 64, wgmma=False)[0]  # noqa: E731
+    assert path(4429) == "sdpa" and "4429 keys" in hopper.attention_choice(4096, 4429, 64, wgmma=False)[1]
     assert [path(sk) for sk in (77, 144, 1000, 1024, 4096, 4160)] == ["flash"] * 6
     assert profiles.get_profile("cuda").stock_attention_ragged_keys is None
     with pytest.raises(ProfileError, match="stock_attention_ragged_keys"):
@@ -282,7 +285,8 @@ def test_selection_table_is_stable_and_pinned():
     assert _kernels("s23-ultra") == _kernels("s23-ultra")
     attn = lambda name: [k for op, _, k in _kernels(name) if op == "attention"]
     # self/cross at 64², 32², 16², then the VAE's D = 512, then PixArt's self/cross, SD3's and FLUX's joint
-    assert attn("hopper") == ["flash"] * 6 + ["partial_softmax"] + ["flash_wgmma"] + ["sdpa (stock)"] * 3
+    assert attn("hopper") == (["flash"] * 6 + ["partial_softmax"] + ["flash_wgmma"] + ["sdpa (stock)"]
+                              + ["flash_wgmma"] + ["sdpa (stock)"])
     assert attn("s23-ultra") == ["flash"] + ["partial_softmax"] * 10
     assert attn("mobile-small") == ["partial_softmax"] * 11
     gelus = lambda name: {k for op, _, k in _kernels(name) if op == "gelu tanh"}  # noqa: E731
