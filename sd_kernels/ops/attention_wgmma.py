@@ -127,9 +127,12 @@ def consumers(d: int) -> int:
 def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     n_consumers: int | None = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale)·v for calls ``reason`` accepts (it is not checked again here).
-    ``n_consumers`` (2 or 3) overrides ``consumers(d)``, for benchmarks."""
+    ``n_consumers`` (2 or 3) overrides ``consumers(d)``, for benchmarks; three need head dim ≤ 80 (at 128
+    the three Q tiles and the ring exceed shared memory)."""
     b, h, sq, d = q.shape
     nc = consumers(d) if n_consumers is None else n_consumers
+    if nc not in REGISTERS or (nc == 3 and d > 80):
+        raise ValueError(f"n_consumers={n_consumers!r} at head dim {d}: 2, or 3 up to head dim 80")
     maxnreg, consumer_regs = REGISTERS[nc]
     sk = k.shape[2]
     d_lo, d_hi, has_hi = split_head_dim(d)

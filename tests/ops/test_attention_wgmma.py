@@ -83,6 +83,14 @@ def test_split_head_dim(d, split):
     assert wg.split_head_dim(d) == split
 
 
+def test_consumers_per_head_dim_and_the_override_checked():
+    assert [wg.consumers(d) for d in (40, 64, 72, 80, 128)] == [3, 3, 2, 2, 2]
+    q, k, v = qkv(1, 1, 8, 8, 128, torch.float16)
+    for n in (3, 4, 1):
+        with pytest.raises(ValueError, match="up to head dim 80"):
+            wg.attention_wgmma(q, k, v, n_consumers=n)
+
+
 def test_output_layout_is_the_custom_ops():
     for layout in ("diffusers", "contiguous"):
         q, k, v = qkv(2, 3, 5, 5, 72, torch.float16, layout=layout)
@@ -189,8 +197,13 @@ def check(q, k, v, scale=None, n_consumers=None):
 @pytest.mark.parametrize("n_consumers", [2, 3])
 def test_matches_float64(shape, dtype, n_consumers):
     """Both programs' shapes (two or three consumer warpgroups) at every head dim, whichever the
-    head dim picks by default."""
-    check(*qkv(*shape, dtype, "cuda"), n_consumers=n_consumers)
+    head dim picks by default; three are refused above head dim 80 (shared memory)."""
+    q, k, v = qkv(*shape, dtype, "cuda")
+    if n_consumers == 3 and shape[-1] > 80:
+        with pytest.raises(ValueError, match="up to head dim 80"):
+            wg.attention_wgmma(q, k, v, n_consumers=3)
+        return
+    check(q, k, v, n_consumers=n_consumers)
 
 
 @gpu
