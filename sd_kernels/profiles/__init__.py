@@ -203,8 +203,8 @@ class Profile:
         if (wgmma and head_dim in self.wgmma_attention_head_dims and sk >= WGMMA_MIN_KEYS
                 and dtype in ("float16", "bfloat16")):
             return "flash_wgmma", (f"head dim {head_dim}, {sk} keys: the Hopper wgmma kernel measured faster "
-                                   "than stock here (wgmma_attention_head_dims; needs sm_90 and Triton 3.6, "
-                                   "else the path without it)")
+                                   "here than the path without it (wgmma_attention_head_dims; needs sm_90 and "
+                                   "Triton 3.6, else that path)")
         if head_dim in self.stock_attention_head_dims:
             return "sdpa", f"head dim {head_dim}: stock SDPA measured faster here (stock_attention_head_dims)"
         ragged = self.stock_attention_ragged_keys
@@ -404,6 +404,7 @@ def _to_json(p: Profile) -> dict[str, Any]:
     out["flash_block"] = list(p.flash_block)
     out["channels_last"] = list(p.channels_last)
     out["stock_attention_head_dims"] = list(p.stock_attention_head_dims)
+    out["wgmma_attention_head_dims"] = list(p.wgmma_attention_head_dims)
     if p.match is not None:
         out["match"] = {"capability": [list(c) for c in p.match.capability], "names": list(p.match.names),
                         "min_sms": p.match.min_sms}
