@@ -12,7 +12,9 @@ X (what the paper's design must add) and against the naive path's (X and softmax
 ``python -m bench.ops_attention OUT [--dit]`` runs the tuning sweep instead (``sweep``): flash configs and
 head-dim splits at the self-attention shapes, the partial softmax's two paths at the cross-attention
 shapes, written to OUT/sweep.json; ``--dit`` sweeps the diffusion transformers' self-attention shapes
-instead (``DIT_SHAPES``: PixArt-Σ, SD3's joint text + image sequence, FLUX's, at 1024²).
+instead (``DIT_SHAPES``: PixArt-Σ, SD3's joint text + image sequence, FLUX's, at 1024²); ``--wgmma``
+times the Hopper wgmma kernel (two and three consumer warpgroups) against cuDNN and our flash at the
+DiTs' and the UNets' long-sequence shapes (``WGMMA_SHAPES``), written to OUT/wgmma.json.
 """
 
 from __future__ import annotations
@@ -70,9 +72,9 @@ def _sdpa_with(backend: SDPBackend) -> Callable:
     return run
 
 
-def _qkv(b: int, h: int, sq: int, sk: int, d: int) -> tuple[torch.Tensor, ...]:
+def _qkv(b: int, h: int, sq: int, sk: int, d: int, dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, ...]:
     def make(s: int) -> torch.Tensor:
-        return torch.randn(b, s, h, d, device="cuda", dtype=DTYPE).transpose(1, 2)
+        return torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
 
     return make(sq), make(sk), make(sk)
 
@@ -217,6 +219,38 @@ def sweep(shapes=SHAPES) -> list[dict]:
     return rows
 
 
+WGMMA_SHAPES = [  # (name, shape, dtype): the DiTs' attention and the UNets' head-dim-64 self-attention
+    ("SD3 1024", (2, 24, 4429, 4429, 64), torch.float16), ("SD3 1024", (2, 24, 4429, 4429, 64), torch.bfloat16),
+    ("SD3 512", (2, 24, 1357, 1357, 64), torch.float16), ("PixArt 1024", (2, 16, 4096, 4096, 72), torch.float16),
+    ("PixArt 1024", (2, 16, 4096, 4096, 72), torch.bfloat16), ("SD2 768", (2, 5, 9216, 9216, 64), torch.float16),
+    ("SD2 512", (2, 5, 4096, 4096, 64), torch.float16), ("SDXL 64²", (2, 10, 4096, 4096, 64), torch.float16),
+    ("SDXL 32²", (2, 20, 1024, 1024, 64), torch.float16), ("SD1.5 64²", (2, 8, 4096, 4096, 40), torch.float16),
+    ("FLUX 1024", (1, 24, 4608, 4608, 128), torch.float16),
+]
+
+
+def wgmma_sweep() -> list[dict]:
+    """The Hopper wgmma kernel with two and three consumer warpgroups (three up to head dim 80) against
+    cuDNN's SDPA and our Triton flash at ``WGMMA_SHAPES``; device times from CUDA graphs, errors
+    against float64. Needs sm_90 and Triton 3.6 (``attention_wgmma.unavailable``)."""
+    wg = importlib.import_module("sd_kernels.ops.attention_wgmma")
+    rows = []
+    for name, shape, dtype in WGMMA_SHAPES:
+        inputs = _qkv(*shape, dtype)
+        if (why := wg.reason(*inputs, None)) is not None:
+            raise SystemExit(f"bench.ops_attention --wgmma: the kernel cannot run here: {why}")
+        ref = reference.attention(*(t.double() for t in inputs))
+        nxt = rotating(functools.partial(_qkv, *shape, dtype), sum(t.numel() * t.element_size() for t in inputs))
+        run = functools.partial(_sweep_row, shape, inputs=inputs, ref=ref, nxt=nxt, case=name, dtype=str(dtype))
+        rows.append(run("sdpa_cudnn", _sdpa_with(SDPBackend.CUDNN_ATTENTION)))
+        for n in (2, 3) if shape[-1] <= 80 else (2,):
+            rows.append(run(f"wgmma_{n}_consumers", functools.partial(wg.attention_wgmma, n_consumers=n)))
+        rows.append(run("ours_flash", flash_attention))
+        del inputs, ref, nxt, run
+        torch.cuda.empty_cache()
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import pathlib
@@ -224,5 +258,8 @@ if __name__ == "__main__":
 
     out = pathlib.Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    result = sweep(DIT_SHAPES if "--dit" in sys.argv[2:] else SHAPES)
-    (out / "sweep.json").write_text(json.dumps(result, indent=1))
+    if "--wgmma" in sys.argv[2:]:
+        (out / "wgmma.json").write_text(json.dumps(wgmma_sweep(), indent=1))
+    else:
+        result = sweep(DIT_SHAPES if "--dit" in sys.argv[2:] else SHAPES)
+        (out / "sweep.json").write_text(json.dumps(result, indent=1))

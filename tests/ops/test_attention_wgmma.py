@@ -4,7 +4,6 @@ The kernel is Gluon, which the Triton interpreter cannot run, and it is tied to 
 numerical tests need an H100-class GPU with that Triton and say so when they skip.
 """
 
-import dataclasses
 import importlib
 import os
 import re
