@@ -104,6 +104,9 @@ class SDKernelsJointAttnProcessor:
     def _fused(self, attn, hidden_states, encoder_hidden_states):
         """diffusers' FusedJointAttnProcessor2_0.__call__: one to_qkv GEMM per stream (to_added_qkv for
         the context), no norm_q / norm_k (diffusers' fused processor applies none), a context always."""
+        if encoder_hidden_states is None:  # diffusers' fails on None.ndim
+            raise ValueError("the fused joint attention (after fuse_qkv_projections()) needs encoder_hidden_states; "
+                             "an image-only attention (SD3.5's second) takes JointAttnProcessor2_0")
         shapes = [t.shape if t.ndim == 4 else None for t in (hidden_states, encoder_hidden_states)]
         hidden_states, encoder_hidden_states = (
             t if shape is None else t.view(shape[0], shape[1], shape[2] * shape[3]).transpose(1, 2)

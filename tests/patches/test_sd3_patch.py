@@ -172,6 +172,8 @@ def test_fused_joint_processor_takes_4d_streams(transformer):
             attn.processor(attn, x, ctx)
     assert [t.shape for t in got] == [x.shape, ctx.shape]
     assert all(torch.equal(flat(a), b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="needs encoder_hidden_states"):
+        ours(attn, flat(x))
 
 
 @pytest.mark.parametrize("ops", [["layer_norm"], ["attention"], None])
