@@ -5,7 +5,8 @@
 Rows, one process, fp16, batch 1 at the model's resolution: stock diffusers' decode, the patched
 untiled decode (``patch(vae, cuda_graph=False)`` under the GPU's own profile: the time the issue's
 "≤ 3× untiled" refers to; with ``--graph`` also replayed from a CUDA graph, the fair reference for
-the streamed replays), then per mobile profile the streamed decode its patch installs. Per row:
+the streamed replays), then per mobile profile the streamed decode its patch installs (a profile that
+may keep activations in 8 bits, ``stream_pack8``, also without: its exact decode). Per row:
 median ms over ``--repeats`` calls (CUDA events, eager), peak intermediate MiB (peak allocated during
 the call above what was allocated before it: weights and the latent excluded), PSNR of the image
 against the patched untiled one (images in [0, 1]), the plan. ``--graph`` also times each streamed
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -136,6 +139,20 @@ def _upsamplers(vae, z: torch.Tensor, repeats: int) -> list[dict]:
     return out
 
 
+def _variants(names: list[str]) -> list[tuple[str, object]]:
+    """(row name, profile) per profile; one that may keep activations in 8 bits (``stream_pack8``)
+    also runs without, so that its exact decode is measured beside it."""
+    from sd_kernels import profiles
+
+    out = []
+    for name in names:
+        prof = profiles.get_profile(name)
+        out.append((name + (" (8-bit kept activations allowed)" if prof.stream_pack8 else ""), prof))
+        if prof.stream_pack8:
+            out.append((f"{name} (dtype only)", dataclasses.replace(prof, stream_pack8=False)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True)
@@ -196,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
             refs["graph"] = ms
         upsamplers = _upsamplers(vae, z, args.repeats)
         unpatch(vae)
-        for name in [n for n in args.profiles.split(",") if n]:
-            patch(vae, profile=name, cuda_graph=False)
+        for name, prof in _variants([n for n in args.profiles.split(",") if n]):
+            patch(vae, profile=prof, cuda_graph=False)
             try:
                 out, peak = _peak(decode)
                 plan = "; ".join(p.format(units(vae.decoder)) for p in plans_of(vae.decoder).values())
                 row(f"streamed under {name}", out, peak, _time(decode, args.repeats), plan)
                 if args.profile:
-                    _profile(vae, z, args.out / f"profile-{name}.txt")
+                    _profile(vae, z, args.out / f"profile-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}.txt")
                 if args.graph:  # the decoder alone (the budget guard reads memory statistics: not capturable)
                     (p,) = plans_of(vae.decoder).values()
                     latent = vae.post_quant_conv(z)

@@ -81,7 +81,8 @@ def patch_memory(model: nn.Module, record: PatchRecord) -> None:
         decoder = getattr(model, "decoder", None)
         if fam is not None and fam.stream_decode and decoder is not None:
             budget_bytes = prof.intermediate_budget_mb * 2**20
-            record.set_attr(decoder, "forward", streaming_forward(decoder, budget_bytes), "memory.streaming_vae_decode")
+            record.set_attr(decoder, "forward", streaming_forward(decoder, budget_bytes, prof.stream_pack8),
+                            "memory.streaming_vae_decode")
     budget = prof.memory_budget_bytes()
     if budget is not None:
         kind = type(model).__name__

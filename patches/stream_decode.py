@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
+from sd_kernels.ops.pack8 import pack8, pack_group, unpack8
 from sd_kernels.ops.residual import bias_residual
 from sd_kernels.ops.upsample import PhaseCache, interleave_phases
 
@@ -329,21 +330,58 @@ _BAND = {"resnet": _resnet_band, "upsample": _upsample_band, "head": _head_band}
 
 @dataclasses.dataclass
 class _Kept:
-    """An activation of one sample kept in the decode's buffer: rows of [W, C] from an element
-    offset, read and written as [1, C, rows, W] channels_last views."""
+    """An activation of one sample kept in the decode's (byte) buffer from offset ``base``: rows of
+    [W, C] in ``dtype``, read and written as [1, C, rows, W] channels_last views; or, ``packed``
+    (``ops.pack8``), rows of [W, C] int8 codes each followed by its [W, C / G] float32 scales, read
+    by unpacking a band into a tensor of its own and written by packing one."""
 
-    buf: torch.Tensor  # flat
-    base: int  # element offset
+    buf: torch.Tensor  # flat uint8
+    base: int  # byte offset
     h: int
     w: int
     c: int
+    dtype: torch.dtype
+    packed: bool = False
+
+    def _row_bytes(self) -> int:
+        if self.packed:
+            return self.w * (self.c + 4 * (self.c // pack_group(self.c)))
+        return self.w * self.c * self.dtype.itemsize
+
+    def view(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Rows [lo, hi) as a view of the buffer (None when packed: there is none)."""
+        if self.packed:
+            return None
+        r = self._row_bytes()
+        rows = self.buf[self.base + lo * r:self.base + hi * r].view(self.dtype)
+        return rows.view(1, hi - lo, self.w, self.c).permute(0, 3, 1, 2)
+
+    def _codes(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r, wc = self._row_bytes(), self.w * self.c
+        rows = self.buf[self.base + lo * r:self.base + hi * r].view(hi - lo, r)
+        values = rows[:, :wc].view(torch.int8).view(1, hi - lo, self.w, self.c)
+        return values, rows[:, wc:].view(torch.float32).view(1, hi - lo, self.w, -1)
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
-        r = self.w * self.c
-        return self.buf[self.base + lo * r:self.base + hi * r].view(1, hi - lo, self.w, self.c).permute(0, 3, 1, 2)
+        """Rows [lo, hi): a view, or unpacked into a channels_last tensor of their own."""
+        if not self.packed:
+            return self.view(lo, hi)
+        out = torch.empty(1, self.c, hi - lo, self.w, dtype=self.dtype, device=self.buf.device,
+                          memory_format=torch.channels_last)
+        return unpack8(*self._codes(lo, hi), out)
 
     def write(self, lo: int, y: torch.Tensor) -> None:
-        self.rows(lo, lo + y.shape[2]).copy_(y)
+        if self.packed:
+            pack8(y, *self._codes(lo, lo + y.shape[2]))
+        else:
+            self.view(lo, lo + y.shape[2]).copy_(y)
+
+    def partials(self, num_groups: int, bands: int) -> list[torch.Tensor]:
+        """Partial statistics of the whole activation (``group_partials``): of the view at once, or
+        of ``bands`` unpacked bands (the plan counted one band's unpacked rows)."""
+        if not self.packed:
+            return [group_partials(self.view(0, self.h), num_groups)]
+        return [group_partials(self.rows(lo, hi), num_groups) for lo, hi in _bands(self.h, bands)]
 
 
 def _run_band(us: list[Unit], sh: _Shape, spans: list[tuple[int, int, int, int]], src: _Kept, start: int,
@@ -368,8 +406,8 @@ def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
     head = decoder.mid_block(decoder.conv_in(z), None)
     sh = _shape(us, 1, head.shape[2], head.shape[3], head.element_size())
     bases, size = _layout(us, sh, p.segments, head.numel() * head.element_size())
-    buf = head.new_empty(size // sh.elem)
-    src = _Kept(buf, bases[0] // sh.elem, head.shape[2], head.shape[3], head.shape[1])
+    buf = torch.empty(size, dtype=torch.uint8, device=head.device)
+    src = _Kept(buf, bases[0], head.shape[2], head.shape[3], head.shape[1], head.dtype)
     src.write(0, head)
     del head
     stats: dict[nn.Module, torch.Tensor] = {}
@@ -377,9 +415,10 @@ def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
     for i, seg in enumerate(p.segments):
         last = seg.stop - 1
         final = seg.stop == len(us)
-        dst = None if final else _Kept(buf, bases[i + 1] // sh.elem, sh.h_out[last], sh.w_out[last], us[last].c_out)
+        dst = None if final else _Kept(buf, bases[i + 1], sh.h_out[last], sh.w_out[last], us[last].c_out, src.dtype,
+                                       seg.packed)
         if seg.bands == 1:  # the whole tensor at every unit: the norms take their own statistics
-            x = src.rows(0, src.h)
+            x = src.view(0, src.h)  # never packed: the planner runs modules whole only in the untiled decode
             for u in us[seg.start:seg.stop]:
                 x = u.whole(x)
             if final:
@@ -391,19 +430,21 @@ def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
                 for k, norm in enumerate(us[j].norms):
                     measure = _Pass(stats, norm)
                     if j == seg.start and k == 0:  # it reads the kept input: the statistics are the input's
-                        measure.parts = [group_partials(src.rows(0, src.h), norm.num_groups)]
+                        measure.parts = src.partials(norm.num_groups, seg.bands)
                     else:
                         for lo, hi in _bands(sh.h_out[j], seg.bands):
                             _run_band(us, sh, _spans(us, sh, seg.start, j, lo, hi), src, seg.start, measure)
                     stats[norm] = measure.result()
             run = _Pass(stats)
             if final:
-                out = buf.new_empty(1, us[last].c_out, sh.h_out[last], sh.w_out[last])
+                out = torch.empty(1, us[last].c_out, sh.h_out[last], sh.w_out[last], dtype=src.dtype, device=buf.device)
             for lo, hi in _bands(sh.h_out[last], seg.bands):
                 # the output rows: of the image, or in the buffer below the input rows later bands read
-                rows = out[:, :, lo:hi] if final else dst.rows(lo, hi)
+                rows = out[:, :, lo:hi] if final else dst.view(lo, hi)
                 y = _run_band(us, sh, _spans(us, sh, seg.start, last, lo, hi), src, seg.start, run, rows)
-                if y.data_ptr() != rows.data_ptr():
+                if rows is None:
+                    dst.write(lo, y)
+                elif y.data_ptr() != rows.data_ptr():
                     rows.copy_(y)
                 del y
         src = dst
@@ -412,11 +453,12 @@ def stream_decode(decoder: nn.Module, us: list[Unit], p: Plan, z: torch.Tensor,
     return out
 
 
-def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Tensor]:
+def streaming_forward(decoder: nn.Module, budget: int, pack: bool = False) -> Callable[..., torch.Tensor]:
     """A ``forward`` for a diffusers VAE ``Decoder`` that streams (``stream_decode``) when the plan for
     the latent's shape under ``budget`` bytes bands anything, and runs the original otherwise (or for
     latent_embeds, gradients, an unsupported decoder: ``Unsupported`` is logged once). The plan is
-    one sample's: ``stream_decode`` decodes a batch one sample at a time."""
+    one sample's: ``stream_decode`` decodes a batch one sample at a time. ``pack``: the plan may keep
+    activations in 8 bits (``plan(pack=True)``; the profile's ``stream_pack8``)."""
     original = decoder.forward
     try:
         us: list[Unit] | None = units(decoder)
@@ -432,7 +474,7 @@ def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Te
         key = (tuple(sample.shape), sample.dtype)
         p = plans.get(key)
         if p is None:
-            p = plans[key] = _plan_measured(decoder, us, sample, budget)
+            p = plans[key] = _plan_measured(decoder, us, sample, budget, pack)
             log.info("sd_kernels: streamed VAE decode of %s: %s", list(sample.shape), p.format(us))
         if p.untiled:
             return original(sample, latent_embeds)
@@ -444,7 +486,7 @@ def streaming_forward(decoder: nn.Module, budget: int) -> Callable[..., torch.Te
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _plan_measured(decoder: nn.Module, us: list[Unit], sample: torch.Tensor, budget: int) -> Plan:
+def _plan_measured(decoder: nn.Module, us: list[Unit], sample: torch.Tensor, budget: int, pack: bool = False) -> Plan:
     """The plan for ``sample``'s latent shape, on a CUDA device with the workspace of its
     convolutions measured (``measure_workspace``): plan, measure the convolutions not yet measured,
     plan again with them, until a plan runs only measured ones (at most ``_PROBES`` plans; past
@@ -454,19 +496,19 @@ def _plan_measured(decoder: nn.Module, us: list[Unit], sample: torch.Tensor, bud
     elem = param.element_size()
     head_bytes = decoder.conv_in.out_channels * h * w * elem
     if param.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return plan(us, 1, h, w, elem, budget, head_bytes)
+        return plan(us, 1, h, w, elem, budget, head_bytes, pack=pack)
     # channels_last weights make channels_last activations (cuDNN's output follows its operands)
     cl = decoder.conv_in.weight.stride(1) == 1 and decoder.conv_in.in_channels > 1
     workspace: dict[Conv, int] = {}
     for _ in range(_PROBES):
-        p = plan(us, 1, h, w, elem, budget, head_bytes, workspace)
+        p = plan(us, 1, h, w, elem, budget, head_bytes, workspace, pack)
         new = convs_of(us, p, h, w, elem) - workspace.keys()
         if not new:
             return p
         workspace.update(measure_workspace(us, new, h, w, param.dtype, param.device, cl))
     log.info("sd_kernels: the streamed decode's plan kept meeting unmeasured convolutions; %d MiB held back "
              "for their workspace instead", _UNSEEN >> 20)
-    return plan(us, 1, h, w, elem, budget, head_bytes)
+    return plan(us, 1, h, w, elem, budget, head_bytes, pack=pack)
 
 
 def plans_of(decoder: nn.Module) -> dict[tuple, Plan]:

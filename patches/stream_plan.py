@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from sd_kernels.ops.pack8 import pack_group
+
 # The time model (bench.stream_decode measures the real thing): effective conv throughput and the
 # cost of one kernel launch (host time when eager, the gap between kernels when replayed).
 _FLOPS = 300e12
@@ -29,6 +31,12 @@ _UNSEEN = 10 * 2**20
 # blocks they land in (it splits a block only when more than 1 MiB would be left over).
 _SLACK = 3 * 2**20
 _PROBES = 8  # plans made at most while measuring the workspace of their convolutions
+# What keeping an activation in 8 bits (``ops.pack8``, where ``plan(pack=True)``) must save in modelled
+# time before the search takes it: the image moves by up to half a step of each group's largest value
+# there, so an activation is packed only where that buys real time (where the budget cannot hold it in
+# its dtype), not for a launch or two.
+_PACK_SECONDS = 1e-3
+_ALIGN = 16  # bytes: every kept activation starts on a 16-byte boundary of the buffer (vector loads)
 
 
 @dataclasses.dataclass
@@ -89,6 +97,7 @@ class Segment:
     start: int  # units[start:stop], from the activation kept before ``start`` to the one after ``stop - 1``
     stop: int
     bands: int  # bands over each pass's last unit's output
+    packed: bool = False  # its output is kept in 8 bits (ops.pack8), not in the decode's dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +112,8 @@ class Plan:
         return all(s.bands == 1 for s in self.segments)
 
     def format(self, us: list[Unit]) -> str:
-        parts = [f"{us[s.start].name}..{us[s.stop - 1].name} in {s.bands} band(s)" for s in self.segments]
+        parts = [f"{us[s.start].name}..{us[s.stop - 1].name} in {s.bands} band(s)"
+                 + (", kept in 8 bits" if s.packed else "") for s in self.segments]
         return (f"{len(self.segments)} segments ({'; '.join(parts)}), model peak {self.peak / 2**20:.1f} MiB of "
                 f"{self.budget / 2**20:.1f}, model time {self.seconds * 1e3:.1f} ms")
 
@@ -128,6 +138,18 @@ class _Shape:
         """Bytes of one row of unit j's output (or input)."""
         c, w = (us[j].c_out, self.w_out[j]) if out else (us[j].c_in, self.w_out[j] // us[j].scale)
         return self.n * c * w * self.elem
+
+    def kept_row_bytes(self, us: list[Unit], j: int, out: bool = True, packed: bool = False) -> int:
+        """Bytes of one row of unit j's output (or input) as the buffer keeps it: in the decode's dtype,
+        or ``packed`` (``ops.pack8``: an int8 code an element and a float32 scale per group of channels)."""
+        if not packed:
+            return self.row_bytes(us, j, out)
+        c, w = (us[j].c_out, self.w_out[j]) if out else (us[j].c_in, self.w_out[j] // us[j].scale)
+        return self.n * w * (c + 4 * (c // pack_group(c)))
+
+    def kept_bytes(self, us: list[Unit], j: int, packed: bool = False) -> int:
+        """Bytes of unit j's whole output as the buffer keeps it."""
+        return self.kept_row_bytes(us, j, True, packed) * self.h_out[j]
 
 
 def _shape(us: list[Unit], n: int, h: int, w: int, elem: int, workspace: dict | None = None) -> _Shape:
@@ -227,7 +249,8 @@ def _sample(n: int) -> list[int]:
 
 def _live(us: list[Unit], sh: _Shape, j: int, span: tuple[int, int, int, int], kept: bool) -> int:
     """Bytes unit j's band holds at its widest moment, as the band functions below run it: its
-    input band included unless it is ``kept`` (a view of the decode's buffer, counted there)."""
+    input band included unless it is ``kept`` (a view of the decode's buffer, counted there; a
+    packed kept input is unpacked into a band of its own, and counted)."""
     ilo, ihi, lo, hi = span
     x = 0 if kept else sh.row_bytes(us, j, out=False) * (ihi - ilo)
     t = sh.row_bytes(us, j, out=False) * (ihi - ilo)  # norm1's output (or the head norm's)
@@ -256,107 +279,140 @@ def _pass_cost(us: list[Unit], sh: _Shape, start: int, last: int, bands: int, up
     return seconds * len(cuts) / len(picked)
 
 
-def _cost(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> float:
+def _cost(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, src8: bool = False,
+          out8: bool = False) -> float:
     """Seconds of a segment: a statistics pass per norm that does not read the kept input (each
-    ending with a launch of the partial statistics per band), and the final pass. Remembered per
-    structure of the units and shape (the search asks again for every plan it makes)."""
-    key = (tuple((u.kind, u.c_in, u.c_out, u.radius, u.scale, len(u.norms)) for u in us), sh, start, stop, bands)
+    ending with a launch of the partial statistics per band), and the final pass; with its input
+    kept in 8 bits (``src8``) a launch more per band of every pass to unpack it, with its output
+    (``out8``) one per band of the final pass to pack it. Remembered per structure of the units and
+    shape (the search asks again for every plan it makes)."""
+    key = (tuple((u.kind, u.c_in, u.c_out, u.radius, u.scale, len(u.norms)) for u in us), sh, start, stop, bands,
+           src8, out8)
     seconds = _COSTS.get(key)
     if seconds is None:
         if len(_COSTS) > 2**16:
             _COSTS.clear()
-        seconds = _COSTS[key] = _segment_seconds(us, sh, start, stop, bands)
+        seconds = _COSTS[key] = _segment_seconds(us, sh, start, stop, bands, src8, out8)
     return seconds
 
 
 _COSTS: dict[tuple, float] = {}
 
 
-def _segment_seconds(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> float:
+def _segment_seconds(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, src8: bool,
+                     out8: bool) -> float:
     if bands == 1:
         return _SEGMENT_SECONDS + sum(us[j].flops(sh.h_out[j], sh.w_out[j]) / _FLOPS + us[j].launches()
                                       * _LAUNCH_SECONDS for j in range(start, stop))
     seconds = _SEGMENT_SECONDS + _pass_cost(us, sh, start, stop - 1, bands, None)
+    passes = 1
     for j in range(start, stop):
         for k in range(len(us[j].norms)):
             if j > start or k > 0:
                 seconds += _pass_cost(us, sh, start, j, bands, k) + bands * _LAUNCH_SECONDS
-    return seconds
+                passes += 1
+            elif src8:  # the input's own statistics: unpacked and summed band by band
+                passes += 1
+    return seconds + bands * _LAUNCH_SECONDS * (passes * src8 + out8)
 
 
-def _shift(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> int:
-    """How far below its input (bytes) a segment's output starts in the buffer (``_layout``) so that
-    no band's output rows overwrite input rows a later band still reads."""
+def _shift(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, src8: bool = False,
+           out8: bool = False) -> int:
+    """How far below its input (bytes, a multiple of ``_ALIGN``) a segment's output starts in the
+    buffer (``_layout``) so that no band's output rows overwrite input rows a later band still reads
+    (rows as kept: ``src8``, ``out8`` packed)."""
     if bands == 1:
         return 0  # the module's output is written once the whole input has been read
     last = stop - 1
-    r_in = sh.row_bytes(us, start, out=False)
-    r_out = sh.row_bytes(us, last)
+    r_in = sh.kept_row_bytes(us, start, False, src8)
+    r_out = sh.kept_row_bytes(us, last, True, out8)
     cuts = _bands(sh.h_out[last], bands)
-    return max([0] + [cuts[i][1] * r_out - _spans(us, sh, start, last, *cuts[i + 1])[0][0] * r_in
-                      for i in _sample(len(cuts) - 1)])
+    shift = max([0] + [cuts[i][1] * r_out - _spans(us, sh, start, last, *cuts[i + 1])[0][0] * r_in
+                       for i in _sample(len(cuts) - 1)])
+    return -(-shift // _ALIGN) * _ALIGN
 
 
-def _working(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int) -> int:
+def _working(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, src8: bool = False) -> int:
     """Bytes a segment holds beside the buffer: the widest unit's live tensors over its bands (in
     one band, ``_WORKING_COPIES`` of the widest activation: the modules' own temporaries and
-    output); the image, in the last segment."""
+    output); the image, in the last segment. ``src8``: its input is kept packed (its bands are
+    unpacked, so counted here)."""
     last = stop - 1
     image = sh.out_bytes(us, last) if stop == len(us) else 0
     if bands == 1:
         return image + _WORKING_COPIES * max(sh.n * sh.elem * sh.w_out[j] * sh.h_out[j] * max(us[j].c_in, us[j].c_out)
                                              for j in range(start, stop))
     cuts = _bands(sh.h_out[last], bands)
-    return image + max(_live(us, sh, j, span, j == start) for i in _sample(len(cuts))
+    return image + max(_live(us, sh, j, span, j == start and not src8) for i in _sample(len(cuts))
                        for j, span in enumerate(_spans(us, sh, start, last, *cuts[i]), start))
 
 
-def _peak(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, kept_in: int) -> int:
+def _peak(us: list[Unit], sh: _Shape, start: int, stop: int, bands: int, kept_in: int, src8: bool = False,
+          out8: bool = False) -> int:
     """Modelled peak bytes of a segment alone: its span of the buffer (its input, and its output
     ``_shift`` below it; the image is not kept) + ``_working``. ``plan`` then fits every
     segment's band beside the whole buffer (``_layout``)."""
-    out = 0 if stop == len(us) else sh.out_bytes(us, stop - 1)
-    span = max(kept_in + _shift(us, sh, start, stop, bands), out)
-    return span + _working(us, sh, start, stop, bands)
+    out = 0 if stop == len(us) else sh.kept_bytes(us, stop - 1, out8)
+    span = max(kept_in + _shift(us, sh, start, stop, bands, src8, out8), out)
+    return span + _working(us, sh, start, stop, bands, src8)
 
 
 def _layout(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], head_bytes: int) -> tuple[list[int], int]:
     """Byte offsets in one buffer of the activations kept (the head's output, then each segment's
     but the last's), and the buffer's size. Each segment's output starts ``_shift`` below its input
     (the last kept one at 0): rows written never cover rows still to be read."""
-    sizes = [head_bytes] + [sh.out_bytes(us, seg.stop - 1) for seg in segments[:-1]]
+    sizes = [head_bytes] + [sh.kept_bytes(us, seg.stop - 1, seg.packed) for seg in segments[:-1]]
     bases = [0] * len(sizes)
     for i in range(len(sizes) - 2, -1, -1):
         seg = segments[i]
-        bases[i] = bases[i + 1] + _shift(us, sh, seg.start, seg.stop, seg.bands)
+        src8 = i > 0 and segments[i - 1].packed
+        bases[i] = bases[i + 1] + _shift(us, sh, seg.start, seg.stop, seg.bands, src8, seg.packed)
     return bases, max(base + size for base, size in zip(bases, sizes))
 
 
 def plan(us: list[Unit], n: int, h: int, w: int, elem: int, budget: int, head_bytes: int,
-         workspace: dict[Conv, int] | None = None) -> Plan:
+         workspace: dict[Conv, int] | None = None, pack: bool = False) -> Plan:
     """Segments and bands for a latent of n×h×w (head output ``head_bytes``) under ``budget`` bytes:
     the fastest plan (``_cost``) whose segments' modelled peaks fit the budget less what the model
     does not see (else the one of the smallest peak); then, since the buffer is held for the whole
     decode, each segment in the fewest bands whose live tensors fit beside the whole buffer.
     ``workspace``: cuDNN's workspace per band convolution as measured (``measure_workspace``), counted
-    in each band's live bytes; then only ``_SLACK`` is held back, else ``_UNSEEN``."""
+    in each band's live bytes; then only ``_SLACK`` is held back, else ``_UNSEEN``. ``pack``: an
+    activation may be kept in 8 bits (``ops.pack8``) where that saves at least ``_PACK_SECONDS`` each
+    (the plan without packing is made too, and kept unless the packed one is faster by that)."""
     sh = _shape(us, n, h, w, elem, workspace)
     limit = budget - (_UNSEEN if workspace is None else _SLACK)
+    plans = [_plan(us, sh, limit, head_bytes, budget, packing) for packing in ((False, True) if pack else (False,))]
+
+    def rank(p: Plan) -> tuple:  # a plan that fits first, then the fastest (a packed activation charged), or smallest
+        return (0, p.seconds + _PACK_SECONDS * sum(s.packed for s in p.segments)) if p.peak <= limit else (1, p.peak)
+    return min(plans, key=rank)
+
+
+def _plan(us: list[Unit], sh: _Shape, limit: float, head_bytes: int, budget: int, pack: bool) -> Plan:
     barred: set[int] = set()
     while True:
-        segments = _fit(us, sh, _search(us, sh, limit, head_bytes, frozenset(barred)), limit, head_bytes)
+        segments = _fit(us, sh, _search(us, sh, limit, head_bytes, frozenset(barred), pack), limit, head_bytes)
         bases, buffer = _layout(us, sh, segments, head_bytes)
-        peak = buffer + max(_working(us, sh, s.start, s.stop, s.bands) for s in segments)
+        peak = buffer + max(_working(us, sh, s.start, s.stop, s.bands, src8)
+                            for s, src8 in zip(segments, _packed_inputs(segments)))
         # The search checks each segment alone; in the buffer, a kept activation sits above the
         # shifts of every later segment (``_layout``), and the earlier ones above it. Over the
         # limit, the search runs again without keeping the largest of the activations that reach
         # the buffer's top.
-        kept = [(sh.out_bytes(us, seg.stop - 1), base, seg.stop) for base, seg in zip(bases[1:], segments[:-1])]
+        kept = [(sh.kept_bytes(us, seg.stop - 1, seg.packed), base, seg.stop)
+                for base, seg in zip(bases[1:], segments[:-1])]
         top = [(size, stop) for size, base, stop in kept if base + size >= buffer - 2**20 and stop not in barred]
         if peak <= limit or not top:
             break
         barred.add(max(top)[1])
-    return Plan(segments, peak, sum(_cost(us, sh, s.start, s.stop, s.bands) for s in segments), budget)
+    return Plan(segments, peak, sum(_cost(us, sh, s.start, s.stop, s.bands, src8, s.packed)
+                                    for s, src8 in zip(segments, _packed_inputs(segments))), budget)
+
+
+def _packed_inputs(segments: tuple[Segment, ...]) -> list[bool]:
+    """Per segment, whether its input is kept packed (the previous segment's output)."""
+    return [False] + [s.packed for s in segments[:-1]]
 
 
 def _fit(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], limit: float,
@@ -365,56 +421,60 @@ def _fit(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], limit: float
     few times: the shifts move the buffer a little)."""
     for _ in range(4):
         _, buffer = _layout(us, sh, segments, head_bytes)
-        rebanded = tuple(_reband(us, sh, seg, limit - buffer) for seg in segments)
+        rebanded = tuple(_reband(us, sh, seg, limit - buffer, src8)
+                         for seg, src8 in zip(segments, _packed_inputs(segments)))
         if rebanded == segments:
             break
         segments = rebanded
     return segments
 
 
-def _reband(us: list[Unit], sh: _Shape, seg: Segment, room: float) -> Segment:
+def _reband(us: list[Unit], sh: _Shape, seg: Segment, room: float, src8: bool) -> Segment:
     """``seg`` in the fewest bands whose live tensors fit ``room`` bytes beside the buffer (as it was
     if it fits; the most bands if none does)."""
-    if _working(us, sh, seg.start, seg.stop, seg.bands) <= room:
+    if _working(us, sh, seg.start, seg.stop, seg.bands, src8) <= room:
         return seg
     counts = list(_band_counts(sh.h_out[seg.stop - 1]))
-    fits = [b for b in counts if b > seg.bands and _working(us, sh, seg.start, seg.stop, b) <= room]
-    return Segment(seg.start, seg.stop, fits[0] if fits else counts[-1])
+    fits = [b for b in counts if b > seg.bands and _working(us, sh, seg.start, seg.stop, b, src8) <= room]
+    return dataclasses.replace(seg, bands=fits[0] if fits else counts[-1])
 
 
-def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int, barred: frozenset[int]) -> tuple[Segment, ...]:
-    """The dynamic program over where segments end and their bands: the fastest plan whose every
-    segment's ``_peak`` (alone) fits ``limit``, else the one of the smallest peak; no segment ends
-    before a unit in ``barred`` (its input is not kept)."""
-    kept = [head_bytes] + [sh.out_bytes(us, j) for j in range(len(us))]  # kept[j]: input of unit j
-    # best[i]: (seconds, segments) of the up-stack's units [0, i) with unit i-1's output kept;
-    # fallback[i]: (peak, seconds, segments), the smallest peak
-    best: list[tuple[float, tuple[Segment, ...]] | None] = [(0.0, ())] + [None] * len(us)
-    fallback: list[tuple[int, float, tuple[Segment, ...]] | None] = [(kept[0], 0.0, ())] + [None] * len(us)
-    for stop in range(1, len(us) + 1):
+def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int, barred: frozenset[int],
+            pack: bool = False) -> tuple[Segment, ...]:
+    """The dynamic program over where segments end, their bands and (``pack``) whether the activation
+    each keeps is packed: the fastest plan whose every segment's ``_peak`` (alone) fits ``limit``
+    (each packed activation charged ``_PACK_SECONDS``), else the one of the smallest peak; no segment
+    ends before a unit in ``barred`` (its input is not kept)."""
+    last = len(us)
+    # state (i, p): the up-stack's units [0, i) with unit i-1's output kept, packed if p (the head's
+    # output, i = 0, never is); best: (seconds, segments); fallback: (peak, seconds, segments)
+    best: dict[tuple[int, bool], tuple[float, tuple[Segment, ...]]] = {(0, False): (0.0, ())}
+    fallback: dict[tuple[int, bool], tuple[int, float, tuple[Segment, ...]]] = {(0, False): (head_bytes, 0.0, ())}
+    for stop in range(1, last + 1):
         if stop in barred:
             continue
-        for start in range(stop):
-            if best[start] is None and fallback[start] is None:
-                continue
-            for bands in _band_counts(sh.h_out[stop - 1]):
-                if bands == 1 and stop - start < len(us):
-                    # modules run whole only where the whole decode does: their temporaries are a
-                    # rule of thumb (``_WORKING_COPIES``), a band's are counted op by op (session 18:
-                    # a whole 64² segment peaked 4–9 MiB above its model under mobile-small)
-                    continue
-                peak = _peak(us, sh, start, stop, bands, kept[start])
-                seconds = _cost(us, sh, start, stop, bands)
-                seg = Segment(start, stop, bands)
-                if best[start] is not None and peak <= limit:
-                    cand = (best[start][0] + seconds, best[start][1] + (seg,))
-                    if best[stop] is None or cand[0] < best[stop][0]:
-                        best[stop] = cand
-                prev = fallback[start]
-                cand2 = (max(prev[0], peak), prev[1] + seconds, prev[2] + (seg,))
-                if fallback[stop] is None or cand2[:2] < fallback[stop][:2]:
-                    fallback[stop] = cand2
-    return best[-1][1] if best[-1] is not None else fallback[-1][2]
+        for out8 in (False, True) if pack and stop < last else (False,):
+            for (start, src8) in [k for k in fallback if k[0] < stop]:
+                kept_in = head_bytes if start == 0 else sh.kept_bytes(us, start - 1, src8)
+                for bands in _band_counts(sh.h_out[stop - 1]):
+                    if bands == 1 and (stop - start < last or out8):
+                        # modules run whole only where the whole decode does: their temporaries are a
+                        # rule of thumb (``_WORKING_COPIES``), a band's are counted op by op (session 18:
+                        # a whole 64² segment peaked 4–9 MiB above its model under mobile-small)
+                        continue
+                    peak = _peak(us, sh, start, stop, bands, kept_in, src8, out8)
+                    seconds = _cost(us, sh, start, stop, bands, src8, out8) + _PACK_SECONDS * out8
+                    seg = Segment(start, stop, bands, out8)
+                    prev = best.get((start, src8))
+                    if prev is not None and peak <= limit:
+                        cand = (prev[0] + seconds, prev[1] + (seg,))
+                        if (stop, out8) not in best or cand[0] < best[stop, out8][0]:
+                            best[stop, out8] = cand
+                    low = fallback[start, src8]
+                    cand2 = (max(low[0], peak), low[1] + seconds, low[2] + (seg,))
+                    if (stop, out8) not in fallback or cand2[:2] < fallback[stop, out8][:2]:
+                        fallback[stop, out8] = cand2
+    return best[last, False][1] if (last, False) in best else fallback[last, False][2]
 
 
 def _band_counts(height: int) -> Iterator[int]:

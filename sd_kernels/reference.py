@@ -87,6 +87,27 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
     return (v / divisor).to(y.dtype)
 
 
+def pack8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """ops.pack8: x [N, C, H, W] as int8 codes round(x · 127 / max|x|) per pixel and group of
+    channels (``values`` [N, H, W, C]) and the group's max|x| / 127 (``scales`` [N, H, W, C / G]); a
+    group with a non-finite value: codes 0, scale NaN."""
+    g = x.shape[1] // scales.shape[-1]
+    v = x.permute(0, 2, 3, 1).float().unflatten(-1, (-1, g))
+    bad = ~torch.isfinite(v).all(-1)
+    amax = v.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.floor(v * inv.unsqueeze(-1) + 0.5).clamp(-127, 127).masked_fill(bad.unsqueeze(-1), 0)
+    values.copy_(q.flatten(-2).to(torch.int8))
+    scales.copy_((amax / 127.0).masked_fill(bad, float("nan")))
+
+
+def unpack8(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """ops.unpack8: codes · scale (fp32, rounded once) into ``out`` [N, C, H, W]; returns out."""
+    g = values.shape[-1] // scales.shape[-1]
+    y = values.float().unflatten(-1, (-1, g)) * scales.unsqueeze(-1)
+    return out.copy_(y.flatten(-2).permute(0, 3, 1, 2))
+
+
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     check_gelu_approximation(approximate)
     return F.gelu(x, approximate=approximate)

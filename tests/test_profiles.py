@@ -42,6 +42,8 @@ def test_every_catalog_file_loads_round_trips_and_is_sane(name):
     if name in MOBILE:  # emulations: a budget, chunking, no detection, every number documented
         assert p.match is None and p.memory_budget_mb and p.intermediate_budget_mb and p.shared_memory_kb
         assert name in (ROOT / "docs" / "profiles.md").read_text()
+    # 8-bit kept activations only where the decode's dtype cannot hold a 512² one (64 MiB) beside a band
+    assert p.stream_pack8 == (name == "mobile-small")
 
 
 def test_every_op_a_profile_can_disable_is_one_dispatch_is_asked_about():
@@ -78,6 +80,7 @@ def test_winograd_tiles_match_the_op():
     ({"stock_attention_head_dims": 72}, "stock_attention_head_dims = 72; expected a list of head dims"),
     ({"stock_attention_head_dims": [72, "80"]}, "stock_attention_head_dims"),
     ({"gelu_epilogue": 1}, "gelu_epilogue = 1; expected true or false"),
+    ({"stream_pack8": "yes"}, "stream_pack8 = 'yes'; expected true or false"),
     ({"stock_attention_ragged_keys": "4096"}, "stock_attention_ragged_keys"),
 ])
 def test_bad_profile_data_is_a_clear_error(patch, message):

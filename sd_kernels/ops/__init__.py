@@ -8,6 +8,7 @@ from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
 from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated
+from .pack8 import pack8, unpack8
 from .residual import bias_residual
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
 from .upsample import upsample_conv2d
@@ -29,8 +30,10 @@ __all__ = [
     "linear_gelu",
     "mean_rstd",
     "merge_group_stats",
+    "pack8",
     "partial_softmax_attention",
     "softmax_matmul",
+    "unpack8",
     "upsample_conv2d",
     "winograd_conv2d",
     "winograd_weight",

@@ -50,7 +50,7 @@ WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no
 # Every op name that ``dispatch.use_kernel`` is asked about (a test greps the sources for them).
 KNOWN_OPS = ("flash_attention", "partial_softmax_attention", "softmax_matmul", "group_norm", "gelu", "geglu",
              "linear_geglu", "linear_gelu", "winograd_conv2d", "conv2d", "layer_norm", "residual",
-             "upsample_conv2d")
+             "upsample_conv2d", "pack8")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # With an intermediate budget, one chunked intermediate (a slice of attention scores or of the
 # feed-forward's 2n-wide projection) may take this share of it: the rest holds the activations
@@ -139,6 +139,12 @@ class Profile:
     # 2×1280×8² upsampler lost (0.84x: the GEMM is small, the interleave a pass of its own) and
     # 2×1280×16² won (1.21x) (docs/kernels/upsample.md).
     polyphase_min_pixels: int = 256
+    # With an intermediate budget, the streamed VAE decode may keep an activation in 8 bits (int8 codes,
+    # a float32 scale per pixel and 32 channels: ops.pack8) where that is at least 1 ms faster by its
+    # plan's model: where the activation in the decode's dtype does not fit the budget beside a band.
+    # Lossy (each element off by up to half a step of its group's largest value): the image is then
+    # close to the untiled one (PSNR in docs/profiles.md), not equal to it up to rounding.
+    stream_pack8: bool = False
     winograd: tuple[WinogradRule, ...] = ()
     disabled_ops: frozenset[str] = frozenset()
     autotune_cache: str | None = None  # a directory for autotune results ("{name}" is substituted)
@@ -303,8 +309,9 @@ def _validate(p: Profile) -> None:
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
     _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
     _check_int(where, "polyphase_min_pixels", p.polyphase_min_pixels, 0, 2**40, optional=False)
-    if not isinstance(p.gelu_epilogue, bool):
-        _fail(where, "gelu_epilogue", p.gelu_epilogue, "true or false")
+    for key in ("gelu_epilogue", "stream_pack8"):
+        if not isinstance(getattr(p, key), bool):
+            _fail(where, key, getattr(p, key), "true or false")
     for key in ("stock_attention_head_dims", "wgmma_attention_head_dims"):
         for d in getattr(p, key):
             _check_int(where, key, d, 1, 2**12, optional=False)
