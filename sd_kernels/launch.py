@@ -39,6 +39,7 @@ from .autotune_cache import (
     shipped_dir,
 )
 from .direct_launch import DirectPath
+from .memory import tuning
 from .precompile import dry
 
 __all__ = ["AUTOTUNE", "FAST_LAUNCH", "Launcher", "cdiv", "device_properties", "next_pow2"]
@@ -93,7 +94,8 @@ class Launcher:
                 self.tuned_any = True
                 log.info("sd_kernels: autotuning %s for a shape no tuning table holds (key %s); the choice is "
                          "kept in the autotune cache", self.name, key)
-            self.kernel[grid](*args, **kwargs)
+            with tuning():  # outside a memory budget's cap and peak: a one-time cost, cached
+                self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
             if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):
                 cache.put(key, {k: v for k, v in meta.items() if k in self.config_names})

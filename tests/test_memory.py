@@ -85,6 +85,48 @@ def test_over_budget_names_the_module_the_bytes_and_the_budget():
     assert mem.caps[-1] is None  # lifted on the way out
 
 
+class Tuned(nn.Module):
+    """Autotunes (as ``launch.Launcher`` does for a shape no table holds) with a ``timing`` buffer,
+    then allocates ``n`` bytes as the tuned kernel's call."""
+
+    def __init__(self, mem, timing, n):
+        super().__init__()
+        self.mem, self.timing, self.n = mem, timing, n
+
+    def forward(self, x):
+        from sd_kernels.memory import tuning
+
+        with tuning():
+            assert self.mem.caps[-1] is None  # the cap is lifted while it tunes
+            self.mem.alloc(self.timing)
+            self.mem.free(self.timing)
+        assert self.mem.caps[-1] == 128 * MiB
+        self.mem.alloc(self.n)
+        self.mem.free(self.n)
+        return x
+
+
+@pytest.mark.parametrize("before, after, over", [(10, 5, False), (40, 5, True), (10, 40, True)])
+def test_autotuning_runs_outside_the_budget(before, after, over):
+    """A 256 MiB timing buffer under a 128 MiB budget: the tuning is not charged, the call's own
+    bytes before it (``before``) and after it (``after``) still are."""
+    mem = FakeMemory(allocated=100 * MiB)
+    m = nn.Sequential(Temp(mem, before * MiB), Tuned(mem, 256 * MiB, after * MiB))
+    guard = BudgetGuard(128 * MiB, m, "unet", stats=mem)
+    if over:
+        with pytest.raises(MemoryBudgetExceeded), guard:
+            m(torch.ones(1))
+    else:
+        with guard:
+            m(torch.ones(1))
+    assert mem.caps[-1] is None
+    from sd_kernels.memory import tuning
+
+    with tuning():  # no guard running: nothing to lift
+        pass
+    assert mem.caps[-1] is None
+
+
 def test_allocator_oom_under_the_cap_becomes_the_clear_error():
     mem = FakeMemory(allocated=3 * 2**30)
     m = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), OOM()))
