@@ -30,6 +30,13 @@ convolution of four phases at the input's resolution (``ops.upsample``'s algebra
 image is the untiled decode's up to rounding (the phases' summed weights are rounded once to the
 weights' dtype; the norms' statistics are merged in float64).
 
+With ``plan(pack=True)`` (the profile's ``stream_pack8``) the plan may keep an activation in 8 bits
+(``ops.pack8``: int8 codes, a float32 scale per pixel and 32 channels; ``_Kept(packed=True)``): its
+bands are unpacked into tensors of their own before a band runs and packed as the final pass writes
+them. That is lossy (each element off by up to half a step of its group's largest value), so the
+image is then close to the untiled one (≥ 40 dB, tested), not equal to it up to rounding; the plan
+packs only where it buys at least ``_PACK_SECONDS`` of modelled time.
+
 ``plan`` (patches/stream_plan.py) chooses where segments end and how many bands each takes, from a
 memory model (the segment's span of the buffer + the widest unit's live tensors; ``_peak``) and a
 time model (convolution FLOPs + a cost per launch; ``_cost``): keeping an activation saves the
