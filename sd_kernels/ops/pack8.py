@@ -35,9 +35,20 @@ def pack_group(c: int) -> int:
 
 
 @triton.jit
-def _pixels(pid, W, HW, BLOCK_P: tl.constexpr):
-    p = (pid * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
-    return p // W, p % W, p < HW
+def _tile(C, W, HW, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr):
+    """This program's sample n, its pixels' rows and columns, the channel and group indices, and the
+    masks of the [pixels, channels] and [pixels, groups] tiles."""
+    n = tl.program_id(1).to(tl.int64)
+    p = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
+    c, g = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_C // G)
+    pm = (p < HW)[:, None]
+    return n, p // W, p % W, c, g, pm & (c < C)[None, :], pm & (g < C // G)[None, :]
+
+
+@triton.jit
+def _at(n, h, w, sn, sh, sw):
+    """Each pixel's offset ([BLOCK_P, 1]) in an operand of sample, row and column strides sn, sh, sw."""
+    return n * sn + h[:, None] * sh + w[:, None] * sw
 
 
 @triton.jit
@@ -46,12 +57,8 @@ def _pack8_kernel(
     sx_n, sx_c, sx_h, sx_w, sv_n, sv_h, sv_w, ss_n, ss_h, ss_w,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr,
 ):
-    n = tl.program_id(1).to(tl.int64)
-    h, w, pm = _pixels(tl.program_id(0), W, HW, BLOCK_P)
-    c = tl.arange(0, BLOCK_C)
-    mask = pm[:, None] & (c < C)[None, :]
-    x = tl.load(x_ptr + n * sx_n + h[:, None] * sx_h + w[:, None] * sx_w + c[None, :] * sx_c,
-                mask=mask, other=0.0).to(tl.float32)
+    n, h, w, c, g, mask, gmask = _tile(C, W, HW, BLOCK_P, BLOCK_C, G)
+    x = tl.load(x_ptr + _at(n, h, w, sx_n, sx_h, sx_w) + c[None, :] * sx_c, mask=mask, other=0.0).to(tl.float32)
     xg = tl.reshape(x, (BLOCK_P, BLOCK_C // G, G))
     amax = tl.max(tl.abs(xg), axis=2)
     bad = tl.max(((xg != xg) | (tl.abs(xg) == float("inf"))).to(tl.int32), axis=2) > 0
@@ -59,11 +66,9 @@ def _pack8_kernel(
     q = tl.floor(xg * inv[:, :, None] + 0.5)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     q = tl.reshape(tl.where(bad[:, :, None], 0.0, q), (BLOCK_P, BLOCK_C))
-    tl.store(v_ptr + n * sv_n + h[:, None] * sv_h + w[:, None] * sv_w + c[None, :], q.to(tl.int8), mask=mask)
-    g = tl.arange(0, BLOCK_C // G)
-    scale = tl.where(bad, float("nan"), amax / 127.0)
-    tl.store(s_ptr + n * ss_n + h[:, None] * ss_h + w[:, None] * ss_w + g[None, :], scale,
-             mask=pm[:, None] & (g < C // G)[None, :])
+    tl.store(v_ptr + _at(n, h, w, sv_n, sv_h, sv_w) + c[None, :], q.to(tl.int8), mask=mask)
+    tl.store(s_ptr + _at(n, h, w, ss_n, ss_h, ss_w) + g[None, :], tl.where(bad, float("nan"), amax / 127.0),
+             mask=gmask)
 
 
 @triton.jit
@@ -72,17 +77,11 @@ def _unpack8_kernel(
     sv_n, sv_h, sv_w, ss_n, ss_h, ss_w, so_n, so_c, so_h, so_w,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr,
 ):
-    n = tl.program_id(1).to(tl.int64)
-    h, w, pm = _pixels(tl.program_id(0), W, HW, BLOCK_P)
-    c = tl.arange(0, BLOCK_C)
-    g = tl.arange(0, BLOCK_C // G)
-    mask = pm[:, None] & (c < C)[None, :]
-    q = tl.load(v_ptr + n * sv_n + h[:, None] * sv_h + w[:, None] * sv_w + c[None, :], mask=mask, other=0)
-    s = tl.load(s_ptr + n * ss_n + h[:, None] * ss_h + w[:, None] * ss_w + g[None, :],
-                mask=pm[:, None] & (g < C // G)[None, :], other=0.0)
+    n, h, w, c, g, mask, gmask = _tile(C, W, HW, BLOCK_P, BLOCK_C, G)
+    q = tl.load(v_ptr + _at(n, h, w, sv_n, sv_h, sv_w) + c[None, :], mask=mask, other=0)
+    s = tl.load(s_ptr + _at(n, h, w, ss_n, ss_h, ss_w) + g[None, :], mask=gmask, other=0.0)
     y = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_P, BLOCK_C // G, G)) * s[:, :, None], (BLOCK_P, BLOCK_C))
-    tl.store(o_ptr + n * so_n + h[:, None] * so_h + w[:, None] * so_w + c[None, :] * so_c,
-             y.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + _at(n, h, w, so_n, so_h, so_w) + c[None, :] * so_c, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 _PACK = Launcher(_pack8_kernel)
