@@ -144,6 +144,10 @@ def patch(
     graphed = [model for _, model in models if families.is_denoiser(model)]
     prof = get_profile(profile)  # the patched model's own: its modules run under it, not the process default
     plan = memory_plan(obj, prof)  # a budget the weights cannot meet raises here, before any change
+    if plan is not None and plan.swapped and cuda_graph_mod.mode_of(cuda_graph) not in (None, cuda_graph_mod.AUTO):
+        raise ValueError(f"cuda_graph={cuda_graph!r}: under profile {prof.name!r} the pipeline's weights are moved in "
+                         "and out for each component's call (they do not fit the budget at once), and a CUDA graph "
+                         "reads weights where they were at capture")
     if mode == cuda_graph_mod.AUTO:
         mode, why = cuda_graph_mod.auto_mode(graphed, prof)
         if compile and mode is None:
@@ -192,6 +196,8 @@ def patch(
             _install_text_padding(obj, models, record, ops)
             if mode:
                 _install_graphs(obj, models, record, mode, compile, ignore)
+            if plan is not None and plan.swapped:
+                memory.install_swap(obj, record)
     except BaseException:
         record.undo()
         raise
@@ -212,7 +218,8 @@ def memory_plan(obj: object, prof: Profile):
         held = {type(obj).__name__: obj}
     else:
         held = {k: m for k, m in (getattr(obj, "components", None) or {}).items() if isinstance(m, nn.Module)}
-    return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB)
+    can_swap = not isinstance(obj, nn.Module) and memory.can_swap(obj)
+    return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB, can_swap)
 
 
 def _install_text_padding(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, ops) -> None:

@@ -95,3 +95,43 @@ def patch_memory(model: nn.Module, record: PatchRecord) -> None:
             label = f"{kind}.{path}" if path else kind
             record.set_attr(module, "forward", guarded(module.forward, budget, module, label),
                             f"memory.budget({prof.memory_budget_mb} MB)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights moved in and out under a budget they do not fit at once (memory.BudgetPlan.swapped)
+
+
+def can_swap(pipe: object) -> bool:
+    """Whether ``pipe`` can have its models' weights moved to the device for each call and back
+    (diffusers' model CPU offload, which follows its ``model_cpu_offload_seq``)."""
+    return bool(getattr(pipe, "model_cpu_offload_seq", None)) and callable(getattr(pipe, "enable_model_cpu_offload",
+                                                                                   None))
+
+
+def install_swap(pipe: Any, record: PatchRecord) -> None:
+    """Each model of ``pipe`` kept on the CPU and moved to its device for its call (the previous one
+    moved back: diffusers' ``enable_model_cpu_offload``, one model on the device at a time), undone
+    exactly: the hooks removed, each model back on the device it was on, every attribute the offload
+    added (on the pipeline and the models) dropped. A pipeline not on a CUDA device is left as it is
+    (the budget is not enforced there either) and the record says so."""
+    comps = {k: m for k, m in pipe.components.items() if isinstance(m, nn.Module)}
+    where = {k: next(iter(m.parameters()), torch.empty(0)).device for k, m in comps.items()}
+    device = next((d for d in where.values() if d.type == "cuda"), None)
+    if device is None:
+        record.skip("", "weights", f"not moved in and out under the budget: the pipeline is on "
+                    f"{', '.join(sorted({str(d) for d in where.values()}))} (the budget is enforced on CUDA)")
+        return
+    keys = {k: set(vars(m)) for k, m in comps.items()}
+    pipe_keys = set(vars(pipe))
+    pipe.enable_model_cpu_offload(device=device)
+
+    def restore() -> None:
+        pipe.remove_all_hooks()
+        for k, m in comps.items():
+            m.to(where[k])
+            for extra in set(vars(m)) - keys[k]:  # the bound forward the hook removal leaves as an attribute
+                delattr(m, extra)
+        for extra in set(vars(pipe)) - pipe_keys:
+            delattr(pipe, extra)
+
+    record.on_undo(restore, "memory.weights_moved_in_and_out", len(comps))

@@ -21,6 +21,7 @@ choices, in the user's autotune cache and the tables the package ships (autotune
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Hashable
@@ -39,7 +40,6 @@ from .autotune_cache import (
     shipped_dir,
 )
 from .direct_launch import DirectPath
-from .memory import tuning
 from .precompile import dry
 
 __all__ = ["AUTOTUNE", "FAST_LAUNCH", "Launcher", "cdiv", "device_properties", "next_pow2"]
@@ -48,6 +48,11 @@ __all__ = ["AUTOTUNE", "FAST_LAUNCH", "Launcher", "cdiv", "device_properties", "
 # (read here once; code may also set launch.FAST_LAUNCH, as bench.overhead does to compare the two).
 FAST_LAUNCH = os.environ.get("SD_KERNELS_FAST_LAUNCH", "1") != "0"
 log = logging.getLogger("sd_kernels")
+
+
+# Entered around a kernel's autotuning launch. sd_kernels.memory sets it to ``memory.tuning`` (a
+# running BudgetGuard's cap and peak lifted for the tuning); the launcher imports nothing above it.
+TUNING: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class Launcher:
@@ -94,7 +99,7 @@ class Launcher:
                 self.tuned_any = True
                 log.info("sd_kernels: autotuning %s for a shape no tuning table holds (key %s); the choice is "
                          "kept in the autotune cache", self.name, key)
-            with tuning():  # outside a memory budget's cap and peak: a one-time cost, cached
+            with TUNING():  # outside a memory budget's cap and peak (memory.tuning): a one-time cost, cached
                 self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
             if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from sd_kernels import launch
+
 log = logging.getLogger("sd_kernels")
 
 MB = 2**20
@@ -153,6 +155,9 @@ def tuning():
         guard.stats.cap(guard.budget)
 
 
+launch.TUNING = tuning  # the launcher enters it around each tuning launch (it imports nothing above it)
+
+
 def guarded(fn: Callable[..., Any], budget: int, model: nn.Module, label: str) -> Callable[..., Any]:
     """``fn`` run under ``BudgetGuard(budget, model, label)`` when its inputs are on CUDA."""
 
@@ -210,6 +215,9 @@ class BudgetPlan:
     budget: int
     weights: dict[str, int]
     allowance: int
+    # not resident, but each component fits alone: its weights are moved to the device for its call
+    # and back after (the patch installs diffusers' model CPU offload: patches/memory.py)
+    swapped: bool = False
 
     @property
     def total(self) -> int:
@@ -224,25 +232,31 @@ class BudgetPlan:
         return "\n".join([f"memory plan: budget {self.budget / MB:.0f} MB", *rows,
                           f"  {'intermediates':<16} {self.allowance / MB:9.1f} MB (the profile's allowance)",
                           f"  {'total':<16} {self.total / MB:9.1f} MB: "
-                          + ("fits, every component resident" if self.resident else "over the budget")])
+                          + ("fits, every component resident" if self.resident else
+                             f"over the budget at once: each component is moved to the device for its call and "
+                             f"back after (the largest, {max(self.weights.values()) / MB:.1f} MB, fits with the "
+                             f"intermediates)" if self.swapped else "over the budget")])
 
 
-def plan_budget(components: dict[str, nn.Module], budget: int, allowance: int) -> BudgetPlan:
+def plan_budget(components: dict[str, nn.Module], budget: int, allowance: int, can_swap: bool = False) -> BudgetPlan:
     """The BudgetPlan of ``components``; raises MemoryBudgetExceeded, naming the component and the
     bytes, when their weights and ``allowance`` bytes of intermediates cannot be held within
     ``budget``: first where one component alone cannot (no way of moving weights helps), then where
-    all of them at once cannot (sd_kernels does not move weights in and out under a budget)."""
+    all of them at once cannot and the weights cannot be moved in and out (``can_swap``: a diffusers
+    pipeline with a ``model_cpu_offload_seq``); where they can, the plan is ``swapped``."""
     plan = BudgetPlan(budget, {name: weight_bytes(m) for name, m in components.items()}, allowance)
     for name, w in plan.weights.items():
         if w + allowance > budget:
             raise MemoryBudgetExceeded(name, w + allowance, budget, f" ({w} bytes of weights + {allowance} bytes "
                                        "of intermediates allowed by the profile), before any work")
-    if not plan.resident:
+    if not plan.resident and can_swap:
+        plan.swapped = True
+    elif not plan.resident:
         parts = " + ".join(f"{name} {w / MB:.1f} MB" for name, w in plan.weights.items())
         raise MemoryBudgetExceeded(f"the pipeline's weights held at once ({parts})", plan.total, budget,
                                    f" (with {allowance} bytes of intermediates allowed by the profile), before any "
-                                   "work; each component alone would fit, but sd_kernels does not yet move weights "
-                                   "in and out under a budget")
+                                   "work; each component alone would fit, but only a diffusers pipeline with a "
+                                   "model_cpu_offload_seq can have its weights moved in and out")
     return plan
 
 

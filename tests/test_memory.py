@@ -120,8 +120,10 @@ def test_autotuning_runs_outside_the_budget(before, after, over):
         with guard:
             m(torch.ones(1))
     assert mem.caps[-1] is None
+    from sd_kernels import launch
     from sd_kernels.memory import tuning
 
+    assert launch.TUNING is tuning  # what Launcher enters around a tuning launch
     with tuning():  # no guard running: nothing to lift
         pass
     assert mem.caps[-1] is None
@@ -634,6 +636,10 @@ def test_plan_counts_each_tensor_once_and_says_what_is_over():
         memory.plan_budget({"a": lin, "b": meta}, budget=1000, allowance=100)  # b alone is over
     with pytest.raises(MemoryBudgetExceeded, match=r"held at once \(a 0\.0 MB \+ b 0\.0 MB\) needs .* \(1460 bytes\)"):
         memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100)  # each fits, both do not
+    swapped = memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100, can_swap=True)
+    assert not swapped.resident and swapped.swapped and "moved to the device for its call" in swapped.format()
+    with pytest.raises(MemoryBudgetExceeded, match=r"^b needs"):  # moving weights cannot help one that is over alone
+        memory.plan_budget({"a": lin, "b": meta}, budget=1000, allowance=100, can_swap=True)
 
 
 def test_sdxl_under_a_phone_budget_fails_before_any_change():
@@ -650,7 +656,12 @@ def test_sdxl_under_a_phone_budget_fails_before_any_change():
     assert sd_kernels.patches.patch_record(pipe) is None and "forward" not in vars(pipe.unet)
 
 
-def test_weights_that_fit_only_one_at_a_time_fail_before_any_change():
+def test_weights_that_fit_only_one_at_a_time_are_moved_in_and_out():
+    """SD1.5 1 MiB short of holding everything at once: the plan moves each model in for its call
+    (on CUDA: the GPU test below); built on the meta device, the patch says it moved nothing. An
+    object without diffusers' model_cpu_offload_seq cannot: the clear error before any work."""
+    import types
+
     import sd_kernels
     from sd_kernels import models
 
@@ -658,11 +669,47 @@ def test_weights_that_fit_only_one_at_a_time_fail_before_any_change():
     total = sum(memory.weight_bytes(m) for m in pipe.components.values() if isinstance(m, nn.Module))
     tight = dataclasses.replace(profiles.get_profile("s23-ultra"), name="tight",
                                 memory_budget_mb=(total + 84 * MiB) // MiB)  # 1 MiB short of everything at once
-    with pytest.raises(MemoryBudgetExceeded, match="held at once .*does not yet move weights"):
-        sd_kernels.patch(pipe, profile=tight)
+    with sd_kernels.patched(pipe, profile=tight, cuda_graph=False) as record:
+        assert record.memory_plan.swapped and "moved to the device for its call" in record.format()
+        assert any(s.what == "weights" and "the pipeline is on meta" in s.reason for s in record.skipped)
+    with pytest.raises(ValueError, match="moved in and out"):
+        sd_kernels.patch(pipe, profile=tight, cuda_graph=True)
+    bare = types.SimpleNamespace(components=dict(pipe.components))
+    with pytest.raises(MemoryBudgetExceeded, match="held at once .*model_cpu_offload_seq"):
+        sd_kernels.patches.memory_plan(bare, tight)
     roomy = dataclasses.replace(tight, memory_budget_mb=tight.memory_budget_mb + 1)
     plan = sd_kernels.patches.memory_plan(pipe, roomy)
-    assert plan.resident and set(plan.weights) == {"vae", "text_encoder", "unet"}
+    assert plan.resident and not plan.swapped and set(plan.weights) == {"vae", "text_encoder", "unet"}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_weights_moved_in_and_out_give_the_resident_image_and_unpatch_exactly():
+    """SD1.5 on the GPU under a 1,900 MB budget (the UNet's 1,639 MB fit with the intermediates, all
+    2,034 MB do not): two steps give the image the same profile gives with every model resident
+    (a roomy budget), within the budget; unpatch puts every model back on the GPU, with no hook or
+    attribute left."""
+    import sd_kernels
+    from sd_kernels import models
+
+    pipe = models.build_pipeline("sd15", device="cuda", dtype=torch.float16)
+    before = {k: set(vars(m)) for k, m in pipe.components.items() if isinstance(m, nn.Module)}
+    pipe_keys = set(vars(pipe))
+    base = dataclasses.replace(profiles.get_profile("mobile-small"), name="swap")
+    images = {}
+    for name, mb in (("resident", 4096), ("swapped", 1900)):
+        prof = dataclasses.replace(base, memory_budget_mb=mb)
+        with sd_kernels.patched(pipe, profile=prof) as record:
+            assert record.memory_plan.swapped == (name == "swapped"), record.format()
+            images[name] = pipe("a cat", num_inference_steps=2, generator=torch.Generator("cuda").manual_seed(0),
+                                output_type="pt").images
+            if name == "swapped":
+                assert record.counts["memory.weights_moved_in_and_out"] == 3
+                assert all(p.device.type == "cpu" for p in pipe.unet.parameters())  # offloaded after the call
+        profiles.set_profile(None)
+        assert all(p.device.type == "cuda" for m in before for p in getattr(pipe, m).parameters())
+        assert {k: set(vars(getattr(pipe, k))) for k in before} == before and set(vars(pipe)) == pipe_keys
+    torch.testing.assert_close(images["swapped"], images["resident"], rtol=0, atol=1e-3)
 
 
 def test_the_plan_is_in_the_record(capsys):
