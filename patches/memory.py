@@ -108,6 +108,9 @@ def can_swap(pipe: object) -> bool:
                                                                                    None))
 
 
+_OFFLOAD_ATTRS = ("_offload_gpu_id", "_offload_device", "_all_hooks")  # what enable_model_cpu_offload sets on the pipe
+
+
 def install_swap(pipe: Any, record: PatchRecord) -> None:
     """Each model of ``pipe`` kept on the CPU and moved to its device for its call (the previous one
     moved back: diffusers' ``enable_model_cpu_offload``, one model on the device at a time), undone
@@ -121,17 +124,17 @@ def install_swap(pipe: Any, record: PatchRecord) -> None:
         record.skip("", "weights", f"not moved in and out under the budget: the pipeline is on "
                     f"{', '.join(sorted({str(d) for d in where.values()}))} (the budget is enforced on CUDA)")
         return
-    keys = {k: set(vars(m)) for k, m in comps.items()}
-    pipe_keys = set(vars(pipe))
+    own_forward = {k for k, m in comps.items() if "forward" in vars(m)}  # ours (the budget guard's) or a user's
+    added = [a for a in _OFFLOAD_ATTRS if a not in vars(pipe)]
     pipe.enable_model_cpu_offload(device=device)
 
     def restore() -> None:
-        pipe.remove_all_hooks()
+        pipe.remove_all_hooks()  # each hooked model's forward set back from the hook's _old_forward
         for k, m in comps.items():
             m.to(where[k])
-            for extra in set(vars(m)) - keys[k]:  # the bound forward the hook removal leaves as an attribute
-                delattr(m, extra)
-        for extra in set(vars(pipe)) - pipe_keys:
-            delattr(pipe, extra)
+            if k not in own_forward:  # the bound method the hook removal leaves as an attribute
+                vars(m).pop("forward", None)
+        for a in added:
+            vars(pipe).pop(a, None)
 
     record.on_undo(restore, "memory.weights_moved_in_and_out", len(comps))

@@ -693,6 +693,8 @@ def test_gpu_weights_moved_in_and_out_give_the_resident_image_and_unpatch_exactl
     from sd_kernels import models
 
     pipe = models.build_pipeline("sd15", device="cuda", dtype=torch.float16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe("a cat", num_inference_steps=1, output_type="pt")  # the call's own attributes (_guidance_scale, …)
     before = {k: set(vars(m)) for k, m in pipe.components.items() if isinstance(m, nn.Module)}
     pipe_keys = set(vars(pipe))
     base = dataclasses.replace(profiles.get_profile("mobile-small"), name="swap")
