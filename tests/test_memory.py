@@ -687,7 +687,8 @@ def test_weights_that_fit_only_one_at_a_time_are_moved_in_and_out():
 def test_gpu_weights_moved_in_and_out_give_the_resident_image_and_unpatch_exactly():
     """SD1.5 on the GPU under a 1,900 MB budget (the UNet's 1,639 MB fit with the intermediates, all
     2,034 MB do not): two steps give the image the same profile gives with every model resident
-    (a roomy budget), within the budget; unpatch puts every model back on the GPU, with no hook or
+    (a roomy budget; ≥ 55 dB: the streamed decode's plan and cuDNN's choices follow the memory
+    around them), within the budget; unpatch puts every model back on the GPU, with no hook or
     attribute left."""
     import sd_kernels
     from sd_kernels import models
@@ -697,7 +698,8 @@ def test_gpu_weights_moved_in_and_out_give_the_resident_image_and_unpatch_exactl
     pipe("a cat", num_inference_steps=1, output_type="pt")  # the call's own attributes (_guidance_scale, …)
     before = {k: set(vars(m)) for k, m in pipe.components.items() if isinstance(m, nn.Module)}
     pipe_keys = set(vars(pipe))
-    base = dataclasses.replace(profiles.get_profile("mobile-small"), name="swap")
+    # the decode kept exact (no 8-bit activations): the two runs' plans may differ with the memory around them
+    base = dataclasses.replace(profiles.get_profile("mobile-small"), name="swap", stream_pack8=False)
     images = {}
     for name, mb in (("resident", 4096), ("swapped", 1900)):
         prof = dataclasses.replace(base, memory_budget_mb=mb)
@@ -711,7 +713,9 @@ def test_gpu_weights_moved_in_and_out_give_the_resident_image_and_unpatch_exactl
         profiles.set_profile(None)
         assert all(p.device.type == "cuda" for m in before for p in getattr(pipe, m).parameters())
         assert {k: set(vars(getattr(pipe, k))) for k in before} == before and set(vars(pipe)) == pipe_keys
-    torch.testing.assert_close(images["swapped"], images["resident"], rtol=0, atol=1e-3)
+    from sd_kernels.testing import psnr
+
+    assert psnr(images["swapped"], images["resident"]) >= 55
 
 
 def test_the_plan_is_in_the_record(capsys):
