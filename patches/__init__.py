@@ -218,8 +218,8 @@ def memory_plan(obj: object, prof: Profile):
         held = {type(obj).__name__: obj}
     else:
         held = {k: m for k, m in (getattr(obj, "components", None) or {}).items() if isinstance(m, nn.Module)}
-    can_swap = not isinstance(obj, nn.Module) and memory.can_swap(obj)
-    return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB, can_swap)
+    chain = None if isinstance(obj, nn.Module) else memory.offload_chain(obj)
+    return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB, chain)
 
 
 def _install_text_padding(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord, ops) -> None:

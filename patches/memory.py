@@ -101,11 +101,17 @@ def patch_memory(model: nn.Module, record: PatchRecord) -> None:
 # Weights moved in and out under a budget they do not fit at once (memory.BudgetPlan.swapped)
 
 
-def can_swap(pipe: object) -> bool:
-    """Whether ``pipe`` can have its models' weights moved to the device for each call and back
-    (diffusers' model CPU offload, which follows its ``model_cpu_offload_seq``)."""
-    return bool(getattr(pipe, "model_cpu_offload_seq", None)) and callable(getattr(pipe, "enable_model_cpu_offload",
-                                                                                   None))
+def offload_chain(pipe: object) -> list[str] | None:
+    """The models ``pipe`` can move to the device one at a time for their calls (diffusers' model CPU
+    offload follows its ``model_cpu_offload_seq``; one it excludes stays on the device), or None where
+    it cannot (no sequence, no ``enable_model_cpu_offload``, accelerate not installed)."""
+    from diffusers.utils import is_accelerate_available
+
+    seq = getattr(pipe, "model_cpu_offload_seq", None)
+    if not seq or not callable(getattr(pipe, "enable_model_cpu_offload", None)) or not is_accelerate_available():
+        return None
+    excluded = set(getattr(pipe, "_exclude_from_cpu_offload", ()) or ())
+    return [name for name in seq.split("->") if name not in excluded]
 
 
 _OFFLOAD_ATTRS = ("_offload_gpu_id", "_offload_device", "_all_hooks")  # what enable_model_cpu_offload sets on the pipe
@@ -120,13 +126,13 @@ def install_swap(pipe: Any, record: PatchRecord) -> None:
     comps = {k: m for k, m in pipe.components.items() if isinstance(m, nn.Module)}
     where = {k: next(iter(m.parameters()), torch.empty(0)).device for k, m in comps.items()}
     device = next((d for d in where.values() if d.type == "cuda"), None)
+    record.scope = ""
     if device is None:
         record.skip("", "weights", f"not moved in and out under the budget: the pipeline is on "
                     f"{', '.join(sorted({str(d) for d in where.values()}))} (the budget is enforced on CUDA)")
         return
     own_forward = {k for k, m in comps.items() if "forward" in vars(m)}  # ours (the budget guard's) or a user's
     added = [a for a in _OFFLOAD_ATTRS if a not in vars(pipe)]
-    pipe.enable_model_cpu_offload(device=device)
 
     def restore() -> None:
         pipe.remove_all_hooks()  # each hooked model's forward set back from the hook's _old_forward
@@ -137,4 +143,5 @@ def install_swap(pipe: Any, record: PatchRecord) -> None:
         for a in added:
             vars(pipe).pop(a, None)
 
-    record.on_undo(restore, "memory.weights_moved_in_and_out", len(comps))
+    record.on_undo(restore, "memory.weights_moved_in_and_out", len(comps))  # first: a failure part way is undone
+    pipe.enable_model_cpu_offload(device=device)

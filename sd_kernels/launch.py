@@ -99,7 +99,8 @@ class Launcher:
                 self.tuned_any = True
                 log.info("sd_kernels: autotuning %s for a shape no tuning table holds (key %s); the choice is "
                          "kept in the autotune cache", self.name, key)
-            with TUNING():  # outside a memory budget's cap and peak (memory.tuning): a one-time cost, cached
+            # a tuning launch runs outside a memory budget's cap and peak (memory.tuning): a one-time cost, cached
+            with TUNING() if self.tunable else contextlib.nullcontext():
                 self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
             if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):

@@ -238,18 +238,31 @@ class BudgetPlan:
                              f"intermediates)" if self.swapped else "over the budget")])
 
 
-def plan_budget(components: dict[str, nn.Module], budget: int, allowance: int, can_swap: bool = False) -> BudgetPlan:
+def plan_budget(components: dict[str, nn.Module], budget: int, allowance: int,
+                chain: list[str] | None = None) -> BudgetPlan:
     """The BudgetPlan of ``components``; raises MemoryBudgetExceeded, naming the component and the
     bytes, when their weights and ``allowance`` bytes of intermediates cannot be held within
     ``budget``: first where one component alone cannot (no way of moving weights helps), then where
-    all of them at once cannot and the weights cannot be moved in and out (``can_swap``: a diffusers
-    pipeline with a ``model_cpu_offload_seq``); where they can, the plan is ``swapped``."""
+    all of them at once cannot and the weights cannot be moved in and out. ``chain``: the models a
+    diffusers pipeline moves in and out one at a time (its ``model_cpu_offload_seq``; None: it cannot);
+    the others stay on the device for the call (diffusers' offload keeps them there), so the plan is
+    ``swapped`` where the largest of the chain, those and the allowance fit."""
     plan = BudgetPlan(budget, {name: weight_bytes(m) for name, m in components.items()}, allowance)
     for name, w in plan.weights.items():
         if w + allowance > budget:
             raise MemoryBudgetExceeded(name, w + allowance, budget, f" ({w} bytes of weights + {allowance} bytes "
                                        "of intermediates allowed by the profile), before any work")
-    if not plan.resident and can_swap:
+    if not plan.resident and chain is not None:
+        moved = [n for n in plan.weights if n in chain]
+        stay = [n for n in plan.weights if n not in chain]
+        largest = max(moved, key=plan.weights.get, default=None)
+        held = [*([largest] if largest else []), *stay]
+        need = sum(plan.weights[n] for n in held) + allowance
+        if need > budget:
+            parts = " + ".join(f"{n} {plan.weights[n] / MB:.1f} MB" for n in held)
+            raise MemoryBudgetExceeded(f"the pipeline's weights moved in one model at a time ({parts} on the device "
+                                       "at once)", need, budget, f" (with {allowance} bytes of intermediates allowed "
+                                       "by the profile), before any work")
         plan.swapped = True
     elif not plan.resident:
         parts = " + ".join(f"{name} {w / MB:.1f} MB" for name, w in plan.weights.items())

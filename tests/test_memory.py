@@ -86,16 +86,18 @@ def test_over_budget_names_the_module_the_bytes_and_the_budget():
 
 
 class Tuned(nn.Module):
-    """Autotunes (as ``launch.Launcher`` does for a shape no table holds) with a ``timing`` buffer,
-    then allocates ``n`` bytes as the tuned kernel's call."""
+    """Holds ``before`` bytes for a moment, autotunes (as ``launch.Launcher`` does for a shape no
+    table holds) with a ``timing`` buffer, then allocates ``n`` bytes as the tuned kernel's call."""
 
-    def __init__(self, mem, timing, n):
+    def __init__(self, mem, before, timing, n):
         super().__init__()
-        self.mem, self.timing, self.n = mem, timing, n
+        self.mem, self.before, self.timing, self.n = mem, before, timing, n
 
     def forward(self, x):
         from sd_kernels.memory import tuning
 
+        self.mem.alloc(self.before)
+        self.mem.free(self.before)
         with tuning():
             assert self.mem.caps[-1] is None  # the cap is lifted while it tunes
             self.mem.alloc(self.timing)
@@ -109,9 +111,10 @@ class Tuned(nn.Module):
 @pytest.mark.parametrize("before, after, over", [(10, 5, False), (40, 5, True), (10, 40, True)])
 def test_autotuning_runs_outside_the_budget(before, after, over):
     """A 256 MiB timing buffer under a 128 MiB budget: the tuning is not charged, the call's own
-    bytes before it (``before``) and after it (``after``) still are."""
+    bytes before it (``before``, in the same module: only the guard's floor remembers them when the
+    module returns) and after it (``after``) still are."""
     mem = FakeMemory(allocated=100 * MiB)
-    m = nn.Sequential(Temp(mem, before * MiB), Tuned(mem, 256 * MiB, after * MiB))
+    m = nn.Sequential(nn.Identity(), Tuned(mem, before * MiB, 256 * MiB, after * MiB))
     guard = BudgetGuard(128 * MiB, m, "unet", stats=mem)
     if over:
         with pytest.raises(MemoryBudgetExceeded), guard:
@@ -636,10 +639,13 @@ def test_plan_counts_each_tensor_once_and_says_what_is_over():
         memory.plan_budget({"a": lin, "b": meta}, budget=1000, allowance=100)  # b alone is over
     with pytest.raises(MemoryBudgetExceeded, match=r"held at once \(a 0\.0 MB \+ b 0\.0 MB\) needs .* \(1460 bytes\)"):
         memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100)  # each fits, both do not
-    swapped = memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100, can_swap=True)
+    swapped = memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100, chain=["a", "b"])
     assert not swapped.resident and swapped.swapped and "moved to the device for its call" in swapped.format()
     with pytest.raises(MemoryBudgetExceeded, match=r"^b needs"):  # moving weights cannot help one that is over alone
-        memory.plan_budget({"a": lin, "b": meta}, budget=1000, allowance=100, can_swap=True)
+        memory.plan_budget({"a": lin, "b": meta}, budget=1000, allowance=100, chain=["a", "b"])
+    # a model outside the chain stays on the device beside the largest of it (diffusers' offload keeps it)
+    with pytest.raises(MemoryBudgetExceeded, match=r"one model at a time \(b 0\.0 MB \+ a 0\.0 MB on the device"):
+        memory.plan_budget({"a": lin, "b": meta}, budget=1400, allowance=100, chain=["b"])
 
 
 def test_sdxl_under_a_phone_budget_fails_before_any_change():

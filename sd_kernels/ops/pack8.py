@@ -1,16 +1,18 @@
 """An activation kept in 8 bits: int8 codes with one fp32 scale per pixel and group of channels.
 
 ``pack8(x, values, scales)`` writes x [N, C, H, W] as codes q = round(x / s) in [−127, 127]
-(``values``, int8 [N, H, W, C]) with s = max |x| / 127 over each pixel's run of G = C / (groups)
-channels (``scales``, float32 [N, H, W, C / G]); ``unpack8(values, scales, out)`` writes q · s back in
-out's dtype and layout. Each element is then off by at most s / 2 (plus the rounding of q · s to out's
-dtype): about 2⁻⁸ of its group's largest magnitude. A group that holds a NaN or an infinity gets a NaN
-scale, so it unpacks as NaN: a non-finite activation is never turned into finite numbers (downstream,
-a GroupNorm over it is NaN as stock's would be).
+(``values``, int8 [N, H, W, C]) with s = max |x| / 127 over each pixel's run of G channels
+(``pack_group``: 32, or all C where 32 does not divide it; ``scales``, float32 [N, H, W, C / G]);
+``unpack8(values, scales, out)`` writes q · s back in out's dtype and layout. Each element is then
+off by at most s / 2 (plus the rounding of q · s to out's dtype): about 2⁻⁸ of its group's largest
+magnitude. A group that holds a NaN or an infinity gets a NaN scale, so it unpacks as NaN: a
+non-finite activation is never turned into finite numbers (downstream, a GroupNorm over it is NaN
+as stock's would be).
 
 The streamed VAE decode (patches/stream_decode.py) keeps an activation this way where the profile
-allows it and the activation in its own dtype does not fit the budget: 1.125 bytes an element (32
-channels a scale) instead of 2. Both kernels are elementwise over [BLOCK_P pixels, C channels] tiles:
+allows it and its plan's model says that saves at least 1 ms (in practice: where the activation in
+its own dtype does not fit the budget beside a band): 1.125 bytes an element (32 channels a scale)
+instead of 2. Both kernels are elementwise over [BLOCK_P pixels, C channels] tiles:
 the groups are a reshape of the tile, so G and the padded C must be powers of two (other shapes run
 the PyTorch reference). Strides are free on every operand (bands of rows of a larger buffer). Not
 autotuned: the tile follows C.
