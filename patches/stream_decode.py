@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
-from sd_kernels.ops.pack8 import pack8, pack_group, unpack8
+from sd_kernels.ops.pack8 import pack8, unpack8
 from sd_kernels.ops.residual import bias_residual
 from sd_kernels.ops.upsample import PhaseCache, interleave_phases
 
@@ -82,6 +82,7 @@ from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, name
     _working,
     conv_input,
     convs_of,
+    kept_row_bytes,
     plan,
 )
 from .verified import is_verified
@@ -351,9 +352,7 @@ class _Kept:
     packed: bool = False
 
     def _row_bytes(self) -> int:
-        if self.packed:
-            return self.w * (self.c + 4 * (self.c // pack_group(self.c)))
-        return self.w * self.c * self.dtype.itemsize
+        return kept_row_bytes(self.w, self.c, self.dtype.itemsize, self.packed)
 
     def view(self, lo: int, hi: int) -> torch.Tensor | None:
         """Rows [lo, hi) as a view of the buffer (None when packed: there is none)."""

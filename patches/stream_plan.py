@@ -140,16 +140,20 @@ class _Shape:
         return self.n * c * w * self.elem
 
     def kept_row_bytes(self, us: list[Unit], j: int, out: bool = True, packed: bool = False) -> int:
-        """Bytes of one row of unit j's output (or input) as the buffer keeps it: in the decode's dtype,
-        or ``packed`` (``ops.pack8``: an int8 code an element and a float32 scale per group of channels)."""
-        if not packed:
-            return self.row_bytes(us, j, out)
+        """Bytes of one row of unit j's output (or input) as the buffer keeps it (``kept_row_bytes``)."""
         c, w = (us[j].c_out, self.w_out[j]) if out else (us[j].c_in, self.w_out[j] // us[j].scale)
-        return self.n * w * (c + 4 * (c // pack_group(c)))
+        return self.n * kept_row_bytes(w, c, self.elem, packed)
 
     def kept_bytes(self, us: list[Unit], j: int, packed: bool = False) -> int:
         """Bytes of unit j's whole output as the buffer keeps it."""
         return self.kept_row_bytes(us, j, True, packed) * self.h_out[j]
+
+
+def kept_row_bytes(w: int, c: int, elem: int, packed: bool) -> int:
+    """Bytes of one row of [W, C] of one sample as the decode's buffer keeps it: ``elem`` bytes an
+    element, or ``packed`` (``ops.pack8``: an int8 code an element, then a float32 scale per group of
+    channels). The plan lays the buffer out by it and ``stream_decode._Kept`` addresses it by it."""
+    return w * (c + 4 * (c // pack_group(c))) if packed else w * c * elem
 
 
 def _shape(us: list[Unit], n: int, h: int, w: int, elem: int, workspace: dict | None = None) -> _Shape:
