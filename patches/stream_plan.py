@@ -367,10 +367,10 @@ def _layout(us: list[Unit], sh: _Shape, segments: tuple[Segment, ...], head_byte
     (the last kept one at 0): rows written never cover rows still to be read."""
     sizes = [head_bytes] + [sh.kept_bytes(us, seg.stop - 1, seg.packed) for seg in segments[:-1]]
     bases = [0] * len(sizes)
+    src8 = _packed_inputs(segments)
     for i in range(len(sizes) - 2, -1, -1):
         seg = segments[i]
-        src8 = i > 0 and segments[i - 1].packed
-        bases[i] = bases[i + 1] + _shift(us, sh, seg.start, seg.stop, seg.bands, src8, seg.packed)
+        bases[i] = bases[i + 1] + _shift(us, sh, seg.start, seg.stop, seg.bands, src8[i], seg.packed)
     return bases, max(base + size for base, size in zip(bases, sizes))
 
 
