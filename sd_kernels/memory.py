@@ -233,9 +233,9 @@ class BudgetPlan:
                           f"  {'intermediates':<16} {self.allowance / MB:9.1f} MB (the profile's allowance)",
                           f"  {'total':<16} {self.total / MB:9.1f} MB: "
                           + ("fits, every component resident" if self.resident else
-                             f"over the budget at once: each component is moved to the device for its call and "
-                             f"back after (the largest, {max(self.weights.values()) / MB:.1f} MB, fits with the "
-                             f"intermediates)" if self.swapped else "over the budget")])
+                             "over the budget at once: each component is moved to the device for its call and "
+                             "back after (the largest of the offload's chain, with any model it keeps on the "
+                             "device, fits with the intermediates)" if self.swapped else "over the budget")])
 
 
 def plan_budget(components: dict[str, nn.Module], budget: int, allowance: int,
