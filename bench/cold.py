@@ -16,7 +16,7 @@ compiled outside that pool, by name: autotuning, or what a dry run could not rec
 environment.
 "shipped off" sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another
 Triton) pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0
-(kernels compile one by one at their first launch, as before sd_kernels.precompile). The first model
+(kernels compile one by one at their first launch, as before sd_kernels.runtime.precompile). The first model
 is measured with the defaults, then with each switched off; the others with the defaults only
 (``--first-only``: the first model alone).
 """
@@ -89,7 +89,8 @@ def child(model: str, size: int, steps: int) -> dict:
 
     import sd_kernels
     from bench.e2e import PROMPT
-    from sd_kernels import models, precompile
+    from sd_kernels import models
+    from sd_kernels.runtime import precompile
 
     captures = Stopwatch(cuda_graph, "capture", exclude=compiles)  # its warm-up call compiles
     reports = []

@@ -22,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
   || { echo "gpu.sh: could not install sd-kernels" >&2; exit 1; }
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
-  python3 -m sd_kernels.cli info; } 2>&1 | tee "$out/gpu.txt"
+  python3 -m sd_kernels info; } 2>&1 | tee "$out/gpu.txt"
 
 steps=",${GPU_STEPS:-tests,bench,e2e,demo},"
 tests_rc=0 bench_rc=0 e2e_rc=0 demo_rc=0
@@ -53,7 +53,7 @@ if [[ $steps == *,e2e,* ]]; then
 fi
 python3 -m bench.plot "$out" > /dev/null 2>&1 || echo "gpu.sh: no plots (nothing measured?)" >&2
 if [[ $steps == *,demo,* ]]; then
-  python3 -m sd_kernels.cli demo --steps 20 --out /tmp/sd-kernels-demo.png 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
+  python3 -m sd_kernels demo --steps 20 --out /tmp/sd-kernels-demo.png 2>&1 | grep -v 'it/s]' | tee "$out/demo.log"
   demo_rc=${PIPESTATUS[0]}
 fi
 

@@ -9,7 +9,7 @@ Per row: text encoder, one UNet step and the VAE decode, each with weights MB, p
 the emulation is about memory, not speed). Prints a line per component as it finishes (flushed:
 the run takes minutes per profile) and rewrites DIR/memory.csv after every variant, with what a
 variant measured before it failed; prints the table at the end. ``--steps N`` (default 20) adds,
-per variant at batch 1, one whole pipeline call measured by ``sd_kernels.memory.PipelineMemory``
+per variant at batch 1, one whole pipeline call measured by ``sd_kernels.analysis.memory_report.PipelineMemory``
 (each component's largest call, the call's total peak with the weights, against the budget), also
 written as tables to DIR/memory-e2e.txt.
 The paper (arXiv 2304.11267): 84 MB of intermediates for SD1.5's UNet on its phones; stock diffusers
@@ -29,7 +29,9 @@ import time
 import torch
 
 from bench import common
-from sd_kernels import memory, profiles
+from sd_kernels import profiles
+from sd_kernels.analysis import memory_report
+from sd_kernels.runtime import memory
 
 MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")
 COLUMNS = ["variant", "component", "weights_mb", "peak_intermediate_mb", "ms", "peak_at", "error"]
@@ -39,18 +41,18 @@ def measure(pipe, variant: str, batch: int, rows: list[dict], started: float) ->
     """memory_report's rows for ``variant``, appended to ``rows`` one component at a time (so that a
     variant that fails part way keeps what it measured), each printed as it finishes."""
 
-    def finished(c: memory.ComponentMemory) -> None:
+    def finished(c: memory_report.ComponentMemory) -> None:
         rows.append({"variant": variant, **dataclasses.asdict(c)})
         _say(started, f"{variant}: {c.component}: weights {c.weights_mb:.1f} MB, peak intermediates "
                       f"{c.peak_intermediate_mb:.1f} MB, {c.ms:.2f} ms, peak at {c.peak_at or '-'}")
 
-    memory.memory_report(pipe, batch=batch, progress=finished)
+    memory_report.memory_report(pipe, batch=batch, progress=finished)
 
 
 def end_to_end(pipe, variant: str, budget: int | None, steps: int, started: float) -> tuple[list[dict], str]:
     """One whole pipeline call (512² for SD1.5, ``steps`` steps, batch 1 with guidance), after a
     one-step warm-up call, measured by
-    ``memory.PipelineMemory``: rows per component (its largest call's peak intermediates, its calls)
+    ``memory_report.PipelineMemory``: rows per component (its largest call's peak intermediates, its calls)
     and a ``total peak`` row (the whole call's peak in use, weights included), and the printed table."""
     from bench.e2e import PROMPT
 
@@ -64,7 +66,7 @@ def end_to_end(pipe, variant: str, budget: int | None, steps: int, started: floa
     call(1)  # a warm-up: first calls autotune the UNet's kernels at batch 2 (Triton's timing allocates 256 MB)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    with memory.PipelineMemory(pipe, budget) as table:
+    with memory_report.PipelineMemory(pipe, budget) as table:
         call(steps)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t) * 1e3

@@ -5,12 +5,12 @@ Python takes to launch them, so a kernel's wrapper costs as much as the kernel. 
 side alone: ``calls`` back-to-back calls on small inputs with one synchronize at the end (the GPU
 never holds the host back: each call's kernels are shorter than its launch), and writes a cProfile of
 our calls to ``overhead-profile.txt`` so that the expensive lines are named. The row ``ours, run`` is
-ours with the launcher's direct path off (``sd_kernels.launch.FAST_LAUNCH``, as
+ours with the launcher's direct path off (``sd_kernels.runtime.launch.FAST_LAUNCH``, as
 SD_KERNELS_FAST_LAUNCH=0): every launch through Triton's ``JITFunction.run``.
 
 ``--pipeline NAME[,NAME]`` also times, per shipped config, the pipeline's ``_execution_device`` (the
 first thing every pipeline call does, while the GPU waits): diffusers' property against the one
-``patch(pipe)``'s pipeline mode installs (patches/pipeline_host.py), interleaved in rounds; and the
+``patch(pipe)``'s pipeline mode installs (patches/execution_device.py), interleaved in rounds; and the
 host time of a whole call up to its first model call (the text encoder), unpatched and patched
 (the fastest of five rounds' medians), with a cProfile of the patched one's in the profile file.
 """
@@ -77,8 +77,8 @@ def _profile_model(name: str, rows: list[dict]) -> str:
     """Host time of one eager UNet step (batch 2), stock and patched, and a cProfile of the patched one."""
     import sd_kernels
     from bench.e2e import unet_call
-    from sd_kernels import launch
     from sd_kernels.models import build_pipeline
+    from sd_kernels.runtime import launch
 
     pipe = build_pipeline(name, device="cuda", dtype=torch.float16)
     call = unet_call(pipe, 2, torch.float16)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         profiles.append(text)
         for r in rows[-4:]:
             print(f"  {r['op']:<40} {r['impl']:<9} {r['host_us_per_call']:10.1f} us/call", flush=True)
-    from sd_kernels import launch
+    from sd_kernels.runtime import launch
 
     with torch.inference_mode():
         for op, impls in pairs().items():

@@ -57,7 +57,7 @@ def _time(fn, repeats: int) -> float:
 def _peak(fn) -> tuple[torch.Tensor, float]:
     """fn's output and its peak allocated MiB above what was allocated before it, on a second call
     (the first compiles and tunes kernels, whose own allocations are not the decode's)."""
-    from sd_kernels import memory
+    from sd_kernels.runtime import memory
 
     fn()
     peak, out = memory.peak_intermediate_bytes(fn, memory.CudaMemory())
@@ -83,7 +83,7 @@ def _profile(vae, z: torch.Tensor, path: pathlib.Path) -> None:
     profiler's table of one decode by the plan, the budget guard left out."""
     from sd_kernels.patches.stream_decode import plans_of, stream_decode, units
 
-    from sd_kernels import memory
+    from sd_kernels.runtime import memory
 
     us = units(vae.decoder)
     (plan,) = plans_of(vae.decoder).values()

@@ -31,8 +31,9 @@ def tune(models: str, batches: list[int], out: pathlib.Path) -> list[pathlib.Pat
     """Tune every kernel at the shapes of ``models`` × ``batches``; merge into ``out``; the files written."""
     import sd_kernels
     from bench.e2e import PROMPT, parse_targets
-    from sd_kernels import autotune_cache, profiles
     from sd_kernels import models as shipped_models
+    from sd_kernels import profiles
+    from sd_kernels.runtime import autotune_cache
 
     cache = pathlib.Path(tempfile.mkdtemp(prefix="sd-kernels-tune-"))
     os.environ[autotune_cache.CACHE_ENV] = str(cache)

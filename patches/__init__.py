@@ -9,7 +9,7 @@ Parameters are never copied (the channels_last family re-lays the data of the ve
 and lays it back). ``cuda_graph=True`` also replays the denoiser (UNet, PixArt, SD3 or FLUX
 transformer), the VAE decode and the text encoders from CUDA graphs and keeps the scheduler's
 timesteps on the host where the family allows it (cuda_graph.py, scheduler.py), and finds the
-pipeline's execution device without diffusers' walk over every module (pipeline_host.py). ``report``
+pipeline's execution device without diffusers' walk over every module (execution_device.py). ``report``
 gives what a patch would replace and leave alone, for ``sd-kernels info``. docs/patch.md has the whole
 story.
 """
@@ -26,13 +26,13 @@ from sd_kernels.profiles import Profile, get_profile, using_profile
 
 from . import (  # noqa: F401  (each registers its patcher)
     attention,
+    channels_last,
+    execution_device,
     families,
     gelu,
     group_norm,
     layer_norm,
-    layout,
-    memory,
-    pipeline_host,
+    memory_budget,
     text_padding,
     upsample,
     whole_step,
@@ -43,7 +43,7 @@ from .record import PatchRecord
 from .registry import PATCHERS
 from .scheduler import host_timesteps
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 # The pipeline parts the patch touches, in order (``ignore=`` skips some) and their model classes:
 # patches/families.py, the one table of model families.
@@ -113,7 +113,7 @@ def patch(
     CUDA graphs captured per call signature: True or "pipeline" the denoiser (the UNet, or PixArt's,
     SD3's or FLUX's transformer), the VAE decode and the
     text encoders, with the scheduler's timesteps on the host and a faster ``_execution_device``
-    (pipeline_host.py); "step" all that, and each denoising step of an SD/SDXL text-to-image pipeline
+    (execution_device.py); "step" all that, and each denoising step of an SD/SDXL text-to-image pipeline
     (guidance batch, UNet, guidance combine, ``scheduler.step``) replayed from one graph
     (patches/whole_step.py); "unet" the denoiser alone
     (patches/cuda_graph.py; needs the denoiser on CUDA); "auto" (the default) "pipeline" where the denoiser
@@ -197,7 +197,7 @@ def patch(
             if mode:
                 _install_graphs(obj, models, record, mode, compile, ignore)
             if plan is not None and plan.swapped:
-                memory.install_swap(obj, record)
+                memory_budget.install_swap(obj, record)
     except BaseException:
         record.undo()
         raise
@@ -208,17 +208,17 @@ def patch(
 def memory_plan(obj: object, prof: Profile):
     """Under a profile with a memory budget: the weights of every model the pipeline holds (or of the
     bare model), checked against the budget with the profile's intermediate allowance
-    (``sd_kernels.memory.plan_budget``); None without a budget."""
+    (``sd_kernels.runtime.memory.plan_budget``); None without a budget."""
     budget = prof.memory_budget_bytes()
     if budget is None:
         return None
-    from sd_kernels.memory import MB, plan_budget
+    from sd_kernels.runtime.memory import MB, plan_budget
 
     if isinstance(obj, nn.Module):
         held = {type(obj).__name__: obj}
     else:
         held = {k: m for k, m in (getattr(obj, "components", None) or {}).items() if isinstance(m, nn.Module)}
-    chain = None if isinstance(obj, nn.Module) else memory.offload_chain(obj)
+    chain = None if isinstance(obj, nn.Module) else memory_budget.offload_chain(obj)
     return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB, chain)
 
 
@@ -262,7 +262,7 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
         record.skip("scheduler", type(record.scheduler).__name__, f"timesteps stay on the device: {device_steps[0]}")
     elif record.scheduler is not None:
         host_timesteps(record.scheduler, record)
-    pipeline_host.fast_execution_device(obj, record)
+    execution_device.fast_execution_device(obj, record)
     unet = getattr(obj, "unet", None)
     if mode == "step" and not isinstance(getattr(unet, "__dict__", {}).get("forward"), cuda_graph_mod.GraphedCall):
         record.skip("", type(obj).__name__, "cuda_graph='step' needs the pipeline's UNet graphed: the pipeline mode's "

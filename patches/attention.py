@@ -11,7 +11,7 @@ Only modules whose processor is exactly ``AttnProcessor2_0``, ``AttnProcessor``,
 ``FusedAttnProcessor2_0``, ``IPAdapterAttnProcessor2_0``, ``JointAttnProcessor2_0`` or
 ``FusedJointAttnProcessor2_0`` (SD3's joint text + image attention, unfused or after
 ``fuse_qkv_projections()``: ``SDKernelsJointAttnProcessor``, patches/joint_attention.py) are touched, and
-only while their source is the one mirrored (patches/verified.py); other custom processors are left
+only while their source is the one mirrored (patches/diffusers_sources.py); other custom processors are left
 alone. FLUX's attention modules are diffusers' ``FluxAttention`` (not an ``Attention``): one whose
 processor is exactly ``FluxAttnProcessor`` gets ``SDKernelsFluxAttnProcessor`` (patches/flux_attention.py)
 on the same terms. An IP-Adapter
@@ -34,13 +34,13 @@ import torch.nn as nn
 
 from sd_kernels.profiles import scoped
 
-from . import attention_steps as steps
+from . import attention_processor_steps as steps
 from . import flux_attention
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
 from .joint_attention import SDKernelsJointAttnProcessor
 from .record import PatchRecord
 from .registry import register
-from .verified import VERIFIED_WITH, is_verified
 
 # The record's count name of each processor we install (others: "attention_processor").
 _KINDS = {SDKernelsJointAttnProcessor: "joint_attention_processor",

@@ -28,7 +28,7 @@ Modes (``MODES``; ``cuda_graph=True`` means ``"pipeline"``):
    leaves' (shape, strides, dtype, device) and every other leaf's value, with the tree's structure,
    make the signature;
 3. on a new signature: copies the inputs into static buffers; the first time, compiles the Triton
-   kernels the call needs in parallel (``sd_kernels.precompile``: a dry run of the eager method
+   kernels the call needs in parallel (``sd_kernels.runtime.precompile``: a dry run of the eager method
    records them, a thread pool compiles them; no longer tried once a dry run found nothing to
    compile); runs one warm-up call on a side stream (Triton autotuning, torch.compile, cuDNN/cuBLAS
    set-up happen there, outside the capture), then captures one call into a graph that draws from a
@@ -69,12 +69,12 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from sd_kernels import precompile
 from sd_kernels.profiles import scoped
+from sd_kernels.runtime import precompile
 
 from .families import family_of
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 MODES = ("pipeline", "unet", "step")
 PIPELINE_MODES = ("pipeline", "step")  # the modes that graph the whole pipeline's model calls

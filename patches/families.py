@@ -5,7 +5,7 @@ family is one entry plus whatever patchers it needs: which pipeline component it
 called in logs, which of its entry points the CUDA graphs replay (and how), which of its submodules
 run under a memory budget, whether Winograd may route its convs, whether it is the denoiser. The
 patchers run in ``ORDER`` (their dependencies written down there), whatever order ``ops=`` names
-them in. The diffusers code the patchers re-state is checked by source hash in ``verified.py``.
+them in. The diffusers code the patchers re-state is checked by source hash in ``diffusers_sources.py``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ SUPPORTED_MODELS = tuple(BY_CLASS)
 DENOISERS = tuple(f.model_class for f in FAMILIES if f.denoiser)
 
 # Patchers in the order they run. No patcher reads another's changes today: winograd asks whether the
-# model will run channels_last from the record's ops and the profile (patches/layout.py
+# model will run channels_last from the record's ops and the profile (patches/channels_last.py
 # makes_channels_last), not from the re-laid weights; memory's chunked feed-forward calls the
 # original FeedForward, whose GELU modules gelu swaps before or after; the streamed decode finds
 # GroupNorms by isinstance, fused ones included; layer_norm's block forwards call the blocks' attention

@@ -15,7 +15,7 @@ after the attention the streams are split back, ``to_out`` on the image's, ``to_
 The attention core: diffusers calls ``dispatch_attention_fn`` on [B, S, H, D], which by default
 (its "native" backend) runs ``F.scaled_dot_product_attention`` on the [B, H, S, D] views
 ``x.permute(0, 2, 1, 3)`` and permutes the result back. Here those views go to
-``sd_kernels.library.attention`` (FlashAttention, the partially fused softmax or stock SDPA, as the
+``sd_kernels.ops.custom_ops.attention`` (FlashAttention, the partially fused softmax or stock SDPA, as the
 profile says); the kernels read the views in place and write the output with the heads inner, so
 the permute back and diffusers' ``flatten(2, 3)`` stay views. Every call the native backend would not
 serve goes to diffusers' ``dispatch_attention_fn`` as diffusers calls it: an ``attention_mask`` (only
@@ -25,7 +25,7 @@ to it), a backend chosen on the processor (``attn.set_attention_backend``) or fo
 (``_parallel_config``).
 
 patches/attention.py installs it on every ``FluxAttention`` whose processor is exactly
-``FluxAttnProcessor`` while that ``__call__`` is the verified source (patches/verified.py) and no
+``FluxAttnProcessor`` while that ``__call__`` is the verified source (patches/diffusers_sources.py) and no
 backend or parallel config was set on it; other processors (``FluxIPAdapterAttnProcessor``, NPU / XLA
 ones, a user's) are left alone and listed in the record.
 """
@@ -36,10 +36,10 @@ import sys
 
 import torch
 
-from sd_kernels.library import attention
+from sd_kernels.ops.custom_ops import attention
 from sd_kernels.profiles import scoped
 
-from .verified import VERIFIED_WITH, is_verified
+from .diffusers_sources import VERIFIED_WITH, is_verified
 
 KIND = "flux_attention_processor"
 _FLUX = "diffusers.models.transformers.transformer_flux"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.library import geglu, gelu, linear_geglu, linear_gelu, quick_gelu
+from sd_kernels.ops.custom_ops import geglu, gelu, linear_geglu, linear_gelu, quick_gelu
 from sd_kernels.profiles import active_profile, scoped
 
 from .record import PatchRecord

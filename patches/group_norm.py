@@ -35,13 +35,13 @@ import types
 import torch
 import torch.nn as nn
 
-from sd_kernels.dispatch import backend
-from sd_kernels.library import group_norm
+from sd_kernels.ops.custom_ops import group_norm
 from sd_kernels.profiles import scoped
+from sd_kernels.runtime.dispatch import backend
 
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
 from .registry import register
-from .verified import VERIFIED_WITH, is_verified
 
 
 class FusedGroupNorm(nn.GroupNorm):

@@ -3,7 +3,7 @@
 diffusers' ``IPAdapterAttnProcessor2_0`` (0.42.1) runs the text cross-attention and then, for each
 loaded IP-Adapter, an attention of the same queries over that adapter's image tokens, projected by
 its ``to_k_ip`` / ``to_v_ip`` and added with the adapter's ``scale``: 1 + N SDPA calls per module.
-This processor makes all of them with sd_kernels' attention (patches/attention_steps.py), in the
+This processor makes all of them with sd_kernels' attention (patches/attention_processor_steps.py), in the
 same order and arithmetic.
 
 The patch does not replace the processor object, it changes its class to this subclass of
@@ -22,7 +22,7 @@ from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
 
 from sd_kernels.profiles import scoped
 
-from . import attention_steps as steps
+from . import attention_processor_steps as steps
 
 
 class SDKernelsIPAdapterProcessor(IPAdapterAttnProcessor2_0):

@@ -7,7 +7,7 @@ line for line: the image stream's q/k/v projections viewed as [B, heads, S, D], 
 along the sequence, then split back after the attention, ``to_add_out`` on the context's part unless
 the module is ``context_pre_only``, ``to_out`` on the image's. The one
 ``F.scaled_dot_product_attention`` call (no mask, the default 1/√D scale, no dropout) goes to
-``sd_kernels.library.attention``, which picks FlashAttention, the partially fused softmax or stock
+``sd_kernels.ops.custom_ops.attention``, which picks FlashAttention, the partially fused softmax or stock
 SDPA per call as the profile says. Like diffusers' processor it ignores ``attention_mask`` and any
 other argument. Called without ``encoder_hidden_states`` (SD3.5's second, image-only attention) it
 is plain self-attention and returns the image stream alone, as diffusers' does.
@@ -21,14 +21,14 @@ the image stream off by ``residual.shape[1]``, the channel count there, and fail
 
 patches/attention.py installs it on every ``Attention`` whose processor is exactly
 ``JointAttnProcessor2_0`` or ``FusedJointAttnProcessor2_0`` while that ``__call__`` is the verified
-source (patches/verified.py).
+source (patches/diffusers_sources.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sd_kernels.library import attention
+from sd_kernels.ops.custom_ops import attention
 from sd_kernels.profiles import scoped
 
 

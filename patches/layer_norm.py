@@ -20,7 +20,7 @@ A patched block gets an instance ``forward`` (``AdaNormSingleForward``, counted 
 ``layer_norm.BasicTransformerBlock``) that calls the original forward instead for a call it does not
 serve: ``cross_attention_kwargs`` with anything in it (GLIGEN, a LoRA ``scale``), hidden states not
 [B, T, D], no timestep (diffusers' own error). Blocks are left alone (``record.skip``) where
-diffusers' forward is not the verified source this re-states (patches/verified.py), where a norm is
+diffusers' forward is not the verified source this re-states (patches/diffusers_sources.py), where a norm is
 not a plain ``nn.LayerNorm`` over the last dim, or where a ``pos_embed`` sits between norm1 and the
 attention; blocks of another ``norm_type`` (the UNet's "layer_norm" blocks) and subclasses are not
 this patcher's to touch.
@@ -58,14 +58,14 @@ import logging
 import torch
 import torch.nn as nn
 
-from sd_kernels.library import gated_residual_layer_norm, layer_norm_modulated
+from sd_kernels.ops.custom_ops import gated_residual_layer_norm, layer_norm_modulated
 from sd_kernels.profiles import scoped
 
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
 from .registry import register
-from .verified import VERIFIED_WITH, is_verified
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 

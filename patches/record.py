@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.nn as nn
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 _MISSING = object()
 
 

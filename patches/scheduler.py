@@ -28,7 +28,7 @@ patch both methods run as diffusers ships them, inside ``HostScalars``: tensors 
 ``HOST_NUMEL`` elements that the code puts on the sample's device stay on the host, so the
 coefficient arithmetic is host arithmetic (0-d host tensors reach the GPU's kernels as scalars), and
 the one small vector that meets a latent-sized tensor (``rhos`` in the ``einsum``) is copied over
-asynchronously. Only where the installed diffusers has the very code checked (patches/verified.py).
+asynchronously. Only where the installed diffusers has the very code checked (patches/diffusers_sources.py).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
-from .verified import VERIFIED_WITH, is_verified
 
 HOST_SCHEDULERS = ("PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
                    "DPMSolverMultistepScheduler", "UniPCMultistepScheduler")

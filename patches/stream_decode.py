@@ -66,6 +66,7 @@ from sd_kernels.ops.pack8 import pack8, unpack8
 from sd_kernels.ops.residual import bias_residual
 from sd_kernels.ops.upsample import PhaseCache, interleave_phases
 
+from .diffusers_sources import is_verified
 from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, named here for tests and bench)
     _PROBES,
     _SLACK,
@@ -85,9 +86,8 @@ from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, name
     kept_row_bytes,
     plan,
 )
-from .verified import is_verified
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 
 class Unsupported(Exception):

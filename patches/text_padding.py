@@ -39,10 +39,10 @@ import contextlib
 
 import torch
 
-from sd_kernels.dispatch import backend
+from sd_kernels.runtime.dispatch import backend
 
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
-from .verified import VERIFIED_WITH, is_verified
 
 TOKEN_BUCKET = 64
 KIND = "text_padding"

@@ -23,15 +23,15 @@ import torch
 import torch.nn as nn
 from diffusers.models.upsampling import Upsample2D
 
-from sd_kernels import library
+from sd_kernels.ops import custom_ops
 from sd_kernels.ops.upsample import PhaseCache
 from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.ops.winograd import unsupported_conv
 from sd_kernels.profiles import active_profile, scoped
 
+from .diffusers_sources import is_verified
 from .record import PatchRecord
 from .registry import register
-from .verified import is_verified
 from .winograd import WinogradConv2d
 
 OP = "upsample_conv2d"
@@ -71,7 +71,7 @@ class PolyphaseUpsample2D(Upsample2D):
         assert x.shape[1] == self.channels
         if self._phases.weight is not conv.weight:  # the parameter was replaced
             self._phases = PhaseCache(conv.weight)
-        return library.upsample_conv2d(x, conv.weight, conv.bias)
+        return custom_ops.upsample_conv2d(x, conv.weight, conv.bias)
 
     def transformed_bytes(self) -> int:
         """Bytes held by the cached phases (the memory this module adds)."""

@@ -18,7 +18,7 @@ UNet's graphed ``forward`` change roles:
    the UNet, the combine (with the pipeline's ``guidance_scale`` and ``guidance_rescale``) and the
    scheduler's step from ``latents``, and returns a copy of the graph's output.
 
-That re-statement of the loop body is checked against the pipeline's source (patches/verified.py:
+That re-statement of the loop body is checked against the pipeline's source (patches/diffusers_sources.py:
 ``STEP_PIPELINES``' ``__call__`` in diffusers 0.42.1); another version or pipeline class runs
 ``cuda_graph="pipeline"`` (noted in the record). Latents and prompt embeddings are real tensors
 everywhere the pipeline or a callback can see them, so a ``callback_on_step_end`` may read and
@@ -71,11 +71,11 @@ from torch.utils import _pytree as pytree
 from sd_kernels.profiles import scoped
 
 from .cuda_graph import GraphedCall, _copy_in, _timestep_tensor, capture
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
 from .scheduler import HOST_SCHEDULERS, HostScalars, host_timesteps
-from .verified import VERIFIED_WITH, is_verified
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 # Pipelines whose denoising loop body loop_body re-states (checked: their __call__'s source).
 STEP_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")

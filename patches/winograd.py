@@ -19,14 +19,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels import library
+from sd_kernels.ops import custom_ops
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.ops.winograd import WeightCache, WinogradWeight, unsupported_conv, winograd_conv2d
 from sd_kernels.profiles import active_profile, scoped
 
+from .channels_last import makes_channels_last
 from .families import family_of
-from .layout import makes_channels_last
 from .record import PatchRecord
 from .registry import register
 
@@ -83,7 +83,7 @@ class WinogradConv2d(nn.Conv2d):
         if tile is None:
             return self._conv_forward(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # one opaque op; it finds self._cache by the weight
-            return library.winograd_conv2d(x, self.weight, self.bias, tile)
+            return custom_ops.winograd_conv2d(x, self.weight, self.bias, tile)
         return winograd_conv2d(x, self.transformed(tile), self.bias)
 
     def transformed_bytes(self) -> int:

@@ -25,7 +25,7 @@ _LAZY = {
     "patched": ("sd_kernels.patches", "patched"),
     "get_profile": ("sd_kernels.profiles", "get_profile"),
     "list_profiles": ("sd_kernels.profiles", "list_profiles"),
-    "generate_images": ("sd_kernels.generate", "generate_images"),
+    "generate_images": ("sd_kernels.apps.generate", "generate_images"),
 }
 
 
@@ -33,6 +33,6 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in ("ops", "reference", "models", "dispatch", "profiles", "patches", "testing"):
+    if name in ("ops", "reference", "models", "profiles", "patches", "testing", "runtime", "analysis", "apps"):
         return importlib.import_module(f"sd_kernels.{name}")
     raise AttributeError(f"module 'sd_kernels' has no attribute {name!r}")

@@ -109,7 +109,7 @@ def psnr(a, b, peak: float = 1.0) -> float:
 def extra_cuda_bytes(fn, *inputs: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(peak CUDA memory one ``fn(*inputs)`` allocates beyond its output, that output), measured after
     a warm-up call (cuBLAS workspace, Triton autotuning stay out of it). Tests and benchmarks share it."""
-    from sd_kernels.memory import CudaMemory, peak_intermediate_bytes
+    from sd_kernels.runtime.memory import CudaMemory, peak_intermediate_bytes
 
     fn(*inputs)
     peak, out = peak_intermediate_bytes(lambda: fn(*inputs), CudaMemory())

@@ -12,7 +12,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Tests never read or write the user's autotune cache (sd_kernels.launch); the tests of the cache
+# Tests never read or write the user's autotune cache (sd_kernels.runtime.launch); the tests of the cache
 # point it at a temporary directory themselves.
 os.environ.setdefault("SD_KERNELS_AUTOTUNE_CACHE", "off")
 

@@ -245,7 +245,8 @@ def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_pa
 
     import sd_kernels.models
     from bench import memory as bench_memory
-    from sd_kernels import memory
+    from sd_kernels.analysis import memory_report
+    from sd_kernels.runtime import memory
 
     state = {"profile": None, "csv_rows_at_patch": []}
     csv_path = tmp_path / "memory.csv"
@@ -261,7 +262,7 @@ def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_pa
         for name in ("text_encoder", f"unet_step_b{batch}", "vae_decode"):
             if state["profile"] == "s23-ultra" and name.startswith("unet"):
                 raise memory.MemoryBudgetExceeded("UNet2DConditionModel", 2 * 2**20, 2**20)
-            progress(memory.ComponentMemory(name, 1.0, 2.0, 3.0, "conv"))
+            progress(memory_report.ComponentMemory(name, 1.0, 2.0, 3.0, "conv"))
 
     monkeypatch.setattr(bench_memory.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sd_kernels.models, "build_pipeline", lambda *a, **k: object())
@@ -269,7 +270,7 @@ def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_pa
     monkeypatch.setattr(sd_kernels.patches, "unpatch", lambda pipe: state.update(profile=None))
     monkeypatch.setattr(bench_memory.common, "environment", lambda: {"device": "fake"})
     monkeypatch.setattr(bench_memory.profiles, "set_profile", lambda profile: None)  # would ask the fake CUDA
-    monkeypatch.setattr(memory, "memory_report", report)
+    monkeypatch.setattr(memory_report, "memory_report", report)
     assert bench_memory.main(["--out", str(tmp_path), "--profiles", "s23-ultra,mobile-small", "--steps", "0"]) == 0
 
     out = capsys.readouterr().out
@@ -394,7 +395,8 @@ def test_memory_bench_end_to_end_under_a_phone_budget():
 
     import sd_kernels
     from bench import memory as bench_memory
-    from sd_kernels import memory, models, profiles
+    from sd_kernels import models, profiles
+    from sd_kernels.runtime import memory
 
     pipe = models.build_pipeline("tiny", device="cuda", dtype=torch.float16)
     budget = profiles.get_profile("s23-ultra").memory_budget_bytes()

@@ -2,7 +2,7 @@ import csv
 
 import pytest
 
-from sd_kernels import cli
+from sd_kernels.apps import cli
 
 
 def test_info_prints_versions_and_profile(capsys):

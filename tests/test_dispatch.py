@@ -3,7 +3,8 @@ import logging
 import pytest
 import torch
 
-from sd_kernels import dispatch, profiles
+from sd_kernels import profiles
+from sd_kernels.runtime import dispatch
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""sd_kernels.fidelity: stock vs patched pipelines with the same weights and seed.
+"""sd_kernels.analysis.fidelity: stock vs patched pipelines with the same weights and seed.
 
 On CPU: with the reference backend the patched pipeline is exact (error 0, PSNR inf); an op made
 wrong on purpose shows in the totals and in its own per-op row only; a patched pipeline is refused.
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import sd_kernels
-from sd_kernels import fidelity, models, reference
+from sd_kernels import models, reference
+from sd_kernels.analysis import fidelity
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_patched_pipeline_is_refused(pipe):
 
 
 def test_cli(monkeypatch, capsys):
-    from sd_kernels.cli import main
+    from sd_kernels.apps.cli import main
 
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     assert main(["fidelity", "--model", "tiny", "--steps", "1", "--ops", "gelu", "--device", "cpu"]) == 0

@@ -1,4 +1,4 @@
-"""Batch generation (sd_kernels/generate.py, `sd-kernels generate --prompts`): images and manifest,
+"""Batch generation (sd_kernels/apps/generate.py, `sd-kernels generate --prompts`): images and manifest,
 resume, failures recorded, errors before work, and the same images from one process or two (torchrun,
 which `accelerate launch` uses for several processes; on CPU, gloo)."""
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sd_kernels import generate, models
-from sd_kernels.cli import main
+from sd_kernels import models
+from sd_kernels.apps import generate
+from sd_kernels.apps.cli import main
 
 PROMPTS = ["a red cube", "a blue sphere", "boom", "a green cone", "a yellow torus"]
 
@@ -139,7 +140,7 @@ def test_two_processes_make_the_same_images_as_one(tmp_path, prompts_file):
     if shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None:
         pytest.skip("torchrun is not installed beside this python")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SD_KERNELS_BACKEND": "reference"}
-    args = ["-m", "sd_kernels.cli", "generate", "--prompts", str(prompts_file), "--steps", "2", "--device", "cpu"]
+    args = ["-m", "sd_kernels", "generate", "--prompts", str(prompts_file), "--steps", "2", "--device", "cpu"]
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run([sys.executable, *args, "--out", str(one)], env=env, check=True, capture_output=True, timeout=600)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -1,4 +1,4 @@
-"""sd_kernels.latency: the roofline model's op costs on small cases worked out by hand, and the SD1.5
+"""sd_kernels.analysis.latency: the roofline model's op costs on small cases worked out by hand, and the SD1.5
 trace against the FLOP counts REFERENCE.md gives (torch's FlopCounterMode)."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from sd_kernels import latency
+from sd_kernels.analysis import latency
 from sd_kernels.profiles import get_profile
 
 

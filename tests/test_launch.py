@@ -1,4 +1,4 @@
-"""sd_kernels.launch.Launcher: the first launch of a key goes through the autotuner, later ones skip it
+"""sd_kernels.runtime.launch.Launcher: the first launch of a key goes through the autotuner, later ones skip it
 with the same meta-parameters (runs on CPU through the interpreter); after that, the direct launch path
 (on fakes of Triton's JIT pieces on CPU, on the real ones on the GPU)."""
 
@@ -20,12 +20,12 @@ import triton.language as tl
 from triton import knobs
 
 from sd_kernels import profiles
-from sd_kernels.dispatch import interpreting
-from sd_kernels.launch import Launcher
+from sd_kernels.runtime.dispatch import interpreting
+from sd_kernels.runtime.launch import Launcher
 
-launch_mod = importlib.import_module("sd_kernels.launch")
-cache_mod = importlib.import_module("sd_kernels.autotune_cache")
-direct_mod = importlib.import_module("sd_kernels.direct_launch")
+launch_mod = importlib.import_module("sd_kernels.runtime.launch")
+cache_mod = importlib.import_module("sd_kernels.runtime.autotune_cache")
+direct_mod = importlib.import_module("sd_kernels.runtime.direct_launch")
 
 # Autotuning between configs benchmarks them, which needs a GPU: the interpreter gets one config.
 CONFIGS = [triton.Config({"BLOCK": 32}, num_warps=1)]
@@ -229,7 +229,7 @@ def test_switched_off(fake, monkeypatch):
 
 
 def test_environment_variable_switches_it_off():
-    code = "import sd_kernels.launch as l; print(l.FAST_LAUNCH)"
+    code = "import sd_kernels.runtime.launch as l; print(l.FAST_LAUNCH)"
     for value, expected in (("0", "False"), ("1", "True")):
         env = {**os.environ, "SD_KERNELS_FAST_LAUNCH": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -461,7 +461,7 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
 
 
 def test_a_dry_run_leaves_a_key_without_a_tuned_choice_to_the_real_call(tuning, device, monkeypatch):
-    """sd_kernels.precompile's dry run: a key that would need tuning is neither launched, tuned, nor
+    """sd_kernels.runtime.precompile's dry run: a key that would need tuning is neither launched, tuned, nor
     remembered (the autotuner would time launches that the dry run skips); a key the cache file has
     is remembered as usual."""
     launcher = Launcher(_tuned_kernel)
@@ -581,7 +581,7 @@ def test_keys_or_configs_json_cannot_keep_are_not_written(tuning, device):
 
 
 def test_info_prints_the_cache_in_use(tuning, capsys):
-    from sd_kernels import cli
+    from sd_kernels.apps import cli
 
     assert cli.main(["info"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "autotune cache" in line)
@@ -642,7 +642,7 @@ def test_a_stale_corrupt_or_refused_shipped_table_is_ignored(tuning, device, cap
 _CHECK_SHIPPED = """
 import importlib, json, pathlib, pkgutil, sys
 import sd_kernels.ops
-from sd_kernels.launch import Launcher
+from sd_kernels.runtime.launch import Launcher
 launchers = {}
 for info in pkgutil.iter_modules(sd_kernels.ops.__path__):
     module = importlib.import_module(f"sd_kernels.ops.{info.name}")

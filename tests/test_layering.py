@@ -1,8 +1,7 @@
-"""The floors of the package, read from the import statements (``ast``, nothing imported): the
-profiles, which the ops read, import nothing above them; the launcher's three modules nothing above
-dispatch and the profiles; the ops nothing above them; no two modules import each other (package
-``__init__`` re-exports aside); a size cap per module (the largest are one op family each: kernels,
-launch plans and checks)."""
+"""The floors of the package, read from the import statements (``ast``, nothing imported). Each floor
+imports only from itself and the floors below it (docs/design.md draws them); no two modules import
+each other (package ``__init__`` re-exports aside); a size cap per module (the largest are one op
+family each: kernels, launch plans and checks)."""
 
 import ast
 import pathlib
@@ -10,15 +9,16 @@ import pathlib
 ROOT = pathlib.Path(__file__).parents[1]
 PACKAGES = {"sd_kernels": ROOT / "sd_kernels", "sd_kernels.patches": ROOT / "patches"}
 
-# What each floor may import from the package (prefixes); everything else in sd_kernels is above it.
-LAUNCH = ("sd_kernels.launch", "sd_kernels.direct_launch", "sd_kernels.autotune_cache", "sd_kernels.precompile")
-BELOW_LAUNCH = ("sd_kernels.dispatch", "sd_kernels.profiles", *LAUNCH)
-BELOW_OPS = ("sd_kernels.reference", "sd_kernels.testing", *BELOW_LAUNCH, "sd_kernels.ops")
-FLOORS = {
-    "sd_kernels.profiles": ("sd_kernels.profiles",),
-    **dict.fromkeys(LAUNCH, BELOW_LAUNCH),
-    "sd_kernels.ops": BELOW_OPS,
-}
+# The floors, lowest first: (name, the module prefixes it holds). A module imports only from its own
+# floor and the ones below it.
+FLOORS = [
+    ("data", ("sd_kernels.profiles", "sd_kernels.models", "sd_kernels.configs")),
+    ("runtime", ("sd_kernels.runtime",)),
+    ("kernels", ("sd_kernels.ops", "sd_kernels.reference", "sd_kernels.testing")),
+    ("patch", ("sd_kernels.patches",)),
+    ("analysis", ("sd_kernels.analysis",)),
+    ("apps", ("sd_kernels.apps", "sd_kernels.__main__")),
+]
 MAX_LINES = 700
 
 
@@ -55,16 +55,34 @@ GRAPH = {name: _imports(name, path, MODULES) for name, path in MODULES.items()}
 
 
 def test_the_import_graph_was_read():
-    assert {"sd_kernels.ops", "sd_kernels.ops.attention"} <= GRAPH["sd_kernels.library"]
+    assert {"sd_kernels.ops", "sd_kernels.ops.attention"} <= GRAPH["sd_kernels.ops.custom_ops"]
     assert "sd_kernels.profiles" in GRAPH["sd_kernels.ops.attention"]
 
 
+def _floor(module: str) -> int | None:
+    for level, (_, prefixes) in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    return None
+
+
+def test_every_module_sits_on_a_floor():
+    assert not [name for name in MODULES if name != "sd_kernels" and _floor(name) is None]
+
+
 def test_floors_import_nothing_above_them():
-    for floor, allowed in FLOORS.items():
-        for name, deps in GRAPH.items():
-            if name == floor or name.startswith(floor + "."):
-                above = {d for d in deps if not d.startswith(allowed)}
-                assert not above, f"{name} imports {sorted(above)}, above its floor {floor}"
+    for name, deps in GRAPH.items():
+        level = _floor(name)
+        if level is None:
+            continue
+        above = sorted(d for d in deps if (_floor(d) or 0) > level)
+        assert not above, f"{name} ({FLOORS[level][0]}) imports {above}, above its floor"
+
+
+def test_a_back_arrow_fails_the_floor_test():
+    """The check itself: the runtime floor importing the patch is caught."""
+    deps = {"sd_kernels.patches.record"}
+    assert any((_floor(d) or 0) > _floor("sd_kernels.runtime.memory") for d in deps)
 
 
 def test_no_two_modules_import_each_other():
@@ -90,5 +108,6 @@ def test_one_table_of_model_families():
     assert set(profiles.LAYOUT_PARTS) == set(families.PARTS)
     assert sorted(families.ORDER) == sorted(PATCHERS)
     assert families.DENOISERS and set(families.DENOISERS) <= set(families.SUPPORTED_MODELS)
-    for name in ("patches/layout.py", "patches/memory.py", "patches/cuda_graph.py", "patches/winograd.py"):
+    for name in ("patches/channels_last.py", "patches/memory_budget.py", "patches/cuda_graph.py",
+                 "patches/winograd.py"):
         assert '"UNet2DConditionModel"' not in (ROOT / name).read_text(), name

@@ -5,8 +5,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sd_kernels import memory, profiles
-from sd_kernels.memory import BudgetGuard, MemoryBudgetExceeded
+from sd_kernels import profiles
+from sd_kernels.analysis import memory_report
+from sd_kernels.runtime import memory
+from sd_kernels.runtime.memory import BudgetGuard, MemoryBudgetExceeded
 
 MiB = 2**20
 
@@ -94,7 +96,7 @@ class Tuned(nn.Module):
         self.mem, self.before, self.timing, self.n = mem, before, timing, n
 
     def forward(self, x):
-        from sd_kernels.memory import tuning
+        from sd_kernels.runtime.memory import tuning
 
         self.mem.alloc(self.before)
         self.mem.free(self.before)
@@ -123,8 +125,8 @@ def test_autotuning_runs_outside_the_budget(before, after, over):
         with guard:
             m(torch.ones(1))
     assert mem.caps[-1] is None
-    from sd_kernels import launch
-    from sd_kernels.memory import tuning
+    from sd_kernels.runtime import launch
+    from sd_kernels.runtime.memory import tuning
 
     assert launch.TUNING is tuning  # what Launcher enters around a tuning launch
     with tuning():  # no guard running: nothing to lift
@@ -169,7 +171,7 @@ def test_weights_and_peak_helpers():
 def test_peak_module_finds_where_the_peak_is():
     mem = FakeMemory(allocated=100)
     m = model(mem, 10, 70, 20)
-    assert memory.peak_module(lambda: m(torch.ones(1)), m, mem) == ("1.1 (Temp)", 70)
+    assert memory_report.peak_module(lambda: m(torch.ones(1)), m, mem) == ("1.1 (Temp)", 70)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ def test_peak_module_finds_where_the_peak_is():
 
 def test_chunked_feed_forward_matches_the_original():
     from diffusers.models.attention import FeedForward
-    from sd_kernels.patches.memory import ChunkedFeedForward
+    from sd_kernels.patches.memory_budget import ChunkedFeedForward
 
     torch.manual_seed(0)
     ff = FeedForward(8, mult=4, activation_fn="geglu").double()
@@ -213,7 +215,8 @@ def test_patch_under_a_mobile_profile_chunks_guards_and_reverts():
 def test_a_budget_that_cannot_be_enforced_is_said_in_the_record_and_logged_once(caplog):
     from sd_kernels.patches import patch, unpatch
 
-    from sd_kernels import memory, models
+    from sd_kernels import models
+    from sd_kernels.runtime import memory
 
     unet = models.build_model("tiny", "unet")
     memory._UNGUARDED.clear()
@@ -278,7 +281,7 @@ def test_gpu_sd15_unet_step_fits_the_papers_84_mb_under_s23_ultra():
     pipe = models.build_pipeline("sd15", device="cuda", dtype=torch.float16)
     patch(pipe, profile="s23-ultra")
     try:
-        unet_row = memory.memory_report(pipe, batch=1)[1]
+        unet_row = memory_report.memory_report(pipe, batch=1)[1]
     finally:
         unpatch(pipe)
         profiles.set_profile(None)
@@ -738,7 +741,7 @@ def test_the_plan_is_in_the_record(capsys):
 
 def test_generate_checks_the_budget_before_building(tmp_path, monkeypatch, capsys):
     from sd_kernels import models
-    from sd_kernels.cli import main
+    from sd_kernels.apps.cli import main
 
     monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
     (tmp_path / "p.txt").write_text("a cat\n")
@@ -787,7 +790,7 @@ def test_pipeline_memory_table_of_one_call():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(encoder, "forward", grows(encoder.forward))
         mp.setattr(pipe.scheduler, "step", _Grows(mem, 20 * MiB)(pipe.scheduler.step))  # between the models
-        with memory.PipelineMemory(pipe, budget=weights + 10 * MiB, stats=mem) as table, torch.no_grad():
+        with memory_report.PipelineMemory(pipe, budget=weights + 10 * MiB, stats=mem) as table, torch.no_grad():
             pipe("a cat", num_inference_steps=3, height=64, width=64, output_type="pt")
     assert {p: r.peak_intermediate for p, r in table.parts.items()} == sizes
     # two prompts encoded (with guidance); PNDM runs its first of 3 steps twice (its Runge-Kutta warm-up)

@@ -1,4 +1,4 @@
-"""sd_kernels.precompile: the dry run records what would compile (on its own thread only), the pool
+"""sd_kernels.runtime.precompile: the dry run records what would compile (on its own thread only), the pool
 compiles it, the hook is put back; when there can be no dry run, it says why. The GPU test checks
 that a precompiled capture compiles nothing more and matches a capture without it."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from sd_kernels import precompile
+from sd_kernels.runtime import precompile
 
 
 class FakeJit:
@@ -116,7 +116,7 @@ def test_every_autotuned_kernel_launches_through_a_launcher():
     from triton.runtime.autotuner import Autotuner, Heuristics
 
     import sd_kernels.ops
-    from sd_kernels.launch import Launcher
+    from sd_kernels.runtime.launch import Launcher
 
     tuned, launched = {}, set()
     for info in pkgutil.iter_modules(sd_kernels.ops.__path__):

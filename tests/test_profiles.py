@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sd_kernels import profiles
+from sd_kernels.analysis.selection import selection_table
 from sd_kernels.profiles import ProfileError
-from sd_kernels.selection import selection_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOBILE = ("s23-ultra", "iphone-14-pro-max", "mobile-small")

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import sd_kernels
-from sd_kernels import autotune_cache, models
+from sd_kernels import models
+from sd_kernels.runtime import autotune_cache
 
 gn = importlib.import_module("sd_kernels.ops.group_norm")
 TUNED = {"_STATS": gn._STATS, "_NORM": gn._NORM, "_PIXEL_STATS": gn._PIXEL_STATS, "_PIXEL_NORM": gn._PIXEL_NORM}

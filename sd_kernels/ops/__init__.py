@@ -1,5 +1,5 @@
 """The ops, one family per file. Each public function has the contract of the function of the
-same name in ``sd_kernels.reference``, asks ``sd_kernels.dispatch.use_kernel`` once per call, and
+same name in ``sd_kernels.reference``, asks ``sd_kernels.runtime.dispatch.use_kernel`` once per call, and
 runs its Triton kernel or the reference accordingly."""
 
 from .attention import flash_attention

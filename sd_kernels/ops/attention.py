@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import MAX_PLANS, declined, interpreting, keep_plan, plan_context, use_kernel
-from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import misaligned, realigned
+from sd_kernels.runtime.dispatch import MAX_PLANS, declined, interpreting, keep_plan, plan_context, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
 from . import attention_wgmma as _wgmma

@@ -4,7 +4,7 @@
 Both import this module; neither imports the other for it (``attention``, the one function that
 picks a path, lives with flash and calls the partial softmax).
 
-``AUTOTUNE`` (SD_KERNELS_AUTOTUNE, read in sd_kernels.launch) is read from here as a module global by
+``AUTOTUNE`` (SD_KERNELS_AUTOTUNE, read in sd_kernels.runtime.launch) is read from here as a module global by
 both kernels' config pruners: the GPU tests switch it off (first config only) to save compile time;
 a separate test runs every config. ``alloc_output`` is looked up here on every call, so that tests
 can poison every attention output at one place.
@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import tensor_reason
-from sd_kernels.launch import AUTOTUNE
+from sd_kernels.runtime.dispatch import tensor_reason
+from sd_kernels.runtime.launch import AUTOTUNE
 
 __all__ = ["AUTOTUNE", "LOG2E", "alignment", "alloc_output", "as_4d", "check_attention_args", "default_scale",
            "dot_precision", "from_4d", "kernel_reason"]

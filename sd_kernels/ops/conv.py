@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv
 from sd_kernels.ops.attention_common import _aligned, alignment
+from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv
 
 
 def _config(m: int, n: int, k: int, warps: int, stages: int, group: int = 8) -> triton.Config:

@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from sd_kernels import profiles, reference
-from sd_kernels.dispatch import backend, interpreting, keep_plan, plan_context, tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.runtime.dispatch import backend, interpreting, keep_plan, plan_context, tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 _ELEMS = 4096  # elements per elementwise program: 8 KiB of fp16 in flight per input, 16 per thread
 
@@ -94,7 +94,7 @@ def elementwise_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS) -> tuple[i
     return block_r, block_c, 8 if block_r * block_c >= 4096 else 4
 
 
-# Not autotuned: the Launcher is here for its direct launch path (sd_kernels.launch), keyed by the blocks.
+# Not autotuned: the Launcher is here for its direct launch path (sd_kernels.runtime.launch), keyed by the blocks.
 _ELEMENTWISE = Launcher(_elementwise_kernel)
 
 
@@ -406,7 +406,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     against it, one cuBLASLt matmul whose epilogue adds the bias and applies the tanh GELU on the fp32
     accumulator (``torch._addmm_activation``, which torch.compile keeps as one ATen call): the
     [..., n] projection is written once, as the activation, and never read back. Otherwise cuBLAS's
-    linear, then ``activation`` (default: our ``gelu`` kernel; sd_kernels.library passes its custom
+    linear, then ``activation`` (default: our ``gelu`` kernel; sd_kernels.ops.custom_ops passes its custom
     op). Not a Triton kernel: a choice between two library routes."""
     reference.check_gelu_approximation(approximate)
     if gelu_epilogue_reason(x, weight, bias, approximate) is not None:

@@ -63,10 +63,10 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import interpreting, tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv, device_properties, next_pow2
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 from sd_kernels.profiles import active_profile
+from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, device_properties, next_pow2
 
 _TILE_ELEMS = 8192  # elements per loop tile: 16 KiB of fp16 in flight per program and iteration
 _SPLIT_ELEMS = 128 * 1024  # groups above this split (a fused program would stream too much alone)

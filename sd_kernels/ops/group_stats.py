@@ -28,8 +28,6 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import use_kernel
-from sd_kernels.launch import Launcher
 from sd_kernels.ops.group_norm import (
     Plan,
     _alloc,
@@ -46,6 +44,8 @@ from sd_kernels.ops.group_norm import (
     sm_count,
 )
 from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.runtime.dispatch import use_kernel
+from sd_kernels.runtime.launch import Launcher
 
 
 @triton.jit

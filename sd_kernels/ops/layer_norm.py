@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv, next_pow2
+from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 _ELEMS = 4096  # elements per program: rows of small D are batched up to this (2 rows of D = 1152 or 1536)
 _MAX_D = 8192  # the widest row one program holds: 16 fp32 registers a thread per tensor at 16 warps
@@ -97,7 +97,8 @@ def _layer_norm_kernel(
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# Not autotuned: the Launcher is here for its direct launch path (sd_kernels.launch), keyed by the flags and blocks.
+# Not autotuned: the Launcher is here for its direct launch path (sd_kernels.runtime.launch), keyed by
+# the flags and blocks.
 _LAYER_NORM = Launcher(_layer_norm_kernel)
 
 

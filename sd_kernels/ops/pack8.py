@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv
+from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv
 
 GROUP = 32  # channels per scale where C allows it (``pack_group``)
 

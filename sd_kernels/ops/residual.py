@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import tensor_reason, use_kernel
-from sd_kernels.launch import Launcher, cdiv
 from sd_kernels.ops.group_norm import _spatial_stride
+from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv
 
 
 @triton.jit

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
-from sd_kernels.launch import Launcher, cdiv, next_pow2
+from sd_kernels.runtime.dispatch import KERNEL_DTYPES, interpreting, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
 from .attention_common import (

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from sd_kernels import reference
-from sd_kernels.dispatch import tensor_reason, use_kernel
 from sd_kernels.ops.conv import check_operands
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.weight_cache import DerivedWeights, find
+from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 
 KIND = "polyphase"  # the weight cache's kind (ops/weight_cache.py)
 # Taps of the 3×3 kernel that phase a's two 2×2 taps sum, along one axis.

@@ -43,11 +43,11 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.dispatch import KERNEL_DTYPES, interpreting, use_kernel
-from sd_kernels.launch import AUTOTUNE, Launcher, cdiv, next_pow2
 from sd_kernels.ops.conv import check_operands
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.ops.weight_cache import DerivedWeights, find
+from sd_kernels.runtime.dispatch import KERNEL_DTYPES, interpreting, use_kernel
+from sd_kernels.runtime.launch import AUTOTUNE, Launcher, cdiv, next_pow2
 
 R = 3  # filter size
 
@@ -421,7 +421,7 @@ def _autotune(configs, key):
     return triton.autotune(configs if AUTOTUNE else configs[:1], key=key, **extra)
 
 
-# Launchers remember each autotuned choice per key (sd_kernels.launch): an eager call would
+# Launchers remember each autotuned choice per key (sd_kernels.runtime.launch): an eager call would
 # otherwise pay the autotuner's key building three times, ~100 µs of host time per conv. Each key
 # passed below holds every value the autotuner's key reads (channels, tiles, P or Q, layout) and
 # every tensor dtype.

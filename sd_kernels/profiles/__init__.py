@@ -24,9 +24,9 @@ selection table of ``sd-kernels info`` needs no GPU):
 - ``chunk_bytes()``: how large one chunked intermediate (attention scores, a feed-forward slice) may
   be, from the intermediate budget;
 - ``memory_budget_bytes()``: the whole process's budget (weights + intermediates), enforced by
-  ``sd_kernels.memory``;
+  ``sd_kernels.runtime.memory``;
 - ``fp16_tflops`` / ``bandwidth_gbps``: the phone profiles' device figures for the latency model
-  (``sd_kernels.latency``: a roofline estimate, not a measurement).
+  (``sd_kernels.analysis.latency``: a roofline estimate, not a measurement).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class Profile:
     # cuDNN and the GroupNorm kernel run on NHWC activations; () leaves the memory format alone.
     channels_last: tuple[str, ...] = ()
     # The device's peak fp16 throughput (TFLOP/s) and memory bandwidth (GB/s), for the latency model
-    # of the phone profiles (sd_kernels/latency.py; sources in docs/profiles.md); None: not modelled.
+    # of the phone profiles (sd_kernels/analysis/latency.py; sources in docs/profiles.md); None: not modelled.
     fp16_tflops: float | None = None
     bandwidth_gbps: float | None = None
 

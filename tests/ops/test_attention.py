@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, profiles, reference
+from sd_kernels import profiles, reference
 from sd_kernels.ops import flash_attention
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, non_contiguous, rel_err
 
 attn_mod = importlib.import_module("sd_kernels.ops.attention")
@@ -470,7 +471,7 @@ def test_gpu_fp32(device):
 def test_gpu_plans_and_direct_launches_with_misaligned_views(monkeypatch, device):
     """Cached plans and the launcher's direct path on SD's cross-attention shapes, with views whose data
     starts one element past a 16-byte boundary (same plan key, another specialization of the kernel)."""
-    launch_mod = importlib.import_module("sd_kernels.launch")
+    launch_mod = importlib.import_module("sd_kernels.runtime.launch")
     monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
     monkeypatch.setattr(attn_mod, "_PLANS", {})
     b, h, sq, sk, d = 2, 8, 64, 77, 160

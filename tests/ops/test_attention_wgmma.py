@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from sd_kernels import dispatch, profiles, reference
-from sd_kernels.library import attention_layout
+from sd_kernels import profiles, reference
 from sd_kernels.ops import attention_wgmma as wg
+from sd_kernels.ops.custom_ops import attention_layout
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
 attn_mod = importlib.import_module("sd_kernels.ops.attention")

@@ -12,7 +12,8 @@ import importlib
 import pytest
 import torch
 
-from sd_kernels import dispatch, reference
+from sd_kernels import reference
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, channels_last, non_contiguous, poison_
 
 cv = importlib.import_module("sd_kernels.ops.conv")

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, profiles, reference
+from sd_kernels import profiles, reference
 from sd_kernels.ops import geglu, gelu, linear_geglu, linear_gelu
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_, rel_err
 
 gelu_mod = importlib.import_module("sd_kernels.ops.gelu")  # the name `gelu` in sd_kernels.ops is the function
@@ -391,12 +392,12 @@ def test_linear_gelu_gpu_epilogue(x_shape, n, dtype, kind, monkeypatch):
 @pytest.mark.gpu
 def test_linear_gelu_gpu_compiles_to_the_epilogue(monkeypatch):
     """Under torch.compile(fullgraph=True) the epilogue is one ATen call; the output matches eager's."""
-    from sd_kernels import library
+    from sd_kernels.ops import custom_ops
 
     _epilogue_profile(monkeypatch, gelu_epilogue=True)
     torch._dynamo.reset()
     x, w, b = _gelu_linear_inputs((2, 4096, 1152), 4608, torch.float16, "cuda")
-    compiled = torch.compile(lambda x: library.linear_gelu(x, w, b, "tanh"), fullgraph=True)
+    compiled = torch.compile(lambda x: custom_ops.linear_gelu(x, w, b, "tanh"), fullgraph=True)
     torch.testing.assert_close(compiled(x), linear_gelu(x, w, b, "tanh"), rtol=0, atol=0)  # compiles
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -436,7 +437,7 @@ def test_offsets_past_2_31(op):
 def test_geglu_gpu_plans_and_direct_launches_with_misaligned_views(monkeypatch):
     """Cached plans and the launcher's direct path, on SD's smallest GEGLU shape and on views of it that
     start one element past a 16-byte boundary (same plan key, another specialization of the kernel)."""
-    launch_mod = importlib.import_module("sd_kernels.launch")
+    launch_mod = importlib.import_module("sd_kernels.runtime.launch")
     monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
     monkeypatch.setattr(gelu_mod, "_GEGLU_PLANS", {})
     shape = (2, 256, 10240)

@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, profiles, reference
+from sd_kernels import profiles, reference
 from sd_kernels.ops import group_norm
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, channels_last, non_contiguous, poison_, rel_err
 
 gn = importlib.import_module("sd_kernels.ops.group_norm")  # `group_norm` in sd_kernels.ops is the function

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, reference
+from sd_kernels import reference
 from sd_kernels.ops import gated_residual_layer_norm, layer_norm_modulated
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_, rel_err
 
 ln = importlib.import_module("sd_kernels.ops.layer_norm")

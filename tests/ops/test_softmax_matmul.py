@@ -11,8 +11,9 @@ import importlib
 import pytest
 import torch
 
-from sd_kernels import dispatch, reference
+from sd_kernels import reference
 from sd_kernels.ops import partial_softmax_attention, softmax_matmul
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, extra_cuda_bytes, rel_err
 
 attn_mod = importlib.import_module("sd_kernels.ops.attention")

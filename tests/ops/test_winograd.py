@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sd_kernels import dispatch, reference
+from sd_kernels import reference
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, channels_last, non_contiguous, poison_, rel_err
 
 wg = importlib.import_module("sd_kernels.ops.winograd")

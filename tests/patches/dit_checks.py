@@ -7,7 +7,7 @@ import torch
 from sd_kernels.patches import cuda_graph
 
 import sd_kernels
-from sd_kernels import dispatch
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
 # What the patch counts in the tiny configs' VAE (every DiT tiny config shares tiny.json's VAE blocks).

@@ -16,12 +16,12 @@ from diffusers.models.attention_processor import (
 from sd_kernels.patches.record import PatchRecord
 
 import sd_kernels
-from sd_kernels import dispatch
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
 attn_patch = importlib.import_module("sd_kernels.patches.attention")  # registers the "attention" patcher
 attn_mod = importlib.import_module("sd_kernels.ops.attention")
-steps = importlib.import_module("sd_kernels.patches.attention_steps")
+steps = importlib.import_module("sd_kernels.patches.attention_processor_steps")
 
 
 def tiny_unet() -> UNet2DConditionModel:
@@ -155,7 +155,7 @@ def test_legacy_processor_keeps_its_scale_and_custom_processors_stay():
 def test_a_changed_diffusers_processor_is_left_alone(name, monkeypatch):
     """SDKernelsAttnProcessor re-states diffusers 0.42.1's processors: under a diffusers whose processor
     source differs (here: a changed hash), the stock processor stays and the record says why."""
-    verified = importlib.import_module("sd_kernels.patches.verified")
+    verified = importlib.import_module("sd_kernels.patches.diffusers_sources")
     assert all(verified.is_verified(cls.__call__) for cls in (AttnProcessor2_0, AttnProcessor))
     monkeypatch.setitem(verified.VERIFIED, name, "0" * 16)
     verified.is_verified.cache_clear()

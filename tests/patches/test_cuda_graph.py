@@ -107,9 +107,9 @@ def test_signatures_static_buffers_and_clones(fake_cuda, name):
 
 
 def test_new_signatures_precompile_until_a_dry_run_finds_nothing(fake_cuda, monkeypatch):
-    """Before a capture, the eager method runs as sd_kernels.precompile's dry run (then the capture);
+    """Before a capture, the eager method runs as sd_kernels.runtime.precompile's dry run (then the capture);
     once a dry run recorded nothing to compile, later signatures capture without one."""
-    from sd_kernels import precompile
+    from sd_kernels.runtime import precompile
 
     eager, graphed = _cpu_pair("tiny")
     dry_runs = []

@@ -28,10 +28,11 @@ from sd_kernels.patches.flux_attention import SDKernelsFluxAttnProcessor
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
 
 import sd_kernels
-from sd_kernels import dispatch, models
+from sd_kernels import models
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
-verified = importlib.import_module("sd_kernels.patches.verified")
+verified = importlib.import_module("sd_kernels.patches.diffusers_sources")
 dispatch_module = importlib.import_module("diffusers.models.attention_dispatch")
 
 
@@ -358,7 +359,7 @@ def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
 
 @pytest.mark.parametrize("command", ["generate", "demo"])
 def test_cli_tiny_flux(tmp_path, capsys, monkeypatch, command):
-    from sd_kernels import cli
+    from sd_kernels.apps import cli
 
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     out = tmp_path / "flux.png"

@@ -10,7 +10,8 @@ from diffusers.models.attention import FeedForward
 from sd_kernels.patches.record import PatchRecord
 
 import sd_kernels
-from sd_kernels import dispatch, models
+from sd_kernels import models
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
 gelu_patch = importlib.import_module("sd_kernels.patches.gelu")  # registers the "gelu" patcher

@@ -12,7 +12,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from sd_kernels.patches import patch, patched, unpatch
 from sd_kernels.patches.record import PatchRecord
 
-from sd_kernels import dispatch
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
 gn_patch = importlib.import_module("sd_kernels.patches.group_norm")
@@ -202,7 +202,7 @@ def test_resnet_without_silu_only_swaps_norms():
 
 def test_unknown_diffusers_forward_is_not_mirrored(monkeypatch):
     """If diffusers' ResnetBlock2D.forward is not the one we copied, fall back to plain norm swaps."""
-    verified = importlib.import_module("sd_kernels.patches.verified")
+    verified = importlib.import_module("sd_kernels.patches.diffusers_sources")
     assert gn_patch.resnet_forward_is_known()  # the installed diffusers is the mirrored one
     monkeypatch.setitem(verified.VERIFIED, "ResnetBlock2D.forward", "0" * 16)
     verified.is_verified.cache_clear()

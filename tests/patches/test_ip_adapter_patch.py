@@ -12,7 +12,8 @@ from sd_kernels.patches.ip_adapter import SDKernelsIPAdapterProcessor
 from sd_kernels.patches.record import PatchRecord
 
 import sd_kernels
-from sd_kernels import dispatch, models
+from sd_kernels import models
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
 attn_patch = importlib.import_module("sd_kernels.patches.attention")
@@ -96,7 +97,7 @@ def test_set_ip_adapter_scale_while_patched_acts_and_survives_unpatch():
 
 
 def test_a_changed_ip_adapter_processor_is_left_alone(monkeypatch):
-    verified = importlib.import_module("sd_kernels.patches.verified")
+    verified = importlib.import_module("sd_kernels.patches.diffusers_sources")
     monkeypatch.setitem(verified.VERIFIED, "IPAdapterAttnProcessor2_0.__call__", "0" * 16)
     verified.is_verified.cache_clear()
     try:

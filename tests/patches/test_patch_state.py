@@ -94,7 +94,7 @@ def test_two_models_patched_with_different_profiles_each_run_under_their_own(mon
     from sd_kernels import profiles
 
     gn_patch = importlib.import_module("sd_kernels.patches.group_norm")
-    attn_steps = importlib.import_module("sd_kernels.patches.attention_steps")  # where the processors call it
+    attn_steps = importlib.import_module("sd_kernels.patches.attention_processor_steps")  # where the processors call it
     seen = []
 
     def spy(fn):

@@ -24,10 +24,11 @@ from sd_kernels.patches.layer_norm import AdaNormSingleForward
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
 
 import sd_kernels
-from sd_kernels import dispatch, models
+from sd_kernels import models
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
-verified = importlib.import_module("sd_kernels.patches.verified")
+verified = importlib.import_module("sd_kernels.patches.diffusers_sources")
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def test_a_block_without_cross_attention_fuses_its_self_attention_residual(monke
     x, t = torch.randn(2, 5, 48, generator=g), torch.randn(2, 6 * 48, generator=g)
     calls = []
     monkeypatch.setattr(ln_patch, "gated_residual_layer_norm", lambda *a: calls.append(a[2]) or
-                        importlib.import_module("sd_kernels.library").gated_residual_layer_norm(*a))
+                        importlib.import_module("sd_kernels.ops.custom_ops").gated_residual_layer_norm(*a))
     with torch.no_grad():
         stock = block(x, timestep=t)
         record = PatchRecord(("layer_norm",), "cpu", ["block"])
@@ -229,7 +230,7 @@ def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
 
 
 def test_cli_generate_tiny_pixart(tmp_path, capsys, monkeypatch):
-    from sd_kernels import cli
+    from sd_kernels.apps import cli
 
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     out = tmp_path / "pixart.png"

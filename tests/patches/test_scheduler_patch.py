@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sd_kernels.patches import diffusers_sources as verified
 from sd_kernels.patches import scheduler as sched
-from sd_kernels.patches import verified
 from sd_kernels.patches.record import PatchRecord
 from torch.utils._python_dispatch import TorchDispatchMode
 

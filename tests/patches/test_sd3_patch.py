@@ -26,10 +26,11 @@ from sd_kernels.patches.layer_norm import JointBlockForward
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
 
 import sd_kernels
-from sd_kernels import dispatch, models
+from sd_kernels import models
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference
 
-verified = importlib.import_module("sd_kernels.patches.verified")
+verified = importlib.import_module("sd_kernels.patches.diffusers_sources")
 
 
 @pytest.fixture
@@ -306,7 +307,7 @@ def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
 
 
 def test_cli_generate_tiny_sd3(tmp_path, capsys, monkeypatch):
-    from sd_kernels import cli
+    from sd_kernels.apps import cli
 
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     out = tmp_path / "sd3.png"

@@ -12,7 +12,8 @@ import logging
 import diffusers
 import pytest
 import torch
-from sd_kernels.patches import cuda_graph, verified, whole_step
+from sd_kernels.patches import cuda_graph, whole_step
+from sd_kernels.patches import diffusers_sources as verified
 from test_cuda_graph import SCHEDULERS, _pipe_pair, fake_cuda  # noqa: F401  (fake_cuda: a fixture)
 
 import sd_kernels

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from sd_kernels.patches import patch, unpatch
 
-from sd_kernels import dispatch
 from sd_kernels.models import build_model
+from sd_kernels.runtime import dispatch
 from sd_kernels.testing import rel_err
 
 wg_patch = importlib.import_module("sd_kernels.patches.winograd")

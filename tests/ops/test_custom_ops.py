@@ -1,4 +1,4 @@
-"""sd_kernels.library: the ops as torch custom ops. Fake implementations agree with the real ones
+"""sd_kernels.ops.custom_ops: the ops as torch custom ops. Fake implementations agree with the real ones
 (torch.library.opcheck, output layouts); eager calls skip the dispatcher (and are cheaper for it);
 a patched UNet compiles with fullgraph=True, one custom-op node per patched call, same outputs."""
 
@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sd_kernels
-from sd_kernels import library, models
+from sd_kernels import models
+from sd_kernels.ops import custom_ops
 
 _OPS = torch.ops.sd_kernels
 
@@ -87,7 +88,7 @@ class _Ops(TorchDispatchMode):
 def test_eager_calls_skip_the_dispatcher():
     x = torch.randn(2, 8, 4, 4)
     with _Ops() as seen:
-        library.group_norm(x, 4, activation="silu")
+        custom_ops.group_norm(x, 4, activation="silu")
     assert not any(n.startswith("sd_kernels::") for n in seen.names)
     with _Ops() as seen:
         _OPS.group_norm(x, 4, None, None, 1e-5, "silu")
@@ -110,15 +111,16 @@ def test_eager_route_costs_less_host_time(monkeypatch, capsys):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     x, q = torch.randn(1, 8, 2, 2), torch.randn(1, 2, 4, 8)
     routes = {
-        "group_norm": (lambda: library.group_norm(x, 4, None, None, 1e-5, "silu"),
+        "group_norm": (lambda: custom_ops.group_norm(x, 4, None, None, 1e-5, "silu"),
                        lambda: _OPS.group_norm(x, 4, None, None, 1e-5, "silu")),
-        "attention": (lambda: library.attention(q, q, q), lambda: _OPS.attention(q, q, q, None, None, False)),
+        "attention": (lambda: custom_ops.attention(q, q, q), lambda: _OPS.attention(q, q, q, None, None, False)),
     }
     with torch.no_grad():
         times = {name: _host_us(eager, custom) for name, (eager, custom) in routes.items()}
     with capsys.disabled():
         for name, (eager, custom) in times.items():
-            print(f"\n  {name}: library (eager route) {eager:.1f} us/call, torch.ops.sd_kernels {custom:.1f} us/call")
+            print(f"\n  {name}: custom_ops (eager route) {eager:.1f} us/call, "
+                  f"torch.ops.sd_kernels {custom:.1f} us/call")
     assert all(eager < custom for eager, custom in times.values()), times
 
 
@@ -202,8 +204,8 @@ def test_patched_unet_under_inductor_cuda_graphs_is_never_skipped(mode):
 
 
 def test_every_custom_op_has_its_eager_entry_point():
-    """library.OPS is read off the registrations: each is a torch.ops.sd_kernels op, and library has the
+    """custom_ops.OPS is read off the registrations: each is a torch.ops.sd_kernels op, and custom_ops has the
     function of that name that patched modules call (eager: the plain op; compiling: the custom op)."""
-    assert len(library.OPS) == len(set(library.OPS)) >= 7
-    for name in library.OPS:
-        assert hasattr(torch.ops.sd_kernels, name) and callable(getattr(library, name)), name
+    assert len(custom_ops.OPS) == len(set(custom_ops.OPS)) >= 7
+    for name in custom_ops.OPS:
+        assert hasattr(torch.ops.sd_kernels, name) and callable(getattr(custom_ops, name)), name

@@ -19,7 +19,7 @@ import torch
 
 from sd_kernels import profiles
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "reference")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what every kernel takes

@@ -1,6 +1,6 @@
 """A latency model for the phone profiles: the roofline of each op, summed. A model, not a measurement.
 
-    python -m sd_kernels.latency [--model sd15] [--profiles s23-ultra,iphone-14-pro-max] [--steps 20]
+    python -m sd_kernels.analysis.latency [--model sd15] [--profiles s23-ultra,iphone-14-pro-max] [--steps 20]
 
 The paper (arXiv 2304.11267) reports 11.5 s for a 20-step 512² SD1.5 image on a Samsung S23 Ultra,
 and −52% (S23 Ultra) / −33% (iPhone 14 Pro Max) latency against its baseline. We have no phone; this

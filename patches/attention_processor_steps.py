@@ -1,15 +1,15 @@
 """diffusers' AttnProcessor2_0 (0.42.1, models/attention_processor.py) in steps, around its projections
 and its one ``F.scaled_dot_product_attention`` call, which ``attend`` makes on sd_kernels' attention
-(``sd_kernels.library.attention``: FlashAttention, the partially fused softmax or stock SDPA per
+(``sd_kernels.ops.custom_ops.attention``: FlashAttention, the partially fused softmax or stock SDPA per
 call). The processors of patches/attention.py and patches/ip_adapter.py are made of them; each checks
-the diffusers source it mirrors (patches/verified.py) before it is installed.
+the diffusers source it mirrors (patches/diffusers_sources.py) before it is installed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sd_kernels.library import attention
+from sd_kernels.ops.custom_ops import attention
 
 
 def prepare(attn, hidden_states, encoder_hidden_states, attention_mask, temb):

@@ -1,4 +1,4 @@
-"""The direct launch path (the third of ``sd_kernels.launch.Launcher``'s jobs; ``SD_KERNELS_FAST_LAUNCH``,
+"""The direct launch path (the third of ``sd_kernels.runtime.launch.Launcher``'s jobs; ``SD_KERNELS_FAST_LAUNCH``,
 on by default, read in launch.py).
 
 Even with the meta-parameters known, ``JITFunction.run`` costs ~20 µs a launch beyond its argument
@@ -24,7 +24,7 @@ from typing import Any
 
 from .autotune_cache import MAX_KEYS
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 _MISSING = object()
 
 

@@ -17,7 +17,7 @@ process, which is what lets threads overlap (measured in docs/results.md).
 What keeps the dry run from leaving anything wrong behind:
 - the hook records only on the dry run's own thread; other threads compile as usual;
 - a kernel whose config is not known yet (no shipped table entry, nothing in the autotune cache)
-  is neither launched nor tuned nor remembered (``sd_kernels.launch.Launcher``; ``dry()`` tells):
+  is neither launched nor tuned nor remembered (``sd_kernels.runtime.launch.Launcher``; ``dry()`` tells):
   tuning needs real launches, so the real call tunes it as before. Every autotuned kernel of
   ``sd_kernels.ops`` launches through a Launcher: an autotuner run in a dry run would time launches
   the hook skips and keep a config chosen by noise (tests/test_precompile.py checks this);
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 ENV = "SD_KERNELS_PRECOMPILE"
 MAX_THREADS = 16
 _local = threading.local()  # .todo: {(kernel id, specialization data): (kernel, data)} during a dry run

@@ -1,4 +1,4 @@
-"""The pipeline's faster ``_execution_device`` (patches/pipeline_host.py): the same device as
+"""The pipeline's faster ``_execution_device`` (patches/execution_device.py): the same device as
 diffusers' property in every state its rules distinguish, the same class name, exact undo. On CPU
 through the function ``patch(pipe, cuda_graph=True)`` calls (it needs CUDA); that the patch calls it
 is checked on the GPU (tests/patches/test_cuda_graph.py)."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, StableDiffusionPipeline
 from diffusers.hooks import HookRegistry, ModelHook
-from sd_kernels.patches import pipeline_host
+from sd_kernels.patches import execution_device
 from sd_kernels.patches.record import PatchRecord
 
 from sd_kernels import models
@@ -40,7 +40,7 @@ def _hook(module, device: str, name: str = "group_offloading"):
 @contextlib.contextmanager
 def fast(pipe):
     record = PatchRecord((), "cpu", [])
-    pipeline_host.fast_execution_device(pipe, record)
+    execution_device.fast_execution_device(pipe, record)
     try:
         yield record
     finally:
@@ -105,7 +105,7 @@ def test_same_device_as_diffusers(pipe, where):
 
 
 def test_other_diffusers_is_left_alone(pipe, monkeypatch):
-    monkeypatch.setattr(pipeline_host, "verified", lambda: False)
+    monkeypatch.setattr(execution_device, "verified", lambda: False)
     with fast(pipe) as record:
         assert type(pipe) is StableDiffusionPipeline and "fast_execution_device" not in record.counts
         assert any("_execution_device" in s.reason for s in record.skipped)
@@ -133,18 +133,18 @@ def test_a_module_graph_that_is_not_a_tree_gets_diffusers_answer(monkeypatch):
     root = torch.nn.Sequential(torch.nn.Sequential(shared), shared, torch.nn.Linear(2, 2))
     _hook(root[2], "cuda:1")
     _hook(shared, "cuda:0")
-    assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    assert execution_device._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
     plain = torch.nn.Linear(2, 2)  # shared and hook-less: visited twice, then the hooked sibling after it
     root = torch.nn.Sequential(torch.nn.Sequential(plain), plain, torch.nn.Linear(2, 2))
     _hook(root[2], "cuda:3")
-    assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    assert execution_device._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
     assert _get_top_level_group_offload_hook(root).config.onload_device == torch.device("cuda:3")
     looped = torch.nn.Sequential(torch.nn.Linear(2, 2))
     looped[0].add_module("back", looped)  # a cycle: named_modules ends it, a plain walk would not
     after = torch.nn.Linear(2, 2)
     _hook(after, "cuda:2")
     root = torch.nn.Sequential(looped, after)
-    monkeypatch.setattr(pipeline_host, "_MAX_VISITS", 50)
+    monkeypatch.setattr(execution_device, "_MAX_VISITS", 50)
     assert _get_top_level_group_offload_hook(root) is not None
-    assert pipeline_host._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
-    assert pipeline_host._first_group_hook(root, "other") is None
+    assert execution_device._first_group_hook(root, "group_offloading") is _get_top_level_group_offload_hook(root)
+    assert execution_device._first_group_hook(root, "other") is None

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from sd_kernels.generate import DTYPES, dtype_name
+from sd_kernels.apps.generate import DTYPES, dtype_name
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -30,7 +30,8 @@ def _versions() -> dict[str, str]:
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from sd_kernels import dispatch, profiles
+    from sd_kernels import profiles
+    from sd_kernels.runtime import dispatch
 
     for k, v in _versions().items():
         print(f"{k:>14}: {v}")
@@ -50,7 +51,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in prof.describe().items():
         if key not in ("name", "description"):
             print(f"{key:>24}: {value}")
-    from sd_kernels.selection import format_table, selection_table
+    from sd_kernels.analysis.selection import format_table, selection_table
 
     print(f"\nKernel selection under {prof.name!r} (fp16, SD1.5 shapes; on a device the kernels run on):\n")
     print(format_table(selection_table(prof)))
@@ -65,8 +66,8 @@ def _budget_lines(prof) -> list[str]:
     """One plan per shipped SD config, its weights counted on the meta device (no memory used)."""
     import torch
 
-    from sd_kernels.generate import check_budget
-    from sd_kernels.memory import MemoryBudgetExceeded
+    from sd_kernels.apps.generate import check_budget
+    from sd_kernels.runtime.memory import MemoryBudgetExceeded
 
     lines = []
     for name in ("sd15", "sd21", "sdxl"):
@@ -81,7 +82,7 @@ def _autotune_cache(prof) -> str:
     """Where the kernels' tuned choices persist on this machine's device under ``prof``."""
     import torch
 
-    from sd_kernels import autotune_cache
+    from sd_kernels.runtime import autotune_cache
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     directory, why = autotune_cache.cache_dir(device, prof), autotune_cache.cache_root(prof)[1]
@@ -127,7 +128,8 @@ def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
     """The pipeline ``args`` ask for, on its device: (pipe, model name, device, image side)."""
     import torch
 
-    from sd_kernels import dispatch, models
+    from sd_kernels import models
+    from sd_kernels.runtime import dispatch
 
     device, dtype_name = _device_dtype(args)
     if getattr(args, "out", None):
@@ -237,8 +239,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_batch(args: argparse.Namespace) -> int:
-    """``generate --prompts FILE --out DIR``: sd_kernels.generate, in this process or under accelerate."""
-    from sd_kernels import generate
+    """``generate --prompts FILE --out DIR``: sd_kernels.apps.generate, in this process or under accelerate."""
+    from sd_kernels.apps import generate
 
     if args.cuda_graph != "auto":
         raise ValueError("--cuda-graph with --prompts: batch generation uses patch()'s recommended set-up")
@@ -256,7 +258,7 @@ def _bench_harness():
     try:
         from bench import e2e, plot
     except ModuleNotFoundError:
-        root = pathlib.Path(__file__).resolve().parents[1]
+        root = pathlib.Path(__file__).resolve().parents[2]
         if not (root / "bench" / "e2e.py").is_file():
             raise SystemExit("sd-kernels bench: the benchmark harness lives in the repository's bench/ folder; "
                              "run it from a source checkout installed with `pip install -e .`") from None
@@ -293,7 +295,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     import torch
 
     from sd_kernels import models
-    from sd_kernels.fidelity import check_fidelity
+    from sd_kernels.analysis.fidelity import check_fidelity
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = args.model or models.default_model(device == "cuda")
@@ -326,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="One image: --prompt TEXT --out FILE.png. Many: --prompts FILE --out DIR, "
                          "one image per non-empty line (prompt i gets seed SEED+i), written as DIR/NNNNN.png with "
                          "DIR/manifest.jsonl; a rerun skips what is done. Several GPUs: accelerate launch "
-                         "--multi_gpu --num_processes N -m sd_kernels.cli generate --prompts FILE --out DIR.")
+                         "--multi_gpu --num_processes N -m sd_kernels generate --prompts FILE --out DIR.")
     which = gen.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", help="one prompt: one image")
     which.add_argument("--prompts", help="a text file, one prompt per line: one image each, into the --out folder")
@@ -409,8 +411,8 @@ def _compile_option(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sd_kernels.dispatch import KernelUnavailable
-    from sd_kernels.memory import MemoryBudgetExceeded
+    from sd_kernels.runtime.dispatch import KernelUnavailable
+    from sd_kernels.runtime.memory import MemoryBudgetExceeded
 
     args = build_parser().parse_args(argv)
     try:

@@ -15,7 +15,7 @@ of raising and catching an AttributeError per module: the first group-offloading
 diffusers reads them, else ``pipe.device`` (the first component off the CPU; each diffusers model's
 device is then its first tensor's, since the walk found no hook, where diffusers walks it again).
 It is installed only where the installed diffusers has the very code this mirrors
-(patches/verified.py); unpatch gives the object its class back.
+(patches/diffusers_sources.py); unpatch gives the object its class back.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import itertools
 import torch
 import torch.nn as nn
 
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
-from .verified import VERIFIED_WITH, is_verified
 
 _HOOK = "_diffusers_hook"
 

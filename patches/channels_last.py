@@ -14,7 +14,7 @@ ends its ``reshape → permute(0, 3, 1, 2)`` with ``.contiguous()``, an NCHW cop
 projection; the residual add and everything after it then ran NCHW. On the H100, 21 of SD1.5's 29
 deep 3×3 conv calls per step saw NCHW inputs (bench.unet_kernels); in SD2.1 768² and SDXL 1024², 29
 of 61 and 19 of 46 GroupNorm inputs. Where the installed diffusers has the very method we checked
-(patches/verified.py), the patch gives each such block the same method without that copy: the
+(patches/diffusers_sources.py), the patch gives each such block the same method without that copy: the
 permuted view is already NHWC in memory, so one copy fewer and the UNet stays NHWC from ``conv_in``
 to ``conv_out``. Under another diffusers version a forward pre-hook on each 1×1 conv ``proj_out``
 re-lays its input NHWC (one copy more), and blocks with a linear ``proj_out`` are left as they are
@@ -36,10 +36,10 @@ import torch.nn as nn
 from sd_kernels.ops.layout import is_channels_last
 from sd_kernels.profiles import active_profile
 
+from .diffusers_sources import VERIFIED_WITH, is_verified
 from .families import family_of
 from .record import PatchRecord
 from .registry import register
-from .verified import VERIFIED_WITH, is_verified
 
 
 def part_of(model: nn.Module) -> str | None:

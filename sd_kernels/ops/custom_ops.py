@@ -8,7 +8,7 @@ patched UNet compiles with ``torch.compile(fullgraph=True)`` and no graph breaks
 Eager calls skip the dispatcher: the functions below (what the patched modules call) run the plain
 Python op, and take the ``torch.ops`` route only while ``torch.compiler.is_compiling()``. The
 dispatcher costs host time on every call (argument parsing against the schema, the dispatch keys);
-tests/test_library.py measures both routes and docs/patch.md gives the numbers.
+tests/ops/test_custom_ops.py measures both routes and docs/patch.md gives the numbers.
 
 Output strides: code that inductor generates after an op assumes the strides the fake promised, so
 the real implementation must return exactly those. One ``*_layout`` function per op is that

@@ -1,5 +1,5 @@
 """Where the autotuner's choices persist between processes: the user's autotune cache and the tables
-the package ships (the second of ``sd_kernels.launch.Launcher``'s three jobs; the first, remembering
+the package ships (the second of ``sd_kernels.runtime.launch.Launcher``'s three jobs; the first, remembering
 each key's meta-parameters in memory, is the Launcher itself, the third is direct_launch.py).
 
 Benchmarking the configs costs seconds per kernel and shape on every start. So a
@@ -46,7 +46,7 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 # SD_KERNELS_AUTOTUNE=0: every autotuned kernel takes its first listed config instead of timing them
 # all (GPU test runs, where only correctness matters and autotuning costs minutes).
@@ -54,7 +54,7 @@ AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
 MAX_KEYS = 4096  # a bound on a launcher's memo (past it, it starts over) and on the entries of one cache file
 CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
 SHIPPED_ENV = "SD_KERNELS_SHIPPED_TUNING"
-SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent / "tuning"
+SHIPPED_ROOT = pathlib.Path(__file__).resolve().parents[1] / "tuning"
 CACHE_FORMAT = 1
 TRITON_VERSION = triton.__version__
 _warned: set[str] = set()  # cache paths already logged as unusable
@@ -78,7 +78,7 @@ def device_properties(index: int) -> Any:
 def device_slug(device: torch.device | None) -> str:
     """A directory name for a device: its name and capability on CUDA (``nvidia-h100-80gb-hbm3-sm90``),
     ``cpu`` otherwise; ``-interpreter`` appended under TRITON_INTERPRET."""
-    from sd_kernels.dispatch import interpreting
+    from sd_kernels.runtime.dispatch import interpreting
 
     if device is not None and device.type == "cuda":
         props = device_properties(torch.cuda.current_device() if device.index is None else device.index)

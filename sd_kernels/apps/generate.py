@@ -1,7 +1,7 @@
 """Batch generation: a list of prompts to images, in one process or in one process per GPU.
 
     sd-kernels generate --prompts prompts.txt --out images/                       # one process
-    accelerate launch --multi_gpu --num_processes 2 -m sd_kernels.cli generate --prompts prompts.txt --out images/
+    accelerate launch --multi_gpu --num_processes 2 -m sd_kernels generate --prompts prompts.txt --out images/
 
 ``generate_images(prompts, out)`` is the same from Python. Each process builds (or loads) its
 pipeline on its device, patches it with the recommended set-up there (``patch(pipe)``: the kernels,
@@ -26,7 +26,7 @@ distributed-inference docs) and writes each image as soon as it is made.
 - **The memory table.** Under a profile with a memory budget, on a GPU, the second image's call (the
   first's only when it is the only one: a first call also holds the autotuner's one-time buffers) is
   measured
-  (``sd_kernels.memory.PipelineMemory``): weights and peak intermediates per component and the call's
+  (``sd_kernels.analysis.memory_report.PipelineMemory``): weights and peak intermediates per component and the call's
   total peak against the budget, printed with the summary.
 """
 
@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
 # The dtype names the commands and generate_images take (torch attribute names as values: the CLI's
@@ -274,7 +274,7 @@ def generate_images(
 def check_budget(name: str, torch_dtype, profile):
     """A shipped config's weights against the memory budget of ``profile`` (a name or a Profile), read
     off the model built on the meta device (no memory, no weights): MemoryBudgetExceeded before any
-    work where they cannot fit (``sd_kernels.memory.plan_budget``); the plan, or None without a budget."""
+    work where they cannot fit (``sd_kernels.runtime.memory.plan_budget``); the plan, or None without a budget."""
     from sd_kernels import models
     from sd_kernels.patches import memory_plan
     from sd_kernels.profiles import get_profile
@@ -292,7 +292,8 @@ def _measured(pipe, record, measure: bool, title: str, stats: ProcessStats):
     if device is None or device.type != "cuda":
         yield
         return
-    from sd_kernels.memory import CudaMemory, PipelineMemory
+    from sd_kernels.analysis.memory_report import PipelineMemory
+    from sd_kernels.runtime.memory import CudaMemory
 
     with PipelineMemory(pipe, budget, CudaMemory(device)) as table:
         yield

@@ -1,4 +1,4 @@
-"""The channels_last patcher (patches/layout.py): which parts it re-lays, exactness, exact undo."""
+"""The channels_last patcher (patches/channels_last.py): which parts it re-lays, exactness, exact undo."""
 
 import dataclasses
 import pickle
@@ -114,7 +114,7 @@ def test_every_layer_after_conv_in_sees_nhwc(name, verified, monkeypatch):
     a pre-hook re-lays a conv proj_out's input, and blocks with a linear proj_out are skipped (NCHW
     after them, said in the record). Outputs match stock; unpatch restores everything."""
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
-    from sd_kernels.patches import layout
+    from sd_kernels.patches import channels_last as layout
 
     if not verified:
         monkeypatch.setattr(layout, "is_verified", lambda fn: False)

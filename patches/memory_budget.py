@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from sd_kernels.memory import guarded
 from sd_kernels.profiles import active_profile
+from sd_kernels.runtime.memory import guarded
 
 from .families import family_of
 from .record import PatchRecord

@@ -47,10 +47,10 @@ __all__ = ["AUTOTUNE", "FAST_LAUNCH", "Launcher", "cdiv", "device_properties", "
 # SD_KERNELS_FAST_LAUNCH=0: memoized launches go through Triton's JITFunction.run, not the direct path
 # (read here once; code may also set launch.FAST_LAUNCH, as bench.overhead does to compare the two).
 FAST_LAUNCH = os.environ.get("SD_KERNELS_FAST_LAUNCH", "1") != "0"
-log = logging.getLogger("sd_kernels")
+log = logging.getLogger(__name__)
 
 
-# Entered around a kernel's autotuning launch. sd_kernels.memory sets it to ``memory.tuning`` (a
+# Entered around a kernel's autotuning launch. sd_kernels.runtime.memory sets it to ``memory.tuning`` (a
 # running BudgetGuard's cap and peak lifted for the tuning); the launcher imports nothing above it.
 TUNING: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
