@@ -1,24 +1,28 @@
-"""The first image on a fresh machine: from ``patch(pipe)`` to the first image, in a new process with
-empty caches (sd-kernels' autotune cache, Triton's and inductor's kernel caches), then the warm image.
+"""The first image on a fresh machine, and the first image at each new size or batch after it: from
+``patch(pipe)`` to the first image in a new process with empty caches (sd-kernels' autotune cache,
+Triton's and inductor's kernel caches), then, in the same process, each further shape's first call.
 
     python -m bench.cold --out DIR [--models sd15@512,sd21@768,sdxl@1024] [--steps 20] [--first-only]
+    python -m bench.cold --out DIR --runs "sd15@640x448x3+768x512x2+640x640;sdxl@1216x832x2" [--autotune 1]
 
-One row per (model, shipped tables on/off, parallel precompile on/off) in ``DIR/cold.csv``:
-``build_s`` (the random-weight pipeline), ``cold_s`` (``patch(pipe)`` with its defaults, then one
-20-step image, synchronized: kernel tuning or the shipped choices, Triton compilation, cuDNN set-up
-and graph capture included), ``warm_ms`` (the median of 3 more images), ``compiles`` / ``compile_s``
-(Triton kernels compiled during the cold part and the seconds spent compiling them, summed over the
-threads that compiled them, in sd-kernels' and inductor's kernels alike; empty where Triton's JIT
-cannot be hooked), ``capture_s`` (CUDA-graph capture with its warm-up calls, less the compilations
-inside them), ``precompiled`` / ``precompile_s`` (kernels the parallel precompile compiled ahead of
-the captures, and the wall seconds of its dry runs and thread pools), ``late_compiles`` (the kernels
-compiled outside that pool, by name: autotuning, or what a dry run could not record), and the
-environment.
-"shipped off" sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU without shipped tables (or another
-Triton) pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0
-(kernels compile one by one at their first launch, as before sd_kernels.runtime.precompile). The first model
-is measured with the defaults, then with each switched off; the others with the defaults only
-(``--first-only``: the first model alone).
+``--models``: one process per model at its square size; the first model is also measured with the
+shipped tables off and with the parallel precompile off. ``--runs``: one process per run (``;``), each
+run a model and its shapes (``+``): ``WxH`` or ``WxHxB`` (B images per prompt) or a square side; the
+first shape is the process's cold start, each later one a new shape in a warm process.
+
+One row per (run, shape) in ``DIR/cold.csv``: ``build_s`` (the random-weight pipeline), ``first_s``
+(the first shape: ``patch(pipe)`` with its defaults and one image; a later shape: its first image;
+synchronized, everything included), ``warm_ms`` (the median of 3 more images at that shape), and what
+the first image spent: ``compiles`` / ``compile_s`` (Triton kernels compiled and the seconds spent,
+summed over the threads that compiled them, sd-kernels' and inductor's kernels alike),
+``precompiled`` / ``precompile_s`` (compiled ahead by the parallel precompile, and the wall seconds of
+its dry runs and thread pools), ``capture_s`` (CUDA-graph capture with its warm-up calls, less the
+compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and the
+seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
+(keys that took the nearest tuned key's choice: sd_kernels/runtime/tuning_rule.py), ``late_compiles``
+(kernels compiled outside the precompile pool, by name), and the environment.
+"shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
+architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ import tempfile
 import threading
 import time
 
-FIELDS = ["model", "size", "shipped", "precompile", "status", "build_s", "cold_s", "compiles", "compile_s", "capture_s",
-          "precompiled", "precompile_s", "late_compiles", "warm_ms", "cuda_graph", "device", "torch", "triton",
-          "diffusers", "date"]
+FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
+          "compile_s", "precompiled", "precompile_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
+          "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
 class Stopwatch:
@@ -81,21 +85,65 @@ def compile_watch() -> tuple[Stopwatch, collections.Counter]:
     return Stopwatch(triton.compiler, "compile"), late
 
 
-def child(model: str, size: int, steps: int) -> dict:
-    """Runs in the fresh process: build, patch, first image, warm images."""
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"640x448x3"`` → (640, 448, 3); ``"768x512"`` → (768, 512, 1); ``"512"`` → (512, 512, 1)."""
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts = [parts[0], parts[0], 1]
+    elif len(parts) == 2:
+        parts.append(1)
+    if len(parts) != 3 or min(parts) < 1 or parts[0] % 8 or parts[1] % 8:
+        raise ValueError(f"shape {text!r}: expected WxH or WxHxB (multiples of 8 pixels), or a square side")
+    return parts[0], parts[1], parts[2]
+
+
+def parse_runs(text: str) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """``"sd15@640x448x3+768x512;sdxl@1216x832x2"`` → [(model, shapes), ...]."""
+    runs = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        model, _, shapes = item.partition("@")
+        if not model or not shapes:
+            raise ValueError(f"--runs: {item!r}: expected MODEL@SHAPE[+SHAPE...]")
+        runs.append((model, [parse_shape(s) for s in shapes.split("+")]))
+    if not runs:
+        raise ValueError("--runs: no run given")
+    return runs
+
+
+def label(shape: tuple[int, int, int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[dict]:
+    """Runs in the fresh process: build, patch, each shape's first image and warm images."""
     compiles, late = compile_watch()  # before the kernels are defined
     import torch
     from sd_kernels.patches import cuda_graph  # the installed module the patch uses (not the source tree's)
+    from triton.runtime import autotuner
 
     import sd_kernels
     from bench.e2e import PROMPT
     from sd_kernels import models
+    from sd_kernels.analysis.selection import launchers
     from sd_kernels.runtime import precompile
 
     captures = Stopwatch(cuda_graph, "capture", exclude=compiles)  # its warm-up call compiles
+    tunings = Stopwatch(autotuner.Autotuner, "_bench", exclude=compiles)  # one call per config timed
     reports = []
     dry_run = precompile.precompile
     precompile.precompile = lambda *a, **k: reports.append(dry_run(*a, **k)) or reports[-1]  # what cuda_graph calls
+    kernels = launchers()
+
+    def counters() -> dict:
+        done = [r for r in reports if r is not None]
+        return {"compiles": compiles.calls, "compile_s": compiles.seconds, "capture_s": captures.seconds,
+                "tunings": tunings.calls, "tuning_s": tunings.seconds,
+                "precompiled": sum(r.compiled for r in done),
+                "precompile_s": sum(r.dry_s + r.compile_s for r in done),
+                "ruled": sum(len(k.ruled) for k in kernels.values())}
 
     t = time.perf_counter()
     pipe = models.load_pipeline(model, device="cuda", dtype=torch.float16)
@@ -103,78 +151,107 @@ def child(model: str, size: int, steps: int) -> dict:
     torch.cuda.synchronize()
     build = time.perf_counter() - t
 
-    def image() -> float:
+    def image(shape) -> float:
+        width, height, batch = shape
         torch.cuda.synchronize()
         start = time.perf_counter()
-        pipe(PROMPT, num_inference_steps=steps, height=size, width=size, output_type="pt",
-             generator=torch.Generator("cuda").manual_seed(0))
+        pipe(PROMPT, num_inference_steps=steps, height=height, width=width, num_images_per_prompt=batch,
+             output_type="pt", generator=torch.Generator("cuda").manual_seed(0))
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    rows = []
     with torch.inference_mode():
-        t = time.perf_counter()
-        record = sd_kernels.patch(pipe)
-        image()
-        cold = time.perf_counter() - t
-        compiled = (compiles.calls, round(compiles.seconds, 1)) if compiles.hooked else ("", "")
-        warm = statistics.median(image() for _ in range(3))
-    done = [r for r in reports if r is not None]
-    return {"build_s": round(build, 1), "cold_s": round(cold, 1), "compiles": compiled[0], "compile_s": compiled[1],
-            "capture_s": round(captures.seconds, 1), "warm_ms": round(warm * 1e3, 1), "cuda_graph": record.cuda_graph,
-            "precompiled": sum(r.compiled for r in done),
-            "precompile_s": round(sum(r.dry_s + r.compile_s for r in done), 1),
-            "late_compiles": " ".join(f"{name}:{n}" for name, n in late.most_common())}
+        record = None
+        for order, shape in enumerate(shapes, 1):
+            before, names = counters(), collections.Counter(late)
+            t = time.perf_counter()
+            if record is None:
+                record = sd_kernels.patch(pipe)
+            image(shape)
+            first = time.perf_counter() - t
+            spent = {k: round(v - before[k], 1) if isinstance(v, float) else v - before[k]
+                     for k, v in counters().items()}
+            warm = statistics.median(image(shape) for _ in range(3))
+            rows.append({"shape": label(shape), "order": order, "build_s": round(build, 1) if order == 1 else "",
+                         "first_s": round(first, 1), **spent, "warm_ms": round(warm * 1e3, 1),
+                         "cuda_graph": record.cuda_graph,
+                         "late_compiles": " ".join(f"{n}:{c}" for n, c in (late - names).most_common())})
+    return rows
 
 
-def measure(model: str, size: int, steps: int, shipped: bool = True, precompile: bool = True) -> dict:
-    """``child`` in a new process with empty caches; its row."""
+def measure(model: str, shapes: list[tuple[int, int, int]], steps: int, shipped: bool = True,
+            precompile: bool = True, autotune: str = "rule", cache: str | None = None) -> list[dict]:
+    """``child`` in a new process with empty caches (``cache``: this autotune cache instead); its rows."""
     with tempfile.TemporaryDirectory(prefix="sd-kernels-cold-") as tmp:
-        env = {**os.environ, "SD_KERNELS_AUTOTUNE_CACHE": f"{tmp}/autotune", "TRITON_CACHE_DIR": f"{tmp}/triton",
-               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "SD_KERNELS_SHIPPED_TUNING": "1" if shipped else "0",
-               "SD_KERNELS_PRECOMPILE": "1" if precompile else "0"}
-        proc = subprocess.run([sys.executable, "-m", "bench.cold", "--child", f"{model}@{size}", "--steps",
-                               str(steps)], env=env, capture_output=True, text=True)
-    row = {"model": model, "size": size, "shipped": "on" if shipped else "off",
-           "precompile": "on" if precompile else "off"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        env = {**os.environ, "SD_KERNELS_AUTOTUNE_CACHE": cache or f"{tmp}/autotune",
+               "TRITON_CACHE_DIR": f"{tmp}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor",
+               "SD_KERNELS_SHIPPED_TUNING": "1" if shipped else "0",
+               "SD_KERNELS_PRECOMPILE": "1" if precompile else "0",
+               "SD_KERNELS_AUTOTUNE": autotune}
+        proc = subprocess.run([sys.executable, "-m", "bench.cold", "--child", f"{model}@{'+'.join(map(label, shapes))}",
+                               "--steps", str(steps)], env=env, capture_output=True, text=True)
+    row = {"model": model, "shipped": "on" if shipped else "off", "precompile": "on" if precompile else "off",
+           "autotune": autotune}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return {**row, "status": f"error: {tail}"}
-    return {**row, **json.loads(lines[-1]), "status": "ok"}
+        return [{**row, "shape": label(shapes[0]), "order": 1, "status": f"error: {tail}"}]
+    return [{**row, **r, "status": "ok"} for r in json.loads(lines[-1])]
+
+
+def say(row: dict) -> str:
+    where = "cold" if row["order"] == 1 else "new shape, warm process"
+    head = (f"  {row['model']:<12} {row['shape']:<11} shipped {row['shipped']:<3} precompile {row['precompile']:<3} "
+            f"autotune {row['autotune']:<5} {where}: ")
+    if row["status"] != "ok":
+        return head + row["status"]
+    build = f"build {row['build_s']} s, " if row["order"] == 1 else ""
+    return head + (f"{build}first image {row['first_s']} s ({row['compiles']} Triton compiles, {row['compile_s']} s; "
+                   f"{row['precompiled']} ahead in {row['precompile_s']} s; capture {row['capture_s']} s; "
+                   f"{row['tunings']} configs timed, {row['tuning_s']} s; {row['ruled']} keys by rule), "
+                   f"warm {row['warm_ms']} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, help="folder for cold.csv")
     ap.add_argument("--models", default="sd15@512,sd21@768,sdxl@1024")
+    ap.add_argument("--runs", help="MODEL@SHAPE[+SHAPE...];...: shapes in one process each run (see above)")
+    ap.add_argument("--autotune", default="rule", help="SD_KERNELS_AUTOTUNE for --runs (rule, 1 or 0)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--first-only", action="store_true", help="the first model only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        model, _, size = args.child.partition("@")
-        print(json.dumps(child(model, int(size), args.steps)))
+        model, shapes = parse_runs(args.child)[0]
+        print(json.dumps(child(model, shapes, args.steps)))
         return 0
     if args.out is None:
         ap.error("--out is required")
     from bench import common
     from bench.e2e import parse_targets
 
+    if args.runs:
+        try:
+            plan = [(model, shapes, True, True) for model, shapes in parse_runs(args.runs)]
+        except ValueError as exc:
+            ap.error(str(exc))
+    else:
+        targets = parse_targets(args.models)
+        plan = []
+        for i, t in enumerate(targets[:1] if args.first_only else targets):
+            for shipped, precompile in ((True, True), (True, False), (False, True)) if i == 0 else ((True, True),):
+                plan.append((t.model, [(t.size, t.size, 1)], shipped, precompile))
     env = common.environment()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "cold.csv"
     new = not path.exists()
     status = 0
-    targets = parse_targets(args.models)
-    for i, target in enumerate(targets[:1] if args.first_only else targets):
-        for shipped, precompile in ((True, True), (True, False), (False, True)) if i == 0 else ((True, True),):
-            row = measure(target.model, target.size, args.steps, shipped, precompile)
+    for model, shapes, shipped, precompile in plan:
+        for row in measure(model, shapes, args.steps, shipped, precompile, args.autotune if args.runs else "rule"):
             status |= row["status"] != "ok"
-            print(f"  {target.label:<10} shipped {row['shipped']:<3} precompile {row['precompile']:<3} " + (
-                f"build {row['build_s']} s, patch to first image {row['cold_s']} s ({row['compiles']} Triton "
-                f"compiles, {row['compile_s']} s; {row['precompiled']} ahead in {row['precompile_s']} s; graph capture "
-                f"{row['capture_s']} s), warm {row['warm_ms']} ms"
-                if row["status"] == "ok" else row["status"]), flush=True)
+            print(say(row), flush=True)
             with open(path, "a", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
                 if new:

@@ -279,7 +279,7 @@ class GraphedCall:
         check_graphable(model)
         self.forward = fn
         self.eager_fn = eager if eager is not None else fn  # what a precompile dry run calls (not compiled)
-        self.precompile = True  # until a dry run finds nothing left to compile
+        self.precompile = True  # False: captures without a dry run first (tests set it)
         self.label = label
         self.drop = tuple(drop)
         self.timestep = timestep
@@ -346,13 +346,15 @@ class GraphedCall:
         return None
 
     def prepare(self, leaves: list, tree: pytree.TreeSpec) -> None:
-        """Before a capture: compile, in parallel, the Triton kernels a call on these arguments needs
-        (a precompile dry run of the eager method; no longer tried once one found nothing to compile)."""
+        """Before each signature's capture: compile, in parallel, the Triton kernels a call on these
+        arguments needs (a precompile dry run of the eager method). Every new signature gets one: a new
+        size or batch can need new specializations (sizes divisible by 16 or not, other plans), which
+        would otherwise compile one by one in the capture's warm-up call; a dry run that finds nothing
+        costs one eager call beside the capture's own."""
         if self.precompile:  # on the inputs as the graph will hold them: a host timestep on the device
             dry_args, dry_kwargs = pytree.tree_unflatten(
                 [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in leaves], tree)
-            report = precompile.precompile(lambda: self.eager_fn(*dry_args, **dry_kwargs), self.device)
-            self.precompile = bool(report and report.recorded)
+            precompile.precompile(lambda: self.eager_fn(*dry_args, **dry_kwargs), self.device)
 
     def normalise(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The arguments as the graphs take them: ignored keywords dropped, a number timestep made the

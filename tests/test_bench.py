@@ -309,6 +309,28 @@ def test_tune_and_cold_need_a_gpu_or_say_what_is_missing(capsys):
     assert "--out is required" in capsys.readouterr().err
 
 
+def test_cold_runs_name_a_model_and_its_shapes_in_order():
+    from bench import cold
+
+    assert cold.parse_runs("sd15@640x448x3+768x512+512; sdxl@1216x832x2") == [
+        ("sd15", [(640, 448, 3), (768, 512, 1), (512, 512, 1)]), ("sdxl", [(1216, 832, 2)])]
+    for bad in ("sd15", "sd15@", "sd15@640x447", "sd15@0", "sd15@axb", "sd15@1x2x3x4"):
+        with pytest.raises(ValueError):
+            cold.parse_runs(bad)
+
+
+def test_rule_summary_weighs_each_key_by_its_launches():
+    from bench import rule
+
+    keys = [{"kernel": "k", "rule": "a", "best": "a", "rule_ms": 1.0, "best_ms": 1.0, "launches": 30},
+            {"kernel": "k", "rule": "a", "best": "b", "rule_ms": 2.0, "best_ms": 1.0, "launches": 10},
+            {"kernel": "j", "rule": "c", "best": "c", "rule_ms": 0.5, "best_ms": 0.5, "launches": 1}]
+    (j, k) = rule.summary(keys)
+    assert (j["kernel"], j["keys"], j["rule_is_best"], j["launch_weighted_slowdown"]) == ("j", 1, 1, 0.0)
+    assert (k["keys"], k["rule_is_best"], k["worst_slowdown"]) == (2, 1, 1.0)
+    assert k["median_slowdown"] == 0.5 and k["launch_weighted_slowdown"] == pytest.approx(50 / 40 - 1)
+
+
 def test_timeline_gaps_merge_overlapping_kernels():
     from bench import timeline
 

@@ -408,6 +408,7 @@ def tuning(monkeypatch, tmp_path):
     interpreter cannot time) and recorded; the autotuner's in-memory cache empty."""
     monkeypatch.setenv(cache_mod.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cache_mod, "AUTOTUNE", True)
+    monkeypatch.setattr(cache_mod, "MODE", "time")  # keys no table holds are timed (the rule's tests set "rule")
     monkeypatch.setattr(cache_mod, "SHIPPED_ROOT", tmp_path / "shipped")  # the package's own tables stay out
     benched = []
 

@@ -11,7 +11,7 @@ every op runs its reference regardless (``dispatch.use_kernel``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sd_kernels.profiles import Profile
 
@@ -118,3 +118,33 @@ def format_table(rows: list[Row]) -> str:
     lines = ["  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip() for r in [Row._fields, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def launchers() -> dict[str, Any]:
+    """Every kernel launcher of ``sd_kernels.ops`` by its cache-file name (importing each op module)."""
+    import importlib
+    import pkgutil
+
+    import sd_kernels.ops
+    from sd_kernels.runtime.launch import Launcher
+
+    found: dict[str, Any] = {}
+    for info in pkgutil.iter_modules(sd_kernels.ops.__path__):
+        module = importlib.import_module(f"sd_kernels.ops.{info.name}")
+        found.update({v.name: v for v in vars(module).values() if isinstance(v, Launcher)})
+    return found
+
+
+def tuning_sources(profile: Profile, device: Any = None) -> list[tuple[str, str]]:
+    """(kernel, where its launch configurations come from on ``device`` under ``profile``) for every
+    kernel with configs to choose from: the table that serves it, or the rule's source (what
+    ``sd-kernels info`` prints)."""
+    from sd_kernels.runtime import autotune_cache
+
+    dirs = autotune_cache.shipped_device_dirs(device, profile)
+    rows = []
+    for name, launcher in sorted(launchers().items()):
+        if launcher.tunable:
+            table = autotune_cache.CacheFile(None, launcher, dirs)
+            rows.append((name.removeprefix("sd_kernels.ops."), table.describe()))
+    return rows

@@ -47,12 +47,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"{'profile':>14}: {prof.name} — {prof.description}")
     print(f"{'profiles':>14}: {', '.join(profiles.list_profiles())}")
     print(f"{'autotune cache':>14}: {_autotune_cache(prof)}")
+    print(f"{'untabled keys':>14}: {_untabled(prof)}")
     print()
     for key, value in prof.describe().items():
         if key not in ("name", "description"):
             print(f"{key:>24}: {value}")
-    from sd_kernels.analysis.selection import format_table, selection_table
+    from sd_kernels.analysis.selection import format_table, selection_table, tuning_sources
 
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    print(f"\nLaunch configurations under {prof.name!r} on this device:")
+    for kernel, source in tuning_sources(prof, device):
+        print(f"  {kernel}: {source}")
     print(f"\nKernel selection under {prof.name!r} (fp16, SD1.5 shapes; on a device the kernels run on):\n")
     print(format_table(selection_table(prof)))
     if prof.memory_budget_mb is not None:
@@ -87,6 +92,15 @@ def _autotune_cache(prof) -> str:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     directory, why = autotune_cache.cache_dir(device, prof), autotune_cache.cache_root(prof)[1]
     return why if directory is None else f"{directory} ({why})"
+
+
+def _untabled(prof) -> str:
+    """How a kernel gets its configuration for a key no table holds (SD_KERNELS_AUTOTUNE)."""
+    from sd_kernels.runtime import autotune_cache
+
+    return {"rule": "the nearest tuned key's choice, untimed (SD_KERNELS_AUTOTUNE=1: timed and cached)",
+            "time": "timed by the autotuner, kept in the autotune cache (SD_KERNELS_AUTOTUNE=1)",
+            "first": "each kernel's first config (SD_KERNELS_AUTOTUNE=0)"}[autotune_cache.MODE]
 
 
 def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:

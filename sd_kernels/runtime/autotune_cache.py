@@ -21,10 +21,18 @@ not tuned choices. The memo hit, the hot path, does no more than before.
 **Shipped tables.** The package ships the same files, tuned on the GPUs we measure on for the shapes
 of SD1.5 / SD2.1 / SDXL (``sd_kernels/tuning/<profile>/<device slug>/triton-<version>/``, made by
 ``python -m bench.tune``), so that a fresh machine of such a GPU tunes nothing for them. A key not in
-the user's file is looked up there (read only); a shipped file made for another version of the kernel
-(its fingerprint, which covers the ``@triton.jit`` helpers it calls too) is ignored with one log
-line, and what it would have served is tuned as before. ``SD_KERNELS_SHIPPED_TUNING=0`` ignores them
-(``bench.tune`` does, to tune from scratch).
+the user's file is looked up there (read only). A table serves whatever Triton is installed as long as
+it was made for the kernel's current source (its fingerprint, which covers the ``@triton.jit`` helpers
+it calls and the configs): the table of the installed Triton's version if there is one, else the
+newest other version's; a kernel whose every shipped table was made for another version of it is
+logged once, and what they would have served is chosen as for any other key.
+``SD_KERNELS_SHIPPED_TUNING=0`` ignores them (``bench.tune`` does, to tune from scratch).
+
+**Keys no table holds** (``SD_KERNELS_AUTOTUNE``): by default (``rule``) they take the choice of the
+nearest tuned key, from this GPU's tables or else those of GPUs of its architecture
+(sd_kernels/runtime/tuning_rule.py), without timing anything; ``1`` (or ``time``) has Triton's
+autotuner time them and keeps the choices in the user's file; ``0`` (or ``first``) gives every
+kernel its first config, with no tables (GPU test runs).
 """
 
 from __future__ import annotations
@@ -46,11 +54,27 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
+from .tuning_rule import Neighbours
+
 log = logging.getLogger(__name__)
 
-# SD_KERNELS_AUTOTUNE=0: every autotuned kernel takes its first listed config instead of timing them
-# all (GPU test runs, where only correctness matters and autotuning costs minutes).
-AUTOTUNE = os.environ.get("SD_KERNELS_AUTOTUNE", "1") != "0"
+MODE_ENV = "SD_KERNELS_AUTOTUNE"
+_MODES = {"rule": "rule", "": "rule", "1": "time", "on": "time", "time": "time", "0": "first", "off": "first",
+          "first": "first"}
+
+
+def _mode(value: str) -> str:
+    mode = _MODES.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(f"{MODE_ENV}={value!r}: expected rule (the default: keys no table holds take the nearest "
+                         "tuned key's choice), 1 (time them) or 0 (every kernel's first config)")
+    return mode
+
+
+# How a key no table holds gets its config: "rule", "time" or "first" (module docstring). Read once.
+MODE = _mode(os.environ.get(MODE_ENV, "rule"))
+# False under "first": every autotuned kernel takes its first listed config (the ops' pruning reads it).
+AUTOTUNE = MODE != "first"
 MAX_KEYS = 4096  # a bound on a launcher's memo (past it, it starts over) and on the entries of one cache file
 CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
 SHIPPED_ENV = "SD_KERNELS_SHIPPED_TUNING"
@@ -97,7 +121,7 @@ def cache_root(profile: Any = None) -> tuple[pathlib.Path | None, str]:
     """(the autotune cache directory before the device and Triton namespace, or None; why): from
     $SD_KERNELS_AUTOTUNE_CACHE, else ``profile`` (default: the active one)."""
     if not AUTOTUNE:
-        return None, "off: SD_KERNELS_AUTOTUNE=0 (first configs, nothing tuned)"
+        return None, f"off: {MODE_ENV}=0 (first configs, nothing tuned)"
     env = os.environ.get(CACHE_ENV, "")
     if env.lower() in ("off", "0"):
         return None, f"off: {CACHE_ENV}={env}"
@@ -120,15 +144,37 @@ def cache_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path 
 
 
 def shipped_dir(device: torch.device | None, profile: Any = None) -> pathlib.Path | None:
-    """The package's tuned tables for kernels launched on ``device`` under ``profile`` (default: the
-    active one), or None where autotuning is off or $SD_KERNELS_SHIPPED_TUNING=0."""
+    """Where ``bench.tune`` writes the package's tables for kernels launched on ``device`` under
+    ``profile`` (default: the active one) with the installed Triton, or None where autotuning is off or
+    $SD_KERNELS_SHIPPED_TUNING=0."""
+    dirs = shipped_device_dirs(device, profile)
+    return None if not dirs else dirs[0] / f"triton-{TRITON_VERSION}"
+
+
+def shipped_device_dirs(device: torch.device | None, profile: Any = None) -> list[pathlib.Path]:
+    """The package's table folders that may serve ``device`` under ``profile``: its own first, then
+    those of other GPUs of its architecture (the slug's ``-smXY``), the most similar name first; empty
+    where autotuning is off or $SD_KERNELS_SHIPPED_TUNING=0."""
     if not AUTOTUNE or os.environ.get(SHIPPED_ENV, "1") == "0":
-        return None
+        return []
     if profile is None:
         from sd_kernels.profiles import active_profile
 
         profile = active_profile()
-    return SHIPPED_ROOT / profile.name / device_slug(device) / f"triton-{TRITON_VERSION}"
+    slug, base = device_slug(device), SHIPPED_ROOT / profile.name
+    arch = slug.rpartition("-")[2]
+    others = sorted((p for p in (base.iterdir() if base.is_dir() else ()) if p.is_dir() and p.name != slug
+                     and p.name.rpartition("-")[2] == arch), key=lambda p: (-_common_prefix(p.name, slug), p.name))
+    return [base / slug, *others]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def _version(path: pathlib.Path) -> tuple:
+    """A ``triton-<version>`` folder's version, comparable (numbers as numbers)."""
+    return tuple(int(p) if p.isdigit() else -1 for p in re.split(r"[.+-]", path.name.removeprefix("triton-")))
 
 
 def _warn_once(path: pathlib.Path, what: str) -> None:
@@ -144,15 +190,20 @@ def _scalar(value: Any) -> bool:
 
 
 class CacheFile:
-    """One kernel's persisted choices on one device and Triton version: ``repr(key) -> config``."""
+    """One kernel's persisted choices on one device and Triton version: ``repr(key) -> config``; the
+    shipped table that serves the device (``shipped_dirs[0]``: its own folder) and, for keys none of
+    them holds, the tables of the other folders (GPUs of its architecture) for the nearest-key rule."""
 
-    def __init__(self, path: pathlib.Path | None, launcher: Any, shipped: pathlib.Path | None = None) -> None:
-        self.path, self.launcher, self.shipped_path = path, launcher, shipped
+    def __init__(self, path: pathlib.Path | None, launcher: Any, shipped_dirs: list[pathlib.Path] = ()) -> None:
+        self.path, self.launcher, self.shipped_dirs = path, launcher, list(shipped_dirs)
         self.writable = path is not None
         self.entries: dict[str, dict[str, Any]] = self._read(path, warn=True) if path is not None else {}
-        self.shipped = self._read(shipped, warn=True, stale_warns=True) if shipped is not None else {}
+        self.shipped_path, self.shipped = (self._shipped(self.shipped_dirs[0], warn=True) if self.shipped_dirs
+                                           else (None, {}))
+        self._neighbours: list[Neighbours] | None = None  # the shipped tables'
+        self._mine: tuple[int, list[Neighbours]] | None = None  # with the user's entries: (their count, tables)
 
-    def _read(self, path: pathlib.Path, warn: bool, stale_warns: bool = False) -> dict[str, dict[str, Any]]:
+    def _read(self, path: pathlib.Path, warn: bool, stale: list | None = None) -> dict[str, dict[str, Any]]:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -166,17 +217,56 @@ class CacheFile:
                 _warn_once(path, "is not an autotune cache file")
             return {}
         if data.get("format") != CACHE_FORMAT or data.get("fingerprint") != self.launcher.fingerprint:
-            if stale_warns:  # a user's file is simply rewritten; a shipped one says why it is not used
-                _warn_once(path, "was tuned for another version of the kernel (regenerate: python -m bench.tune)")
+            if stale is not None:  # a user's file is simply rewritten; a shipped one says why it is not used
+                stale.append(path)
             return {}  # another version of the kernel or of this format: tuned again, then rewritten
         entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
         if warn and len(entries) < len(data["entries"]):
             _warn_once(path, f"has {len(data['entries']) - len(entries)} entries that match no config")
         return entries
 
+    def _shipped(self, device_dir: pathlib.Path, warn: bool) -> tuple[pathlib.Path | None, dict[str, dict[str, Any]]]:
+        """(the file, its entries) of the table in ``device_dir`` made for the kernel's current source:
+        the installed Triton's version first, then the newest other version's (a table names configs
+        and keys, which mean the same under any Triton that compiles the kernel)."""
+        own = f"triton-{TRITON_VERSION}"
+        files = sorted(device_dir.glob(f"triton-*/{self.launcher.name}.json"),
+                       key=lambda f: (f.parent.name != own, [-v for v in _version(f.parent)]))
+        stale: list[pathlib.Path] = []
+        for path in files:
+            entries = self._read(path, warn=warn, stale=stale)
+            if entries:
+                return path, entries
+        if stale and warn:
+            _warn_once(stale[0], "was tuned for another version of the kernel (regenerate: python -m bench.tune)")
+        return None, {}
+
     def get(self, key: Hashable) -> dict[str, Any] | None:
         name = repr(key)
         return self.entries.get(name) or self.shipped.get(name)
+
+    def neighbours(self, mine: bool = True) -> list[Neighbours]:
+        """The tables the nearest-key rule searches, in order: this device's (the user's choices, unless
+        ``mine`` is False, and the shipped ones), then each other folder's shipped table (read on first
+        use)."""
+        if self._neighbours is None:
+            others = [self._shipped(d, warn=False)[1] for d in self.shipped_dirs[1:]]
+            self._neighbours = [Neighbours(t) for t in [self.shipped, *others] if t]
+        if not mine or not self.entries:
+            return self._neighbours
+        if self._mine is None or self._mine[0] != len(self.entries):  # rebuilt only after a put
+            merged = Neighbours({**self.shipped, **self.entries})
+            self._mine = (len(self.entries), [merged, *self._neighbours[1 if self.shipped else 0:]])
+        return self._mine[1]
+
+    def describe(self) -> str:
+        """Which table serves this kernel, for ``sd-kernels info``."""
+        if self.shipped_path is not None:
+            return f"shipped table {self.shipped_path.relative_to(SHIPPED_ROOT)} ({len(self.shipped)} keys)"
+        others = [p for d in self.shipped_dirs[1:] if (p := self._shipped(d, warn=False)[0]) is not None]
+        if others:
+            return f"no table for this GPU: nearest keys of {others[0].relative_to(SHIPPED_ROOT)}"
+        return "no table for this GPU class: each kernel's first config for the call"
 
     def put(self, key: Hashable, config: dict[str, Any]) -> None:
         name = repr(key)

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 from triton.runtime.autotuner import Autotuner, Heuristics
+from triton.runtime.errors import OutOfResources
 
+from . import autotune_cache, tuning_rule
 from .autotune_cache import (
     AUTOTUNE,
     MAX_KEYS,
@@ -37,7 +39,7 @@ from .autotune_cache import (
     cache_dir,
     device_properties,
     kernel_fingerprint,
-    shipped_dir,
+    shipped_device_dirs,
 )
 from .direct_launch import DirectPath
 from .precompile import dry
@@ -74,26 +76,34 @@ class Launcher:
         self.config_names = {k for layer in self._autotuners() for c in layer.configs for k in c.all_kwargs()}
         self.cache: CacheFile | None = None  # the file of the last miss's device and directory
         self.tuned_any = False  # whether a key was autotuned in this process (logged the first time)
+        self.ruled: dict[Hashable, str] = {}  # key -> the tuned key whose choice the rule gave it (or why none)
+        self.too_large: list[dict[str, Any]] = []  # configs this GPU lacked the resources for
         self._fingerprint: str | None = None
 
     def __call__(self, key: Hashable, grid: Callable | tuple, *args: Any, **kwargs: Any) -> None:
         meta = self.memo.get(key)
-        if meta is not None:
+        if meta is None:
+            self._first(key, grid, args, kwargs)
+            return
+        try:
             if FAST_LAUNCH and self.direct.table is not None and self.direct.launch(key, meta, grid, args, kwargs):
                 return
             self.jit[grid](*args, **kwargs, **meta)
-            return
-        self._first(key, grid, args, kwargs)
+        except OutOfResources as exc:  # compiling the config for this GPU failed: the next config that fits
+            meta = self._smaller(meta, args, kwargs, exc)
+            self.memo[key] = self._jit_launch(grid, args, kwargs, meta)
 
     def _first(self, key: Hashable, grid: Callable | tuple, args: tuple, kwargs: dict[str, Any]) -> None:
-        """A key not in the memo: its config from the cache file if it has one, else from the autotuner."""
+        """A key not in the memo: its config from the cache file if it has one; else, by default, the
+        nearest tuned key's (tuning_rule.py); else (SD_KERNELS_AUTOTUNE=1) from the autotuner."""
         cache = self._cache_file(args) if self.tunable else None
         tuned = None if cache is None else cache.get(key)
+        if tuned is None and self.tunable and autotune_cache.MODE == "rule":
+            tuned = self._rule(key, args, kwargs, cache)
         if tuned is None and self.tunable and dry():  # tuning needs real launches: the real call tunes it
             return
         if tuned is not None:
-            meta = self._chosen(args, kwargs, tuned)
-            self.jit[grid](*args, **kwargs, **meta)
+            meta = self._jit_launch(grid, args, kwargs, self._chosen(args, kwargs, tuned))
         else:
             if self.tunable and not self.tuned_any:  # once per kernel: a shape no table holds is timed now
                 self.tuned_any = True
@@ -109,16 +119,69 @@ class Launcher:
             self.memo.clear()
         self.memo[key] = meta
 
+    def _jit_launch(self, grid: Callable | tuple, args: tuple, kwargs: dict[str, Any],
+                    meta: dict[str, Any]) -> dict[str, Any]:
+        """``self.jit[grid]`` with ``meta``, or with the next config the kernel keeps for the call where
+        the GPU lacks the resources for it; the meta-parameters launched."""
+        while True:
+            try:
+                self.jit[grid](*args, **kwargs, **meta)
+                return meta
+            except OutOfResources as exc:
+                meta = self._smaller(meta, args, kwargs, exc)
+
     def _cache_file(self, args: tuple) -> CacheFile | None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        directory, shipped = cache_dir(device), shipped_dir(device)
-        if directory is None and shipped is None:
+        directory, shipped = cache_dir(device), shipped_device_dirs(device)
+        if directory is None and not shipped:
             return None
         path = None if directory is None else directory / f"{self.name}.json"
-        table = None if shipped is None else shipped / f"{self.name}.json"
-        if self.cache is None or (self.cache.path, self.cache.shipped_path) != (path, table):  # another device/profile
-            self.cache = CacheFile(path, self, table)
+        if self.cache is None or (self.cache.path, self.cache.shipped_dirs) != (path, shipped):  # another device
+            self.cache = CacheFile(path, self, shipped)
         return self.cache
+
+    def _rule(self, key: Hashable, args: tuple, kwargs: dict[str, Any],
+              cache: CacheFile | None) -> dict[str, Any]:
+        """The config of the nearest tuned key the kernel accepts for this call, else its first config
+        for the call (tuning_rule.py); nothing is timed."""
+        allowed = self.allowed(args, kwargs)
+        found = tuning_rule.nearest(repr(key), cache.neighbours() if cache is not None else [], allowed)
+        config, near = found if found is not None else (allowed[0], "")
+        if not self.ruled:  # once per kernel and process
+            log.info("sd_kernels: %s: %s, a key no tuning table holds, takes %s, untimed (SD_KERNELS_AUTOTUNE=1 "
+                     "times such keys)", self.name, key, f"the choice of the nearest tuned key {near}" if near else
+                     "the kernel's first config for the call (no tuned key of its kind)")
+        if len(self.ruled) < MAX_KEYS:
+            self.ruled[key] = near
+        return config
+
+    def allowed(self, args: tuple, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The configs the kernel's autotuners keep for a call on ``args`` (their own pruning), in their
+        order, as cache entries (one dict over all the autotuners)."""
+        options: list[dict[str, Any]] = [{}]
+        for layer in self._autotuners():
+            configs = layer.configs
+            prune = getattr(layer, "early_config_prune", None)
+            if prune is not None:
+                configs = prune(configs, dict(zip(layer.arg_names, args)), **kwargs) or configs
+            options = [{**o, **{k: v for k, v in c.all_kwargs().items() if k in self.config_names}}
+                       for o in options for c in configs]
+        return [o for o in options if o not in self.too_large] or options
+
+    def _smaller(self, meta: dict[str, Any], args: tuple, kwargs: dict[str, Any],
+                 exc: OutOfResources) -> dict[str, Any]:
+        """The meta-parameters of the first config the kernel keeps for the call that this GPU has not
+        refused, ``meta``'s config being refused now (more shared memory or registers than the GPU has:
+        tables and the rule's fallback are made on Hopper); raises ``exc`` when none is left."""
+        config = {k: v for k, v in meta.items() if k in self.config_names}
+        self.too_large.append(config)
+        allowed = self.allowed(args, kwargs)
+        if not allowed or allowed[0] in self.too_large:
+            raise exc
+        log.warning("sd_kernels: %s: config %s needs more resources than this GPU has (%s); using %s", self.name,
+                    config, exc, allowed[0])
+        self.memo = {k: m for k, m in self.memo.items() if {n: m.get(n) for n in config} != config}
+        return self._chosen(args, kwargs, allowed[0])
 
     def _chosen(self, args: tuple, kwargs: dict[str, Any], tuned: dict[str, Any] | None = None) -> dict[str, Any]:
         """The meta-parameters the wrappers added to the last launch, recomputed layer by layer; with

@@ -106,9 +106,10 @@ def test_signatures_static_buffers_and_clones(fake_cuda, name):
     assert "forward" not in vars(graphed)
 
 
-def test_new_signatures_precompile_until_a_dry_run_finds_nothing(fake_cuda, monkeypatch):
-    """Before a capture, the eager method runs as sd_kernels.runtime.precompile's dry run (then the capture);
-    once a dry run recorded nothing to compile, later signatures capture without one."""
+def test_every_new_signature_precompiles_before_its_capture(fake_cuda, monkeypatch):
+    """Before each new signature's capture, the eager method runs as sd_kernels.runtime.precompile's dry
+    run (a new size may need new specializations even after a dry run found nothing); a signature
+    already captured replays without one."""
     from sd_kernels.runtime import precompile
 
     eager, graphed = _cpu_pair("tiny")
@@ -124,7 +125,7 @@ def test_new_signatures_precompile_until_a_dry_run_finds_nothing(fake_cuda, monk
         for batch, side in [(2, 8), (2, 8), (1, 8), (2, 16), (1, 16)]:
             x, kw = _cpu_args(eager, batch, side)
             assert torch.equal(graphed(x, 10, **kw).sample, eager(x, 10, **kw).sample)
-    assert len(dry_runs) == 2  # the first signature (1 recorded), the second (0 recorded), then none
+    assert len(dry_runs) == 4  # one per new signature: (2, 8), (1, 8), (2, 16), (1, 16)
     assert len(fake_cuda) == 4
 
 
