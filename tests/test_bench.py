@@ -171,7 +171,7 @@ def test_plots_are_written_from_the_csvs(tmp_path):
                               ("ablation.csv", "baseline", 500.0), ("ablation.csv", "+ FlashAttention", 400.0)):
         log.append(name, _row(variant, ms, ms / 10, steps=20))
     log.append("e2e.csv", {"model": "sd15", "size": 512, "variant": "stock+compile-graphs", "status": "error: X"})
-    ops = ROOT / "bench" / "results" / "2026-11-22-h100" / "ops.csv"
+    ops = ROOT / "bench" / "results" / "2026-11-22-h100-ops" / "ops.csv"
     (tmp_path / "ops.csv").write_bytes(ops.read_bytes())
     written = plot.plot_folder(tmp_path)
     assert sorted(p.name for p in written) == ["ablation.png", "e2e.png", "ops-speedup.png"]
