@@ -1,18 +1,18 @@
-"""Transformer (DiT) pipelines end to end: stock, the peer and ours in one process, with fidelity.
+"""Transformer (DiT) pipelines end to end: stock, diffusers' compile recipe and ours in one process, with fidelity.
 
     python -m bench.dit --out DIR [--model pixart-sigma|sd3-medium] [--size 1024] [--steps 20] [--calls 3]
                         [--variants stock,patched+graph,...]
 
 The variants are bench/setups.py's, applied to the pipeline's transformer where SD pipelines have a
 UNet: ``stock`` (diffusers eager, SDPA), ``patched+graph`` (``patch(pipe)``'s default: the transformer,
-the VAE decode and the text encoders replayed from CUDA graphs), the peer ``stock+compile-graphs``
-(diffusers' recipe: the transformer's QKV projections fused, ``torch.compile(mode="reduce-overhead",
+the VAE decode and the text encoders replayed from CUDA graphs), the recipe ``stock+compile-graphs``
+(diffusers' speed recipe: the transformer's QKV projections fused, ``torch.compile(mode="reduce-overhead",
 fullgraph=True)`` of its forward and of the VAE's decode, the VAE channels_last) and the same without
 the fused projections (``stock+compile-graphs-unfused-qkv``), ``patched+graph+compile``
 (``patch(pipe, compile=True)``) and ``patched+graph+compile+fused-qkv`` (the fusion first). Random
 weights from the shipped config, fp16 (``--dtype``), one prompt with classifier-free guidance (transformer
 batch 2; FLUX.1-dev embeds its guidance: batch 1).
-``vs_peer`` divides by the faster of the two peer rows: the peer at its best.
+``vs_peer`` divides by the faster of the two recipe rows: the recipe at its best.
 
 Per variant, one row of ``DIR/dit.csv``, written as soon as it is measured: ``warmup_s`` (set-up and
 the first call: compilation, tuning, capture), ``e2e_ms`` (median of ``--calls`` pipeline calls,

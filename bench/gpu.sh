@@ -73,7 +73,7 @@ for r in rows:
               f'{float(r["speedup_vs_stock"]):6.2f}x  {r["pct_copy_bw"]:>6}% bw  {r["TFLOP/s"]:>7} TF/s  '
               f'eager {float(r["eager_ms"]):8.4f} ms {float(r["eager_speedup"]):5.2f}x')
 PY
-# Last, the end-to-end summary bench.e2e printed: ablation, the table, the issue's goals.
+# Last, the end-to-end summary bench.e2e printed: ablation, the table, the H100 goals.
 [ -f "$out/e2e.log" ] && sed -n '/^== ablation\|^== end to end/,$p' "$out/e2e.log"
 ls "$out"/*.png 2>/dev/null
 exit $(( tests_rc || bench_rc || e2e_rc || demo_rc ))

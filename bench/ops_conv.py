@@ -1,6 +1,6 @@
 """Our implicit-GEMM conv2d against cuDNN at every conv shape of the SD1.5 UNet and VAE decoder (fp16).
 
-Issue 17's first step: a fused ResNet block needs a convolution whose loads and stores we write, and
+The first step towards a fused ResNet block: it needs a convolution whose loads and stores we write, and
 is only worth building if that convolution alone comes within 0.8x of cuDNN. The shapes are read off
 the models themselves (built on the meta device, one forward with a hook on every ``nn.Conv2d``):
 the UNet at batch 2 (one prompt with classifier-free guidance) on 64² latents, the VAE decoder at

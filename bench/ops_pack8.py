@@ -3,7 +3,7 @@
 512² image, fp16, channels_last): whole tensors and one 24-row band of the largest.
 
 ``stock`` = the PyTorch reference (``sd_kernels.reference.pack8`` / ``unpack8``: a few elementwise
-kernels and a reduction), ``compiled`` = torch.compile of the same (the peer), ``ours`` = the Triton
+kernels and a reduction), ``compiled`` = torch.compile of the same (what the compile recipe runs), ``ours`` = the Triton
 kernels. ``bytes`` = the fp16 tensor and its packed form (1.125 bytes an element), each moved once.
 """
 

@@ -5,7 +5,7 @@ channels_last as the mobile profiles run the VAE).
 The tail: conv2's bias (cuDNN adds it in a kernel of its own), the shortcut's conv bias where the
 block has a 1×1 shortcut, the residual add and ``/ output_scale_factor``. ``stock`` = those torch
 ops one by one (3 kernels without a shortcut conv, 4 with), ``compiled`` = torch.compile of the same
-(one fused kernel: the peer), ``ours`` = ``bias_residual``. ``bytes`` = y and the skip read and the
+(one fused kernel: what the compile recipe runs), ``ours`` = ``bias_residual``. ``bytes`` = y and the skip read and the
 output written once (the biases are noise); stock eager moves 7 (9) such passes. Shapes are the
 whole tensors (the streamed decode runs the same op on row bands of them) and one 24-row band of the
 largest.

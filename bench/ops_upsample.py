@@ -4,7 +4,7 @@ as the patch runs them.
 
 The shapes are read off the models (built on the meta device, a hook on every ``Upsample2D``).
 Implementations: ``stock`` = ``conv2d(interpolate(x, 2, "nearest"), w, b, padding=1)`` (what
-Upsample2D runs), ``compiled`` = torch.compile of the same (the peer's code for it: inductor keeps
+Upsample2D runs), ``compiled`` = torch.compile of the same (the compile recipe's code for it: inductor keeps
 cuDNN for the conv), ``ours`` = the phases' 2×2 conv + the interleave, the phases cached as the patch
 caches them. ``flops`` is the stock algorithm's (2·N·K·C·9·4HW), so TFLOP/s reads as stock-equivalent
 throughput (ours does 16/36 of it); ``bytes`` x read, the weight and the output written once.

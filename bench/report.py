@@ -105,7 +105,7 @@ def _component_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(out)
 
 
-# The end-to-end summary bench.e2e prints (terminal tables, the ablation's total, the issue's goals).
+# The end-to-end summary bench.e2e prints (terminal tables, the ablation's total, the H100 goals).
 
 SHORT = ["model", "size", "variant", "e2e_ms", "text_ms", "unet_steps_ms", "controlnet_ms", "decode_ms", "overhead_ms",
          "lead_ms", "between_ms", "syncs", "unet_device_ms", "vae_device_ms", "peak_MB", "warmup_s", "status"]
@@ -144,9 +144,9 @@ ABLATION_SHORT = ["variant", "e2e_ms", "latency_change_pct", "unet_ms", "unet_ch
 
 
 def goals(rows: list[dict[str, Any]]) -> list[str]:
-    """The H100 targets of the issue "faster than torch.compile at its best", against this run's rows:
-    SD1.5 512² end to end <= 0.75x the peer, pipeline overhead <= 5 ms, UNet step device time <= 0.85x
-    the peer's; SD2.1 768² and SDXL 1024² ahead of the peer."""
+    """The H100 targets "faster than torch.compile at its best", against this run's rows:
+    SD1.5 512² end to end <= 0.75x diffusers' compile recipe (``PEER``), pipeline overhead <= 5 ms, UNet step
+    device time <= 0.85x the recipe's; SD2.1 768² and SDXL 1024² ahead of the recipe."""
     by_target: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
         if r.get("status") == "ok" and r.get("csv", "e2e.csv") == "e2e.csv":

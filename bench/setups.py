@@ -2,11 +2,12 @@
 
 A ``Setup`` says whether the pipeline is patched (which op families), which CUDA graphs
 ``patch(cuda_graph=)`` installs, whether the patch compiles what its graphs capture, whether the
-pipeline is torch.compiled the way diffusers documents it (the peer), and which attention path the
+pipeline is torch.compiled the way diffusers documents it (the recipe), and which attention path the
 profile forces. ``applied(pipe, setup)`` sets the pipeline up for the block and undoes it after.
 
-The peer, ``stock+compile-graphs``, is diffusers' own speed recipe ("Accelerate inference of
-text-to-image diffusion models" in its docs): UNet and VAE channels_last, ``pipe.fuse_qkv_projections()``,
+The recipe, ``stock+compile-graphs`` (``PEER``: what our numbers are compared with), is diffusers'
+own speed recipe ("Accelerate inference of text-to-image diffusion models" in its docs): UNet and VAE
+channels_last, ``pipe.fuse_qkv_projections()``,
 ``torch.compile(..., fullgraph=True)`` of the UNet and of the VAE's decode in a mode with CUDA graphs.
 The recipe names mode="max-autotune"; its compile of the SD1.5 UNet autotunes every GEMM and
 convolution and does not fit one 10-minute call on the GPU machine (measured on the H100: 18 of them
@@ -35,7 +36,7 @@ class Setup:
     patched: bool = False
     ops: tuple[str, ...] | None = None
     graph: bool | str = False  # patch(cuda_graph=...)
-    compile: str = ""  # torch.compile mode of the peer's recipe ("" none)
+    compile: str = ""  # torch.compile mode of diffusers' recipe ("" none)
     attention: str | None = None
     patch_compile: bool | str = False  # patch(compile=...): the graphs capture torch.compile'd calls
     fuse_qkv: bool = False  # pipe.fuse_qkv_projections() (replaces every attention processor)
@@ -63,7 +64,7 @@ VARIANTS = {s.name: s for s in (
     # Our best without Winograd (every other family): what the Winograd routes are worth end to end.
     Setup("patched+graph+compile-no-winograd", patched=True, graph=True, patch_compile=True,
           ops=tuple(sorted(set(PATCHERS) - {"winograd"}))),
-    # Our best after the peer's fuse_qkv_projections() (our processor serves the fused projections).
+    # Our best after the recipe's fuse_qkv_projections() (our processor serves the fused projections).
     Setup("patched+graph+compile+fused-qkv", patched=True, graph=True, patch_compile=True, fuse_qkv=True),
     # Each denoising step (guidance batch, UNet, combine, scheduler.step) from one graph, without and with compile.
     Setup("patched+step-graph", patched=True, graph="step"),

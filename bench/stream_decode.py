@@ -3,7 +3,7 @@
     python -m bench.stream_decode --out DIR [--model sd15] [--profiles s23-ultra,iphone-14-pro-max,mobile-small]
 
 Rows, one process, fp16, batch 1 at the model's resolution: stock diffusers' decode, the patched
-untiled decode (``patch(vae, cuda_graph=False)`` under the GPU's own profile: the time the issue's
+untiled decode (``patch(vae, cuda_graph=False)`` under the GPU's own profile: the time the target
 "≤ 3× untiled" refers to; with ``--graph`` also replayed from a CUDA graph, the fair reference for
 the streamed replays), then per mobile profile the streamed decode its patch installs (a profile that
 may keep activations in 8 bits, ``stream_pack8``, also without: its exact decode). Per row:

@@ -3,15 +3,15 @@
     python -m bench.unet_kernels --out DIR [--model sd15@512] [--setups stock,patched,patched-no-winograd]
 
 For each setup the UNet (random weights, fp16, batch 2 = one prompt with CFG) is built, set up
-(``stock``: diffusers' own modules, channels_last like the peer; ``peer``: the peer of bench.e2e,
-diffusers' recipe — channels_last, ``fuse_qkv_projections()``, ``torch.compile(fullgraph=True)`` —
+(``stock``: diffusers' own modules, channels_last like the recipe; ``peer``: the compile recipe of
+bench.e2e, diffusers' speed recipe — channels_last, ``fuse_qkv_projections()``, ``torch.compile(fullgraph=True)`` —
 whose CUDA graph the bench captures itself (the kernels mode="reduce-overhead" runs, without its
 cudagraph trees' input copies: captured alike, the two sides compare kernel for kernel);
 ``peer-max-autotune``: the same compiled with mode="max-autotune-no-cudagraphs" (the recipe's
 autotuned kernels, graphed the same way); ``patched``: ``patch(unet, cuda_graph="unet")``;
 ``patched-no-winograd``: the same without the winograd family; ``patched-compile``: with
 ``compile=True``; ``patched-compile-max-autotune``: ``compile="max-autotune"``; a patched setup ending
-in ``-fused-qkv`` fuses the QKV projections before the patch, like the peer), one call is captured in a
+in ``-fused-qkv`` fuses the QKV projections before the patch, like the recipe), one call is captured in a
 CUDA graph (the patch's own graph for patched setups), and one replay is profiled. ``warmup_s`` is
 the time from the set-up to a replayable graph (compilation, autotuning, capture).
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
@@ -114,7 +114,7 @@ def measure(model: str, size: int, setup: str) -> dict:
             if setup in STOCK_SETUPS:
                 unet.to(memory_format=torch.channels_last)
                 fn = unet
-                if setup != "stock":  # the peer: fused QKV, compiled whole (bench.setups.compiled)
+                if setup != "stock":  # the recipe: fused QKV, compiled whole (bench.setups.compiled)
                     unet.fuse_qkv_projections()
                     fn = torch.compile(unet, fullgraph=True, mode=STOCK_SETUPS[setup])
                 call = lambda: fn(x, t, ctx, **kwargs).sample  # noqa: E731

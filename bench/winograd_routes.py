@@ -11,8 +11,8 @@ stock conv stands. Shapes not measured are not routed.
 Only NCHW inputs are routed (``LAYOUTS``). The channels_last rows win in isolation (1.2-2.7x), but in
 the UNet they lose: SD1.5's step replayed from a graph, all 29 deep conv calls routed channels_last,
 took 8.01 ms against 7.57 ms without Winograd, and 6.50 against 6.24 ms compiled
-(bench/results/2026-11-23-h100-session6/: ``unet_kernels-call5.json``, ``e2e-sd15-call4.csv``,
-``e2e-sd15-call6.csv``).
+(bench/results/2026-11-23-h100-unet-nhwc-winograd/: ``unet_kernels-cl-routes.json``, ``e2e-sd15-cl-routes.csv``,
+``e2e-sd15-nchw-routes.csv``).
 The likely cause (not yet measured on its own): the isolated benchmark rotates its inputs but not
 its weights, which stay in the 50 MB L2 across replays; in a UNet step each conv's weights come
 from HBM once, the deep convs (8²-32² maps, 1280 channels, 29 MB of weights each) are bound by that

@@ -52,7 +52,7 @@ PARTS, SUPPORTED_MODELS = families.PARTS, families.SUPPORTED_MODELS
 GRAPH_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # SD3: its T5 is the third; FLUX: the second
 # The text encoders compile=True compiles as well (beside the patched families' calls): T5-XXL (PixArt,
 # SD3, FLUX), replayed 15.7 -> 9.4 ms at 300 tokens, 8.3 -> 4.9 at 64, for ~50 s of compilation (H100,
-# session 21). CLIP's stay eager in their graphs: 0.84 -> 0.63 ms (CLIP-L) and 2.43 -> 2.04 ms (CLIP-G)
+# 2026-11-25). CLIP's stay eager in their graphs: 0.84 -> 0.63 ms (CLIP-L) and 2.43 -> 2.04 ms (CLIP-G)
 # are not worth 10 and 33 s (docs/patch.md, compile=).
 COMPILED_TEXT_ENCODERS = ("T5EncoderModel",)
 # Components that hold a pipeline's denoiser: left unpatched, they are warned about, not only recorded.

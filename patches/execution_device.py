@@ -5,7 +5,7 @@ that property looks for group-offloading hooks by walking every module of every 
 (``module.modules()``, a ``hasattr`` on each: about 3.4 µs per module, most of it the
 AttributeError that ``nn.Module.__getattr__`` raises for a missing name). SD1.5's pipeline has 1,103
 modules, SDXL's 2,717; measured on the H100 machine's host: 3.8 ms per SD1.5 call and 5.3 ms per
-SDXL call, while the GPU waits for its first kernel (bench/results/2026-11-24-h100-session9/).
+SDXL call, while the GPU waits for its first kernel (bench/results/2026-11-24-h100-host-time-conv/).
 
 ``patch(pipe)`` gives the pipeline object a subclass of its own class (same name, module and
 qualified name: ``save_pretrained`` writes the same ``_class_name``) whose ``_execution_device``

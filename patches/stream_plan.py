@@ -22,8 +22,8 @@ _WORKING_COPIES = 5  # a module's forward on a whole tensor: its input, intermed
 _SEGMENT_SECONDS = 10e-6  # a segment's own bookkeeping: of two equal plans, the one of fewer segments
 _MAX_BANDS = 128  # the most bands a segment is cut into (launches grow with them)
 # What the model does not see, held back from the budget: cuDNN's workspace for a band's conv (the
-# caching allocator counts it; up to 9.1 MiB measured on the H100 for SD1.5's band shapes, session 17
-# call 2, by the algorithm cuDNN picks, not by the band's size) and the allocator's rounding of a
+# caching allocator counts it; up to 9.1 MiB measured on the H100 for SD1.5's band shapes, 2026-11-25,
+# set by the algorithm cuDNN picks, not by the band's size) and the allocator's rounding of a
 # band's temporaries.
 _UNSEEN = 10 * 2**20
 # What the model does not see once the workspace of each band convolution is measured (``plan``'s
@@ -463,7 +463,7 @@ def _search(us: list[Unit], sh: _Shape, limit: float, head_bytes: int, barred: f
                 for bands in _band_counts(sh.h_out[stop - 1]):
                     if bands == 1 and (stop - start < last or out8):
                         # modules run whole only where the whole decode does: their temporaries are a
-                        # rule of thumb (``_WORKING_COPIES``), a band's are counted op by op (session 18:
+                        # rule of thumb (``_WORKING_COPIES``), a band's are counted op by op (measured:
                         # a whole 64² segment peaked 4–9 MiB above its model under mobile-small)
                         continue
                     peak = _peak(us, sh, start, stop, bands, kept_in, src8, out8)

@@ -31,7 +31,7 @@ from .record import PatchRecord
 from .registry import register
 
 # Swap convs only in a UNet whose calls are replayed from CUDA graphs (``patch(..., cuda_graph=True)``)
-# unless this is True. Measured on the H100 (bench/results/2026-11-22-h100/winograd_deep.csv): one
+# unless this is True. Measured on the H100 (bench/results/2026-11-22-h100-ops/winograd_deep.csv): one
 # eager F(2,3) call at 2×1280×16² (NCHW) takes 0.22 ms against cuDNN's 0.13 ms, though its device time is
 # 0.047 against 0.118 ms: three launches of host time where cuDNN needs one, and an eager UNet step is
 # bound by the host. Replayed from a graph the host cost is gone. (The graph wrapper's warm-up call

@@ -16,7 +16,7 @@ def _names(items, csv_name):
     return [(t.label, s.name) for t, s, n in items if n == csv_name]
 
 
-def test_quick_plan_is_the_issue_selection():
+def test_quick_plan_is_every_variant_on_sd15_and_the_uncompiled_ones_elsewhere():
     items = e2e.plan("quick")
     variants = _names(items, "e2e.csv")
     assert [v for t, v in variants if t == "sd15@512"] == list(e2e.DEFAULT_VARIANTS)
@@ -149,7 +149,7 @@ def test_ablation_changes_are_relative_to_the_baseline():
     assert report.ablation_rows(rows[1:]) == []  # no baseline, no changes to report
 
 
-def test_goals_compare_the_issue_targets():
+def test_goals_compare_against_the_h100_targets():
     rows = [_row("stock+compile-graphs", 200.0, 0, unet_device_ms=6.6),
             _row("patched+graph", 160.0, 0, unet_device_ms=5.0, overhead_ms=3.0),
             _row("patched+graph+compile", 140.0, 0, unet_device_ms=6.0, overhead_ms=6.5),
@@ -171,7 +171,7 @@ def test_plots_are_written_from_the_csvs(tmp_path):
                               ("ablation.csv", "baseline", 500.0), ("ablation.csv", "+ FlashAttention", 400.0)):
         log.append(name, _row(variant, ms, ms / 10, steps=20))
     log.append("e2e.csv", {"model": "sd15", "size": 512, "variant": "stock+compile-graphs", "status": "error: X"})
-    ops = ROOT / "bench" / "results" / "2026-11-22-h100" / "ops.csv"
+    ops = ROOT / "bench" / "results" / "2026-11-22-h100-ops" / "ops.csv"
     (tmp_path / "ops.csv").write_bytes(ops.read_bytes())
     written = plot.plot_folder(tmp_path)
     assert sorted(p.name for p in written) == ["ablation.png", "e2e.png", "ops-speedup.png"]
@@ -201,8 +201,8 @@ def test_every_variant_and_the_ablation_run_on_the_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_controlnet_target_runs_the_peer_and_ours_on_the_gpu(tmp_path):
-    """The ControlNet rows' GPU paths (the peer compiles the ControlNet too; ours graphs it)."""
+def test_controlnet_target_runs_the_compile_recipe_and_ours_on_the_gpu(tmp_path):
+    """The ControlNet rows' GPU paths (diffusers' compile recipe compiles the ControlNet too; ours graphs it)."""
     import torch
 
     items = e2e.plan("quick", e2e.parse_targets("tiny+controlnet@64"),
@@ -213,8 +213,8 @@ def test_controlnet_target_runs_the_peer_and_ours_on_the_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_dit_bench_runs_stock_the_peer_and_ours_on_the_tiny_pixart(tmp_path):
-    """bench.dit on tiny-pixart: every default variant measured, ours and the peer within fp16 reach of
+def test_dit_bench_runs_stock_the_compile_recipe_and_ours_on_the_tiny_pixart(tmp_path):
+    """bench.dit on tiny-pixart: every default variant measured, ours and the compile recipe within fp16 reach of
     stock eager (the reference) after a few steps."""
     import csv
 

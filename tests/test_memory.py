@@ -451,7 +451,7 @@ def test_convs_of_a_plan_are_the_convs_it_runs(tiny_vae, budget, pack, monkeypat
 def test_a_packed_plan_decodes_close_to_the_untiled_decode(tiny_vae, shape, budget, kernels, monkeypatch):
     """``plan(pack=True)`` keeps an activation in 8 bits (``ops.pack8``) where that fits the budget
     or is faster by the model: at 32² the plan without packing does not fit 1 MB and the packed one
-    does. The image is then within the issue's 40 dB of the untiled one, not equal to it; the norms
+    does. The image is then within the decode's 40 dB target of the untiled one, not equal to it; the norms
     still see each row once (above). ``kernels``: the Triton kernels through the interpreter."""
     from sd_kernels.patches.stream_decode import stream_decode
 

@@ -218,8 +218,8 @@ def test_explicit_policy_wins(policy):
     assert {p.attention_path(256, 256, d) for d in (40, 160, 512)} == {policy}
 
 
-WINOGRAD_RESULTS = ("bench/results/2026-11-22-h100/ops.csv", "bench/results/2026-11-22-h100/winograd_deep.csv",
-                    "bench/results/2026-11-23-h100-session6/winograd_unet.csv")  # later files win
+WINOGRAD_RESULTS = ("bench/results/2026-11-22-h100-ops/ops.csv", "bench/results/2026-11-22-h100-ops/winograd_deep.csv",
+                    "bench/results/2026-11-23-h100-unet-nhwc-winograd/winograd_unet.csv")  # later files win
 
 
 def test_hopper_routes_winograd_exactly_where_it_was_measured_to_win():
@@ -260,12 +260,13 @@ def test_channels_last_winograd_was_measured_to_lose_inside_the_unet():
     import json
     import pathlib
 
-    run = pathlib.Path(__file__).parents[1] / "bench/results/2026-11-23-h100-session6/unet_kernels-call5.json"
+    folder = pathlib.Path(__file__).parents[1] / "bench/results/2026-11-23-h100-unet-nhwc-winograd"
+    run = folder / "unet_kernels-cl-routes.json"
     steps = {s["setup"]: s for s in json.loads(run.read_text())["setups"]}
     assert steps["patched"]["winograd_routing_per_call"] == {"channels_last F(2,3)": 29}
     assert steps["patched-no-winograd"]["step_ms"] < steps["patched"]["step_ms"]
-    # compiled: the end-to-end run with every deep conv routed channels_last (same machine, call 4)
-    with open(run.with_name("e2e-sd15-call4.csv")) as f:
+    # compiled: the end-to-end run with every deep conv routed channels_last (same machine)
+    with open(run.with_name("e2e-sd15-cl-routes.csv")) as f:
         routed = {r["variant"]: float(r["unet_device_ms"]) for r in csv.DictReader(f)}["patched+graph+compile"]
     assert steps["patched-compile-no-winograd"]["step_ms"] < routed
 

@@ -1,4 +1,4 @@
-"""Implicit-GEMM 2-D convolution (issue 17, step 1: measured against cuDNN before anything is fused).
+"""Implicit-GEMM 2-D convolution (measured against cuDNN before anything is fused into it).
 
 ``conv2d(x, weight, bias, stride, padding)`` computes ``F.conv2d`` (groups 1, dilation 1, zero
 padding) as one matrix product that is never written out: the rows are the output pixels
@@ -9,8 +9,8 @@ pixels (n, p, q), the BLOCK_K channels of x at (n, p·stride + r − pad, q·str
 where that falls in the padding — and its B tile the same channels of w[k, :, r, s] for its K columns.
 Channels-last x makes each A row one contiguous run of channels (16-byte vector loads); a
 channels-last weight ([K, R, S, C] in memory) does the same for B. Other layouts run through the
-same strides, slower. fp32 accumulation; the bias is added in the epilogue, which is where step 2
-of the issue would fold GroupNorm statistics, the time embedding and the residual.
+same strides, slower. fp32 accumulation; the bias is added in the epilogue, which is where a fused
+ResNet block would fold GroupNorm statistics, the time embedding and the residual.
 
 Why it exists: a fused ResNet block (GroupNorm applied as the conv loads its input, statistics of
 the next GroupNorm gathered as it stores its output) needs a convolution whose loads and stores we

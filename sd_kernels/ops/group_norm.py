@@ -36,7 +36,7 @@ are combined with the k-way form of Chan's merge, mean = Σ nᵢ·meanᵢ / n, M
 mean)², whose terms are all nonnegative: no E[x²] − E[x]² cancellation. The pixel path's statistics
 launch instead sums d = x − p and d² per channel and chunk, p being one of the very values summed
 (the chunk's first pixel of that channel), then M2 = Σd² − (Σd)²/n: a Welford per lane made that
-launch slower than its loads (measured, session 14). The subtraction loses at most a factor
+launch slower than its loads (H100, 2026-11-24, docs/kernels/group_norm.md). The subtraction loses at most a factor
 1 + n·(mean − p)²/M2 of fp32's precision, and because p is one of the n values, (p − mean)² ≤ M2:
 the loss is at most a factor n + 1 (n = the chunk's pixels, 2–1,024 at SD's shapes) however large
 the mean, and about 2 when p is a typical value of its channel. Channels, chunks and partials

@@ -236,7 +236,7 @@ def test_ops_attention_takes_it_under_the_hopper_profile(monkeypatch):
     mask = torch.ones(1024, 1024, device="cuda", dtype=torch.bool)
     assert attn_mod.attention_path(q, k, v, mask) == "sdpa"
     assert attn_mod.attention_path(q, k, v, scale=-0.2) == "sdpa"
-    for scale in (-0.2, 0.0):  # the path without it: stock's very call, NaNs included. Session 22, call 8:
+    for scale in (-0.2, 0.0):  # the path without it: stock's very call, NaNs included. On the H100
         # with equal_nan off this failed on NaN in 1.4% of the elements at scale -0.2; both sides are the
         # same F.scaled_dot_product_attention call (this version was not re-run on the GPU)
         out = attn_mod.attention(q, k, v, scale=scale)

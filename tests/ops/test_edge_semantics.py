@@ -1,4 +1,4 @@
-"""Edge inputs get torch's result or torch's error (issue: never a silently wrong result): integer
+"""Edge inputs get torch's result or torch's error (never a silently wrong result): integer
 inputs, empty tensors, a zero head dim, a 0-d GEGLU input; and the reference attention (the oracle
 and the fallback) keeps torch's NaN semantics and does not overflow half-precision scores."""
 

@@ -242,7 +242,7 @@ CHANGES = {
 def test_what_a_call_bakes_in_is_watched(fake_cuda, change):
     """A change that alters what the UNet computes without touching its inputs drops the graphs: the
     stand-in graph re-runs the model, so the capture count is what shows it (a real replay would run
-    the old adapter mix: the issue's 0.54 error)."""
+    the old adapter mix: a 0.54 error)."""
     eager, graphed = _cpu_pair("tiny")
     _two_adapters(eager, graphed)
     x, kw = _cpu_args(eager, 2, 8)

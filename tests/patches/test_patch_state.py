@@ -1,4 +1,4 @@
-"""The patch's state under what users do to patched objects (issue: never a silently wrong result):
+"""The patch's state under what users do to patched objects (never a silently wrong result):
 copies and pickles are refused with the way out, nesting ``patched`` keeps the user's own patch, a
 dtype move while patched is still undone exactly, arguments given as a bare string are refused."""
 

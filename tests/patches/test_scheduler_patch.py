@@ -127,7 +127,7 @@ def test_only_unipc_has_host_scalar_methods():
 @pytest.mark.gpu
 # solver_type="bh1", lower_order_final=False and predict_x0=False are left out: with random model
 # outputs diffusers' own 20 steps end in NaN or inf in every dtype, float64 included, on the CPU and on
-# the H100 (measured 2026-11-24, bench/results/2026-11-24-h100-session11), so there is nothing to compare.
+# the H100 (measured 2026-11-24, bench/results/2026-11-24-h100-streamed-decode), so there is nothing to compare.
 @pytest.mark.parametrize("config", [{}, {"solver_order": 3}], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_unipc_on_host_scalars_matches_and_never_waits(dtype, config):

@@ -196,7 +196,7 @@ def test_triton_backend_reaches_the_kernel(route, monkeypatch):
 def test_gpu_sd15_unet_routed_by_the_profile():
     """SD1.5's UNet (random weights, fp16, batch 2) patched with only the winograd family and
     cuda_graph=True, under the detected profile's real routing: convs swapped and routed (transformed
-    weights cached), the graph replay within 1e-2 of stock (the issue's bar for whole-pipeline
+    weights cached), the graph replay within 1e-2 of stock (the bar for whole-pipeline
     latents), and unpatch bit-identical."""
     unet = build_model("sd15", "unet", device="cuda", dtype=torch.float16)
     g = torch.Generator(device="cuda").manual_seed(0)
