@@ -52,7 +52,7 @@ def _act(x, ACT: tl.constexpr):
         return x / (1.0 + tl.exp2(x * _NEG_1702_LOG2E))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # rows are masked per row: vectors run along the columns
 def _elementwise_kernel(
     x_ptr, y_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_yr,
     GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,

@@ -268,10 +268,13 @@ def _group_norm_kernel(
 # Pixel path (channels-fast inputs). Grid (N, S): program (n, s) owns pixels [s·CHUNK, (s+1)·CHUNK)
 # of sample n, all C channels: with channels stride 1 that is one contiguous [pixels, C] slab.
 # The chunk's base is an int64 pointer; offsets inside a chunk are int32 (the host checks the span).
+# HW, S and CHUNK are not specialized on (divisible by 16 or not): the loads are vectors along the
+# channels, whose alignment the channel count and pixel stride (C) carry, so a new image size
+# compiles nothing new here (a dozen Triton compilations fewer per size).
 
 
 @_autotune(key=["HW", "G", "S", "CPG", "C_P", "G_P", "CPG_P", "BLOCK_S"], tile=("BLOCK_S", "C_P"), per_thread=64)
-@triton.jit
+@triton.jit(do_not_specialize=["HW", "S", "CHUNK"])
 def _pixel_stats_kernel(
     x_ptr, shift_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
     CPG: tl.constexpr, C_P: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -329,7 +332,7 @@ def _pixel_stats_kernel(
     tl.store(part_ptr + 2 * plane + idx, m2_g, mask=gs < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
     """Pixel path, launch 2, one program per (sample, group): merges the group's S partials (Chan)
     into (mean, rstd), stored as stat[2, N·G]."""
@@ -346,7 +349,7 @@ def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
 
 
 @_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
-@triton.jit
+@triton.jit(do_not_specialize=["HW", "S", "CHUNK"])
 def _pixel_norm_kernel(
     x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, C, G, HW, S,
     stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
