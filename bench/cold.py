@@ -8,7 +8,8 @@ Triton's and inductor's kernel caches), then, in the same process, each further 
 ``--models``: one process per model at its square size; the first model is also measured with the
 shipped tables off and with the parallel precompile off. ``--runs``: one process per run (``;``), each
 run a model and its shapes (``+``): ``WxH`` or ``WxHxB`` (B images per prompt) or a square side; the
-first shape is the process's cold start, each later one a new shape in a warm process.
+first shape is the process's cold start, each later one a new shape in a warm process; a model
+``NAME+controlnet`` is the shipped config's ControlNet pipeline (a random conditioning image).
 
 One row per (run, shape) in ``DIR/cold.csv``: ``build_s`` (the random-weight pipeline), ``first_s``
 (the first shape: ``patch(pipe)`` with its defaults and one image; a later shape: its first image;
@@ -20,7 +21,8 @@ its dry runs and thread pools), ``capture_s`` (CUDA-graph capture with its warm-
 compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and the
 seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
 (keys that took the nearest tuned key's choice: sd_kernels/runtime/tuning_rule.py), ``late_compiles``
-(kernels compiled outside the precompile pool, by name), and the environment.
+(kernels compiled outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name),
+and the environment.
 "shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
 architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """
@@ -42,7 +44,7 @@ import time
 
 FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
           "compile_s", "precompiled", "precompile_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
-          "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+          "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
 class Stopwatch:
@@ -77,12 +79,17 @@ def compile_watch() -> tuple[Stopwatch, collections.Counter]:
     inner = triton.compiler.compile
 
     def named(src, *args, **kwargs):
+        name = getattr(getattr(src, "fn", None), "__name__", "?")
+        ALL[name] += 1
         if not threading.current_thread().name.startswith("sd-kernels-compile"):
-            late[getattr(getattr(src, "fn", None), "__name__", "?")] += 1
+            late[name] += 1
         return inner(src, *args, **kwargs)
 
     triton.compiler.compile = named
     return Stopwatch(triton.compiler, "compile"), late
+
+
+ALL: collections.Counter = collections.Counter()  # every compilation by kernel name (compile_watch)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -125,7 +132,7 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
     from triton.runtime import autotuner
 
     import sd_kernels
-    from bench.e2e import PROMPT
+    from bench.e2e import CONTROLNET, PROMPT
     from sd_kernels import models
     from sd_kernels.analysis.selection import launchers
     from sd_kernels.runtime import precompile
@@ -146,17 +153,22 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
                 "ruled": sum(len(k.ruled) for k in kernels.values())}
 
     t = time.perf_counter()
-    pipe = models.load_pipeline(model, device="cuda", dtype=torch.float16)
+    base = model.removesuffix(CONTROLNET)
+    pipe = (models.build_controlnet_pipeline(base, device="cuda", dtype=torch.float16) if base != model else
+            models.load_pipeline(model, device="cuda", dtype=torch.float16))
     pipe.set_progress_bar_config(disable=True)
     torch.cuda.synchronize()
     build = time.perf_counter() - t
 
     def image(shape) -> float:
         width, height, batch = shape
+        extra = {} if base == model else {  # the ControlNet's conditioning image, at the image's size
+            "image": torch.rand(1, 3, height, width, device="cuda", dtype=torch.float16,
+                                generator=torch.Generator("cuda").manual_seed(1))}
         torch.cuda.synchronize()
         start = time.perf_counter()
         pipe(PROMPT, num_inference_steps=steps, height=height, width=width, num_images_per_prompt=batch,
-             output_type="pt", generator=torch.Generator("cuda").manual_seed(0))
+             output_type="pt", generator=torch.Generator("cuda").manual_seed(0), **extra)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -164,7 +176,7 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
     with torch.inference_mode():
         record = None
         for order, shape in enumerate(shapes, 1):
-            before, names = counters(), collections.Counter(late)
+            before, names, every = counters(), collections.Counter(late), collections.Counter(ALL)
             t = time.perf_counter()
             if record is None:
                 record = sd_kernels.patch(pipe)
@@ -176,7 +188,8 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
             rows.append({"shape": label(shape), "order": order, "build_s": round(build, 1) if order == 1 else "",
                          "first_s": round(first, 1), **spent, "warm_ms": round(warm * 1e3, 1),
                          "cuda_graph": record.cuda_graph,
-                         "late_compiles": " ".join(f"{n}:{c}" for n, c in (late - names).most_common())})
+                         "late_compiles": " ".join(f"{n}:{c}" for n, c in (late - names).most_common()),
+                         "compiled": " ".join(f"{n}:{c}" for n, c in (ALL - every).most_common())})
     return rows
 
 
@@ -210,7 +223,7 @@ def say(row: dict) -> str:
     return head + (f"{build}first image {row['first_s']} s ({row['compiles']} Triton compiles, {row['compile_s']} s; "
                    f"{row['precompiled']} ahead in {row['precompile_s']} s; capture {row['capture_s']} s; "
                    f"{row['tunings']} configs timed, {row['tuning_s']} s; {row['ruled']} keys by rule), "
-                   f"warm {row['warm_ms']} ms")
+                   f"warm {row['warm_ms']} ms; compiled {row.get('compiled') or 'nothing'}")
 
 
 def main(argv: list[str] | None = None) -> int:
