@@ -26,6 +26,7 @@ from sd_kernels.profiles import Profile, get_profile, using_profile
 
 from . import (  # noqa: F401  (each registers its patcher)
     attention,
+    call_gate,
     channels_last,
     execution_device,
     families,
@@ -161,6 +162,12 @@ def patch(
                              f"{type(obj).__name__} (ignore={ignore})")
         for model in graphed:
             cuda_graph_mod.check_graphable(model)
+    held = getattr(obj, _ATTR, None)
+    with call_gate.exclusive(obj, [m for _, m in models] + (held.models if held else [])):
+        return _apply(obj, models, others, ops, prof, plan, ignore, mode, compile)
+
+
+def _apply(obj, models, others, ops, prof, plan, ignore, mode, compile) -> PatchRecord:
     old: PatchRecord | None = getattr(obj, _ATTR, None)
     for part, model in models:  # pipelines may share models: one patch per model at a time
         owner = getattr(model, _OWNER, None)
@@ -180,6 +187,7 @@ def patch(
     record.memory_plan = plan
     record.scheduler = scheduler
     record.ignore = ignore
+    record.models = [m for _, m in models]
     for part, name in others:
         record.skip(part, name, f"left as diffusers ships it: not a supported model ({', '.join(SUPPORTED_MODELS)})")
         if part in DENOISER_PARTS:
@@ -276,8 +284,11 @@ def unpatch(obj: object) -> bool:
     record: PatchRecord | None = getattr(obj, _ATTR, None)
     if record is None:
         return False
-    record.undo()
-    object.__delattr__(obj, _ATTR)
+    with call_gate.exclusive(obj, record.models, "unpatch"):
+        if getattr(obj, _ATTR, None) is not record:  # unpatched (or patched anew) by another thread meanwhile
+            return unpatch(obj)
+        record.undo()
+        object.__delattr__(obj, _ATTR)
     return True
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from . import call_gate
+
 log = logging.getLogger(__name__)
 _MISSING = object()
 
@@ -94,6 +96,7 @@ class PatchRecord:
         self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
         self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
         self.memory_plan: Any = None  # under a memory budget: the weights checked against it (memory.BudgetPlan)
+        self.models: list[nn.Module] = []  # the models patched, in ``parts`` order
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
@@ -131,14 +134,14 @@ class PatchRecord:
         """``obj.__class__ = cls``, remembered: ``cls`` is a subclass of ``obj``'s class that adds
         behaviour, not state, so the object (and whatever is done to it while patched) stays the one
         the model holds; undo gives it its class back. ``kind`` names the change in the counts."""
-        old = type(obj)
+        old = call_gate.class_of(obj)
         self._scope(obj, cls)
-        obj.__class__ = cls
+        call_gate.set_class(obj, cls)
 
         def restore() -> None:
             obj.__dict__.pop("_sd_profile", None)
-            if type(obj) is cls:
-                obj.__class__ = old
+            if call_gate.class_of(obj) is cls:
+                call_gate.set_class(obj, old)
             else:
                 log.warning("sd_kernels: unpatch left a %s alone: its class was changed after the patch",
                             type(obj).__name__)

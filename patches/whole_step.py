@@ -70,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from sd_kernels.profiles import scoped
 
+from . import call_gate
 from .cuda_graph import GraphedCall, _copy_in, _timestep_tensor, capture
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
@@ -96,7 +97,7 @@ def _base_pipeline(cls: type) -> type | None:
 
 def supported_reason(pipe: object) -> str | None:
     """Why ``cuda_graph="step"`` cannot replay whole steps of ``pipe``'s class, or None if it can."""
-    base = _base_pipeline(type(pipe))
+    base = _base_pipeline(call_gate.class_of(pipe))
     if base is None:
         return (f"the whole-step graphs re-state the denoising loop of {', '.join(STEP_PIPELINES)}; "
                 f"{type(pipe).__name__} is not one of them")
@@ -281,7 +282,7 @@ class _Guidance:
 
 
 def _guidance(pipe: object) -> _Guidance:
-    module = sys.modules[_base_pipeline(type(pipe)).__module__]
+    module = sys.modules[_base_pipeline(call_gate.class_of(pipe)).__module__]
     cfg = bool(pipe.do_classifier_free_guidance)
     return _Guidance(cfg, float(pipe.guidance_scale), float(pipe.guidance_rescale), module.rescale_noise_cfg)
 
@@ -628,6 +629,7 @@ def install(pipe: object, graphed: GraphedCall, record: PatchRecord) -> WholeSte
     record.set_attr(graphed, "step_hook", steps, None)
     object.__setattr__(pipe, _ATTR, steps)
     record.on_undo(lambda: vars(pipe).pop(_ATTR, None), "whole_step", 0)
-    if not getattr(type(pipe), "_sd_kernels_whole_step", False):
-        record.set_class(pipe, _step_class(type(pipe)), "whole_step")
+    cls = call_gate.class_of(pipe)
+    if not getattr(cls, "_sd_kernels_whole_step", False):
+        record.set_class(pipe, _step_class(cls), "whole_step")
     return steps
