@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch.nn as nn
@@ -178,8 +179,9 @@ def _apply(obj, models, others, ops, prof, plan, ignore, mode, compile) -> Patch
     scheduler = getattr(obj, "scheduler", None) if mode in cuda_graph_mod.PIPELINE_MODES else None
     if old is not None:
         # The whole profile, not its name: dataclasses.replace(profile, attention=...) keeps the name.
+        # And the models themselves: a component replaced since (``pipe.unet = other``) is patched anew.
         if (old.ops, old.profile_spec, old.parts, old.ignore, old.cuda_graph, old.compile, old.scheduler) == (
-                ops, prof, parts, ignore, mode, compile, scheduler):
+                ops, prof, parts, ignore, mode, compile, scheduler) and _same(old.models, [m for _, m in models]):
             return old
         unpatch(obj)
     record = PatchRecord(ops, prof.name, parts, mode, compile)
@@ -188,6 +190,7 @@ def _apply(obj, models, others, ops, prof, plan, ignore, mode, compile) -> Patch
     record.scheduler = scheduler
     record.ignore = ignore
     record.models = [m for _, m in models]
+    record.target = weakref.ref(obj)
     for part, name in others:
         record.skip(part, name, f"left as diffusers ships it: not a supported model ({', '.join(SUPPORTED_MODELS)})")
         if part in DENOISER_PARTS:
@@ -279,16 +282,45 @@ def _install_graphs(obj: object, models: list[tuple[str, nn.Module]], record: Pa
         whole_step.install(obj, vars(unet)["forward"], record)
 
 
+def _same(models: list, others: list) -> bool:
+    return len(models) == len(others) and all(a is b for a, b in zip(models, others))
+
+
 def unpatch(obj: object) -> bool:
-    """Undo ``patch(obj)`` exactly; returns False if ``obj`` was not patched."""
+    """Undo ``patch(obj)`` exactly; returns False if ``obj`` was not patched. A model patched as part of
+    a pipeline that has replaced it since: that pipeline's patch is undone (``_unpatch_replaced``)."""
     record: PatchRecord | None = getattr(obj, _ATTR, None)
     if record is None:
-        return False
+        return _unpatch_replaced(obj)
     with call_gate.exclusive(obj, record.models, "unpatch"):
         if getattr(obj, _ATTR, None) is not record:  # unpatched (or patched anew) by another thread meanwhile
             return unpatch(obj)
         record.undo()
         object.__delattr__(obj, _ATTR)
+    return True
+
+
+def _unpatch_replaced(model: object) -> bool:
+    """A model patched through a pipeline: refused while that pipeline holds it (only the pipeline's
+    patch undoes it); once the pipeline holds another model in its place, that stale patch is undone
+    (the pipeline's other parts with it: its next ``patch`` patches the new model), so the replaced
+    model can always be had back unpatched."""
+    owner: PatchRecord | None = vars(model).get(_OWNER) if isinstance(model, nn.Module) else None
+    if owner is None:
+        return False
+    target = owner.target()
+    held = getattr(target, "components", None) or {}
+    part = next((p for p, m in held.items() if m is model), None)
+    if part is not None:
+        raise ValueError(f"this {type(model).__name__} was patched as the {part} of a {type(target).__name__}: "
+                         f"unpatch that pipeline (or patch it with ignore=[{part!r}])")
+    log.warning("sd_kernels: unpatch: this %s was patched as part of a %s that holds another model in its place "
+                "now: that patch is undone (patch the pipeline again for its new model)", type(model).__name__,
+                type(target).__name__ if target is not None else "pipeline")
+    if target is not None and getattr(target, _ATTR, None) is owner:
+        return unpatch(target)
+    with call_gate.exclusive(model, owner.models, "unpatch"):  # the pipeline is gone: the record alone
+        owner.undo()
     return True
 
 

@@ -98,25 +98,30 @@ def _method_codes(cls: type) -> frozenset:
     """The code of every method (decorators' wrappers and what they wrap, property getters) of ``cls``:
     a frame whose receiver is an instance runs one of these while it runs a call of that object (a
     function such as ``patch(pipe)`` has ``pipe`` as its first argument too, and is no call of it)."""
-    codes = set()
-    for klass in cls.__mro__:
-        for value in vars(klass).values():
-            value = value.fget if isinstance(value, property) else value
-            for _ in range(8):  # a decorator's wrapper, what it wraps, ...
-                if not callable(value) or isinstance(value, type):
-                    break
-                code = getattr(value, "__code__", None)
-                if code is not None:
-                    codes.add(code)
-                value = getattr(value, "__wrapped__", None)
-    return frozenset(codes)
+    return frozenset(code for klass in cls.__mro__ for value in vars(klass).values() for code in _codes(value))
+
+
+def _codes(value: Any) -> Iterator[Any]:
+    """The code of a function, a decorator's wrapper and what it wraps, a property's getter."""
+    value = value.fget if isinstance(value, property) else value
+    for _ in range(8):
+        if not callable(value) or isinstance(value, type):
+            return
+        code = getattr(value, "__code__", None)
+        if code is not None:
+            yield code
+        value = getattr(value, "__wrapped__", None)
 
 
 class _Change:
-    def __init__(self, watched: set[int], models: set[int]) -> None:
+    def __init__(self, objects: list[Any], models: list[nn.Module]) -> None:
         self.owner = threading.get_ident()
-        self.watched = watched  # ids of the objects whose calls the change must not run under
-        self.models = models  # ids of the models: a pipeline holding one is watched too
+        self.watched = {id(o) for o in objects}  # the objects whose calls the change must not run under
+        self.models = {id(m) for m in models}  # a pipeline holding one of these is watched too
+        # The methods those calls run. Only frames running one are read for their receiver: reading a
+        # frame's arguments (``f_locals``) keeps a snapshot of all its locals until it returns, which
+        # for a long-lived frame (a script's main loop) would keep what it deletes meanwhile alive.
+        self.codes = frozenset().union(*map(_method_codes, {type(o) for o in objects}), _pipeline_call_codes())
         self.gated: list[Any] = []
         self.done = threading.Event()
 
@@ -133,10 +138,11 @@ class _Change:
         """Whether the stack that ``frame`` tops runs a call of a watched object (the gate's frames aside)."""
         seen = {} if seen is None else seen
         while frame is not None:
-            if frame.f_code is not _GATE_CODE:
+            code = frame.f_code
+            if code in self.codes and code is not _GATE_CODE:
                 receiver = _receiver(frame)
                 if (receiver is not None and self._is_watched(receiver, seen)
-                        and frame.f_code in _method_codes(type(receiver))):
+                        and code in _method_codes(type(receiver))):
                     return True
             frame = frame.f_back
         return False
@@ -155,16 +161,32 @@ def _is_pipeline(obj: Any) -> bool:
     return utils is not None and isinstance(obj, utils.DiffusionPipeline)
 
 
-def _watched(obj: Any, models: Iterable[nn.Module]) -> tuple[set[int], set[int]]:
-    """(ids of ``obj``, its components, every module of its models, ids of the models)."""
+def _pipeline_call_codes() -> frozenset:
+    """The code of every loaded pipeline class's ``__call__`` (and its decorators'): the frame a call of
+    a pipeline that shares one of the models keeps open from its start to its end."""
+    utils = sys.modules.get("diffusers.pipelines.pipeline_utils")
+    classes, todo = set(), [utils.DiffusionPipeline] if utils is not None else []
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    return frozenset(code for cls in classes for code in _call_codes(cls))
+
+
+@functools.cache
+def _call_codes(cls: type) -> frozenset:
+    return frozenset(_codes(vars(cls).get("__call__")))
+
+
+def _watched(obj: Any, models: Iterable[nn.Module]) -> tuple[list[Any], list[nn.Module]]:
+    """(``obj``, its components and every module of its models and of ``models``; the models)."""
     components = [obj]
     held = getattr(obj, "components", None)
     if not isinstance(obj, nn.Module) and isinstance(held, dict):
-        components += list(held.values())
+        components += [c for c in held.values() if c is not None]
     models = [m for m in (*models, *components) if isinstance(m, nn.Module)]
-    watched = {id(c) for c in components if c is not None}
-    watched.update(id(m) for model in models for m in model.modules())
-    return watched, {id(m) for m in models}
+    return components + [m for model in models for m in model.modules()], models
 
 
 def _names(threads: list[int]) -> str:

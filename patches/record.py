@@ -97,6 +97,7 @@ class PatchRecord:
         self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
         self.memory_plan: Any = None  # under a memory budget: the weights checked against it (memory.BudgetPlan)
         self.models: list[nn.Module] = []  # the models patched, in ``parts`` order
+        self.target: Callable[[], Any] = lambda: None  # a weak reference to the patched object
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
