@@ -117,10 +117,12 @@ class _Change:
     def __init__(self, objects: list[Any], models: list[nn.Module]) -> None:
         self.owner = threading.get_ident()
         self.watched = {id(o) for o in objects}  # the objects whose calls the change must not run under
-        self.models = {id(m) for m in models}  # a pipeline holding one of these is watched too
-        # The methods those calls run. Only frames running one are read for their receiver: reading a
-        # frame's arguments (``f_locals``) keeps a snapshot of all its locals until it returns, which
-        # for a long-lived frame (a script's main loop) would keep what it deletes meanwhile alive.
+        self.models = models  # their submodules are watched too; a pipeline holding one of them as well
+        self._submodules: set[int] | None = None  # ids of the models' modules, walked when first needed
+        # The methods those calls run (a submodule's call runs nn.Module's, which are among them). Only
+        # frames running one are read for their receiver: reading a frame's arguments (``f_locals``)
+        # keeps a snapshot of all its locals until it returns, which for a long-lived frame (a
+        # script's main loop) would keep what it deletes meanwhile alive.
         self.codes = frozenset().union(*map(_method_codes, {type(o) for o in objects}), _pipeline_call_codes())
         self.gated: list[Any] = []
         self.done = threading.Event()
@@ -129,9 +131,14 @@ class _Change:
         key = id(receiver)
         if key in self.watched:
             return True
-        if key not in seen:  # another pipeline that holds one of the models (they share it)
-            held = getattr(receiver, "__dict__", None) if _is_pipeline(receiver) else None
-            seen[key] = bool(held) and any(id(v) in self.models for v in held.values())
+        if key not in seen:
+            if isinstance(receiver, nn.Module):  # a submodule of one of the models
+                if self._submodules is None:
+                    self._submodules = {id(m) for model in self.models for m in model.modules()}
+                seen[key] = key in self._submodules
+            else:  # another pipeline that holds one of the models (they share it)
+                held = getattr(receiver, "__dict__", None) if _is_pipeline(receiver) else None
+                seen[key] = bool(held) and any(v is m for v in held.values() for m in self.models)
         return seen[key]
 
     def inside(self, frame, seen: dict[int, bool] | None = None) -> bool:
@@ -180,13 +187,12 @@ def _call_codes(cls: type) -> frozenset:
 
 
 def _watched(obj: Any, models: Iterable[nn.Module]) -> tuple[list[Any], list[nn.Module]]:
-    """(``obj``, its components and every module of its models and of ``models``; the models)."""
-    components = [obj]
+    """(``obj`` and its components, the models among them and ``models``)."""
+    objects = [obj]
     held = getattr(obj, "components", None)
     if not isinstance(obj, nn.Module) and isinstance(held, dict):
-        components += [c for c in held.values() if c is not None]
-    models = [m for m in (*models, *components) if isinstance(m, nn.Module)]
-    return components + [m for model in models for m in model.modules()], models
+        objects += [c for c in held.values() if c is not None]
+    return objects, list({id(m): m for m in (*models, *objects) if isinstance(m, nn.Module)}.values())
 
 
 def _names(threads: list[int]) -> str:
