@@ -40,7 +40,6 @@ from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
 from .joint_attention import SDKernelsJointAttnProcessor
 from .record import PatchRecord
-from .registry import register
 
 # The record's count name of each processor we install (others: "attention_processor").
 _KINDS = {SDKernelsJointAttnProcessor: "joint_attention_processor",
@@ -133,7 +132,6 @@ def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProces
     return None
 
 
-@register("attention")
 def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
     AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``, one whose

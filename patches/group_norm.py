@@ -42,7 +42,6 @@ from sd_kernels.runtime.dispatch import backend
 from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
-from .registry import register
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -219,7 +218,6 @@ def _patch_norm_out(owner: nn.Module, record: PatchRecord) -> None:
         record.set_attr(owner, "conv_act", nn.Identity(), "silu_folded")
 
 
-@register("group_norm")
 def patch_group_norm(model: nn.Module, record: PatchRecord) -> None:
     """Swap every GroupNorm of ``model`` (see the module docstring for what is fused and skipped)."""
     from diffusers.models.autoencoders.vae import Decoder, Encoder

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,18 +87,20 @@ def _replace_inside(wrapper: nn.Module, target: nn.Module, value: nn.Module) -> 
 
 class PatchRecord:
     def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: str | None = None,
-                 compile: str | None = None) -> None:
+                 compile: str | None = None, *, profile_spec: Any = None, models: list[nn.Module] = (),
+                 ignore: tuple[str, ...] = (), scheduler: object = None, memory_plan: Any = None,
+                 target: object = None) -> None:
         self.ops = ops
-        self.profile = profile
+        self.profile = profile  # the profile's name
         self.parts = parts
         self.cuda_graph = cuda_graph  # the graph mode (patches/cuda_graph.py MODES), None for none
         self.compile = compile  # the compile mode (patches/cuda_graph.py COMPILE_MODES), None for none
-        self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
-        self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
-        self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
-        self.memory_plan: Any = None  # under a memory budget: the weights checked against it (memory.BudgetPlan)
-        self.models: list[nn.Module] = []  # the models patched, in ``parts`` order
-        self.target: Callable[[], Any] = lambda: None  # a weak reference to the patched object
+        self.profile_spec = profile_spec  # the Profile itself: the patchers read it, the patched modules run under it
+        self.models = list(models)  # the models patched, in ``parts`` order
+        self.ignore = ignore  # the parts patch() was told to leave alone
+        self.scheduler = scheduler  # the scheduler given host timesteps (cuda_graph="pipeline")
+        self.memory_plan = memory_plan  # under a memory budget: the weights checked against it (memory.BudgetPlan)
+        self.target: Callable[[], Any] = weakref.ref(target) if target is not None else lambda: None
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
@@ -107,6 +110,14 @@ class PatchRecord:
     # would carry steps that undo the original. Copying or pickling one is refused with the way out.
     _REFUSED = ("is patched by sd_kernels: {what} it would carry a record that undoes the original's modules. "
                 "Call sd_kernels.unpatch(obj) first, then patch the original and the {result} separately")
+
+    @property
+    def request(self) -> tuple:
+        """What makes two patches the same: ``patch`` asked again for this one changes nothing. The
+        whole profile, not its name (``dataclasses.replace(profile, attention=...)`` keeps the name),
+        and the models themselves (a component replaced since is patched anew)."""
+        return (self.ops, self.profile_spec, self.parts, self.ignore, self.cuda_graph, self.compile, self.scheduler,
+                tuple(self.models))
 
     @property
     def arguments(self) -> dict[str, Any]:
