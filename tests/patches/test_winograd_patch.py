@@ -25,7 +25,8 @@ WinogradConv2d = wg_patch.WinogradConv2d
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RouteProfile(Profile):
-    """A profile (by default the cpu one) that routes the convs ``rule(n, c, h, w, k)`` names a tile for."""
+    """A profile (by default the cpu one, under its name) that routes the convs ``rule(n, c, h, w, k)``
+    names a tile for."""
 
     rule: Callable = lambda n, c, h, w, k: None
     asked: list = dataclasses.field(default_factory=list)
@@ -45,7 +46,7 @@ def route(monkeypatch):
 
     def install(rule, eager=True, base="cpu"):
         fields = {f.name: getattr(get_profile(base), f.name) for f in dataclasses.fields(Profile)}
-        prof = RouteProfile(**{**fields, "name": "test-route"}, rule=rule)
+        prof = RouteProfile(**fields, rule=rule)  # the base's name: its shipped tuning tables
         monkeypatch.setattr(wg_patch, "active_profile", lambda: prof)
         monkeypatch.setattr(wg_patch, "ROUTE_EAGER", eager)
         return prof
