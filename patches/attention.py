@@ -40,7 +40,6 @@ from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
 from .joint_attention import SDKernelsJointAttnProcessor
 from .record import PatchRecord
-from .registry import register
 
 # The record's count name of each processor we install (others: "attention_processor").
 _KINDS = {SDKernelsJointAttnProcessor: "joint_attention_processor",
@@ -133,7 +132,6 @@ def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProces
     return None
 
 
-@register("attention")
 def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
     AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``, one whose
@@ -143,6 +141,8 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     from diffusers.models.attention_processor import Attention
 
     flux = flux_attention.flux_attention_class()
+    replaced: dict[int, tuple] = {}  # id of each processor installed -> (it, the one it replaced)
+    record.on_undo(lambda: _give_back_originals(model, replaced), "attention_processor", 0)
     for path, module in model.named_modules():
         if flux is not None and isinstance(module, flux):
             replace = flux_attention.replacement
@@ -157,6 +157,20 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
         elif isinstance(new, type):
             record.set_class(processor, new, "ip_adapter_processor")
         elif new is not None:
+            replaced[id(new)] = (new, processor)
             record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
         else:
             record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")
+
+
+def _give_back_originals(model: nn.Module, replaced: dict[int, tuple]) -> None:
+    """diffusers' ``fuse_qkv_projections()`` keeps the processors it found in ``original_attn_processors``
+    for ``unfuse_qkv_projections()`` to put back; fused while patched, those are ours: on unpatch they
+    become the stock ones they replaced, so that unfusing after unpatch restores stock processors."""
+    for module in model.modules():
+        kept = vars(module).get("original_attn_processors")
+        if isinstance(kept, dict):
+            for name, processor in kept.items():
+                ours, stock = replaced.get(id(processor), (None, None))
+                if ours is processor:
+                    kept[name] = stock

@@ -1,4 +1,4 @@
-"""Channels-last (NHWC) weights for the pipeline parts the active profile names.
+"""Channels-last (NHWC) weights for the pipeline parts the patch's profile names.
 
 On the H100, cuDNN's convolutions run fastest on NHWC activations, and PyTorch keeps a conv's output
 in the memory format of its input or weight: with channels_last conv weights, a whole UNet runs NHWC
@@ -34,12 +34,10 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.ops.layout import is_channels_last
-from sd_kernels.profiles import active_profile
 
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .families import family_of
 from .record import PatchRecord
-from .registry import register
 
 
 def part_of(model: nn.Module) -> str | None:
@@ -50,10 +48,9 @@ def part_of(model: nn.Module) -> str | None:
 
 def makes_channels_last(model: nn.Module, record: PatchRecord) -> bool:
     """Whether this patch runs ``model`` channels_last (the op family is on and the profile names it)."""
-    return "channels_last" in record.ops and part_of(model) in active_profile().channels_last
+    return "channels_last" in record.ops and part_of(model) in record.profile_spec.channels_last
 
 
-@register("channels_last")
 def patch_layout(model: nn.Module, record: PatchRecord) -> None:
     if not makes_channels_last(model, record):
         return

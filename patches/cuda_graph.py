@@ -17,6 +17,9 @@ Modes (``MODES``; ``cuda_graph=True`` means ``"pipeline"``):
   (patches/whole_step.py; the UNet's ``GraphedCall`` hands its step calls to it).
 - ``"unet"``: the denoiser's ``forward`` only (named for the UNet, the first denoiser).
 
+``patch()`` asks ``resolve`` which mode a call means (``"auto"``: ``auto_mode``; a clear error where
+the graphs asked for cannot be captured) and ``install_mode`` installs it.
+
 ``GraphedCall`` replaces one method of a model (an instance attribute set through the record, so
 ``unpatch`` removes it and the graphs with it). On each call it:
 
@@ -60,7 +63,6 @@ processors read them); offloading hooks added after the patch make the calls eag
 from __future__ import annotations
 
 import logging
-import numbers
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -72,18 +74,23 @@ from torch.utils import _pytree as pytree
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime import precompile
 
-from .families import family_of
+from . import execution_device, whole_step
+from .families import DENOISERS, GRAPH_PARTS, PARTS, family_of, is_denoiser
+from .graph_capture import HOST_NUMEL, capture, copy_in, timestep_tensor
+from .scheduler import host_timesteps
 
 log = logging.getLogger(__name__)
 
 MODES = ("pipeline", "unet", "step")
 PIPELINE_MODES = ("pipeline", "step")  # the modes that graph the whole pipeline's model calls
 AUTO = "auto"  # patch()'s default: "pipeline" where the UNet can be captured and the profile has no budget
-# A host tensor argument of at most this many elements (a timestep) is copied in; a larger one runs eagerly.
-HOST_NUMEL = 16
 # patch(compile=...): the torch.compile mode of what the graphs capture, by the name patch() takes.
 # Inductor's own CUDA graphs stay off: ours capture the compiled call.
 COMPILE_MODES = {"default": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+# The text encoders compile= compiles as well (beside the patched families' calls): T5-XXL (PixArt,
+# SD3, FLUX), whose compiled replay is about 40% faster for ~50 s of compilation; CLIP's stay eager in
+# their graphs, 0.2-0.4 ms not being worth 10 and 33 s (H100 figures: docs/patch.md, compile=).
+COMPILED_TEXT_ENCODERS = ("T5EncoderModel",)
 # The UNet2DConditionModel.forward argument diffusers turns into a tensor itself when given a number.
 _TIMESTEP = "timestep"
 
@@ -144,20 +151,38 @@ def check_graphable(model: nn.Module) -> None:
         raise ValueError(f"cuda_graph=True {reason}")
 
 
-def _timestep_tensor(t: Any) -> Any:
-    """diffusers' own conversion of a number timestep (UNet2DConditionModel.get_time_embed), made on
-    the host: it reaches the graph through the asynchronous copy-in, not a blocking host-to-device copy."""
-    if isinstance(t, bool) or not isinstance(t, numbers.Number):
-        return t
-    return torch.tensor([t], dtype=torch.float64 if isinstance(t, float) else torch.int64)
+def check_request(cuda_graph: Any, compile: Any) -> None:
+    """A clear error for a ``cuda_graph=`` / ``compile=`` that no pipeline could honour (before
+    anything else is looked at)."""
+    mode = mode_of(cuda_graph)
+    if compile_of(compile) and mode is None:
+        raise ValueError(f"compile={compile!r} compiles what the CUDA graphs capture: pass cuda_graph=True too "
+                         "(or torch.compile the patched model yourself)")
 
 
-def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if src.device.type == "cpu" and dst.device.type == "cuda":
-        # from pinned memory the copy is queued on the stream; from pageable memory torch would wait
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
+def resolve(cuda_graph: Any, compile: Any, denoisers: list[nn.Module], profile: Any, plan: Any, owner: str,
+            ignore: Iterable[str]) -> tuple[str | None, str | None]:
+    """(graph mode, compile mode) of ``patch(cuda_graph=..., compile=...)`` for a patch of ``denoisers``
+    (the models every graph mode captures) under ``profile`` and its memory ``plan``: ``AUTO`` resolved
+    (``auto_mode``, logged), and a clear error where the graphs asked for cannot be captured (``owner``
+    names what is patched)."""
+    mode, compiled = mode_of(cuda_graph), compile_of(compile)
+    if plan is not None and plan.swapped and mode not in (None, AUTO):
+        raise ValueError(f"cuda_graph={cuda_graph!r}: under profile {profile.name!r} the pipeline's weights are moved "
+                         "in and out for each component's call (they do not fit the budget at once), and a CUDA "
+                         "graph reads weights where they were at capture")
+    if mode == AUTO:
+        mode, why = auto_mode(denoisers, profile)
+        if compiled and mode is None:
+            raise ValueError(f"compile={compile!r} compiles what the CUDA graphs capture, and cuda_graph='auto' "
+                             f"captures nothing here ({why})")
+        log.info("sd_kernels: cuda_graph='auto' -> %s (%s)", mode, why)
+    if mode and not denoisers:
+        raise ValueError(f"cuda_graph=True captures the denoiser, but there is no {' or '.join(DENOISERS)} to patch "
+                         f"in {owner} (ignore={tuple(ignore)})")
+    for model in denoisers if mode else ():
+        check_graphable(model)
+    return mode, compiled
 
 
 # Why a call after the weights moved runs eagerly (a capture costs about two calls; SDXL's pipeline
@@ -229,25 +254,6 @@ def _model_state(model: nn.Module, watch: _Watch) -> tuple:
     return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree)
 
 
-def capture(run, pool=None, stream=None, warmup: int = 1, calls: int = 1) -> tuple[Any, Any]:
-    """(graph, static outputs of the last captured call) of ``run()``: ``warmup`` calls on ``stream``
-    (a new side stream if None: Triton autotuning and lazy library set-up stay out of the capture),
-    then ``calls`` captured calls drawing from ``pool`` (a private pool if None). The inputs ``run``
-    reads are baked into the graph: replays read the same buffers, whatever they then hold."""
-    stream = stream if stream is not None else torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    out = None
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        for _ in range(calls):
-            out = run()
-    return graph, out
-
-
 class _Graph:
     """One captured call: static inputs (the tensor leaves), the graph, the static outputs."""
 
@@ -261,7 +267,7 @@ class _Graph:
     def __call__(self, leaves: list) -> Any:
         for dst, src in zip(self.static, leaves):
             if isinstance(dst, torch.Tensor):
-                _copy_in(dst, src)
+                copy_in(dst, src)
         self.graph.replay()
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.out)
 
@@ -314,7 +320,7 @@ class GraphedCall:
             self._logged.add(reason)
             log.log(level, "sd_kernels: cuda_graph: running the %s eagerly: %s", self.label, reason)
 
-    def _signature(self, leaves: list, tree: pytree.TreeSpec) -> tuple[Any, str | None]:
+    def signature(self, leaves: list, tree: pytree.TreeSpec) -> tuple[Any, str | None]:
         parts = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
@@ -362,9 +368,9 @@ class GraphedCall:
         for name in self.drop:
             kwargs.pop(name, None)
         if self.timestep and args[1:2]:
-            args = (args[0], _timestep_tensor(args[1]), *args[2:])
+            args = (args[0], timestep_tensor(args[1]), *args[2:])
         elif self.timestep and _TIMESTEP in kwargs:
-            kwargs = {**kwargs, _TIMESTEP: _timestep_tensor(kwargs[_TIMESTEP])}
+            kwargs = {**kwargs, _TIMESTEP: timestep_tensor(kwargs[_TIMESTEP])}
         return args, kwargs
 
     @scoped
@@ -377,7 +383,7 @@ class GraphedCall:
                 return out
         args, kwargs = self.normalise(args, kwargs)
         leaves, tree = pytree.tree_flatten((args, kwargs))
-        key, reason = self._signature(leaves, tree)
+        key, reason = self.signature(leaves, tree)
         level = logging.WARNING
         if reason is None:
             reason, level = self.eager_reason() or (None, level)
@@ -424,3 +430,45 @@ def install(model: nn.Module, record, method: str = "forward", drop: Iterable[st
                           eager=eager)
     record.set_attr(model, method, graphed, "cuda_graph")
     return graphed
+
+
+def install_mode(obj: object, models: list[tuple[str, nn.Module]], record) -> None:
+    """The graphs of the record's mode (``resolve`` checked the denoisers graphable): the denoisers'
+    calls; in the pipeline modes also the other models' graphed methods, the text encoders'
+    ``forward``, the scheduler's host timesteps, the faster ``_execution_device`` and, for "step",
+    the whole-step graphs."""
+    mode, compile = record.cuda_graph, record.compile
+    if not mode:
+        return
+    for _, model in models:
+        if is_denoiser(model):
+            fam = family_of(model)
+            install(model, record, fam.graphed, fam.graph_drop, compile=compile)
+    if mode not in PIPELINE_MODES:
+        return
+    record.scope = ""
+    components = getattr(obj, "components", None) or {}
+    calls = [(part, model, fam.graphed, fam.graph_drop) for part, model in models
+             if not is_denoiser(model) and (fam := family_of(model)) is not None]
+    calls += [(part, components[part], "forward", ()) for part in GRAPH_PARTS
+              if part not in record.ignore and isinstance(components.get(part), nn.Module)]
+    for part, model, method, drop in calls:
+        reason = graphable_reason(model)
+        if reason is not None:
+            record.skip(part, type(model).__name__, f"not replayed from CUDA graphs: {reason}")
+            continue
+        compiled = part in PARTS or type(model).__name__ in COMPILED_TEXT_ENCODERS
+        install(model, record, method, drop, compile=compile if compiled else None)
+    device_steps = [f.device_timesteps for _, m in models if (f := family_of(m)) is not None
+                    and f.denoiser and not f.host_timesteps]
+    if record.scheduler is not None and device_steps:
+        record.skip("scheduler", type(record.scheduler).__name__, f"timesteps stay on the device: {device_steps[0]}")
+    elif record.scheduler is not None:
+        host_timesteps(record.scheduler, record)
+    execution_device.fast_execution_device(obj, record)
+    unet = getattr(obj, "unet", None)
+    if mode == "step" and not isinstance(getattr(unet, "__dict__", {}).get("forward"), GraphedCall):
+        record.skip("", type(obj).__name__, "cuda_graph='step' needs the pipeline's UNet graphed: the pipeline mode's "
+                    "graphs run instead")
+    elif mode == "step":
+        whole_step.install(obj, vars(unet)["forward"], record)

@@ -26,6 +26,7 @@ import itertools
 import torch
 import torch.nn as nn
 
+from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
 
@@ -167,7 +168,7 @@ def fast_execution_device(pipe: object, record: PatchRecord) -> bool:
     record) where diffusers' code is not the one mirrored or the pipeline's class overrides it."""
     from diffusers import DiffusionPipeline
 
-    cls = type(pipe)
+    cls = call_gate.class_of(pipe)
     if not isinstance(pipe, DiffusionPipeline) or getattr(cls, "_sd_kernels_fast_device", False):
         return False
     if not verified():

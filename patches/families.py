@@ -4,13 +4,15 @@ Everything that differs between the models a pipeline holds lives here, so that 
 family is one entry plus whatever patchers it needs: which pipeline component it is, what it is
 called in logs, which of its entry points the CUDA graphs replay (and how), which of its submodules
 run under a memory budget, whether Winograd may route its convs, whether it is the denoiser. The
-patchers run in ``ORDER`` (their dependencies written down there), whatever order ``ops=`` names
-them in. The diffusers code the patchers re-state is checked by source hash in ``diffusers_sources.py``.
+op patchers run in the order of patches/registry.py's table (their dependencies written down there),
+whatever order ``ops=`` names them in. The diffusers code the patchers re-state is checked by source
+hash in ``diffusers_sources.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch.nn as nn
 
@@ -80,29 +82,13 @@ FAMILIES = (
            "timestep lookup, no sync)"),
 )
 BY_CLASS = {f.model_class: f for f in FAMILIES}
+# Pipeline parts that the pipeline modes replay from graphs without patching their ops (SD3: its T5 is
+# the third text encoder; FLUX: the second).
+GRAPH_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 PARTS = tuple(dict.fromkeys(f.part for f in FAMILIES))  # in patch order; ``ignore=`` skips some
 SUPPORTED_MODELS = tuple(BY_CLASS)
 # The models that every graph mode captures (the denoising loop's): "unet" mode graphs them alone.
 DENOISERS = tuple(f.model_class for f in FAMILIES if f.denoiser)
-
-# Patchers in the order they run. No patcher reads another's changes today: winograd asks whether the
-# model will run channels_last from the record's ops and the profile (patches/channels_last.py
-# makes_channels_last), not from the re-laid weights; memory's chunked feed-forward calls the
-# original FeedForward, whose GELU modules gelu swaps before or after; the streamed decode finds
-# GroupNorms by isinstance, fused ones included; layer_norm's block forwards call the blocks' attention
-# and feed-forward modules (attn1 / attn2 / ff, SD3's attn / ff / ff_context) as they are when they
-# run (attention's processors, gelu's modules, memory's chunked feed-forward, whichever ran before
-# or after); upsample changes the Upsample2D modules' class in place and reads their conv's weight,
-# whatever winograd makes of the conv module (a WinogradConv2d holds the same weight). The order is
-# fixed (the one alphabetical order gave before it was written here) so that a record undoes in the
-# same order whatever ``ops=`` says, and a new dependency goes here, with its reason.
-ORDER = ("attention", "channels_last", "gelu", "group_norm", "layer_norm", "memory", "upsample", "winograd")
-
-
-def patch_order(ops) -> tuple[str, ...]:
-    """``ops`` in the order their patchers run: ``ORDER``'s first, then any other registered patcher
-    (``registry.register``) by name."""
-    return (*(op for op in ORDER if op in ops), *sorted(set(ops) - set(ORDER)))
 
 
 def family_of(model: nn.Module) -> Family | None:
@@ -112,3 +98,41 @@ def family_of(model: nn.Module) -> Family | None:
 
 def is_denoiser(model: nn.Module) -> bool:
     return type(model).__name__ in DENOISERS
+
+
+def models_of(obj: object, ignore: Iterable[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+    """(the (part, model)s ``patch(obj, ignore=ignore)`` patches, the (part, class name)s of the parts
+    that hold a model no family names); a clear error for anything else."""
+    ignore = set(ignore)
+    unknown = ignore - set(PARTS) - set(GRAPH_PARTS)
+    if unknown:
+        raise ValueError(f"ignore= names unknown parts {sorted(unknown)}; parts are {PARTS + GRAPH_PARTS}")
+    if isinstance(obj, nn.Module):
+        if type(obj).__name__ not in SUPPORTED_MODELS:
+            raise TypeError(
+                f"cannot patch a {type(obj).__name__}; supported models: {', '.join(SUPPORTED_MODELS)}, "
+                "or a diffusers pipeline built on them"
+            )
+        return [(type(obj).__name__, obj)], []
+    components = getattr(obj, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(
+            f"cannot patch a {type(obj).__name__}: expected a diffusers pipeline or one of "
+            f"{', '.join(SUPPORTED_MODELS)}"
+        )
+    present = [(part, components[part]) for part in PARTS
+               if part not in ignore and isinstance(components.get(part), nn.Module)]
+    models = [(part, m) for part, m in present if type(m).__name__ in SUPPORTED_MODELS]
+    others = [(part, type(m).__name__) for part, m in present if type(m).__name__ not in SUPPORTED_MODELS]
+    # Models in components no family names (a transformer pipeline's denoiser, a third text encoder):
+    # reported too, never left alone in silence.
+    others += [(part, type(m).__name__) for part, m in components.items()
+               if isinstance(m, nn.Module) and part not in PARTS and part not in GRAPH_PARTS and part not in ignore]
+    if not models and not ignore:
+        found = f" (it has {', '.join(f'{p}: {name}' for p, name in others)})" if others else ""
+        raise TypeError(
+            f"{type(obj).__name__} has none of the parts sd_kernels patches{found}; supported: "
+            f"{', '.join(PARTS)} as {', '.join(SUPPORTED_MODELS)} "
+            "(SD1.x, SD2.x, SDXL pipelines, with ControlNet or without; PixArt-α/Σ; SD3; FLUX.1)"
+        )
+    return models, others

@@ -28,7 +28,6 @@ from sd_kernels.ops.custom_ops import geglu, gelu, linear_geglu, linear_gelu, qu
 from sd_kernels.profiles import active_profile, scoped
 
 from .record import PatchRecord
-from .registry import register
 
 
 @torch.compiler.assume_constant_result
@@ -97,7 +96,6 @@ def _replacements() -> dict[type, type]:
     }
 
 
-@register("gelu")
 def patch_gelu(model: nn.Module, record: PatchRecord) -> None:
     """Swap every diffusers GEGLU / GELU / ApproximateGELU in ``model`` (exact types, not subclasses,
     whose forward we cannot vouch for) for its sd_kernels counterpart."""

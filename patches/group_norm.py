@@ -39,9 +39,9 @@ from sd_kernels.ops.custom_ops import group_norm
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import backend
 
+from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
-from .registry import register
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -218,7 +218,6 @@ def _patch_norm_out(owner: nn.Module, record: PatchRecord) -> None:
         record.set_attr(owner, "conv_act", nn.Identity(), "silu_folded")
 
 
-@register("group_norm")
 def patch_group_norm(model: nn.Module, record: PatchRecord) -> None:
     """Swap every GroupNorm of ``model`` (see the module docstring for what is fused and skipped)."""
     from diffusers.models.autoencoders.vae import Decoder, Encoder
@@ -229,7 +228,7 @@ def patch_group_norm(model: nn.Module, record: PatchRecord) -> None:
     for path, module in modules:
         if type(module) is ResnetBlock2D:
             _patch_resnet(path, module, record)
-        elif type(module) in (UNet2DConditionModel, Encoder, Decoder):
+        elif call_gate.class_of(module) in (UNet2DConditionModel, Encoder, Decoder):  # the model: gated while changed
             _patch_norm_out(module, record)
         elif isinstance(module, nn.GroupNorm) and type(module) not in (nn.GroupNorm, FusedGroupNorm):
             record.skip(path, type(module).__name__, "subclass of nn.GroupNorm (its forward may differ)")

@@ -63,7 +63,6 @@ from sd_kernels.profiles import scoped
 
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .record import PatchRecord
-from .registry import register
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
@@ -301,7 +300,6 @@ def _install(record: PatchRecord, blocks: list[tuple[str, nn.Module]], sources: 
             record.set_attr(block, "forward", forward(block), f"layer_norm.{kind}")
 
 
-@register("layer_norm")
 def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
     """Fuse the adaLN glue of ``model``'s DiT blocks: every ``JointTransformerBlock`` (SD3; exact type)
     gets a ``JointBlockForward`` while diffusers' block forward and ``AdaLayerNormZero.forward`` are the

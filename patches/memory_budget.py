@@ -1,4 +1,4 @@
-"""The memory patcher: fit a model into the active profile's budgets (mobile emulation).
+"""The memory patcher: fit a model into the patch's profile's budgets (mobile emulation).
 
 Desktop profiles set no budgets and this patcher changes nothing. A profile with
 ``intermediate_budget_mb`` gets its feed-forwards chunked over tokens so that the GEGLU's 2n-wide
@@ -16,12 +16,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from sd_kernels.profiles import active_profile
-from sd_kernels.runtime.memory import guarded
+from sd_kernels.runtime.memory import MB, guarded, plan_budget
 
 from .families import family_of
 from .record import PatchRecord
-from .registry import register
 from .stream_decode import streaming_forward
 
 
@@ -72,9 +70,8 @@ def _feed_forwards(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
             if type(child) is FeedForward]
 
 
-@register("memory")
 def patch_memory(model: nn.Module, record: PatchRecord) -> None:
-    prof, fam = active_profile(), family_of(model)
+    prof, fam = record.profile_spec, family_of(model)
     if prof.intermediate_budget_mb is not None:
         for parent, name, ff in _feed_forwards(model):
             record.set_attr(parent, name, ChunkedFeedForward(ff, prof.chunk_bytes()), "memory.ChunkedFeedForward")
@@ -95,6 +92,21 @@ def patch_memory(model: nn.Module, record: PatchRecord) -> None:
             label = f"{kind}.{path}" if path else kind
             record.set_attr(module, "forward", guarded(module.forward, budget, module, label),
                             f"memory.budget({prof.memory_budget_mb} MB)")
+
+
+def memory_plan(obj: object, prof: Any):
+    """Under a profile with a memory budget: the weights of every model the pipeline holds (or of the
+    bare model), checked against the budget with the profile's intermediate allowance
+    (``sd_kernels.runtime.memory.plan_budget``); None without a budget."""
+    budget = prof.memory_budget_bytes()
+    if budget is None:
+        return None
+    if isinstance(obj, nn.Module):
+        held = {type(obj).__name__: obj}
+    else:
+        held = {k: m for k, m in (getattr(obj, "components", None) or {}).items() if isinstance(m, nn.Module)}
+    chain = None if isinstance(obj, nn.Module) else offload_chain(obj)
+    return plan_budget(held, budget, (prof.intermediate_budget_mb or 0) * MB, chain)
 
 
 # ---------------------------------------------------------------------------------------------

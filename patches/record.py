@@ -27,10 +27,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
+
+from . import call_gate
 
 log = logging.getLogger(__name__)
 _MISSING = object()
@@ -84,16 +87,20 @@ def _replace_inside(wrapper: nn.Module, target: nn.Module, value: nn.Module) -> 
 
 class PatchRecord:
     def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: str | None = None,
-                 compile: str | None = None) -> None:
+                 compile: str | None = None, *, profile_spec: Any = None, models: list[nn.Module] = (),
+                 ignore: tuple[str, ...] = (), scheduler: object = None, memory_plan: Any = None,
+                 target: object = None) -> None:
         self.ops = ops
-        self.profile = profile
+        self.profile = profile  # the profile's name
         self.parts = parts
         self.cuda_graph = cuda_graph  # the graph mode (patches/cuda_graph.py MODES), None for none
         self.compile = compile  # the compile mode (patches/cuda_graph.py COMPILE_MODES), None for none
-        self.profile_spec: object = None  # the Profile itself (patch() compares it on a repeated call)
-        self.scheduler: object = None  # the scheduler given host timesteps (cuda_graph="pipeline")
-        self.ignore: tuple[str, ...] = ()  # the parts patch() was told to leave alone
-        self.memory_plan: Any = None  # under a memory budget: the weights checked against it (memory.BudgetPlan)
+        self.profile_spec = profile_spec  # the Profile itself: the patchers read it, the patched modules run under it
+        self.models = list(models)  # the models patched, in ``parts`` order
+        self.ignore = ignore  # the parts patch() was told to leave alone
+        self.scheduler = scheduler  # the scheduler given host timesteps (cuda_graph="pipeline")
+        self.memory_plan = memory_plan  # under a memory budget: the weights checked against it (memory.BudgetPlan)
+        self.target: Callable[[], Any] = weakref.ref(target) if target is not None else lambda: None
         self.counts: collections.Counter = collections.Counter()
         self.skipped: list[Skipped] = []
         self.scope = ""  # the pipeline part being patched: prefixes skipped modules' paths
@@ -103,6 +110,14 @@ class PatchRecord:
     # would carry steps that undo the original. Copying or pickling one is refused with the way out.
     _REFUSED = ("is patched by sd_kernels: {what} it would carry a record that undoes the original's modules. "
                 "Call sd_kernels.unpatch(obj) first, then patch the original and the {result} separately")
+
+    @property
+    def request(self) -> tuple:
+        """What makes two patches the same: ``patch`` asked again for this one changes nothing. The
+        whole profile, not its name (``dataclasses.replace(profile, attention=...)`` keeps the name),
+        and the models themselves (a component replaced since is patched anew)."""
+        return (self.ops, self.profile_spec, self.parts, self.ignore, self.cuda_graph, self.compile, self.scheduler,
+                tuple(self.models))
 
     @property
     def arguments(self) -> dict[str, Any]:
@@ -131,14 +146,14 @@ class PatchRecord:
         """``obj.__class__ = cls``, remembered: ``cls`` is a subclass of ``obj``'s class that adds
         behaviour, not state, so the object (and whatever is done to it while patched) stays the one
         the model holds; undo gives it its class back. ``kind`` names the change in the counts."""
-        old = type(obj)
+        old = call_gate.class_of(obj)
         self._scope(obj, cls)
-        obj.__class__ = cls
+        call_gate.set_class(obj, cls)
 
         def restore() -> None:
             obj.__dict__.pop("_sd_profile", None)
-            if type(obj) is cls:
-                obj.__class__ = old
+            if call_gate.class_of(obj) is cls:
+                call_gate.set_class(obj, old)
             else:
                 log.warning("sd_kernels: unpatch left a %s alone: its class was changed after the patch",
                             type(obj).__name__)

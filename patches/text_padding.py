@@ -42,6 +42,7 @@ import torch
 from sd_kernels.runtime.dispatch import backend
 
 from .diffusers_sources import VERIFIED_WITH, is_verified
+from .families import family_of
 from .record import PatchRecord
 
 TOKEN_BUCKET = 64
@@ -167,3 +168,15 @@ def install(pipe: object, transformer: torch.nn.Module, record: PatchRecord) -> 
     tokens = _prompt_tokens(pipe, record)
     record.set_attr(pipe, "encode_prompt", TrimmedEncodePrompt(pipe.encode_prompt, tokens), kind=KIND)
     return True
+
+
+def install_all(obj: object, models: list, record: PatchRecord) -> None:
+    """A pipeline whose denoiser's cross-attention masks the prompt's padding: its ``encode_prompt``
+    cuts the padding no row attends to (part of the "attention" op family)."""
+    if "attention" not in record.ops or isinstance(obj, torch.nn.Module):
+        return
+    record.scope = ""
+    for _, model in models:
+        fam = family_of(model)
+        if fam is not None and fam.denoiser and fam.text_padding:
+            install(obj, model, record)

@@ -31,7 +31,6 @@ from sd_kernels.profiles import active_profile, scoped
 
 from .diffusers_sources import is_verified
 from .record import PatchRecord
-from .registry import register
 from .winograd import WinogradConv2d
 
 OP = "upsample_conv2d"
@@ -90,7 +89,6 @@ def _min_pixels() -> int:
     return active_profile().polyphase_min_pixels
 
 
-@register("upsample")
 def patch_upsample(model: nn.Module, record: PatchRecord) -> None:
     """Swap each exact-type ``Upsample2D`` of ``model`` that ``unsupported`` passes for a
     ``PolyphaseUpsample2D``; none where the profile disables the op or diffusers' forward is not the
@@ -98,7 +96,7 @@ def patch_upsample(model: nn.Module, record: PatchRecord) -> None:
     found = [(path, m) for path, m in model.named_modules() if type(m) is Upsample2D]  # each module once
     if not found:
         return
-    reason = active_profile().disabled_reason(OP)
+    reason = record.profile_spec.disabled_reason(OP)
     if reason is None and not is_verified(Upsample2D.forward):
         reason = "Upsample2D.forward is not the source sd_kernels verified (another diffusers version)"
     for path, child in found:

@@ -70,8 +70,9 @@ from torch.utils import _pytree as pytree
 
 from sd_kernels.profiles import scoped
 
-from .cuda_graph import GraphedCall, _copy_in, _timestep_tensor, capture
+from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
+from .graph_capture import capture, copy_in, timestep_tensor
 from .record import PatchRecord
 from .scheduler import HOST_SCHEDULERS, HostScalars, host_timesteps
 
@@ -96,7 +97,7 @@ def _base_pipeline(cls: type) -> type | None:
 
 def supported_reason(pipe: object) -> str | None:
     """Why ``cuda_graph="step"`` cannot replay whole steps of ``pipe``'s class, or None if it can."""
-    base = _base_pipeline(type(pipe))
+    base = _base_pipeline(call_gate.class_of(pipe))
     if base is None:
         return (f"the whole-step graphs re-state the denoising loop of {', '.join(STEP_PIPELINES)}; "
                 f"{type(pipe).__name__} is not one of them")
@@ -269,7 +270,7 @@ class _Pending:
     t_scale: Any  # the timestep scale_model_input was given
     t_unet: Any  # the timestep the UNet was given
     kwargs: dict  # the UNet's keyword arguments (return_dict as the pipeline asked)
-    graphed: GraphedCall
+    graphed: Any  # the UNet's GraphedCall (patches/cuda_graph.py)
 
 
 @dataclass
@@ -281,7 +282,7 @@ class _Guidance:
 
 
 def _guidance(pipe: object) -> _Guidance:
-    module = sys.modules[_base_pipeline(type(pipe)).__module__]
+    module = sys.modules[_base_pipeline(call_gate.class_of(pipe)).__module__]
     cfg = bool(pipe.do_classifier_free_guidance)
     return _Guidance(cfg, float(pipe.guidance_scale), float(pipe.guidance_rescale), module.rescale_noise_cfg)
 
@@ -314,7 +315,7 @@ class _StepGraph:
         model's device (``scheduler_key``), which the graph reads by address."""
         graphed = pending.graphed
         self.latents = latents.clone()  # this step's own copy: a scheduler may keep a step's sample
-        self.t_unet = _timestep_tensor(pending.t_unet)
+        self.t_unet = timestep_tensor(pending.t_unet)
         if isinstance(self.t_unet, torch.Tensor):
             self.t_unet = self.t_unet.to(graphed.device)
         self.tape = _Tape()
@@ -368,7 +369,7 @@ class _Slab:
             last = self.sources[i]
             if last is not None and last[0] is src and last[1] is not None and last[1] == _version(src):
                 continue
-            _copy_in(dst, src)
+            copy_in(dst, src)
             self.sources[i] = (src, _version(src))
 
 
@@ -395,7 +396,7 @@ class WholeStep:
 
     profile_scoped = True  # steps run under the patch's profile, as the GraphedCall's own calls
 
-    def __init__(self, pipe: object, graphed: GraphedCall, record: PatchRecord) -> None:
+    def __init__(self, pipe: object, graphed: Any, record: PatchRecord) -> None:
         self.pipe_ref = pipe
         self.graphed = graphed
         self.record = record
@@ -476,7 +477,7 @@ class WholeStep:
 
         return types.MethodType(scale_model_input, scheduler), types.MethodType(step, scheduler)
 
-    def intercept(self, graphed: GraphedCall, args: tuple, kwargs: dict) -> Any:
+    def intercept(self, graphed: Any, args: tuple, kwargs: dict) -> Any:
         """The UNet call of a step: a placeholder (None: not a step's call, the GraphedCall runs it)."""
         call = self.call
         if call is None or call.armed is None:
@@ -530,7 +531,7 @@ class WholeStep:
         if why is not None:
             return self._eager(scheduler, pending, bound, guide, why[0], why[1], unet=graphed.forward)
         kw_leaves, kw_tree = pytree.tree_flatten(kwargs)
-        kw_key, reason = graphed._signature(kw_leaves, kw_tree)
+        kw_key, reason = graphed.signature(kw_leaves, kw_tree)
         extra = {k: v for k, v in bound.arguments.items()
                  if k not in ("self", "model_output", "sample", "timestep", "generator")}
         t = bound.arguments.get("timestep")
@@ -616,8 +617,9 @@ def _step_class(cls: type) -> type:
                                        "__reduce_ex__": _refuse_pickle, "_sd_kernels_whole_step": True})
 
 
-def install(pipe: object, graphed: GraphedCall, record: PatchRecord) -> WholeStep | None:
-    """Give ``pipe`` whole-step graphs around its graphed UNet call; None (and a skip in the record)
+def install(pipe: object, graphed: Any, record: PatchRecord) -> WholeStep | None:
+    """Give ``pipe`` whole-step graphs around its graphed UNet call (``graphed``: the UNet's
+    ``GraphedCall``, patches/cuda_graph.py); None (and a skip in the record)
     where its class is not one whose loop is re-stated here."""
     reason = supported_reason(pipe)
     if reason is not None:
@@ -628,6 +630,7 @@ def install(pipe: object, graphed: GraphedCall, record: PatchRecord) -> WholeSte
     record.set_attr(graphed, "step_hook", steps, None)
     object.__setattr__(pipe, _ATTR, steps)
     record.on_undo(lambda: vars(pipe).pop(_ATTR, None), "whole_step", 0)
-    if not getattr(type(pipe), "_sd_kernels_whole_step", False):
-        record.set_class(pipe, _step_class(type(pipe)), "whole_step")
+    cls = call_gate.class_of(pipe)
+    if not getattr(cls, "_sd_kernels_whole_step", False):
+        record.set_class(pipe, _step_class(cls), "whole_step")
     return steps

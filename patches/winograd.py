@@ -28,7 +28,6 @@ from sd_kernels.profiles import active_profile, scoped
 from .channels_last import makes_channels_last
 from .families import family_of
 from .record import PatchRecord
-from .registry import register
 
 # Swap convs only in a UNet whose calls are replayed from CUDA graphs (``patch(..., cuda_graph=True)``)
 # unless this is True. Measured on the H100 (bench/results/2026-11-22-h100-ops/winograd_deep.csv): one
@@ -109,13 +108,12 @@ def qualifies(conv: nn.Module) -> bool:
         conv.weight, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode) is None
 
 
-@register("winograd")
 def patch_winograd(model: nn.Module, record: PatchRecord) -> None:
-    """Swap the qualifying 3×3 convs of ``model`` for ``WinogradConv2d`` where the active profile
+    """Swap the qualifying 3×3 convs of ``model`` for ``WinogradConv2d`` where the patch's profile
     may route their channel counts (``Profile.routes_winograd(c, k)``): in a UNet replayed from CUDA
     graphs (``ROUTE_EAGER`` explains why only there); none under a profile that routes no conv, so
     that such profiles pay no per-call routing cost."""
-    profile = active_profile()
+    profile = record.profile_spec
     layout = "channels_last" if makes_channels_last(model, record) else "nchw"
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
              if qualifies(child) and profile.routes_winograd(child.in_channels, child.out_channels, layout)]

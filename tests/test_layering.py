@@ -100,13 +100,11 @@ def test_one_table_of_model_families():
     """patches/families.py is where a model family is described: the lists that used to repeat it are
     lookups in it, and the profiles' layout parts (profiles sit below patches) agree with it."""
     from sd_kernels.patches import PARTS, SUPPORTED_MODELS, families
-    from sd_kernels.patches.registry import PATCHERS
 
     from sd_kernels import profiles
 
     assert (PARTS, SUPPORTED_MODELS) == (families.PARTS, families.SUPPORTED_MODELS)
     assert set(profiles.LAYOUT_PARTS) == set(families.PARTS)
-    assert sorted(families.ORDER) == sorted(PATCHERS)
     assert families.DENOISERS and set(families.DENOISERS) <= set(families.SUPPORTED_MODELS)
     for name in ("patches/channels_last.py", "patches/memory_budget.py", "patches/cuda_graph.py",
                  "patches/winograd.py"):

@@ -492,7 +492,8 @@ _SCOPE: contextvars.ContextVar[Profile | None] = contextvars.ContextVar("sd_kern
 
 def active_profile() -> Profile:
     """The profile dispatch consults: the innermost ``using_profile``'s (a patched model's own), else
-    the process default: the last ``set_profile``, else ``get_profile()``."""
+    the process default: the last ``set_profile``, else ``get_profile()``. The one reader of the
+    scope, called only at call time (docs/profiles.md, "Which profile is active", lists its callers)."""
     scoped = _SCOPE.get()
     if scoped is not None:
         return scoped

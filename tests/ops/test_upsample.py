@@ -49,6 +49,29 @@ def test_upsample_conv2d_is_nearest_then_conv(shape, k, kind, dtype, bias, devic
     _check(*_inputs(shape, k, dtype, device, kind, bias))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_inputs_give_non_finite_outputs_where_stock_does(value, device):
+    """docs/kernels/upsample.md, "Non-finite inputs": the same outputs are non-finite as stock's; a NaN
+    gives NaN there, as stock; an inf gives ±inf (the folded tap's sign times the input's) at every one,
+    where stock gives NaN wherever the taps it sums for it differ in sign."""
+    x, w, b = _inputs((1, 2, 5, 6), 3, torch.float32, device)
+    x[0, 1, 2, 3] = value
+    ours = upsample_conv2d(x, w, b).cpu()
+    stock = reference.upsample_conv2d(x, w, b).cpu()
+    bad = ~torch.isfinite(ours)
+    assert torch.equal(bad, ~torch.isfinite(stock)) and bad.sum() == 3 * 4 * 4  # 4×4 outputs per channel
+    if value != value:
+        assert torch.isnan(ours[bad]).all() and torch.isnan(stock[bad]).all()
+        return
+    assert torch.isinf(ours[bad]).all()
+    one = torch.zeros_like(x)
+    one[0, 1, 2, 3] = 1.0
+    taps = reference.upsample_conv2d(one, w).cpu()  # per output: the sum of the taps that read the inf
+    assert torch.equal(torch.sign(ours[bad]), torch.sign(value * taps[bad]))
+    mixed = torch.isnan(stock[bad])
+    assert 0 < mixed.sum() < bad.sum()  # stock: NaN where the taps differ in sign, ±inf elsewhere
+
+
 def test_polyphase_weight_folds_the_kernel():
     """Each phase's four taps sum the nine taps (every 3×3 tap lands in exactly one 2×2 tap), and
     phase (0, 0)'s corner tap is the kernel's top-left alone (rows {0}, columns {0})."""

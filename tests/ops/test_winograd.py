@@ -302,15 +302,17 @@ def test_large_offsets():
     assert_close_to_reference(ours, stock, ref64, factor=ERROR_FACTOR[torch.float16][4])
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("tile", [2, 4])
-def test_a_non_finite_input_spreads_over_whole_tiles(tile, device):
+def test_a_non_finite_input_spreads_over_whole_tiles(tile, value, device):
     """The documented difference from direct convolution (docs/kernels/winograd.md, "Non-finite
-    inputs"): one inf makes every output of each tile whose (m+2)² input window holds it non-finite, in
-    every output channel; direct convolution only its 3×3 neighbourhood. Everything else matches."""
+    inputs"): one NaN or ±inf makes every output of each tile whose (m+2)² input window holds it NaN,
+    in every output channel; direct convolution only its 3×3 neighbourhood, NaN for a NaN and ±inf for
+    an inf. Everything else matches."""
     N, C, H, W, K = 1, 2, 9, 8, 3
     x, w, b = _conv_inputs(N, C, H, W, K, torch.float32, device)
     r, c = 3, 4
-    x[0, 1, r, c] = float("inf")
+    x[0, 1, r, c] = value
     ours = winograd_conv2d(x, w, b, tile).cpu()
     direct = F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), padding=1)
     expected = torch.zeros(H, W, dtype=torch.bool)
@@ -320,8 +322,10 @@ def test_a_non_finite_input_spreads_over_whole_tiles(tile, device):
                 expected[ti * tile:(ti + 1) * tile, tj * tile:(tj + 1) * tile] = True
     bad = ~torch.isfinite(ours[0])  # [K, H, W]
     assert torch.equal(bad, expected.expand(K, H, W))
+    assert torch.isnan(ours[0][bad]).all()  # NaN, also for an inf
     direct_bad = ~torch.isfinite(direct[0])
     assert direct_bad.sum() == K * 9 and not (direct_bad & ~bad).any()  # a 3×3 neighbourhood, inside ours
+    assert (torch.isnan(direct[0][direct_bad]).all() if value != value else torch.isinf(direct[0][direct_bad]).all())
     torch.testing.assert_close(ours[0][~bad].double(), direct[0][~bad], rtol=1e-4, atol=1e-4)
 
 

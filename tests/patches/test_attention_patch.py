@@ -109,6 +109,22 @@ def test_unet_with_fused_qkv_projections(mask):
     assert {type(p) for p in processors(unet).values()} == {FusedAttnProcessor2_0}
 
 
+@pytest.mark.parametrize("model", [tiny_unet, tiny_vae])
+def test_fusing_while_patched_then_unfusing_after_unpatch_gives_the_stock_processors_back(model):
+    """diffusers' fuse_qkv_projections() keeps the processors it finds for unfuse_qkv_projections():
+    fused while patched, those are ours, and unpatch makes them the stock ones again."""
+    model = model()
+    before = dict(model.attn_processors)
+    sd_kernels.patch(model, ops=["attention"])
+    model.fuse_qkv_projections()
+    sd_kernels.unpatch(model)
+    model.unfuse_qkv_projections()
+    after = model.attn_processors
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert sd_kernels.patch(model, ops=["attention"]).counts["attention_processor"] == len(before)
+    sd_kernels.unpatch(model)
+
+
 def test_fused_vae_attention():
     vae = tiny_vae()
     vae.fuse_qkv_projections()

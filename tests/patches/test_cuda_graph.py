@@ -14,7 +14,7 @@ import diffusers.loaders.peft  # noqa: F401  (its annotations read torch.cuda.St
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor
-from sd_kernels.patches import cuda_graph
+from sd_kernels.patches import cuda_graph, graph_capture
 
 import sd_kernels
 from sd_kernels import models
@@ -24,14 +24,14 @@ pytree = torch.utils._pytree
 
 @pytest.mark.parametrize("t, dtype", [(10, torch.int64), (10.5, torch.float64)])
 def test_number_timestep_becomes_diffusers_tensor_on_the_host(t, dtype):
-    out = cuda_graph._timestep_tensor(t)
+    out = graph_capture.timestep_tensor(t)
     assert out.dtype == dtype and out.shape == (1,) and out.item() == t and out.device.type == "cpu"
 
 
 def test_tensor_and_bool_timesteps_pass_through():
     t = torch.tensor(3)
-    assert cuda_graph._timestep_tensor(t) is t
-    assert cuda_graph._timestep_tensor(True) is True
+    assert graph_capture.timestep_tensor(t) is t
+    assert graph_capture.timestep_tensor(True) is True
 
 
 def test_model_not_on_cuda_is_a_clear_error():

@@ -3,6 +3,7 @@ copies and pickles are refused with the way out, nesting ``patched`` keeps the u
 dtype move while patched is still undone exactly, arguments given as a bare string are refused."""
 
 import copy
+import gc
 import io
 import pickle
 
@@ -122,3 +123,48 @@ def test_two_models_patched_with_different_profiles_each_run_under_their_own(mon
     patch_report(a, profile="s23-ultra")
     sd_kernels.unpatch(b)
     assert profiles.active_profile() is default
+
+
+def _stock(model) -> bool:
+    return _processors_of(model) == {"AttnProcessor2_0"} and not hasattr(model, "_sd_kernels_owner")
+
+
+def _processors_of(model):
+    return {type(m.processor).__name__ for m in model.modules() if hasattr(m, "processor")}
+
+
+def test_a_component_replaced_after_patching_is_patched_by_the_next_patch_and_the_old_one_unpatched(pipe):
+    record = sd_kernels.patch(pipe)
+    old, new = pipe.unet, models.build_model("tiny", "unet")
+    pipe.unet = new
+    again = sd_kernels.patch(pipe)  # the same arguments, another model: no longer the old record
+    assert again is not record and again.models[0] is new
+    assert _processors_of(new) == {"SDKernelsAttnProcessor"} and _stock(old)
+    assert sd_kernels.patch(pipe) is again
+    sd_kernels.unpatch(pipe)
+    assert _stock(new) and _stock(old)
+
+
+def test_unpatching_the_pipeline_after_a_replacement_unpatches_the_replaced_model(pipe):
+    sd_kernels.patch(pipe)
+    old = pipe.unet
+    pipe.unet = models.build_model("tiny", "unet")
+    assert sd_kernels.unpatch(pipe) and _stock(old) and _stock(pipe.unet)
+
+
+def test_a_replaced_model_can_be_unpatched_by_itself_and_a_held_one_says_how(pipe):
+    sd_kernels.patch(pipe)
+    with pytest.raises(ValueError, match="patched as the unet of a StableDiffusionPipeline: unpatch that pipeline"):
+        sd_kernels.unpatch(pipe.unet)
+    old = pipe.unet
+    pipe.unet = models.build_model("tiny", "unet")
+    assert sd_kernels.unpatch(old)  # the pipeline's stale patch is undone with it
+    assert _stock(old) and patch_record(pipe) is None and _processors_of(pipe.vae) == {"AttnProcessor2_0"}
+    other = models.build_pipeline("tiny")
+    record = sd_kernels.patch(other)
+    old = other.unet
+    other.unet = models.build_model("tiny", "unet")
+    del other
+    gc.collect()
+    assert record.target() is None  # the pipeline is gone: its record still undoes the model
+    assert sd_kernels.unpatch(old) and _stock(old)

@@ -5,7 +5,9 @@ The routing decision is the profile's; these tests install a stand-in profile wi
 that they test the patch, not the catalog's data (tests/test_profiles.py tests that).
 """
 
+import dataclasses
 import importlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch.nn as nn
 from sd_kernels.patches import patch, unpatch
 
 from sd_kernels.models import build_model
+from sd_kernels.profiles import Profile, get_profile
 from sd_kernels.runtime import dispatch
 from sd_kernels.testing import rel_err
 
@@ -20,14 +23,13 @@ wg_patch = importlib.import_module("sd_kernels.patches.winograd")
 WinogradConv2d = wg_patch.WinogradConv2d
 
 
-class RouteProfile:
-    """A stand-in for the active profile: routes the convs ``rule(n, c, h, w, k)`` names a tile for."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class RouteProfile(Profile):
+    """A profile (by default the cpu one, under its name) that routes the convs ``rule(n, c, h, w, k)``
+    names a tile for."""
 
-    name = "test-route"
-
-    def __init__(self, rule):
-        self.rule = rule
-        self.asked: list[tuple] = []
+    rule: Callable = lambda n, c, h, w, k: None
+    asked: list = dataclasses.field(default_factory=list)
 
     def routes_winograd(self, c, k, layout="nchw"):
         return any(self.rule(1, c, h, h, k) for h in (1, 4, 8, 16, 64))
@@ -36,16 +38,15 @@ class RouteProfile:
         self.asked.append((n, c, h, w, k, dtype))
         return self.rule(n, c, h, w, k)
 
-    def disabled_reason(self, op):
-        return None
-
 
 @pytest.fixture
 def route(monkeypatch):
-    """``route(rule)`` makes a RouteProfile with ``rule`` the active profile of the patch."""
+    """``route(rule)`` makes a RouteProfile with ``rule``: the profile to patch with, and the active
+    one for a WinogradConv2d made by hand."""
 
-    def install(rule, eager=True):
-        prof = RouteProfile(rule)
+    def install(rule, eager=True, base="cpu"):
+        fields = {f.name: getattr(get_profile(base), f.name) for f in dataclasses.fields(Profile)}
+        prof = RouteProfile(**fields, rule=rule)  # the base's name: its shipped tuning tables
         monkeypatch.setattr(wg_patch, "active_profile", lambda: prof)
         monkeypatch.setattr(wg_patch, "ROUTE_EAGER", eager)
         return prof
@@ -77,9 +78,9 @@ def test_qualifies_only_plain_3x3_stride_1():
 
 
 def test_profile_routing_nothing_swaps_nothing(route):
-    route(lambda n, c, h, w, k: None)
+    prof = route(lambda n, c, h, w, k: None)
     unet = build_model("tiny", "unet")
-    record = patch(unet, ops=["winograd"])
+    record = patch(unet, ops=["winograd"], profile=prof)
     assert record.counts.get("winograd_conv", 0) == 0
     assert not any(isinstance(m, WinogradConv2d) for m in unet.modules())
     unpatch(unet)
@@ -94,7 +95,7 @@ def test_patch_routes_per_call_and_round_trips(route):
     with torch.no_grad():
         stock = call()
         expected = sum(m.out_channels == 64 for m in _qualifying(unet))
-        record = patch(unet, ops=["winograd"])
+        record = patch(unet, ops=["winograd"], profile=prof)
         assert record.counts["winograd_conv"] == expected > 0
         swapped = [m for m in unet.modules() if isinstance(m, WinogradConv2d)]
         assert all(m.out_channels == 64 for m in swapped)
@@ -112,18 +113,18 @@ def test_patch_routes_per_call_and_round_trips(route):
 
 
 def test_without_cuda_graphs_nothing_is_swapped(route):
-    route(lambda n, c, h, w, k: 2, eager=False)
+    prof = route(lambda n, c, h, w, k: 2, eager=False)
     unet = build_model("tiny", "unet")
-    record = patch(unet, ops=["winograd"])
+    record = patch(unet, ops=["winograd"], profile=prof)
     assert not record.counts.get("winograd_conv")
     assert any("cuda_graph=True" in s.reason for s in record.skipped)
     unpatch(unet)
 
 
 def test_a_profile_routing_nothing_reports_nothing(route):
-    route(lambda n, c, h, w, k: None, eager=False)
+    prof = route(lambda n, c, h, w, k: None, eager=False)
     unet = build_model("tiny", "unet")
-    record = patch(unet, ops=["winograd"])
+    record = patch(unet, ops=["winograd"], profile=prof)
     assert not record.counts.get("winograd_conv") and not record.skipped
     unpatch(unet)
 
@@ -229,7 +230,7 @@ def test_compiled_unet_runs_routed_convs_as_one_custom_op(route):
     wg_ops = importlib.import_module("sd_kernels.ops.winograd")
     prof = route(lambda n, c, h, w, k: 2 if h == 8 else None)
     unet = build_model("tiny", "unet")
-    patch(unet, ops=["winograd"])
+    patch(unet, ops=["winograd"], profile=prof)
     call = _unet_call(unet)
     with torch.no_grad():
         prof.asked.clear()
@@ -259,9 +260,9 @@ def test_a_weight_updated_in_place_invalidates_captured_graphs(route):
     """What a CUDA graph of the UNet watches: an in-place update of a routed conv's weight (e.g.
     ``load_state_dict``) changes it, so the graph is captured again and the weight transformed again."""
     cg = importlib.import_module("sd_kernels.patches.cuda_graph")
-    route(lambda n, c, h, w, k: 2)
+    prof = route(lambda n, c, h, w, k: 2)
     unet = build_model("tiny", "unet")
-    patch(unet, ops=["winograd"])
+    patch(unet, ops=["winograd"], profile=prof)
     watch = cg._Watch(unet)
     before = watch.state(())
     assert watch.state(()) == before
@@ -283,7 +284,7 @@ def test_gpu_channels_last_routes_also_under_compile(route):
     ``compile=True``: every routed call reaches the kernel in channels_last, replays are within 1e-2
     of stock, and under inductor the custom op finds the cached transforms (no per-call transform)."""
     wg_ops = importlib.import_module("sd_kernels.ops.winograd")
-    prof = route(lambda n, c, h, w, k: 2 if c >= 640 and h <= 16 else None, eager=False)
+    prof = route(lambda n, c, h, w, k: 2 if c >= 640 and h <= 16 else None, eager=False, base="hopper")
     unet = build_model("sd15", "unet", device="cuda", dtype=torch.float16)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, generator=g)
@@ -294,7 +295,7 @@ def test_gpu_channels_last_routes_also_under_compile(route):
     with torch.no_grad():
         stock = unet(x, t, ctx).sample
         for compile in (False, True):
-            record = patch(unet, profile="hopper", cuda_graph="unet", compile=compile)
+            record = patch(unet, profile=prof, cuda_graph="unet", compile=compile)
             assert record.counts.get("winograd_conv"), record.skipped
             before = wg_ops.uncached_calls
             prof.asked.clear()
