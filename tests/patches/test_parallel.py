@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
-from sd_kernels.patches import cfg_parallel, cuda_graph, patch_record
+from sd_kernels.patches import cfg_parallel, context_parallel, cuda_graph, patch_record
 from test_cuda_graph import _args, fake_cuda  # noqa: F401  (fake_cuda: a fixture, the stand-in for CUDA graphs)
 
 import sd_kernels
@@ -171,3 +171,29 @@ def test_graphable_reason_names_context_parallelism():
     model = models.build_model("tiny-flux", "transformer")
     model._parallel_config = types.SimpleNamespace(context_parallel_config=object())
     assert "context parallelism" in cuda_graph.graphable_reason(model)
+
+
+def _cp(ring=1, ulysses=2, anything=False):
+    return types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(
+        ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=anything))
+
+
+def test_our_local_attention_serves_ulysses_only_on_the_verified_templates(monkeypatch):
+    """Ring and Ulysses × ring need the log-sum-exp (diffusers' dispatch runs them), and templates other than
+    the checked source are diffusers' to run; a head count the degree does not divide is named (not under
+    ulysses_anything, which pads heads)."""
+    verified = context_parallel.is_verified
+    assert context_parallel.serves(_cp()) and context_parallel.serves(_cp(ulysses=4, anything=True))
+    assert not context_parallel.serves(_cp(ring=2, ulysses=1)) and not context_parallel.serves(_cp(ring=2))
+    assert not context_parallel.serves(None) and not context_parallel.serves(types.SimpleNamespace(
+        context_parallel_config=None))
+    monkeypatch.setitem(verified.__wrapped__.__globals__["VERIFIED"], "TemplatedUlyssesAttention.forward", "0" * 16)
+    verified.cache_clear()
+    try:
+        assert not context_parallel.serves(_cp())
+    finally:
+        verified.cache_clear()
+    with pytest.raises(ValueError, match="4 does not divide 6 heads.*ulysses_anything"):
+        context_parallel.check_heads(6, _cp(ulysses=4), "FluxAttention")
+    context_parallel.check_heads(6, _cp(ulysses=4, anything=True), "FluxAttention")
+    context_parallel.check_heads(6, _cp(ring=4, ulysses=1), "FluxAttention")
