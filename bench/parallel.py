@@ -3,10 +3,11 @@
     torchrun --standalone --nproc_per_node W -m bench.parallel --out DIR [--models flux-dev,sd3-medium,...]
              [--size 1024] [--steps 28] [--calls 3] [--variants ...]
 
-Run it with W = 1 first, on the same machine as the W > 1 runs: the one-GPU run writes the reference
-(``DIR/reference-<model>-<size>.pt``: stock eager's latents and image; the one-GPU rows' times), which
-the runs on W GPUs compare with. Random weights from the shipped configs (every process builds the same
-ones from the same seed), one prompt, the same seed on every process; fp16, FLUX bf16 (its own dtype).
+Run it with W = 1 first, on the same machine as the W > 1 runs: the one-GPU runs write the reference
+(``DIR/reference-<model>-<size>-<steps>.pt``: stock eager's latents and image, every one-GPU variant's
+time, kept across runs that measure some variants each), which the runs on W GPUs compare with.
+Random weights from the shipped configs (every process builds the same ones from the same seed), one
+prompt, the same seed on every process; fp16, FLUX bf16 (its own dtype).
 Variants (``plan`` says which apply to a model at W):
 
 - one GPU: ``stock`` (diffusers eager: the reference), ``peer`` (bench/setups.py's stock+compile-graphs,
@@ -24,11 +25,11 @@ Variants (``plan`` says which apply to a model at W):
 - ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
   the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
 
-One row of ``DIR/parallel.csv`` per (model, W, variant), appended by the first process as soon as it is
-measured: ``warmup_s`` (set-up and the first call), ``e2e_ms`` (median of ``--calls`` pipeline calls, each
+One row of ``DIR/parallel.csv`` per (model, W, variant), appended by the first process after each
+model: ``warmup_s`` (set-up and the first call), ``e2e_ms`` (median of ``--calls`` pipeline calls, each
 from a barrier to the last process's end), ``vs_one_gpu`` (over ``ours`` on one GPU), ``vs_peer`` (over
 the one-GPU ``peer``, or at W > 1 over ``ulysses-peer`` where it ran), ``latent_rel_err`` and ``psnr_db``
-against stock on one GPU (the issue's bar: PSNR ≥ 40 dB, latents within 1e-2), ``status`` (ok, or why the
+against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``status`` (ok, or why the
 row did not run), device and versions.
 """
 
@@ -179,14 +180,25 @@ def _ratios(rows: list[dict], one_gpu: dict) -> None:
             r["vs_peer"] = round(r["e2e_ms"] / peer, 3)
 
 
+def reference_path(out: pathlib.Path, model: str, size: int, steps: int) -> pathlib.Path:
+    return out / f"reference-{model}-{size}-{steps}.pt"
+
+
+def one_gpu_times(ref: dict, rows: list[dict]) -> dict[str, float]:
+    """The one-GPU times after a run on one GPU: this run's measured rows over those of earlier runs
+    (one run may measure some variants, the next the others)."""
+    return {**ref.get("one_gpu", {}), **{r["variant"]: r["e2e_ms"] for r in rows if r["status"] == "ok"}}
+
+
 def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list[dict]:
     from sd_kernels.models import build_pipeline
 
     dtype = _dtype(model)
-    ref_path = args.out / f"reference-{model}-{args.size}.pt"
-    ref = torch.load(ref_path) if world > 1 and ref_path.exists() else None
-    if world > 1 and ref is None:
-        log(f"{model}: no {ref_path.name} (run with --nproc_per_node 1 first): no fidelity or vs_one_gpu columns")
+    ref_path = reference_path(args.out, model, args.size, args.steps)
+    ref = torch.load(ref_path) if ref_path.exists() else {}
+    if "image" not in ref:
+        log(f"{model}: no one-GPU stock image in {ref_path.name} yet (run with --nproc_per_node 1 and the stock "
+            "variant first): no fidelity columns")
     pipe = build_pipeline(model, f"cuda:{torch.cuda.current_device()}", dtype)
     pipe.set_progress_bar_config(disable=True)
     base = {"model": model, "size": args.size, "steps": args.steps, "dtype": str(dtype).removeprefix("torch."),
@@ -200,18 +212,18 @@ def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list
             row.update(measure(pipe, variant, args.size, args.steps, args.calls, world))
         except Exception as exc:  # a variant that cannot run here is a row that says why
             row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-        if world == 1 and variant == "stock" and rank == 0 and "image" in row:
-            ref = {"image": row["image"], "latent": row["latent"]}
-        _fidelity(row, ref)
+        if world == 1 and variant == "stock" and "image" in row:
+            ref.update(image=row["image"], latent=row["latent"])
+        _fidelity(row, ref if "image" in ref else None)
         rows.append(row)
         log(f"{model} W={world} {variant}: {row['status']} e2e {row.get('e2e_ms')} ms, "
             f"PSNR {row.get('psnr_db')} dB, latents {row.get('latent_rel_err')}")
         torch.cuda.empty_cache()
-    one_gpu = {r["variant"]: r["e2e_ms"] for r in rows if r["status"] == "ok"} if world == 1 else (
-        ref or {}).get("one_gpu", {})
-    _ratios(rows, one_gpu)
-    if world == 1 and rank == 0 and ref is not None:
-        torch.save({**ref, "one_gpu": one_gpu}, ref_path)
+    if world == 1:
+        ref["one_gpu"] = one_gpu_times(ref, rows)
+        if rank == 0:
+            torch.save(ref, ref_path)
+    _ratios(rows, ref.get("one_gpu", {}))
     return rows
 
 

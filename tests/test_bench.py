@@ -536,3 +536,12 @@ def test_parallel_bench_says_it_needs_gpus_under_torchrun(tmp_path, capsys):
 
     assert parallel.main(["--out", str(tmp_path)]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_parallel_bench_keeps_one_gpu_times_across_runs_of_some_variants():
+    from bench import parallel
+
+    ref = {"one_gpu": {"stock": 9.0, "ours": 5.0}}
+    rows = [{"variant": "ours", "status": "ok", "e2e_ms": 4.0}, {"variant": "peer", "status": "failed: X"},
+            {"variant": "ours+compile", "status": "ok", "e2e_ms": 3.0}]
+    assert parallel.one_gpu_times(ref, rows) == {"stock": 9.0, "ours": 4.0, "ours+compile": 3.0}
