@@ -110,7 +110,13 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
             from diffusers import ContextParallelConfig
 
             if variant == "ulysses-peer":
+                from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+                # set_attention_backend also makes the backend the process's (our processors then step
+                # aside): both are put back after the row
+                active = registry._active_backend
                 transformer.set_attention_backend("_native_cudnn")
+                stack.callback(registry.set_active_backend, active)
                 stack.callback(transformer.reset_attention_backend)
             if transformer._parallel_config is None:  # enable_parallelism cannot be undone: once per process
                 transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
@@ -126,15 +132,20 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
         yield "" if record is None else " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed_ms(call) -> float:
-    """One call from a barrier to the end of the slowest process."""
+    """One call from a barrier to the end of the slowest process (the maximum over processes: gloo's)."""
     dist.barrier()
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     call()
-    torch.cuda.synchronize()
+    _sync()
     dist.barrier()
-    ms = torch.tensor((time.perf_counter() - t) * 1e3, device="cuda")
+    ms = torch.tensor((time.perf_counter() - t) * 1e3)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return ms.item()
 
@@ -150,7 +161,7 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int) -
     start = time.perf_counter()
     with torch.no_grad(), set_up(pipe, variant, world) as patched:
         image = call("pt")
-        torch.cuda.synchronize()
+        _sync()
         warmup = time.perf_counter() - start
         e2e = statistics.median(_timed_ms(lambda: call("pt")) for _ in range(calls))
         latent = call("latent")

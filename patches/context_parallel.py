@@ -41,11 +41,18 @@ def _dispatch_module():
     return attention_dispatch
 
 
+_VERIFIED: bool | None = None  # verified()'s answer: read as a constant where torch.compile traces a call
+
+
 def verified() -> bool:
-    """Whether the installed diffusers has the template code this was written against."""
-    d = _dispatch_module()
-    return (all(is_verified(getattr(d, name)) for name in _CALLED)
-            and all(is_verified(getattr(d, name).forward) for name in _TEMPLATES))
+    """Whether the installed diffusers has the template code this was written against (decided once: the
+    patch asks first, eagerly)."""
+    global _VERIFIED
+    if _VERIFIED is None:
+        d = _dispatch_module()
+        _VERIFIED = (all(is_verified(getattr(d, name)) for name in _CALLED)
+                     and all(is_verified(getattr(d, name).forward) for name in _TEMPLATES))
+    return _VERIFIED
 
 
 def ulysses_degree(parallel_config) -> int | None:

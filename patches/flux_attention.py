@@ -69,6 +69,7 @@ def replacement(processor, attn=None) -> SDKernelsFluxAttnProcessor | str:
                 "dispatch runs what was chosen)")
     if attn is not None:
         context_parallel.check_heads(attn.heads, processor._parallel_config, type(attn).__name__)
+    context_parallel.verified()  # decided here, eagerly, before a call under torch.compile reads it
     return SDKernelsFluxAttnProcessor(processor)
 
 

@@ -188,6 +188,7 @@ def test_our_local_attention_serves_ulysses_only_on_the_verified_templates(monke
     assert not context_parallel.serves(None) and not context_parallel.serves(types.SimpleNamespace(
         context_parallel_config=None))
     monkeypatch.setitem(verified.__wrapped__.__globals__["VERIFIED"], "TemplatedUlyssesAttention.forward", "0" * 16)
+    monkeypatch.setattr(context_parallel, "_VERIFIED", None)
     verified.cache_clear()
     try:
         assert not context_parallel.serves(_cp())
