@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile
 
-from . import call_gate, cfg_parallel, families, memory_budget, text_padding
+from . import call_gate, cfg_parallel, context_parallel, families, memory_budget, text_padding
 from . import cuda_graph as cuda_graph_mod
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
 from .memory_budget import memory_plan
@@ -72,8 +72,9 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
             if getattr(model, _OWNER, old) is not old:
                 raise ValueError(f"the {part} of this {type(obj).__name__} is already patched through another "
                                  "object (a pipeline sharing it, or the bare model): unpatch that one first")
-        # a collective (every process patches): after the checks a single process could fail alone
+        # collectives (every process patches): after the checks a single process could fail alone
         group = cfg_parallel.check_setup(models, prof, ops, mode, compile) if parallel else None
+        context_parallel.check_setup(models, prof, ops, mode, compile)
         scheduler = getattr(obj, "scheduler", None) if mode in cuda_graph_mod.PIPELINE_MODES else None
         record = PatchRecord(ops, prof.name, [p for p, _ in models], mode, compile, profile_spec=prof,
                              models=[m for _, m in models], ignore=ignore, scheduler=scheduler, memory_plan=plan,

@@ -107,6 +107,14 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
         raise ValueError("parallel='cfg' exchanges the denoiser's output between processes each step, outside the "
                          "CUDA graphs; cuda_graph='step' would capture that call inside a step's graph: use "
                          "cuda_graph=True ('pipeline')")
+    same_patch(group, denoisers, profile, ops, graph_mode, compile, "parallel='cfg'")
+    return group
+
+
+def same_patch(group, denoisers: list[tuple[str, nn.Module]], profile: Any, ops: tuple[str, ...],
+               graph_mode: str | None, compile: str | None, what: str) -> None:
+    """Raise on every process of ``group`` unless all of them patch alike: profile, ops, graph mode,
+    compile, the denoisers' classes, configs and weights (float64 sums). A collective."""
     mine = (repr(profile), ops, graph_mode, compile,
             tuple((part, type(m).__name__, _config(m)) for part, m in denoisers))
     gathered: list = [None] * dist.get_world_size(group)
@@ -117,10 +125,9 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
         differ = ["denoiser weights"]
     if differ:
         profiles = [g[2] for g in gathered]
-        raise ValueError(f"parallel='cfg': the processes patch differently (in {', '.join(differ)}): every "
-                         "process must load the same weights and call patch() with the same arguments; "
-                         f"profiles per process: {profiles}")
-    return group
+        raise ValueError(f"{what}: the processes patch differently (in {', '.join(differ)}): every process must "
+                         f"load the same weights and call patch() with the same arguments; profiles per process: "
+                         f"{profiles}")
 
 
 class CfgParallelCall:

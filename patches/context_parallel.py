@@ -27,6 +27,7 @@ import torch
 
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
+from .cfg_parallel import same_patch
 from .diffusers_sources import is_verified
 
 # diffusers' code this calls and whose calling convention (forward_op's arguments, what the native
@@ -77,6 +78,17 @@ def check_heads(heads: int, parallel_config, where: str) -> None:
     raise ValueError(f"{where}: Ulysses attention gives each of the {degree} processes 1/{degree} of the heads, and "
                      f"{degree} does not divide {heads} heads: choose a ulysses_degree that divides {heads}, or "
                      "ContextParallelConfig(ulysses_degree=..., ulysses_anything=True)")
+
+
+def check_setup(models: list, profile, ops: tuple[str, ...], graph_mode: str | None, compile: str | None) -> None:
+    """Patching a model already under context parallelism: every process of its mesh patches alike (a
+    collective over that mesh, as ``enable_parallelism`` was; a patch made before ``enable_parallelism``
+    cannot be checked so)."""
+    parallel = [(part, m) for part, m in models
+                if getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None) is not None]
+    if parallel:
+        group = parallel[0][1]._parallel_config.context_parallel_config._flattened_mesh.get_group()
+        same_patch(group, parallel, profile, ops, graph_mode, compile, "context parallelism")
 
 
 def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,

@@ -6,8 +6,8 @@ Cases: CFG-parallel SD1.5- and SDXL-shaped pipelines against one process (latent
 the split is what is tested, the ops have their own tests) and exactly unpatched; FLUX under diffusers'
 Ulysses context parallelism with sd_kernels' attention (the kernels, through the interpreter), patched
 after and before ``enable_parallelism``, against one process, and exactly unpatched; the clear errors
-(a batch the processes do not divide, a seed per process, mixed profiles, heads the Ulysses degree does
-not divide).
+(a batch the processes do not divide, a seed per process, mixed profiles under either split, heads the
+Ulysses degree does not divide).
 """
 
 import contextlib
@@ -162,6 +162,15 @@ def ulysses_case():
     return out
 
 
+def ulysses_mixed_profiles_case(rank):
+    pipe = build("tiny-flux")
+    pipe.transformer.enable_parallelism(config=_cp_config())
+    cpu = get_profile("cpu")
+    mine = cpu if rank == 0 else dataclasses.replace(cpu, name="cpu-other", flash_min_keys=cpu.flash_min_keys + 1)
+    return {"error": error_of(lambda: sd_kernels.patch(pipe, profile=mine)),
+            "left_unpatched": sd_kernels.patches.patch_record(pipe) is None}
+
+
 def heads_case():
     from diffusers import FluxTransformer2DModel
 
@@ -195,7 +204,8 @@ def main(out_dir: pathlib.Path) -> None:
     torch.accelerator.device_count = lambda: 1
     report = {"world": dist.get_world_size()}
     for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
-                       ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("heads", heads_case)]:
+                       ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("heads", heads_case),
+                       ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
         try:
             report[name] = case()
         except Exception:

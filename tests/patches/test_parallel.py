@@ -94,6 +94,9 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
         assert "patch differently (in profile)" in e["mixed_profiles"] and "'cpu', 'cpu-other'" in e["mixed_profiles"]
         assert e["mixed_left_unpatched"]
     for r in ranks:
+        mixed = r["ulysses_mixed_profiles"]
+        assert mixed["error"].startswith("ValueError: context parallelism: the processes patch differently (in "
+                                         "profile)") and mixed["left_unpatched"]
         heads = r["heads"]
         for when in ("patch_after", "patch_before"):
             assert heads[when].startswith("ValueError") and "2 does not divide 3 heads" in heads[when]
