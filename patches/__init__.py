@@ -5,7 +5,8 @@ and routes the parts it knows through sd_kernels' ops, one op family at a time (
 It is idempotent and exactly reversible: every change goes through the record that hangs on the
 patched object (patches/record.py), and ``unpatch`` replays it backwards, so outputs are
 bit-identical to a never-patched model. ``cuda_graph=`` also replays the model calls from CUDA graphs
-(patches/cuda_graph.py). Patch and unpatch wait for calls in flight on other threads and hold new
+(patches/cuda_graph.py); ``parallel="cfg"`` splits one image's guidance batch over processes
+(patches/cfg_parallel.py). Patch and unpatch wait for calls in flight on other threads and hold new
 ones off (patches/call_gate.py). docs/patch.md has the whole story.
 """
 
@@ -19,7 +20,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile
 
-from . import call_gate, families, memory_budget, text_padding
+from . import call_gate, cfg_parallel, context_parallel, families, memory_budget, text_padding
 from . import cuda_graph as cuda_graph_mod
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
 from .memory_budget import memory_plan
@@ -38,14 +39,16 @@ _OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched i
 
 def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] | None = None,
           ignore: Iterable[str] = (), cuda_graph: bool | str = cuda_graph_mod.AUTO,
-          compile: bool | str = False) -> PatchRecord:
+          compile: bool | str = False, parallel: str | None = None) -> PatchRecord:
     """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
 
     ``profile``: a name, a JSON path or a Profile (default: detected); ``ops``: op families of
     ``PATCHERS`` (default: all); ``ignore``: pipeline parts to leave alone; ``cuda_graph``: which
     model calls are replayed from CUDA graphs ("auto", True = "pipeline", "step", "unet", False);
     ``compile``: the graphs capture ``torch.compile`` of what they replay (True = "default",
-    "max-autotune"). docs/patch.md describes each. The same patch asked again changes nothing;
+    "max-autotune"); ``parallel``: "cfg" splits the denoiser's guidance batch over the processes of
+    torch.distributed's default group (every process patches alike; docs/parallel.md). docs/patch.md
+    describes each. The same patch asked again changes nothing;
     another one unpatches first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
     for name, value in (("ops", ops), ("ignore", ignore)):
@@ -53,6 +56,7 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
             raise TypeError(f"{name}= takes a list of names, got the string {value!r} "
                             f"(did you mean {name}=[{value!r}]?)")
     cuda_graph_mod.check_request(cuda_graph, compile)
+    parallel = cfg_parallel.mode_of(parallel)
     ops, ignore = tuple(sorted(PATCHERS if ops is None else set(ops))), tuple(ignore)
     if unknown := set(ops) - set(PATCHERS):
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
@@ -68,10 +72,13 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
             if getattr(model, _OWNER, old) is not old:
                 raise ValueError(f"the {part} of this {type(obj).__name__} is already patched through another "
                                  "object (a pipeline sharing it, or the bare model): unpatch that one first")
+        # collectives (every process patches): after the checks a single process could fail alone
+        group = cfg_parallel.check_setup(models, prof, ops, mode, compile) if parallel else None
+        context_parallel.check_setup(models, prof, ops, mode, compile)
         scheduler = getattr(obj, "scheduler", None) if mode in cuda_graph_mod.PIPELINE_MODES else None
         record = PatchRecord(ops, prof.name, [p for p, _ in models], mode, compile, profile_spec=prof,
                              models=[m for _, m in models], ignore=ignore, scheduler=scheduler, memory_plan=plan,
-                             target=obj)
+                             target=obj, parallel=parallel)
         if old is not None and old.request == record.request:
             return old
         if old is not None:
@@ -79,6 +86,8 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
         _note_others(obj, models, others, record)
         try:
             _apply(obj, models, record)
+            if parallel:  # last: it wraps the denoiser's forward as the patch left it (graphed or not)
+                cfg_parallel.install(obj, models, record, group)
         except BaseException:
             record.undo()
             raise

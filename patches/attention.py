@@ -144,14 +144,13 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     replaced: dict[int, tuple] = {}  # id of each processor installed -> (it, the one it replaced)
     record.on_undo(lambda: _give_back_originals(model, replaced), "attention_processor", 0)
     for path, module in model.named_modules():
+        processor = getattr(module, "processor", None)
         if flux is not None and isinstance(module, flux):
-            replace = flux_attention.replacement
+            new = flux_attention.replacement(processor, module)
         elif isinstance(module, Attention):
-            replace = _replacement
+            new = _replacement(processor)
         else:
             continue
-        processor = getattr(module, "processor", None)
-        new = replace(processor)
         if isinstance(new, str):
             record.skip(path, type(processor).__name__, new)
         elif isinstance(new, type):

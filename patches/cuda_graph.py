@@ -58,10 +58,19 @@ and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), the attention pr
 ``scale`` and the attention backend diffusers' dispatch would run (``set_attn_processor``,
 ``set_ip_adapter_scale``, ``set_attention_backend``, the ``attention_backend`` context manager: FLUX's
 processors read them); offloading hooks added after the patch make the calls eager.
+
+A model under diffusers' context parallelism (``enable_parallelism``) is not graphed: its forward runs
+collectives (Ulysses' all-to-alls, the output's all-gather) that a capture would bake into the graph,
+which is not checked safe here. ``cuda_graph="auto"`` then captures nothing, ``cuda_graph=True`` is
+refused, and a model graphed before ``enable_parallelism`` runs eagerly from then on. diffusers'
+hooks wrap the ``GraphedCall`` they find as the model's ``forward``; unpatch hands them the
+original method in its place (``_release``), so the model is left as ``enable_parallelism`` would have
+left a model never patched.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Iterable
@@ -132,8 +141,20 @@ def auto_mode(unets: list[nn.Module], profile: Any) -> tuple[str | None, str]:
     return MODES[0], f"the {type(unets[0]).__name__} is on CUDA"
 
 
+def context_parallel(model: nn.Module) -> bool:
+    """Whether diffusers' context parallelism is on for ``model`` (``enable_parallelism``)."""
+    return getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None) is not None
+
+
+# Why a model under context parallelism runs eagerly (module docstring).
+CONTEXT_PARALLEL = ("it runs under diffusers' context parallelism (enable_parallelism), whose collectives a capture "
+                    "would bake into the graph")
+
+
 def graphable_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot be run from CUDA graphs, or None if it can."""
+    if context_parallel(model):
+        return f"cannot capture the {type(model).__name__}: {CONTEXT_PARALLEL}"
     devices = sorted({str(p.device) for p in model.parameters()})
     if len(devices) != 1 or not devices[0].startswith("cuda"):
         return (f"needs the {type(model).__name__} on one CUDA device; its parameters are on "
@@ -340,6 +361,8 @@ class GraphedCall:
         every graph (``reset``) when the model changed since the last call (see ``_model_state``)."""
         if torch.is_grad_enabled():
             return "autograd is enabled (capture only runs under torch.no_grad / inference_mode)", logging.WARNING
+        if context_parallel(self.model_ref):
+            return CONTEXT_PARALLEL, logging.INFO
         state = _model_state(self.model_ref, self.watch)
         if state != self.state:  # the captured kernels would run stale modules or read freed weights
             moved = state[0] == self.state[0] and state[1] != self.state[1]  # same modules, new places
@@ -429,6 +452,7 @@ def install(model: nn.Module, record, method: str = "forward", drop: Iterable[st
     graphed = GraphedCall(model, fn, label, drop, timestep=fam is not None and fam.timestep and method == fam.graphed,
                           eager=eager)
     record.set_attr(model, method, graphed, "cuda_graph")
+    record.on_undo(lambda: _release(model, method, graphed, eager), "cuda_graph", count=0)
     return graphed
 
 
@@ -472,3 +496,22 @@ def install_mode(obj: object, models: list[tuple[str, nn.Module]], record) -> No
                     "graphs run instead")
     elif mode == "step":
         whole_step.install(obj, vars(unet)["forward"], record)
+
+
+def _release(model: nn.Module, method: str, graphed: GraphedCall, original) -> None:
+    """diffusers' hooks registered after the patch (``enable_parallelism``'s, a cache's) call the
+    ``GraphedCall`` they found as ``model.<method>``: give them ``original`` in its place, and make the
+    outermost wrapper's ``functools.update_wrapper`` attributes the ones it would have copied from
+    ``original``."""
+    registry = model.__dict__.get("_diffusers_hook")
+    refs = getattr(registry, "_fn_refs", ())
+    for ref in refs:
+        for attr in ("forward", "original_forward"):
+            if getattr(ref, attr, None) is graphed:
+                setattr(ref, attr, original)
+    outer = model.__dict__.get(method)
+    if refs and outer is not graphed and getattr(outer, "__wrapped__", None) is graphed:
+        for name, value in vars(graphed).items():
+            if outer.__dict__.get(name) is value:
+                del outer.__dict__[name]
+        functools.update_wrapper(outer, original)

@@ -45,6 +45,13 @@ VERIFIED = {
     "PixArtSigmaPipeline.encode_prompt": "720b88e8b5a3892a",
     "PixArtAlphaPipeline.encode_prompt": "dca0bf45d71bad9f",
     "PixArtTransformer2DModel.forward": "7d77c5dc2fc3cc2c",
+    # called, not re-stated: the context-parallel templates and the native ops whose convention
+    # patches/context_parallel.py follows
+    "_templated_context_parallel_attention": "ae2c32276d93f634",
+    "TemplatedUlyssesAttention.forward": "40c9564ba700707e",
+    "TemplatedUlyssesAnythingAttention.forward": "f94150ab0a7439d7",
+    "_native_attention_forward_op": "e04b48e37940bf44",
+    "_native_attention_backward_op": "ad6f75491445a094",
 }
 VERIFIED_WITH = "0.42.1"
 

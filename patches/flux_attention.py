@@ -21,13 +21,15 @@ the permute back and diffusers' ``flatten(2, 3)`` stay views. Every call the nat
 serve goes to diffusers' ``dispatch_attention_fn`` as diffusers calls it: an ``attention_mask`` (only
 through ``joint_attention_kwargs``; diffusers' native backend reshapes a [B, S] mask, which this leaves
 to it), a backend chosen on the processor (``attn.set_attention_backend``) or for the process
-(``DIFFUSERS_ATTN_BACKEND``, the ``attention_backend`` context manager), context parallelism
-(``_parallel_config``).
+(``DIFFUSERS_ATTN_BACKEND``, the ``attention_backend`` context manager), and context parallelism that
+sd_kernels' attention does not serve (ring, which needs the log-sum-exp). Under diffusers' Ulysses
+context parallelism (``_parallel_config`` set by ``enable_parallelism``, before or after the patch) the
+local attention of diffusers' Ulysses template is sd_kernels' (patches/context_parallel.py).
 
 patches/attention.py installs it on every ``FluxAttention`` whose processor is exactly
 ``FluxAttnProcessor`` while that ``__call__`` is the verified source (patches/diffusers_sources.py) and no
-backend or parallel config was set on it; other processors (``FluxIPAdapterAttnProcessor``, NPU / XLA
-ones, a user's) are left alone and listed in the record.
+backend was set on it; other processors (``FluxIPAdapterAttnProcessor``, NPU / XLA ones, a user's) are
+left alone and listed in the record.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ import torch
 from sd_kernels.ops.custom_ops import attention
 from sd_kernels.profiles import scoped
 
+from . import context_parallel
 from .diffusers_sources import VERIFIED_WITH, is_verified
 
 KIND = "flux_attention_processor"
 _FLUX = "diffusers.models.transformers.transformer_flux"
-_CHOSEN = ("_attention_backend", "_parallel_config")  # what diffusers' set_attention_backend / enable_parallelism set
 
 
 def flux_attention_class() -> type | None:
@@ -52,8 +54,9 @@ def flux_attention_class() -> type | None:
     return None if module is None else module.FluxAttention
 
 
-def replacement(processor) -> SDKernelsFluxAttnProcessor | str:
-    """Our processor for a FluxAttention's stock one, or why it is left alone."""
+def replacement(processor, attn=None) -> SDKernelsFluxAttnProcessor | str:
+    """Our processor for FluxAttention ``attn``'s stock one, or why it is left alone. Under a Ulysses
+    config whose degree does not divide ``attn``'s heads: a clear error (context_parallel.check_heads)."""
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
     if type(processor) is not FluxAttnProcessor:
@@ -61,9 +64,12 @@ def replacement(processor) -> SDKernelsFluxAttnProcessor | str:
     if not is_verified(FluxAttnProcessor.__call__):
         return (f"FluxAttnProcessor.__call__ is not the diffusers {VERIFIED_WITH} code that sd_kernels' FLUX "
                 "processor mirrors: left as it is")
-    chosen = [f"{name}={value!r}" for name in _CHOSEN if (value := getattr(processor, name, None)) is not None]
-    if chosen:
-        return f"left as it is: {', '.join(chosen)} chosen for it (diffusers' dispatch runs what was chosen)"
+    if processor._attention_backend is not None:
+        return (f"left as it is: _attention_backend={processor._attention_backend!r} chosen for it (diffusers' "
+                "dispatch runs what was chosen)")
+    if attn is not None:
+        context_parallel.check_heads(attn.heads, processor._parallel_config, type(attn).__name__)
+    context_parallel.verified()  # decided here, eagerly, before a call under torch.compile reads it
     return SDKernelsFluxAttnProcessor(processor)
 
 
@@ -101,11 +107,15 @@ class SDKernelsFluxAttnProcessor:
                    attention_mask: torch.Tensor | None) -> torch.Tensor:
         """diffusers' ``dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
         backend=self._attention_backend, parallel_config=self._parallel_config)`` on [B, S, H, D]."""
-        if (attention_mask is None and self._attention_backend is None and self._parallel_config is None
-                and _native_backend()):
-            # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
-            query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-            return attention(query, key, value).permute(0, 2, 1, 3)
+        parallel = self._parallel_config
+        if attention_mask is None and self._attention_backend is None and _native_backend():
+            if parallel is None:
+                # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
+                query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+                return attention(query, key, value).permute(0, 2, 1, 3)
+            if context_parallel.serves(parallel):  # Ulysses: diffusers' template, our local attention
+                context_parallel.check_heads(query.shape[2], parallel, "FluxAttention")
+                return context_parallel.attention(query, key, value, parallel)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         return dispatch_attention_fn(

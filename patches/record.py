@@ -89,12 +89,13 @@ class PatchRecord:
     def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: str | None = None,
                  compile: str | None = None, *, profile_spec: Any = None, models: list[nn.Module] = (),
                  ignore: tuple[str, ...] = (), scheduler: object = None, memory_plan: Any = None,
-                 target: object = None) -> None:
+                 target: object = None, parallel: str | None = None) -> None:
         self.ops = ops
         self.profile = profile  # the profile's name
         self.parts = parts
         self.cuda_graph = cuda_graph  # the graph mode (patches/cuda_graph.py MODES), None for none
         self.compile = compile  # the compile mode (patches/cuda_graph.py COMPILE_MODES), None for none
+        self.parallel = parallel  # the split over processes (patches/cfg_parallel.py MODES), None for none
         self.profile_spec = profile_spec  # the Profile itself: the patchers read it, the patched modules run under it
         self.models = list(models)  # the models patched, in ``parts`` order
         self.ignore = ignore  # the parts patch() was told to leave alone
@@ -117,13 +118,13 @@ class PatchRecord:
         whole profile, not its name (``dataclasses.replace(profile, attention=...)`` keeps the name),
         and the models themselves (a component replaced since is patched anew)."""
         return (self.ops, self.profile_spec, self.parts, self.ignore, self.cuda_graph, self.compile, self.scheduler,
-                tuple(self.models))
+                tuple(self.models), self.parallel)
 
     @property
     def arguments(self) -> dict[str, Any]:
         """The arguments that make this patch again (``patched()`` re-applies a patch it displaced)."""
         return {"profile": self.profile_spec, "ops": self.ops, "ignore": self.ignore,
-                "cuda_graph": self.cuda_graph or False, "compile": self.compile or False}
+                "cuda_graph": self.cuda_graph or False, "compile": self.compile or False, "parallel": self.parallel}
 
     def __deepcopy__(self, memo: dict) -> PatchRecord:
         raise TypeError("this object " + self._REFUSED.format(what="a deep copy of", result="copy"))
@@ -208,6 +209,7 @@ class PatchRecord:
         parts = ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))
         graph = f", cuda_graph={self.cuda_graph}" if self.cuda_graph else ""
         graph += {None: "", "default": ", compile"}.get(self.compile, f", compile={self.compile}")
+        graph += f", parallel={self.parallel}" if self.parallel else ""
         return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}{graph}): {parts or 'nothing'}"
 
     def format(self, examples: int = 3) -> str:

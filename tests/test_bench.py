@@ -512,3 +512,36 @@ def test_layer_norm_bench_is_a_family_and_its_impls_agree(device):
     n = 2 * 4096 * 1152 * 2
     assert lnb.traffic((2, 4096, 1152), False) == {"ours": 2 * n + 2 * 2 * 1152 * 2, "stock": 6 * n}
     assert lnb.traffic((2, 4096, 1152), True) == {"ours": 4 * n + 3 * 2 * 1152 * 2, "stock": 11 * n}
+
+
+def test_parallel_bench_plans_ulysses_where_diffusers_has_a_plan_and_cfg_where_guidance_splits():
+    """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses rows at every W > 1;
+    SDXL, SD3 and PixArt-Σ (guidance, no plan) the CFG rows at W = 2 only: one image's guidance batch is 2."""
+    import diffusers
+
+    from bench import parallel
+
+    for model in parallel.MODELS:
+        assert parallel.plan(model, 1) == parallel.ONE_GPU
+    assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES
+    for model in ("sdxl", "sd3-medium", "pixart-sigma"):
+        assert parallel.plan(model, 2) == parallel.CFG and parallel.plan(model, 4) == ()
+    classes = {"flux-dev": diffusers.FluxTransformer2DModel, "sd3-medium": diffusers.SD3Transformer2DModel,
+               "pixart-sigma": diffusers.PixArtTransformer2DModel}
+    assert {m for m, cls in classes.items() if getattr(cls, "_cp_plan", None)} == set(parallel.CP_PLANS)
+
+
+def test_parallel_bench_says_it_needs_gpus_under_torchrun(tmp_path, capsys):
+    from bench import parallel
+
+    assert parallel.main(["--out", str(tmp_path)]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+def test_parallel_bench_keeps_one_gpu_times_across_runs_of_some_variants():
+    from bench import parallel
+
+    ref = {"one_gpu": {"stock": 9.0, "ours": 5.0}}
+    rows = [{"variant": "ours", "status": "ok", "e2e_ms": 4.0}, {"variant": "peer", "status": "failed: X"},
+            {"variant": "ours+compile", "status": "ok", "e2e_ms": 3.0}]
+    assert parallel.one_gpu_times(ref, rows) == {"stock": 9.0, "ours": 4.0, "ours+compile": 3.0}

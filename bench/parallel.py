@@ -1,0 +1,285 @@
+"""One image on several GPUs: ours against diffusers' own context parallelism + torch.compile, W GPUs against one.
+
+    torchrun --standalone --nproc_per_node W -m bench.parallel --out DIR [--models flux-dev,sd3-medium,...]
+             [--size 1024] [--steps 28] [--calls 3] [--variants ...]
+
+Run it with W = 1 first, on the same machine as the W > 1 runs: the one-GPU runs write the reference
+(``DIR/reference-<model>-<size>-<steps>.pt``: stock eager's latents and image, every one-GPU variant's
+time, kept across runs that measure some variants each), which the runs on W GPUs compare with.
+Random weights from the shipped configs (every process builds the same ones from the same seed), one
+prompt, the same seed on every process; fp16, FLUX bf16 (its own dtype).
+Variants (``plan`` says which apply to a model at W):
+
+- one GPU: ``stock`` (diffusers eager: the reference), ``peer`` (bench/setups.py's stock+compile-graphs,
+  diffusers' speed recipe), ``ours`` (``patch(pipe)``: CUDA graphs), ``ours+compile``
+  (``patch(pipe, compile=True)``).
+- ``ulysses-peer`` (transformers diffusers has a context-parallel plan for: FLUX): diffusers' documented
+  way, ``transformer.set_attention_backend("_native_cudnn")`` and
+  ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=W))``, with the transformer's forward
+  torch.compiled (mode "default": the collectives stay out of inductor's CUDA graphs, as they stay out
+  of ours).
+- ``ulysses-ours``: ``enable_parallelism`` the same way (no backend set) and ``patch(pipe)``: the local
+  attention of diffusers' Ulysses template is sd_kernels' (patches/context_parallel.py); the
+  transformer runs eagerly (its collectives are not captured), the VAE and text encoders too.
+- ``ulysses-ours+compile``: the same with the patched transformer's forward torch.compiled (mode "default").
+- ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
+  the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
+
+One row of ``DIR/parallel.csv`` per (model, W, variant), appended by the first process after each
+model: ``warmup_s`` (set-up and the first call), ``e2e_ms`` (median of ``--calls`` pipeline calls, each
+from a barrier to the last process's end), ``vs_one_gpu`` (over ``ours`` on one GPU), ``vs_peer`` (over
+the one-GPU ``peer``, or at W > 1 over ``ulysses-peer`` where it ran), ``latent_rel_err`` and ``psnr_db``
+against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``status`` (ok, or why the
+row did not run), device and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+PROMPT = "a photograph of an astronaut riding a horse"
+MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
+ONE_GPU = ("stock", "peer", "ours", "ours+compile")
+ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile")
+CFG = ("cfg-ours", "cfg-ours+compile")
+CP_PLANS = ("flux-dev",)  # diffusers 0.42.1 ships a context-parallel plan for these transformers
+NO_GUIDANCE = ("flux-dev",)  # guidance-distilled: a batch of one image, nothing for CFG to split
+COLUMNS = ["model", "size", "steps", "dtype", "world", "variant", "status", "warmup_s", "e2e_ms", "vs_one_gpu",
+           "vs_peer", "latent_rel_err", "psnr_db", "patched", "device", "torch", "triton", "diffusers", "date"]
+
+
+def plan(model: str, world: int) -> tuple[str, ...]:
+    """The variants that apply to ``model`` on ``world`` GPUs."""
+    if world == 1:
+        return ONE_GPU
+    out = ULYSSES if model in CP_PLANS else ()
+    if model not in NO_GUIDANCE and 2 % world == 0:  # one image: a guidance batch of 2
+        out += CFG
+    return out
+
+
+def _dtype(model: str) -> torch.dtype:
+    return torch.bfloat16 if model.startswith("flux") else torch.float16
+
+
+def _extra(pipe) -> dict:
+    from bench.dit import _extra_kwargs
+
+    return _extra_kwargs(pipe.__call__)
+
+
+@contextlib.contextmanager
+def _compiled_forward(model: torch.nn.Module) -> Iterator[None]:
+    """``model.forward`` (as it stands: diffusers' hooks, our patch) torch.compiled in mode "default"."""
+    saved = model.__dict__.get("forward")
+    object.__setattr__(model, "forward", torch.compile(model.forward, mode="default"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            object.__delattr__(model, "forward")
+        else:
+            object.__setattr__(model, "forward", saved)
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def set_up(pipe, variant: str, world: int) -> Iterator[str]:
+    """``pipe`` set up as ``variant``; yields what the patch replaced (for the row)."""
+    import sd_kernels
+    from bench.setups import PEER, VARIANTS, applied
+
+    if variant in ("stock", "peer"):
+        with applied(pipe, VARIANTS["stock" if variant == "stock" else PEER]) as info:
+            yield info["patched"]
+        return
+    with contextlib.ExitStack() as stack:
+        transformer = getattr(pipe, "transformer", None)
+        if variant.startswith("ulysses"):
+            from diffusers import ContextParallelConfig
+
+            if variant == "ulysses-peer":
+                from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+                # set_attention_backend also makes the backend the process's (our processors then step
+                # aside): both are put back after the row
+                active = registry._active_backend
+                transformer.set_attention_backend("_native_cudnn")
+                stack.callback(registry.set_active_backend, active)
+                stack.callback(transformer.reset_attention_backend)
+            if transformer._parallel_config is None:  # enable_parallelism cannot be undone: once per process
+                transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        record = None
+        if variant != "ulysses-peer":
+            parallel = "cfg" if variant.startswith("cfg") else None
+            compile = variant == "ours+compile" or variant == "cfg-ours+compile"
+            record = sd_kernels.patch(pipe, parallel=parallel, compile=compile,
+                                      cuda_graph=True if compile else "auto")
+            stack.callback(sd_kernels.unpatch, pipe)
+        if variant in ("ulysses-peer", "ulysses-ours+compile"):
+            stack.enter_context(_compiled_forward(transformer))
+        yield "" if record is None else " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed_ms(call) -> float:
+    """One call from a barrier to the end of the slowest process (the maximum over processes: gloo's)."""
+    dist.barrier()
+    _sync()
+    t = time.perf_counter()
+    call()
+    _sync()
+    dist.barrier()
+    ms = torch.tensor((time.perf_counter() - t) * 1e3)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.item()
+
+
+def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int) -> dict:
+    extra = _extra(pipe)
+
+    def call(output_type: str):
+        gen = torch.Generator().manual_seed(0)
+        return pipe(PROMPT, num_inference_steps=steps, height=size, width=size, generator=gen,
+                    output_type=output_type, return_dict=False, **extra)[0]
+
+    start = time.perf_counter()
+    with torch.no_grad(), set_up(pipe, variant, world) as patched:
+        image = call("pt")
+        _sync()
+        warmup = time.perf_counter() - start
+        e2e = statistics.median(_timed_ms(lambda: call("pt")) for _ in range(calls))
+        latent = call("latent")
+    return {"status": "ok", "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "patched": patched,
+            "image": image.float().cpu(), "latent": latent.float().cpu()}
+
+
+def _fidelity(row: dict, ref: dict | None) -> None:
+    from sd_kernels.testing import psnr
+
+    image, latent = row.pop("image", None), row.pop("latent", None)
+    if ref is None or image is None:
+        return
+    row["latent_rel_err"] = f"{((latent - ref['latent']).norm() / ref['latent'].norm()).item():.2e}"
+    row["psnr_db"] = round(psnr(image, ref["image"]), 2)
+
+
+def _ratios(rows: list[dict], one_gpu: dict) -> None:
+    ulysses_peer = next((r["e2e_ms"] for r in rows if r["variant"] == "ulysses-peer" and r["status"] == "ok"), None)
+    peer = ulysses_peer or one_gpu.get("peer")
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        if one_gpu.get("ours"):
+            r["vs_one_gpu"] = round(r["e2e_ms"] / one_gpu["ours"], 3)
+        if peer:
+            r["vs_peer"] = round(r["e2e_ms"] / peer, 3)
+
+
+def reference_path(out: pathlib.Path, model: str, size: int, steps: int) -> pathlib.Path:
+    return out / f"reference-{model}-{size}-{steps}.pt"
+
+
+def one_gpu_times(ref: dict, rows: list[dict]) -> dict[str, float]:
+    """The one-GPU times after a run on one GPU: this run's measured rows over those of earlier runs
+    (one run may measure some variants, the next the others)."""
+    return {**ref.get("one_gpu", {}), **{r["variant"]: r["e2e_ms"] for r in rows if r["status"] == "ok"}}
+
+
+def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list[dict]:
+    from sd_kernels.models import build_pipeline
+
+    dtype = _dtype(model)
+    ref_path = reference_path(args.out, model, args.size, args.steps)
+    ref = torch.load(ref_path) if ref_path.exists() else {}
+    if "image" not in ref:
+        log(f"{model}: no one-GPU stock image in {ref_path.name} yet (run with --nproc_per_node 1 and the stock "
+            "variant first): no fidelity columns")
+    pipe = build_pipeline(model, f"cuda:{torch.cuda.current_device()}", dtype)
+    pipe.set_progress_bar_config(disable=True)
+    base = {"model": model, "size": args.size, "steps": args.steps, "dtype": str(dtype).removeprefix("torch."),
+            "world": world, **stamp}
+    rows = []
+    wanted = [v for v in plan(model, world) if not args.variants or v in args.variants]
+    # The Ulysses variants turn context parallelism on for good: after every other variant, the peer first.
+    for variant in sorted(wanted, key=lambda v: (v.startswith("ulysses"), v != "ulysses-peer")):
+        row = {**base, "variant": variant}
+        try:
+            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world))
+        except Exception as exc:  # a variant that cannot run here is a row that says why
+            row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if world == 1 and variant == "stock" and "image" in row:
+            ref.update(image=row["image"], latent=row["latent"])
+        _fidelity(row, ref if "image" in ref else None)
+        rows.append(row)
+        log(f"{model} W={world} {variant}: {row['status']} e2e {row.get('e2e_ms')} ms, "
+            f"PSNR {row.get('psnr_db')} dB, latents {row.get('latent_rel_err')}")
+        torch.cuda.empty_cache()
+    if world == 1:
+        ref["one_gpu"] = one_gpu_times(ref, rows)
+        if rank == 0:
+            torch.save(ref, ref_path)
+    _ratios(rows, ref.get("one_gpu", {}))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--variants", default="", help="a comma-separated subset of the planned variants (default: all)")
+    args = ap.parse_args(argv)
+    args.variants = tuple(v for v in args.variants.split(",") if v)
+    if not torch.cuda.is_available() or "RANK" not in os.environ:
+        print("bench.parallel runs on CUDA GPUs under torchrun (torchrun --nproc_per_node W -m bench.parallel ...)",
+              file=sys.stderr)
+        return 2
+    from bench.common import environment
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = environment()
+    stamp = {k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")}
+    t0 = time.perf_counter()
+
+    def log(text: str) -> None:
+        if rank == 0:
+            print(f"[{time.perf_counter() - t0:7.1f} s] {text}", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "parallel.csv"
+    for model in args.models.split(","):
+        rows = run_model(args, model, world, rank, stamp, log)
+        if rank == 0:
+            new = not path.exists()
+            with open(path, "a", newline="") as f:
+                writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+                if new:
+                    writer.writeheader()
+                writer.writerows(rows)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

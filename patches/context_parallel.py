@@ -1,0 +1,115 @@
+"""sd_kernels' attention as the local attention of diffusers' context parallelism (Ulysses).
+
+diffusers 0.42.1's context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(
+ulysses_degree=…, ring_degree=…))``) splits the transformer's token sequence over the processes (hooks
+on the model's inputs and on ``proj_out``, which gathers) and sets the config on every attention
+processor as ``_parallel_config``. Its processors hand it to ``dispatch_attention_fn``, whose
+backends pass their own local attention, as a ``forward_op``, to the templates of
+``diffusers.models.attention_dispatch`` (``_templated_context_parallel_attention``): Ulysses exchanges
+q, k and v by all-to-all so that each process holds the whole sequence for 1/W of the heads, runs
+``forward_op`` on them, and exchanges the output back; ring keeps the queries and passes the keys and
+values around, merging the partial outputs with their log-sum-exps.
+
+``attention`` here calls that template with sd_kernels' attention (``ops.custom_ops.attention``:
+FlashAttention, the partial softmax or SDPA, as the profile says) as the ``forward_op``, for a
+Ulysses-only config (``ring_degree`` 1, ``ulysses_anything`` or not). Ring and Ulysses × ring need the
+log-sum-exp of every row, which sd_kernels' kernels do not return: those configs go to diffusers'
+dispatch as before (``serves``). The backward op is diffusers' native one, which recomputes SDPA from
+what the forward op saved (the native forward op's way), so autograd through it still has gradients.
+The templates are diffusers' own code, called as its backends call them; they are used only where the
+installed diffusers has the very source checked (patches/diffusers_sources.py), else diffusers'
+dispatch runs everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sd_kernels.ops.custom_ops import attention as sdk_attention
+
+from .cfg_parallel import same_patch
+from .diffusers_sources import is_verified
+
+# diffusers' code this calls and whose calling convention (forward_op's arguments, what the native
+# backward reads from ctx) it relies on.
+_CALLED = ("_templated_context_parallel_attention", "_native_attention_forward_op", "_native_attention_backward_op")
+_TEMPLATES = ("TemplatedUlyssesAttention", "TemplatedUlyssesAnythingAttention")
+
+
+def _dispatch_module():
+    from diffusers.models import attention_dispatch
+
+    return attention_dispatch
+
+
+_VERIFIED: bool | None = None  # verified()'s answer: read as a constant where torch.compile traces a call
+
+
+def verified() -> bool:
+    """Whether the installed diffusers has the template code this was written against (decided once: the
+    patch asks first, eagerly)."""
+    global _VERIFIED
+    if _VERIFIED is None:
+        d = _dispatch_module()
+        _VERIFIED = (all(is_verified(getattr(d, name)) for name in _CALLED)
+                     and all(is_verified(getattr(d, name).forward) for name in _TEMPLATES))
+    return _VERIFIED
+
+
+def ulysses_degree(parallel_config) -> int | None:
+    """The Ulysses degree of a context-parallel config whose local attention sd_kernels runs (ring
+    degree 1), else None (no context parallelism, or a ring: diffusers' dispatch runs it)."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    if cp is None or cp.ring_degree != 1 or cp.ulysses_degree <= 1:
+        return None
+    return cp.ulysses_degree
+
+
+def serves(parallel_config) -> bool:
+    return ulysses_degree(parallel_config) is not None and verified()
+
+
+def check_heads(heads: int, parallel_config, where: str) -> None:
+    """A clear error for a head count the Ulysses degree does not divide (diffusers' template would
+    fail in a reshape); ``ulysses_anything`` pads the heads itself."""
+    degree = ulysses_degree(parallel_config)
+    if degree is None or parallel_config.context_parallel_config.ulysses_anything or heads % degree == 0:
+        return
+    raise ValueError(f"{where}: Ulysses attention gives each of the {degree} processes 1/{degree} of the heads, and "
+                     f"{degree} does not divide {heads} heads: choose a ulysses_degree that divides {heads}, or "
+                     "ContextParallelConfig(ulysses_degree=..., ulysses_anything=True)")
+
+
+def check_setup(models: list, profile, ops: tuple[str, ...], graph_mode: str | None, compile: str | None) -> None:
+    """Patching a model already under context parallelism: every process of its mesh patches alike (a
+    collective over that mesh, as ``enable_parallelism`` was; a patch made before ``enable_parallelism``
+    cannot be checked so)."""
+    parallel = [(part, m) for part, m in models
+                if getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None) is not None]
+    if parallel:
+        group = parallel[0][1]._parallel_config.context_parallel_config._flattened_mesh.get_group()
+        same_patch(group, parallel, profile, ops, graph_mode, compile, "context parallelism")
+
+
+def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                return_lse=False, _save_ctx=True, _parallel_config=None):
+    """The local attention on [B, S, H, D] (the whole sequence, this process's heads): sd_kernels'
+    attention on the [B, H, S, D] views. What it saves for backward is what diffusers' native forward
+    op saves (its backward recomputes SDPA from it)."""
+    if return_lse or attn_mask is not None or dropout_p or is_causal or enable_gqa:
+        raise ValueError("sd_kernels' context-parallel attention takes no log-sum-exp, mask, dropout, causal or GQA "
+                         "call (those go to diffusers' dispatch)")
+    if _save_ctx:
+        ctx.save_for_backward(query, key, value)
+        ctx.attn_mask, ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.enable_gqa = None, 0.0, False, scale, False
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    return sdk_attention(q, k, v, scale=scale).permute(0, 2, 1, 3)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parallel_config) -> torch.Tensor:
+    """diffusers' context-parallel attention of [B, S_local, H, D] q, k, v with sd_kernels' local attention
+    (for a config ``serves`` accepts)."""
+    d = _dispatch_module()
+    return d._templated_context_parallel_attention(
+        query, key, value, forward_op=_forward_op, backward_op=d._native_attention_backward_op,
+        _parallel_config=parallel_config)

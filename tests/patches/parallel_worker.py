@@ -1,0 +1,220 @@
+"""The multi-process half of test_parallel.py: each process of ``torchrun --nproc_per_node 2`` (gloo, CPU)
+runs every case on the tiny configs and writes what it saw to ``OUT/rank<r>.json``; the tests read those.
+One launch for every case: each process pays its imports once.
+
+Cases: CFG-parallel SD1.5- and SDXL-shaped pipelines against one process (latents; the reference ops:
+the split is what is tested, the ops have their own tests) and exactly unpatched; FLUX under diffusers'
+Ulysses context parallelism with sd_kernels' attention (the kernels, through the interpreter), patched
+after and before ``enable_parallelism``, against one process, and exactly unpatched; the clear errors
+(a batch the processes do not divide, a seed per process, mixed profiles under either split, heads the
+Ulysses degree does not divide).
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import traceback
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("SD_KERNELS_AUTOTUNE_CACHE", "off")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from sd_kernels.patches import cfg_parallel, context_parallel  # noqa: E402
+
+import sd_kernels  # noqa: E402
+from sd_kernels import models  # noqa: E402
+from sd_kernels.profiles import get_profile  # noqa: E402
+
+PROMPT = "a photo of a cat"
+SIDE = 64
+TEXT = 16  # FLUX's T5 tokens: 8 a process under Ulysses 2
+
+
+@contextlib.contextmanager
+def env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def build(name):
+    pipe = models.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def latents(pipe, seed=0, **kw):
+    if "transformer" in pipe.components:
+        kw.setdefault("max_sequence_length", TEXT)
+    with torch.no_grad():
+        return pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(seed), height=SIDE,
+                    width=SIDE, output_type="latent", **kw).images
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def cfg_case(name):
+    pipe = build(name)
+    stock = latents(pipe)
+    with env("SD_KERNELS_BACKEND", "reference"):
+        with sd_kernels.patched(pipe):
+            one = latents(pipe)
+        record = sd_kernels.patch(pipe, parallel="cfg")
+        call = vars(pipe.unet)["forward"]
+        batches = []
+        inner = call.inner
+        call.inner = lambda *a, **k: batches.append(a[0].shape[0]) or inner(*a, **k)
+        split, again = latents(pipe), latents(pipe)
+        summary = record.summary()
+        sd_kernels.unpatch(pipe)
+    return {"rel": rel(split, one), "again_equal": torch.equal(split, again), "batches": batches,
+            "sum": float(split.double().sum()),
+            "summary": summary, "unpatched_equal": torch.equal(latents(pipe), stock),
+            "forward_restored": "forward" not in vars(pipe.unet) and "set_timesteps" not in vars(pipe.scheduler)}
+
+
+def errors_case(rank):
+    pipe = build("tiny")
+    out = {}
+    with env("SD_KERNELS_BACKEND", "reference"):
+        sd_kernels.patch(pipe, parallel="cfg")
+        out["no_guidance"] = error_of(lambda: latents(pipe, guidance_scale=1.0))
+        out["seed_per_process"] = error_of(lambda: latents(pipe, seed=rank))
+        sd_kernels.unpatch(pipe)
+        cpu = get_profile("cpu")
+        mine = cpu if rank == 0 else dataclasses.replace(cpu, name="cpu-other", flash_min_keys=cpu.flash_min_keys + 1)
+        out["mixed_profiles"] = error_of(lambda: sd_kernels.patch(pipe, profile=mine, parallel="cfg"))
+        out["mixed_left_unpatched"] = sd_kernels.patches.patch_record(pipe) is None
+    return out
+
+
+def _cp_config():
+    from diffusers import ContextParallelConfig
+
+    return ContextParallelConfig(ulysses_degree=2)
+
+
+def _counting_forward_op(counts):
+    original = context_parallel._forward_op
+
+    def run(*args, **kwargs):
+        counts.append(args[1].shape)
+        return original(*args, **kwargs)
+
+    context_parallel._forward_op = run
+
+
+def _stock_processors(transformer) -> bool:
+    from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+
+    procs = [m.processor for m in transformer.modules() if isinstance(m, FluxAttention)]
+    return all(type(p) is FluxAttnProcessor and p._parallel_config is not None for p in procs)
+
+
+def ulysses_case():
+    with sd_kernels.patched(pipe := build("tiny-flux")):
+        one = latents(pipe)
+    out = {}
+    counts = []
+    _counting_forward_op(counts)
+    after = build("tiny-flux")  # the same seeded weights
+    after.transformer.enable_parallelism(config=_cp_config())
+    stock_cp = latents(after)  # diffusers' own context parallelism (its native backend)
+    out["stock_cp_rel"] = rel(stock_cp, one)
+    sd_kernels.patch(after)
+    ours = latents(after)
+    out["after_rel"] = rel(ours, one)
+    out["sum"] = float(ours.double().sum())
+    out["after_calls"] = len(counts)
+    sd_kernels.unpatch(after)
+    out["after_unpatched_equal"] = torch.equal(latents(after), stock_cp)
+    out["after_stock_processors"] = _stock_processors(after.transformer)
+    counts.clear()
+    before = build("tiny-flux")
+    sd_kernels.patch(before)
+    before.transformer.enable_parallelism(config=_cp_config())
+    out["before_rel"] = rel(latents(before), one)
+    out["before_calls"] = len(counts)
+    out["local_shape"] = list(counts[0]) if counts else None
+    sd_kernels.unpatch(before)
+    out["before_unpatched_equal"] = torch.equal(latents(before), stock_cp)
+    out["before_stock_processors"] = _stock_processors(before.transformer)
+    return out
+
+
+def ulysses_mixed_profiles_case(rank):
+    pipe = build("tiny-flux")
+    pipe.transformer.enable_parallelism(config=_cp_config())
+    cpu = get_profile("cpu")
+    mine = cpu if rank == 0 else dataclasses.replace(cpu, name="cpu-other", flash_min_keys=cpu.flash_min_keys + 1)
+    return {"error": error_of(lambda: sd_kernels.patch(pipe, profile=mine)),
+            "left_unpatched": sd_kernels.patches.patch_record(pipe) is None}
+
+
+def heads_case():
+    from diffusers import FluxTransformer2DModel
+
+    def three_heads():
+        torch.manual_seed(0)
+        return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                      attention_head_dim=8, num_attention_heads=3, joint_attention_dim=16,
+                                      pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
+
+    after = three_heads()
+    after.enable_parallelism(config=_cp_config())
+    out = {"patch_after": error_of(lambda: sd_kernels.patch(after))}
+    out["patch_after_left_unpatched"] = sd_kernels.patches.patch_record(after) is None
+    before = three_heads()
+    sd_kernels.patch(before)
+    before.enable_parallelism(config=_cp_config())
+    x = torch.randn(1, 16, 16)
+    ids = torch.zeros(16, 3)
+    with torch.no_grad():
+        out["patch_before"] = error_of(lambda: before(x, encoder_hidden_states=torch.randn(1, 4, 16),
+                                                      pooled_projections=torch.randn(1, 8), timestep=torch.ones(1),
+                                                      img_ids=ids, txt_ids=torch.zeros(4, 3), return_dict=False))
+    return out
+
+
+def main(out_dir: pathlib.Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # diffusers' enable_parallelism places each process on accelerator rank % device_count(), which a
+    # CPU-only torch counts as 0; on CPU every process's "device" is the CPU.
+    torch.accelerator.device_count = lambda: 1
+    report = {"world": dist.get_world_size()}
+    for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
+                       ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("heads", heads_case),
+                       ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
+        try:
+            report[name] = case()
+        except Exception:
+            report[name] = {"crashed": traceback.format_exc()}
+    report["no_group_after_destroy"] = None
+    dist.destroy_process_group()
+    report["no_group_after_destroy"] = error_of(lambda: cfg_parallel.check_setup([], None, (), None, None))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]))

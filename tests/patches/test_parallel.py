@@ -1,0 +1,203 @@
+"""One image on several processes: ``patch(pipe, parallel="cfg")`` (patches/cfg_parallel.py) and sd_kernels'
+attention inside diffusers' Ulysses context parallelism (patches/context_parallel.py).
+
+Two processes for real: one ``torchrun --nproc_per_node 2`` launch (gloo, CPU) runs every case of
+parallel_worker.py, and the tests here read what each process saw: the CFG split of the SD1.5- and
+SDXL-shaped tiny pipelines equal to one process within fp32 rounding, every process ending with the
+same latents; FLUX's Ulysses attention through sd_kernels' kernels, patched after or before
+``enable_parallelism``; exact unpatching; the clear errors. In this process, on a one-process group and
+the stand-in for CUDA graphs: the split wraps the graphed UNet (its all-gather outside the graphs),
+``cuda_graph="step"`` is refused with it; a model under context parallelism is not captured, and
+unpatch hands diffusers' hooks the original forward back.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from diffusers.hooks import HookRegistry, ModelHook
+from sd_kernels.patches import cfg_parallel, context_parallel, cuda_graph, patch_record
+from test_cuda_graph import _args, fake_cuda  # noqa: F401  (fake_cuda: a fixture, the stand-in for CUDA graphs)
+
+import sd_kernels
+from sd_kernels import models
+
+WORKER = pathlib.Path(__file__).with_name("parallel_worker.py")
+# fp32 on the CPU: half the batch a process changes only the GEMMs' blocking (measured ~1.4e-6)
+RTOL = 1e-5
+
+needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="needs torch.distributed with the gloo backend")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the two processes of one torchrun launch of parallel_worker.py saw."""
+    out = tmp_path_factory.mktemp("parallel")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SD_KERNELS_AUTOTUNE_CACHE": "off", "CUDA_VISIBLE_DEVICES": "",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("SD_KERNELS_BACKEND", None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        crashed = {k: v["crashed"] for k, v in report.items() if isinstance(v, dict) and "crashed" in v}
+        assert not crashed, crashed
+    return reports
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", ["sd15", "sdxl"])
+def test_cfg_split_over_two_processes_is_one_process_image(ranks, case):
+    """Each process runs half the guidance batch (batch 1 of 2 on every UNet call) and ends with the
+    one-process latents within fp32 rounding, the same on both; a second image is the first; unpatched,
+    the pipeline is stock's to the bit and its UNet and scheduler hold no instance attributes of ours."""
+    for r in ranks:
+        got = r[case]
+        assert got["rel"] < RTOL
+        assert got["again_equal"] and got["unpatched_equal"] and got["forward_restored"]
+        assert got["batches"] and set(got["batches"]) == {1}
+        assert "cfg_parallel: 1" in got["summary"] and "parallel=cfg" in got["summary"]
+    assert ranks[0][case]["sum"] == ranks[1][case]["sum"]
+
+
+@needs_gloo
+def test_ulysses_local_attention_is_ours_patched_after_or_before_enable_parallelism(ranks):
+    """FLUX under diffusers' Ulysses (degree 2): every attention call's local attention (2 steps × 4 blocks)
+    is sd_kernels' on the whole sequence (64 image + 16 text tokens) and one of the two heads, whichever
+    came first, patch or enable_parallelism; the latents are one process's within fp32 rounding, the
+    same on both processes; unpatched, the stock processors (with the parallel config) run diffusers'
+    own context parallelism to the bit."""
+    for r in ranks:
+        got = r["ulysses"]
+        assert got["after_calls"] == got["before_calls"] == 8
+        assert got["local_shape"] == [1, 80, 1, 24]
+        assert got["after_rel"] < RTOL and got["before_rel"] < RTOL and got["stock_cp_rel"] < RTOL
+        assert got["after_unpatched_equal"] and got["before_unpatched_equal"]
+        assert got["after_stock_processors"] and got["before_stock_processors"]
+    assert ranks[0]["ulysses"]["sum"] == ranks[1]["ulysses"]["sum"]
+
+
+@needs_gloo
+def test_bad_setups_are_clear_errors_on_every_process(ranks):
+    errors = [r["errors"] for r in ranks]
+    for e in errors:
+        assert "batch is 1, which 2 processes do not divide" in e["no_guidance"]
+        assert "different sample" in e["seed_per_process"]
+        assert "patch differently (in profile)" in e["mixed_profiles"] and "'cpu', 'cpu-other'" in e["mixed_profiles"]
+        assert e["mixed_left_unpatched"]
+    for r in ranks:
+        mixed = r["ulysses_mixed_profiles"]
+        assert mixed["error"].startswith("ValueError: context parallelism: the processes patch differently (in "
+                                         "profile)") and mixed["left_unpatched"]
+        heads = r["heads"]
+        for when in ("patch_after", "patch_before"):
+            assert heads[when].startswith("ValueError") and "2 does not divide 3 heads" in heads[when]
+        assert heads["patch_after_left_unpatched"]
+        assert "init_process_group" in r["no_group_after_destroy"]
+
+
+def test_parallel_argument_and_missing_process_group_are_clear_errors():
+    unet = models.build_model("tiny", "unet")
+    with pytest.raises(ValueError, match="enable_parallelism"):
+        sd_kernels.patch(unet, parallel="ulysses")
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_process_group"):
+        sd_kernels.patch(unet, parallel="cfg")
+    assert patch_record(unet) is None and "forward" not in vars(unet)
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@needs_gloo
+def test_split_wraps_the_graphed_unet_and_unpatches_exactly(fake_cuda, one_process_group):  # noqa: F811
+    """The split wraps the UNet's GraphedCall (the all-gather follows the replay, outside the graphs), gives
+    what the graphed UNet gives, and unpatch leaves the UNet without instance attributes of ours;
+    cuda_graph="step" (the UNet's call inside a step's graph) is refused before any change."""
+    unet = models.build_model("tiny-xl", "unet")
+    x, kw = _args(unet, 2, 8, device="cpu", dtype=torch.float32)
+    with sd_kernels.patched(unet, cuda_graph=True), torch.no_grad():
+        want = unet(x, 10, **kw).sample
+    with pytest.raises(ValueError, match="cuda_graph='step'"):
+        sd_kernels.patch(unet, cuda_graph="step", parallel="cfg")
+    assert patch_record(unet) is None
+    record = sd_kernels.patch(unet, cuda_graph=True, parallel="cfg")
+    assert record.arguments["parallel"] == "cfg"
+    call = vars(unet)["forward"]
+    assert isinstance(call, cfg_parallel.CfgParallelCall) and isinstance(call.inner, cuda_graph.GraphedCall)
+    with torch.no_grad():
+        assert torch.equal(unet(x, 10, **kw).sample, want)
+    assert len(call.inner.graphs) == 1  # the process's part of the batch, replayed
+    sd_kernels.unpatch(unet)
+    assert "forward" not in vars(unet)
+
+
+def test_context_parallel_models_are_not_captured_and_hooks_get_the_original_back(fake_cuda):  # noqa: F811
+    """A model under context parallelism: ``graphable_reason`` says why (cuda_graph="auto" captures nothing,
+    True is refused); one graphed before ``enable_parallelism`` runs eagerly; unpatch gives diffusers' hook
+    chain the original forward, as if the model had never been patched."""
+    model = models.build_model("tiny-flux", "transformer")
+    twin = models.build_model("tiny-flux", "transformer")
+    cp = types.SimpleNamespace(context_parallel_config=object())
+    sd_kernels.patch(model, cuda_graph=True)
+    graphed = vars(model)["forward"]
+    for m in (model, twin):  # what enable_parallelism does to the model object: a config, hooks on its forward
+        m._parallel_config = cp
+        HookRegistry.check_if_exists_or_initialize(m).register_hook(ModelHook(), "probe")
+    x = torch.randn(1, 16, model.config.in_channels)
+    kw = dict(encoder_hidden_states=torch.randn(1, 4, model.config.joint_attention_dim),
+              pooled_projections=torch.randn(1, model.config.pooled_projection_dim), timestep=torch.ones(1) / 2,
+              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), guidance=torch.full([1], 3.5), return_dict=False)
+    with torch.no_grad():
+        model(x, **kw)
+    assert not graphed.graphs and not fake_cuda
+    sd_kernels.unpatch(model)
+    ref = model._diffusers_hook._fn_refs[0]
+    assert ref.forward == model.__class__.forward.__get__(model) and not isinstance(ref.forward, cuda_graph.GraphedCall)
+    outer, stock = vars(model)["forward"], vars(twin)["forward"]
+    assert sorted(vars(outer)) == sorted(vars(stock)) and outer.__wrapped__ == model.__class__.forward.__get__(model)
+
+
+def test_graphable_reason_names_context_parallelism():
+    model = models.build_model("tiny-flux", "transformer")
+    model._parallel_config = types.SimpleNamespace(context_parallel_config=object())
+    assert "context parallelism" in cuda_graph.graphable_reason(model)
+
+
+def _cp(ring=1, ulysses=2, anything=False):
+    return types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(
+        ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=anything))
+
+
+def test_our_local_attention_serves_ulysses_only_on_the_verified_templates(monkeypatch):
+    """Ring and Ulysses × ring need the log-sum-exp (diffusers' dispatch runs them), and templates other than
+    the checked source are diffusers' to run; a head count the degree does not divide is named (not under
+    ulysses_anything, which pads heads)."""
+    verified = context_parallel.is_verified
+    assert context_parallel.serves(_cp()) and context_parallel.serves(_cp(ulysses=4, anything=True))
+    assert not context_parallel.serves(_cp(ring=2, ulysses=1)) and not context_parallel.serves(_cp(ring=2))
+    assert not context_parallel.serves(None) and not context_parallel.serves(types.SimpleNamespace(
+        context_parallel_config=None))
+    monkeypatch.setitem(verified.__wrapped__.__globals__["VERIFIED"], "TemplatedUlyssesAttention.forward", "0" * 16)
+    monkeypatch.setattr(context_parallel, "_VERIFIED", None)
+    verified.cache_clear()
+    try:
+        assert not context_parallel.serves(_cp())
+    finally:
+        verified.cache_clear()
+    with pytest.raises(ValueError, match="4 does not divide 6 heads.*ulysses_anything"):
+        context_parallel.check_heads(6, _cp(ulysses=4), "FluxAttention")
+    context_parallel.check_heads(6, _cp(ulysses=4, anything=True), "FluxAttention")
+    context_parallel.check_heads(6, _cp(ring=4, ulysses=1), "FluxAttention")
