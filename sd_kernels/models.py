@@ -343,7 +343,6 @@ _SINGLE_FILE_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline"
 _CLIP_VOCAB = 49408
 _TOKENIZER_REPOS = {"sd15": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd21": "stabilityai/stable-diffusion-2-1",
                     "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
-_TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json")
 
 
 def checkpoint_config(path: str, config: str | None = None) -> str:
@@ -420,12 +419,11 @@ def write_config_folder(name: str, directory: str | os.PathLike) -> pathlib.Path
     for part, component in pipe.components.items():
         if component is None or isinstance(component, bool):
             continue
-        if part in tokenizers:
+        if part in tokenizers:  # the cache's files (links to its blobs), copied
             (out / part).mkdir(parents=True, exist_ok=True)
-            for file in _TOKENIZER_FILES:
-                src = pathlib.Path(tokenizers[part]) / file
+            for src in pathlib.Path(tokenizers[part]).iterdir():
                 if src.is_file():
-                    (out / part / file).write_bytes(src.read_bytes())
+                    (out / part / src.name).write_bytes(src.read_bytes())
         elif hasattr(component, "save_config"):  # diffusers models and schedulers
             component.save_config(out / part)
         elif hasattr(component, "save_pretrained") and not hasattr(component, "state_dict"):  # tokenizers
