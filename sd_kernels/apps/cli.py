@@ -357,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, TypeError, OSError, KernelUnavailable, MemoryBudgetExceeded) as exc:
             print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # what was made is written and listed; a rerun of generate makes the rest
+            print(f"sd-kernels {args.command}: interrupted", file=sys.stderr)
+            return 130
     finally:
         logging.getLogger("sd_kernels").removeHandler(handler)
 

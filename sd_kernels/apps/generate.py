@@ -74,6 +74,7 @@ class ProcessStats:
     first_s: float = 0.0
     steady_s: float = 0.0
     steady_images: int = 0  # images made by the calls after the first
+    writer_s: float = 0.0  # seconds the writer thread spent encoding and writing (beside the calls)
     memory: str = ""  # under a profile with a memory budget, on CUDA: one call's memory table
 
     @property
@@ -362,3 +363,4 @@ class _Share:
                 bar.update(len(batch))
         stats.images += images_out.written
         stats.failed += images_out.failed
+        stats.writer_s = images_out.busy_s
