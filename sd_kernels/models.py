@@ -466,7 +466,7 @@ def model_facts(name_or_path: str, config: str | None = None) -> dict[str, Any]:
                 return json.load(f)
     elif is_hub_id(name_or_path):
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.utils import LocalEntryNotFoundError
 
         def read(file: str) -> dict[str, Any]:
             try:
