@@ -333,12 +333,22 @@ class _ProgressSafeHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+# transformers warns, when diffusers is imported, that its image processors fall back from torchvision to
+# PIL: they serve safety checkers and image encoders, which no command here runs, so the lines are noise.
+_IMPORT_NOISE = ("transformers.utils.import_utils", "requires torchvision (not installed); falling back")
+
+
+def _drop_import_noise(record: logging.LogRecord) -> bool:
+    return _IMPORT_NOISE[1] not in record.getMessage()
+
+
 def _log_to_stderr() -> logging.Handler:
     """What the command shows of the library's logging: its warnings, one line each."""
     handler = _ProgressSafeHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.setLevel(logging.WARNING)
     logging.getLogger("sd_kernels").addHandler(handler)
+    logging.getLogger(_IMPORT_NOISE[0]).addFilter(_drop_import_noise)
     return handler
 
 
@@ -362,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     finally:
         logging.getLogger("sd_kernels").removeHandler(handler)
+        logging.getLogger(_IMPORT_NOISE[0]).removeFilter(_drop_import_noise)
 
 
 if __name__ == "__main__":

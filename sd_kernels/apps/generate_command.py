@@ -145,8 +145,8 @@ def _generate_one(args: argparse.Namespace, settings: options.Settings) -> int:
     [image] = pipeline.render(pipe, [job], model, pipeline.InitImages(model))
     if device == "cuda":
         torch.cuda.synchronize()
-    print(f"generated in {(time.perf_counter() - t) * 1e3:.1f} ms (patched; the first call includes kernel "
-          "compilation)")
+    print(f"generated in {(time.perf_counter() - t) * 1e3:.1f} ms (patched"
+          + ("; the first call includes kernel tuning and compilation)" if device == "cuda" else ")"))
     if model.shipped:
         print(f"note: {RANDOM_WEIGHTS_NOTE.format(name=name)}")
     out.parent.mkdir(parents=True, exist_ok=True)
