@@ -80,9 +80,9 @@ def test_two_runs_at_once_make_each_image_once(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
-    results = [(r.wait(timeout=600), r.stdout.read(), r.stderr.read()) for r in runs]
-    assert sorted(code for code, _, _ in results) in ([0, 0], [0, 2]), results
-    for code, out, err in results:
+    results = [(r.communicate(timeout=600)[1], r.returncode) for r in runs]
+    assert sorted(code for _, code in results) in ([0, 0], [0, 2]), results
+    for err, code in results:
         assert code == 0 or "another run is writing there" in err
     ok = [e["index"] for e in _entries(tmp_path / "out") if e["status"] == "ok"]
     assert sorted(ok) == [0, 1, 2, 3]
