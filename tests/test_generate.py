@@ -173,7 +173,7 @@ def test_gpu_generate_under_a_phone_budget_prints_the_memory_table(tmp_path, mon
                                        profile="s23-ultra", progress=False)
     assert summary.written == 2
     table = summary.processes[0].memory
-    assert "memory of one pipeline call (s23-ultra, 64x64, 3 steps, image 2)" in table
+    assert "memory of one pipeline call (s23-ultra, 64x64, 3 steps, call 2)" in table
     assert "of the 4096 MB budget: within" in table
     for part in ("text_encoder", "unet", "vae"):
         assert part in table

@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -251,10 +252,13 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
                    time.perf_counter() - t0, processes, state.is_main_process, decided["seed"], decided["drawn"])
 
 
+_PARTIAL = re.compile(r"\.\d{5,}\.png\.\d+\.tmp")  # metadata.encode's temporary name for NNNNN.png
+
+
 def _remove_partial_files(out: pathlib.Path) -> None:
-    """Temporary image files a killed run left (``.NNNNN.png.PID.tmp``); the lock says none is being written."""
+    """Temporary image files a killed run left; the lock says that no run is writing them."""
     for path in out.glob(".*.tmp"):
-        if path.name.count(".") >= 3:
+        if _PARTIAL.fullmatch(path.name):
             with contextlib.suppress(OSError):
                 path.unlink()
 

@@ -166,3 +166,12 @@ def test_info_flags_an_autotune_cache_under_a_regular_file(tmp_path, monkeypatch
     assert cli.main(["info", "--profile", "cpu"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "autotune cache" in x)
     assert f"unusable: {tmp_path / 'afile'} is a file" in line
+
+
+def test_a_killed_runs_temporary_images_are_removed_and_nothing_else(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".00003.png.4242.tmp").write_bytes(b"\x89PNG half")  # a run killed inside a write
+    (out / ".notes.tmp").write_text("the user's own")
+    assert _run(out, PROMPTS[:1]).written == 1
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == [".notes.tmp"]
