@@ -182,3 +182,14 @@ def test_defaults_come_from_the_model(tmp_path):
     tiny = tmp_path / "tiny"
     models.build_pipeline("tiny").save_pretrained(tiny)
     assert pipeline.inspect(options.Settings(), str(tiny)).size == (64, 64)
+
+
+def test_a_random_seed_in_batch_mode_is_printed_and_recorded(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    _gen("--prompts", prompts, "--out", tmp_path / "out", "--seed", -1)
+    entries = [json.loads(x) for x in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
+    seed = entries[0]["seed"]
+    assert [e["seed"] for e in entries] == [seed, seed + 1]
+    assert f"seed {seed} (drawn at random; --seed {seed} makes these images again)" in capsys.readouterr().out
+    assert metadata.read(tmp_path / "out" / "00001.png")["sd-kernels"]["seed"] == seed + 1
