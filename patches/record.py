@@ -212,6 +212,11 @@ class PatchRecord:
         graph += f", parallel={self.parallel}" if self.parallel else ""
         return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}{graph}): {parts or 'nothing'}"
 
+    def __repr__(self) -> str:
+        state = "applied" if self._undo else "undone"
+        return (f"<PatchRecord {state}: profile={self.profile!r}, parts={self.parts}, cuda_graph={self.cuda_graph!r}, "
+                f"compile={self.compile!r}, {sum(self.counts.values())} replacements, {len(self.skipped)} left alone>")
+
     def format(self, examples: int = 3) -> str:
         """The summary, then what was left alone grouped by (what, reason), with a few module paths."""
         lines = [self.summary()]

@@ -8,12 +8,21 @@
 
 Submodules load on first use, so ``import sd_kernels`` stays cheap and does not import Triton
 (TRITON_INTERPRET must be decided before Triton decorates our kernels).
+
+Logging: every module logs under the ``sd_kernels`` logger, which has only a NullHandler, as a library
+should: a program that configures no logging shows none of its messages (not even warnings). Call
+``logging.basicConfig()``, or add a handler to ``logging.getLogger("sd_kernels")``, to see them; the
+``sd-kernels`` command does so for warnings. ``sd_kernels.runtime.dispatch.fallbacks()`` counts the
+kernels' fallbacks whatever the logging.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = ["patch", "unpatch", "patched", "get_profile", "list_profiles", "generate_images", "ops", "reference",

@@ -7,8 +7,9 @@ vocabulary of single printable ASCII characters, with and without the word-start
 character is a token either way. The weights are random, so images are noise-like: good for speed,
 memory and fidelity measurements, not for art.
 
-``load_pipeline`` also takes a local directory written by ``save_pretrained`` (or a hub id where
-the hub is reachable) for real checkpoints.
+``load_pipeline`` also takes real checkpoints: a single-file ``.safetensors`` (SD1.x, SD2.x, SDXL;
+loaded offline with the architecture's config from this package, or from a diffusers folder given as
+``config``), a local directory written by ``save_pretrained``, or a hub id where the hub is reachable.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def default_model(on_gpu: bool) -> str:
 
 
 def image_side(name: str, size: int | None = None) -> int:
-    """The image side for ``name`` (a shipped config or a path): ``size``, else the config's resolution
-    (512 for a path); a ValueError unless it is a multiple of 8 (the VAE's scale factor)."""
-    side = size or (load_config(name).get("resolution", 512) if name in list_configs() else 512)
+    """The image side for ``name`` (see ``model_facts``): ``size``, else the model's own (its width); a
+    ValueError unless it is a multiple of 8 (the VAE's scale factor)."""
+    side = size or model_facts(name)["size"][0]
     if side % 8:
         raise ValueError(f"size {side}: the image side must be a multiple of 8 (the VAE's scale factor)")
     return side
@@ -284,22 +285,214 @@ def load_pipeline(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    config: str | None = None,
 ):
-    """A shipped config name (random weights), a local directory (``save_pretrained`` output) or a
-    hub id (needs the hub) → a pipeline on ``device`` in ``dtype``."""
+    """A shipped config name (random weights), a single-file ``.safetensors`` checkpoint, a local
+    directory (``save_pretrained`` output) or a hub id (needs the hub) → a pipeline on ``device`` in
+    ``dtype``. Weights load in ``dtype`` (a folder's ``fp16``/``bf16`` variant where it has one for
+    ``dtype``). ``config``: a single file's architecture (see ``checkpoint_config``)."""
     if name_or_path in list_configs():
         return build_pipeline(name_or_path, device, dtype, seed)
     import diffusers
 
+    if is_single_file(name_or_path):
+        return _load_single_file(name_or_path, config, dtype).to(device=device)
     local = os.path.isdir(name_or_path)
-    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path) is not None  # "owner/name"
-    if not local and not hub_id:
+    if not local and not is_hub_id(name_or_path):
         raise FileNotFoundError(
-            f"{name_or_path!r} is neither a shipped config ({', '.join(list_configs())}) nor a directory"
+            f"{name_or_path!r} is neither a shipped config ({', '.join(list_configs())}), a .safetensors "
+            "checkpoint nor a directory"
         )
-    # Cast after loading: the dtype keyword of from_pretrained changed name across diffusers releases.
-    pipe = diffusers.DiffusionPipeline.from_pretrained(name_or_path, local_files_only=local)
-    return pipe.to(device=device, dtype=dtype)
+    variant = _variant(name_or_path, dtype) if local else None
+    pipe = diffusers.DiffusionPipeline.from_pretrained(name_or_path, local_files_only=local, dtype=dtype,
+                                                       variant=variant)
+    return pipe.to(device=device)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` has the form of a hub id ("owner/name")."""
+    return not os.path.exists(name) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None
+
+
+def is_single_file(name: str) -> bool:
+    """Whether ``name`` is a single-file checkpoint (``.safetensors``) on this machine."""
+    return name.lower().endswith(".safetensors") and os.path.isfile(name)
+
+
+_VARIANTS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _variant(folder: str, dtype: torch.dtype) -> str | None:
+    """The weight variant of ``folder`` stored in ``dtype`` (``*.fp16.safetensors``), if it has one."""
+    name = _VARIANTS.get(dtype)
+    if name is None:
+        return None
+    found = any(any(pathlib.Path(folder).glob(f"*/*.{name}.{ext}")) for ext in ("safetensors", "bin"))
+    return name if found else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Single-file checkpoints and what a model is before it is built
+
+# diffusers' name for a single file's architecture (loaders.single_file_utils.infer_diffusers_model_type)
+# → the shipped config with that architecture.
+_SINGLE_FILE_ARCHITECTURES = {"v1": "sd15", "v2": "sd21", "xl_base": "sdxl"}
+_SINGLE_FILE_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
+# The shipped SD configs have CLIP's 49,408-token vocabulary, which the generated tokenizer does not
+# hold: a real checkpoint of them needs the real tokenizer, found in the Hugging Face cache here.
+_CLIP_VOCAB = 49408
+_TOKENIZER_REPOS = {"sd15": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd21": "stabilityai/stable-diffusion-2-1",
+                    "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
+
+
+def checkpoint_config(path: str, config: str | None = None) -> str:
+    """The architecture of the single-file checkpoint ``path``: ``config`` (a shipped config or a local
+    diffusers folder of the same model), else the shipped config of the architecture diffusers infers
+    from the checkpoint's tensor names and shapes (SD1.x, SD2.x, SDXL base; read from the file's header,
+    no weights loaded). A ValueError naming --config where neither gives one."""
+    if config is not None:
+        if os.path.isdir(config):
+            if not os.path.isfile(os.path.join(config, "model_index.json")):
+                raise ValueError(f"--config {config}: not a diffusers pipeline folder (no model_index.json)")
+            return config
+        if config not in list_configs():
+            raise ValueError(f"--config {config!r}: neither a shipped config ({', '.join(list_configs())}) nor a "
+                             "diffusers pipeline folder")
+        if load_config(config)["pipeline"] not in _SINGLE_FILE_PIPELINES:
+            raise ValueError(f"--config {config}: single-file checkpoints load as {' or '.join(_SINGLE_FILE_PIPELINES)}"
+                             f"; {config} is a {load_config(config)['pipeline']}")
+        return config
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for a damaged header
+        raise ValueError(f"--model {path}: cannot read it as safetensors ({type(exc).__name__}: {exc})") from None
+    kind = infer_diffusers_model_type(shapes)
+    if kind not in _SINGLE_FILE_ARCHITECTURES:
+        raise ValueError(f"--model {path}: a {kind!r} checkpoint (diffusers' name for it); give --config, a diffusers "
+                         "folder of the same model (its configs and tokenizers are used)")
+    return _SINGLE_FILE_ARCHITECTURES[kind]
+
+
+def _tokenizer_folders(name: str) -> dict[str, str]:
+    """For a shipped config with CLIP's vocabulary: its tokenizer folders in the Hugging Face cache
+    (tokenizer, and tokenizer_2 for SDXL); a ValueError saying how to provide them where they are not."""
+    cfg = load_config(name)
+    parts = [p for p in ("text_encoder", "text_encoder_2") if p in cfg]
+    if all(cfg[p].get("vocab_size", 0) < _CLIP_VOCAB for p in parts):
+        return {}  # a tiny config: the generated tokenizer is its own
+    from huggingface_hub import try_to_load_from_cache
+
+    folders = {}
+    for part in parts:
+        tok = part.replace("text_encoder", "tokenizer")
+        found = try_to_load_from_cache(_TOKENIZER_REPOS[name], f"{tok}/vocab.json")
+        if not isinstance(found, str):
+            raise ValueError(
+                f"a {name} single-file checkpoint needs its CLIP tokenizer, which the shipped configs do not hold and "
+                f"the Hugging Face cache does not have ({_TOKENIZER_REPOS[name]}, {tok}/). Give --config DIR, a "
+                f"diffusers folder of the model (configs and tokenizers, no weights needed), or fetch the "
+                f"tokenizer once: hf download {_TOKENIZER_REPOS[name]} --include '{tok}/*'")
+        folders[tok] = os.path.dirname(found)
+    return folders
+
+
+def check_single_file(path: str, config: str | None = None) -> str:
+    """Everything a single-file load needs, checked before it: the architecture (``checkpoint_config``)
+    and, for a shipped one, its tokenizers. Returns the architecture."""
+    arch = checkpoint_config(path, config)
+    if arch in list_configs():
+        _tokenizer_folders(arch)
+    return arch
+
+
+def write_config_folder(name: str, directory: str | os.PathLike) -> pathlib.Path:
+    """The diffusers pipeline folder of shipped config ``name`` without weights (model_index.json, each
+    part's config, the scheduler's, the tokenizers): what ``from_single_file(config=...)`` reads offline."""
+    out = pathlib.Path(directory)
+    tokenizers = _tokenizer_folders(name)
+    pipe = build_pipeline(name, device="meta")
+    pipe.save_config(out)
+    for part, component in pipe.components.items():
+        if component is None or isinstance(component, bool):
+            continue
+        if part in tokenizers:  # the cache's files (links to its blobs), copied
+            (out / part).mkdir(parents=True, exist_ok=True)
+            for src in pathlib.Path(tokenizers[part]).iterdir():
+                if src.is_file():
+                    (out / part / src.name).write_bytes(src.read_bytes())
+        elif hasattr(component, "save_config"):  # diffusers models and schedulers
+            component.save_config(out / part)
+        elif hasattr(component, "save_pretrained") and not hasattr(component, "state_dict"):  # tokenizers
+            component.save_pretrained(out / part)
+        else:  # transformers models
+            component.config.save_pretrained(out / part)
+    return out
+
+
+def _load_single_file(path: str, config: str | None, dtype: torch.dtype):
+    import diffusers
+
+    arch = check_single_file(path, config)
+    with tempfile.TemporaryDirectory(prefix="sd_kernels_config_") as tmp:
+        folder = arch if os.path.isdir(arch) else str(write_config_folder(arch, tmp))
+        with open(os.path.join(folder, "model_index.json")) as f:
+            cls = json.load(f)["_class_name"]
+        if cls not in _SINGLE_FILE_PIPELINES:
+            raise ValueError(f"--config {config}: single-file checkpoints load as "
+                             f"{' or '.join(_SINGLE_FILE_PIPELINES)}; this folder holds a {cls}")
+        return getattr(diffusers, cls).from_single_file(path, config=folder, dtype=dtype, local_files_only=True)
+
+
+def model_facts(name_or_path: str, config: str | None = None) -> dict[str, Any]:
+    """What a model is, read from configs without building it: ``pipeline`` (the diffusers class name),
+    ``scheduler`` (its class name), ``scheduler_config``, ``size`` ((width, height) it was trained at:
+    diffusers' default). For a shipped config, a single file (its ``config``, see ``checkpoint_config``),
+    a local folder, or a hub id (its config files, fetched)."""
+    if name_or_path in list_configs():
+        cfg = load_config(name_or_path)
+        sched = dict(cfg["scheduler"])
+        side = cfg.get("resolution", 512)
+        return {"pipeline": cfg["pipeline"], "scheduler": sched.pop("class"), "scheduler_config": sched,
+                "size": (side, side)}
+    if is_single_file(name_or_path):
+        return model_facts(check_single_file(name_or_path, config))
+    if os.path.isdir(name_or_path):
+        def read(file: str) -> dict[str, Any]:
+            with open(os.path.join(name_or_path, file)) as f:
+                return json.load(f)
+    elif is_hub_id(name_or_path):
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import LocalEntryNotFoundError
+
+        def read(file: str) -> dict[str, Any]:
+            try:
+                found = hf_hub_download(name_or_path, file)
+            except LocalEntryNotFoundError as exc:  # no hub and not cached: not a missing file of the model
+                raise OSError(str(exc)) from None
+            with open(found) as f:
+                return json.load(f)
+    else:
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a shipped config ({', '.join(list_configs())}), a .safetensors "
+            "checkpoint nor a directory"
+        )
+    try:  # an unreachable hub is an OSError of its own, reported as it is
+        index = read("model_index.json")
+        denoiser = "unet" if "unet" in index else "transformer"
+        sample = read(f"{denoiser}/config.json").get("sample_size") or 128  # the DiT pipelines' default
+        factor = 2 ** (len(read("vae/config.json")["block_out_channels"]) - 1)
+        sched = read("scheduler/scheduler_config.json")
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise ValueError(f"{name_or_path}: not a diffusers pipeline with a denoiser, a VAE and a scheduler "
+                         f"({type(exc).__name__}: {exc})") from None
+    height, width = (sample, sample) if isinstance(sample, int) else sample
+    return {"pipeline": index["_class_name"], "scheduler": index["scheduler"][1],
+            "scheduler_config": {k: v for k, v in sched.items() if not k.startswith("_")},
+            "size": (width * factor, height * factor)}
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -1,4 +1,5 @@
 import csv
+import json
 
 import pytest
 
@@ -26,6 +27,7 @@ def test_demo_writes_a_png_on_cpu(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "stock:" in text and "patched:" in text and "PSNR" in text
+    assert "on a CPU these timings say nothing of sd-kernels' speed" in text
 
 
 @pytest.mark.parametrize(
@@ -61,8 +63,10 @@ def test_generate_labels_random_weights_in_text_and_png(tmp_path, capsys, monkey
     text = capsys.readouterr().out
     assert "sd_kernels patch" in text and "random weights from the shipped config 'tiny'" in text
     meta = Image.open(out).text
-    assert meta["Model"] == "tiny" and meta["Prompt"] == "a red cube" and meta["Steps"] == "1"
-    assert meta["Weights"].startswith("random weights") and "patched pipeline" in meta["Software"]
+    assert meta["parameters"].startswith("a red cube\nSteps: 1, ") and "Model: tiny" in meta["parameters"]
+    ours = json.loads(meta["sd-kernels"])
+    assert ours["model"] == "tiny" and ours["prompt"] == "a red cube" and ours["steps"] == 1
+    assert ours["weights"].startswith("random weights") and ours["setup"].startswith("patch(")
 
 
 def test_bench_on_cpu_writes_csv_table_and_plot(tmp_path, capsys, monkeypatch):
@@ -111,14 +115,19 @@ def test_bench_and_generate_usage_errors(argv, capsys):
     assert "usage" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("out, message", [
-    ("{tmp}", "is a folder"), ("{tmp}/image.xyz", "unknown image file extension"),
-    ("{tmp}/file.txt/x.png", "is a file, not a folder"),
+@pytest.mark.parametrize("out, demo_message, generate_message", [
+    ("{tmp}", "is a folder", "is a folder"),
+    ("{tmp}/image.xyz", "unknown image file extension", "cannot carry the generation settings"),
+    ("{tmp}/image.bmp", None, "cannot carry the generation settings"),
+    ("{tmp}/file.txt/x.png", "is a file, not a folder", "is a file, not a folder"),
 ])
-def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, capsys, monkeypatch, out, message):
+def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, capsys, monkeypatch, out, demo_message,
+                                                                generate_message):
     (tmp_path / "file.txt").write_text("")
     monkeypatch.setattr("sd_kernels.models.load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
-    for command in ("demo", "generate"):
+    for command, message in (("demo", demo_message), ("generate", generate_message)):
+        if message is None:
+            continue
         argv = [command, "--device", "cpu", "--out", out.format(tmp=tmp_path)] + (
             ["--prompt", "x"] if command == "generate" else [])
         assert cli.main(argv) == 2
@@ -139,6 +148,7 @@ def test_an_unreachable_hub_id_is_one_line_not_a_traceback(tmp_path, capsys, mon
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)  # the model's configs are read first
     monkeypatch.setattr("sd_kernels.models.load_pipeline", offline)
     assert cli.main(["generate", "--prompt", "x", "--model", "someone/model", "--device", "cpu",
                      "--out", str(tmp_path / "a.png")]) == 2

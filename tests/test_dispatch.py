@@ -21,13 +21,29 @@ def test_interpreter_runs_kernels_on_cpu(monkeypatch):
 
 
 def test_cpu_without_interpreter_falls_back_logged_once(monkeypatch, caplog):
+    """Under a GPU profile, a CPU input is a fallback worth a warning: one line for the reason, however
+    many calls and ops meet it; every pair is counted."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with caplog.at_level(logging.WARNING, logger="sd_kernels"):
+    with caplog.at_level(logging.DEBUG, logger="sd_kernels"), profiles.using_profile(profiles.get_profile("hopper")):
         for _ in range(3):
             assert not dispatch.use_kernel("some_op", torch.ones(2))
-    assert len([r for r in caplog.records if "some_op" in r.getMessage()]) == 1
-    ((key, count),) = dispatch.fallbacks().items()
-    assert key[0] == "some_op" and "CUDA" in key[1] and count == 3
+            assert not dispatch.use_kernel("other_op", torch.ones(2))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "some_op" in warnings[0]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "other_op" in r.getMessage()]
+    counts = dispatch.fallbacks()
+    assert sorted(op for op, _ in counts) == ["other_op", "some_op"] and set(counts.values()) == {3}
+    assert all("CUDA" in reason for _, reason in counts)
+
+
+def test_the_cpu_profiles_reference_path_is_not_a_warning(monkeypatch, caplog):
+    """The cpu profile runs the reference on a CPU by design: counted, logged at DEBUG, no warning."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.DEBUG, logger="sd_kernels"), profiles.using_profile(profiles.get_profile("cpu")):
+        assert not dispatch.use_kernel("some_op", torch.ones(2))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r for r in caplog.records if "some_op" in r.getMessage()]
+    assert sum(dispatch.fallbacks().values()) == 1
 
 
 def test_op_reason_wins_and_is_reported(monkeypatch):

@@ -2,6 +2,7 @@
 resume, failures recorded, errors before work, and the same images from one process or two (torchrun,
 which `accelerate launch` uses for several processes; on CPU, gloo)."""
 
+import functools
 import json
 import os
 import pathlib
@@ -14,7 +15,7 @@ import pytest
 from PIL import Image
 
 from sd_kernels import models
-from sd_kernels.apps import generate
+from sd_kernels.apps import generate, metadata, options
 from sd_kernels.apps.cli import main
 
 PROMPTS = ["a red cube", "a blue sphere", "boom", "a green cone", "a yellow torus"]
@@ -43,12 +44,12 @@ def _pixels(out: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def test_read_prompts_skips_blank_lines_and_refuses_empty_or_missing_files(prompts_file, tmp_path):
-    assert generate.read_prompts(prompts_file) == PROMPTS
+    assert [s.prompt for s in options.read_prompts(prompts_file)] == PROMPTS
     (tmp_path / "empty.txt").write_text("\n \n")
     with pytest.raises(ValueError, match="no prompts"):
-        generate.read_prompts(tmp_path / "empty.txt")
+        options.read_prompts(tmp_path / "empty.txt")
     with pytest.raises(ValueError, match="cannot read"):
-        generate.read_prompts(tmp_path / "missing.txt")
+        options.read_prompts(tmp_path / "missing.txt")
 
 
 def test_images_manifest_metadata_and_resume(tmp_path, monkeypatch):
@@ -59,9 +60,9 @@ def test_images_manifest_metadata_and_resume(tmp_path, monkeypatch):
     assert [(e["index"], e["prompt"], e["seed"], e["status"]) for e in entries] == [
         (i, p, 7 + i, "ok") for i, p in enumerate(PROMPTS[:3])]
     assert {e["file"] for e in entries} == set(_pixels(out)) == {"00000.png", "00001.png", "00002.png"}
-    meta = Image.open(out / "00001.png").text
-    assert (meta["Prompt"], meta["Seed"], meta["Model"], meta["Steps"]) == (PROMPTS[1], "8", "tiny", "2")
-    assert "patch(" in meta["Setup"] and meta["Device"] == "cpu"
+    meta = metadata.read(out / "00001.png")["sd-kernels"]
+    assert (meta["prompt"], meta["seed"], meta["model"], meta["steps"]) == (PROMPTS[1], 8, "tiny", 2)
+    assert "patch(" in meta["setup"] and meta["device"] == "cpu"
     first = _pixels(out)
 
     # A rerun builds nothing and redoes nothing; one more prompt makes one more image.
@@ -88,6 +89,7 @@ def test_a_failing_prompt_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch)
 
     real = diffusers.StableDiffusionPipeline.__call__
 
+    @functools.wraps(real)
     def flaky(self, prompt, *a, **k):
         if prompt == "boom":
             raise RuntimeError("CUDA out of memory (simulated)")
@@ -171,7 +173,7 @@ def test_gpu_generate_under_a_phone_budget_prints_the_memory_table(tmp_path, mon
                                        profile="s23-ultra", progress=False)
     assert summary.written == 2
     table = summary.processes[0].memory
-    assert "memory of one pipeline call (s23-ultra, 64x64, 3 steps, image 2)" in table
+    assert "memory of one pipeline call (s23-ultra, 64x64, 3 steps, call 2)" in table
     assert "of the 4096 MB budget: within" in table
     for part in ("text_encoder", "unet", "vae"):
         assert part in table

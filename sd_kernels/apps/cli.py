@@ -1,8 +1,14 @@
-"""The ``sd-kernels`` command: ``info``, ``demo``, ``generate``, ``bench`` and ``fidelity``."""
+"""The ``sd-kernels`` command: ``info``, ``demo``, ``generate``, ``bench`` and ``fidelity``.
+
+Parsing imports neither torch, Triton nor diffusers (``sd-kernels --help`` answers at once); each
+command imports what it runs. The command configures a handler on the ``sd_kernels`` logger, so its
+warnings show (the library itself adds none: see docs/generate.md, "Logging").
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pathlib
 import platform
@@ -10,7 +16,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from sd_kernels.apps.generate import DTYPES, dtype_name
+from sd_kernels.apps import generate_command, metadata
+from sd_kernels.apps.generate_command import positive_int
+from sd_kernels.apps.options import DTYPES, device_and_dtype, dtype_name
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -84,14 +92,20 @@ def _budget_lines(prof) -> list[str]:
 
 
 def _autotune_cache(prof) -> str:
-    """Where the kernels' tuned choices persist on this machine's device under ``prof``."""
+    """Where the kernels' tuned choices persist on this machine's device under ``prof``; a path that
+    cannot be a folder (a regular file on its way) is flagged."""
     import torch
 
     from sd_kernels.runtime import autotune_cache
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     directory, why = autotune_cache.cache_dir(device, prof), autotune_cache.cache_root(prof)[1]
-    return why if directory is None else f"{directory} ({why})"
+    if directory is None:
+        return why
+    blocked = next((p for p in (pathlib.Path(directory), *pathlib.Path(directory).parents) if p.is_file()), None)
+    if blocked is not None:
+        return f"{directory} ({why}) -- unusable: {blocked} is a file, so nothing tuned is kept"
+    return f"{directory} ({why})"
 
 
 def _untabled(prof) -> str:
@@ -103,56 +117,20 @@ def _untabled(prof) -> str:
             "first": "each kernel's first config (SD_KERNELS_AUTOTUNE=0)"}[autotune_cache.MODE]
 
 
-def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
-    """``--device`` and ``--dtype`` with their defaults (the GPU and fp16 when there is one)."""
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"sd-kernels {args.command}: --device cuda asked for, but torch sees no CUDA GPU")
-    return device, dtype_name(args.dtype, device == "cuda")
-
-
-def _check_out(out: str) -> None:
-    """Refuse, before any work, an --out that could not be written at the end: a folder, a suffix
-    PIL cannot save, a parent that is a file or not writable."""
-    from PIL import Image
-
-    path = pathlib.Path(out)
-    if path.is_dir():
-        raise ValueError(f"--out {out}: is a folder; give a file name such as {path / 'image.png'}")
-    if path.suffix.lower() not in Image.registered_extensions():
-        raise ValueError(f"--out {out}: unknown image file extension {path.suffix!r} (use .png)")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {out}: {parent} is not writable")
-
-
-def _random_weights(name: str) -> bool:
-    from sd_kernels import models
-
-    return name in models.list_configs()
-
-
 def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
     """The pipeline ``args`` ask for, on its device: (pipe, model name, device, image side)."""
     import torch
 
     from sd_kernels import models
-    from sd_kernels.runtime import dispatch
+    from sd_kernels.apps.generate import check_backend
 
-    device, dtype_name = _device_dtype(args)
+    device, dtype_name = device_and_dtype(args.device, args.dtype, args.command)
     if getattr(args, "out", None):
-        _check_out(args.out)
-    if dispatch.backend() == "triton" and (why := dispatch.device_reason(device)) is not None:
-        raise ValueError(f"SD_KERNELS_BACKEND=triton forces the kernels, and they cannot run on {device}: {why}")
+        metadata.check_output(args.out, records=False)
+    check_backend(device)
     name = args.model or models.default_model(device == "cuda")
     size = models.image_side(name, args.size)
-    weights = "random weights" if _random_weights(name) else "loaded"
+    weights = "random weights" if name in models.list_configs() else "loaded"
     print(f"sd-kernels {args.command}: {name} ({weights}), {size}x{size}, {args.steps} steps, {dtype_name} on {device}")
     t0 = time.perf_counter()
     pipe = models.load_pipeline(name, device=device, dtype=getattr(torch, DTYPES[dtype_name]), seed=args.seed)
@@ -203,6 +181,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"patched: {result_s * 1e3:9.1f} ms  ({stock_s / result_s:.2f}x), "
               f"PSNR vs stock {psnr(result_img, stock_img):.1f} dB")
         sd_kernels.unpatch(pipe)
+        if device != "cuda":
+            print("note: on a CPU these timings say nothing of sd-kernels' speed: its kernels run on CUDA GPUs, and "
+                  "here both runs take PyTorch's CPU path (or Triton's interpreter, slower still); the CPU demo "
+                  "shows the patch working and the images agreeing (PSNR), not a speed-up")
         if device == "cuda":  # stock eager is not the strongest thing to compare with: say what is
             print("note: stock here is diffusers' eager pipeline. Against torch.compile with CUDA graphs (diffusers' "
                   "own speed recipe) compare with `--compile` (patch(pipe, compile=True)) or run "
@@ -215,56 +197,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     numpy_to_pil(result_img[None])[0].save(out)
     print(f"wrote {out}")
     return 0
-
-
-RANDOM_WEIGHTS_NOTE = ("random weights from the shipped config {name!r}: the image is structured noise, "
-                       "not a picture of the prompt (pass --model PATH for a real checkpoint)")
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    import sd_kernels
-    from sd_kernels import profiles
-
-    profiles.get_profile(args.profile)  # an unknown name fails here, before the pipeline is built
-    if args.prompts:
-        return _generate_batch(args)
-    args.out = args.out or "image.png"
-    pipe, name, device, size = _load(args)
-    graph = {"off": False}.get(args.cuda_graph, args.cuda_graph)
-    record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile)
-    print(record.summary())
-    image, seconds = _generate(pipe, args, size, device)
-    weights = RANDOM_WEIGHTS_NOTE.format(name=name) if _random_weights(name) else f"loaded from {name}"
-    print(f"generated in {seconds * 1e3:.1f} ms (patched; the first call includes kernel compilation)")
-    print(f"note: {weights}")
-    from diffusers.utils import numpy_to_pil
-    from PIL.PngImagePlugin import PngInfo
-
-    meta = PngInfo()
-    for key, value in {"Software": f"sd-kernels {sd_kernels.__version__} (patched pipeline)", "Model": name,
-                       "Weights": weights, "Prompt": args.prompt, "Steps": str(args.steps),
-                       "Seed": str(args.seed), "Profile": record.profile}.items():
-        meta.add_text(key, value)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    numpy_to_pil(image[None])[0].save(out, pnginfo=meta)
-    print(f"wrote {out}")
-    return 0
-
-
-def _generate_batch(args: argparse.Namespace) -> int:
-    """``generate --prompts FILE --out DIR``: sd_kernels.apps.generate, in this process or under accelerate."""
-    from sd_kernels.apps import generate
-
-    if args.cuda_graph != "auto":
-        raise ValueError("--cuda-graph with --prompts: batch generation uses patch()'s recommended set-up")
-    summary = generate.generate_images(
-        generate.read_prompts(args.prompts), args.out or "images", model=args.model, steps=args.steps,
-        size=args.size, seed=args.seed, device=args.device, dtype=args.dtype, profile=args.profile,
-        compile=args.compile)
-    if summary.main:
-        print(summary.format())
-    return summary.exit_code
 
 
 def _bench_harness():
@@ -290,7 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         profiles.get_profile(args.profile)  # an unknown name fails here
         os.environ["SD_KERNELS_PROFILE"] = args.profile  # what patch() and the ablation's profile read
     e2e, plot = _bench_harness()
-    device, dtype_name = _device_dtype(args)
+    device, dtype_name = device_and_dtype(args.device, args.dtype, args.command)
     if args.model is None and device != "cuda":
         args.model = "tiny"
     args.models = args.model
@@ -305,6 +237,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"wrote {png}")
     print(f"wrote {', '.join(sorted({str(out / r['csv']) for r in rows}))}")
     return 0 if all(not str(r.get("status")).startswith("error") for r in rows) else 1
+
+
 def cmd_fidelity(args: argparse.Namespace) -> int:
     import torch
 
@@ -323,7 +257,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0 if result.ok(args.max_latent_err, args.min_psnr) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
+    """The command line. ``bench_options``: add ``bench``'s own options, read from the benchmark harness
+    (which imports torch: ``main`` asks for them only when the command is ``bench``)."""
     ap = argparse.ArgumentParser(prog="sd-kernels", description="Triton kernels for Stable Diffusion in diffusers")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="versions, device, the active profile and its kernel selection table")
@@ -337,23 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-patch", action="store_true", help="run stock only")
     _compile_option(demo, "the fastest set-up, after a minute or two of compilation")
     demo.set_defaults(fn=cmd_demo)
-    gen = sub.add_parser("generate", help="generate an image, or one per line of a prompts file (under "
-                         "`accelerate launch`: spread over the GPUs), with the patched pipeline",
-                         description="One image: --prompt TEXT --out FILE.png. Many: --prompts FILE --out DIR, "
-                         "one image per non-empty line (prompt i gets seed SEED+i), written as DIR/NNNNN.png with "
-                         "DIR/manifest.jsonl; a rerun skips what is done. Several GPUs: accelerate launch "
-                         "--multi_gpu --num_processes N -m sd_kernels generate --prompts FILE --out DIR.")
-    which = gen.add_mutually_exclusive_group(required=True)
-    which.add_argument("--prompt", help="one prompt: one image")
-    which.add_argument("--prompts", help="a text file, one prompt per line: one image each, into the --out folder")
-    _pipeline_options(gen, "shipped config (random weights: the image is noise-like), a local pipeline "
-                      "directory or a hub id; default: sd15 on a GPU, tiny on CPU")
-    gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
-    gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "step", "unet", "off"], default="auto",
-                     help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
-    _compile_option(gen, "torch.compile inside the graphs")
-    gen.add_argument("--out", help="PNG to write (default image.png); with --prompts, the folder (default images)")
-    gen.set_defaults(fn=cmd_generate)
+    generate_command.add_parser(sub, _pipeline_options, _compile_option)
     bench = sub.add_parser("bench", help="end-to-end benchmarks and the paper's ablation: table, CSV and PNG",
                            description="Runs bench/e2e.py (a source checkout is needed): every variant of "
                            "every model, appending rows to OUT/e2e.csv and OUT/ablation.csv as they finish, "
@@ -365,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "eager variants only)")
     bench.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
     bench.add_argument("--out", help="results folder (default bench-results/DATE-DEVICE)")
-    _bench_options(bench)
+    if bench_options:
+        _bench_options(bench)
     bench.set_defaults(fn=cmd_bench)
     fid = sub.add_parser("fidelity", help="stock vs patched with the same weights and seed: latent error, "
                          "image PSNR, per op family; exit status 1 past the limits")
@@ -381,14 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _pipeline_options(ap: argparse.ArgumentParser, model_help: str) -> None:
+def _pipeline_options(ap: argparse.ArgumentParser, model_help: str, seed_help: str = "seed (default 0)") -> None:
     """The options every command that builds and runs a pipeline takes (demo, generate, fidelity)."""
     ap.add_argument("--model", help=model_help)
-    ap.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (default 20)")
-    ap.add_argument("--size", type=_positive_int, help="image side in pixels (default: the model's)")
+    ap.add_argument("--steps", type=positive_int, default=20, help="denoising steps (default 20)")
+    ap.add_argument("--size", type=positive_int, help="image side in pixels (default: the model's)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help=seed_help)
 
 
 def _bench_options(ap: argparse.ArgumentParser) -> None:
@@ -398,16 +319,6 @@ def _bench_options(ap: argparse.ArgumentParser) -> None:
     except SystemExit:
         return  # an installed wheel: `sd-kernels bench` explains when run
     e2e.add_arguments(ap, models=False)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _compile_mode(value: str) -> str:
@@ -424,17 +335,58 @@ def _compile_option(parser: argparse.ArgumentParser, what: str) -> None:
                         "(inductor's GEMM/convolution autotuning: minutes more)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from sd_kernels.runtime.dispatch import KernelUnavailable
-    from sd_kernels.runtime.memory import MemoryBudgetExceeded
+class _ProgressSafeHandler(logging.StreamHandler):
+    """Warnings to stderr through tqdm, so that a line does not break a progress bar that is drawing."""
 
-    args = build_parser().parse_args(argv)
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+# transformers warns, when diffusers is imported, that its image processors fall back from torchvision to
+# PIL: they serve safety checkers and image encoders, which no command here runs, so the lines are noise.
+_IMPORT_NOISE = ("transformers.utils.import_utils", "requires torchvision (not installed); falling back")
+
+
+def _drop_import_noise(record: logging.LogRecord) -> bool:
+    return _IMPORT_NOISE[1] not in record.getMessage()
+
+
+def _log_to_stderr() -> logging.Handler:
+    """What the command shows of the library's logging: its warnings, one line each."""
+    handler = _ProgressSafeHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("sd_kernels").addHandler(handler)
+    logging.getLogger(_IMPORT_NOISE[0]).addFilter(_drop_import_noise)
+    return handler
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(bench_options=command == "bench").parse_args(argv)
+    handler = _log_to_stderr()
     try:
-        return args.fn(args)
-    # OSError: a hub id with no hub, a full disk; MemoryBudgetExceeded: weights over a profile's budget
-    except (ValueError, TypeError, OSError, KernelUnavailable, MemoryBudgetExceeded) as exc:
-        print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        from sd_kernels.runtime.dispatch import KernelUnavailable
+        from sd_kernels.runtime.memory import MemoryBudgetExceeded
+
+        try:
+            return args.fn(args)
+        # OSError: a hub id with no hub, a full disk; MemoryBudgetExceeded: weights over a profile's budget
+        except (ValueError, TypeError, OSError, KernelUnavailable, MemoryBudgetExceeded) as exc:
+            print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # what was made is written and listed; a rerun of generate makes the rest
+            print(f"sd-kernels {args.command}: interrupted", file=sys.stderr)
+            return 130
+    finally:
+        logging.getLogger("sd_kernels").removeHandler(handler)
+        logging.getLogger(_IMPORT_NOISE[0]).removeFilter(_drop_import_noise)
 
 
 if __name__ == "__main__":

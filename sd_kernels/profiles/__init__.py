@@ -384,8 +384,12 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
     rules = []
     if not isinstance(kw.get("winograd", []), list):
         _fail(where, "winograd", kw["winograd"], "a list of rules")
-    for r in kw.get("winograd", []):
+    for i, r in enumerate(kw.get("winograd", [])):
         _keys(where, "a winograd rule", r, _WINOGRAD_KEYS, _WINOGRAD_KEYS - {"layout"})
+        for key, value in r.items():  # the types first: the bounds checks compare them
+            kind = str if key in ("dtype", "layout") else int
+            if isinstance(value, bool) or not isinstance(value, kind):
+                _fail(where, f"winograd[{i}].{key}", value, "a string" if kind is str else "an integer")
         rules.append(WinogradRule(**r))
     kw["winograd"] = tuple(rules)
     ops = kw.get("disabled_ops", [])
@@ -470,7 +474,10 @@ def _resolve(profile: str | Profile) -> Profile:
         raise TypeError(f"profile must be a name, a Profile or None, got {type(profile).__name__}")
     if profile in _CATALOG:
         return _CATALOG[profile]
-    if profile.endswith(".json") and os.path.isfile(profile):
+    if profile.endswith(".json"):
+        if not os.path.isfile(profile):
+            raise ValueError(f"profile file {profile}: not found" if not os.path.exists(profile)
+                             else f"profile file {profile}: not a file")
         return load_file(profile)
     raise ValueError(f"unknown profile {profile!r}; known profiles: {', '.join(_CATALOG)} (or a path to a .json)")
 

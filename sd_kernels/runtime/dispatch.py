@@ -2,7 +2,10 @@
 
 Every public op in ``sd_kernels.ops`` asks ``use_kernel`` once per call and then runs either its
 Triton launcher or the function of the same name in ``sd_kernels.reference``. A fallback is never
-silent: the first time an (op, reason) pair falls back it is logged, and ``fallbacks()`` counts them.
+silent: ``fallbacks()`` counts every (op, reason) pair, and each reason is logged once per process as a
+warning, when the first op meets it (the pairs after it at DEBUG level). Where the reference path is
+the active profile's design (the ``cpu`` profile on a device the kernels do not run on), the line is
+DEBUG too: nothing there is amiss.
 
 ``SD_KERNELS_BACKEND`` overrides the choice: ``auto`` (default), ``triton`` (a kernel that cannot
 run raises instead of falling back) or ``reference`` (never run a kernel).
@@ -24,6 +27,8 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "triton", "reference")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what every kernel takes
 _fallbacks: collections.Counter = collections.Counter()
+_warned: set[str] = set()  # the reasons logged as a warning in this process
+NO_KERNEL_DEVICE = "Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU)"
 
 
 class KernelUnavailable(RuntimeError):
@@ -60,7 +65,7 @@ def _device_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
         return _triton_missing()
     if device.type == "cpu" and interpreting():
         return _triton_missing()
-    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device.type}"
+    return f"{NO_KERNEL_DEVICE}; got {device.type}"
 
 
 def device_reason(device: torch.device | str) -> str | None:
@@ -110,9 +115,14 @@ def declined(op: str, reason: str) -> None:
 
 
 def _count(op: str, reason: str, what: str) -> None:
-    """Count one fallback of ``op`` for ``reason``; the first of each pair is logged."""
+    """Count one fallback of ``op`` for ``reason``; the first of each pair is logged (see the module
+    docstring for which are warnings)."""
     if _fallbacks[(op, reason)] == 0:
-        log.warning("sd_kernels: %s %s: %s", op, what, reason)
+        by_design = reason.startswith(NO_KERNEL_DEVICE) and profiles.active_profile().name == "cpu"
+        quiet = by_design or reason in _warned
+        log.log(logging.DEBUG if quiet else logging.WARNING, "sd_kernels: %s %s: %s", op, what, reason)
+        if not quiet:
+            _warned.add(reason)
     _fallbacks[(op, reason)] += 1
 
 
@@ -123,6 +133,7 @@ def fallbacks() -> dict[tuple[str, str], int]:
 
 def reset_fallbacks() -> None:
     _fallbacks.clear()
+    _warned.clear()
 
 
 # ---------------------------------------------------------------------------------------------
