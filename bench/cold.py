@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import json
 import os
 import pathlib
@@ -259,18 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     env = common.environment()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "cold.csv"
-    new = not path.exists()
     status = 0
     for model, shapes, shipped, precompile in plan:
         for row in measure(model, shapes, args.steps, shipped, precompile, args.autotune if args.runs else "rule"):
             status |= row["status"] != "ok"
             print(say(row), flush=True)
-            with open(path, "a", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
-                if new:
-                    w.writeheader()
-                    new = False
-                w.writerow({**row, **{k: env.get(k, "") for k in FIELDS if k in env}})
+            common.append_csv(path, [{**row, **{k: env.get(k, "") for k in FIELDS if k in env}}], FIELDS)
     return status
 
 

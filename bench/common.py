@@ -180,6 +180,24 @@ def measure(case: Case, warmup: int = 25, rep: int = 100) -> Iterator[dict[str, 
         }
 
 
+def append_csv(path, rows: list[dict[str, Any]], fields: list[str] | None = None) -> None:
+    """Append ``rows`` to the CSV at ``path`` (``fields``: its columns, default the first row's keys;
+    keys outside them are dropped), writing the header when the file is new: a benchmark's rows are
+    on disk as soon as they are measured."""
+    import csv
+    import pathlib
+
+    path = pathlib.Path(path)
+    if not rows:
+        return
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields or list(rows[0]), restval="", extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

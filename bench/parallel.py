@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import pathlib
 import statistics
@@ -47,6 +46,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from bench import common
 
 PROMPT = "a photograph of an astronaut riding a horse"
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
@@ -271,12 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         rows = run_model(args, model, world, rank, stamp, log)
         if rank == 0:
-            new = not path.exists()
-            with open(path, "a", newline="") as f:
-                writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-                if new:
-                    writer.writeheader()
-                writer.writerows(rows)
+            common.append_csv(path, rows, COLUMNS)
     dist.destroy_process_group()
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import json
 import os
 import pathlib
@@ -118,18 +117,6 @@ def summary(keys: list[dict]) -> list[dict]:
     return out
 
 
-def _write(path: pathlib.Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    new = not path.exists()
-    fields = list(rows[0])
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, help="folder for rule.csv, rule-keys.csv, cold.csv")
@@ -168,16 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         for row in ruled + [{**r, "autotune": "tuned"} for r in tuned]:
             status |= row["status"] != "ok"
             print(cold.say(row), flush=True)
-        _write(args.out / "cold.csv", [{**r, **{k: env.get(k, "") for k in cold.FIELDS if k in env}}
+        common.append_csv(args.out / "cold.csv", [{**r, **{k: env.get(k, "") for k in cold.FIELDS if k in env}}
                                        for r in ruled + [{**r, "autotune": "tuned"} for r in tuned]])
-        _write(args.out / "rule-keys.csv", [{"run": spec, **k} for k in keys])
+        common.append_csv(args.out / "rule-keys.csv", [{"run": spec, **k} for k in keys])
         warm = [{"run": spec, "shape": a["shape"], "rule_warm_ms": a.get("warm_ms"), "tuned_warm_ms": b.get("warm_ms"),
                  "ratio": (a["warm_ms"] / b["warm_ms"]) if a["status"] == b["status"] == "ok" else ""}
                 for a, b in zip(ruled, tuned)]
         kernels = summary(keys)
-        _write(args.out / "rule.csv", [{**w, **{k: env.get(k, "") for k in ("device", "torch", "triton", "date")}}
-                                       for w in warm])
-        _write(args.out / "rule-kernels.csv", [{"run": spec, **k} for k in kernels])
+        stamp = {k: env.get(k, "") for k in ("device", "torch", "triton", "date")}
+        common.append_csv(args.out / "rule.csv", [{**w, **stamp} for w in warm])
+        common.append_csv(args.out / "rule-kernels.csv", [{"run": spec, **k} for k in kernels])
         for w in warm:
             ratio = "n/a" if w["ratio"] == "" else f"{w['ratio']:.3f}x"
             print(f"  {spec} {w['shape']}: warm {w['rule_warm_ms']} ms by rule, {w['tuned_warm_ms']} ms tuned "

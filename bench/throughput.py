@@ -25,7 +25,6 @@ Prints the rows as a table. On an H100 the default run takes about two minutes, 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import pathlib
 import shutil
@@ -105,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             if not summary.main:
                 continue
             rows.append(row)
-            path = out / "throughput.csv"
-            new = not path.exists()
-            with open(path, "a", newline="") as f:
-                w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-                if new:
-                    w.writeheader()
-                w.writerow(row)
+            common.append_csv(out / "throughput.csv", [row], FIELDS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if rows:
