@@ -12,6 +12,46 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _skip_repatching_the_language() -> None:
+    """Triton's interpreter re-patches ``triton.language`` at every call of a nested ``@triton.jit``
+    function (``_patch_lang``), scanning each package with ``inspect.getmembers`` although the launch
+    around it has already replaced every builtin: a third of the interpreter's time in kernels with
+    helper functions. A package whose builtins are all replaced is remembered until a launch restores
+    the language, so a nested call skips the scan that would find nothing to replace. What runs is
+    unchanged; where the interpreter's internals differ (another Triton), nothing is changed."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    scan, scope = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_LangPatchScope", None)
+    if scan is None or scope is None or not callable(getattr(scope, "restore", None)):
+        return
+    done: set[int] = set()  # ids of the packages with no builtin left unreplaced
+    restore = scope.restore
+
+    def patch_builtin(pkg, builder, patch_scope):
+        if id(pkg) not in done:
+            scan(pkg, builder, patch_scope)
+            done.add(id(pkg))
+
+    def restore_all(self):
+        done.clear()
+        restore(self)
+
+    interpreter._patch_builtin = patch_builtin
+    scope.restore = restore_all
+
+
+if not HAS_CUDA:
+    _skip_repatching_the_language()
+    # One intra-op thread unless OMP_NUM_THREADS says otherwise: the tests' tensors are tiny, and two
+    # OpenMP threads on a loaded two-core machine wait on each other far longer than they compute
+    # (test_whole_step.py: 18 s of CPU with one, 350 s with two); tests in parallel processes each take one.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # and the subprocesses some tests start
+        torch.set_num_threads(1)
+
 # Tests never read or write the user's autotune cache (sd_kernels.runtime.launch); the tests of the cache
 # point it at a temporary directory themselves.
 os.environ.setdefault("SD_KERNELS_AUTOTUNE_CACHE", "off")

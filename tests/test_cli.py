@@ -21,7 +21,10 @@ def test_info_under_a_budget_prints_each_configs_weights_against_it(capsys):
     assert "memory plan" not in capsys.readouterr().out  # no budget, no plan
 
 
-def test_demo_writes_a_png_on_cpu(tmp_path, capsys):
+def test_demo_writes_a_png_on_cpu(tmp_path, capsys, monkeypatch):
+    # The command's plumbing, as below: the kernels through the interpreter would take minutes here (the
+    # whole pipeline at 64x64); tests/patches/ runs them on the same tiny models, against float64.
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     out = tmp_path / "img.png"
     assert cli.main(["demo", "--steps", "2", "--device", "cpu", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -150,8 +150,9 @@ PIXEL_CASES = [  # (shape, num_groups, layout): channels-fast inputs, odd sizes
 ]
 
 
-@pytest.mark.parametrize("activation", ["silu", None])
-@pytest.mark.parametrize("dtype", DTYPES)
+# The activation is the normalize launch's epilogue, in fp32 before the store: without it once (fp32);
+# with it in every dtype (the dtype changes only the loads and the store).
+@pytest.mark.parametrize("dtype, activation", [(torch.float32, None), *((d, "silu") for d in DTYPES)])
 @pytest.mark.parametrize("shape, g, kind", PIXEL_CASES)
 def test_pixel_path(shape, g, kind, dtype, activation, force_path, plans, device):
     kw = force_path("pixels")
@@ -252,18 +253,22 @@ def _check_shifted(x, g, w, b, shift, activation, ours):
 
 
 @pytest.mark.parametrize("path", [*PATHS, "pixels"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shift_dtype", [torch.float32, "x"])
+@pytest.mark.parametrize("dtype, shift_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                                (torch.float16, "x"), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, "x")],  # "x": the shift in x's dtype
+                         ids=["fp32", "fp16-shift_fp32", "fp16", "bf16-shift_fp32", "bf16"])
 def test_shift_is_added_before_the_statistics(path, dtype, shift_dtype, force_path, plans, device):
     """group_norm(x, shift=s) normalizes x + s[:, :, None, None] (ResnetBlock2D's conv1 bias + time
-    embedding): on the pixel path folded into the pivots and means, in a one-tile group added in
-    registers, on the streaming group paths added to x first."""
+    embedding): on the pixel path folded into the pivots and means (its chunked shape, as in
+    test_pixel_path_loops_over_tiles_and_chunks), in a one-tile group added in registers, on the
+    streaming group paths added to x first (groups of five 32-element tiles, the last one masked)."""
     kw = force_path(path)
-    x, w, b = _inputs((3, 40, 7, 5), dtype, device)
+    (n, c, h, wd), g = ((3, 40, 7, 5), 8) if path == "pixels" else ((2, 12, 5, 7), 3)
+    x, w, b = _inputs((n, c, h, wd), dtype, device)
     x = layout(x, "channels_last")
-    shift = _shift(3, 40, dtype if shift_dtype == "x" else shift_dtype, device)
-    ours = group_norm(x, 8, w, b, 1e-5, "silu", shift=shift, **kw)
-    _check_shifted(x, 8, w, b, shift, "silu", ours)
+    shift = _shift(n, c, dtype if shift_dtype == "x" else shift_dtype, device)
+    ours = group_norm(x, g, w, b, 1e-5, "silu", shift=shift, **kw)
+    _check_shifted(x, g, w, b, shift, "silu", ours)
     assert ours.stride() == x.stride()
     assert plans[-1].pixels == (path == "pixels")
 

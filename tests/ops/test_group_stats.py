@@ -40,8 +40,9 @@ def _banded(x, g, weight, bias, activation, cuts):
 @pytest.mark.parametrize("shape, g, cuts", [((2, 32, 9, 7), 8, (0, 4, 9)), ((1, 48, 5, 13), 16, (0, 1, 3, 5)),
                                             ((1, 12, 20, 3), 3, (0, 20))])
 @pytest.mark.parametrize("kind", ["nchw", "nhwc", "strided"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", [None, "silu"])
+# The activation is the normalize launch's epilogue, in fp32 before the store: without it once (fp32);
+# with it in every dtype (the dtype changes only the loads and the store).
+@pytest.mark.parametrize("dtype, activation", [(torch.float32, None), *((d, "silu") for d in DTYPES)])
 def test_bands_normalized_with_the_whole_statistics_are_group_norm(shape, g, cuts, kind, dtype, activation, device):
     x = _layout((torch.randn(shape) * 2 + 3).to(device, dtype), kind)  # a mean off zero: no cancellation
     w, b = torch.randn(shape[1], device=device), torch.randn(shape[1], device=device)

@@ -44,8 +44,10 @@ def tiny_vae() -> AutoencoderKL:
 
 
 def unet_out(unet, mask=False):
+    """A 4x4 latent (16 and 4 queries: the processor is under test here, the kernels' tiling in
+    tests/ops/test_attention.py) and SD's 77 text tokens, with a padding mask if ``mask``."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=g).to(unet.dtype)
+    x = torch.randn(2, 4, 4, 4, generator=g).to(unet.dtype)
     ctx = torch.randn(2, 77, 32, generator=g).to(unet.dtype)
     kwargs = {}
     if mask:  # padding mask for the text tokens: diffusers turns it into an additive bias

@@ -20,11 +20,11 @@ attn_patch = importlib.import_module("sd_kernels.patches.attention")
 EMBED = 16  # the image encoder's embedding size the random adapters take
 
 
-def ip_out(unet, n: int = 1, **cross_attention_kwargs) -> torch.Tensor:
+def ip_out(unet, n: int = 1, side: int = 8, **cross_attention_kwargs) -> torch.Tensor:
     """The UNet's output for fixed inputs (made on the CPU in float32, then on the UNet's device and
     dtype), on the CPU."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=g)
+    x = torch.randn(2, 4, side, side, generator=g)
     ctx = torch.randn(2, 77, 32, generator=g)
     embeds = [torch.randn(2, 1, EMBED, generator=g) for _ in range(n)]
     p = next(unet.parameters())
@@ -45,8 +45,12 @@ def ip_unet(n: int = 1):
     return unet
 
 
-@pytest.mark.parametrize("n", [1, 2], ids=["one-adapter", "two-adapters"])
-def test_ip_adapter_processors_are_served_and_undone_exactly(n):
+def test_ip_adapter_processors_are_served_and_undone_exactly():
+    """Two adapters: the processor's loop over them is the code one adapter runs too. A 4x4 latent
+    (16 queries; the kernels' tiling is tested in tests/ops/test_attention.py) keeps the interpreter
+    to seconds."""
+    n = 2
+    run = lambda model: ip_out(model, n, side=4)  # noqa: E731
     unet = ip_unet(n)
     before = processors(unet)
     kinds = {name: type(p) for name, p in before.items()}
@@ -54,8 +58,8 @@ def test_ip_adapter_processors_are_served_and_undone_exactly(n):
     n_plain = sum(k is AttnProcessor2_0 for k in kinds.values())
     assert n_ip and n_plain and n_ip + n_plain == len(kinds)
     keys = list(unet.state_dict())
-    stock = ip_out(unet, n)
-    ref64 = ip_out(copy.deepcopy(unet).double(), n)
+    stock = run(unet)
+    ref64 = run(copy.deepcopy(unet).double())
     record = sd_kernels.patch(unet, ops=["attention"], cuda_graph=False)
     assert record.counts == {"attention_processor": n_plain, "ip_adapter_processor": n_ip}
     now = processors(unet)
@@ -66,19 +70,21 @@ def test_ip_adapter_processors_are_served_and_undone_exactly(n):
     dispatch.reset_fallbacks()
     with pytest.MonkeyPatch.context() as m:  # our processor's own path, not diffusers' code through super()
         m.setattr(IPAdapterAttnProcessor2_0, "__call__", lambda *a, **k: pytest.fail("ran diffusers' __call__"))
-        assert_close_to_reference(ip_out(unet, n), stock, ref64)
+        assert_close_to_reference(run(unet), stock, ref64)
     assert not dispatch.fallbacks()  # the kernels ran (the interpreter on CPU), not the reference
     assert sd_kernels.unpatch(unet)
     after = processors(unet)
     assert all(after[k] is before[k] and type(after[k]) is kinds[k] for k in before)
     assert all("_sd_profile" not in p.__dict__ for p in after.values())
-    assert torch.equal(ip_out(unet, n), stock)
+    assert torch.equal(run(unet), stock)
 
 
-def test_set_ip_adapter_scale_while_patched_acts_and_survives_unpatch():
+def test_set_ip_adapter_scale_while_patched_acts_and_survives_unpatch(monkeypatch):
     """diffusers' set_ip_adapter_scale finds the patched processors (they are IPAdapterAttnProcessor2_0
     instances); a scale of 0 skips an adapter; a per-block scale dict (InstantStyle) and a mask run
-    diffusers' own code; the scale set while patched stays after unpatch."""
+    diffusers' own code; the scale set while patched stays after unpatch. The processor's plumbing is
+    under test: the reference ops (the kernels under it: the test above)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     pipe = models.build_pipeline("tiny")
     models.load_random_ip_adapters(pipe.unet, 2, EMBED)
     stock_pipe = copy.deepcopy(pipe)

@@ -32,7 +32,7 @@ def _pair(name="tiny", scheduler=None, device="cpu", dtype=torch.float32, mode="
     return _pipe_pair(name, scheduler, device, dtype, mode=mode)
 
 
-def _run(pipe, steps=3, seed=0, device="cpu", size=64, generator=None, prompt="a cat", **kwargs):
+def _run(pipe, steps=3, seed=0, device="cpu", size=32, generator=None, prompt="a cat", **kwargs):
     generator = generator if generator is not None else torch.Generator(device).manual_seed(seed)
     return pipe(prompt=prompt, num_inference_steps=steps, height=size, width=size, output_type="pt",
                 generator=generator, **kwargs).images
@@ -72,7 +72,7 @@ def test_alternating_step_counts_replay_without_new_captures(fake_step):
     assert len(fake_step) == captured
 
 
-CHANGES = [{}, {"prompt": "a dog"}, {"size": 128}, {"num_images_per_prompt": 2}, {"steps": 5}, {"guidance_scale": 2.0},
+CHANGES = [{}, {"prompt": "a dog"}, {"size": 64}, {"num_images_per_prompt": 2}, {"steps": 5}, {"guidance_scale": 2.0},
            {"guidance_scale": 1.0}, {"guidance_rescale": 0.7}, {"eta": 0.5}, {}]
 
 

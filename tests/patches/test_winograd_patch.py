@@ -59,8 +59,10 @@ def _qualifying(model):
 
 
 def _unet_call(model):
+    """The tiny UNet on an 8x8 latent: its 32-channel convs run at 8x8, its 64-channel ones at 4x4 but
+    the up-block's upsampler conv (8x8)."""
     g = torch.Generator().manual_seed(1)
-    x, t, ctx = torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10, 500]), torch.randn(2, 7, 32, generator=g)
+    x, t, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10, 500]), torch.randn(2, 7, 32, generator=g)
     return lambda: model(x, t, ctx).sample
 
 
@@ -87,7 +89,8 @@ def test_profile_routing_nothing_swaps_nothing(route):
 
 
 def test_patch_routes_per_call_and_round_trips(route):
-    # Route only convs with 64 output channels at 8x8 maps, with F(2,3): the rest stay stock per call.
+    # Route only convs with 64 output channels at 8x8 maps, with F(2,3): every 64-channel conv is swapped,
+    # and all but the upsampler's (the only one at 8x8) stay stock per call.
     prof = route(lambda n, c, h, w, k: 2 if (k, h) == (64, 8) else None)
     unet = build_model("tiny", "unet")
     call = _unet_call(unet)
@@ -102,6 +105,7 @@ def test_patch_routes_per_call_and_round_trips(route):
         ours = call()
         routed = [a for a in prof.asked if prof.rule(*a[:5])]
         assert routed, "no conv was routed: the test would not test Winograd"
+        assert len(routed) < len(prof.asked), "every call was routed: per-call routing is not tested"
         assert any(m.transformed_bytes() > 0 for m in swapped)
         # fp32 through the interpreter: Winograd F(2,3) rounds a little differently from a direct conv.
         assert rel_err(ours, stock) < 1e-4
@@ -228,7 +232,7 @@ def test_compiled_unet_runs_routed_convs_as_one_custom_op(route):
     from torch._dynamo.backends.registry import lookup_backend
 
     wg_ops = importlib.import_module("sd_kernels.ops.winograd")
-    prof = route(lambda n, c, h, w, k: 2 if h == 8 else None)
+    prof = route(lambda n, c, h, w, k: 2 if (c, k, h) == (32, 32, 8) else None)  # four calls: the ResNets' 32→32
     unet = build_model("tiny", "unet")
     patch(unet, ops=["winograd"], profile=prof)
     call = _unet_call(unet)
