@@ -12,14 +12,7 @@ set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT_DIR [--quick] [--only FAMILIES]}
 shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import diffusers" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
-    || { echo "gpu.sh: could not install the carried wheels in .whl" >&2; exit 1; }
-  export PYTHONPATH=$PWD/.site
-fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-  || { echo "gpu.sh: could not install sd-kernels" >&2; exit 1; }
+source "$(dirname "$0")/gpu_install.sh"
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
   python3 -m sd_kernels info; } 2>&1 | tee "$out/gpu.txt"
