@@ -33,8 +33,13 @@ import logging
 import torch
 import torch.nn as nn
 
-from sd_kernels.ops.custom_ops import fp8_gemm, fp8_linear, layer_norm_modulated, layer_norm_modulated_fp8, \
-    quantize_rows
+from sd_kernels.ops.custom_ops import (
+    fp8_gemm,
+    fp8_linear,
+    layer_norm_modulated,
+    layer_norm_modulated_fp8,
+    quantize_rows,
+)
 from sd_kernels.ops.fp8_linear import FP8_CAPABILITY, attach_quantized, quantize_weight
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting

@@ -331,8 +331,8 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
              residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              compute: torch.dtype = torch.float32) -> torch.Tensor:
     """``y = (a_q · w_qᵀ) · s_a[:, None] · s_w[None, :]``, then ``+ bias``, ``act``, ``· gate`` (per
-    sample: [B, N] or [B, 1, N], the rows of a_q split evenly over B), ``+ residual``, computed in ``compute`` and stored
-    in ``out_dtype``. a_q [..., K] and w_q [N, K] float8_e4m3fn; s_a [...], s_w [N] float32."""
+    sample: [B, N] or [B, 1, N], the rows of a_q split evenly over B), ``+ residual``, computed in
+    ``compute`` and stored in ``out_dtype``. a_q [..., K] and w_q [N, K] float8_e4m3fn; s_a [...], s_w [N] float32."""
     y = (a_q.to(compute) @ w_q.to(compute).t()) * s_a.to(compute)[..., None] * s_w.to(compute)
     if bias is not None:
         y = y + bias.to(compute)

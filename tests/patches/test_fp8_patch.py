@@ -6,10 +6,10 @@ import types
 import pytest
 import torch
 import torch.nn as nn
+from sd_kernels.patches import fp8
 
 import sd_kernels
 from sd_kernels.models import build_pipeline
-from sd_kernels.patches import fp8
 from sd_kernels.testing import psnr, rel_err
 
 
