@@ -36,9 +36,9 @@ import torch.nn as nn
 from sd_kernels.ops.custom_ops import (
     fp8_gemm,
     fp8_linear,
+    fp8_quantize_rows,
     layer_norm_modulated,
     layer_norm_modulated_fp8,
-    quantize_rows,
 )
 from sd_kernels.ops.fp8_linear import FP8_CAPABILITY, attach_quantized, quantize_weight
 from sd_kernels.profiles import scoped
@@ -150,7 +150,7 @@ class Fp8FeedForward(nn.Module):
         if self.training or not (isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear)):
             return self._original(self._ff[0], hidden_states, *args, **kwargs)  # LoRA-wrapped since, or training
         h = first(hidden_states)
-        q, s = quantize_rows(h, self.act, self.gated)
+        q, s = fp8_quantize_rows(h, self.act, self.gated)
         return second.from_codes(q, s, hidden_states.dtype)
 
     def extra_repr(self) -> str:

@@ -226,7 +226,7 @@ def _codes_and_scales(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tens
             torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
 
 
-@_fp8_op("fp8_quantize", lambda x, act, gated: _codes_and_scales(x, x.shape[-1] // (2 if gated else 1)))
+@_fp8_op("fp8_quantize_rows", lambda x, act, gated: _codes_and_scales(x, x.shape[-1] // (2 if gated else 1)))
 def _fp8_quantize_op(x: torch.Tensor, act: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_ops.quantize_rows(x, act, gated)
 
@@ -328,10 +328,10 @@ def upsample_conv2d(x, weight, bias):
     return upsample_ops.upsample_conv2d(x, weight, bias, cached=True)
 
 
-def quantize_rows(x, act="", gated=False):
+def fp8_quantize_rows(x, act="", gated=False):
     """FP8 codes and row scales of ``act(x)``: ``sd_kernels.ops.quantize_rows``."""
     if torch.compiler.is_compiling():
-        return torch.ops.sd_kernels.fp8_quantize(x, act, gated)
+        return torch.ops.sd_kernels.fp8_quantize_rows(x, act, gated)
     return fp8_ops.quantize_rows(x, act, gated)
 
 
@@ -346,7 +346,7 @@ def fp8_linear(x, w_q, s_w, bias=None, act="", gate=None, residual=None):
     """x quantized per row (or the quantization it carries, in eager), then ``fp8_gemm``:
     ``sd_kernels.ops.fp8_linear``. Compiled graphs quantize each call's input (no attached codes)."""
     if torch.compiler.is_compiling():
-        q, s = torch.ops.sd_kernels.fp8_quantize(x, "", False)
+        q, s = torch.ops.sd_kernels.fp8_quantize_rows(x, "", False)
         return torch.ops.sd_kernels.fp8_gemm(q, s, w_q, s_w, bias, act, gate, residual, x.dtype)
     return fp8_ops.fp8_linear(x, w_q, s_w, bias, act, gate, residual)
 

@@ -183,7 +183,7 @@ def test_custom_ops_fake_and_schema(device):
     torch.library.opcheck(torch.ops.sd_kernels.fp8_gemm,
                           (a_q, s_a, w_q, s_w, extras["bias"][:16], "tanh", None, None, torch.bfloat16),
                           test_utils=checks)
-    torch.library.opcheck(torch.ops.sd_kernels.fp8_quantize, (torch.randn(4, 32, device=device), "", False),
+    torch.library.opcheck(torch.ops.sd_kernels.fp8_quantize_rows, (torch.randn(4, 32, device=device), "", False),
                           test_utils=checks)
 
 
