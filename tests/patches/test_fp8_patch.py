@@ -1,6 +1,8 @@
 """``patch(pipe, precision="fp8")``: the switch, its refusals, the record, the image it gives on the
-tiny pipelines, and an unpatch that gives back the very modules and Parameters."""
+tiny pipelines, and an unpatch that gives back the very modules and Parameters. Unmarked tests run
+the tiny pipelines on the CPU through the interpreter (the patch refuses the CPU otherwise)."""
 
+import os
 import types
 
 import pytest
@@ -18,10 +20,14 @@ def _denoiser(pipe):
 
 
 def _run(pipe, output_type="pt"):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(pipe.device).manual_seed(0)
     kwargs = {"clean_caption": False} if type(pipe).__name__.startswith("PixArt") else {}
     return pipe("a cat", num_inference_steps=1, height=64, width=64, generator=g, output_type=output_type,
                 return_dict=False, **kwargs)[0]
+
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
+                              reason="CPU pipelines through the interpreter; the GPU runs the gpu-marked test")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +37,7 @@ def flux():
     return pipe
 
 
+@cpu_only
 @pytest.mark.parametrize("name,families", [
     ("tiny-flux", {"fp8.attention", "fp8.feed_forward", "fp8.modulation", "fp8.projection", "fp8.FeedForward",
                    "fp8.AdaLayerNormZero"}),
@@ -39,7 +46,18 @@ def flux():
     ("tiny", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward"}),
 ])
 def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
-    pipe = build_pipeline(name)
+    _image_close_and_unpatch_exact(build_pipeline(name), families)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_flux_in_bfloat16():
+    """The same on the GPU: tiny FLUX in bf16 through the compiled FP8 kernels, eager and graphed."""
+    families = {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.AdaLayerNormZero"}
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families)
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True)
+
+
+def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False):
     pipe.set_progress_bar_config(disable=True)
     model = _denoiser(pipe)
     stock_image, stock_latent = _run(pipe), _run(pipe, "latent")
@@ -47,7 +65,7 @@ def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
     params = dict(model.named_parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    record = sd_kernels.patch(pipe, precision="fp8", ops=[], cuda_graph=False)
+    record = sd_kernels.patch(pipe, precision="fp8", ops=[], cuda_graph=cuda_graph)
     assert families <= set(record.counts), record.counts
     assert record.precision == "fp8" and "fp8:" in record.format() and "exact unpatch" in record.format()
     assert model.state_dict().keys() == state.keys()  # the same keys (and Parameters) while patched
@@ -64,6 +82,7 @@ def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
     assert torch.equal(_run(pipe, "latent"), stock_latent)
 
 
+@cpu_only
 def test_precision_is_validated_before_any_change(flux):
     with pytest.raises(ValueError, match=r"precision='int8': choose one of \('fp16', 'fp8'\)"):
         sd_kernels.patch(flux, precision="int8")
@@ -86,6 +105,7 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
         fp8.check_models([("transformer", OnA100())])
 
 
+@cpu_only
 def test_the_cpu_without_the_interpreter_is_refused(flux, monkeypatch):
     monkeypatch.setattr(fp8, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -93,6 +113,7 @@ def test_the_cpu_without_the_interpreter_is_refused(flux, monkeypatch):
     assert sd_kernels.patches.patch_record(flux) is None
 
 
+@cpu_only
 def test_same_request_changes_nothing_and_another_repatches(flux):
     record = sd_kernels.patch(flux, precision="fp8", ops=[], cuda_graph=False)
     try:
