@@ -69,7 +69,10 @@ def _extra_kwargs(fn) -> dict:
     return extra | {p: None for p in ("prompt_2", "prompt_3") if p in params and params[p].default is params[p].empty}
 
 
-def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict) -> dict:
+def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict, context=None,
+            images: dict | None = None) -> dict:
+    """One row: ``pipe`` set up as variant ``name`` (or by ``context(pipe)``, a context manager that
+    yields the row's facts, as ``applied`` does) and timed; ``images`` (if given) gets its image."""
     device = pipe._execution_device
     extra = _extra_kwargs(pipe.__call__)
 
@@ -79,7 +82,8 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict) -> di
                     output_type=output_type, return_dict=False, **extra)[0]
 
     start = time.perf_counter()
-    with torch.no_grad(), applied(pipe, VARIANTS[name]) as info:  # as the pipeline runs: graphs capture only so
+    setup = context(pipe) if context is not None else applied(pipe, VARIANTS[name])
+    with torch.no_grad(), setup as info:  # as the pipeline runs: graphs capture only so
         denoiser = denoiser_of(pipe)  # after the set-up: its forward may be compiled or graphed
         seen, hook = _first_call(denoiser)
         image = call("pt")
@@ -93,6 +97,8 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict) -> di
         kernels = _kernel_categories(step_call)
     if not ref:
         ref.update(latent=latent, image=image)
+    if images is not None:
+        images[name] = image
     return {"variant": name, "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "step_ms": round(step, 3),
             "latent_rel_err": f"{rel_err(latent, ref['latent']):.2e}", "psnr_db": round(psnr(image, ref["image"]), 2),
             "kernels_ms": " ".join(f"{c}={ms}" for c, ms in kernels.items()), "patched": info["patched"]}

@@ -40,6 +40,7 @@ class Setup:
     attention: str | None = None
     patch_compile: bool | str = False  # patch(compile=...): the graphs capture torch.compile'd calls
     fuse_qkv: bool = False  # pipe.fuse_qkv_projections() (replaces every attention processor)
+    precision: str | None = None  # patch(precision=...): "fp8" for the FP8 tier
 
     @property
     def slow_start(self) -> bool:
@@ -181,7 +182,8 @@ def applied(pipe, setup: Setup) -> Iterator[dict[str, str]]:
             profile = (dataclasses.replace(sd_kernels.get_profile(), attention=setup.attention)
                        if setup.attention else None)
             record = sd_kernels.patch(pipe, ops=setup.ops if setup.patched else (), profile=profile,
-                                      cuda_graph=setup.graph, compile=setup.patch_compile)
+                                      cuda_graph=setup.graph, compile=setup.patch_compile,
+                                      precision=setup.precision)
             stack.callback(sd_kernels.unpatch, pipe)
             info["patched"] = " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
             info["profile"] = record.profile

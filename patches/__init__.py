@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile
 
-from . import call_gate, cfg_parallel, context_parallel, families, memory_budget, text_padding
+from . import call_gate, cfg_parallel, context_parallel, families, fp8, memory_budget, text_padding
 from . import cuda_graph as cuda_graph_mod
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
 from .memory_budget import memory_plan
@@ -39,7 +39,7 @@ _OWNER = "_sd_kernels_owner"  # on each patched model: the record that patched i
 
 def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] | None = None,
           ignore: Iterable[str] = (), cuda_graph: bool | str = cuda_graph_mod.AUTO,
-          compile: bool | str = False, parallel: str | None = None) -> PatchRecord:
+          compile: bool | str = False, parallel: str | None = None, precision: str | None = None) -> PatchRecord:
     """Route ``obj``'s supported parts through sd_kernels; returns the record (``.format()``).
 
     ``profile``: a name, a JSON path or a Profile (default: detected); ``ops``: op families of
@@ -47,8 +47,9 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
     model calls are replayed from CUDA graphs ("auto", True = "pipeline", "step", "unet", False);
     ``compile``: the graphs capture ``torch.compile`` of what they replay (True = "default",
     "max-autotune"); ``parallel``: "cfg" splits the denoiser's guidance batch over the processes of
-    torch.distributed's default group (every process patches alike; docs/parallel.md). docs/patch.md
-    describes each. The same patch asked again changes nothing;
+    torch.distributed's default group (every process patches alike; docs/parallel.md); ``precision``:
+    "fp8" also runs the transformer blocks' linear layers as FP8 GEMMs (lossy, opt-in: docs/fp8.md;
+    None or "fp16", the default: lossless). docs/patch.md describes each. The same patch asked again changes nothing;
     another one unpatches first. Nothing is half-patched: if a patcher raises, what was done is undone.
     """
     for name, value in (("ops", ops), ("ignore", ignore)):
@@ -57,10 +58,13 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
                             f"(did you mean {name}=[{value!r}]?)")
     cuda_graph_mod.check_request(cuda_graph, compile)
     parallel = cfg_parallel.mode_of(parallel)
+    precision = fp8.check_precision(precision)
     ops, ignore = tuple(sorted(PATCHERS if ops is None else set(ops))), tuple(ignore)
     if unknown := set(ops) - set(PATCHERS):
         raise ValueError(f"unknown ops {sorted(unknown)}; available: {', '.join(sorted(PATCHERS))}")
     models, others = families.models_of(obj, ignore)
+    if precision == "fp8":
+        fp8.check_models(models)
     prof = get_profile(profile)  # the patched model's own: its modules run under it, not the process default
     plan = memory_plan(obj, prof)  # a budget the weights cannot meet raises here, before any change
     denoisers = [model for _, model in models if families.is_denoiser(model)]
@@ -78,7 +82,7 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
         scheduler = getattr(obj, "scheduler", None) if mode in cuda_graph_mod.PIPELINE_MODES else None
         record = PatchRecord(ops, prof.name, [p for p, _ in models], mode, compile, profile_spec=prof,
                              models=[m for _, m in models], ignore=ignore, scheduler=scheduler, memory_plan=plan,
-                             target=obj, parallel=parallel)
+                             target=obj, parallel=parallel, precision=precision)
         if old is not None and old.request == record.request:
             return old
         if old is not None:
@@ -103,6 +107,8 @@ def _apply(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord
         record.set_attr(model, _OWNER, record, kind=None)
         for op in patch_order(record.ops):
             PATCHERS[op](model, record)
+        if record.precision == "fp8":  # last: it quantizes the Linears the op families left (theirs too)
+            fp8.patch_fp8(model, record)
     text_padding.install_all(obj, models, record)
     cuda_graph_mod.install_mode(obj, models, record)
     if record.memory_plan is not None and record.memory_plan.swapped:

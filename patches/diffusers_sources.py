@@ -26,6 +26,8 @@ VERIFIED = {
     "FluxAttnProcessor.__call__": "d5b36134887ebe45",
     "JointTransformerBlock.forward": "9dd8f9decdd27284",
     "AdaLayerNormZero.forward": "93374820c014f812",
+    "AdaLayerNormZeroSingle.forward": "d48dfb2b1e75e64f",
+    "FeedForward.forward": "dae2c9f53987c25a",
     "Transformer2DModel._get_output_for_continuous_inputs": "4787ea4f43c55009",
     "BasicTransformerBlock.forward": "440071576ac5ee6f",
     "StableDiffusionPipeline.__call__": "35adac16365e855f",

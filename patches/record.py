@@ -89,13 +89,15 @@ class PatchRecord:
     def __init__(self, ops: tuple[str, ...], profile: str, parts: list[str], cuda_graph: str | None = None,
                  compile: str | None = None, *, profile_spec: Any = None, models: list[nn.Module] = (),
                  ignore: tuple[str, ...] = (), scheduler: object = None, memory_plan: Any = None,
-                 target: object = None, parallel: str | None = None) -> None:
+                 target: object = None, parallel: str | None = None, precision: str | None = None) -> None:
         self.ops = ops
         self.profile = profile  # the profile's name
         self.parts = parts
         self.cuda_graph = cuda_graph  # the graph mode (patches/cuda_graph.py MODES), None for none
         self.compile = compile  # the compile mode (patches/cuda_graph.py COMPILE_MODES), None for none
         self.parallel = parallel  # the split over processes (patches/cfg_parallel.py MODES), None for none
+        self.precision = precision  # "fp8": the blocks' linears as FP8 GEMMs (patches/fp8.py); None: lossless
+        self.quantized: Any = None  # with precision: what was quantized and its memory (a summary with format())
         self.profile_spec = profile_spec  # the Profile itself: the patchers read it, the patched modules run under it
         self.models = list(models)  # the models patched, in ``parts`` order
         self.ignore = ignore  # the parts patch() was told to leave alone
@@ -118,13 +120,14 @@ class PatchRecord:
         whole profile, not its name (``dataclasses.replace(profile, attention=...)`` keeps the name),
         and the models themselves (a component replaced since is patched anew)."""
         return (self.ops, self.profile_spec, self.parts, self.ignore, self.cuda_graph, self.compile, self.scheduler,
-                tuple(self.models), self.parallel)
+                tuple(self.models), self.parallel, self.precision)
 
     @property
     def arguments(self) -> dict[str, Any]:
         """The arguments that make this patch again (``patched()`` re-applies a patch it displaced)."""
         return {"profile": self.profile_spec, "ops": self.ops, "ignore": self.ignore,
-                "cuda_graph": self.cuda_graph or False, "compile": self.compile or False, "parallel": self.parallel}
+                "cuda_graph": self.cuda_graph or False, "compile": self.compile or False, "parallel": self.parallel,
+                "precision": self.precision}
 
     def __deepcopy__(self, memo: dict) -> PatchRecord:
         raise TypeError("this object " + self._REFUSED.format(what="a deep copy of", result="copy"))
@@ -204,12 +207,14 @@ class PatchRecord:
         while self._undo:
             self._undo.pop()()
         self.counts.clear()
+        self.quantized = None
 
     def summary(self) -> str:
         parts = ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))
         graph = f", cuda_graph={self.cuda_graph}" if self.cuda_graph else ""
         graph += {None: "", "default": ", compile"}.get(self.compile, f", compile={self.compile}")
         graph += f", parallel={self.parallel}" if self.parallel else ""
+        graph += f", precision={self.precision}" if self.precision else ""
         return f"sd_kernels patch (profile {self.profile}, ops {', '.join(self.ops)}{graph}): {parts or 'nothing'}"
 
     def __repr__(self) -> str:
@@ -222,6 +227,8 @@ class PatchRecord:
         lines = [self.summary()]
         if self.memory_plan is not None:
             lines.append(self.memory_plan.format())
+        if self.quantized is not None:
+            lines.append(self.quantized.format())
         groups: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
         for s in self.skipped:
             groups[(s.what, s.reason)].append(s.path)

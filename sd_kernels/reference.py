@@ -291,3 +291,55 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def upcast(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float64) -> tuple:
     """Detached copies in ``dtype`` (default float64) for building oracles; None stays None."""
     return tuple(None if t is None else t.detach().to(dtype) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (E4M3) row-scaled linear: the quantized math the kernels of ops/fp8_linear.py compute.
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+FP8_ACTIVATIONS = ("", "tanh", "none")  # before quantizing / in the epilogue: identity, tanh GELU, erf GELU
+
+
+def check_fp8_activation(act: str) -> None:
+    if act not in FP8_ACTIVATIONS:
+        raise ValueError(f"act must be one of {FP8_ACTIVATIONS} ('' = none, 'tanh' / 'none' = GELU), got {act!r}")
+
+
+def _activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    return x if act == "" else F.gelu(x, approximate=act)
+
+
+def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of x [..., N]: v = act(x) (gated: a · act(g) with a, g = x.chunk(2, -1)),
+    computed in float32; scale = max|v| / 448; q = e4m3(v · (448 / max|v|)). Returns (q [..., n]
+    float8_e4m3fn, scale [...] float32); a row of zeros gets scale 0 and codes 0."""
+    check_fp8_activation(act)
+    v = x.float()
+    if gated:
+        a, g = v.chunk(2, dim=-1)
+        v = a * _activation(g, act)
+    else:
+        v = _activation(v, act)
+    amax = v.abs().amax(dim=-1, keepdim=True) if v.shape[-1] else v.new_zeros((*v.shape[:-1], 1))
+    inv = torch.where(amax > 0, E4M3_MAX / amax, torch.zeros_like(amax))
+    q = (v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / E4M3_MAX).squeeze(-1)
+
+
+def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
+             bias: torch.Tensor | None = None, act: str = "", gate: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """``y = (a_q · w_qᵀ) · s_a[:, None] · s_w[None, :]``, then ``+ bias``, ``act``, ``· gate`` (per
+    sample: [B, N] or [B, 1, N], the rows of a_q split evenly over B), ``+ residual``, computed in
+    ``compute`` and stored in ``out_dtype``. a_q [..., K] and w_q [N, K] float8_e4m3fn; s_a [...], s_w [N] float32."""
+    y = (a_q.to(compute) @ w_q.to(compute).t()) * s_a.to(compute)[..., None] * s_w.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    y = _activation(y, act)
+    if gate is not None:
+        b, n = gate.shape[0], y.shape[-1]
+        y = (y.reshape(b, -1, n) * gate.to(compute).reshape(b, 1, n)).reshape(y.shape)
+    if residual is not None:
+        y = y + residual.to(compute)
+    return y.to(out_dtype)

@@ -106,6 +106,22 @@ def psnr(a, b, peak: float = 1.0) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
 
 
+def ssim(a: torch.Tensor, b: torch.Tensor, peak: float = 1.0) -> float:
+    """Structural similarity of two image batches [N, C, H, W] with values in [0, peak]: the mean over
+    pixels and channels of Wang et al.'s index with an 11×11 Gaussian window (σ 1.5), in float64."""
+    x, y = (torch.as_tensor(t).detach().to(torch.float64).cpu() for t in (a, b))
+    if x.shape != y.shape or x.dim() != 4:
+        raise ValueError(f"ssim takes two [N, C, H, W] images of one shape, got {tuple(x.shape)}, {tuple(y.shape)}")
+    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
+    window = (g[:, None] * g[None, :] / g.sum() ** 2).expand(x.shape[1], 1, 11, 11)
+    blur = lambda t: torch.nn.functional.conv2d(t, window, groups=x.shape[1])  # noqa: E731
+    mx, my = blur(x), blur(y)
+    vx, vy, cov = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
+    c1, c2 = (0.01 * peak) ** 2, (0.03 * peak) ** 2
+    index = (2 * mx * my + c1) * (2 * cov + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return index.mean().item()
+
+
 def extra_cuda_bytes(fn, *inputs: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(peak CUDA memory one ``fn(*inputs)`` allocates beyond its output, that output), measured after
     a warm-up call (cuBLAS workspace, Triton autotuning stay out of it). Tests and benchmarks share it."""

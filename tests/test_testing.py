@@ -56,3 +56,14 @@ def test_psnr():
     a = torch.rand(8, 8, 3)
     assert psnr(a, a) == math.inf
     assert 19 < psnr(a, a + 0.1) < 21  # mse 0.01 → 20 dB
+
+
+def test_ssim_is_one_for_equal_images_and_falls_with_noise():
+    from sd_kernels.testing import ssim
+
+    img = torch.rand(1, 3, 32, 32)
+    noisy = (img + 0.1 * torch.randn_like(img)).clamp(0, 1)
+    assert ssim(img, img) == pytest.approx(1.0)
+    assert 0 < ssim(img, noisy) < 0.95
+    with pytest.raises(ValueError, match="one shape"):
+        ssim(img, img[:, :, :16])

@@ -4,10 +4,11 @@ runs its Triton kernel or the reference accordingly."""
 
 from .attention import flash_attention
 from .conv import conv2d
+from .fp8_linear import fp8_gemm, fp8_linear, quantize_rows
 from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
 from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
-from .layer_norm import gated_residual_layer_norm, layer_norm_modulated
+from .layer_norm import gated_residual_layer_norm, layer_norm_modulated, layer_norm_modulated_fp8
 from .pack8 import pack8, unpack8
 from .residual import bias_residual
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
@@ -18,6 +19,8 @@ __all__ = [
     "bias_residual",
     "conv2d",
     "flash_attention",
+    "fp8_gemm",
+    "fp8_linear",
     "gated_residual_layer_norm",
     "geglu",
     "gelu",
@@ -26,11 +29,13 @@ __all__ = [
     "group_partials",
     "group_stats",
     "layer_norm_modulated",
+    "layer_norm_modulated_fp8",
     "linear_geglu",
     "linear_gelu",
     "mean_rstd",
     "merge_group_stats",
     "pack8",
+    "quantize_rows",
     "partial_softmax_attention",
     "softmax_matmul",
     "unpack8",

@@ -28,6 +28,7 @@ from sd_kernels.ops.layout import contiguous_strides, is_channels_last, is_dense
 # sd_kernels.ops re-exports functions named like its submodules (ops.gelu is the function): import
 # the modules by name.
 attention_ops = importlib.import_module("sd_kernels.ops.attention")
+fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")
 gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
 layer_norm_ops = importlib.import_module("sd_kernels.ops.layer_norm")
 upsample_ops = importlib.import_module("sd_kernels.ops.upsample")
@@ -207,6 +208,49 @@ def _upsample_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return upsample_ops.upsample_conv2d(x, weight, bias, cached=True)
 
 
+# The FP8 ops return codes and scales of other shapes and dtypes than their input: their own fakes.
+
+
+def _fp8_op(name: str, fake: Callable):
+    def register(fn):
+        op = torch.library.custom_op(f"sd_kernels::{name}", fn, mutates_args=(), tags=_TAGS)
+        _REGISTERED.append(name)
+        op.register_fake(fake)
+        return op
+
+    return register
+
+
+def _codes_and_scales(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((*x.shape[:-1], n), dtype=fp8_ops.E4M3, device=x.device),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
+
+
+@_fp8_op("fp8_quantize_rows", lambda x, act, gated: _codes_and_scales(x, x.shape[-1] // (2 if gated else 1)))
+def _fp8_quantize_op(x: torch.Tensor, act: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_ops.quantize_rows(x, act, gated)
+
+
+@_fp8_op("fp8_gemm", lambda a_q, s_a, w_q, *args: torch.empty((*a_q.shape[:-1], w_q.shape[0]), dtype=args[-1],
+                                                               device=a_q.device))
+def _fp8_gemm_op(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
+                 bias: torch.Tensor | None, act: str, gate: torch.Tensor | None, residual: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_ops.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+
+
+def _norm_fp8_fake(x, weight, bias, eps, scale, shift):
+    return (torch.empty(x.shape, dtype=_promoted(x, weight, bias, scale, shift), device=x.device),
+            *_codes_and_scales(x, x.shape[-1]))
+
+
+@_fp8_op("layer_norm_modulated_fp8", _norm_fp8_fake)
+def _layer_norm_modulated_fp8_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                 eps: float, scale: torch.Tensor | None,
+                                 shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_ops.layer_norm_modulated_fp8(x, weight, bias, eps, scale, shift)
+
+
 # ---------------------------------------------------------------------------------------------
 # What patched modules call: the plain op in eager, the custom op while compiling.
 
@@ -282,6 +326,36 @@ def upsample_conv2d(x, weight, bias):
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.upsample_conv2d(x, weight, bias)
     return upsample_ops.upsample_conv2d(x, weight, bias, cached=True)
+
+
+def fp8_quantize_rows(x, act="", gated=False):
+    """FP8 codes and row scales of ``act(x)``: ``sd_kernels.ops.quantize_rows``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.fp8_quantize_rows(x, act, gated)
+    return fp8_ops.quantize_rows(x, act, gated)
+
+
+def fp8_gemm(a_q, s_a, w_q, s_w, bias=None, act="", gate=None, residual=None, out_dtype=torch.bfloat16):
+    """The row-scaled FP8 GEMM with its epilogue: ``sd_kernels.ops.fp8_gemm``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+    return fp8_ops.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+
+
+def fp8_linear(x, w_q, s_w, bias=None, act="", gate=None, residual=None):
+    """x quantized per row (or the quantization it carries, in eager), then ``fp8_gemm``:
+    ``sd_kernels.ops.fp8_linear``. Compiled graphs quantize each call's input (no attached codes)."""
+    if torch.compiler.is_compiling():
+        q, s = torch.ops.sd_kernels.fp8_quantize_rows(x, "", False)
+        return torch.ops.sd_kernels.fp8_gemm(q, s, w_q, s_w, bias, act, gate, residual, x.dtype)
+    return fp8_ops.fp8_linear(x, w_q, s_w, bias, act, gate, residual)
+
+
+def layer_norm_modulated_fp8(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None):
+    """(modulated LayerNorm, its FP8 codes, row scales): ``sd_kernels.ops.layer_norm_modulated_fp8``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.layer_norm_modulated_fp8(x, weight, bias, float(eps), scale, shift)
+    return layer_norm_ops.layer_norm_modulated_fp8(x, weight, bias, eps, scale, shift)
 
 
 OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

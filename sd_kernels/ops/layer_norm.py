@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.ops.fp8_linear import E4M3, fp8_reason, row_quantize
+from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 _ELEMS = 4096  # elements per program: rows of small D are batched up to this (2 rows of D = 1152 or 1536)
@@ -50,17 +51,20 @@ def _per_sample(ptr, sample, d, mask, stride_b, stride_d):
 
 @triton.jit
 def _layer_norm_kernel(
-    x_ptr, branch_ptr, gate_ptr, h_ptr, y_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr,
+    x_ptr, branch_ptr, gate_ptr, h_ptr, y_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, q_ptr, qs_ptr,
     n_rows, T, D, eps,
     stride_xb, stride_xt, stride_xd, stride_rb, stride_rt, stride_rd,
     stride_gb, stride_gd, stride_sb, stride_sd, stride_tb, stride_td,
     GATED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, QUANT: tl.constexpr, GRID: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of the [B·T, D] outputs.
 
     GATED: x is the residual; h = x + gate·branch is stored to h_ptr and normalized. Otherwise x
-    is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift. Outputs are contiguous.
+    is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift. Outputs are contiguous. QUANT:
+    y's fp32 rows are also stored as e4m3 codes (q_ptr) with one scale per row (qs_ptr), the input of
+    an FP8 projection (ops/fp8_linear.py; GRID as there).
     """
     # int64: row·D and sample·stride pass 2³¹ on large activations.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -95,6 +99,9 @@ def _layer_norm_kernel(
     if HAS_SHIFT:
         y = y + _per_sample(shift_ptr, sample, d, mask, stride_tb, stride_td)
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        amax = tl.max(tl.abs(tl.where(mask, y, 0.0)), axis=1)
+        row_quantize(y, amax, q_ptr + out, qs_ptr + rows, mask, rows < n_rows, GRID)
 
 
 # Not autotuned: the Launcher is here for its direct launch path (sd_kernels.runtime.launch), keyed by
@@ -136,8 +143,9 @@ def _alloc(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
-def _launch(x, branch, gate, weight, bias, eps, scale, shift) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y (and h when ``branch`` is given) for inputs that passed the checks and dispatch."""
+def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | None = None):
+    """y (and h when ``branch`` is given) for inputs that passed the checks and dispatch; with
+    ``quant`` = (codes, row scales), y's FP8 quantization is written there too."""
     bsz, t, d = x.shape
     y = _alloc(x)
     h = None if branch is None else _alloc(x)
@@ -147,14 +155,15 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift) -> tuple[torch.Ten
     (g, sgb, sgd), (sc, ssb, ssd), (sh, stb, std) = map(_modulation, (gate, scale, shift))
     rows, block_d, num_warps = blocks(n_rows, d)
     flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
-                 HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None)
+                 HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None,
+                 QUANT=quant is not None, GRID=quant is not None and interpreting())
     key = (*flags.values(), rows, block_d, num_warps)
     r = x if branch is None else branch
     _LAYER_NORM(
         key, (cdiv(n_rows, rows),),
         x, r, x if g is None else g, y if h is None else h, y,
         x if weight is None else weight, x if bias is None else bias, x if sc is None else sc, x if sh is None else sh,
-        n_rows, t, d, float(eps),
+        *(quant or (y, y)), n_rows, t, d, float(eps),
         *x.stride(), *r.stride(), sgb, sgd, ssb, ssd, stb, std,
         **flags, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
@@ -203,3 +212,27 @@ def gated_residual_layer_norm(
         return reference.gated_residual_layer_norm(residual, branch, gate, weight, bias, eps, scale, shift)
     y, h = _launch(residual, branch, gate, weight, bias, eps, scale, shift)
     return h, y
+
+
+def layer_norm_modulated_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_norm_modulated`` that also quantizes its output for an FP8 projection, in the same
+    kernel: (y [B, T, D] in x's dtype, codes [B, T, D] e4m3, row scales [B, T] fp32), the codes those
+    of ``reference.fp8_quantize_rows`` of y's fp32 values (before y's rounding to x's dtype)."""
+    reference.check_layer_norm_args("layer_norm_modulated", x, weight, bias, scale=scale, shift=shift)
+    tensors = (x, weight, bias, scale, shift)
+    reason = _kernel_reason(tensors, x.shape[-1]) or fp8_reason(*tensors)
+    if not use_kernel("layer_norm", *tensors, unsupported=reason):
+        y32 = reference.layer_norm_modulated(*reference.upcast(x, weight, bias, dtype=torch.float32), eps,
+                                             *reference.upcast(scale, shift, dtype=torch.float32))
+        return (y32.to(x.dtype), *reference.fp8_quantize_rows(y32))
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    y, _ = _launch(x, None, None, weight, bias, eps, scale, shift, quant=(q, s))
+    return y, q, s if y.numel() else s.zero_()

@@ -1,0 +1,337 @@
+"""The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
+
+    python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
+                        [--rows stock,compile,patched,fp8,torchao] [--steps 20] [--calls 2] [--compile recipe]
+
+Random weights from the shipped configs (images are noise-like: the quality columns compare two runs
+of the same random model, not image quality). Three modes, each writing its CSV to DIR as it goes:
+
+- ``ops`` (fp8_ops.csv): at each model's GEMM shapes (M tokens × K → N), torch's bf16 ``F.linear``
+  (stock), cuBLASLt's row-wise FP8 ``torch._scaled_mm`` and our ``fp8_gemm``, on inputs already
+  quantized and from bf16 input (our quantizer first); the epilogues (bias + GELU-tanh; bias + gate +
+  residual) fused in ours against ``_scaled_mm`` + torch's ops; and the fused producers (GELU +
+  quantization, modulated LayerNorm + quantization) against the op, then the quantizer. Device time
+  from CUDA graphs (bench/common.py), TFLOP/s and ratios.
+- ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;
+  torch.compile (``--compile recipe``: bench/setups.py's ``stock+compile-graphs``, diffusers' recipe;
+  ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``); ours lossless
+  (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``; torchao's float8 dynamic
+  row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
+  changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
+  image of the same seed, PSNR, SSIM and the final latents' relative error.
+- ``layers`` (fp8_layers.csv): one transformer call patched with ``precision="fp8"``; for every
+  quantized GEMM (a fused feed-forward counts as one), its relative error against the same layer in
+  fp32 beside the error of the layer in the model's own dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench import common
+
+MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
+ROWS = ("stock", "compile", "patched", "fp8", "torchao")
+MODES = ("ops", "e2e", "layers")
+# (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
+# guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
+SHAPES = {
+    "flux-dev": [("qkv", 4608, 3072, 3072, ""), ("ff_up", 4096, 3072, 12288, "gelu"),
+                 ("ff_down", 4096, 12288, 3072, "gate_res"), ("single_proj_mlp", 4608, 3072, 12288, "gelu"),
+                 ("single_proj_out", 4608, 15360, 3072, "gate_res"), ("modulation", 1, 3072, 18432, "")],
+    "sd3-medium": [("qkv", 8192, 1536, 1536, ""), ("ff_up", 8192, 1536, 6144, "gelu"),
+                   ("ff_down", 8192, 6144, 1536, "gate_res")],
+    "pixart-sigma": [("qkv", 8192, 1152, 1152, ""), ("ff_up", 8192, 1152, 4608, "gelu"),
+                     ("ff_down", 8192, 4608, 1152, "gate_res"), ("cross_kv", 600, 1152, 1152, "")],
+    "sdxl": [("qkv_640", 8192, 640, 640, ""), ("geglu_640", 8192, 640, 5120, ""), ("ff_down_640", 8192, 2560, 640, ""),
+             ("qkv_1280", 2048, 1280, 1280, ""), ("geglu_1280", 2048, 1280, 10240, ""),
+             ("ff_down_1280", 2048, 5120, 1280, "")],
+}
+DTYPES = {"flux-dev": torch.bfloat16}  # FLUX's own; the others fp16 as bench.dit
+
+
+def _dtype(model: str) -> torch.dtype:
+    return DTYPES.get(model, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------- ops
+
+
+def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) -> list[common.Case]:
+    from sd_kernels.ops import fp8_linear as f
+
+    dtype = _dtype(model)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    a_q, s_a = f.quantize_rows(x)
+    w_q, s_w = f.quantize_weight(w)
+    scaled = lambda a, s: torch._scaled_mm(a, w_q.t(), scale_a=s[:, None], scale_b=s_w[None, :],  # noqa: E731
+                                           bias=bias, out_dtype=dtype)
+    flops = 2 * m * k * n
+    shape = f"{name}:{m}x{k}x{n}"
+    cases = [common.Case("fp8_gemm", shape, dtype, "quantized", flops=flops, impls={
+        "stock": lambda: F.linear(x, w, bias), "scaled_mm": lambda: scaled(a_q, s_a),
+        "ours": lambda: f.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype)}),
+        common.Case("fp8_linear", shape, dtype, "from_bf16" if dtype == torch.bfloat16 else "from_fp16", flops=flops,
+                    impls={"stock": lambda: F.linear(x, w, bias), "scaled_mm": lambda: scaled(*f.quantize_rows(x)),
+                           "ours": lambda: f.fp8_linear(x, w_q, s_w, bias, reuse=False)})]
+    if epilogue == "gelu":
+        cases.append(common.Case("fp8_epilogue", shape, dtype, "bias+gelu", flops=flops, impls={
+            "stock": lambda: F.gelu(F.linear(x, w, bias), approximate="tanh"),
+            "scaled_mm": lambda: F.gelu(scaled(a_q, s_a), approximate="tanh"),
+            "ours": lambda: f.fp8_gemm(a_q, s_a, w_q, s_w, bias, "tanh", out_dtype=dtype)}))
+        h = torch.randn(m, n, device="cuda", dtype=dtype)
+        cases.append(common.Case("fp8_quant", f"gelu:{m}x{n}", dtype, "gelu+quant", bytes=m * n * 3, impls={
+            "stock": lambda: f.quantize_rows(F.gelu(h, approximate="tanh")),
+            "ours": lambda: f.quantize_rows(h, "tanh")}))
+    if epilogue == "gate_res":
+        batch = 2 if m % 2 == 0 else 1
+        gate = torch.randn(batch, 1, n, device="cuda", dtype=dtype)
+        res = torch.randn(batch, m // batch, n, device="cuda", dtype=dtype)
+        a3, s3 = a_q.view(batch, m // batch, k), s_a.view(batch, m // batch)
+        cases.append(common.Case("fp8_epilogue", shape, dtype, "bias+gate+residual", flops=flops, impls={
+            "stock": lambda: res + gate * F.linear(x.view(batch, -1, k), w, bias),
+            "scaled_mm": lambda: res + gate * scaled(a_q, s_a).view(batch, -1, n),
+            "ours": lambda: f.fp8_gemm(a3, s3, w_q, s_w, bias, gate=gate, residual=res, out_dtype=dtype)}))
+    if name == "qkv":  # the producer of the projections' input: adaLN's modulated LayerNorm
+        from sd_kernels.ops import layer_norm_modulated, layer_norm_modulated_fp8
+
+        x3, sc, sh = x.view(1, m, k), torch.randn(1, k, device="cuda", dtype=dtype), torch.randn(1, k, device="cuda",
+                                                                                               dtype=dtype)
+        cases.append(common.Case("fp8_quant", f"layer_norm:{m}x{k}", dtype, "ln_mod+quant", bytes=m * k * 5, impls={
+            "stock": lambda: f.quantize_rows(layer_norm_modulated(x3, None, None, 1e-6, sc, sh)),
+            "ours": lambda: layer_norm_modulated_fp8(x3, None, None, 1e-6, sc, sh)}))
+    return cases
+
+
+def run_ops(models: list[str], out: pathlib.Path) -> list[dict]:
+    rows = []
+    for model in models:
+        for name, m, k, n, epilogue in SHAPES[model]:
+            for case in _gemm_cases(model, name, m, k, n, epilogue):
+                got = [{"model": model, **r} for r in common.measure(case)]
+                for r in got:
+                    ours = next(g["ms"] for g in got if g["impl"] == "ours")
+                    r["ours_vs_this"] = round(ours / r["ms"], 3)
+                common.append_csv(out / "fp8_ops.csv", got)
+                rows += got
+                print(common.format_table(got, ["model", "op", "shape", "variant", "impl", "ms", "TFLOP/s", "GB/s",
+                                                "speedup_vs_stock", "ours_vs_this"]), flush=True)
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- e2e
+
+
+@contextlib.contextmanager
+def _regional_compile(pipe, quantize: bool):
+    """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks.
+    Not undone: quantize_ replaces the weights in place (the row runs last)."""
+    transformer = pipe.transformer
+    transformer.fuse_qkv_projections()
+    if quantize:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    transformer.compile_repeated_blocks(fullgraph=True)
+    yield {"e2e_mode": "regional-compile", "patched": "torchao float8 row-wise" if quantize else ""}
+
+
+def _setup(row: str, compile_mode: str):
+    """(label, a context factory for bench.dit.measure) of one e2e row."""
+    from bench.setups import PEER, VARIANTS, Setup, applied
+
+    if row == "stock":
+        return "stock", lambda p: applied(p, VARIANTS["stock"])
+    if row == "compile":
+        if compile_mode == "regional":
+            return "compile-regional", lambda p: _regional_compile(p, quantize=False)
+        return PEER, lambda p: applied(p, VARIANTS[PEER])
+    if row == "patched":
+        return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
+    if row == "fp8":
+        setup = Setup("patched+graph+fp8", patched=True, graph=True, precision="fp8")
+        return setup.name, lambda p: applied(p, setup)
+    return "torchao-fp8+regional-compile", lambda p: _regional_compile(p, quantize=True)
+
+
+def run_e2e(model: str, rows: list[str], args, out: pathlib.Path) -> list[dict]:
+    from bench.dit import _extra_kwargs, measure
+    from sd_kernels.models import build_pipeline, image_side
+    from sd_kernels.testing import ssim
+
+    if "torchao" in rows:
+        try:
+            import torchao  # noqa: F401
+        except ImportError as exc:
+            print(f"bench.fp8: torchao row skipped: torchao is not installed ({exc})", flush=True)
+            rows = [r for r in rows if r != "torchao"]
+    rows = [r for r in rows if r != "torchao"] + (["torchao"] if "torchao" in rows else [])  # in-place: last
+    if rows[0] != "stock":
+        rows = ["stock", *[r for r in rows if r != "stock"]]  # every quality column compares with stock
+    if args.compile == "regional" and "compile" in rows and "torchao" in rows:
+        print("bench.fp8: the regional-compile row fuses QKV in place; torchao's row follows it", flush=True)
+    env = common.environment()
+    pipe = build_pipeline(model, "cuda", _dtype(model))
+    pipe.set_progress_bar_config(disable=True)
+    side = image_side(model, args.size or None)
+    embeds = pipe.encode_prompt("a photograph", device="cuda", **_extra_kwargs(pipe.encode_prompt))[0]
+    if not torch.isfinite(embeds).all():
+        print(f"bench.fp8: {model}'s random text encoder is not finite in {_dtype(model)}", file=sys.stderr)
+        return []
+    ref: dict = {}
+    images: dict = {}
+    got = []
+    for row in rows:
+        label, context = _setup(row, args.compile)
+        t0 = time.perf_counter()
+        try:
+            result = measure(pipe, label, side, args.steps, args.calls, ref, context=context, images=images)
+            result["ssim"] = round(ssim(images[label], ref["image"]), 4)
+            result["status"] = "ok"
+        except Exception as exc:  # a row that fails must not hide the others
+            result = {"variant": label, "status": f"error: {type(exc).__name__}: {str(exc)[:200]}"}
+            if row == "stock":
+                raise
+        result.update(model=model, size=side, steps=args.steps, dtype=str(_dtype(model)).removeprefix("torch."),
+                      **{k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")})
+        got.append(result)
+        base = {r["variant"]: r.get("e2e_ms") for r in got}
+        for r in got:
+            for peer, col in (("stock+compile-graphs", "vs_compile"), ("compile-regional", "vs_compile"),
+                              ("torchao-fp8+regional-compile", "vs_torchao")):
+                if base.get(peer) and r.get("e2e_ms"):
+                    r[col] = round(r["e2e_ms"] / base[peer], 3)
+        print(f"[{time.perf_counter() - t0:6.1f} s] {model} {label}: {result}", flush=True)
+        common.append_csv(out / "fp8_e2e.csv", [result], E2E_COLUMNS)
+        torch.cuda.empty_cache()
+    print(common.format_table(got, ["model", "variant", "warmup_s", "e2e_ms", "vs_compile", "vs_torchao", "step_ms",
+                                    "psnr_db", "ssim", "latent_rel_err", "status"]), flush=True)
+    return got
+
+
+E2E_COLUMNS = ["model", "size", "steps", "dtype", "variant", "status", "warmup_s", "e2e_ms", "vs_compile", "vs_torchao",
+               "step_ms", "psnr_db", "ssim", "latent_rel_err", "kernels_ms", "patched", "device", "torch", "triton",
+               "diffusers", "date"]
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+def _layer_reference(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer in fp32, the layer in the model's dtype) on the same input, with its weights."""
+    from sd_kernels.patches.fp8 import Fp8FeedForward
+
+    def run(dtype):
+        xi = x.to(dtype)
+        if isinstance(module, Fp8FeedForward):
+            first, second = module.net[0].proj, module.net[2]
+            h = F.linear(xi, first.weight.to(dtype), None if first.bias is None else first.bias.to(dtype))
+            if module.gated:
+                a, g = h.chunk(2, dim=-1)
+                h = a * F.gelu(g, approximate=module.act)
+            else:
+                h = F.gelu(h, approximate=module.act)
+            return F.linear(h, second.weight.to(dtype), None if second.bias is None else second.bias.to(dtype))
+        return F.linear(xi, module.weight.to(dtype), None if module.bias is None else module.bias.to(dtype))
+
+    return run(torch.float32), run(x.dtype)
+
+
+def run_layers(model: str, args, out: pathlib.Path) -> list[dict]:
+    from sd_kernels.patches.fp8 import Fp8FeedForward, Fp8Linear, _family
+
+    import sd_kernels
+    from sd_kernels.models import build_pipeline, image_side
+    from sd_kernels.testing import rel_err
+
+    pipe = build_pipeline(model, "cuda", _dtype(model))
+    pipe.set_progress_bar_config(disable=True)
+    side = image_side(model, args.size or None)
+    record = sd_kernels.patch(pipe, precision="fp8", cuda_graph=False)
+    denoiser = pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.unet
+    rows: list[dict] = []
+    inner = {id(m) for ff in denoiser.modules() if isinstance(ff, Fp8FeedForward) for m in (ff.net[0].proj, ff.net[2])}
+
+    def hook(name):
+        def record_error(module, inputs, output):
+            if len(rows) >= 4000 or not isinstance(inputs[0], torch.Tensor):
+                return
+            exact, own = _layer_reference(module, inputs[0])
+            rows.append({"model": model, "layer": name, "family": "feed_forward_fused" if isinstance(
+                module, Fp8FeedForward) else _family(name), "rows": inputs[0].numel() // inputs[0].shape[-1],
+                "fp8_rel_err": f"{rel_err(output, exact):.3e}", "own_dtype_rel_err": f"{rel_err(own, exact):.3e}"})
+        return record_error
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in denoiser.named_modules()
+               if isinstance(m, Fp8FeedForward) or (isinstance(m, Fp8Linear) and id(m) not in inner)]
+    try:
+        from bench.dit import _extra_kwargs
+
+        with torch.no_grad():
+            pipe("a photograph", num_inference_steps=1, height=side, width=side, output_type="latent",
+                 generator=torch.Generator("cuda").manual_seed(0), **_extra_kwargs(pipe.__call__))
+    finally:
+        for h in handles:
+            h.remove()
+        sd_kernels.unpatch(pipe)
+    common.append_csv(out / "fp8_layers.csv", rows)
+    by_family: dict[str, list[float]] = {}
+    for r in rows:
+        by_family.setdefault(r["family"], []).append(float(r["fp8_rel_err"]))
+    own = statistics.median(float(r["own_dtype_rel_err"]) for r in rows) if rows else float("nan")
+    print(f"{model}: {record.quantized.format() if record.quantized else ''}")
+    for family, errs in sorted(by_family.items()):
+        print(f"  {family:<20} {len(errs):4d} GEMMs  rel. error vs fp32: median {statistics.median(errs):.2e}, "
+              f"max {max(errs):.2e}  (the layers in {_dtype(model)}: median {own:.2e})", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--models", default="flux-dev", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"e2e rows, of {', '.join(ROWS)} (stock always runs)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=2, help="timed pipeline calls per row (median)")
+    ap.add_argument("--size", type=int, default=0, help="image side (default: the model's, 1024)")
+    ap.add_argument("--compile", choices=("recipe", "regional"), default="recipe",
+                    help="the compile row: bench/setups.py's recipe (whole forward) or regional compilation")
+    args = ap.parse_args(argv)
+    models, modes, rows = (s.split(",") for s in (args.models, args.modes, args.rows))
+    for what, given, known in (("--models", models, MODELS), ("--modes", modes, MODES), ("--rows", rows, ROWS)):
+        if unknown := set(given) - set(known):
+            ap.error(f"{what}: unknown {sorted(unknown)}; choose from {', '.join(known)}")
+    if not torch.cuda.is_available():
+        print("bench.fp8 needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if torch.cuda.get_device_capability() < (8, 9):
+        print(f"bench.fp8 needs FP8 tensor cores (sm_89+); this is {torch.cuda.get_device_name()}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"bench.fp8: {common.environment()}; random weights", flush=True)
+    if "ops" in modes:
+        run_ops(models, args.out)
+    for model in models:
+        if "layers" in modes:
+            run_layers(model, args, args.out)
+            torch.cuda.empty_cache()
+        if "e2e" in modes:
+            run_e2e(model, rows, args, args.out)
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

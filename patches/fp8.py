@@ -1,0 +1,296 @@
+"""``patch(pipe, precision="fp8")``: the transformer blocks' linear layers as FP8 (E4M3) GEMMs.
+
+Lossy and opt-in (docs/fp8.md). Inside every transformer block the patch knows (FLUX's double- and
+single-stream blocks, SD3's joint blocks, PixArt's and the UNets' ``BasicTransformerBlock``), each
+exact ``nn.Linear`` becomes an ``Fp8Linear``: its weight quantized once, here, with one scale per
+output channel; its input quantized per row (token) on every call. Where the block's structure is
+known, the quantization moves into the op that produces the input:
+
+| module (diffusers 0.42.1)             | here                                                        |
+|---------------------------------------|-------------------------------------------------------------|
+| ``FeedForward`` (GELU tanh/erf, GEGLU) | GEMM 1 → one kernel: GELU (GEGLU) + row quantization → GEMM 2 |
+| ``AdaLayerNormZero`` / ``…Single``      | the modulated LayerNorm writes its FP8 codes in the same pass, |
+|                                       | and attention's q, k, v projections read them                |
+| any other ``nn.Linear`` in a block    | quantize the input (once per input tensor) → GEMM             |
+
+The projections of one input (q, k and v of the same hidden states; k and v of the same text
+context, block after block) share one quantization: the first one leaves it on the tensor
+(``ops.fp8_linear.attach_quantized``). Outside the blocks (embedders, the final norm and projection,
+1×1 convolutions: their GEMMs are a small share of a step) nothing changes.
+
+Exactly reversible: the replacements hold the original Parameters themselves (state_dict keys and
+values unchanged) and the FP8 codes beside them, so the original weights stay on the device while
+patched (the record says what that costs); ``unpatch`` puts the very modules back. A weight changed
+while patched (an assigned Parameter, an in-place update) is quantized again at the next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import torch
+import torch.nn as nn
+
+from sd_kernels.ops.custom_ops import (
+    fp8_gemm,
+    fp8_linear,
+    fp8_quantize_rows,
+    layer_norm_modulated,
+    layer_norm_modulated_fp8,
+)
+from sd_kernels.ops.fp8_linear import FP8_CAPABILITY, attach_quantized, quantize_weight
+from sd_kernels.profiles import scoped
+from sd_kernels.runtime.dispatch import interpreting
+
+from . import families
+from .diffusers_sources import is_verified
+from .gelu import FusedGEGLU, FusedGELU
+from .record import PatchRecord
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
+BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_precision(precision: str | None) -> str | None:
+    """None for the lossless default ("fp16" or None), "fp8" for the FP8 tier; a ValueError otherwise."""
+    if precision is None or precision == "fp16":
+        return None
+    if precision == "fp8":
+        return precision
+    raise ValueError(f"precision={precision!r}: choose one of {PRECISIONS} (or None, the lossless default: fp16)")
+
+
+def check_models(models: list[tuple[str, nn.Module]]) -> None:
+    """Refuse, before any change, models the FP8 kernels cannot run: a CUDA device without FP8 tensor
+    cores, the CPU without Triton's interpreter, weights in a dtype the kernels do not write."""
+    for part, model in models:
+        param = next(model.parameters(), None)
+        if param is None:
+            continue
+        device = param.device
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < FP8_CAPABILITY:
+                raise RuntimeError(
+                    f"precision='fp8' needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); the "
+                    f"{part} is on {torch.cuda.get_device_name(device)} (sm_{major}{minor}): patch it without "
+                    "precision= (the lossless default)")
+        elif device.type != "cpu" or not interpreting():
+            raise RuntimeError(f"precision='fp8' runs on CUDA GPUs with FP8 tensor cores (or on the CPU through "
+                               f"Triton's interpreter, TRITON_INTERPRET=1); the {part} is on {device}")
+        if param.dtype not in DTYPES:
+            raise TypeError(f"precision='fp8': the {part}'s weights are {param.dtype}; the FP8 GEMMs write float16, "
+                            "bfloat16 or float32")
+
+
+class Fp8Linear(nn.Module):
+    """An ``nn.Linear`` as an FP8 GEMM: the original's Parameters (the same objects), the weight's
+    E4M3 codes and per-channel scales beside them (buffers, not in the state_dict)."""
+
+    profile_scoped = True
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.train(linear.training)
+        self._quantize()
+
+    def _quantize(self) -> None:
+        w_q, s_w = quantize_weight(self.weight)
+        self.register_buffer("w_q", w_q, persistent=False)
+        self.register_buffer("s_w", s_w, persistent=False)
+        self._source = (self.weight, self.weight._version)
+
+    def fresh(self) -> Fp8Linear:
+        """Itself, its codes made again first if its weight was replaced or changed in place since."""
+        if not torch.compiler.is_compiling() and (self.weight is not self._source[0]
+                                                  or self.weight._version != self._source[1]):
+            self._quantize()
+        return self
+
+    @scoped
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fresh()
+        return fp8_linear(x, self.w_q, self.s_w, self.bias)
+
+    def from_codes(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM on an input already quantized (codes q, row scales s), output in ``dtype``."""
+        self.fresh()
+        return fp8_gemm(q, s, self.w_q, self.s_w, self.bias, out_dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
+
+
+class Fp8FeedForward(nn.Module):
+    """diffusers' ``FeedForward`` (act_fn, Dropout, Linear[, Dropout]) with its activation and the
+    second GEMM's input quantization in one kernel. Holds the original ``net`` (whose Linears the
+    patch made ``Fp8Linear``s); a training-mode call runs the original forward."""
+
+    profile_scoped = True
+
+    def __init__(self, ff: nn.Module, act: str, gated: bool) -> None:
+        super().__init__()
+        self.net = ff.net
+        self.act, self.gated = act, gated
+        self._original = type(ff).forward
+        self._ff = [ff]  # a list: not a submodule
+        self.train(ff.training)
+
+    @scoped
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        first, second = self.net[0].proj, self.net[2]
+        if self.training or not (isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear)):
+            return self._original(self._ff[0], hidden_states, *args, **kwargs)  # LoRA-wrapped since, or training
+        h = first(hidden_states)
+        q, s = fp8_quantize_rows(h, self.act, self.gated)
+        return second.from_codes(q, s, hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{'GEGLU' if self.gated else 'GELU'}(approximate={self.act!r}) fused with the FP8 quantization"
+
+
+class Fp8AdaLayerNormZero(nn.Module):
+    """diffusers' ``AdaLayerNormZero`` (6 chunks) or ``AdaLayerNormZeroSingle`` (3): the modulated
+    LayerNorm also writes its FP8 codes, which travel on its output to the projections that read it.
+    Keeps the original's ``linear``, ``silu``, ``norm`` and ``emb`` (blocks that call them directly
+    still find them)."""
+
+    profile_scoped = True
+
+    def __init__(self, norm: nn.Module, chunks: int) -> None:
+        super().__init__()
+        self.emb, self.silu, self.linear, self.norm = getattr(norm, "emb", None), norm.silu, norm.linear, norm.norm
+        self.chunks = chunks
+        self._norm = [norm]
+        self.train(norm.training)
+
+    @scoped
+    def forward(self, x: torch.Tensor, *args, emb: torch.Tensor | None = None, **kwargs):
+        if args or kwargs or emb is None or x.dim() != 3:  # a call the blocks do not make: diffusers' forward
+            return type(self._norm[0]).forward(self, x, *args, emb=emb, **kwargs)
+        chunks = self.linear(self.silu(emb)).chunk(self.chunks, dim=1)
+        shift, scale = chunks[0], chunks[1]
+        norm = self.norm
+        if torch.compiler.is_compiling():
+            y = layer_norm_modulated(x, norm.weight, norm.bias, norm.eps, scale, shift)
+        else:
+            y, q, s = layer_norm_modulated_fp8(x, norm.weight, norm.bias, norm.eps, scale, shift)
+            attach_quantized(y, q, s)
+        return (y, *chunks[2:])
+
+
+def _feed_forward_kind(ff: nn.Module) -> tuple[str, bool] | str:
+    """(activation, gated) of a FeedForward the fused forward serves, or why it does not."""
+    from diffusers.models.activations import GEGLU, GELU
+
+    net = ff.net
+    if len(net) not in (3, 4) or type(net[1]) is not nn.Dropout or type(net[2]) is not nn.Linear:
+        return "not act_fn, Dropout, Linear[, Dropout]"
+    act = net[0]
+    if type(act) not in (GELU, GEGLU, FusedGELU, FusedGEGLU) or type(act.proj) is not nn.Linear:
+        return f"activation {type(act).__name__} (the fused path serves GELU and GEGLU with a plain Linear)"
+    if isinstance(act, (GEGLU, FusedGEGLU)):
+        return "none", True
+    return act.approximate, False
+
+
+def _family(path: str) -> str:
+    """Which part of a block a linear layer serves, for the record's counts."""
+    parts = path.split(".")
+    if any(p.startswith("attn") for p in parts):
+        return "attention"
+    if any(p in ("ff", "ff_context") for p in parts):
+        return "feed_forward"
+    if any(p.startswith("norm") for p in parts):
+        return "modulation"
+    return "projection"  # FLUX's single-stream proj_mlp and proj_out
+
+
+@dataclasses.dataclass
+class Fp8Summary:
+    """What the FP8 patch quantized, and the weight memory: originals (kept, on their device) and codes."""
+
+    layers: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    original_bytes: int = 0
+    fp8_bytes: int = 0  # codes + scales
+    device: str = ""
+
+    def add(self, family: str, layer: Fp8Linear) -> None:
+        self.layers[family] += 1
+        self.original_bytes += layer.weight.numel() * layer.weight.element_size()
+        self.fp8_bytes += layer.w_q.numel() + 4 * layer.s_w.numel()
+        self.device = str(layer.weight.device)
+
+    def format(self) -> str:
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(self.layers.items()))
+        return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
+                f"{mib(self.original_bytes)} stay on {self.device or 'their device'} for an exact unpatch, the "
+                f"codes and scales add {mib(self.fp8_bytes)}")
+
+
+def _swap_linear(record: PatchRecord, parent: nn.Module, name: str, path: str, summary: Fp8Summary) -> None:
+    layer = Fp8Linear(parent._modules[name])
+    family = _family(path)
+    record.set_attr(parent, name, layer, f"fp8.{family}")
+    summary.add(family, layer)
+
+
+def _norm_chunks(norm: nn.Module) -> int | None:
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    plain = type(getattr(norm, "norm", None)) is nn.LayerNorm and type(getattr(norm, "linear", None)) is nn.Linear
+    if type(norm) is AdaLayerNormZero and norm.emb is None and plain and is_verified(AdaLayerNormZero.forward):
+        return 6
+    if type(norm) is AdaLayerNormZeroSingle and plain and is_verified(AdaLayerNormZeroSingle.forward):
+        return 3
+    return None
+
+
+def _patch_block(block: nn.Module, path: str, record: PatchRecord, summary: Fp8Summary) -> None:
+    from diffusers.models.attention import FeedForward
+
+    verified_ff = is_verified(FeedForward.forward)
+    fused: list[tuple[nn.Module, str, object]] = []  # (parent, name, how to replace it): after the linears
+    for sub_path, module in list(block.named_modules()):
+        where = f"{path}.{sub_path}".strip(".")
+        for name, child in list(module._modules.items()):
+            if type(child) is FeedForward and verified_ff and not isinstance(_feed_forward_kind(child), str):
+                act, gated = _feed_forward_kind(child)
+                fused.append((module, name, lambda c=child, a=act, g=gated: Fp8FeedForward(c, a, g)))
+            elif (chunks := _norm_chunks(child)) is not None:
+                fused.append((module, name, lambda c=child, n=chunks: Fp8AdaLayerNormZero(c, n)))
+            elif type(child) is FeedForward:
+                reason = "FeedForward.forward is not the verified source" if not verified_ff else \
+                    _feed_forward_kind(child)
+                record.skip(f"{where}.{name}", "FeedForward", f"quantize-then-GEMM per linear: {reason}")
+            if type(child) is nn.Linear:
+                _swap_linear(record, module, name, f"{where}.{name}", summary)
+            elif isinstance(child, nn.Linear):
+                record.skip(f"{where}.{name}", type(child).__name__, "a subclass of nn.Linear (its forward may differ)")
+            elif type(child).__name__ == "Linear" and hasattr(child, "base_layer"):
+                record.skip(f"{where}.{name}", "lora.Linear", "an adapter-wrapped linear stays as it is")
+    for parent, name, make in fused:  # built now: they hold the Fp8Linears swapped in above
+        replacement = make()
+        kind = "fp8.FeedForward" if isinstance(replacement, Fp8FeedForward) else "fp8.AdaLayerNormZero"
+        record.set_attr(parent, name, replacement, kind)
+
+
+def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
+    """Every known transformer block's linears as FP8 GEMMs, with the fused producers where the
+    block's structure is known (module docstring); the record's ``quantized`` says what and how much."""
+    summary = record.quantized if isinstance(record.quantized, Fp8Summary) else Fp8Summary()
+    record.quantized = summary
+    blocks = [(path, m) for path, m in model.named_modules() if type(m).__name__ in BLOCKS]
+    for path, block in blocks:
+        _patch_block(block, path, record, summary)
+    if not blocks and families.is_denoiser(model):
+        record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")

@@ -1,0 +1,368 @@
+"""FP8 (E4M3) linear layers with one scale per row: the quantizer, the scaled GEMM and its epilogue.
+
+The math (sd_kernels.reference, same names): a row v of an activation is stored as
+``q = e4m3(v · 448 / max|v|)`` with ``scale = max|v| / 448`` (E4M3's largest finite value is 448),
+a weight the same way per output channel, once. Then
+
+    y = (a_q · w_qᵀ) · s_a[:, None] · s_w[None, :]  (+ bias) (GELU) (· gate) (+ residual)
+
+accumulated in fp32 on the tensor cores (Hopper's QGMMA) and stored in the caller's dtype. The epilogue
+runs on the accumulator tile while it sits in registers: the bias, a tanh (or erf) GELU, a DiT
+block's per-sample gate and its residual add never cost a pass over memory of their own.
+
+``quantize_rows`` is one pass over its input: each program owns whole rows, finds their absolute
+maximum and writes codes and scales; it may apply a GELU (or a GEGLU's ``a · gelu(g)``) first, so
+the feed-forward's activation and the quantization of the second GEMM's input are one kernel.
+ops/layer_norm.py's modulated LayerNorm has an FP8 output of the same form (``row_quantize`` below).
+
+A quantized tensor can travel with the tensor it came from (``attach_quantized``): a producer
+that writes both (the modulated LayerNorm) or the first projection that quantized an input leaves
+the codes on it, and the next projections of the same input (attention's q, k, v) read them instead
+of quantizing again; an in-place change of the input (its version counter) drops them.
+
+FP8 tensor cores need sm_89 or later; the interpreter runs the same kernels on the CPU. Elsewhere
+(and for inputs autograd tracks) the ops run the reference's fp32 math of the same quantization.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sd_kernels import reference
+from sd_kernels.ops.gelu import _act
+from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = reference.E4M3_MAX
+_E4M3_MAX = tl.constexpr(448.0)
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
+_ELEMS = 8192  # elements of a row chunk per program in the quantizer
+
+
+@triton.jit
+def _activate(x, ACT: tl.constexpr):
+    """``x`` (fp32) through the activation: "" none, "tanh" / "none" the GELUs of ops/gelu.py."""
+    if ACT == "":
+        return x
+    else:
+        return _act(x, ACT)
+
+
+@triton.jit
+def _e4m3(v, GRID: tl.constexpr):
+    """fp32 ``v`` (|v| ≤ 448) as e4m3, rounded to nearest, ties to even. GRID: round in fp32 first,
+    to the e4m3 value itself, so that the cast is exact: the interpreter's own cast rounds ties up and
+    loses the carry into the exponent (124.7 became 64). The GPU's cast (cvt.rn.satfinite) is exact."""
+    if GRID:
+        bits = v.to(tl.int32, bitcast=True)
+        ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 3, 127 - 9)  # 3 mantissa bits; subnormals below 2⁻⁶
+        big = (ulp_exp << 23).to(tl.float32, bitcast=True) * 12582912.0  # 1.5·2²³ ulps: fp32 rounds to ulps
+        v = (v + big) - big
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _codes(v, inv, GRID: tl.constexpr):
+    return _e4m3(tl.minimum(tl.maximum(v * inv[:, None], -_E4M3_MAX), _E4M3_MAX), GRID)
+
+
+@triton.jit
+def _inverse(amax):
+    return tl.where(amax > 0, _E4M3_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
+
+
+@triton.jit
+def row_quantize(v, amax, q_ptrs, s_ptrs, mask, row_mask, GRID: tl.constexpr):
+    """Store e4m3(v · 448 / amax) to ``q_ptrs`` and amax / 448 to ``s_ptrs``: v [ROWS, C] fp32 and its
+    rows' absolute maxima amax [ROWS]; a zero row gets codes 0 and scale 0."""
+    tl.store(q_ptrs, _codes(v, _inverse(amax), GRID), mask=mask)
+    tl.store(s_ptrs, amax / _E4M3_MAX, mask=row_mask)
+
+
+@triton.jit
+def _row_values(x_ptrs, mask, stride_xc, n_cols, ACT: tl.constexpr, GATED: tl.constexpr):
+    if GATED:
+        a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptrs + n_cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        return a * _activate(g, ACT)
+    else:
+        return _activate(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32), ACT)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_xr, stride_xc, ACT: tl.constexpr,
+                     GATED: tl.constexpr, GRID: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of q [n_rows, n_cols] (contiguous) and s [n_rows]. A row wider
+    than BLOCK_C is read twice (its maximum first, then the codes): from L2, a row is at most 64 KB."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_C)
+    x_rows = x_ptr + rows[:, None] * stride_xr
+    q_rows = q_ptr + rows[:, None] * n_cols
+    if BLOCK_C >= n_cols:
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        v = _row_values(x_rows + cols[None, :] * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
+        amax = tl.max(tl.abs(tl.where(mask, v, 0.0)), axis=1)
+        row_quantize(v, amax, q_rows + cols[None, :], s_ptr + rows, mask, row_mask, GRID)
+    else:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for c in range(0, n_cols, BLOCK_C):
+            mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
+            v = _row_values(x_rows + (c + cols[None, :]) * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.where(mask, v, 0.0)), axis=1))
+        inv = _inverse(amax)
+        for c in range(0, n_cols, BLOCK_C):
+            mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
+            v = _row_values(x_rows + (c + cols[None, :]) * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
+            tl.store(q_rows + c + cols[None, :], _codes(v, inv, GRID), mask=mask)
+        tl.store(s_ptr + rows, amax / _E4M3_MAX, mask=row_mask)
+
+
+_QUANTIZE = Launcher(_quantize_kernel)
+
+
+def quantize_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_C, num_warps): a row chunk of up to ``elems`` (a whole row where it fits), rows
+    batched up to ``elems``, a warp per 1,024 elements (8 fp32 a thread), 4 to 16."""
+    block_c = min(next_pow2(n_cols), elems)
+    rows = max(1, min(elems // block_c, next_pow2(n_rows)))
+    return rows, block_c, min(16, max(4, rows * block_c // 1024))
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last] with any row and column stride; a copy only where no view exists."""
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
+
+
+def fp8_reason(*tensors: torch.Tensor | None) -> str | None:
+    """Why the FP8 kernels cannot take these tensors (None: they can): besides the shared reasons,
+    a CUDA device without FP8 tensor cores."""
+    reason = tensor_reason(*tensors, also=(E4M3,))
+    if reason is not None:
+        return reason
+    device = next((t.device for t in tensors if t is not None), None)
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"{name} has no FP8 tensor cores (sm_89 or later: Ada, Hopper)"
+    return None
+
+
+def _check_quantize(x: torch.Tensor, act: str, gated: bool) -> None:
+    reference.check_fp8_activation(act)
+    if x.dim() == 0:
+        raise ValueError("quantize_rows needs a tensor of at least one dimension (rows of the last one)")
+    if gated:
+        reference.check_geglu_input(x)
+
+
+def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.fp8_quantize_rows`` in one kernel: x [..., N] (any strides) → (q [..., n] e4m3,
+    contiguous; scales [...] fp32), n = N (N/2 with ``gated``)."""
+    _check_quantize(x, act, gated)
+    if not use_kernel("fp8_quant", x, unsupported=fp8_reason(x)):
+        return reference.fp8_quantize_rows(x, act, gated)
+    x2 = _rows_view(x)
+    n_rows, n = x2.shape[0], x2.shape[1] // (2 if gated else 1)
+    q = torch.empty((*x.shape[:-1], n), dtype=E4M3, device=x.device)
+    s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if q.numel() == 0:
+        return q, s.zero_()
+    rows, block_c, warps = quantize_blocks(n_rows, n)
+    grid = interpreting()
+    _QUANTIZE((act, gated, grid, rows, block_c, warps), (cdiv(n_rows, rows),), x2, q, s, n_rows, n,
+              x2.stride(0), x2.stride(1), ACT=act, GATED=gated, GRID=grid, ROWS=rows, BLOCK_C=block_c,
+              num_warps=warps)
+    return q, s
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] as (e4m3 codes [N, K] contiguous, one fp32 scale per output channel [N]): the
+    reference's math, run once at patch time (torch ops: exact on any device)."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_weight needs a 2-D weight [N, K], got shape {tuple(weight.shape)}")
+    q, s = reference.fp8_quantize_rows(weight.detach())
+    return q.contiguous(), s.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The scaled GEMM with its epilogue
+
+
+def _config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=warps,
+                         num_stages=stages)
+
+
+# Hopper: one warpgroup pair (8 warps) on a 128-row tile, K in steps of 128 (128 bytes of e4m3: one
+# swizzled shared-memory row), 3-4 stages of A and B in flight (128×128 + 256×128 bytes a stage).
+# Smaller tiles serve the few-row GEMMs (adaLN modulation: one row per sample).
+CONFIGS = [_config(128, 256, 128, 8, 3), _config(128, 128, 128, 8, 4), _config(128, 128, 128, 4, 4),
+           _config(64, 128, 128, 4, 4), _config(64, 64, 128, 4, 4)]
+
+
+def _by_rows(configs, named_args, **kwargs):
+    """Few rows first try the small tiles (an untimed key takes the first config kept)."""
+    if named_args["M"] <= 64:
+        return [c for c in configs if c.kwargs["BLOCK_M"] == 64]
+    return configs
+
+
+def _gemm_autotune():
+    keys = ["M", "N", "K", "HAS_BIAS", "ACT", "HAS_GATE", "HAS_RES"]
+    if interpreting():  # every config would run through the interpreter: one small one
+        return triton.autotune([_config(32, 32, 32, 4, 1)], key=keys)
+    return triton.autotune(CONFIGS, key=keys, prune_configs_by={"early_config_prune": _by_rows})
+
+
+@_gemm_autotune()
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_gb, stride_gn, stride_rm, stride_rn, stride_ym,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y [M, N] from a_q [M, K] and w_q [N, K] (e4m3, nn.Linear layout:
+    each operand K-major, as FP8 wgmma reads both). The gate's sample of row m is m // T."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles sweep the same weight tiles while they sit in L2.
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Edge tiles wrap (% M, % N) instead of masking the loads; only the store is masked.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w_qᵀ
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    n_mask = offs_n < N
+    y = acc * tl.load(sa_ptr + rows)[:, None] * tl.load(sw_ptr + cols)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    y = _activate(y, ACT)
+    if HAS_GATE:
+        y *= tl.load(g_ptr + (rows // T)[:, None] * stride_gb + cols[None, :] * stride_gn).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn).to(tl.float32)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_mask[None, :])
+
+
+_GEMM = Launcher(_fp8_gemm_kernel)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _gate_2d(gate: torch.Tensor | None, m: int, n: int) -> tuple[torch.Tensor | None, int]:
+    """A per-sample gate [B, N] or [B, 1, N] as [B, N], and the rows per sample (m // B)."""
+    if gate is None:
+        return None, 1
+    ok = (gate.dim() == 2 or (gate.dim() == 3 and gate.shape[1] == 1)) and gate.shape[-1] == n
+    if not ok or gate.shape[0] == 0 or m % gate.shape[0]:
+        raise ValueError(f"gate must be [B, N] or [B, 1, N] with N = {n} and B dividing the {m} rows, "
+                         f"got shape {tuple(gate.shape)}")
+    g2 = gate if gate.dim() == 2 else gate.select(1, 0)
+    return g2, m // gate.shape[0]
+
+
+def _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype) -> None:
+    if a_q.dtype != E4M3 or w_q.dtype != E4M3:
+        raise TypeError(f"fp8_gemm takes float8_e4m3fn operands, got {a_q.dtype} and {w_q.dtype}")
+    if w_q.dim() != 2 or a_q.dim() == 0 or a_q.shape[-1] != w_q.shape[1]:
+        raise ValueError(f"fp8_gemm: a_q [..., K] and w_q [N, K] do not match: {tuple(a_q.shape)} and "
+                         f"{tuple(w_q.shape)}")
+    if tuple(s_a.shape) != tuple(a_q.shape[:-1]) or tuple(s_w.shape) != (w_q.shape[0],):
+        raise ValueError(f"fp8_gemm: scales must be [...] per row of a_q and [N] per row of w_q, got "
+                         f"{tuple(s_a.shape)} and {tuple(s_w.shape)}")
+    if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
+        raise ValueError(f"fp8_gemm: bias must have shape ({w_q.shape[0]},), got {tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != tuple(out_shape):
+        raise ValueError(f"fp8_gemm: residual must have the output's shape {tuple(out_shape)}, "
+                         f"got {tuple(residual.shape)}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"fp8_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
+def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
+             bias: torch.Tensor | None = None, act: str = "", gate: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``reference.fp8_gemm`` in one kernel: a_q [..., K] (any strides), w_q [N, K] → [..., N]
+    contiguous in ``out_dtype``, the epilogue (bias, act, gate, residual) applied on the accumulator."""
+    reference.check_fp8_activation(act)
+    out_shape = (*a_q.shape[:-1], w_q.shape[0]) if a_q.dim() else ()
+    _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype)
+    m, n, k = s_a.numel(), w_q.shape[0], w_q.shape[1]
+    g2, tokens = _gate_2d(gate, m, n)
+    reason = fp8_reason(a_q, s_a, w_q, s_w, bias, gate, residual) or ("no input features (K = 0)" if k == 0 else None)
+    if not use_kernel("fp8_linear", a_q, w_q, bias, gate, residual, unsupported=reason):
+        return reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+    y = torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
+    if y.numel() == 0:
+        return y
+    a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
+    sa = s_a.reshape(-1).float()
+    flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
+    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _GEMM((m, n, k, *flags.values(), out_dtype), grid,
+          a2, w_q, sa, s_w, y if bias is None else bias, y if g2 is None else g2, y if r2 is None else r2, y,
+          m, n, k, tokens, a2.stride(0), a2.stride(1), w_q.stride(0), w_q.stride(1),
+          *(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)), n, **flags)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# A quantized input carried by the tensor it came from
+
+_ATTACHED = "_sd_kernels_fp8"
+
+
+def attach_quantized(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Let ``x`` carry its row quantization (q, s) for the projections that read it next; returns x."""
+    setattr(x, _ATTACHED, (q, s, x._version))
+    return x
+
+
+def attached_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (q, s) ``attach_quantized`` left on ``x``, unless x was changed in place since."""
+    held = getattr(x, _ATTACHED, None)
+    if held is None or held[2] != x._version:
+        return None
+    return held[0], held[1]
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None = None,
+               act: str = "", gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               reuse: bool = True) -> torch.Tensor:
+    """``act(x · Wᵀ + bias) · gate + residual`` with x quantized per row (or its attached quantization,
+    ``reuse``) and W given as ``quantize_weight``'s codes and scales; output in x's dtype."""
+    if x.dim() == 0 or x.shape[-1] != w_q.shape[1]:
+        raise RuntimeError(f"fp8_linear: x [..., {w_q.shape[1]}] expected, got shape {tuple(x.shape)}")
+    if x.dtype not in OUT_DTYPES:
+        raise TypeError(f"fp8_linear takes float16, bfloat16 or float32 input, got {x.dtype}")
+    held = attached_quantization(x) if reuse else None
+    if held is None:
+        held = quantize_rows(x)
+        if reuse and not torch.compiler.is_compiling():
+            attach_quantized(x, *held)
+    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype)

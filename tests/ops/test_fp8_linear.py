@@ -1,0 +1,210 @@
+"""The FP8 (E4M3) row-scaled linear: the quantizer, the GEMM with its epilogue, the LayerNorm's FP8
+output. Exactness against a float64 reference of the quantized math; the quantization's own error
+against fp32 beside torch's e4m3 round trip. Tiny shapes: the CPU runs them through the interpreter."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sd_kernels import reference
+from sd_kernels.testing import UNIT_ROUNDOFF, non_contiguous, rel_err
+
+fp8 = importlib.import_module("sd_kernels.ops.fp8_linear")
+layer_norm = importlib.import_module("sd_kernels.ops.layer_norm")
+importlib.import_module("sd_kernels.ops.custom_ops")  # registers torch.ops.sd_kernels.*
+E4M3 = torch.float8_e4m3fn
+
+
+def _codes(q):
+    return q.float()
+
+
+@pytest.mark.parametrize("shape", [(77, 50), (2, 5, 33)])
+def test_quantize_rows_matches_the_reference_exactly(device, shape):
+    x = torch.randn(shape, device=device) * torch.rand(shape[:-1] + (1,), device=device) * 10
+    q, s = fp8.quantize_rows(x)
+    q_ref, s_ref = reference.fp8_quantize_rows(x)
+    assert q.dtype == E4M3 and q.shape == x.shape and s.shape == x.shape[:-1]
+    assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
+
+
+def test_quantize_rows_non_contiguous_and_wide_rows(device, monkeypatch):
+    """Rows wider than one chunk take the two-pass loop; a strided input is read in place."""
+    blocks = fp8.quantize_blocks
+    monkeypatch.setattr(fp8, "quantize_blocks", lambda r, c: blocks(r, c, 16))
+    x = non_contiguous(torch.randn(9, 40, device=device))
+    q, s = fp8.quantize_rows(x)
+    q_ref, s_ref = reference.fp8_quantize_rows(x)
+    assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
+
+
+def test_a_zero_row_gets_scale_zero(device):
+    x = torch.randn(3, 16, device=device)
+    x[1] = 0
+    q, s = fp8.quantize_rows(x)
+    assert s[1] == 0 and not _codes(q[1]).any() and torch.isfinite(_codes(q)).all()
+
+
+@pytest.mark.parametrize("act,gated", [("tanh", False), ("none", True), ("tanh", True)])
+def test_quantize_with_activation(device, act, gated):
+    """GELU (GEGLU) then the quantization, in one kernel: the codes of the reference up to the last
+    bit where the kernel's GELU differs from torch's by an fp32 rounding."""
+    x = torch.randn(21, 48, device=device) * 3
+    q, s = fp8.quantize_rows(x, act, gated)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, act, gated)
+    assert q.shape == q_ref.shape
+    assert torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99
+    ours, ref = _codes(q) * s[:, None], _codes(q_ref) * s_ref[:, None]
+    assert torch.allclose(ours, ref, rtol=2**-3, atol=1e-6)  # one e4m3 step at most
+
+
+def _operands(device, m=77, k=50, n=37, batch=7):
+    x = torch.randn(m, k, device=device)
+    w = torch.randn(n, k, device=device) / k**0.5
+    a_q, s_a = reference.fp8_quantize_rows(x)
+    w_q, s_w = fp8.quantize_weight(w)
+    extras = dict(bias=torch.randn(n, device=device), gate=torch.randn(batch, n, device=device),
+                  residual=torch.randn(m, n, device=device))
+    return x, w, a_q, s_a, w_q, s_w, extras
+
+
+EPILOGUES = [{}, {"bias"}, {"bias", "act"}, {"gate"}, {"residual"}, {"bias", "gate", "residual"},
+             {"bias", "act", "gate", "residual"}]
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "+".join(sorted(e)) or "plain")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gemm_is_the_quantized_math(device, epilogue, out_dtype):
+    """Odd shapes (M = 77, K = 50 not a multiple of the block, N = 37): the kernel's output against a
+    float64 evaluation of the same quantized math, within the output dtype's own rounding."""
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device)
+    kw = {k: v for k, v in extras.items() if k in epilogue}
+    act = "tanh" if "act" in epilogue else ""
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, act=act, out_dtype=out_dtype, **kw)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, act=act, out_dtype=torch.float64, compute=torch.float64, **kw)
+    assert y.dtype == out_dtype and y.shape == ref.shape
+    rounding = rel_err(ref.to(out_dtype), ref)
+    # The interpreter rounds fp32 to bf16 by truncation (twice nearest's error); the GPU to nearest.
+    factor = 4 if out_dtype == torch.bfloat16 and device == "cpu" else 2
+    assert rel_err(y, ref) <= max(factor * rounding, 8 * UNIT_ROUNDOFF[torch.float32]), (rel_err(y, ref), rounding)
+
+
+def test_gate_per_sample_of_3d_input(device):
+    """A [B, T, K] input with a [B, 1, N] gate (a DiT block's gate_mlp.unsqueeze(1))."""
+    x = torch.randn(2, 9, 32, device=device)
+    w_q, s_w = fp8.quantize_weight(torch.randn(24, 32, device=device))
+    gate = torch.randn(2, 1, 24, device=device)
+    a_q, s_a = fp8.quantize_rows(x)
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, gate=gate, out_dtype=torch.float32)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, gate=gate, out_dtype=torch.float64, compute=torch.float64)
+    assert y.shape == (2, 9, 24) and rel_err(y, ref) < 1e-6
+
+
+def test_quantization_error_is_bounded_by_torchs_e4m3_round_trip(device):
+    """fp8_linear against fp32's F.linear: no worse than 1.5x the error of rounding x and W through
+    torch's e4m3 cast with one scale per tensor (row-wise scales can only fit the rows better)."""
+    x, w, *_ = _operands(device)
+    x[3] *= 50  # an outlier token: per-tensor scaling loses the other rows' precision to it
+    w_q, s_w = fp8.quantize_weight(w)
+    ours = fp8.fp8_linear(x, w_q, s_w)
+    exact = F.linear(x.double(), w.double())
+
+    def round_trip(t):
+        scale = t.abs().max() / reference.E4M3_MAX
+        return (t / scale).to(E4M3).double() * scale
+
+    torch_error = rel_err(F.linear(round_trip(x), round_trip(w)), exact)
+    assert rel_err(ours, exact) <= 1.5 * torch_error, (rel_err(ours, exact), torch_error)
+    assert rel_err(ours, exact) < 0.05
+
+
+def test_fp8_linear_non_contiguous_input_and_reuse(device, count_calls):
+    """A strided input is quantized in place; a second projection of the same tensor reads the
+    codes the first left on it; an in-place change drops them."""
+    x = non_contiguous(torch.randn(2, 5, 32, device=device))
+    w_q, s_w = fp8.quantize_weight(torch.randn(16, 32, device=device))
+    seen = count_calls(fp8, quantize="quantize_rows")
+    y1 = fp8.fp8_linear(x, w_q, s_w)
+    y2 = fp8.fp8_linear(x, w_q, s_w)
+    assert seen["quantize"] == 1 and torch.equal(y1, y2)
+    ref = reference.fp8_gemm(*reference.fp8_quantize_rows(x), w_q, s_w, out_dtype=torch.float64,
+                             compute=torch.float64)
+    assert rel_err(y1, ref) < 1e-6
+    x.mul_(2)
+    y3 = fp8.fp8_linear(x, w_q, s_w)
+    assert seen["quantize"] == 2 and rel_err(y3, 2 * ref) < 1e-6
+
+
+def test_layer_norm_modulated_fp8(device):
+    """The modulated LayerNorm's output and, from the same pass, its FP8 codes and row scales: those of
+    the reference's quantization of the fp32 LayerNorm."""
+    x = torch.randn(2, 9, 40, device=device)
+    scale, shift = torch.randn(2, 40, device=device), torch.randn(2, 1, 40, device=device)
+    y, q, s = layer_norm.layer_norm_modulated_fp8(x, None, None, 1e-6, scale, shift)
+    y64 = reference.layer_norm_modulated(x.double(), None, None, 1e-6, scale.double(), shift.double())
+    q_ref, s_ref = reference.fp8_quantize_rows(y64.float())
+    assert rel_err(y, y64) < 1e-6 and q.shape == x.shape and s.shape == (2, 9)
+    assert torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99
+    assert torch.allclose(_codes(q) * s[..., None], _codes(q_ref) * s_ref[..., None], rtol=2**-3)
+
+
+def test_bad_inputs_raise_before_work(device):
+    _, _, a_q, s_a, w_q, s_w, _ = _operands(device)
+    with pytest.raises(ValueError, match="act must be one of"):
+        fp8.quantize_rows(torch.randn(2, 4, device=device), act="relu")
+    with pytest.raises(ValueError, match="even last dimension"):
+        fp8.quantize_rows(torch.randn(2, 5, device=device), gated=True)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fp8.fp8_gemm(a_q.float(), s_a, w_q, s_w)
+    with pytest.raises(ValueError, match="do not match"):
+        fp8.fp8_gemm(a_q[:, :40], s_a, w_q, s_w)
+    with pytest.raises(ValueError, match="gate must be"):
+        fp8.fp8_gemm(a_q, s_a, w_q, s_w, gate=torch.randn(5, w_q.shape[0], device=device))
+    with pytest.raises(ValueError, match="residual"):
+        fp8.fp8_gemm(a_q, s_a, w_q, s_w, residual=torch.randn(3, 3, device=device))
+    with pytest.raises(RuntimeError, match="expected"):
+        fp8.fp8_linear(torch.randn(3, 7, device=device), w_q, s_w)
+
+
+def test_reference_backend_computes_the_same_quantized_math(device, monkeypatch):
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device)
+    kernel = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32, **extras)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert rel_err(fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32, **extras), kernel) < 1e-6
+
+
+def test_custom_ops_fake_and_schema(device):
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device, m=8, k=32, n=16, batch=2)
+    checks = ("test_faketensor",)  # test_schema compares fp8 tensors with ops torch lacks for them
+    torch.library.opcheck(torch.ops.sd_kernels.fp8_gemm,
+                          (a_q, s_a, w_q, s_w, extras["bias"][:16], "tanh", None, None, torch.bfloat16),
+                          test_utils=checks)
+    torch.library.opcheck(torch.ops.sd_kernels.fp8_quantize_rows, (torch.randn(4, 32, device=device), "", False),
+                          test_utils=checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 12288, 3072), (2, 3072, 18432),
+                                   (8192, 1536, 1536), (4096, 1152, 4608), (77, 1000, 333)])
+def test_gpu_model_shapes_against_the_reference_and_scaled_mm(m, k, n):
+    """FLUX, SD3, PixArt GEMMs on the GPU: the quantized math in float64, and cuBLASLt's row-wise
+    ``torch._scaled_mm`` on the same codes (its error reported beside ours)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a_q, s_a = fp8.quantize_rows(x)
+    q_ref, s_ref = reference.fp8_quantize_rows(x)
+    assert torch.equal(_codes(a_q), _codes(q_ref)) and torch.allclose(s_a, s_ref, rtol=1e-6)
+    w_q, s_w = fp8.quantize_weight(w)
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.bfloat16)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
+    rounding = rel_err(ref.to(torch.bfloat16), ref)
+    assert rel_err(y, ref) <= 2 * rounding
+    if n % 16 == 0 and k % 16 == 0:
+        cublas = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :], bias=bias,
+                                  out_dtype=torch.bfloat16)
+        assert rel_err(cublas, ref) <= 2 * rounding

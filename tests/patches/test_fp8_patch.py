@@ -1,0 +1,139 @@
+"""``patch(pipe, precision="fp8")``: the switch, its refusals, the record, the image it gives on the
+tiny pipelines, and an unpatch that gives back the very modules and Parameters. Unmarked tests run
+the tiny pipelines on the CPU through the interpreter (the patch refuses the CPU otherwise)."""
+
+import os
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+from sd_kernels.patches import fp8
+
+import sd_kernels
+from sd_kernels.models import build_pipeline
+from sd_kernels.testing import psnr, rel_err
+
+
+def _denoiser(pipe):
+    return pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.unet
+
+
+def _run(pipe, output_type="pt"):
+    g = torch.Generator(pipe.device).manual_seed(0)
+    kwargs = {"clean_caption": False} if type(pipe).__name__.startswith("PixArt") else {}
+    return pipe("a cat", num_inference_steps=1, height=64, width=64, generator=g, output_type=output_type,
+                return_dict=False, **kwargs)[0]
+
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
+                              reason="CPU pipelines through the interpreter; the GPU runs the gpu-marked test")
+
+
+@pytest.fixture(scope="module")
+def flux():
+    pipe = build_pipeline("tiny-flux")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@cpu_only
+@pytest.mark.parametrize("name,families", [
+    ("tiny-flux", {"fp8.attention", "fp8.feed_forward", "fp8.modulation", "fp8.projection", "fp8.FeedForward",
+                   "fp8.AdaLayerNormZero"}),
+    ("tiny-sd3", {"fp8.attention", "fp8.feed_forward", "fp8.modulation", "fp8.FeedForward", "fp8.AdaLayerNormZero"}),
+    ("tiny-pixart", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward"}),
+    ("tiny", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward"}),
+])
+def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
+    _image_close_and_unpatch_exact(build_pipeline(name), families)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_flux_in_bfloat16():
+    """The same on the GPU: tiny FLUX in bf16 through the compiled FP8 kernels, eager and graphed."""
+    families = {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.AdaLayerNormZero"}
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families)
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True)
+
+
+def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False):
+    pipe.set_progress_bar_config(disable=True)
+    model = _denoiser(pipe)
+    stock_image, stock_latent = _run(pipe), _run(pipe, "latent")
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    record = sd_kernels.patch(pipe, precision="fp8", ops=[], cuda_graph=cuda_graph)
+    assert families <= set(record.counts), record.counts
+    assert record.precision == "fp8" and "fp8:" in record.format() and "exact unpatch" in record.format()
+    assert model.state_dict().keys() == state.keys()  # the same keys (and Parameters) while patched
+    image, latent = _run(pipe), _run(pipe, "latent")
+    assert not torch.equal(latent, stock_latent)  # it did change the computation
+    assert psnr(image, stock_image) > 30 and rel_err(latent, stock_latent) < 0.1, (psnr(image, stock_image),
+                                                                                    rel_err(latent, stock_latent))
+
+    assert sd_kernels.unpatch(pipe)
+    assert all(dict(model.named_modules())[k] is m for k, m in modules.items())
+    assert all(dict(model.named_parameters())[k] is p for k, p in params.items())
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    assert torch.equal(_run(pipe, "latent"), stock_latent)
+
+
+@cpu_only
+def test_precision_is_validated_before_any_change(flux):
+    with pytest.raises(ValueError, match=r"precision='int8': choose one of \('fp16', 'fp8'\)"):
+        sd_kernels.patch(flux, precision="int8")
+    assert sd_kernels.patches.patch_record(flux) is None
+    record = sd_kernels.patch(flux, precision="fp16", ops=[], cuda_graph=False)  # the lossless default by name
+    try:
+        assert record.precision is None and not any(k.startswith("fp8") for k in record.counts)
+    finally:
+        sd_kernels.unpatch(flux)
+
+
+def test_a_gpu_without_fp8_is_refused(monkeypatch):
+    class OnA100(nn.Module):
+        def parameters(self, recurse=True):
+            yield types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"compute capability 8.9 or later.*A100 \(sm_80\)"):
+        fp8.check_models([("transformer", OnA100())])
+
+
+@cpu_only
+def test_the_cpu_without_the_interpreter_is_refused(flux, monkeypatch):
+    monkeypatch.setattr(fp8, "interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        sd_kernels.patch(flux, precision="fp8")
+    assert sd_kernels.patches.patch_record(flux) is None
+
+
+@cpu_only
+def test_same_request_changes_nothing_and_another_repatches(flux):
+    record = sd_kernels.patch(flux, precision="fp8", ops=[], cuda_graph=False)
+    try:
+        assert sd_kernels.patch(flux, precision="fp8", ops=[], cuda_graph=False) is record
+        lossless = sd_kernels.patch(flux, ops=[], cuda_graph=False)
+        assert lossless is not record and not any(k.startswith("fp8") for k in lossless.counts)
+        assert not any(isinstance(m, fp8.Fp8Linear) for m in flux.transformer.modules())
+    finally:
+        sd_kernels.unpatch(flux)
+
+
+def test_fp8_linear_shares_parameters_and_follows_a_changed_weight():
+    linear = nn.Linear(32, 16)
+    layer = fp8.Fp8Linear(linear)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert set(layer.state_dict()) == {"weight", "bias"}  # the codes are not part of the model's state
+    x = torch.randn(3, 32)
+    before = layer(x)
+    with torch.no_grad():
+        linear.weight.mul_(2)
+    after = layer(x)
+    assert rel_err(after - linear.bias, 2 * (before - linear.bias)) < 1e-2  # quantized again: twice the product
+    assert rel_err(after, nn.functional.linear(x, linear.weight, linear.bias)) < 0.05
