@@ -319,10 +319,11 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     Q per query row and K per block of ``key_block`` keys, after subtracting K's per-channel mean over
     the keys (softmax is unchanged by it), scaled to ±127 and rounded to int8 (``qk="int8"``) or to ±448
-    and rounded to e4m3 (``qk="fp8"``); scores from the 8-bit values times the scales; the online softmax over key blocks in order, as the kernel runs it: the
-    probabilities of each block, exp(s − running max) ∈ [0, 1], times 448 rounded to e4m3 for
-    ``pv="fp8"`` (V per channel scaled to ±448 and rounded to e4m3), or P and V in the input dtype for
-    ``pv="input"``; the row sum from the unrounded probabilities.
+    and rounded to e4m3 (``qk="fp8"``); scores from the 8-bit values times the scales; the online
+    softmax over key blocks in order, as the kernel runs it: the probabilities of each block,
+    exp(s − running max) ∈ [0, 1], times 448 rounded to e4m3 for ``pv="fp8"`` (V per channel scaled to
+    ±448 and rounded to e4m3), or P and V in the input dtype for ``pv="input"``; the row sum from the
+    unrounded probabilities.
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     f64 = torch.float64
