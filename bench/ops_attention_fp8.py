@@ -2,6 +2,7 @@
 self-attention of the DiTs and SDXL: time, TFLOP/s and accuracy in one run.
 
     python -m bench.ops_attention_fp8 --out DIR [--quick]
+    python -m bench.ops_attention_fp8 --out DIR --accuracy     # anywhere (CPU): the algorithm's error
 
 Shapes (B, H, S, D): FLUX.1 (1, 24, 4608, 128: 4,096 image + 512 text tokens, one sample: guidance
 is distilled), SD3-medium (2, 24, 4429, 64: 4,096 + 333, batch 2 for guidance), SDXL's two
@@ -22,6 +23,13 @@ Times are device times from CUDA graphs over rotating inputs (bench.common.time_
 counts 4·S_q·S_k·D per head; ``vs_exact`` and ``vs_sdpa_flash`` are speed ratios (> 1: faster than
 that row); ``rel_err`` is ‖out − ref‖/‖ref‖ with ref = SDPA on the fp32 upcast inputs. Rows go to
 DIR/ops_attention_fp8.csv as they are measured, stamped with device, versions and date.
+
+``--accuracy`` measures the algorithm alone, on any device: ``reference.attention_fp8`` (what the
+kernel computes, up to fp32 accumulation) in each mode against exact float64 attention, over one batch
+of two heads of 4,096 queries and keys at head dims 64 and 128, bf16 inputs: random (σ 1, and σ 2 for
+Q: a peaked softmax) and with outliers (two of Q's channels 10x, K offset by 8 on every 8th channel),
+beside stock bf16 attention (the inputs' own rounding, fp32 softmax, output rounded to bf16), to
+DIR/accuracy.csv.
 """
 
 from __future__ import annotations
@@ -143,12 +151,56 @@ def _ratios(rows: list[dict]) -> None:
                 r[col] = round(by[ref] / r["ms"], 3)
 
 
+ACCURACY_INPUTS = {
+    "random": (1.0, False),
+    "random, peaked (σ_q 2)": (2.0, False),
+    "outliers": (1.0, True),
+}
+
+
+def _accuracy_inputs(s: int, d: int, amp: float, outliers: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, s, d, generator=gen) for _ in range(3))
+    q = q * amp
+    if outliers:
+        q = q * torch.where(torch.arange(d) < 2, 10.0, 1.0)
+        k = k + torch.where(torch.arange(d) % 8 == 0, 8.0, 0.0)
+    return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+
+
+def accuracy(out: pathlib.Path, s: int = 4096) -> list[dict]:
+    """The relative error of each mode's algorithm against exact attention (see the module docstring)."""
+    from sd_kernels import reference
+
+    env = {**common.environment(), "dtype": "bfloat16"}
+    rows = []
+    for d in fp8.HEAD_DIMS:
+        for name, (amp, outliers) in ACCURACY_INPUTS.items():
+            q, k, v = _accuracy_inputs(s, d, amp, outliers)
+            exact = reference.attention(q.double(), k.double(), v.double())
+            errs = {"stock bf16": rel_err(reference.attention(q, k, v), exact)}
+            for qk, pv in MODES:
+                errs[f"fp8[{qk}/{pv}]"] = rel_err(reference.attention_fp8(q, k, v, None, qk, pv), exact)
+            for impl, err in errs.items():
+                row = {"inputs": name, "shape": f"1x2x{s}x{d}", "impl": impl, "rel_err": f"{err:.3e}", **env}
+                rows.append(row)
+                print(row, flush=True)
+            common.append_csv(out / "accuracy.csv", rows[-len(errs):], ["inputs", "shape", "impl", "rel_err", *env])
+    print(common.format_table(rows, ["inputs", "shape", "impl", "rel_err"]))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True, help="folder for ops_attention_fp8.csv")
     ap.add_argument("--quick", action="store_true", help="each mode's default config only, no pre-pass rows")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--accuracy", action="store_true", help="the algorithm's error only (any device)")
     args = ap.parse_args()
+    if args.accuracy:
+        args.out.mkdir(parents=True, exist_ok=True)
+        accuracy(args.out)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench.ops_attention_fp8 needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,22 @@
-"""FP8 attention: softmax(q·kᵀ·scale)·v with Q·Kᵀ (and by default P·V) on e4m3 tensor-core dots.
+"""FP8 attention: softmax(q·kᵀ·scale)·v on 8-bit tensor-core dots, the opt-in lossy tier's attention.
 
-The algorithm (``reference.attention_fp8`` computes it step by step; docs/attention_fp8.md gives the
-error figures and the trade-offs):
+The algorithm (``reference.attention_fp8`` computes it step by step; docs/kernels/attention_fp8.md
+gives the error figures and the trade-offs):
 
-- Q: per query row, x·448/max|row| rounded to e4m3, in the kernel's prologue (each program loads its
-  Q tile once, so the quantization costs nothing in the loop); the row's scale max|row|/448 goes
-  into the score scale.
+- Q·Kᵀ in int8 (``qk="int8"``, default: SageAttention's choice; measured 1.4-3.5x more accurate
+  than e4m3 at the same tensor-core rate on Hopper) or e4m3 (``qk="fp8"``). Below, "8-bit" is
+  either: x·127/max or x·448/max, rounded.
+- Q: per query row, 8-bit in the kernel's prologue (each program loads its Q tile once, so the
+  quantization costs nothing in the loop); the row's scale max|row|/127 (448) goes into the score
+  scale.
 - K: smoothed, then per block of ``KEY_BLOCK`` keys. Smoothing subtracts K's per-channel mean over
   the keys: q·(k − k̄) = q·k − q·k̄ shifts every score of a query row by the same amount, which
   softmax ignores, and takes the channels' common offset out of the range the 8 bits must cover.
-  The block's scale max|block|/448 multiplies the block's scores (one scalar per key block). A
-  pre-pass (two small kernels: per-channel sums, then the quantization) writes K in e4m3, padded to
-  whole key blocks with zeros.
-- Scores: the e4m3 dot with fp32 accumulation, times q_scale·k_scale·scale·log2(e); the online
-  softmax in fp32 as ops/attention.py's flash kernel runs it (running max and sum, exp2).
+  The block's scale multiplies the block's scores (one scalar per key block). A pre-pass (two small
+  kernels: per-channel sums, then the quantization) writes K in 8 bits, padded to whole key blocks
+  with zeros.
+- Scores: the 8-bit dot (int32 or fp32 accumulation), times q_scale·k_scale·scale·log2(e); the
+  online softmax in fp32 as ops/attention.py's flash kernel runs it (running max and sum, exp2).
 - P·V, ``pv="fp8"`` (default): P = exp2(s − running max) ∈ [0, 1] times 448 rounded to e4m3, V per
   head-dim channel scaled to ±448 (max over the keys) and rounded to e4m3 by the pre-pass, written
   transposed ([D, S]: Hopper's e4m3 wgmma reads its B operand K-major); the output is
@@ -342,8 +345,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
                   scale: float | None = None, qk: str = "int8", pv: str = "fp8") -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` on 8-bit tensor-core dots: Q·Kᵀ in
     int8 (``qk="int8"``, default) or e4m3 (``qk="fp8"``), P·V in e4m3 (``pv="fp8"``, default) or in
-    the input dtype (``pv="input"``). The module docstring gives the algorithm, docs/attention_fp8.md
-    its error and speed.
+    the input dtype (``pv="input"``). The module docstring gives the algorithm,
+    docs/kernels/attention_fp8.md its error and speed.
 
     q [..., Sq, D], k and v [..., Sk, D], fp16 or bf16, D 64 or 128, batch dims broadcast (up to two
     in the kernel); ``attn_mask`` must be None (the argument is there for the flash signature).
