@@ -335,9 +335,10 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     sk = k.shape[-2]
     blocks = range(0, sk, key_block)
     log2e = 1.0 / math.log(2.0)
-    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=f64)
+    rows = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), q.shape[-2])
+    m = torch.full((*rows, 1), -math.inf, dtype=f64, device=q.device)
     l = torch.zeros_like(m)
-    acc = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=f64)
+    acc = torch.zeros((*rows, v.shape[-1]), dtype=f64, device=q.device)
     if pv == "fp8":
         v_amax = v.float().abs().amax(-2, keepdim=True)
         v_all = e4m3_scaled(v.float(), v_amax).to(f64)

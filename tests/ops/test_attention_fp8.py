@@ -136,7 +136,7 @@ def test_strided_and_broadcast_inputs(device):
     b, s, h, d = 2, 77, 2, 64
     proj = torch.randn(b, s, 3 * h * d, device=device).half()
     q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in proj.chunk(3, dim=-1))
-    for kk, vv in ((k, v), (k[:1].expand(b, h, s, d), v[:1].expand(b, h, s, d)),
+    for kk, vv in ((k, v), (k[:1].expand(b, h, s, d), v[:1].expand(b, h, s, d)), (k[:1], v[:1]),
                    (torch.randn(b, h, 2 * s, d, device=device).half()[:, :, ::2], v)):
         ours = attention_fp8(q, kk, vv)
         torch.testing.assert_close(ours, reference.attention_fp8(q.cpu(), kk.cpu(), vv.cpu()).to(device),
