@@ -1,7 +1,7 @@
 """FP8 attention (ops.attention_fp8) against our exact attention and torch's SDPA, at the 1024²
 self-attention of the DiTs and SDXL: time, TFLOP/s and accuracy in one run.
 
-    python -m bench.ops_attention_fp8 --out DIR [--quick]
+    python -m bench.ops_attention_fp8 --out DIR [--quick] [--case FLUX --case SD3 ...]
     python -m bench.ops_attention_fp8 --out DIR --accuracy     # anywhere (CPU): the algorithm's error
 
 Shapes (B, H, S, D): FLUX.1 (1, 24, 4608, 128: 4,096 image + 512 text tokens, one sample: guidance
@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="each mode's default config only, no pre-pass rows")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--accuracy", action="store_true", help="the algorithm's error only (any device)")
+    ap.add_argument("--case", action="append", default=[], help="only the shapes whose name contains this "
+                    "(repeatable; e.g. FLUX, SD3, SDXL)")
     args = ap.parse_args()
     if args.accuracy:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -208,6 +210,8 @@ def main() -> None:
     env = {**common.environment(), "dtype": args.dtype}
     rows = []
     for name, shape in SHAPES:
+        if args.case and not any(c.lower() in name.lower() for c in args.case):
+            continue
         case_rows = run_case(name, shape, dtype, args.quick, env)
         common.append_csv(args.out / "ops_attention_fp8.csv", case_rows, COLUMNS + list(env))
         rows += case_rows
