@@ -343,3 +343,73 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     if residual is not None:
         y = y + residual.to(compute)
     return y.to(out_dtype)
+
+FP8_KEY_BLOCK = 128  # keys per K scale in ops.attention_fp8 (and its kernel's key block)
+
+
+def e4m3_scaled(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x·(448/amax) rounded to float8_e4m3fn, in fp32 (0 where amax is 0): the kernels' quantization,
+    each step an fp32 operation rounded as theirs is."""
+    # a tensor divided, not ``448 / amax``: torch computes a scalar over a tensor as a reciprocal times
+    # the scalar, which rounds twice
+    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
+    return (x * inv).to(torch.float8_e4m3fn)
+
+
+def int8_scaled(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x·(127/amax) rounded to the nearest integer (ties to even) as int8 (0 where amax is 0)."""
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).to(torch.int8)
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  qk: str = "int8", pv: str = "fp8", key_block: int = FP8_KEY_BLOCK) -> torch.Tensor:
+    """``ops.attention_fp8``'s quantized algorithm, step by step; after the quantization (in fp32, as
+    the kernel rounds it) everything runs in float64.
+
+    Q per query row and K per block of ``key_block`` keys, after subtracting K's per-channel mean over
+    the keys (softmax is unchanged by it), scaled to ±127 and rounded to int8 (``qk="int8"``) or to ±448
+    and rounded to e4m3 (``qk="fp8"``); scores from the 8-bit values times the scales; the online
+    softmax over key blocks in order, as the kernel runs it: the probabilities of each block,
+    exp(s − running max) ∈ [0, 1], times 448 rounded to e4m3 for ``pv="fp8"`` (V per channel scaled to
+    ±448 and rounded to e4m3), or P and V in the input dtype for ``pv="input"``; the row sum from the
+    unrounded probabilities.
+    """
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    f64 = torch.float64
+    q32, k32 = q.float(), k.float()
+    quantized, qmax = (int8_scaled, 127.0) if qk == "int8" else (e4m3_scaled, E4M3_MAX)
+    q8 = quantized(q32, q32.abs().amax(-1, keepdim=True))
+    q_scale = q32.abs().amax(-1, keepdim=True).to(f64) / qmax
+    kc = k32 - k32.sum(-2, keepdim=True) / k.shape[-2]
+    sk = k.shape[-2]
+    blocks = range(0, sk, key_block)
+    log2e = 1.0 / math.log(2.0)
+    rows = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), q.shape[-2])
+    m = torch.full((*rows, 1), -math.inf, dtype=f64, device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros((*rows, v.shape[-1]), dtype=f64, device=q.device)
+    if pv == "fp8":
+        v_amax = v.float().abs().amax(-2, keepdim=True)
+        v_all = e4m3_scaled(v.float(), v_amax).to(f64)
+    else:
+        v_all = v.to(f64)
+    for n0 in blocks:
+        kb = kc[..., n0:n0 + key_block, :]
+        k_amax = kb.abs().amax((-1, -2), keepdim=True)
+        k8 = quantized(kb, k_amax)
+        s = q8.to(f64) @ k8.to(f64).transpose(-1, -2) * (q_scale * (k_amax.to(f64) / qmax) * scale * log2e)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp2(s - m_new)
+        alpha = torch.exp2(m - m_new)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        if pv == "fp8":
+            p = (p * E4M3_MAX).to(torch.float8_e4m3fn).to(f64) / E4M3_MAX
+        else:
+            p = p.to(q.dtype).to(f64)
+        acc = acc * alpha + p @ v_all[..., n0:n0 + key_block, :]
+        m = m_new
+    out = acc / l
+    if pv == "fp8":
+        out = out * (v_amax.to(f64) / E4M3_MAX)
+    return out.to(q.dtype)

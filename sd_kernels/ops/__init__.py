@@ -3,6 +3,7 @@ same name in ``sd_kernels.reference``, asks ``sd_kernels.runtime.dispatch.use_ke
 runs its Triton kernel or the reference accordingly."""
 
 from .attention import flash_attention
+from .attention_fp8 import attention_fp8
 from .conv import conv2d
 from .fp8_linear import fp8_gemm, fp8_linear, quantize_rows
 from .gelu import geglu, gelu, linear_geglu, linear_gelu
@@ -16,6 +17,7 @@ from .upsample import upsample_conv2d
 from .winograd import winograd_conv2d, winograd_weight
 
 __all__ = [
+    "attention_fp8",
     "bias_residual",
     "conv2d",
     "flash_attention",

@@ -31,10 +31,19 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.layout import misaligned, realigned
-from sd_kernels.runtime.dispatch import MAX_PLANS, declined, interpreting, keep_plan, plan_context, use_kernel
+from sd_kernels.runtime.dispatch import (
+    MAX_PLANS,
+    declined,
+    device_reason,
+    interpreting,
+    keep_plan,
+    plan_context,
+    use_kernel,
+)
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
+from . import attention_fp8 as _fp8
 from . import attention_wgmma as _wgmma
 from . import softmax_matmul as _partial
 from .attention_common import (
@@ -523,6 +532,35 @@ def attention_path(q, k, v, attn_mask=None, scale=None) -> str:
     return _choose_path(q, k, v, attn_mask, check_attention_args("attention", q, k, v, attn_mask), scale)
 
 
+# ``attention(..., precision="fp8")``: the opt-in lossy tier. Calls the FP8 kernel takes (head dim 64 or
+# 128, no mask, at least FP8_MIN_KEYS keys: the DiTs' joint attention and SDXL's self-attention, not
+# the 77-token cross-attention, whose quantization pre-pass would cost about what its dots save) run
+# there; every other call takes the exact path below, logged once per reason as declined.
+PRECISIONS = ("exact", "fp8")
+FP8_MIN_KEYS = 1024
+
+
+def fp8_reason(q, k, v, attn_mask, scale) -> str | None:
+    """Why a ``precision="fp8"`` call takes the exact path (arguments already checked), or None."""
+    if k.shape[-2] < FP8_MIN_KEYS:
+        return f"{k.shape[-2]} keys < FP8_MIN_KEYS {FP8_MIN_KEYS}"
+    return _fp8.input_reason(q, k, v, attn_mask, scale)
+
+
+def _fp8_or_none(q, k, v, attn_mask, scale, precision: str) -> torch.Tensor | None:
+    """The FP8 kernel's output for a call ``precision`` routes to it, else None (the exact path)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"attention: precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "exact":
+        return None
+    batch = check_attention_args("attention", q, k, v, attn_mask)
+    why = fp8_reason(q, k, v, attn_mask, scale) or _fp8.run_reason(q, k, v, batch) or device_reason(q.device)
+    if why is not None:
+        declined("attention_fp8", why)
+        return None
+    return _fp8.attention_fp8(q, k, v, None, scale) if use_kernel("attention_fp8", q, k, v) else None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -530,6 +568,7 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     upcast: bool = False,
+    precision: str = "exact",
 ) -> torch.Tensor:
     """Attention by the path ``attention_path`` picks: FlashAttention where it fits (the Hopper wgmma
     kernel at the head dims the profile lists for it), else the paper's partially fused softmax, else
@@ -539,7 +578,12 @@ def attention(
     in fp32 on chip; the partial softmax then writes its X in fp32 instead of the input dtype.
 
     A call like an earlier flash call (see ``_plan_key``) launches that call's plan directly.
+
+    ``precision="fp8"`` (opt-in, lossy): calls ``fp8_reason`` accepts run ``ops.attention_fp8`` with its
+    defaults (docs/kernels/attention_fp8.md); the rest as with "exact".
     """
+    if precision != "exact" and (out := _fp8_or_none(q, k, v, attn_mask, scale, precision)) is not None:
+        return out
     key = _plan_key("attention", q, k, v, attn_mask, scale, upcast)
     out = _run_plan(key, q, k, v, attn_mask)
     if out is not None:

@@ -29,6 +29,7 @@ from sd_kernels.ops.layout import contiguous_strides, is_channels_last, is_dense
 # the modules by name.
 attention_ops = importlib.import_module("sd_kernels.ops.attention")
 fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")
+attention_fp8_ops = importlib.import_module("sd_kernels.ops.attention_fp8")
 gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
 layer_norm_ops = importlib.import_module("sd_kernels.ops.layer_norm")
 upsample_ops = importlib.import_module("sd_kernels.ops.upsample")
@@ -162,8 +163,14 @@ def _linear_geglu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @_custom_op("attention", lambda q, k, v, *_: attention_layout(q, k, v))
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                  scale: float | None, upcast: bool) -> torch.Tensor:
-    return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
+                  scale: float | None, upcast: bool, precision: str = "exact") -> torch.Tensor:
+    return attention_ops.attention(q, k, v, attn_mask, scale, upcast, precision)
+
+
+@_custom_op("attention_fp8", lambda q, k, v, *_: attention_layout(q, k, v))
+def _attention_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, qk: str,
+                      pv: str) -> torch.Tensor:
+    return attention_fp8_ops.attention_fp8(q, k, v, None, scale, qk, pv)
 
 
 def contiguous_layout(x: torch.Tensor) -> Layout:
@@ -291,10 +298,20 @@ def linear_gelu(x, weight, bias=None, approximate="none"):
     return gelu_ops.linear_gelu(x, weight, bias, approximate, activation=gelu)
 
 
-def attention(q, k, v, attn_mask=None, scale=None, upcast=False):
+def attention(q, k, v, attn_mask=None, scale=None, upcast=False, precision="exact"):
+    """``sd_kernels.ops.attention.attention``; ``precision="fp8"`` routes the calls the FP8 kernel takes
+    to it (``ops.attention.fp8_reason``)."""
     if torch.compiler.is_compiling():
-        return torch.ops.sd_kernels.attention(q, k, v, attn_mask, None if scale is None else float(scale), upcast)
-    return attention_ops.attention(q, k, v, attn_mask, scale, upcast)
+        return torch.ops.sd_kernels.attention(q, k, v, attn_mask, None if scale is None else float(scale), upcast,
+                                              precision)
+    return attention_ops.attention(q, k, v, attn_mask, scale, upcast, precision)
+
+
+def attention_fp8(q, k, v, scale=None, qk="int8", pv="fp8"):
+    """``sd_kernels.ops.attention_fp8`` (no mask)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.attention_fp8(q, k, v, None if scale is None else float(scale), qk, pv)
+    return attention_fp8_ops.attention_fp8(q, k, v, None, scale, qk, pv)
 
 
 def layer_norm_modulated(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None):

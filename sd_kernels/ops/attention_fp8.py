@@ -1,0 +1,363 @@
+"""FP8 attention: softmax(q·kᵀ·scale)·v on 8-bit tensor-core dots, the opt-in lossy tier's attention.
+
+The algorithm (``reference.attention_fp8`` computes it step by step; docs/kernels/attention_fp8.md
+gives the error figures and the trade-offs):
+
+- Q·Kᵀ in int8 (``qk="int8"``, default: SageAttention's choice; measured 1.4-3.5x more accurate
+  than e4m3 at the same tensor-core rate on Hopper) or e4m3 (``qk="fp8"``). Below, "8-bit" is
+  either: x·127/max or x·448/max, rounded.
+- Q: per query row, 8-bit in the kernel's prologue (each program loads its Q tile once, so the
+  quantization costs nothing in the loop); the row's scale max|row|/127 (448) goes into the score
+  scale.
+- K: smoothed, then per block of ``KEY_BLOCK`` keys. Smoothing subtracts K's per-channel mean over
+  the keys: q·(k − k̄) = q·k − q·k̄ shifts every score of a query row by the same amount, which
+  softmax ignores, and takes the channels' common offset out of the range the 8 bits must cover.
+  The block's scale multiplies the block's scores (one scalar per key block). A pre-pass (two small
+  kernels: per-channel sums, then the quantization) writes K in 8 bits, padded to whole key blocks
+  with zeros.
+- Scores: the 8-bit dot (int32 or fp32 accumulation), times q_scale·k_scale·scale·log2(e); the
+  online softmax in fp32 as ops/attention.py's flash kernel runs it (running max and sum, exp2).
+- P·V, ``pv="fp8"`` (default): P = exp2(s − running max) ∈ [0, 1] times 448 rounded to e4m3, V per
+  head-dim channel scaled to ±448 (max over the keys) and rounded to e4m3 by the pre-pass, written
+  transposed ([D, S]: Hopper's e4m3 wgmma reads its B operand K-major); the output is
+  acc·v_scale[d]/(448·l). ``pv="input"``: P in the input dtype and V as given (no V pre-pass), as
+  the flash kernel does. The row sum l adds the unrounded probabilities.
+
+Head dims 64 and 128 only (``HEAD_DIMS``: the DiTs' and SDXL's; PixArt's 72 and SD1.5's 40/80/160
+are refused, not padded: the exact kernels take them). fp16/bf16 [..., S, D] inputs with any
+strides, batch dims broadcast as ``flash_attention`` takes them; the output is in q's layout. No
+attention mask, no autograd, no log-sum-exp output. Kernels run on GPUs with e4m3 tensor cores
+(sm_89 and later) or in the interpreter; elsewhere the reference runs (``dispatch.use_kernel``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sd_kernels import reference
+from sd_kernels.runtime.dispatch import interpreting, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
+
+from . import attention_common as _common
+from .attention_common import LOG2E, as_4d, check_attention_args, default_scale, from_4d, kernel_reason
+
+HEAD_DIMS = (64, 128)
+QK_MODES = ("int8", "fp8")
+PV_MODES = ("fp8", "input")
+KEY_BLOCK = reference.FP8_KEY_BLOCK  # keys per K scale, and the kernel's key block
+E4M3_MAX = tl.constexpr(reference.E4M3_MAX)
+INT8_MAX = tl.constexpr(127.0)
+STATS_ROWS = 256  # keys per program of the per-channel statistics pass
+_LOG2E = tl.constexpr(LOG2E)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _e4m3(x, SOFT: tl.constexpr):
+    """x (fp32, |x| ≤ 448) rounded to nearest-even e4m3. SOFT: round in fp32 first, so that the cast
+    is exact; Triton's interpreter rounds fp32 → e4m3 wrongly where rounding carries into the exponent
+    (31.6 → 16), the GPU's cvt.rn is right and SOFT is off there."""
+    if SOFT:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # 3 mantissa bits, ties to even
+        normal = bits.to(tl.float32, bitcast=True)
+        subnormal = (x + 24576.0) - 24576.0  # multiples of 2^-9 (fp32's spacing at 1.5·2^14)
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _inv_scale(amax, QMAX: tl.constexpr):
+    """QMAX/amax, IEEE-rounded (as torch divides), 0 for amax = 0."""
+    return tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), amax), 0.0)
+
+
+@triton.jit
+def _quantize(x, INT8: tl.constexpr, SOFT: tl.constexpr):
+    """x (fp32, |x| ≤ the format's max) as int8 (rounded to nearest even: 1.5·2^23 added and taken
+    away leaves fp32's integers) or e4m3."""
+    if INT8:
+        return ((x + 12582912.0) - 12582912.0).to(tl.int8)
+    return _e4m3(x, SOFT)
+
+
+@triton.jit
+def _kv_stats_kernel(K, V, KSum, VMax, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                     stride_vn, stride_vd, H, S, D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                     V_MAX: tl.constexpr):
+    """Per (b·h, chunk of CHUNK keys): the chunk's per-channel sums of K and (V_MAX) max |V|."""
+    bh, chunk = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    cols = tl.arange(0, D)
+    ksum = tl.zeros([D], tl.float32)
+    vmax = tl.zeros([D], tl.float32)
+    for r0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        ok = rows[:, None] < S
+        k = tl.load(K + rows[:, None] * stride_kn + cols[None, :] * stride_kd, mask=ok, other=0.0)
+        ksum += tl.sum(k.to(tl.float32), 0)
+        if V_MAX:
+            v = tl.load(V + rows[:, None] * stride_vn + cols[None, :] * stride_vd, mask=ok, other=0.0)
+            vmax = tl.maximum(vmax, tl.max(tl.abs(v.to(tl.float32)), 0))
+    out = (bh * tl.num_programs(1) + chunk) * D + cols
+    tl.store(KSum + out, ksum)
+    if V_MAX:
+        tl.store(VMax + out, vmax)
+
+
+@triton.jit
+def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd, H, S, S_PAD, N_CHUNKS,
+                     D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, K_INT8: tl.constexpr,
+                     V_FP8: tl.constexpr, SOFT: tl.constexpr):
+    """Per (b·h, key block): K − mean → int8 or e4m3 [S_PAD, D] and the block's scale; (V_FP8)
+    V·448/max|V| per channel → e4m3, transposed [D, S_PAD], and (block 0) the channel scales."""
+    bh, blk = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    cols = tl.arange(0, D)
+    parts = tl.arange(0, CHUNKS)
+    part_ptrs = bh * N_CHUNKS * D + parts[:, None] * D + cols[None, :]
+    part_ok = parts[:, None] < N_CHUNKS
+    mean = tl.sum(tl.load(KSum + part_ptrs, mask=part_ok, other=0.0), 0) / S
+    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows[:, None] < S
+    k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
+                mask=ok, other=0.0)
+    kc = tl.where(ok, k.to(tl.float32) - mean[None, :], 0.0)  # padded keys: zeros, outside the block's max
+    amax = tl.max(tl.max(tl.abs(kc), 1), 0)
+    k_max: tl.constexpr = INT8_MAX if K_INT8 else E4M3_MAX
+    k8 = _quantize(kc * _inv_scale(amax, k_max), K_INT8, SOFT)
+    base = bh.to(tl.int64) * S_PAD * D
+    tl.store(K8 + base + rows[:, None] * D + cols[None, :], k8)
+    tl.store(KScale + bh * tl.num_programs(1) + blk, amax / k_max)
+    if V_FP8:
+        vmax = tl.max(tl.load(VMax + part_ptrs, mask=part_ok, other=0.0), 0)
+        v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
+                    mask=ok, other=0.0)
+        v8 = _e4m3(v.to(tl.float32) * _inv_scale(vmax, E4M3_MAX)[None, :], SOFT)
+        tl.store(V8 + base + cols[None, :] * S_PAD + rows[:, None], v8)
+        if blk == 0:
+            tl.store(VScale + bh * D + cols, vmax / E4M3_MAX)
+
+
+def _config(m: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m}, num_warps=warps, num_stages=stages)
+
+
+# Hopper starting points: 128 query rows over 8 warps (wgmma's 64-row tiles, two per program), e4m3
+# K and V tiles of 128 keys (16 KiB each at D = 128, half flash's bf16 tiles), 2-4 stages.
+_CONFIGS = {
+    64: [_config(128, 8, 3), _config(128, 8, 4), _config(128, 4, 3), _config(64, 4, 3)],
+    128: [_config(128, 8, 3), _config(128, 8, 2), _config(64, 4, 3)],
+}
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    chosen = _CONFIGS[kwargs["HEAD_DIM"]]
+    small = [c for c in chosen if c.kwargs["BLOCK_M"] <= max(64, named_args["SQ_KEY"])] or chosen
+    chosen = [c for c in configs if any(c is w for w in small)]
+    return chosen if _common.AUTOTUNE else chosen[:1]
+
+
+def _autotune():
+    key = ["SQ_KEY", "SK_KEY", "HEAD_DIM", "QK_INT8", "PV_FP8", "BLOCK_N"]
+    if interpreting():  # the interpreter would run every config: one small one
+        return triton.autotune([_config(16, 4, 1)], key=key)
+    return triton.autotune([c for cs in _CONFIGS.values() for c in cs], key=key,
+                           prune_configs_by={"early_config_prune": _prune_configs})
+
+
+@_autotune()
+@triton.heuristics({"EVEN_N": lambda args: args["Sk"] % args["BLOCK_N"] == 0})
+@triton.jit(do_not_specialize=["Sq", "Sk"])
+def _attention_fp8_kernel(
+    Q, K8, KScale, V, VScale, Out, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, Sq, Sk, S_PAD, N_BLOCKS, SQ_KEY, SK_KEY,
+    HEAD_DIM: tl.constexpr, QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, SOFT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """Out[b, h, rows] for BLOCK_M query rows of one (b, h); a 1-D grid, query blocks fastest (the
+    programs of one head share its K and V in L2). PV_FP8: V is the pre-pass's e4m3 [D, S_PAD] (V's
+    strides unused), else V as given."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Sq, BLOCK_M)
+    bh = pid // num_m
+    start_m = (pid % num_m) * BLOCK_M
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    Out += b * stride_ob + h * stride_oh
+    K8 += bh.to(tl.int64) * S_PAD * HEAD_DIM
+    KScale += bh * N_BLOCKS
+    if PV_FP8:
+        V += bh.to(tl.int64) * S_PAD * HEAD_DIM
+    else:
+        V += b * stride_vb + h * stride_vh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = offs_m % Sq  # rows past Sq repeat real ones (finite, never stored)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd).to(tl.float32)
+    q_amax = tl.max(tl.abs(q), 1)
+    q_max: tl.constexpr = INT8_MAX if QK_INT8 else E4M3_MAX
+    q8 = _quantize(q * _inv_scale(q_amax, q_max)[:, None], QK_INT8, SOFT)
+    row_scale = q_amax / q_max * qk_scale  # with the key block's scale: the scores' factor, base 2
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Every key block masks its scores when Sk is ragged (not only the last): as ops/attention.py's
+    # flash kernel does, for the same reason (a peeled last block miscompiled under Hopper's pipeliner).
+    for start_n in range(0, Sk, BLOCK_N):
+        kv = start_n + offs_n
+        k8 = tl.load(K8 + kv[:, None] * HEAD_DIM + offs_d[None, :])  # padded to whole blocks: no mask
+        qk = tl.dot(q8, tl.trans(k8))
+        if QK_INT8:  # int32 → fp32 without cvt (a quarter-rate instruction): |qk| ≤ 127²·128 < 2^22
+            qk = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        c = row_scale * tl.load(KScale + start_n // BLOCK_N)  # ≥ 0, so max(qk)·c = max(qk·c)
+        if EVEN_N:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * c)
+            p = tl.math.exp2(qk * c[:, None] - m_new[:, None])
+        else:
+            s = tl.where(kv[None, :] < Sk, qk * c[:, None], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if PV_FP8:
+            v8 = tl.load(V + offs_d[None, :] * S_PAD + kv[:, None])  # [BLOCK_N, D] of the [D, S_PAD] copy
+            acc = tl.dot(_e4m3(p * E4M3_MAX, SOFT), v8, acc * alpha[:, None])
+        else:
+            v_ptrs = V + kv[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            v = tl.load(v_ptrs) if EVEN_N else tl.load(v_ptrs, mask=kv[:, None] < Sk, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+
+    out = acc / l_i[:, None]  # l ≥ 1: the row's max contributes exp2(0)
+    if PV_FP8:
+        out = out * (tl.load(VScale + bh * HEAD_DIM + offs_d) / E4M3_MAX)[None, :]
+    out_ptrs = Out + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < Sq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+_STATS = Launcher(_kv_stats_kernel)
+_QUANT = Launcher(_kv_quant_kernel)
+_ATTN = Launcher(_attention_fp8_kernel)
+
+
+def _fp8_device_reason(t: torch.Tensor) -> str | None:
+    if t.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(t.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return f"sm_{major}{minor}: e4m3 tensor-core dots need sm_89 (Ada) or later"
+    return None
+
+
+def input_reason(q, k, v, attn_mask, scale, qk: str = "int8", pv: str = "fp8") -> str | None:
+    """Why ``attention_fp8`` refuses these arguments (a ValueError), or None: what no device changes."""
+    if attn_mask is not None:
+        return "an attention mask (the FP8 kernel takes none)"
+    if qk not in QK_MODES:
+        return f"qk={qk!r}: one of {QK_MODES}"
+    if pv not in PV_MODES:
+        return f"pv={pv!r}: one of {PV_MODES}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}: float16 or bfloat16"
+    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return (f"head dims {q.shape[-1]} (q, k) and {v.shape[-1]} (v): the FP8 kernel takes "
+                f"{' or '.join(map(str, HEAD_DIMS))}, the same for all three")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not 0 < scale < math.inf):
+        return f"scale {scale!r}: a finite number > 0 (the kernel takes the row max of the unscaled scores)"
+    return None
+
+
+def run_reason(q, k, v, batch) -> str | None:
+    """Why the kernel cannot run valid arguments here (the reference runs instead), or None."""
+    return kernel_reason(q, k, v, batch=batch) or _fp8_device_reason(q)
+
+
+def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK):
+    """The pre-pass: (k8 [B·H, S_PAD, D] int8 or e4m3, k_scale [B·H, S_PAD / key_block] fp32, v8 [B·H, D,
+    S_PAD] e4m3 or None, v_scale [B·H, D] fp32 or None) from [B, H, S, D] views; S_PAD: S in whole key
+    blocks."""
+    B, H, S, D = k4.shape
+    n_blocks = cdiv(S, key_block)
+    s_pad = n_blocks * key_block
+    n_chunks = cdiv(S, STATS_ROWS)
+    dev, f32, e4m3 = k4.device, torch.float32, torch.float8_e4m3fn
+    v_fp8 = pv == "fp8"
+    k_sum = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev)
+    v_max = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev) if v_fp8 else k_sum
+    rows = 16 if interpreting() else 32
+    strides = (*k4.stride(), *v4.stride())
+    _STATS((D, v_fp8, k4.dtype, rows), (B * H, n_chunks), k4, v4, k_sum, v_max, *strides, H, S,
+           D=D, ROWS=rows, CHUNK=STATS_ROWS, V_MAX=v_fp8, num_warps=4)
+    k8 = torch.empty(B * H, s_pad, D, dtype=torch.int8 if qk == "int8" else e4m3, device=dev)
+    k_scale = torch.empty(B * H, n_blocks, dtype=f32, device=dev)
+    v8 = torch.empty(B * H, D, s_pad, dtype=e4m3, device=dev) if v_fp8 else None
+    v_scale = torch.empty(B * H, D, dtype=f32, device=dev) if v_fp8 else None
+    soft = interpreting()
+    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft), (B * H, n_blocks), k4, v4, k_sum,
+           v_max, k8, k_scale, v8 if v_fp8 else k8, v_scale if v_fp8 else k_scale, *strides, H, S, s_pad, n_chunks,
+           D=D, BLOCK_N=key_block, CHUNKS=next_pow2(n_chunks), K_INT8=qk == "int8", V_FP8=v_fp8, SOFT=soft,
+           num_warps=4)
+    return k8, k_scale, v8, v_scale
+
+
+def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
+                   config: triton.Config | None = None) -> torch.Tensor:
+    """The pre-pass and the kernel on [B, H, S, D] views; ``key_block`` and ``config`` (which bypasses
+    the autotuner) are the tests' and benchmarks' overrides."""
+    B, H, Sq, D = q4.shape
+    Sk = k4.shape[2]
+    k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block)
+    out = _common.alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
+    v_arg, vs_arg = (v8, v_scale) if pv == "fp8" else (v4, k_scale)
+    soft = interpreting()
+    args = (q4, k8, k_scale, v_arg, vs_arg, out, scale * LOG2E, *q4.stride(), *v4.stride(), *out.stride(),
+            H, Sq, Sk, k8.shape[1], k_scale.shape[1], next_pow2(Sq), next_pow2(Sk))
+    meta = dict(HEAD_DIM=D, QK_INT8=qk == "int8", PV_FP8=pv == "fp8", SOFT=soft, BLOCK_N=key_block)
+    grid = lambda m: (cdiv(Sq, m["BLOCK_M"]) * B * H,)  # noqa: E731
+    if config is None:
+        _ATTN((Sq, Sk, D, qk, pv, key_block, q4.dtype, v4.dtype, soft), grid, *args, **meta)
+    else:
+        _attention_fp8_kernel.fn.fn[grid](*args, **meta, **config.all_kwargs(), EVEN_N=Sk % key_block == 0)
+    return out
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  scale: float | None = None, qk: str = "int8", pv: str = "fp8") -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` on 8-bit tensor-core dots: Q·Kᵀ in
+    int8 (``qk="int8"``, default) or e4m3 (``qk="fp8"``), P·V in e4m3 (``pv="fp8"``, default) or in
+    the input dtype (``pv="input"``). The module docstring gives the algorithm,
+    docs/kernels/attention_fp8.md its error and speed.
+
+    q [..., Sq, D], k and v [..., Sk, D], fp16 or bf16, D 64 or 128, batch dims broadcast (up to two
+    in the kernel); ``attn_mask`` must be None (the argument is there for the flash signature).
+    Arguments it cannot take raise ValueError; where its kernel cannot run, ``reference.attention_fp8``
+    computes the same quantized algorithm.
+    """
+    batch = check_attention_args("attention_fp8", q, k, v, attn_mask)
+    why = input_reason(q, k, v, attn_mask, scale, qk, pv)
+    if why is not None:
+        raise ValueError(f"attention_fp8: {why}")
+    if not use_kernel("attention_fp8", q, k, v, unsupported=run_reason(q, k, v, batch)):
+        return reference.attention_fp8(q, k, v, scale, qk, pv)
+    views = [as_4d(t, batch, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
+    return from_4d(_attention_fp8(*views, default_scale(q, scale), qk, pv), batch)
