@@ -344,6 +344,7 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
         y = y + residual.to(compute)
     return y.to(out_dtype)
 
+
 FP8_KEY_BLOCK = 128  # keys per K scale in ops.attention_fp8 (and its kernel's key block)
 
 
