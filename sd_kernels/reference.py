@@ -321,7 +321,8 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False) -> tu
     else:
         v = _activation(v, act)
     amax = v.abs().amax(dim=-1, keepdim=True) if v.shape[-1] else v.new_zeros((*v.shape[:-1], 1))
-    inv = torch.where(amax > 0, E4M3_MAX / amax, torch.zeros_like(amax))
+    # a tensor divided, not ``448 / amax`` (a reciprocal times 448: two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
     q = (v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, (amax / E4M3_MAX).squeeze(-1)
 

@@ -71,7 +71,10 @@ def _codes(v, inv, GRID: tl.constexpr):
 
 @triton.jit
 def _inverse(amax):
-    return tl.where(amax > 0, _E4M3_MAX / tl.where(amax > 0, amax, 1.0), 0.0)
+    # IEEE division (div_rn), as torch divides: Triton's ``/`` on fp32 is the approximate one, whose
+    # last-bit differences move a code across a rounding boundary now and then
+    safe = tl.where(amax > 0, amax, 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, _E4M3_MAX, tl.float32), safe), 0.0)
 
 
 @triton.jit
