@@ -52,6 +52,7 @@ class SDKernelsAttnProcessor:
     """diffusers' AttnProcessor2_0 with sd_kernels' attention; ``legacy`` mirrors AttnProcessor."""
 
     profile_scoped = True
+    precision = "exact"  # the attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py)
 
     def __init__(self, legacy: bool = False, fused: bool = False) -> None:
         self.legacy = legacy
@@ -96,8 +97,14 @@ class SDKernelsAttnProcessor:
                 query = attn.norm_q(query)
             if attn.norm_k is not None:
                 key = attn.norm_k(key)
-        hidden_states = steps.attend(attn, query, key, value, attention_mask, self.legacy)
+        hidden_states = steps.attend(attn, query, key, value, attention_mask, self.legacy, self.precision)
         return steps.finish(attn, hidden_states, residual, shape)
+
+
+# Ours with a ``precision`` for the attention op, which patch(precision="fp8") sets (patches/fp8.py). The
+# IP-Adapter's keeps "exact": its calls attend over the text and a few image tokens, which the FP8 op
+# declines anyway.
+PRECISION_PROCESSORS = (SDKernelsAttnProcessor, SDKernelsJointAttnProcessor, flux_attention.SDKernelsFluxAttnProcessor)
 
 
 def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProcessor | type | str | None:

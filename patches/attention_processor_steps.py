@@ -46,12 +46,13 @@ def heads(t: torch.Tensor, batch: int, heads: int, head_dim: int) -> torch.Tenso
     return t.view(batch, -1, heads, head_dim).transpose(1, 2)
 
 
-def attend(attn, query, key, value, attention_mask, legacy: bool) -> torch.Tensor:
+def attend(attn, query, key, value, attention_mask, legacy: bool, precision: str = "exact") -> torch.Tensor:
     """The SDPA call, on sd_kernels' attention, back as [B, S, heads·D] in query's dtype (the output
-    comes in query's [B, S, heads, D] memory layout: the reshape is a view)."""
+    comes in query's [B, S, heads, D] memory layout: the reshape is a view). ``precision="fp8"``: the
+    op runs the calls its FP8 kernel takes there (docs/kernels/attention_fp8.md)."""
     out = attention(query, key, value, attention_mask,
                     scale=attn.scale if legacy else None,  # AttnProcessor2_0 leaves SDPA's default 1/√D
-                    upcast=attn.upcast_attention)
+                    upcast=attn.upcast_attention, precision=precision)
     batch, heads, _, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, -1, heads * head_dim).to(query.dtype)
 

@@ -96,6 +96,9 @@ class SDKernelsFluxAttnProcessor:
     _attention_backend = _delegated("_attention_backend")
     _parallel_config = _delegated("_parallel_config")
     profile_scoped = True
+    # The attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py). Ulysses'
+    # local attention (patches/context_parallel.py) stays exact.
+    precision = "exact"
 
     def __init__(self, original) -> None:
         self.original = original  # the FluxAttnProcessor replaced (unpatch puts it back)
@@ -112,7 +115,7 @@ class SDKernelsFluxAttnProcessor:
             if parallel is None:
                 # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
                 query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-                return attention(query, key, value).permute(0, 2, 1, 3)
+                return attention(query, key, value, precision=self.precision).permute(0, 2, 1, 3)
             if context_parallel.serves(parallel):  # Ulysses: diffusers' template, our local attention
                 context_parallel.check_heads(query.shape[2], parallel, "FluxAttention")
                 return context_parallel.attention(query, key, value, parallel)

@@ -18,6 +18,11 @@ context, block after block) share one quantization: the first one leaves it on t
 (``ops.fp8_linear.attach_quantized``). Outside the blocks (embedders, the final norm and projection,
 1×1 convolutions: their GEMMs are a small share of a step) nothing changes.
 
+Attention: inside the same blocks, the processors the attention patcher installed (patches/attention.py
+``PRECISION_PROCESSORS``: the UNets' and PixArt's, SD3's joint, FLUX's) get ``precision="fp8"``, which
+they hand to the attention op; the op runs the calls its FP8 kernel takes there and the rest exactly
+(docs/kernels/attention_fp8.md).
+
 Exactly reversible: the replacements hold the original Parameters themselves (state_dict keys and
 values unchanged) and the FP8 codes beside them, so the original weights stay on the device while
 patched (the record says what that costs); ``unpatch`` puts the very modules back. A weight changed
@@ -45,6 +50,7 @@ from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting
 
 from . import families
+from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
 from .record import PatchRecord
@@ -222,6 +228,7 @@ class Fp8Summary:
     original_bytes: int = 0
     fp8_bytes: int = 0  # codes + scales
     device: str = ""
+    attention_processors: int = 0  # processors that hand precision="fp8" to the attention op
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -234,7 +241,8 @@ class Fp8Summary:
         counts = ", ".join(f"{k} {n}" for k, n in sorted(self.layers.items()))
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
                 f"{mib(self.original_bytes)} stay on {self.device or 'their device'} for an exact unpatch, the "
-                f"codes and scales add {mib(self.fp8_bytes)}")
+                f"codes and scales add {mib(self.fp8_bytes)}; {self.attention_processors} attention processors "
+                "run FP8 attention where a call takes it (docs/kernels/attention_fp8.md)")
 
 
 def _swap_linear(record: PatchRecord, parent: nn.Module, name: str, path: str, summary: Fp8Summary) -> None:
@@ -294,3 +302,17 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
         _patch_block(block, path, record, summary)
     if not blocks and families.is_denoiser(model):
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
+    _fp8_attention([block for _, block in blocks], record, summary)
+
+
+def _fp8_attention(blocks: list[nn.Module], record: PatchRecord, summary: Fp8Summary) -> None:
+    """``precision="fp8"`` on each of our attention processors inside the blocks (the attention patcher
+    ran before; the VAE's attention, outside any block, stays exact); unpatch gives them back their
+    class default ("exact") with the rest of the record."""
+    seen: set[int] = set()
+    for module in (m for block in blocks for m in block.modules()):
+        processor = getattr(module, "processor", None)
+        if type(processor) in PRECISION_PROCESSORS and id(processor) not in seen:
+            seen.add(id(processor))
+            record.set_attr(processor, "precision", "fp8", "fp8.attention_processor")
+            summary.attention_processors += 1

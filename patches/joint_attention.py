@@ -36,6 +36,7 @@ class SDKernelsJointAttnProcessor:
     """diffusers' JointAttnProcessor2_0 with sd_kernels' attention in place of SDPA."""
 
     profile_scoped = True
+    precision = "exact"  # the attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py)
 
     def __init__(self, fused: bool = False) -> None:
         self.fused = fused  # FusedJointAttnProcessor2_0 (after pipe.fuse_qkv_projections())
@@ -96,7 +97,7 @@ class SDKernelsJointAttnProcessor:
             value = torch.cat([value, context_value], dim=2)
 
         hidden_states, context = _attend(attn, query, key, value, batch_size, head_dim, residual.shape[1],
-                                         encoder_hidden_states is not None)
+                                         encoder_hidden_states is not None, self.precision)
         if encoder_hidden_states is not None:
             return hidden_states, context
         return hidden_states
@@ -124,15 +125,15 @@ class SDKernelsJointAttnProcessor:
 
         head_dim = key.shape[-1] // attn.heads
         query, key, value = (t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
-        outputs = _attend(attn, query, key, value, batch_size, head_dim, image_len, True)
+        outputs = _attend(attn, query, key, value, batch_size, head_dim, image_len, True, self.precision)
         return tuple(t if shape is None else t.transpose(-1, -2).reshape(shape) for t, shape in zip(outputs, shapes))
 
 
-def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: int, joint: bool):
+def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: int, joint: bool, precision: str):
     """The attention of both streams' concatenation and the output projections: (the image stream,
     the context stream or None)."""
     # diffusers: F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-    hidden_states = attention(query, key, value)
+    hidden_states = attention(query, key, value, precision=precision)
     hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
     hidden_states = hidden_states.to(query.dtype)
 

@@ -2,6 +2,7 @@
 tiny pipelines, and an unpatch that gives back the very modules and Parameters. Unmarked tests run
 the tiny pipelines on the CPU through the interpreter (the patch refuses the CPU otherwise)."""
 
+import importlib
 import os
 import types
 
@@ -9,10 +10,16 @@ import pytest
 import torch
 import torch.nn as nn
 from sd_kernels.patches import fp8
+from sd_kernels.patches.attention import PRECISION_PROCESSORS
+from test_flux_patch import _inputs as flux_inputs
+from test_sd3_patch import _inputs as sd3_inputs
 
 import sd_kernels
-from sd_kernels.models import build_pipeline
+from sd_kernels.models import build_pipeline, load_config
 from sd_kernels.testing import psnr, rel_err
+
+attention_op = importlib.import_module("sd_kernels.ops.attention")
+attention_fp8 = importlib.import_module("sd_kernels.ops.attention_fp8")
 
 
 def _denoiser(pipe):
@@ -137,3 +144,111 @@ def test_fp8_linear_shares_parameters_and_follows_a_changed_weight():
     after = layer(x)
     assert rel_err(after - linear.bias, 2 * (before - linear.bias)) < 1e-2  # quantized again: twice the product
     assert rel_err(after, nn.functional.linear(x, linear.weight, linear.bias)) < 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: the processors hand precision="fp8" to the attention op, which runs the FP8 kernel on the
+# calls it takes. The tiny configs' head dim (24) is one the FP8 kernel refuses: these models have the
+# tiny configs' layout at head dims 64 and 128, in fp16 (the interpreter's bf16 dot is broken).
+
+FP8_HEAD_DIMS = {
+    "tiny-flux": {"num_attention_heads": 1, "attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]},
+    "tiny-sd3": {"num_attention_heads": 1, "attention_head_dim": 64, "caption_projection_dim": 64},
+    "tiny": {"block_out_channels": [64, 128], "attention_head_dim": 1},  # 1 head: 64, and 128 in the mid block
+}
+
+
+def _model(name):
+    import diffusers
+
+    part = "unet" if name == "tiny" else "transformer"
+    section = {**load_config(name)[part], **FP8_HEAD_DIMS[name]}
+    cls = getattr(diffusers, section.pop("class", "UNet2DConditionModel"))
+    torch.manual_seed(0)
+    return cls.from_config(section).to(torch.float16).eval().requires_grad_(False)
+
+
+def _call(model, name):
+    """One forward of ``model`` in fp16. Keys: FLUX's joint attention 16 image + 4 text tokens, SD3's
+    16 + 9, the UNet's self-attention 64 (head dim 64) and 16 (the mid block's, 128), its
+    cross-attention 4."""
+    g = torch.Generator().manual_seed(0)
+    half = lambda v: v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+    if name == "tiny":
+        x, kw = torch.randn(1, 4, 8, 8, generator=g), {"encoder_hidden_states": torch.randn(1, 4, 32, generator=g)}
+        kw["timestep"] = 10
+    else:
+        x, kw = (flux_inputs(model, batch=1, side=4, text=4) if name == "tiny-flux"
+                 else sd3_inputs(model, batch=1, side=8))
+    with torch.no_grad():
+        return model(half(x), **{k: half(v) for k, v in kw.items()}, return_dict=False)[0]
+
+
+@pytest.fixture
+def fp8_attention_calls(monkeypatch):
+    """Calls of the FP8 attention kernel's entry point; FP8_MIN_KEYS low enough for the self-attention of
+    tiny models (not for the UNet's 4-token cross-attention)."""
+    monkeypatch.setattr(attention_op, "FP8_MIN_KEYS", 16)
+    calls = []
+    real = attention_fp8.attention_fp8
+
+    def spy(q, k, *args, **kwargs):
+        calls.append(k.shape[-2])
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(attention_fp8, "attention_fp8", spy)
+    return calls
+
+
+def _processors(model):
+    return [m.processor for m in model.modules() if hasattr(m, "processor")]
+
+
+@cpu_only
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3", "tiny"])
+def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(name, fp8_attention_calls):
+    model = _model(name)
+    stock_processors = _processors(model)
+    stock = _call(model, name)
+    assert not fp8_attention_calls
+
+    record = sd_kernels.patch(model, precision="fp8", ops=["attention"], cuda_graph=False)
+    ours = [p for p in _processors(model) if type(p) in PRECISION_PROCESSORS]
+    assert ours and all(p.precision == "fp8" for p in ours)
+    assert record.counts["fp8.attention_processor"] == len(ours) == record.quantized.attention_processors
+    assert f"{len(ours)} attention processors run FP8 attention" in record.format()
+    out = _call(model, name)
+    assert fp8_attention_calls and min(fp8_attention_calls) >= 16  # self-attention only: not 4 keys
+    assert rel_err(out, stock) < 0.1, rel_err(out, stock)
+
+    assert sd_kernels.unpatch(model)
+    assert all(p.precision == "exact" and "precision" not in vars(p) for p in ours)
+    assert all(a is b for a, b in zip(_processors(model), stock_processors, strict=True))
+    calls = len(fp8_attention_calls)
+    assert torch.equal(_call(model, name), stock) and len(fp8_attention_calls) == calls
+
+
+@cpu_only
+def test_lossless_patch_keeps_attention_exact(fp8_attention_calls):
+    model = _model("tiny-flux")
+    record = sd_kernels.patch(model, ops=["attention"], cuda_graph=False)
+    try:
+        ours = [p for p in _processors(model) if type(p) in PRECISION_PROCESSORS]
+        assert ours and all(p.precision == "exact" for p in ours)
+        assert "fp8.attention_processor" not in record.counts
+        _call(model, "tiny-flux")
+        assert not fp8_attention_calls
+    finally:
+        sd_kernels.unpatch(model)
+
+
+@cpu_only
+def test_the_vae_attention_stays_exact():
+    pipe = build_pipeline("tiny")
+    sd_kernels.patch(pipe, precision="fp8", ops=["attention"], cuda_graph=False)
+    try:
+        vae, unet = ([p for p in _processors(m) if type(p) in PRECISION_PROCESSORS] for m in (pipe.vae, pipe.unet))
+        assert vae and all(p.precision == "exact" for p in vae)
+        assert unet and all(p.precision == "fp8" for p in unet)
+    finally:
+        sd_kernels.unpatch(pipe)
