@@ -14,7 +14,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   from CUDA graphs (bench/common.py), TFLOP/s and ratios.
 - ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;
   torch.compile (``--compile recipe``: bench/setups.py's ``stock+compile-graphs``, diffusers' recipe;
-  ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``); ours lossless
+  ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``, or the whole transformer
+  compiled where diffusers names no repeated blocks: SD3, PixArt-Σ); ours lossless
   (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``; torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -59,8 +60,11 @@ SHAPES = {
 DTYPES = {"flux-dev": torch.bfloat16}  # FLUX's own; the others fp16 as bench.dit
 
 
+DTYPE_OVERRIDE: dict[str, torch.dtype] = {}  # --dtype: every model in that dtype
+
+
 def _dtype(model: str) -> torch.dtype:
-    return DTYPES.get(model, torch.float16)
+    return DTYPE_OVERRIDE.get("all") or DTYPES.get(model, torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------- ops
@@ -139,13 +143,21 @@ def _regional_compile(pipe, quantize: bool):
     """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks.
     Not undone: quantize_ replaces the weights in place (the row runs last)."""
     transformer = pipe.transformer
+    dtype = next(transformer.parameters()).dtype
+    if quantize and dtype != torch.bfloat16:  # torchao asserts it deep inside quantize_
+        raise ValueError(f"torchao's row-wise float8 takes bfloat16 models; this one is {dtype} (--dtype bf16)")
     transformer.fuse_qkv_projections()
     if quantize:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    transformer.compile_repeated_blocks(fullgraph=True)
-    yield {"e2e_mode": "regional-compile", "patched": "torchao float8 row-wise" if quantize else ""}
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks(fullgraph=True)
+        mode = "regional-compile"
+    else:  # SD3's and PixArt's transformers name no repeated blocks (diffusers 0.42.1): the whole forward
+        transformer.compile(fullgraph=True)
+        mode = "whole-transformer-compile"
+    yield {"e2e_mode": mode, "patched": "torchao float8 row-wise" if quantize else ""}
 
 
 def _setup(row: str, compile_mode: str):
@@ -307,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=2, help="timed pipeline calls per row (median)")
     ap.add_argument("--size", type=int, default=0, help="image side (default: the model's, 1024)")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp16"), default="auto",
+                    help="auto: FLUX bf16, the others fp16; torchao's row needs bf16")
     ap.add_argument("--compile", choices=("recipe", "regional"), default="recipe",
                     help="the compile row: bench/setups.py's recipe (whole forward) or regional compilation")
     args = ap.parse_args(argv)
+    if args.dtype != "auto":
+        DTYPE_OVERRIDE["all"] = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     models, modes, rows = (s.split(",") for s in (args.models, args.modes, args.rows))
     for what, given, known in (("--models", models, MODELS), ("--modes", modes, MODES), ("--rows", rows, ROWS)):
         if unknown := set(given) - set(known):

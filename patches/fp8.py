@@ -18,10 +18,11 @@ context, block after block) share one quantization: the first one leaves it on t
 (``ops.fp8_linear.attach_quantized``). Outside the blocks (embedders, the final norm and projection,
 1×1 convolutions: their GEMMs are a small share of a step) nothing changes.
 
-Attention: inside the same blocks, the processors the attention patcher installed (patches/attention.py
-``PRECISION_PROCESSORS``: the UNets' and PixArt's, SD3's joint, FLUX's) get ``precision="fp8"``, which
-they hand to the attention op; the op runs the calls its FP8 kernel takes there and the rest exactly
-(docs/kernels/attention_fp8.md).
+Attention stays exact unless ``FP8_ATTENTION`` is set: the FP8 attention kernel (docs/kernels/attention_fp8.md)
+is slower than our exact attention on the H200 (docs/fp8.md). Set, the processors the attention patcher
+installed inside the same blocks (patches/attention.py ``PRECISION_PROCESSORS``: the UNets' and PixArt's,
+SD3's joint, FLUX's) get ``precision="fp8"``, which they hand to the attention op; the op runs the calls
+its FP8 kernel takes there and the rest exactly.
 
 Exactly reversible: the replacements hold the original Parameters themselves (state_dict keys and
 values unchanged) and the FP8 codes beside them, so the original weights stay on the device while
@@ -57,6 +58,9 @@ from .record import PatchRecord
 
 log = logging.getLogger(__name__)
 
+# FP8 attention inside the tier: off, as measured (bench/results/2026-11-28-h200-fp8: at SDXL's 4096-token
+# self-attention 0.258 ms against 0.194 ms exact); True routes our processors' calls to it, for experiments.
+FP8_ATTENTION = False
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -302,7 +306,8 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
         _patch_block(block, path, record, summary)
     if not blocks and families.is_denoiser(model):
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
-    _fp8_attention([block for _, block in blocks], record, summary)
+    if FP8_ATTENTION:
+        _fp8_attention([block for _, block in blocks], record, summary)
 
 
 def _fp8_attention(blocks: list[nn.Module], record: PatchRecord, summary: Fp8Summary) -> None:

@@ -83,9 +83,12 @@ def _inv_scale(amax, QMAX: tl.constexpr):
 def _quantize(x, INT8: tl.constexpr, SOFT: tl.constexpr):
     """x (fp32, |x| ≤ the format's max) as int8 (rounded to nearest even: 1.5·2^23 added and taken
     away leaves fp32's integers) or e4m3."""
+    # one return: Triton types a function by all of its returns, even under a constexpr branch
     if INT8:
-        return ((x + 12582912.0) - 12582912.0).to(tl.int8)
-    return _e4m3(x, SOFT)
+        out = ((x + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        out = _e4m3(x, SOFT)
+    return out
 
 
 @triton.jit

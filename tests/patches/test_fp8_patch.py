@@ -187,8 +187,9 @@ def _call(model, name):
 @pytest.fixture
 def fp8_attention_calls(monkeypatch):
     """Calls of the FP8 attention kernel's entry point; FP8_MIN_KEYS low enough for the self-attention of
-    tiny models (not for the UNet's 4-token cross-attention)."""
+    tiny models (not for the UNet's 4-token cross-attention); the tier's FP8 attention switched on."""
     monkeypatch.setattr(attention_op, "FP8_MIN_KEYS", 16)
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", True)
     calls = []
     real = attention_fp8.attention_fp8
 
@@ -229,6 +230,21 @@ def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(nam
 
 
 @cpu_only
+def test_the_fp8_tier_keeps_attention_exact_while_fp8_attention_is_off(fp8_attention_calls, monkeypatch):
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", False)
+    model = _model("tiny-flux")
+    record = sd_kernels.patch(model, precision="fp8", ops=["attention"], cuda_graph=False)
+    try:
+        ours = [p for p in _processors(model) if type(p) in PRECISION_PROCESSORS]
+        assert ours and all(p.precision == "exact" for p in ours)
+        assert "fp8.attention_processor" not in record.counts and record.quantized.attention_processors == 0
+        _call(model, "tiny-flux")
+        assert not fp8_attention_calls
+    finally:
+        sd_kernels.unpatch(model)
+
+
+@cpu_only
 def test_lossless_patch_keeps_attention_exact(fp8_attention_calls):
     model = _model("tiny-flux")
     record = sd_kernels.patch(model, ops=["attention"], cuda_graph=False)
@@ -243,7 +259,8 @@ def test_lossless_patch_keeps_attention_exact(fp8_attention_calls):
 
 
 @cpu_only
-def test_the_vae_attention_stays_exact():
+def test_the_vae_attention_stays_exact(monkeypatch):
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", True)
     pipe = build_pipeline("tiny")
     sd_kernels.patch(pipe, precision="fp8", ops=["attention"], cuda_graph=False)
     try:
