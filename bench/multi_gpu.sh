@@ -42,6 +42,6 @@ done
 
 echo
 for f in throughput.csv parallel.csv; do
-  [ -f "$out/$f" ] && { echo "== $f"; column -s, -t < "$out/$f" | cut -c1-220; }
+  [ -f "$out/$f" ] && { echo "== $f"; python3 -c "import csv,sys; [print('  '.join(r)[:220]) for r in csv.reader(open(sys.argv[1]))]" "$out/$f"; }
 done
 exit $rc
