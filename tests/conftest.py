@@ -73,6 +73,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _process_attention_backend():
+    """diffusers' ``set_attention_backend`` on a model also makes that backend the process's, which our
+    processors step aside for: each test gets back the backend the process had before it."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    active = registry._active_backend
+    yield
+    registry._active_backend = active
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     """Where kernels run in this session: the GPU if there is one, else the CPU interpreter."""

@@ -163,7 +163,20 @@ def _generate_batch(args: argparse.Namespace, settings: options.Settings) -> int
     if args.cuda_graph != "auto":
         raise ValueError("--cuda-graph with --prompts: batch generation uses patch()'s recommended set-up")
     specs = options.read_prompts(args.prompts)
-    summary = generate.run(specs, pathlib.Path(args.out or "images"), settings)
+    try:
+        summary = generate.run(specs, pathlib.Path(args.out or "images"), settings)
+    finally:
+        _end_process_group()
     if summary.main:
         print(summary.format())
     return summary.exit_code
+
+
+def _end_process_group() -> None:
+    """The process group accelerate started under torchrun / ``accelerate launch``, ended before the
+    command returns: left to the interpreter's exit, gloo's threads are sometimes destroyed while
+    running, and the process aborts ("terminate called without an active exception") after its images."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
