@@ -25,8 +25,8 @@ from typing import Any
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched", "enable_context_parallel", "get_profile", "list_profiles", "generate_images", "ops", "reference",
-           "models"]
+__all__ = ["patch", "unpatch", "patched", "enable_context_parallel", "get_profile", "list_profiles", "generate_images",
+           "ops", "reference", "models"]
 
 _LAZY = {
     "patch": ("sd_kernels.patches", "patch"),

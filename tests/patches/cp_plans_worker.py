@@ -24,7 +24,6 @@ from sd_kernels.patches import context_parallel_plans as plans  # noqa: E402
 
 import sd_kernels  # noqa: E402
 
-
 CALLS = []  # each Ulysses.attention call's (local query shape, split)
 
 
@@ -95,12 +94,11 @@ def flux_case():
 def errors_case():
     from diffusers import PixArtTransformer2DModel, SD3Transformer2DModel
 
-    three = {"sd3": SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
-                                          num_attention_heads=3, joint_attention_dim=16, caption_projection_dim=24,
-                                          pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8),
-             "pixart": PixArtTransformer2DModel(num_attention_heads=3, attention_head_dim=8, in_channels=4, num_layers=1,
-                                                cross_attention_dim=24, sample_size=8, caption_channels=8,
-                                                norm_type="ada_norm_single", num_embeds_ada_norm=1000)}
+    heads = dict(num_attention_heads=3, attention_head_dim=8, in_channels=4, num_layers=1, sample_size=8)
+    three = {"sd3": SD3Transformer2DModel(patch_size=2, joint_attention_dim=16, caption_projection_dim=24,
+                                          pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8, **heads),
+             "pixart": PixArtTransformer2DModel(cross_attention_dim=24, caption_channels=8, norm_type="ada_norm_single",
+                                                num_embeds_ada_norm=1000, **heads)}
     out = {}
     for key, model in three.items():
         out[f"{key}_heads"] = error_of(lambda m=model: sd_kernels.enable_context_parallel(m))
