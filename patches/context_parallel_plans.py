@@ -52,9 +52,9 @@ _GUARD = "sd_kernels_context_parallel_check"
 
 
 def plan_for(model) -> dict | None:
-    """sd_kernels' context-parallel plan for ``model``'s class (SD3, PixArt-Σ), in diffusers' format;
+    """sd_kernels' context-parallel plan for ``model`` or its class (SD3, PixArt-Σ), in diffusers' format;
     None for others."""
-    if type(model).__name__ not in PLANNED:
+    if (model if isinstance(model, type) else type(model)).__name__ not in PLANNED:
         return None
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
