@@ -49,6 +49,8 @@ from .cfg_parallel import group_or_error
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
 PLANNED = ("SD3Transformer2DModel", "PixArtTransformer2DModel")
 _GUARD = "sd_kernels_context_parallel_check"
+# all_gather_tensor's newer name; the old one warns of its deprecation where the new one exists
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 def plan_for(model) -> dict | None:
@@ -79,7 +81,7 @@ class Ulysses:
 
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """[W, ...] contiguous: chunk j goes to process j, and chunk j of the result came from it."""
-        return _wait(funcol.all_to_all_single_autograd(x.flatten(), None, None, self.group)).view(x.shape)
+        return _wait(funcol.all_to_all_single(x.flatten(), None, None, self.group)).view(x.shape)
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, n, D] (this process's n tokens, all heads) -> [B, H/W, W·n, D] (every process's tokens in
@@ -108,7 +110,7 @@ class Ulysses:
         image = self._to_tokens(out[:, :, : self.degree * split])
         text = out[:, :, self.degree * split:]
         if text.shape[2]:
-            text = _wait(funcol.all_gather_tensor_autograd(text.transpose(1, 2).contiguous(), 2, self.group))
+            text = _wait(_all_gather(text.transpose(1, 2).contiguous(), 2, self.group))
             image = torch.cat([image, text], dim=1)
         return image.transpose(1, 2)
 
