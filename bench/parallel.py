@@ -18,9 +18,14 @@ Variants (``plan`` says which apply to a model at W):
   ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=W))``, with the transformer's forward
   torch.compiled (mode "default": the collectives stay out of inductor's CUDA graphs, as they stay out
   of ours).
-- ``ulysses-ours``: ``enable_parallelism`` the same way (no backend set) and ``patch(pipe)``: the local
-  attention of diffusers' Ulysses template is sd_kernels' (patches/context_parallel.py); the
-  transformer runs eagerly (its collectives are not captured), the VAE and text encoders too.
+- ``ulysses-ours``: ``sd_kernels.enable_context_parallel(pipe)`` (Ulysses degree W: for FLUX diffusers'
+  ``enable_parallelism`` with its plan, no backend set; for SD3 and PixArt-Σ with sd_kernels' plans) and
+  ``patch(pipe)``: the local attention is sd_kernels' (FLUX: inside diffusers' Ulysses template,
+  patches/context_parallel.py; SD3, PixArt-Σ: sd_kernels' exchange, patches/context_parallel_plans.py);
+  the transformer runs eagerly (its collectives are not captured), the VAE and text encoders too. SD3
+  and PixArt-Σ have no ``ulysses-peer``: diffusers' processors for them call SDPA on the tokens a
+  process holds and have no context-parallel path, so diffusers' own attention backends cannot run
+  under any plan there.
 - ``ulysses-ours+compile``: the same with the patched transformer's forward torch.compiled (mode "default").
 - ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
   the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
@@ -55,6 +60,7 @@ ONE_GPU = ("stock", "peer", "ours", "ours+compile")
 ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile")
 CFG = ("cfg-ours", "cfg-ours+compile")
 CP_PLANS = ("flux-dev",)  # diffusers 0.42.1 ships a context-parallel plan for these transformers
+OUR_CP_PLANS = ("sd3-medium", "pixart-sigma")  # sd_kernels' plans (patches/context_parallel_plans.py): no peer
 NO_GUIDANCE = ("flux-dev",)  # guidance-distilled: a batch of one image, nothing for CFG to split
 COLUMNS = ["model", "size", "steps", "dtype", "world", "variant", "status", "warmup_s", "e2e_ms", "vs_one_gpu",
            "vs_peer", "latent_rel_err", "psnr_db", "patched", "device", "torch", "triton", "diffusers", "date"]
@@ -64,7 +70,7 @@ def plan(model: str, world: int) -> tuple[str, ...]:
     """The variants that apply to ``model`` on ``world`` GPUs."""
     if world == 1:
         return ONE_GPU
-    out = ULYSSES if model in CP_PLANS else ()
+    out = ULYSSES if model in CP_PLANS else ULYSSES[1:] if model in OUR_CP_PLANS else ()
     if model not in NO_GUIDANCE and 2 % world == 0:  # one image: a guidance batch of 2
         out += CFG
     return out
@@ -107,20 +113,20 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
         return
     with contextlib.ExitStack() as stack:
         transformer = getattr(pipe, "transformer", None)
-        if variant.startswith("ulysses"):
+        if variant == "ulysses-peer":
             from diffusers import ContextParallelConfig
+            from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
 
-            if variant == "ulysses-peer":
-                from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
-
-                # set_attention_backend also makes the backend the process's (our processors then step
-                # aside): both are put back after the row
-                active = registry._active_backend
-                transformer.set_attention_backend("_native_cudnn")
-                stack.callback(registry.set_active_backend, active)
-                stack.callback(transformer.reset_attention_backend)
+            # set_attention_backend also makes the backend the process's (our processors then step
+            # aside): both are put back after the row
+            active = registry._active_backend
+            transformer.set_attention_backend("_native_cudnn")
+            stack.callback(registry.set_active_backend, active)
+            stack.callback(transformer.reset_attention_backend)
             if transformer._parallel_config is None:  # enable_parallelism cannot be undone: once per process
                 transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        elif variant.startswith("ulysses") and transformer._parallel_config is None:
+            sd_kernels.enable_context_parallel(pipe, world)  # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
         record = None
         if variant != "ulysses-peer":
             parallel = "cfg" if variant.startswith("cfg") else None

@@ -6,8 +6,9 @@ It is idempotent and exactly reversible: every change goes through the record th
 patched object (patches/record.py), and ``unpatch`` replays it backwards, so outputs are
 bit-identical to a never-patched model. ``cuda_graph=`` also replays the model calls from CUDA graphs
 (patches/cuda_graph.py); ``parallel="cfg"`` splits one image's guidance batch over processes
-(patches/cfg_parallel.py). Patch and unpatch wait for calls in flight on other threads and hold new
-ones off (patches/call_gate.py). docs/patch.md has the whole story.
+(patches/cfg_parallel.py); ``enable_context_parallel`` splits one image's tokens (Ulysses), with plans
+for SD3 and PixArt-Σ (patches/context_parallel_plans.py). Patch and unpatch wait for calls in flight on
+other threads and hold new ones off (patches/call_gate.py). docs/patch.md has the whole story.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from sd_kernels.profiles import Profile, get_profile
 
 from . import call_gate, cfg_parallel, context_parallel, families, fp8, memory_budget, text_padding
 from . import cuda_graph as cuda_graph_mod
+from .context_parallel_plans import enable_context_parallel
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
 from .memory_budget import memory_plan
 from .record import PatchRecord
 from .registry import PATCHERS, patch_order
 
-__all__ = ["GRAPH_PARTS", "PARTS", "PATCHERS", "SUPPORTED_MODELS", "memory_plan", "patch", "patch_record",
-           "patched", "report", "unpatch"]
+__all__ = ["GRAPH_PARTS", "PARTS", "PATCHERS", "SUPPORTED_MODELS", "enable_context_parallel", "memory_plan", "patch",
+           "patch_record", "patched", "report", "unpatch"]
 log = logging.getLogger(__name__)
 
 # Components that hold a pipeline's denoiser: left unpatched, they are warned about, not only recorded.

@@ -36,6 +36,7 @@ from sd_kernels.profiles import scoped
 
 from . import attention_processor_steps as steps
 from . import flux_attention
+from .context_parallel_plans import ulysses_of
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
 from .joint_attention import SDKernelsJointAttnProcessor
@@ -53,6 +54,7 @@ class SDKernelsAttnProcessor:
 
     profile_scoped = True
     precision = "exact"  # the attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py)
+    exchanges_tokens = True  # under sd_kernels' context-parallel plan (patches/context_parallel_plans.py)
 
     def __init__(self, legacy: bool = False, fused: bool = False) -> None:
         self.legacy = legacy
@@ -97,7 +99,9 @@ class SDKernelsAttnProcessor:
                 query = attn.norm_q(query)
             if attn.norm_k is not None:
                 key = attn.norm_k(key)
-        hidden_states = steps.attend(attn, query, key, value, attention_mask, self.legacy, self.precision)
+        # a cross-attention's queries are this process's, its keys the whole text: nothing to exchange
+        ulysses = ulysses_of(attn) if encoder_hidden_states is None else None
+        hidden_states = steps.attend(attn, query, key, value, attention_mask, self.legacy, self.precision, ulysses)
         return steps.finish(attn, hidden_states, residual, shape)
 
 

@@ -11,6 +11,8 @@ import torch
 
 from sd_kernels.ops.custom_ops import attention
 
+from .context_parallel_plans import Ulysses
+
 
 def prepare(attn, hidden_states, encoder_hidden_states, attention_mask, temb):
     """Before the projections: spatial_norm, 4-D hidden states as [B, H·W, C], the attention mask
@@ -46,13 +48,21 @@ def heads(t: torch.Tensor, batch: int, heads: int, head_dim: int) -> torch.Tenso
     return t.view(batch, -1, heads, head_dim).transpose(1, 2)
 
 
-def attend(attn, query, key, value, attention_mask, legacy: bool, precision: str = "exact") -> torch.Tensor:
+def attend(attn, query, key, value, attention_mask, legacy: bool, precision: str = "exact",
+           ulysses: Ulysses | None = None) -> torch.Tensor:
     """The SDPA call, on sd_kernels' attention, back as [B, S, heads·D] in query's dtype (the output
     comes in query's [B, S, heads, D] memory layout: the reshape is a view). ``precision="fp8"``: the
-    op runs the calls its FP8 kernel takes there (docs/kernels/attention_fp8.md)."""
-    out = attention(query, key, value, attention_mask,
-                    scale=attn.scale if legacy else None,  # AttnProcessor2_0 leaves SDPA's default 1/√D
-                    upcast=attn.upcast_attention, precision=precision)
+    op runs the calls its FP8 kernel takes there (docs/kernels/attention_fp8.md). ``ulysses``: a
+    self-attention whose tokens are split over processes, exchanged (patches/context_parallel_plans.py)."""
+    options = dict(scale=attn.scale if legacy else None,  # AttnProcessor2_0 leaves SDPA's default 1/√D
+                   upcast=attn.upcast_attention)
+    if ulysses is None:
+        out = attention(query, key, value, attention_mask, precision=precision, **options)
+    elif attention_mask is not None:
+        raise ValueError(f"{type(attn).__name__}: a self-attention mask under context parallelism is not served (its "
+                         "keys are split over the processes)")
+    else:
+        out = ulysses.attention(query, key, value, query.shape[2], **options)
     batch, heads, _, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, -1, heads * head_dim).to(query.dtype)
 

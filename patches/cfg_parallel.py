@@ -65,7 +65,7 @@ def mode_of(value: Any) -> str | None:
                      "patch; docs/parallel.md")
 
 
-def _group_or_error(what: str):
+def group_or_error(what: str):
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{what} splits the work over the processes of torch.distributed's default group, and none "
                          "is initialized: start the processes with torchrun (or accelerate launch) and call "
@@ -98,7 +98,7 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
     """Before any change: the process group, a denoiser to split, a graph mode that leaves the collective
     outside the graphs, and the same patch on every process; returns the group. A collective: every
     process of the group calls it (as every process calls ``patch``)."""
-    group = _group_or_error("parallel='cfg'")
+    group = group_or_error("parallel='cfg'")
     denoisers = [(part, m) for part, m in models if is_denoiser(m)]
     if not denoisers:
         raise ValueError("parallel='cfg' splits the denoiser's guidance batch, and there is no denoiser (UNet or DiT "

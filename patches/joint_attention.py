@@ -31,12 +31,15 @@ import torch
 from sd_kernels.ops.custom_ops import attention
 from sd_kernels.profiles import scoped
 
+from .context_parallel_plans import ulysses_of
+
 
 class SDKernelsJointAttnProcessor:
     """diffusers' JointAttnProcessor2_0 with sd_kernels' attention in place of SDPA."""
 
     profile_scoped = True
     precision = "exact"  # the attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py)
+    exchanges_tokens = True  # under sd_kernels' context-parallel plan (patches/context_parallel_plans.py)
 
     def __init__(self, fused: bool = False) -> None:
         self.fused = fused  # FusedJointAttnProcessor2_0 (after pipe.fuse_qkv_projections())
@@ -133,7 +136,11 @@ def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: 
     """The attention of both streams' concatenation and the output projections: (the image stream,
     the context stream or None)."""
     # diffusers: F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-    hidden_states = attention(query, key, value, precision=precision)
+    ulysses = ulysses_of(attn)
+    if ulysses is None:
+        hidden_states = attention(query, key, value, precision=precision)
+    else:  # this process's image tokens, the text whole: exchanged (exact, as FLUX's Ulysses attention)
+        hidden_states = ulysses.attention(query, key, value, image_len)
     hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
     hidden_states = hidden_states.to(query.dtype)
 

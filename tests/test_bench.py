@@ -514,21 +514,27 @@ def test_layer_norm_bench_is_a_family_and_its_impls_agree(device):
     assert lnb.traffic((2, 4096, 1152), True) == {"ours": 4 * n + 3 * 2 * 1152 * 2, "stock": 11 * n}
 
 
-def test_parallel_bench_plans_ulysses_where_diffusers_has_a_plan_and_cfg_where_guidance_splits():
-    """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses rows at every W > 1;
-    SDXL, SD3 and PixArt-Σ (guidance, no plan) the CFG rows at W = 2 only: one image's guidance batch is 2."""
+def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance_splits():
+    """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses rows at every W > 1; SD3
+    and PixArt-Σ (guidance, sd_kernels' plans) ours at every W > 1 (no peer: diffusers' processors for them
+    have no context-parallel path) and the CFG rows at W = 2; SDXL the CFG rows at W = 2 only: one image's
+    guidance batch is 2."""
     import diffusers
+    from sd_kernels.patches.context_parallel_plans import plan_for
 
     from bench import parallel
 
     for model in parallel.MODELS:
         assert parallel.plan(model, 1) == parallel.ONE_GPU
     assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES
-    for model in ("sdxl", "sd3-medium", "pixart-sigma"):
-        assert parallel.plan(model, 2) == parallel.CFG and parallel.plan(model, 4) == ()
+    assert parallel.plan("sdxl", 2) == parallel.CFG and parallel.plan("sdxl", 4) == ()
+    ours = ("ulysses-ours", "ulysses-ours+compile")
+    for model in ("sd3-medium", "pixart-sigma"):
+        assert parallel.plan(model, 2) == ours + parallel.CFG and parallel.plan(model, 4) == ours
     classes = {"flux-dev": diffusers.FluxTransformer2DModel, "sd3-medium": diffusers.SD3Transformer2DModel,
                "pixart-sigma": diffusers.PixArtTransformer2DModel}
     assert {m for m, cls in classes.items() if getattr(cls, "_cp_plan", None)} == set(parallel.CP_PLANS)
+    assert {m for m, cls in classes.items() if plan_for(cls)} == set(parallel.OUR_CP_PLANS)
 
 
 def test_parallel_bench_says_it_needs_gpus_under_torchrun(tmp_path, capsys):

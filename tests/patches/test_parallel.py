@@ -36,21 +36,25 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
                                 reason="needs torch.distributed with the gloo backend")
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """What each of the two processes of one torchrun launch of parallel_worker.py saw."""
-    out = tmp_path_factory.mktemp("parallel")
+def launch(worker: pathlib.Path, out: pathlib.Path) -> list[dict]:
+    """What each of the two processes of one torchrun launch of ``worker`` saw (its ``out/rank<r>.json``)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "SD_KERNELS_AUTOTUNE_CACHE": "off", "CUDA_VISIBLE_DEVICES": "",
            "OMP_NUM_THREADS": "1"}
     env.pop("SD_KERNELS_BACKEND", None)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600)
+                          str(worker), str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
         crashed = {k: v["crashed"] for k, v in report.items() if isinstance(v, dict) and "crashed" in v}
         assert not crashed, crashed
     return reports
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the two processes of one torchrun launch of parallel_worker.py saw."""
+    return launch(WORKER, tmp_path_factory.mktemp("parallel"))
 
 
 @needs_gloo

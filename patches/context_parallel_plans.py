@@ -1,0 +1,206 @@
+"""Context-parallel plans for SD3 and PixArt-Σ, and ``enable_context_parallel``: one image's tokens over
+the processes, with sd_kernels' attention exchanging them (Ulysses).
+
+diffusers 0.42.1's context parallelism splits a transformer's token sequence by a plan (the model's
+``_cp_plan``, or ``enable_parallelism(config, cp_plan=...)``): hooks that take each process's chunk of
+named inputs or outputs, and gather at the end. It ships plans for FLUX and others, none for
+``SD3Transformer2DModel`` or ``PixArtTransformer2DModel``. Both get the same plan here (``plan_for``), in
+diffusers' format: the output of ``pos_embed`` (the patchified image, [B, N, C], positions added) split
+along the tokens, ``proj_out``'s output gathered along them. The text stays whole on every process:
+SD3's 333 text tokens (77 CLIP + 256 T5; any prompt length) divide by no process count, and PixArt's
+cross-attention needs the whole text anyway. Every token-wise layer then runs on 1/W of the image
+tokens (SD3's text stream, 333 tokens, on every process alike).
+
+Attention is where tokens meet, and where the split needs an exchange (``Ulysses.attention``, on
+torch.distributed's functional collectives over diffusers' Ulysses mesh): q, k and v of the image
+tokens go by all-to-all from [the process's tokens, all heads] to [all tokens, the process's 1/W of the
+heads]; the text's q, k and v (SD3's joint attention) are on every process already, and each takes
+its heads' slice; the local attention (sd_kernels' ``attention`` op) runs on [all image tokens, the
+text]; the image part of the output goes back by all-to-all, the text part (every process needs all
+of it for ``to_add_out``) by an all-gather over the heads. PixArt's self-attention is the image-only
+case; its cross-attention needs nothing: the process's queries against the whole text.
+
+Why a function and not ``_cp_plan`` on diffusers' classes: diffusers' own SD3 and PixArt processors
+call SDPA on whatever tokens they hold, so under the plan they would attend over a process's tokens
+only, a silently wrong image. ``enable_context_parallel`` calls diffusers' ``enable_parallelism`` with
+the plan, marks each attention module that needs the exchange (``_sd_kernels_ulysses``: what
+sd_kernels' processors read, whether the patch came before or after) and registers a check on the
+transformer's forward (a diffusers hook, like the plan's): every call, each of those modules runs a
+processor of sd_kernels' that exchanges (``exchanges_tokens``), and the image's tokens divide by the
+degree, else a clear error before any work. Like ``enable_parallelism``, it cannot be undone; ``unpatch``
+gives the stock processors back, and the check then refuses to run them. FLUX goes to diffusers' own
+plan and template (patches/context_parallel.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from diffusers.hooks import HookRegistry, ModelHook
+
+from sd_kernels.ops.custom_ops import attention as sdk_attention
+
+from . import context_parallel, flux_attention
+from .cfg_parallel import group_or_error
+
+MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
+PLANNED = ("SD3Transformer2DModel", "PixArtTransformer2DModel")
+_GUARD = "sd_kernels_context_parallel_check"
+# all_gather_tensor's newer name; the old one warns of its deprecation where the new one exists
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+
+
+def plan_for(model) -> dict | None:
+    """sd_kernels' context-parallel plan for ``model`` or its class (SD3, PixArt-Σ), in diffusers' format;
+    None for others."""
+    if (model if isinstance(model, type) else type(model)).__name__ not in PLANNED:
+        return None
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return {
+        "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ulysses:
+    """The exchange of one transformer under context parallelism: the Ulysses group, its size, this
+    process's rank in it (decided at ``enable_context_parallel``: nothing to ask while torch.compile traces)."""
+
+    group: dist.ProcessGroup
+    degree: int
+    rank: int
+
+    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """[W, ...] contiguous: chunk j goes to process j, and chunk j of the result came from it."""
+        return _wait(funcol.all_to_all_single(x.flatten(), None, None, self.group)).view(x.shape)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, n, D] (this process's n tokens, all heads) -> [B, H/W, W·n, D] (every process's tokens in
+        rank order, the sequence's own order, for this process's heads)."""
+        b, h, n, d = x.shape
+        x = self._all_to_all(x.reshape(b, self.degree, h // self.degree, n, d).transpose(0, 1).contiguous())
+        return x.permute(1, 2, 0, 3, 4).reshape(b, h // self.degree, self.degree * n, d)
+
+    def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``_to_heads`` backwards, laid out [B, n, H, D]."""
+        b, local, s, d = x.shape
+        n = s // self.degree
+        x = self._all_to_all(x.view(b, local, self.degree, n, d).permute(2, 0, 3, 1, 4).contiguous())
+        return x.permute(1, 2, 0, 3, 4).reshape(b, n, local * self.degree, d)
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, split: int,
+                  **kwargs) -> torch.Tensor:
+        """The attention of [B, H, S, D] q, k, v whose first ``split`` tokens are this process's share of
+        the image tokens and the rest (SD3's text) whole on every process; the output as [B, H, S, D]
+        (heads inner in memory). ``kwargs``: the attention op's (scale, upcast), exact precision."""
+        heads = query.shape[1]
+        own = slice(self.rank * heads // self.degree, (self.rank + 1) * heads // self.degree)
+        q, k, v = (torch.cat([self._to_heads(x[:, :, :split]), x[:, own, split:]], dim=2)
+                   for x in (query, key, value))
+        out = sdk_attention(q, k, v, **kwargs)
+        image = self._to_tokens(out[:, :, : self.degree * split])
+        text = out[:, :, self.degree * split:]
+        if text.shape[2]:
+            text = _wait(_all_gather(text.transpose(1, 2).contiguous(), 2, self.group))
+            image = torch.cat([image, text], dim=1)
+        return image.transpose(1, 2)
+
+
+def ulysses_of(attn) -> Ulysses | None:
+    """The exchange an attention module's processor runs (None: the module's tokens are all here)."""
+    return vars(attn).get(MARK)
+
+
+def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:
+    """The attention modules whose keys come from the split tokens: SD3's joint (and SD3.5's second,
+    image-only) attentions, PixArt's self-attentions; not PixArt's cross-attentions (the text's keys)."""
+    from diffusers.models.attention_processor import Attention
+
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, Attention) and not m.is_cross_attention]
+
+
+class _Check(ModelHook):
+    """Before each call of a transformer under sd_kernels' plan: the processors exchange, the tokens divide."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], degree: int) -> None:
+        super().__init__()
+        self.modules, self.degree = modules, degree
+
+    def pre_forward(self, module, *args, **kwargs):
+        name = type(module).__name__
+        for path, attn in self.modules:
+            if not getattr(attn.processor, "exchanges_tokens", False):
+                raise ValueError(
+                    f"{name} under context parallelism holds 1/{self.degree} of the image tokens on each process, and "
+                    f"{path} has {type(attn.processor).__name__}, which would attend over those only (a wrong "
+                    "image): sd_kernels.patch(pipe) gives it sd_kernels' attention, which exchanges the tokens "
+                    "(before or after enable_context_parallel; docs/parallel.md)")
+        latent = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        p = module.config.patch_size
+        rows, cols = latent.shape[-2] // p, latent.shape[-1] // p
+        if rows * cols % self.degree:
+            raise ValueError(f"{name} under context parallelism splits the image's {rows}×{cols} = {rows * cols} "
+                             f"tokens ({p}×{p} patches of a {latent.shape[-2]}×{latent.shape[-1]} latent) over "
+                             f"{self.degree} processes, which do not divide them: choose a height and width whose "
+                             f"patch grid has a multiple of {self.degree} tokens")
+        return args, kwargs
+
+
+def enable_context_parallel(obj, degree: int | None = None):
+    """One image's tokens over the processes of torch.distributed's default group: diffusers'
+    ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))`` on ``obj``'s transformer
+    (a pipeline or the transformer), with sd_kernels' plan for SD3 and PixArt-Σ, diffusers' own for
+    FLUX. ``degree``: the number of processes (the default); every process calls it alike, before or
+    after ``sd_kernels.patch``. Returns the transformer. Checked first, on every process alike: a
+    process group, a transformer with a plan, the degree, the heads it must divide."""
+    group_or_error("context parallelism")
+    transformer = getattr(obj, "transformer", None) if hasattr(obj, "components") else obj
+    if transformer is None:
+        raise ValueError(f"enable_context_parallel: this {type(obj).__name__} has no transformer to split (a UNet "
+                         "pipeline's one image goes over 2 processes with patch(pipe, parallel='cfg'))")
+    name = type(transformer).__name__
+    world = dist.get_world_size()
+    degree = world if degree is None else degree
+    if degree != world or degree < 2:
+        raise ValueError(f"enable_context_parallel: degree={degree}: Ulysses over all {world} processes of the default "
+                         "group needs degree equal to their number, and at least 2 (start more processes)")
+    if getattr(transformer, "_parallel_config", None) is not None:
+        raise ValueError(f"enable_context_parallel: this {name} is already under diffusers' parallelism (it cannot be "
+                         "applied twice)")
+    plan = plan_for(transformer)
+    if plan is None and getattr(transformer, "_cp_plan", None) is None:
+        raise ValueError(f"enable_context_parallel: no context-parallel plan for {name} (sd_kernels': "
+                         f"{', '.join(PLANNED)}; or diffusers' own, e.g. FLUX)")
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    config = ContextParallelConfig(ulysses_degree=degree)
+    if plan is None:  # diffusers' template (FLUX): our processors check their heads as they do under it
+        flux = flux_attention.flux_attention_class()
+        for m in transformer.modules() if flux is not None else ():
+            if isinstance(m, flux):
+                context_parallel.check_heads(m.heads, ParallelConfig(context_parallel_config=config), name)
+        transformer.enable_parallelism(config=config)
+        return transformer
+    modules = _exchanging(transformer)
+    for path, attn in modules:
+        if attn.heads % degree:
+            raise ValueError(f"{name}: Ulysses attention gives each of the {degree} processes 1/{degree} of the "
+                             f"heads, and {degree} does not divide {path}'s {attn.heads} heads: run a number of "
+                             f"processes that divides {attn.heads}")
+    transformer.enable_parallelism(config=config, cp_plan=plan)
+    cp = transformer._parallel_config.context_parallel_config
+    ulysses = Ulysses(cp._ulysses_mesh.get_group(), degree, cp._ulysses_local_rank)
+    for _, attn in modules:
+        setattr(attn, MARK, ulysses)
+    HookRegistry.check_if_exists_or_initialize(transformer).register_hook(_Check(modules, degree), _GUARD)
+    return transformer

@@ -1,0 +1,95 @@
+"""One image's tokens over several processes for SD3 and PixArt-Σ: ``enable_context_parallel`` with sd_kernels'
+context-parallel plans and its Ulysses exchange (patches/context_parallel_plans.py).
+
+Two processes for real: one ``torchrun --nproc_per_node 2`` launch (gloo, CPU) runs every case of
+cp_plans_worker.py on the tiny configs, and the tests here read what each process saw: the latents
+equal one process's, patched after or before ``enable_context_parallel``; diffusers' own processors
+under the plan refused, never patched or after unpatch; the clear errors. In this process: no process
+group, one process.
+"""
+
+import pathlib
+
+import pytest
+import torch.distributed as dist
+from sd_kernels.patches import context_parallel_plans
+from test_parallel import RTOL, launch, needs_gloo, one_process_group  # noqa: F401  (a fixture)
+
+import sd_kernels
+from sd_kernels import models
+
+WORKER = pathlib.Path(__file__).with_name("cp_plans_worker.py")
+# The tiny pipelines at 64²: 8×8 = 64 image tokens, 32 a process; SD3's text: 77 CLIP + 16 T5 tokens, whole
+# on each process. Two steps of two blocks, a guidance batch of 2, 2 heads of 24.
+FIRST_CALL = {"sd3": [[2, 2, 32 + 93, 24], 32], "pixart": [[2, 2, 32, 24], 32]}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(WORKER, tmp_path_factory.mktemp("cp_plans"))
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", ["sd3", "pixart"])
+def test_tokens_over_two_processes_give_one_process_latents(ranks, case):
+    """Every joint (SD3) or self (PixArt) attention call exchanges: this process's 32 image tokens (SD3: and
+    the whole text) in, all 64 attended; the latents equal one process's within fp32 rounding, the same on
+    both processes, whichever came first, the patch or enable_context_parallel; unpatched and patched
+    again, the same latents."""
+    for r in ranks:
+        got = r[case]
+        assert got["after_rel"] < RTOL
+        assert got["calls"] == 4 and got["first_call"] == FIRST_CALL[case]
+        assert got["before_equal_after"] and got["repatched_equal"]
+    assert ranks[0][case]["sum"] == ranks[1][case]["sum"]
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", ["sd3", "pixart"])
+def test_diffusers_processors_under_the_plan_are_refused_and_unpatch_is_exact(ranks, case):
+    """diffusers' SD3 and PixArt processors would attend over a process's tokens only: never patched, or after
+    unpatch (which gives back the very processor objects, with nothing of ours on them), the transformer
+    refuses to run, naming the module and the way out."""
+    stock = {"sd3": "transformer_blocks.0.attn has JointAttnProcessor2_0",
+             "pixart": "transformer_blocks.0.attn1 has AttnProcessor2_0"}[case]
+    for r in ranks:
+        got = r[case]
+        for when in ("never_patched_error", "unpatched_error", "before_unpatched_error"):
+            assert got[when].startswith("ValueError") and stock in got[when] and "sd_kernels.patch" in got[when]
+        assert got["unpatched_same_processors"]
+
+
+@needs_gloo
+def test_bad_setups_are_clear_errors_on_every_process(ranks):
+    for r in ranks:
+        for case in ("sd3", "pixart"):
+            assert "5×5 = 25 tokens" in r[case]["tokens_error"] and "2 processes" in r[case]["tokens_error"]
+        errors = r["errors"]
+        for model in ("sd3", "pixart"):
+            assert errors[f"{model}_heads"].startswith("ValueError") and "2 does not divide" in errors[f"{model}_heads"]
+            assert errors[f"{model}_heads_untouched"]
+        assert "StableDiffusionPipeline has no transformer" in errors["no_plan"]
+        assert "no context-parallel plan for UNet2DConditionModel" in errors["no_plan_model"]
+
+
+@needs_gloo
+def test_flux_goes_to_diffusers_plan(ranks):
+    for r in ranks:
+        assert r["flux"]["rel"] < RTOL
+
+
+def test_no_process_group_is_a_clear_error():
+    transformer = models.build_model("tiny-sd3", "transformer")
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_process_group"):
+        sd_kernels.enable_context_parallel(transformer)
+    assert transformer._parallel_config is None
+
+
+@needs_gloo
+def test_one_process_is_a_clear_error(one_process_group):  # noqa: F811
+    transformer = models.build_model("tiny-pixart", "transformer")
+    with pytest.raises(ValueError, match="at least 2"):
+        sd_kernels.enable_context_parallel(transformer)
+    assert transformer._parallel_config is None
+    assert not any(context_parallel_plans.MARK in vars(m) for m in transformer.modules())
