@@ -27,9 +27,10 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sd_kernels.apps.pipeline import Model
+if TYPE_CHECKING:  # the command line's parsing imports this module: nothing heavy at import
+    from sd_kernels.apps.pipeline import Model
 
 MODES = ("cfg", "ulysses")
 CFG_PROCESSES = 2  # one image's guidance batch has two halves
