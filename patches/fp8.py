@@ -75,24 +75,30 @@ def check_precision(precision: str | None) -> str | None:
     raise ValueError(f"precision={precision!r}: choose one of {PRECISIONS} (or None, the lossless default: fp16)")
 
 
+def check_device(device: torch.device, part: str) -> None:
+    """Refuse a device the FP8 kernels cannot run on: a CUDA GPU without FP8 tensor cores, the CPU
+    without Triton's interpreter (``part`` names what is there in the message). Apps call it before
+    building a model; ``check_models`` for each model patched."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FP8_CAPABILITY:
+            raise RuntimeError(
+                f"precision='fp8' needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); the "
+                f"{part} is on {torch.cuda.get_device_name(device)} (sm_{major}{minor}): patch it without "
+                "precision= (the lossless default)")
+    elif device.type != "cpu" or not interpreting():
+        raise RuntimeError(f"precision='fp8' runs on CUDA GPUs with FP8 tensor cores (or on the CPU through "
+                           f"Triton's interpreter, TRITON_INTERPRET=1); the {part} is on {device}")
+
+
 def check_models(models: list[tuple[str, nn.Module]]) -> None:
-    """Refuse, before any change, models the FP8 kernels cannot run: a CUDA device without FP8 tensor
-    cores, the CPU without Triton's interpreter, weights in a dtype the kernels do not write."""
+    """Refuse, before any change, models the FP8 kernels cannot run: on a device ``check_device``
+    refuses, or with weights in a dtype the kernels do not write."""
     for part, model in models:
         param = next(model.parameters(), None)
         if param is None:
             continue
-        device = param.device
-        if device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
-            if (major, minor) < FP8_CAPABILITY:
-                raise RuntimeError(
-                    f"precision='fp8' needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); the "
-                    f"{part} is on {torch.cuda.get_device_name(device)} (sm_{major}{minor}): patch it without "
-                    "precision= (the lossless default)")
-        elif device.type != "cpu" or not interpreting():
-            raise RuntimeError(f"precision='fp8' runs on CUDA GPUs with FP8 tensor cores (or on the CPU through "
-                               f"Triton's interpreter, TRITON_INTERPRET=1); the {part} is on {device}")
+        check_device(param.device, part)
         if param.dtype not in DTYPES:
             raise TypeError(f"precision='fp8': the {part}'s weights are {param.dtype}; the FP8 GEMMs write float16, "
                             "bfloat16 or float32")

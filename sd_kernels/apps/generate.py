@@ -23,7 +23,7 @@ next call runs.
   in ``manifest.jsonl`` (sd_kernels/apps/manifest.py: one JSON object per image with its settings,
   status, error, process, device, set-up, seconds). A rerun skips every image the manifest lists as
   written with the same settings (prompt, negative prompt, seed, size, steps, guidance, model,
-  scheduler, LoRAs, initial image and mask, strength, dtype, profile) whose file is there, so a crash
+  scheduler, LoRAs, initial image and mask, strength, dtype, precision, profile) whose file is there, so a crash
   costs only the images in flight. A failing call (out of memory, ...) is a manifest line per image
   with its error; the run goes on, and the exit code says that something failed. One run at a time
   per folder (a lock; a second run stops with an error before any work).
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 # What must match for a manifest entry to stand for an image this run would make.
 SAME = ("prompt", "negative", "seed", "width", "height", "steps", "guidance", "model", "config", "scheduler",
-        "loras", "image", "mask", "strength", "dtype", "profile")
+        "loras", "image", "mask", "strength", "dtype", "precision", "profile")
 
 
 @dataclasses.dataclass
@@ -127,6 +127,22 @@ def check_backend(device: Any) -> None:
         raise ValueError(f"SD_KERNELS_BACKEND=triton forces the kernels, and they cannot run on {device}: {why}")
 
 
+def check_precision(precision: str, device: Any) -> None:
+    """``--precision fp8`` on ``device``, before any work: refused with the patch's own reason where
+    ``patch(pipe, precision="fp8")`` would refuse (a GPU without FP8 tensor cores, the CPU without
+    Triton's interpreter)."""
+    if precision != "fp8":
+        return
+    import torch
+
+    from sd_kernels.patches import fp8
+
+    try:
+        fp8.check_device(torch.device(device), "pipeline")
+    except RuntimeError as exc:
+        raise ValueError(f"--precision fp8: {exc}") from None
+
+
 def _state(device: str | None):
     """accelerate's PartialState for ``device`` (None: the GPU when there is one), checked before work."""
     import torch
@@ -166,6 +182,7 @@ def generate_images(
     dtype: str | None = None,
     profile: str | None = None,
     compile: bool | str = False,
+    precision: str = "fp16",
     progress: bool = True,
 ) -> Summary:
     """Generate ``images_per_prompt`` images per prompt into the folder ``out`` (see the module
@@ -175,7 +192,8 @@ def generate_images(
     (default: sd15 on a GPU, tiny on the CPU); ``size`` or ``width``/``height``: default the model's
     own; ``guidance_scale``, ``scheduler`` (a name of ``options.SCHEDULERS``): default the model's;
     ``loras``: "PATH[:SCALE]" or ``options.Lora``; ``image`` (img2img), with ``mask`` (inpaint),
-    ``strength``; ``dtype``: "fp16", "bf16" or "fp32" (default fp16 on a GPU); ``seed``: see the module
+    ``strength``; ``dtype``: "fp16", "bf16" or "fp32" (default fp16 on a GPU); ``precision``: "fp16" (the
+    lossless default) or "fp8" (``patch(pipe, precision="fp8")``, docs/fp8.md); ``seed``: see the module
     docstring (the random weights of a shipped config are seed 0's, whatever ``seed``). ``prompts``: strings, or
     ``PromptSpec`` (a JSONL line's settings, ``options.read_prompts``). Returns the run's Summary (the
     same in every process)."""
@@ -184,7 +202,8 @@ def generate_images(
         model=model, config=config, steps=steps, width=width, height=height, guidance=guidance_scale,
         negative=negative_prompt, scheduler=scheduler, seed=seed, images_per_prompt=images_per_prompt,
         batch_size=batch_size, loras=tuple(x if isinstance(x, options.Lora) else options.parse_lora(x) for x in loras),
-        image=image, mask=mask, strength=strength, dtype=dtype, device=device, profile=profile, compile=compile)
+        image=image, mask=mask, strength=strength, dtype=dtype, device=device, profile=profile, compile=compile,
+        precision=precision)
     specs = [p if isinstance(p, PromptSpec) else PromptSpec(str(p), where=f"prompt {i}") for i, p in enumerate(prompts)]
     return run(specs, pathlib.Path(out), settings, progress)
 
@@ -203,6 +222,7 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
     manifest.check(out)
     state = _state(settings.device)
     check_backend(state.device)
+    check_precision(settings.precision, state.device)
     on_gpu = state.device.type == "cuda"
     name = settings.model or models.default_model(on_gpu)
     model = pipeline.inspect(settings, name)
@@ -214,7 +234,7 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
     size = (settings.width or model.size[0], settings.height or model.size[1])
     identity = {"model": name, "config": model.config, "scheduler": model.scheduler, "loras": model.loras,
                 "image": model.image, "mask": model.mask, "strength": model.strength, "dtype": dtype,
-                "profile": profile.name}
+                "precision": settings.precision, "profile": profile.name}
 
     with contextlib.ExitStack() as held:
         # The main process holds the folder for the run and decides what is left to do; every process
@@ -325,7 +345,8 @@ class _Share:
         stats = self.stats
         try:
             pipe = pipeline.load(self.model, self.state.device, self.torch_dtype)
-            record = sd_kernels.patch(pipe, profile=self.settings.profile, compile=self.settings.compile)
+            record = sd_kernels.patch(pipe, profile=self.settings.profile, compile=self.settings.compile,
+                                      precision=self.settings.precision)
         except Exception as exc:  # every image of this share fails with the reason; the other processes go on
             error = f"pipeline set-up failed: {type(exc).__name__}: {exc}"
             log.warning("sd_kernels: generate: process %d: %s", self.state.process_index, error)

@@ -7,10 +7,11 @@ documentation: docs/generate.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import time
 
-from sd_kernels.apps import metadata, options
+from sd_kernels.apps import metadata, options, parallel
 
 RANDOM_WEIGHTS_NOTE = ("random weights from the shipped config {name!r}: the image is structured noise, "
                        "not a picture of the prompt (pass --model PATH for a real checkpoint)")
@@ -20,8 +21,9 @@ One image: --prompt TEXT --out FILE (.png, .jpg or .webp; the settings are writt
 --prompts FILE --out DIR: one image per non-empty line of a text file, or per JSON object of a .jsonl
 file (keys: prompt, negative, seed, size or width/height, steps, guidance), --images-per-prompt each,
 written as DIR/NNNNN.png with DIR/manifest.jsonl; a rerun skips what is done. Several GPUs: accelerate
-launch --multi_gpu --num_processes N -m sd_kernels generate --prompts FILE --out DIR. Documentation:
-docs/generate.md."""
+launch --multi_gpu --num_processes N -m sd_kernels generate --prompts FILE --out DIR. One image on several
+processes: torchrun --nproc_per_node 2 -m sd_kernels generate --prompt TEXT --parallel cfg (or --parallel
+ulysses for FLUX, N processes). Documentation: docs/generate.md, docs/parallel.md."""
 
 
 def positive_int(text: str) -> int:
@@ -80,6 +82,12 @@ def add_parser(sub, pipeline_options, compile_option) -> argparse.ArgumentParser
     gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "step", "unet", "off"], default="auto",
                      help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
     compile_option(gen, "torch.compile inside the graphs")
+    gen.add_argument("--precision", choices=options.PRECISIONS, default="fp16", help="patch(precision=...): fp16 "
+                     "(default) is lossless; fp8 runs the transformer blocks' linear layers as FP8 GEMMs (lossy; "
+                     "GPUs with FP8 tensor cores: Ada, Hopper; docs/fp8.md)")
+    gen.add_argument("--parallel", choices=parallel.MODES, help="with --prompt, under torchrun: one image on all the "
+                     "launch's processes; cfg: the guidance batch over 2 (SD1.x/2.x, SDXL, PixArt-Σ, SD3); ulysses: "
+                     "diffusers' context parallelism with our attention (FLUX); docs/parallel.md")
     gen.add_argument("--out", help="the image to write (default image.png); with --prompts, the folder (default "
                      "images)")
     gen.set_defaults(fn=cmd_generate)
@@ -94,7 +102,8 @@ def settings_from(args: argparse.Namespace) -> options.Settings:
         guidance=args.guidance_scale, negative=args.negative_prompt, scheduler=args.scheduler, seed=args.seed,
         images_per_prompt=args.images_per_prompt, batch_size=args.batch_size,
         loras=tuple(options.parse_lora(x) for x in args.lora), image=args.image, mask=args.mask,
-        strength=args.strength, dtype=args.dtype, device=args.device, profile=args.profile, compile=args.compile)
+        strength=args.strength, dtype=args.dtype, device=args.device, profile=args.profile, compile=args.compile,
+        precision=args.precision)
     settings.check()
     return settings
 
@@ -105,53 +114,86 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     profiles.get_profile(args.profile)  # an unknown name fails here, before the pipeline is built
     if args.prompts:
+        if args.parallel:
+            raise ValueError("--parallel makes one image on several processes (--prompt); for --prompts, prompt-level "
+                             "sharding is the batch mode: accelerate launch --multi_gpu --num_processes N -m "
+                             "sd_kernels generate --prompts FILE --out DIR")
         return _generate_batch(args, settings)
     return _generate_one(args, settings)
 
 
 def _generate_one(args: argparse.Namespace, settings: options.Settings) -> int:
-    """``generate --prompt``: one image, written with its records to --out."""
-    import torch
-
-    import sd_kernels
+    """``generate --prompt``: one image, written with its records to --out; with --parallel, made by
+    every process of the launch and written by the first (sd_kernels/apps/parallel.py)."""
     from sd_kernels import models
     from sd_kernels.apps import pipeline
-    from sd_kernels.apps.generate import check_backend
+    from sd_kernels.apps.generate import check_backend, check_precision
 
     for option, value in (("--images-per-prompt", settings.images_per_prompt), ("--batch-size", settings.batch_size)):
         if value != 1:
             raise ValueError(f"{option} goes with --prompts (--prompt makes one image)")
+    launch = parallel.launch(args.parallel, cuda_graph=args.cuda_graph, compile=args.compile) if args.parallel else None
     out = pathlib.Path(args.out or "image.png")
     metadata.check_output(out)
     device, dtype = options.device_and_dtype(args.device, args.dtype, "generate")
     check_backend(device)
+    check_precision(settings.precision, device)
     name = settings.model or models.default_model(device == "cuda")
     model = pipeline.inspect(settings, name)
+    if launch is not None:
+        parallel.check_model(launch, model, settings.guidance if settings.guidance is not None else model.guidance)
     seed, drawn = options.resolve_seed(settings.seed)
     size = (settings.width or model.size[0], settings.height or model.size[1])
     [job] = options.plan([options.PromptSpec(args.prompt, where="--prompt")], settings, seed, size, model.guidance)
+    if launch is None:
+        return _make_one(args, settings, job, drawn, model, device, dtype, out, None)
+    try:
+        device = parallel.start(launch, device)
+        seed, drawn = parallel.shared((seed, drawn))
+        return _make_one(args, settings, dataclasses.replace(job, seed=seed), drawn, model, device, dtype, out, launch)
+    finally:
+        _end_process_group()
+
+
+def _make_one(args: argparse.Namespace, settings: options.Settings, job: options.Job, drawn: bool, model, device: str,
+              dtype: str, out: pathlib.Path, launch: parallel.Launch | None) -> int:
+    """Build, patch and call the pipeline for ``job``; write the image (under a launch: the first process)."""
+    import torch
+
+    import sd_kernels
+    from sd_kernels.apps import pipeline
+
+    main = launch is None or launch.main
+    say = print if main else (lambda *_: None)
+    on_gpu = device.startswith("cuda")
     weights = "random weights" if model.shipped else "loaded"
-    print(f"sd-kernels generate: {name} ({weights}), {job.width}x{job.height}, {job.steps} steps, {dtype} on {device}, "
-          f"seed {seed}" + (" (drawn at random)" if drawn else ""))
+    split = f", --parallel {launch.mode} over {launch.world} processes" if launch else ""
+    say(f"sd-kernels generate: {model.name} ({weights}), {job.width}x{job.height}, {job.steps} steps, {dtype} on "
+        f"{device}{split}, seed {job.seed}" + (" (drawn at random)" if drawn else ""))
     t0 = time.perf_counter()
     pipe = pipeline.load(model, device, getattr(torch, options.DTYPES[dtype]))
-    print(f"built the pipeline in {time.perf_counter() - t0:.1f} s")
+    say(f"built the pipeline in {time.perf_counter() - t0:.1f} s")
+    split_arguments = parallel.prepare(pipe, launch) if launch else {}
     graph = {"off": False}.get(args.cuda_graph, args.cuda_graph)
-    record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile)
-    print(record.summary())
-    if device == "cuda":
+    record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile,
+                              precision=settings.precision, **split_arguments)
+    say(record.summary())
+    if on_gpu:
         torch.cuda.synchronize()
     t = time.perf_counter()
     [image] = pipeline.render(pipe, [job], model, pipeline.InitImages(model))
-    if device == "cuda":
+    if on_gpu:
         torch.cuda.synchronize()
-    print(f"generated in {(time.perf_counter() - t) * 1e3:.1f} ms (patched"
-          + ("; the first call includes kernel tuning and compilation)" if device == "cuda" else ")"))
+    say(f"generated in {(time.perf_counter() - t) * 1e3:.1f} ms (patched"
+        + ("; the first call includes kernel tuning and compilation)" if on_gpu else ")"))
+    if not main:
+        return 0
     if model.shipped:
-        print(f"note: {RANDOM_WEIGHTS_NOTE.format(name=name)}")
+        print(f"note: {RANDOM_WEIGHTS_NOTE.format(name=model.name)}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    label = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
-    metadata.encode(image, out, pipeline.fields(job, model, pipeline.run_fields(dtype, record, label)))
+    label = f"cuda ({torch.cuda.get_device_name()})" if on_gpu else "cpu"
+    run = pipeline.run_fields(dtype, record, label, launch.mode if launch else None, launch.world if launch else 1)
+    metadata.encode(image, out, pipeline.fields(job, model, run))
     print(f"wrote {out}")
     return 0
 

@@ -101,6 +101,10 @@ def append(out: pathlib.Path, entry: dict[str, Any]) -> None:
         os.close(fd)
 
 
+# Settings an entry of an earlier sd-kernels lacks, read as the value its images were made with.
+_UNRECORDED = {"precision": "fp16"}  # before --precision every image was made lossless
+
+
 def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same: Iterable[str]) -> set[int]:
     """Indices of ``jobs`` whose image the manifest lists as written with the same ``same`` fields
     (``identity`` and the job's own), with the file still there."""
@@ -111,7 +115,7 @@ def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same:
         if entry is None or not (out / job.file).is_file():
             continue
         want = {**identity, **job_fields(job)}
-        if all(entry.get(k) == want.get(k) for k in same):
+        if all(entry.get(k, _UNRECORDED.get(k)) == want.get(k) for k in same):
             found.add(job.index)
     return found
 

@@ -7,7 +7,8 @@ Two records, the same for an image from ``generate --prompt`` and from a batch r
   ComfyUI's and Civitai's readers, and most image browsers show;
 - ``sd-kernels``: a JSON object with every setting typed (prompt, negative, seed, steps, guidance,
   scheduler, width, height, model, weights, LoRAs with their SHA-256, task, initial image and mask with
-  their SHA-256, strength, dtype, profile, the patch's set-up, device, version).
+  their SHA-256, strength, dtype, precision, profile, the patch's set-up, the one-image split and its
+  process count, device, version).
 
 PNG holds both as text chunks. JPEG and WebP hold ``parameters`` in the EXIF UserComment (where
 AUTOMATIC1111 puts it) and ``sd-kernels`` in an XMP packet. Other formats cannot carry them and
@@ -92,6 +93,8 @@ def parameters_text(fields: dict[str, Any]) -> str:
         lines.append(f"Negative prompt: {fields['negative']}")
     items = {"Steps": fields["steps"], "Sampler": fields["sampler"], "CFG scale": f"{fields['guidance']:g}",
              "Seed": fields["seed"], "Size": f"{fields['width']}x{fields['height']}", "Model": fields["model"]}
+    if fields.get("precision", "fp16") != "fp16":  # the lossy tier; the lossless default goes unsaid
+        items["Precision"] = fields["precision"]
     if fields.get("strength") is not None:
         items["Denoising strength"] = f"{fields['strength']:g}"
     if fields.get("loras"):

@@ -18,6 +18,9 @@ from typing import Any
 # The dtype names the commands and generate_images take (torch attribute names as values: the CLI's
 # option parsing reads this table without importing torch).
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# patch(precision=...): "fp16" the lossless default (the model's own half precision, or --dtype's), "fp8" the
+# transformer blocks' linear layers as FP8 GEMMs (lossy; docs/fp8.md)
+PRECISIONS = ("fp16", "fp8")
 RANDOM_SEED = -1  # --seed -1: a seed drawn for the run, printed and recorded in every image
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [0, 2**64)
 _RANDOM_SEED_BOUND = 2**32  # a drawn seed is easy to type back
@@ -147,6 +150,7 @@ class Settings:
     device: str | None = None
     profile: str | None = None
     compile: bool | str = False
+    precision: str = "fp16"
 
     @property
     def task(self) -> str:
@@ -168,6 +172,8 @@ class Settings:
             raise ValueError(f"--seed {self.seed}: a seed is in [0, 2**64 - 1], or -1 for a random one")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
         if self.mask and not self.image:
             raise ValueError("--mask repaints part of an --image: give the image too")
         if self.strength is not None:

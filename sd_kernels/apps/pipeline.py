@@ -34,6 +34,10 @@ class Model:
     loras: list[dict[str, Any]]  # path, scale, sha256
     image: dict[str, Any] | None  # path, sha256
     mask: dict[str, Any] | None  # path, sha256
+    # whether guidance above 1 runs the denoiser on [unconditional; conditional] (classifier-free guidance);
+    # not in guidance-distilled pipelines (FLUX: its scale is an input of one call; true CFG is two calls)
+    guidance_batch: bool = True
+    context_parallel: bool = False  # whether diffusers has a context-parallel plan for the denoiser (FLUX)
 
     @property
     def weights(self) -> str:
@@ -78,7 +82,8 @@ def inspect(settings: Settings, name: str) -> Model:
     params = pyinspect.signature(cls.__call__).parameters
     if "guidance_scale" not in params:
         raise ValueError(f"a {cls.__name__} takes no guidance scale")  # every pipeline sd-kernels patches does
-    if settings.negative is not None and ("negative_prompt" not in params or "true_cfg_scale" in params):
+    guidance_batch = "true_cfg_scale" not in params
+    if settings.negative is not None and ("negative_prompt" not in params or not guidance_batch):
         raise ValueError(f"--negative-prompt: a {cls.__name__} takes no negative prompt with its guidance")
     strength = None
     if settings.image:
@@ -104,7 +109,16 @@ def inspect(settings: Settings, name: str) -> Model:
         strength=strength, takes_size="height" in params,
         loras=[{"path": x.path, "scale": x.scale, "sha256": _sha256_of(x.path)} for x in settings.loras],
         image={"path": settings.image, "sha256": _sha256_of(settings.image)} if settings.image else None,
-        mask={"path": settings.mask, "sha256": _sha256_of(settings.mask)} if settings.mask else None)
+        mask={"path": settings.mask, "sha256": _sha256_of(settings.mask)} if settings.mask else None,
+        guidance_batch=guidance_batch, context_parallel=_has_cp_plan(cls))
+
+
+def _has_cp_plan(cls: type) -> bool:
+    """Whether the denoiser class a pipeline class is built with (its ``__init__``'s annotation) has a
+    diffusers context-parallel plan."""
+    params = pyinspect.signature(cls.__init__).parameters
+    denoiser = params.get("transformer") or params.get("unet")
+    return denoiser is not None and getattr(denoiser.annotation, "_cp_plan", None) is not None
 
 
 def _scheduler(facts: dict[str, Any], name: str | None) -> str:
@@ -201,7 +215,7 @@ def render(pipe, jobs: Sequence[Job], model: Model, init: InitImages) -> list[An
 
 def fields(job: Job, model: Model, run: dict[str, Any]) -> dict[str, Any]:
     """Everything an image's records hold (metadata.records): the job's own settings, the model's, and
-    the run's (``run``: dtype, profile, setup, device, version)."""
+    the run's (``run``: dtype, precision, profile, setup, parallel, processes, device, version)."""
     return {"prompt": job.prompt, "negative": job.negative, "seed": job.seed, "steps": job.steps,
             "guidance": job.guidance, "width": job.width, "height": job.height, "scheduler": model.scheduler,
             "sampler": SCHEDULERS[model.scheduler].a1111 if model.scheduler in SCHEDULERS else model.scheduler,
@@ -210,14 +224,17 @@ def fields(job: Job, model: Model, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def setup_text(record: Any) -> str:
-    """The patch's set-up as an image records it."""
+    """The patch's set-up as an image records it (``precision`` and ``parallel`` where set)."""
+    more = "".join(f", {k}={v!r}" for k, v in (("precision", record.precision), ("parallel", record.parallel)) if v)
     return (f"patch(profile={record.profile!r}, cuda_graph={record.cuda_graph!r}, "
-            f"compile={record.arguments['compile']!r})")
+            f"compile={record.arguments['compile']!r}{more})")
 
 
-def run_fields(dtype: str, record: Any, device: str) -> dict[str, Any]:
-    """What every image of a run records of how it was made (see ``fields``)."""
+def run_fields(dtype: str, record: Any, device: str, parallel: str | None = None, processes: int = 1) -> dict[str, Any]:
+    """What every image of a run records of how it was made (see ``fields``): ``parallel``, the
+    one-image split over ``processes`` processes that made it (``generate --parallel``), or None."""
     import sd_kernels
 
-    return {"dtype": dtype, "profile": record.profile, "setup": setup_text(record), "device": device,
+    return {"dtype": dtype, "precision": record.precision or "fp16", "profile": record.profile,
+            "setup": setup_text(record), "parallel": parallel, "processes": processes, "device": device,
             "version": sd_kernels.__version__}

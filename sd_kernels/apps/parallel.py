@@ -1,0 +1,163 @@
+"""``sd-kernels generate --prompt ... --parallel MODE``: one image made by the processes of one launch.
+
+    torchrun --nproc_per_node 2 -m sd_kernels generate --prompt "a cat" --parallel cfg --out cat.png
+    torchrun --nproc_per_node 4 -m sd_kernels generate --model flux-dev --prompt "a cat" --parallel ulysses
+
+Every process builds the same pipeline (a shipped config's weights are always seed 0's; a checkpoint
+is the same file) and calls it with the same prompt and seed (rank 0's, drawn or given); rank 0 alone
+prints and writes the image, whose records name the split and the process count. The two splits
+(docs/parallel.md):
+
+- ``cfg``: ``patch(pipe, parallel="cfg")``: the classifier-free-guidance batch [unconditional;
+  conditional] of the denoiser's calls split over 2 processes (SD1.x/2.x, SDXL, PixArt-Σ, SD3);
+- ``ulysses``: diffusers' context parallelism, ``transformer.enable_parallelism(config=
+  ContextParallelConfig(ulysses_degree=N))`` over all N processes, then ``patch(pipe)``: the local
+  attention of its Ulysses template is ours (patches/context_parallel.py); for the transformers
+  diffusers has a plan for (FLUX).
+
+This is not the batch mode's sharding (``--prompts`` under ``accelerate launch``: whole images per
+process). Everything the launch, the model and the options allow is checked before any work; the
+process group is torch.distributed's (gloo on the CPU; on GPUs NCCL for the collectives and gloo for
+the checks' small objects), started after those checks and ended by the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the command line's parsing imports this module: nothing heavy at import
+    from sd_kernels.apps.pipeline import Model
+
+MODES = ("cfg", "ulysses")
+CFG_PROCESSES = 2  # one image's guidance batch has two halves
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """This process's place in the launch: the split, its rank among ``world`` processes, and its
+    rank and the process count on this host (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+
+    mode: str
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _command(mode: str) -> str:
+    n = CFG_PROCESSES if mode == "cfg" else "N"
+    return f"torchrun --nproc_per_node {n} -m sd_kernels generate --prompt ... --parallel {mode}"
+
+
+def launch(mode: str, *, cuda_graph: str, compile: bool | str) -> Launch:
+    """The launch ``--parallel mode`` runs in, from the environment torchrun (or accelerate launch)
+    sets; a ValueError naming the option for a launch or option the split cannot take."""
+    if mode not in MODES:
+        raise ValueError(f"--parallel {mode!r}: one of {', '.join(MODES)}")
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        raise ValueError(f"--parallel {mode} makes one image on several processes, and this process was not started "
+                         f"as one of them (no RANK and WORLD_SIZE in its environment): {_command(mode)}")
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        raise ValueError("--parallel: RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers, as torchrun "
+                         "sets them") from None
+    if mode == "cfg" and world != CFG_PROCESSES:
+        raise ValueError(f"--parallel cfg splits one image's guidance batch [unconditional; conditional] over "
+                         f"{CFG_PROCESSES} processes, and this launch has {world}: {_command(mode)}")
+    if mode == "ulysses" and world < 2:
+        raise ValueError(f"--parallel ulysses splits the transformer's tokens over the processes, and this launch has "
+                         f"{world}: {_command(mode)} with N >= 2")
+    if mode == "cfg" and cuda_graph == "step":
+        raise ValueError("--cuda-graph step with --parallel cfg: the outputs are exchanged between the processes "
+                         "each step, outside the CUDA graphs; a step's graph would capture the exchange (use auto or "
+                         "pipeline)")
+    if mode == "ulysses" and compile:
+        raise ValueError("--compile with --parallel ulysses: the patch compiles what its CUDA graphs capture, and a "
+                         "transformer under context parallelism is not captured (its collectives would be baked in)")
+    if mode == "ulysses" and cuda_graph not in ("auto", "off"):
+        raise ValueError(f"--cuda-graph {cuda_graph} with --parallel ulysses: a transformer under context parallelism "
+                         "is not captured (its collectives would be baked in); use auto or off")
+    return Launch(mode, rank, world, local, local_world)
+
+
+def check_model(launch: Launch, model: Model, guidance: float) -> None:
+    """``model`` (read from its configs: nothing built) and the image's guidance scale against the
+    split; a ValueError naming --parallel."""
+    if launch.mode == "cfg":
+        if not model.guidance_batch:
+            raise ValueError(f"--parallel cfg splits the classifier-free-guidance batch, and a {model.pipeline} has "
+                             "none (its guidance is distilled: one denoiser call per step on one image); --parallel "
+                             "ulysses splits its transformer's tokens")
+        if guidance <= 1:
+            raise ValueError(f"--parallel cfg: a guidance scale of {guidance:g} runs no classifier-free guidance (a "
+                             "batch of one image, which 2 processes do not split); give --guidance-scale above 1")
+    elif not model.context_parallel:
+        raise ValueError(f"--parallel ulysses runs diffusers' context parallelism, which has no plan for the "
+                         f"denoiser of a {model.pipeline} (the FLUX transformer has one); "
+                         + ("--parallel cfg splits its guidance batch over 2 processes" if model.guidance_batch
+                            else "make its image on one process"))
+
+
+def start(launch: Launch, device: str) -> str:
+    """The default process group, started (after every check); returns this process's device: on a
+    GPU host, GPU number LOCAL_RANK."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        if launch.local_world > torch.cuda.device_count():
+            raise ValueError(f"--parallel {launch.mode}: {launch.local_world} processes on this host, which has "
+                             f"{torch.cuda.device_count()} GPU(s): one process per GPU")
+        torch.cuda.set_device(launch.local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        return f"cuda:{launch.local_rank}"
+    dist.init_process_group("gloo")
+    return device
+
+
+def shared(value: Any) -> Any:
+    """Rank 0's ``value`` on every process (a seed drawn at random is drawn once)."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def prepare(pipe: Any, launch: Launch) -> dict[str, Any]:
+    """``pipe`` set up for the split before the patch; returns what ``patch`` takes for it."""
+    if launch.mode == "cfg":
+        return {"parallel": "cfg"}
+    import torch
+    from diffusers import ContextParallelConfig
+
+    with _cpu_counted_as_one_device() if torch.accelerator.device_count() == 0 else contextlib.nullcontext():
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=launch.world))
+    return {}
+
+
+@contextlib.contextmanager
+def _cpu_counted_as_one_device() -> Iterator[None]:
+    """diffusers' ``enable_parallelism`` places process r on accelerator ``r % device_count()``, which a
+    torch without one counts as 0 (a ZeroDivisionError): for that call only, the CPU counts as one
+    device, so every process's device is the CPU (what gloo runs on)."""
+    import torch
+
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count

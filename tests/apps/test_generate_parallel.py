@@ -1,0 +1,109 @@
+"""`sd-kernels generate --prompt ... --parallel cfg|ulysses`: one image made by every process of a torchrun
+launch (two gloo processes on the CPU, the ops' PyTorch reference: the split is under test, the ops
+and the patch's split have their own tests), equal to the one-process image within rounding and
+written once, by the first process, with records that name the split; and every launch or option the
+split cannot take is an error before any work (no pipeline built, no process group started)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from PIL import Image
+
+from sd_kernels import models
+from sd_kernels.apps import cli
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+@pytest.fixture(autouse=True)
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: pytest.fail("a pipeline was built"))
+
+
+def _read(path):
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB")).astype(int), json.loads(im.text["sd-kernels"])
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--parallel", "cfg"], None, "--parallel cfg makes one image on several processes, and this process was not "
+     "started as one of them (no RANK and WORLD_SIZE in its environment): torchrun --nproc_per_node 2 -m sd_kernels "
+     "generate --prompt ... --parallel cfg"),
+    (["--parallel", "cfg"], 3, "--parallel cfg splits one image's guidance batch [unconditional; conditional] over 2 "
+     "processes, and this launch has 3"),
+    (["--parallel", "cfg", "--model", "tiny-flux"], 2, "--parallel cfg splits the classifier-free-guidance batch, and "
+     "a FluxPipeline has none"),
+    (["--parallel", "cfg", "--guidance-scale", "1"], 2, "--parallel cfg: a guidance scale of 1 runs no "
+     "classifier-free guidance"),
+    (["--parallel", "cfg", "--cuda-graph", "step"], 2, "--cuda-graph step with --parallel cfg"),
+    (["--parallel", "ulysses"], 2, "--parallel ulysses runs diffusers' context parallelism, which has no plan for the "
+     "denoiser of a StableDiffusionPipeline"),
+    (["--parallel", "ulysses", "--model", "tiny-flux"], 1, "--parallel ulysses splits the transformer's tokens over "
+     "the processes, and this launch has 1"),
+    (["--parallel", "ulysses", "--model", "tiny-flux", "--compile"], 2, "--compile with --parallel ulysses"),
+    (["--parallel", "ulysses", "--model", "tiny-flux", "--cuda-graph", "pipeline"], 2,
+     "--cuda-graph pipeline with --parallel ulysses"),
+])
+def test_what_the_split_cannot_take_is_an_error_before_any_work(tmp_path, no_build, monkeypatch, capsys, argv, world,
+                                                                message):
+    if world is not None:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    out = tmp_path / "a.png"
+    assert cli.main(["generate", "--prompt", "a cat", "--device", "cpu", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sd-kernels generate: error: {message}"), err
+    assert not out.exists() and not dist.is_initialized()
+
+
+def test_parallel_with_a_prompts_file_points_to_the_batch_mode(tmp_path, no_build, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    assert cli.main(["generate", "--prompts", str(prompts), "--parallel", "cfg", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sd-kernels generate: error: --parallel makes one image on several processes (--prompt); for --prompts, "
+        "prompt-level sharding is the batch mode: accelerate launch --multi_gpu --num_processes N -m sd_kernels "
+        "generate --prompts FILE --out DIR")
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "a cat", "--parallel", "ring"])
+    assert "argument --parallel: invalid choice: 'ring' (choose from 'cfg', 'ulysses')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode,model", [("cfg", "tiny"), ("ulysses", "tiny-flux")])
+def test_two_processes_make_the_one_process_image_and_the_first_writes_it(tmp_path, mode, model):
+    """torchrun --nproc_per_node 2, a seed drawn at random (the first process's, on both: a seed per
+    process would give each half of the work other latents): the image is the one a single process
+    makes with the recorded seed, within rounding, written once."""
+    if shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("torchrun is not installed beside this python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SD_KERNELS_BACKEND": "reference", "CUDA_VISIBLE_DEVICES": ""}
+    argv = ["-m", "sd_kernels", "generate", "--prompt", "a cat", "--model", model, "--steps", "2", "--device", "cpu"]
+    two = tmp_path / "two" / "image.png"
+    run = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", *argv, "--parallel", mode, "--seed", "-1",
+                          "--out", str(two)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("wrote ") == 1 and run.stdout.count("generated in") == 1
+    assert [p.name for p in two.parent.iterdir()] == ["image.png"]
+    pixels, record = _read(two)
+    assert (record["parallel"], record["processes"]) == (mode, 2)
+    one = tmp_path / "one.png"
+    subprocess.run([sys.executable, *argv, "--seed", str(record["seed"]), "--out", str(one)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    alone, record_one = _read(one)
+    assert (record_one["parallel"], record_one["processes"]) == (None, 1)
+    assert np.abs(pixels - alone).max() <= 1 and (pixels != alone).mean() < 0.01  # fp32 rounding, then 8 bits
+    assert {k: v for k, v in record.items() if k not in ("parallel", "processes", "setup")} == {
+        k: v for k, v in record_one.items() if k not in ("parallel", "processes", "setup")}
