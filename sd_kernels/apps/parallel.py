@@ -10,10 +10,9 @@ prints and writes the image, whose records name the split and the process count.
 
 - ``cfg``: ``patch(pipe, parallel="cfg")``: the classifier-free-guidance batch [unconditional;
   conditional] of the denoiser's calls split over 2 processes (SD1.x/2.x, SDXL, PixArt-Σ, SD3);
-- ``ulysses``: diffusers' context parallelism, ``transformer.enable_parallelism(config=
-  ContextParallelConfig(ulysses_degree=N))`` over all N processes, then ``patch(pipe)``: the local
-  attention of its Ulysses template is ours (patches/context_parallel.py); for the transformers
-  diffusers has a plan for (FLUX).
+- ``ulysses``: diffusers' context parallelism over all N processes through
+  ``sd_kernels.enable_context_parallel(pipe)`` (diffusers' plan for FLUX, ours for SD3 and PixArt-Σ:
+  patches/context_parallel_plans.py), then ``patch(pipe)``: the attention inside is ours.
 
 This is not the batch mode's sharding (``--prompts`` under ``accelerate launch``: whole images per
 process). Everything the launch, the model and the options allow is checked before any work; the
@@ -105,7 +104,7 @@ def check_model(launch: Launch, model: Model, guidance: float) -> None:
                              "batch of one image, which 2 processes do not split); give --guidance-scale above 1")
     elif not model.context_parallel:
         raise ValueError(f"--parallel ulysses runs diffusers' context parallelism, which has no plan for the "
-                         f"denoiser of a {model.pipeline} (the FLUX transformer has one); "
+                         f"denoiser of a {model.pipeline} (FLUX, SD3 and PixArt-Σ have one); "
                          + ("--parallel cfg splits its guidance batch over 2 processes" if model.guidance_batch
                             else "make its image on one process"))
 
@@ -141,10 +140,11 @@ def prepare(pipe: Any, launch: Launch) -> dict[str, Any]:
     if launch.mode == "cfg":
         return {"parallel": "cfg"}
     import torch
-    from diffusers import ContextParallelConfig
+
+    from sd_kernels.patches.context_parallel_plans import enable_context_parallel
 
     with _cpu_counted_as_one_device() if torch.accelerator.device_count() == 0 else contextlib.nullcontext():
-        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=launch.world))
+        enable_context_parallel(pipe, launch.world)
     return {}
 
 

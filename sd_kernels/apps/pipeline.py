@@ -115,10 +115,15 @@ def inspect(settings: Settings, name: str) -> Model:
 
 def _has_cp_plan(cls: type) -> bool:
     """Whether the denoiser class a pipeline class is built with (its ``__init__``'s annotation) has a
-    diffusers context-parallel plan."""
+    context-parallel plan: diffusers' own (FLUX) or sd_kernels' (SD3, PixArt-Σ)."""
+    from sd_kernels.patches.context_parallel_plans import PLANNED
+
     params = pyinspect.signature(cls.__init__).parameters
     denoiser = params.get("transformer") or params.get("unet")
-    return denoiser is not None and getattr(denoiser.annotation, "_cp_plan", None) is not None
+    if denoiser is None:
+        return False
+    return getattr(denoiser.annotation, "_cp_plan", None) is not None or getattr(
+        denoiser.annotation, "__name__", None) in PLANNED
 
 
 def _scheduler(facts: dict[str, Any], name: str | None) -> str:

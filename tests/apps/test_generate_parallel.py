@@ -107,3 +107,16 @@ def test_two_processes_make_the_one_process_image_and_the_first_writes_it(tmp_pa
     assert np.abs(pixels - alone).max() <= 1 and (pixels != alone).mean() < 0.01  # fp32 rounding, then 8 bits
     assert {k: v for k, v in record.items() if k not in ("parallel", "processes", "setup")} == {
         k: v for k, v in record_one.items() if k not in ("parallel", "processes", "setup")}
+
+
+def test_the_transformers_with_a_plan_take_ulysses_and_the_unets_do_not():
+    """FLUX has diffusers' plan, SD3 and PixArt-Σ sd_kernels' (patches/context_parallel_plans.py); a UNet none."""
+    import diffusers
+
+    from sd_kernels.apps.pipeline import _has_cp_plan
+
+    planned = {name: _has_cp_plan(getattr(diffusers, name)) for name in (
+        "FluxPipeline", "StableDiffusion3Pipeline", "PixArtSigmaPipeline", "StableDiffusionPipeline",
+        "StableDiffusionXLPipeline")}
+    assert planned == {"FluxPipeline": True, "StableDiffusion3Pipeline": True, "PixArtSigmaPipeline": True,
+                       "StableDiffusionPipeline": False, "StableDiffusionXLPipeline": False}
