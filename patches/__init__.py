@@ -52,7 +52,8 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
     torch.distributed's default group (every process patches alike; docs/parallel.md); ``precision``:
     "fp8" also runs the transformer blocks' linear layers as FP8 GEMMs, attention staying exact
     (lossy, opt-in: docs/fp8.md; None or "fp16", the default: lossless). docs/patch.md describes each.
-    The same patch asked again changes nothing; another one unpatches first. Nothing is half-patched: if a patcher raises, what was done is undone.
+    The same patch asked again changes nothing; another one unpatches first. Nothing is half-patched:
+    if a patcher raises, what was done is undone.
     """
     for name, value in (("ops", ops), ("ignore", ignore)):
         if isinstance(value, str):
