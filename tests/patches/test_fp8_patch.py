@@ -60,14 +60,19 @@ def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
 def test_gpu_fp8_flux_in_bfloat16():
     """The same on the GPU: tiny FLUX in bf16 through the compiled FP8 kernels, eager and graphed."""
     families = {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.AdaLayerNormZero"}
-    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families)
-    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True)
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, images=True)
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
+                                   images=True)
 
 
-def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False):
+def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False, images=False):
+    """The tier's latents close to stock's (and its images, with ``images``: on CPU the latents alone,
+    since the tier changes nothing outside the transformer blocks and the VAE decodes as stock), the
+    record, and an exact unpatch."""
     pipe.set_progress_bar_config(disable=True)
     model = _denoiser(pipe)
-    stock_image, stock_latent = _run(pipe), _run(pipe, "latent")
+    stock_latent = _run(pipe, "latent")
+    stock_image = _run(pipe) if images else None
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -76,10 +81,11 @@ def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False):
     assert families <= set(record.counts), record.counts
     assert record.precision == "fp8" and "fp8:" in record.format() and "exact unpatch" in record.format()
     assert model.state_dict().keys() == state.keys()  # the same keys (and Parameters) while patched
-    image, latent = _run(pipe), _run(pipe, "latent")
+    latent = _run(pipe, "latent")
     assert not torch.equal(latent, stock_latent)  # it did change the computation
-    assert psnr(image, stock_image) > 30 and rel_err(latent, stock_latent) < 0.1, (psnr(image, stock_image),
-                                                                                    rel_err(latent, stock_latent))
+    assert rel_err(latent, stock_latent) < 0.1, rel_err(latent, stock_latent)
+    if stock_image is not None:
+        assert psnr(_run(pipe), stock_image) > 30
 
     assert sd_kernels.unpatch(pipe)
     assert all(dict(model.named_modules())[k] is m for k, m in modules.items())
