@@ -2,7 +2,7 @@
 
 On CPU: with the reference backend the patched pipeline is exact (error 0, PSNR inf); an op made
 wrong on purpose shows in the totals and in its own per-op row only; a patched pipeline is refused.
-On the GPU: SD1.5 / SD2.1 at 512², SDXL at 1024², fp16, 20 steps, within the limits (latent rel.
+On the GPU: SD1.5 at 512², SD2.1 at 768², SDXL at 1024², fp16, 20 steps, within the limits (latent rel.
 error ≤ 1e-2, PSNR ≥ 40 dB).
 """
 
