@@ -13,7 +13,7 @@ per variant at batch 1, one whole pipeline call measured by ``sd_kernels.analysi
 (each component's largest call, the call's total peak with the weights, against the budget), also
 written as tables to DIR/memory-e2e.txt.
 The paper (arXiv 2304.11267): 84 MB of intermediates for SD1.5's UNet on its phones; stock diffusers
-needs 340 MB over the weights at batch 2 with SDPA (REFERENCE.md).
+needs 340 MB over the weights at batch 2 with SDPA (measured on the H100).
 """
 
 from __future__ import annotations
