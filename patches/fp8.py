@@ -27,7 +27,9 @@ its FP8 kernel takes there and the rest exactly.
 Exactly reversible: the replacements hold the original Parameters themselves (state_dict keys and
 values unchanged) and the FP8 codes beside them, so the original weights stay on the device while
 patched (the record says what that costs); ``unpatch`` puts the very modules back. A weight changed
-while patched (an assigned Parameter, an in-place update) is quantized again at the next call.
+while patched (an assigned Parameter, ``weight.data = ...``, ``.to(dtype)``, an in-place update) is
+quantized again at the next call (``Fp8Linear.fresh``), except in place through ``weight.data`` and
+inside a compiled graph (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated,
     layer_norm_modulated_fp8,
 )
-from sd_kernels.ops.fp8_linear import FP8_CAPABILITY, attach_quantized, quantize_weight
+from sd_kernels.ops.fp8_linear import E4M3, FP8_CAPABILITY, attach_quantized, quantize_weight
+from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting
 
@@ -122,12 +125,28 @@ class Fp8Linear(nn.Module):
         w_q, s_w = quantize_weight(self.weight)
         self.register_buffer("w_q", w_q, persistent=False)
         self.register_buffer("s_w", s_w, persistent=False)
-        self._source = (self.weight, self.weight._version)
+        self._source = self.graph_state(), w_q.data_ptr()
+
+    def graph_state(self) -> tuple:
+        """What the codes were made from: the weight's identity, storage and version counter (a
+        ``weight.data = ...`` bumps no version but gives new storage). A CUDA graph replaying this
+        layer bakes the codes in: it is stale once this changes."""
+        return id(self.weight), *weight_version(self.weight)
 
     def fresh(self) -> Fp8Linear:
-        """Itself, its codes made again first if its weight was replaced or changed in place since."""
-        if not torch.compiler.is_compiling() and (self.weight is not self._source[0]
-                                                  or self.weight._version != self._source[1]):
+        """Itself, its codes made again first if its weight was replaced or changed since. A
+        ``module.to(device)`` moves weight and codes together (both storages new, the codes still
+        theirs: kept, as under diffusers' CPU offload); ``module.to(dtype)`` casts the codes too
+        (every floating-point buffer): made again."""
+        if torch.compiler.is_compiling():
+            return self
+        state, (source, codes) = self.graph_state(), self._source
+        if state == source and self.w_q.dtype == E4M3:
+            return self
+        if state[0] == source[0] and state[1] != source[1] and self.w_q.data_ptr() != codes \
+                and self.w_q.dtype == E4M3:  # moved together
+            self._source = state, self.w_q.data_ptr()
+        else:
             self._quantize()
         return self
 

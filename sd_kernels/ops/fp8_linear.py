@@ -18,7 +18,8 @@ ops/layer_norm.py's modulated LayerNorm has an FP8 output of the same form (``ro
 A quantized tensor can travel with the tensor it came from (``attach_quantized``): a producer
 that writes both (the modulated LayerNorm) or the first projection that quantized an input leaves
 the codes on it, and the next projections of the same input (attention's q, k, v) read them instead
-of quantizing again; an in-place change of the input (its version counter) drops them.
+of quantizing again; an in-place change of the input (its version counter) drops them. Tensors made
+under torch.inference_mode have no version counter and carry none (each projection quantizes).
 
 FP8 tensor cores need sm_89 or later; the interpreter runs the same kernels on the CPU. Elsewhere
 (and for inputs autograd tracks) the ops run the reference's fp32 math of the same quantization.
@@ -71,6 +72,19 @@ def _codes(v, inv, GRID: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_amax(v, mask):
+    """max |v| of each row of v [ROWS, C] (fp32) where ``mask``; NaN for a row holding a NaN, so that
+    its scale, and so its output row, is NaN as torch's would be (``tl.max`` skips NaN: the clamp
+    would then make the NaN a finite ±448 code)."""
+    return tl.reduce(tl.abs(tl.where(mask, v, 0.0)), 1, _max_nan)
+
+
+@triton.jit
 def _inverse(amax):
     # IEEE division (div_rn), as torch divides: Triton's ``/`` on fp32 is the approximate one, whose
     # last-bit differences move a code across a rounding boundary now and then
@@ -109,14 +123,14 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_xr, stride_xc, 
     if BLOCK_C >= n_cols:
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
         v = _row_values(x_rows + cols[None, :] * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
-        amax = tl.max(tl.abs(tl.where(mask, v, 0.0)), axis=1)
+        amax = row_amax(v, mask)
         row_quantize(v, amax, q_rows + cols[None, :], s_ptr + rows, mask, row_mask, GRID)
     else:
         amax = tl.zeros((ROWS,), dtype=tl.float32)
         for c in range(0, n_cols, BLOCK_C):
             mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
             v = _row_values(x_rows + (c + cols[None, :]) * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
-            amax = tl.maximum(amax, tl.max(tl.abs(tl.where(mask, v, 0.0)), axis=1))
+            amax = _max_nan(amax, row_amax(v, mask))
         inv = _inverse(amax)
         for c in range(0, n_cols, BLOCK_C):
             mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
@@ -334,8 +348,11 @@ _ATTACHED = "_sd_kernels_fp8"
 
 
 def attach_quantized(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Let ``x`` carry its row quantization (q, s) for the projections that read it next; returns x."""
-    setattr(x, _ATTACHED, (q, s, x._version))
+    """Let ``x`` carry its row quantization (q, s) for the projections that read it next; returns x.
+    Not an inference tensor (made under torch.inference_mode): it has no version counter, so an
+    in-place change of it could not be seen."""
+    if not x.is_inference():
+        setattr(x, _ATTACHED, (q, s, x._version))
     return x
 
 

@@ -30,12 +30,14 @@ ada_norm_single blocks through both.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.ops.fp8_linear import E4M3, fp8_reason, row_quantize
+from sd_kernels.ops.fp8_linear import E4M3, fp8_reason, row_amax, row_quantize
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
@@ -100,8 +102,7 @@ def _layer_norm_kernel(
         y = y + _per_sample(shift_ptr, sample, d, mask, stride_tb, stride_td)
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
     if QUANT:
-        amax = tl.max(tl.abs(tl.where(mask, y, 0.0)), axis=1)
-        row_quantize(y, amax, q_ptr + out, qs_ptr + rows, mask, rows < n_rows, GRID)
+        row_quantize(y, row_amax(y, mask), q_ptr + out, qs_ptr + rows, mask, rows < n_rows, GRID)
 
 
 # Not autotuned: the Launcher is here for its direct launch path (sd_kernels.runtime.launch), keyed by
@@ -231,7 +232,9 @@ def layer_norm_modulated_fp8(
     if not use_kernel("layer_norm", *tensors, unsupported=reason):
         y32 = reference.layer_norm_modulated(*reference.upcast(x, weight, bias, dtype=torch.float32), eps,
                                              *reference.upcast(scale, shift, dtype=torch.float32))
-        return (y32.to(x.dtype), *reference.fp8_quantize_rows(y32))
+        # the dtype torch's promotion gives, as the lossless op's reference (and the custom op's fake)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors if t is not None])
+        return (y32.to(dtype), *reference.fp8_quantize_rows(y32))
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     y, _ = _launch(x, None, None, weight, bias, eps, scale, shift, quant=(q, s))

@@ -208,3 +208,47 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(m, k, n):
         cublas = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :], bias=bias,
                                   out_dtype=torch.bfloat16)
         assert rel_err(cublas, ref) <= 2 * rounding
+
+
+def test_inference_mode_inputs_are_quantized_each_call(device, count_calls):
+    """Tensors made under torch.inference_mode have no version counter: an in-place change cannot be
+    seen, so they carry no codes (each projection quantizes) rather than failing or reusing stale ones."""
+    w_q, s_w = fp8.quantize_weight(torch.randn(16, 32, device=device))
+    seen = count_calls(fp8, quantize="quantize_rows")
+    with torch.inference_mode():
+        x = torch.randn(3, 32, device=device)
+        y1 = fp8.fp8_linear(x, w_q, s_w)
+        x.mul_(2)  # not tracked: a kept quantization would be stale
+        y2 = fp8.fp8_linear(x, w_q, s_w)
+    assert seen["quantize"] == 2 and rel_err(y2, 2 * y1) < 1e-6
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
+    """A NaN in an activation row gives that output row NaN, as torch's linear does, not a finite
+    value (the kernel's clamp would turn the NaN into ±448); the other rows are unchanged. The
+    LayerNorm's FP8 output: a NaN row gets a NaN scale. ``chunk``: rows read in chunks (two passes)."""
+    if chunk:
+        blocks = fp8.quantize_blocks
+        monkeypatch.setattr(fp8, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
+    x = torch.randn(4, 32, device=device)
+    w_q, s_w = fp8.quantize_weight(torch.randn(16, 32, device=device))
+    clean = fp8.fp8_linear(x, w_q, s_w, reuse=False)
+    x[1, 3] = float("nan")
+    y = fp8.fp8_linear(x, w_q, s_w, reuse=False)
+    assert y[1].isnan().all()
+    assert torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
+    x = torch.randn(2, 9, 40, device=device)
+    x[0, 4, 7] = float("nan")
+    _, _, s = layer_norm.layer_norm_modulated_fp8(x, None, None, 1e-6, torch.randn(2, 40, device=device))
+    assert s[0, 4].isnan() and s.isnan().sum() == 1
+
+
+def test_layer_norm_modulated_fp8_mixed_dtypes_promote_as_stock(device):
+    """An fp16 input with fp32 modulation: the output in the promoted dtype, as the lossless op, stock
+    PyTorch and the custom op's fake give it."""
+    x = torch.randn(2, 5, 32, device=device, dtype=torch.float16)
+    scale = torch.randn(2, 32, device=device)
+    y, q, s = layer_norm.layer_norm_modulated_fp8(x, None, None, 1e-6, scale, None)
+    assert y.dtype == layer_norm.layer_norm_modulated(x, None, None, 1e-6, scale, None).dtype == torch.float32
+    assert q.dtype == E4M3 and s.dtype == torch.float32

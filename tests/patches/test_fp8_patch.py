@@ -152,6 +152,63 @@ def test_fp8_linear_shares_parameters_and_follows_a_changed_weight():
     assert rel_err(after, nn.functional.linear(x, linear.weight, linear.bias)) < 0.05
 
 
+
+def _requantized(layer: fp8.Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    fresh = fp8.Fp8Linear(nn.Linear(layer.in_features, layer.out_features))
+    fresh.weight, fresh.bias = layer.weight, layer.bias
+    fresh._quantize()
+    return fresh(x)
+
+
+def test_fp8_linear_follows_data_assignment_and_a_dtype_change():
+    """``weight.data = ...`` (what ``module.to(dtype or device)`` does) bumps no version counter, and
+    ``.to(dtype)`` casts the codes buffer: the layer still quantizes the weight as it is now."""
+    layer = fp8.Fp8Linear(nn.Linear(32, 16))
+    x = torch.randn(3, 32)
+    layer(x)
+    layer.weight.data = 2 * layer.weight.data
+    assert torch.equal(layer(x), _requantized(layer, x))
+    layer.to(torch.bfloat16)
+    assert layer.w_q.dtype == torch.bfloat16  # what Module.to does to a float8 buffer
+    y = layer(x.bfloat16())
+    assert layer.w_q.dtype == torch.float8_e4m3fn and torch.equal(y, _requantized(layer, x.bfloat16()))
+
+
+def test_fp8_linear_moved_with_its_codes_is_not_quantized_again(monkeypatch):
+    """``module.to(device)`` (diffusers' CPU offload, every call) moves the weight and its codes
+    together: the codes stay valid and are kept."""
+    layer = fp8.Fp8Linear(nn.Linear(32, 16))
+    x = torch.randn(3, 32)
+    y = layer(x)
+    quantized = []
+    monkeypatch.setattr(fp8.Fp8Linear, "_quantize", lambda self: quantized.append(self))
+    layer._apply(lambda t: t.clone())  # what .to(another device) does: new storage for each, same values
+    assert torch.equal(layer(x), y) and not quantized
+    layer.weight.data = 2 * layer.weight.data  # the weight alone: stale codes
+    layer(x)
+    assert quantized
+
+
+def test_fp8_linear_weights_made_under_inference_mode():
+    with torch.inference_mode():
+        layer = fp8.Fp8Linear(nn.Linear(32, 16))
+        x = torch.randn(3, 32)
+        assert torch.equal(layer(x), _requantized(layer, x))
+
+
+def test_cuda_graphs_see_an_fp8_weight_changed_in_place():
+    """A captured graph replays the codes of the weight as it was: an in-place update (load_state_dict)
+    keeps every address, so the graph's watch must see it through the layer's ``graph_state``."""
+    from sd_kernels.patches.cuda_graph import _Watch
+
+    model = nn.Sequential(fp8.Fp8Linear(nn.Linear(32, 16)))
+    watch = _Watch(model)
+    before = watch.state(())
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    assert watch.state(()) != before
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention: the processors hand precision="fp8" to the attention op, which runs the FP8 kernel on the
 # calls it takes. The tiny configs' head dim (24) is one the FP8 kernel refuses: these models have the
