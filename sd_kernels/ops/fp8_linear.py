@@ -80,8 +80,11 @@ def _max_nan(a, b):
 def row_amax(v, mask):
     """max |v| of each row of v [ROWS, C] (fp32) where ``mask``; NaN for a row holding a NaN, so that
     its scale, and so its output row, is NaN as torch's would be (``tl.max`` skips NaN: the clamp
-    would then make the NaN a finite ±448 code)."""
-    return tl.reduce(tl.abs(tl.where(mask, v, 0.0)), 1, _max_nan)
+    would then make the NaN a finite ±448 code). Two plain reductions rather than one with a
+    NaN-propagating combine: the interpreter runs a custom combine element by element."""
+    a = tl.where(mask, v, 0.0)
+    nans = tl.sum(tl.where(a != a, a, 0.0), axis=1)  # NaN where the row holds one, else 0
+    return tl.max(tl.abs(a), axis=1) + nans
 
 
 @triton.jit
