@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .cuda_graph import context_parallel
 from .families import family_of, is_denoiser
 from .record import PatchRecord
 
@@ -103,6 +104,11 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
     if not denoisers:
         raise ValueError("parallel='cfg' splits the denoiser's guidance batch, and there is no denoiser (UNet or DiT "
                          "transformer) among the parts patched")
+    if split := [part for part, m in denoisers if context_parallel(m)]:
+        raise ValueError(f"parallel='cfg' hands each process a different half of the guidance batch, and the "
+                         f"{', '.join(split)} is under context parallelism (enable_context_parallel, "
+                         "enable_parallelism), which exchanges tokens assuming every process holds the same images (a "
+                         "wrong image): patch it without parallel=")
     if graph_mode == "step":
         raise ValueError("parallel='cfg' exchanges the denoiser's output between processes each step, outside the "
                          "CUDA graphs; cuda_graph='step' would capture that call inside a step's graph: use "
@@ -128,6 +134,15 @@ def same_patch(group, denoisers: list[tuple[str, nn.Module]], profile: Any, ops:
         raise ValueError(f"{what}: the processes patch differently (in {', '.join(differ)}): every process must "
                          f"load the same weights and call patch() with the same arguments; profiles per process: "
                          f"{profiles}")
+
+
+def splits_guidance(model: nn.Module) -> bool:
+    """Whether ``model`` is patched with ``parallel="cfg"`` (its patch's record says so: hooks registered
+    since may wrap the forward that splits)."""
+    from . import _OWNER  # here: the package imports this module
+
+    record = vars(model).get(_OWNER)
+    return record is not None and record.parallel == "cfg"
 
 
 class CfgParallelCall:

@@ -43,7 +43,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
-from . import context_parallel, flux_attention
+from . import cfg_parallel, context_parallel, flux_attention
 from .cfg_parallel import group_or_error
 
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
@@ -168,6 +168,11 @@ def enable_context_parallel(obj, degree: int | None = None):
         raise ValueError(f"enable_context_parallel: this {type(obj).__name__} has no transformer to split (a UNet "
                          "pipeline's one image goes over 2 processes with patch(pipe, parallel='cfg'))")
     name = type(transformer).__name__
+    if cfg_parallel.splits_guidance(transformer):
+        raise ValueError(f"enable_context_parallel: this {name} is patched with parallel='cfg', which hands each "
+                         "process a different half of the guidance batch, and context parallelism exchanges tokens "
+                         "assuming every process holds the same images (a wrong image): unpatch it, or patch without "
+                         "parallel=")
     world = dist.get_world_size()
     degree = world if degree is None else degree
     if degree != world or degree < 2:

@@ -9,10 +9,11 @@ group, one process.
 """
 
 import pathlib
+import types
 
 import pytest
 import torch.distributed as dist
-from sd_kernels.patches import context_parallel_plans
+from sd_kernels.patches import context_parallel_plans, patch_record
 from test_parallel import RTOL, launch, needs_gloo, one_process_group  # noqa: F401  (a fixture)
 
 import sd_kernels
@@ -93,3 +94,20 @@ def test_one_process_is_a_clear_error(one_process_group):  # noqa: F811
         sd_kernels.enable_context_parallel(transformer)
     assert transformer._parallel_config is None
     assert not any(context_parallel_plans.MARK in vars(m) for m in transformer.modules())
+
+
+@needs_gloo
+def test_guidance_split_and_token_split_together_are_refused(one_process_group):  # noqa: F811
+    """parallel='cfg' gives each process a different half of the guidance batch, and the token split
+    assumes every process holds the same images: together, an exchange of tokens of different images (a
+    wrong image without an error). Refused in either order, before any change."""
+    model = models.build_model("tiny-sd3", "transformer")
+    sd_kernels.patch(model, parallel="cfg")
+    with pytest.raises(ValueError, match="parallel='cfg'.*context parallelism"):
+        sd_kernels.enable_context_parallel(model)
+    assert model._parallel_config is None
+    sd_kernels.unpatch(model)
+    model._parallel_config = types.SimpleNamespace(context_parallel_config=object())  # what enable_parallelism sets
+    with pytest.raises(ValueError, match="parallel='cfg'.*context parallelism"):
+        sd_kernels.patch(model, parallel="cfg")
+    assert patch_record(model) is None and "forward" not in vars(model)
