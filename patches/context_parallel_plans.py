@@ -155,6 +155,20 @@ class _Check(ModelHook):
         return args, kwargs
 
 
+def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> None:
+    """Raise on every process unless all of them hold the same attention processors (a collective): a
+    patch made before ``enable_context_parallel`` on some processes only would have those exchange
+    and wait forever for the others, which refuse to run diffusers' processors under the split."""
+    mine = [type(attn.processor).__name__ for _, attn in modules]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if any(g != gathered[0] for g in gathered):
+        i = next((i for i in range(min(map(len, gathered))) if len({g[i] for g in gathered}) > 1), 0)
+        raise ValueError(f"enable_context_parallel: the processes' {name}s hold different attention processors "
+                         f"({modules[i][0]}: {', '.join(g[i] for g in gathered)}, by process; patched on some of them "
+                         "only?): patch every process alike, before or after enable_context_parallel")
+
+
 def enable_context_parallel(obj, degree: int | None = None):
     """One image's tokens over the processes of torch.distributed's default group: diffusers'
     ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))`` on ``obj``'s transformer
@@ -202,6 +216,7 @@ def enable_context_parallel(obj, degree: int | None = None):
             raise ValueError(f"{name}: Ulysses attention gives each of the {degree} processes 1/{degree} of the "
                              f"heads, and {degree} does not divide {path}'s {attn.heads} heads: run a number of "
                              f"processes that divides {attn.heads}")
+    _same_processors(modules, name)
     transformer.enable_parallelism(config=config, cp_plan=plan)
     cp = transformer._parallel_config.context_parallel_config
     ulysses = Ulysses(cp._ulysses_mesh.get_group(), degree, cp._ulysses_local_rank)

@@ -70,6 +70,8 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
             assert errors[f"{model}_heads"].startswith("ValueError") and "2 does not divide" in errors[f"{model}_heads"]
             assert errors[f"{model}_heads_untouched"]
         assert "StableDiffusionPipeline has no transformer" in errors["no_plan"]
+        # patched on one process only: that one's exchange would wait for the other's forever
+        assert "patch every process alike" in errors["patched_on_one"] and errors["patched_on_one_untouched"]
         assert "no context-parallel plan for UNet2DConditionModel" in errors["no_plan_model"]
 
 
