@@ -144,6 +144,10 @@ class _Check(ModelHook):
                     f"{path} has {type(attn.processor).__name__}, which would attend over those only (a wrong "
                     "image): sd_kernels.patch(pipe) gives it sd_kernels' attention, which exchanges the tokens "
                     "(before or after enable_context_parallel; docs/parallel.md)")
+        if kwargs.get("block_controlnet_hidden_states") is not None:
+            raise ValueError(f"{name} under context parallelism: ControlNet residuals are not served (whole-sequence "
+                             "tensors, added to a process's share of the tokens); run the ControlNet pipeline on one "
+                             "process, or its guidance batch over 2 with patch(pipe, parallel='cfg')")
         latent = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         p = module.config.patch_size
         rows, cols = latent.shape[-2] // p, latent.shape[-1] // p

@@ -12,6 +12,7 @@ import pathlib
 import types
 
 import pytest
+import torch
 import torch.distributed as dist
 from sd_kernels.patches import context_parallel_plans, patch_record
 from test_parallel import RTOL, launch, needs_gloo, one_process_group  # noqa: F401  (a fixture)
@@ -113,3 +114,14 @@ def test_guidance_split_and_token_split_together_are_refused(one_process_group):
     with pytest.raises(ValueError, match="parallel='cfg'.*context parallelism"):
         sd_kernels.patch(model, parallel="cfg")
     assert patch_record(model) is None and "forward" not in vars(model)
+
+
+def test_controlnet_residuals_under_the_split_are_a_clear_error():
+    """SD3's ControlNet residuals are whole-sequence tensors that the plan does not split: added to a
+    process's share of the tokens they would fail in a broadcast deep in the first block; named first."""
+    model = models.build_model("tiny-sd3", "transformer")
+    check = context_parallel_plans._Check([], 2)
+    latent = torch.randn(1, model.config.in_channels, 8, 8)
+    check.pre_forward(model, hidden_states=latent, block_controlnet_hidden_states=None)
+    with pytest.raises(ValueError, match="ControlNet"):
+        check.pre_forward(model, hidden_states=latent, block_controlnet_hidden_states=[torch.randn(1, 16, 48)])
