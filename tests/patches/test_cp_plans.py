@@ -125,3 +125,16 @@ def test_controlnet_residuals_under_the_split_are_a_clear_error():
     check.pre_forward(model, hidden_states=latent, block_controlnet_hidden_states=None)
     with pytest.raises(ValueError, match="ControlNet"):
         check.pre_forward(model, hidden_states=latent, block_controlnet_hidden_states=[torch.randn(1, 16, 48)])
+
+
+@needs_gloo
+def test_sd3_split_by_diffusers_alone_is_refused_at_patch(one_process_group):  # noqa: F811
+    """diffusers' ``enable_parallelism(cp_plan=plan_for(model))`` without ``enable_context_parallel`` splits the
+    tokens and marks nothing: sd_kernels' processors would attend over a process's share only (a wrong image).
+    The patch refuses, naming the way."""
+    model = models.build_model("tiny-sd3", "transformer")
+    mesh = types.SimpleNamespace(get_group=lambda: dist.group.WORLD)
+    model._parallel_config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(_flattened_mesh=mesh))
+    with pytest.raises(ValueError, match="enable_context_parallel"):
+        sd_kernels.patch(model)
+    assert patch_record(model) is None
