@@ -116,8 +116,16 @@ class Ulysses:
 
 
 def ulysses_of(attn) -> Ulysses | None:
-    """The exchange an attention module's processor runs (None: the module's tokens are all here)."""
-    return vars(attn).get(MARK)
+    """The exchange an attention module's processor (one of sd_kernels') runs (None: the module's tokens are
+    all here); a clear error where diffusers' ``enable_parallelism`` split the tokens (it sets its config
+    on the processor) and ``enable_context_parallel`` marked nothing."""
+    ulysses = vars(attn).get(MARK)
+    split = getattr(getattr(attn.processor, "_parallel_config", None), "context_parallel_config", None)
+    if ulysses is None and split is not None:
+        raise ValueError(f"{type(attn.processor).__name__}: this attention's tokens are split over processes by "
+                         "diffusers' enable_parallelism alone, and it would attend over a process's share only (a "
+                         "wrong image): split SD3 and PixArt-Σ with sd_kernels.enable_context_parallel(pipe)")
+    return ulysses
 
 
 def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:

@@ -138,3 +138,20 @@ def test_sd3_split_by_diffusers_alone_is_refused_at_patch(one_process_group):  #
     with pytest.raises(ValueError, match="enable_context_parallel"):
         sd_kernels.patch(model)
     assert patch_record(model) is None
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-pixart"])
+def test_patched_then_split_by_diffusers_alone_is_refused_at_the_call(name):
+    """Patched first, then diffusers' ``enable_parallelism(cp_plan=plan_for(model))`` without
+    ``enable_context_parallel``: diffusers sets its config on each processor that has the attribute (as here),
+    and nothing marks the attentions for the exchange; sd_kernels' processors refuse to attend over a
+    process's share of the tokens."""
+    pipe = models.build_pipeline(name)
+    sd_kernels.patch(pipe, ops=["attention"])
+    split = types.SimpleNamespace(context_parallel_config=object())
+    for m in pipe.transformer.modules():  # what enable_parallelism does to the processors
+        if hasattr(getattr(m, "processor", None), "_parallel_config"):
+            m.processor._parallel_config = split
+    with pytest.raises(ValueError, match="enable_context_parallel"), torch.no_grad():
+        pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="latent", max_sequence_length=16,
+             **({"use_resolution_binning": False} if "pixart" in name else {}))
