@@ -81,20 +81,11 @@ def check_heads(heads: int, parallel_config, where: str) -> None:
 
 
 def check_setup(models: list, profile, ops: tuple[str, ...], graph_mode: str | None, compile: str | None) -> None:
-    """Patching a model already under context parallelism: an SD3 or PixArt-Σ split by
-    ``enable_context_parallel`` (whose processors exchange), and every process of its mesh patching alike
-    (a collective over that mesh, as ``enable_parallelism`` was; a patch made before
-    ``enable_parallelism`` cannot be checked so)."""
-    from .context_parallel_plans import MARK, plan_for  # here: that module imports this one
-
+    """Patching a model already under context parallelism: every process of its mesh patches alike (a
+    collective over that mesh, as ``enable_parallelism`` was; a patch made before ``enable_parallelism``
+    cannot be checked so)."""
     parallel = [(part, m) for part, m in models
                 if getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None) is not None]
-    for part, m in parallel:
-        if plan_for(m) is not None and not any(MARK in vars(a) for a in m.modules()):
-            raise ValueError(f"the {part} ({type(m).__name__}) is under context parallelism without sd_kernels' "
-                             "exchange (diffusers' enable_parallelism alone): each attention would run over a "
-                             "process's share of the tokens (a wrong image); split it with "
-                             "sd_kernels.enable_context_parallel(pipe) instead")
     if parallel:
         group = parallel[0][1]._parallel_config.context_parallel_config._flattened_mesh.get_group()
         same_patch(group, parallel, profile, ops, graph_mode, compile, "context parallelism")

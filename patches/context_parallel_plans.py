@@ -128,6 +128,18 @@ def ulysses_of(attn) -> Ulysses | None:
     return ulysses
 
 
+def check_split(models: list[tuple[str, torch.nn.Module]]) -> None:
+    """Before a patch: an SD3 or PixArt-Σ under context parallelism is split by ``enable_context_parallel``
+    (diffusers' ``enable_parallelism`` with this plan alone marks no attention for the exchange)."""
+    for part, m in models:
+        cp = getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None)
+        if cp is not None and plan_for(m) is not None and not any(MARK in vars(a) for a in m.modules()):
+            raise ValueError(f"the {part} ({type(m).__name__}) is under context parallelism without sd_kernels' "
+                             "exchange (diffusers' enable_parallelism alone): each attention would run over a "
+                             "process's share of the tokens (a wrong image); split it with "
+                             "sd_kernels.enable_context_parallel(pipe) instead")
+
+
 def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:
     """The attention modules whose keys come from the split tokens: SD3's joint (and SD3.5's second,
     image-only) attentions, PixArt's self-attentions; not PixArt's cross-attentions (the text's keys)."""
