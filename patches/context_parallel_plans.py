@@ -27,7 +27,9 @@ the plan, marks each attention module that needs the exchange (``_sd_kernels_uly
 sd_kernels' processors read, whether the patch came before or after) and registers a check on the
 transformer's forward (a diffusers hook, like the plan's): every call, each of those modules runs a
 processor of sd_kernels' that exchanges (``exchanges_tokens``), and the image's tokens divide by the
-degree, else a clear error before any work. Like ``enable_parallelism``, it cannot be undone; ``unpatch``
+degree; at the first call of each argument signature, every process's tensor arguments agree (float64
+sums: a seed per process would put tokens of different noises side by side); else a clear error before
+any work. Like ``enable_parallelism``, it cannot be undone; ``unpatch``
 gives the stock processors back, and the check then refuses to run them. FLUX goes to diffusers' own
 plan and template (patches/context_parallel.py).
 """
@@ -35,6 +37,7 @@ plan and template (patches/context_parallel.py).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
 from . import cfg_parallel, context_parallel, flux_attention
-from .cfg_parallel import group_or_error
+from .cfg_parallel import _close, group_or_error
 
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
 PLANNED = ("SD3Transformer2DModel", "PixArtTransformer2DModel")
@@ -149,11 +152,13 @@ def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 class _Check(ModelHook):
-    """Before each call of a transformer under sd_kernels' plan: the processors exchange, the tokens divide."""
+    """Before each call of a transformer under sd_kernels' plan: the processors exchange, the tokens divide;
+    at the first call of each argument signature, the processes' inputs agree."""
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], degree: int) -> None:
         super().__init__()
         self.modules, self.degree = modules, degree
+        self.agreed: set = set()  # the argument signatures whose inputs the processes were seen to agree on
 
     def pre_forward(self, module, *args, **kwargs):
         name = type(module).__name__
@@ -176,7 +181,29 @@ class _Check(ModelHook):
                              f"tokens ({p}×{p} patches of a {latent.shape[-2]}×{latent.shape[-1]} latent) over "
                              f"{self.degree} processes, which do not divide them: choose a height and width whose "
                              f"patch grid has a multiple of {self.degree} tokens")
+        self._agree(module, args, kwargs)
         return args, kwargs
+
+    def _agree(self, module, args: tuple, kwargs: dict) -> None:
+        """Every process holds the same tensor arguments (float64 sums; a collective): each splits the same
+        image, and a seed per process would put tokens of different noises side by side, a wrong image."""
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+        named = [(params[k] if isinstance(k, int) and k < len(params) else str(k), v)
+                 for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)]
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in named)
+        if key in self.agreed:
+            return
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [(k, tuple(v.shape), float(v.detach().sum(dtype=torch.float64)))
+                                          for k, v in named])
+        differ = ([] if any(len(g) != len(named) for g in gathered) else
+                  [k for i, (k, _) in enumerate(named) if any(g[i][:2] != gathered[0][i][:2] for g in gathered)
+                   or not _close([g[i][2] for g in gathered], [gathered[0][i][2]] * len(gathered))])
+        if differ or any(len(g) != len(named) for g in gathered):
+            raise ValueError(f"{type(module).__name__} under context parallelism: the processes call it with different "
+                             f"{', '.join(differ) or 'arguments'}: every process must run the same pipeline call (same "
+                             "prompt, seed or generator, size and settings); only the image's tokens are split")
+        self.agreed.add(key)
 
 
 def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> None:

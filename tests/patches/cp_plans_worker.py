@@ -110,6 +110,13 @@ def errors_case():
         sd_kernels.patch(one_patched)
     out["patched_on_one"] = error_of(lambda: sd_kernels.enable_context_parallel(one_patched))
     out["patched_on_one_untouched"] = one_patched._parallel_config is None
+    seeded = build("tiny-pixart")
+    sd_kernels.enable_context_parallel(seeded)
+    sd_kernels.patch(seeded, ops=["attention"])
+    with torch.no_grad():  # a seed per process: each process's tokens would come from another noise
+        out["seed_per_process"] = error_of(lambda: seeded(
+            PROMPT, num_inference_steps=1, generator=torch.Generator().manual_seed(dist.get_rank()), height=64,
+            width=64, output_type="latent", max_sequence_length=TEXT, use_resolution_binning=False))
     unet_pipe = build("tiny")
     out["no_plan"] = error_of(lambda: sd_kernels.enable_context_parallel(unet_pipe))
     out["no_plan_model"] = error_of(lambda: sd_kernels.enable_context_parallel(unet_pipe.unet))

@@ -73,6 +73,7 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
         assert "StableDiffusionPipeline has no transformer" in errors["no_plan"]
         # patched on one process only: that one's exchange would wait for the other's forever
         assert "patch every process alike" in errors["patched_on_one"] and errors["patched_on_one_untouched"]
+        assert "different hidden_states" in errors["seed_per_process"]
         assert "no context-parallel plan for UNet2DConditionModel" in errors["no_plan_model"]
 
 
@@ -116,7 +117,8 @@ def test_guidance_split_and_token_split_together_are_refused(one_process_group):
     assert patch_record(model) is None and "forward" not in vars(model)
 
 
-def test_controlnet_residuals_under_the_split_are_a_clear_error():
+@needs_gloo
+def test_controlnet_residuals_under_the_split_are_a_clear_error(one_process_group):  # noqa: F811
     """SD3's ControlNet residuals are whole-sequence tensors that the plan does not split: added to a
     process's share of the tokens they would fail in a broadcast deep in the first block; named first."""
     model = models.build_model("tiny-sd3", "transformer")
