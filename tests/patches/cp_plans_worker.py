@@ -110,6 +110,13 @@ def errors_case():
         sd_kernels.patch(one_patched)
     out["patched_on_one"] = error_of(lambda: sd_kernels.enable_context_parallel(one_patched))
     out["patched_on_one_untouched"] = one_patched._parallel_config is None
+    own = models.build_model("tiny-pixart", "transformer")
+    sd_kernels.enable_context_parallel(own)
+    if dist.get_rank() == 1:  # a processor of its own on one process: the others would wait in its exchange
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        own.transformer_blocks[0].attn1.processor = type("Custom", (AttnProcessor2_0,), {})()
+    out["own_processor"] = error_of(lambda: sd_kernels.patch(own))
     seeded = build("tiny-pixart")
     sd_kernels.enable_context_parallel(seeded)
     sd_kernels.patch(seeded, ops=["attention"])

@@ -74,6 +74,7 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
         # patched on one process only: that one's exchange would wait for the other's forever
         assert "patch every process alike" in errors["patched_on_one"] and errors["patched_on_one_untouched"]
         assert "different hidden_states" in errors["seed_per_process"]
+        assert "patch differently (in attention processors)" in errors["own_processor"]
         assert "no context-parallel plan for UNet2DConditionModel" in errors["no_plan_model"]
 
 
