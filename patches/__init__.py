@@ -23,7 +23,7 @@ from sd_kernels.profiles import Profile, get_profile
 
 from . import call_gate, cfg_parallel, context_parallel, families, fp8, memory_budget, text_padding
 from . import cuda_graph as cuda_graph_mod
-from .context_parallel_plans import enable_context_parallel
+from .context_parallel_plans import check_split, enable_context_parallel
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
 from .memory_budget import memory_plan
 from .record import PatchRecord
@@ -81,6 +81,7 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
                                  "object (a pipeline sharing it, or the bare model): unpatch that one first")
         # collectives (every process patches): after the checks a single process could fail alone
         group = cfg_parallel.check_setup(models, prof, ops, mode, compile) if parallel else None
+        check_split(models)
         context_parallel.check_setup(models, prof, ops, mode, compile)
         scheduler = getattr(obj, "scheduler", None) if mode in cuda_graph_mod.PIPELINE_MODES else None
         record = PatchRecord(ops, prof.name, [p for p, _ in models], mode, compile, profile_spec=prof,

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .cuda_graph import context_parallel
 from .families import family_of, is_denoiser
 from .record import PatchRecord
 
@@ -103,6 +104,11 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
     if not denoisers:
         raise ValueError("parallel='cfg' splits the denoiser's guidance batch, and there is no denoiser (UNet or DiT "
                          "transformer) among the parts patched")
+    if split := [part for part, m in denoisers if context_parallel(m)]:
+        raise ValueError(f"parallel='cfg' hands each process a different half of the guidance batch, and the "
+                         f"{', '.join(split)} is under context parallelism (enable_context_parallel, "
+                         "enable_parallelism), which exchanges tokens assuming every process holds the same images (a "
+                         "wrong image): patch it without parallel=")
     if graph_mode == "step":
         raise ValueError("parallel='cfg' exchanges the denoiser's output between processes each step, outside the "
                          "CUDA graphs; cuda_graph='step' would capture that call inside a step's graph: use "
@@ -114,13 +120,17 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
 def same_patch(group, denoisers: list[tuple[str, nn.Module]], profile: Any, ops: tuple[str, ...],
                graph_mode: str | None, compile: str | None, what: str) -> None:
     """Raise on every process of ``group`` unless all of them patch alike: profile, ops, graph mode,
-    compile, the denoisers' classes, configs and weights (float64 sums). A collective."""
+    compile, the denoisers' classes, configs, attention processors (which the patch replaces or leaves:
+    under context parallelism one left on some process only would have the others wait in its exchange)
+    and weights (float64 sums). A collective."""
     mine = (repr(profile), ops, graph_mode, compile,
-            tuple((part, type(m).__name__, _config(m)) for part, m in denoisers))
+            tuple((part, type(m).__name__, _config(m)) for part, m in denoisers),
+            tuple((part, path, type(x.processor).__name__) for part, m in denoisers
+                  for path, x in m.named_modules() if hasattr(x, "processor")))
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (mine, [_weights_sum(m) for _, m in denoisers], profile.name), group=group)
     differ = _differing([g[0] for g in gathered], ("profile", "ops", "cuda_graph", "compile",
-                                                   "denoiser class or config"))
+                                                   "denoiser class or config", "attention processors"))
     if not differ and not all(_close(g[1], gathered[0][1]) for g in gathered):
         differ = ["denoiser weights"]
     if differ:
@@ -128,6 +138,15 @@ def same_patch(group, denoisers: list[tuple[str, nn.Module]], profile: Any, ops:
         raise ValueError(f"{what}: the processes patch differently (in {', '.join(differ)}): every process must "
                          f"load the same weights and call patch() with the same arguments; profiles per process: "
                          f"{profiles}")
+
+
+def splits_guidance(model: nn.Module) -> bool:
+    """Whether ``model`` is patched with ``parallel="cfg"`` (its patch's record says so: hooks registered
+    since may wrap the forward that splits)."""
+    from . import _OWNER  # here: the package imports this module
+
+    record = vars(model).get(_OWNER)
+    return record is not None and record.parallel == "cfg"
 
 
 class CfgParallelCall:

@@ -27,7 +27,9 @@ the plan, marks each attention module that needs the exchange (``_sd_kernels_uly
 sd_kernels' processors read, whether the patch came before or after) and registers a check on the
 transformer's forward (a diffusers hook, like the plan's): every call, each of those modules runs a
 processor of sd_kernels' that exchanges (``exchanges_tokens``), and the image's tokens divide by the
-degree, else a clear error before any work. Like ``enable_parallelism``, it cannot be undone; ``unpatch``
+degree; at the first call of each argument signature, every process's tensor arguments agree (float64
+sums: a seed per process would put tokens of different noises side by side); else a clear error before
+any work. Like ``enable_parallelism``, it cannot be undone; ``unpatch``
 gives the stock processors back, and the check then refuses to run them. FLUX goes to diffusers' own
 plan and template (patches/context_parallel.py).
 """
@@ -35,6 +37,7 @@ plan and template (patches/context_parallel.py).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -43,8 +46,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
-from . import context_parallel, flux_attention
-from .cfg_parallel import group_or_error
+from . import cfg_parallel, context_parallel, flux_attention
+from .cfg_parallel import _close, group_or_error
 
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
 PLANNED = ("SD3Transformer2DModel", "PixArtTransformer2DModel")
@@ -116,8 +119,28 @@ class Ulysses:
 
 
 def ulysses_of(attn) -> Ulysses | None:
-    """The exchange an attention module's processor runs (None: the module's tokens are all here)."""
-    return vars(attn).get(MARK)
+    """The exchange an attention module's processor (one of sd_kernels') runs (None: the module's tokens are
+    all here); a clear error where diffusers' ``enable_parallelism`` split the tokens (it sets its config
+    on the processor) and ``enable_context_parallel`` marked nothing."""
+    ulysses = vars(attn).get(MARK)
+    split = getattr(getattr(attn.processor, "_parallel_config", None), "context_parallel_config", None)
+    if ulysses is None and split is not None:
+        raise ValueError(f"{type(attn.processor).__name__}: this attention's tokens are split over processes by "
+                         "diffusers' enable_parallelism alone, and it would attend over a process's share only (a "
+                         "wrong image): split SD3 and PixArt-Σ with sd_kernels.enable_context_parallel(pipe)")
+    return ulysses
+
+
+def check_split(models: list[tuple[str, torch.nn.Module]]) -> None:
+    """Before a patch: an SD3 or PixArt-Σ under context parallelism is split by ``enable_context_parallel``
+    (diffusers' ``enable_parallelism`` with this plan alone marks no attention for the exchange)."""
+    for part, m in models:
+        cp = getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None)
+        if cp is not None and plan_for(m) is not None and not any(MARK in vars(a) for a in m.modules()):
+            raise ValueError(f"the {part} ({type(m).__name__}) is under context parallelism without sd_kernels' "
+                             "exchange (diffusers' enable_parallelism alone): each attention would run over a "
+                             "process's share of the tokens (a wrong image); split it with "
+                             "sd_kernels.enable_context_parallel(pipe) instead")
 
 
 def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:
@@ -129,11 +152,13 @@ def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 class _Check(ModelHook):
-    """Before each call of a transformer under sd_kernels' plan: the processors exchange, the tokens divide."""
+    """Before each call of a transformer under sd_kernels' plan: the processors exchange, the tokens divide;
+    at the first call of each argument signature, the processes' inputs agree."""
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], degree: int) -> None:
         super().__init__()
         self.modules, self.degree = modules, degree
+        self.agreed: set = set()  # the argument signatures whose inputs the processes were seen to agree on
 
     def pre_forward(self, module, *args, **kwargs):
         name = type(module).__name__
@@ -144,6 +169,10 @@ class _Check(ModelHook):
                     f"{path} has {type(attn.processor).__name__}, which would attend over those only (a wrong "
                     "image): sd_kernels.patch(pipe) gives it sd_kernels' attention, which exchanges the tokens "
                     "(before or after enable_context_parallel; docs/parallel.md)")
+        if kwargs.get("block_controlnet_hidden_states") is not None:
+            raise ValueError(f"{name} under context parallelism: ControlNet residuals are not served (whole-sequence "
+                             "tensors, added to a process's share of the tokens); run the ControlNet pipeline on one "
+                             "process, or its guidance batch over 2 with patch(pipe, parallel='cfg')")
         latent = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         p = module.config.patch_size
         rows, cols = latent.shape[-2] // p, latent.shape[-1] // p
@@ -152,7 +181,43 @@ class _Check(ModelHook):
                              f"tokens ({p}×{p} patches of a {latent.shape[-2]}×{latent.shape[-1]} latent) over "
                              f"{self.degree} processes, which do not divide them: choose a height and width whose "
                              f"patch grid has a multiple of {self.degree} tokens")
+        self._agree(module, args, kwargs)
         return args, kwargs
+
+    def _agree(self, module, args: tuple, kwargs: dict) -> None:
+        """Every process holds the same tensor arguments (float64 sums; a collective): each splits the same
+        image, and a seed per process would put tokens of different noises side by side, a wrong image."""
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+        named = [(params[k] if isinstance(k, int) and k < len(params) else str(k), v)
+                 for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)]
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in named)
+        if key in self.agreed:
+            return
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [(k, tuple(v.shape), float(v.detach().sum(dtype=torch.float64)))
+                                          for k, v in named])
+        differ = ([] if any(len(g) != len(named) for g in gathered) else
+                  [k for i, (k, _) in enumerate(named) if any(g[i][:2] != gathered[0][i][:2] for g in gathered)
+                   or not _close([g[i][2] for g in gathered], [gathered[0][i][2]] * len(gathered))])
+        if differ or any(len(g) != len(named) for g in gathered):
+            raise ValueError(f"{type(module).__name__} under context parallelism: the processes call it with different "
+                             f"{', '.join(differ) or 'arguments'}: every process must run the same pipeline call (same "
+                             "prompt, seed or generator, size and settings); only the image's tokens are split")
+        self.agreed.add(key)
+
+
+def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> None:
+    """Raise on every process unless all of them hold the same attention processors (a collective): a
+    patch made before ``enable_context_parallel`` on some processes only would have those exchange
+    and wait forever for the others, which refuse to run diffusers' processors under the split."""
+    mine = [type(attn.processor).__name__ for _, attn in modules]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if any(g != gathered[0] for g in gathered):
+        i = next((i for i in range(min(map(len, gathered))) if len({g[i] for g in gathered}) > 1), 0)
+        raise ValueError(f"enable_context_parallel: the processes' {name}s hold different attention processors "
+                         f"({modules[i][0]}: {', '.join(g[i] for g in gathered)}, by process; patched on some of them "
+                         "only?): patch every process alike, before or after enable_context_parallel")
 
 
 def enable_context_parallel(obj, degree: int | None = None):
@@ -168,6 +233,11 @@ def enable_context_parallel(obj, degree: int | None = None):
         raise ValueError(f"enable_context_parallel: this {type(obj).__name__} has no transformer to split (a UNet "
                          "pipeline's one image goes over 2 processes with patch(pipe, parallel='cfg'))")
     name = type(transformer).__name__
+    if cfg_parallel.splits_guidance(transformer):
+        raise ValueError(f"enable_context_parallel: this {name} is patched with parallel='cfg', which hands each "
+                         "process a different half of the guidance batch, and context parallelism exchanges tokens "
+                         "assuming every process holds the same images (a wrong image): unpatch it, or patch without "
+                         "parallel=")
     world = dist.get_world_size()
     degree = world if degree is None else degree
     if degree != world or degree < 2:
@@ -197,6 +267,7 @@ def enable_context_parallel(obj, degree: int | None = None):
             raise ValueError(f"{name}: Ulysses attention gives each of the {degree} processes 1/{degree} of the "
                              f"heads, and {degree} does not divide {path}'s {attn.heads} heads: run a number of "
                              f"processes that divides {attn.heads}")
+    _same_processors(modules, name)
     transformer.enable_parallelism(config=config, cp_plan=plan)
     cp = transformer._parallel_config.context_parallel_config
     ulysses = Ulysses(cp._ulysses_mesh.get_group(), degree, cp._ulysses_local_rank)

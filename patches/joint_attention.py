@@ -40,6 +40,8 @@ class SDKernelsJointAttnProcessor:
     profile_scoped = True
     precision = "exact"  # the attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py)
     exchanges_tokens = True  # under sd_kernels' context-parallel plan (patches/context_parallel_plans.py)
+    # set by diffusers' enable_parallelism: a split that enable_context_parallel did not mark is refused (ulysses_of)
+    _parallel_config = None
 
     def __init__(self, fused: bool = False) -> None:
         self.fused = fused  # FusedJointAttnProcessor2_0 (after pipe.fuse_qkv_projections())

@@ -23,6 +23,7 @@ from parallel_worker import latents as latents_at_side  # noqa: E402
 from sd_kernels.patches import context_parallel_plans as plans  # noqa: E402
 
 import sd_kernels  # noqa: E402
+from sd_kernels import models  # noqa: E402
 
 CALLS = []  # each Ulysses.attention call's (local query shape, split)
 
@@ -104,6 +105,25 @@ def errors_case():
         out[f"{key}_heads"] = error_of(lambda m=model: sd_kernels.enable_context_parallel(m))
         out[f"{key}_heads_untouched"] = model._parallel_config is None and not any(
             plans.MARK in vars(m) for m in model.modules())
+    one_patched = models.build_model("tiny-pixart", "transformer")
+    if dist.get_rank() == 0:  # a patch made before, on one process only
+        sd_kernels.patch(one_patched)
+    out["patched_on_one"] = error_of(lambda: sd_kernels.enable_context_parallel(one_patched))
+    out["patched_on_one_untouched"] = one_patched._parallel_config is None
+    own = models.build_model("tiny-pixart", "transformer")
+    sd_kernels.enable_context_parallel(own)
+    if dist.get_rank() == 1:  # a processor of its own on one process: the others would wait in its exchange
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        own.transformer_blocks[0].attn1.processor = type("Custom", (AttnProcessor2_0,), {})()
+    out["own_processor"] = error_of(lambda: sd_kernels.patch(own))
+    seeded = build("tiny-pixart")
+    sd_kernels.enable_context_parallel(seeded)
+    sd_kernels.patch(seeded, ops=["attention"])
+    with torch.no_grad():  # a seed per process: each process's tokens would come from another noise
+        out["seed_per_process"] = error_of(lambda: seeded(
+            PROMPT, num_inference_steps=1, generator=torch.Generator().manual_seed(dist.get_rank()), height=64,
+            width=64, output_type="latent", max_sequence_length=TEXT, use_resolution_binning=False))
     unet_pipe = build("tiny")
     out["no_plan"] = error_of(lambda: sd_kernels.enable_context_parallel(unet_pipe))
     out["no_plan_model"] = error_of(lambda: sd_kernels.enable_context_parallel(unet_pipe.unet))

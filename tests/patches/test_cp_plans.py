@@ -9,10 +9,12 @@ group, one process.
 """
 
 import pathlib
+import types
 
 import pytest
+import torch
 import torch.distributed as dist
-from sd_kernels.patches import context_parallel_plans
+from sd_kernels.patches import context_parallel_plans, patch_record
 from test_parallel import RTOL, launch, needs_gloo, one_process_group  # noqa: F401  (a fixture)
 
 import sd_kernels
@@ -69,6 +71,10 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
             assert errors[f"{model}_heads"].startswith("ValueError") and "2 does not divide" in errors[f"{model}_heads"]
             assert errors[f"{model}_heads_untouched"]
         assert "StableDiffusionPipeline has no transformer" in errors["no_plan"]
+        # patched on one process only: that one's exchange would wait for the other's forever
+        assert "patch every process alike" in errors["patched_on_one"] and errors["patched_on_one_untouched"]
+        assert "different hidden_states" in errors["seed_per_process"]
+        assert "patch differently (in attention processors)" in errors["own_processor"]
         assert "no context-parallel plan for UNet2DConditionModel" in errors["no_plan_model"]
 
 
@@ -93,3 +99,62 @@ def test_one_process_is_a_clear_error(one_process_group):  # noqa: F811
         sd_kernels.enable_context_parallel(transformer)
     assert transformer._parallel_config is None
     assert not any(context_parallel_plans.MARK in vars(m) for m in transformer.modules())
+
+
+@needs_gloo
+def test_guidance_split_and_token_split_together_are_refused(one_process_group):  # noqa: F811
+    """parallel='cfg' gives each process a different half of the guidance batch, and the token split
+    assumes every process holds the same images: together, an exchange of tokens of different images (a
+    wrong image without an error). Refused in either order, before any change."""
+    model = models.build_model("tiny-sd3", "transformer")
+    sd_kernels.patch(model, parallel="cfg")
+    with pytest.raises(ValueError, match="parallel='cfg'.*context parallelism"):
+        sd_kernels.enable_context_parallel(model)
+    assert model._parallel_config is None
+    sd_kernels.unpatch(model)
+    model._parallel_config = types.SimpleNamespace(context_parallel_config=object())  # what enable_parallelism sets
+    with pytest.raises(ValueError, match="parallel='cfg'.*context parallelism"):
+        sd_kernels.patch(model, parallel="cfg")
+    assert patch_record(model) is None and "forward" not in vars(model)
+
+
+@needs_gloo
+def test_controlnet_residuals_under_the_split_are_a_clear_error(one_process_group):  # noqa: F811
+    """SD3's ControlNet residuals are whole-sequence tensors that the plan does not split: added to a
+    process's share of the tokens they would fail in a broadcast deep in the first block; named first."""
+    model = models.build_model("tiny-sd3", "transformer")
+    check = context_parallel_plans._Check([], 2)
+    latent = torch.randn(1, model.config.in_channels, 8, 8)
+    check.pre_forward(model, hidden_states=latent, block_controlnet_hidden_states=None)
+    with pytest.raises(ValueError, match="ControlNet"):
+        check.pre_forward(model, hidden_states=latent, block_controlnet_hidden_states=[torch.randn(1, 16, 48)])
+
+
+@needs_gloo
+def test_sd3_split_by_diffusers_alone_is_refused_at_patch(one_process_group):  # noqa: F811
+    """diffusers' ``enable_parallelism(cp_plan=plan_for(model))`` without ``enable_context_parallel`` splits the
+    tokens and marks nothing: sd_kernels' processors would attend over a process's share only (a wrong image).
+    The patch refuses, naming the way."""
+    model = models.build_model("tiny-sd3", "transformer")
+    mesh = types.SimpleNamespace(get_group=lambda: dist.group.WORLD)
+    model._parallel_config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(_flattened_mesh=mesh))
+    with pytest.raises(ValueError, match="enable_context_parallel"):
+        sd_kernels.patch(model)
+    assert patch_record(model) is None
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-pixart"])
+def test_patched_then_split_by_diffusers_alone_is_refused_at_the_call(name):
+    """Patched first, then diffusers' ``enable_parallelism(cp_plan=plan_for(model))`` without
+    ``enable_context_parallel``: diffusers sets its config on each processor that has the attribute (as here),
+    and nothing marks the attentions for the exchange; sd_kernels' processors refuse to attend over a
+    process's share of the tokens."""
+    pipe = models.build_pipeline(name)
+    sd_kernels.patch(pipe, ops=["attention"])
+    split = types.SimpleNamespace(context_parallel_config=object())
+    for m in pipe.transformer.modules():  # what enable_parallelism does to the processors
+        if hasattr(getattr(m, "processor", None), "_parallel_config"):
+            m.processor._parallel_config = split
+    with pytest.raises(ValueError, match="enable_context_parallel"), torch.no_grad():
+        pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="latent", max_sequence_length=16,
+             **({"use_resolution_binning": False} if "pixart" in name else {}))
