@@ -261,18 +261,12 @@ def _layer_reference(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return run(torch.float32), run(x.dtype)
 
 
-def _rel_err_on_device(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in float64 where the tensors are: testing.rel_err copies both to the host, too
-    slow for every GEMM of a 1024² transformer call (4,608 × 12,288 outputs)."""
-    ref64 = ref.detach().double()
-    return ((x.detach().double() - ref64).norm() / ref64.norm()).item()
-
-
 def run_layers(model: str, args, out: pathlib.Path) -> list[dict]:
     from sd_kernels.patches.fp8 import Fp8FeedForward, Fp8Linear, _family
 
     import sd_kernels
     from sd_kernels.models import build_pipeline, image_side
+    from sd_kernels.testing import rel_err
 
     pipe = build_pipeline(model, "cuda", _dtype(model))
     pipe.set_progress_bar_config(disable=True)
@@ -289,8 +283,7 @@ def run_layers(model: str, args, out: pathlib.Path) -> list[dict]:
             exact, own = _layer_reference(module, inputs[0])
             rows.append({"model": model, "layer": name, "family": "feed_forward_fused" if isinstance(
                 module, Fp8FeedForward) else _family(name), "rows": inputs[0].numel() // inputs[0].shape[-1],
-                "fp8_rel_err": f"{_rel_err_on_device(output, exact):.3e}",
-                "own_dtype_rel_err": f"{_rel_err_on_device(own, exact):.3e}"})
+                "fp8_rel_err": f"{rel_err(output, exact):.3e}", "own_dtype_rel_err": f"{rel_err(own, exact):.3e}"})
         return record_error
 
     handles = [m.register_forward_hook(hook(n)) for n, m in denoiser.named_modules()

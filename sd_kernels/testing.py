@@ -30,11 +30,12 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in float64; inf if x has NaN/inf where ref is finite."""
-    x64, ref64 = x.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
-    if not torch.isfinite(x64[torch.isfinite(ref64)]).all():
-        return math.inf
+    """‖x − ref‖ / ‖ref‖ in float64, on x's device (a GPU's outputs are not copied to the host); inf if x
+    has NaN/inf where ref is finite."""
+    x64, ref64 = x.detach().to(torch.float64), ref.detach().to(x.device, torch.float64)
     finite = torch.isfinite(ref64)
+    if not torch.isfinite(x64[finite]).all():
+        return math.inf
     num = (x64[finite] - ref64[finite]).norm().item()
     den = ref64[finite].norm().item()
     return num / den if den > 0 else num
