@@ -99,3 +99,9 @@ def test_an_unknown_precision_is_an_error_naming_the_option(tmp_path, capsys):
     assert "argument --precision: invalid choice: 'int8' (choose from 'fp16', 'fp8')" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"--precision 'int8': one of fp16, fp8"):
         options.Settings(precision="int8").check()
+
+
+def test_the_options_precisions_are_the_patchs():
+    from sd_kernels.patches import fp8
+
+    assert options.PRECISIONS == fp8.PRECISIONS
