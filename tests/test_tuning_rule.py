@@ -114,6 +114,18 @@ def test_an_untabled_key_takes_the_nearest_tuned_choice_without_timing(rule, dev
     assert len(said) == 1 and "nearest tuned key" in said[0]  # once per kernel
 
 
+def test_a_config_launches_with_its_options_in_one_order_whichever_source_gave_it(rule, device):
+    """Triton keys its in-memory kernel cache on the launch options' string: a table's entry (JSON,
+    keys sorted) and the rule's or the autotuner's choice of the same config must launch alike, or the
+    same kernel compiles again at each new size."""
+    _ship(rule, "gpu-a-sm90", {("scale", 1000): dict(sorted(ENTRY[32].items()))})
+    launcher = Launcher(_kernel)
+    _run(launcher, 1000, device)  # tabled
+    _run(launcher, 900, device)  # the rule
+    order = list(_CONFIGS[1].all_kwargs())
+    assert list(launcher.memo[("scale", 1000)]) == list(launcher.memo[("scale", 900)]) == order
+
+
 def test_the_rule_respects_the_kernels_pruning_for_the_call(rule, device):
     _ship(rule, "gpu-a-sm90", {("scale", 4096): ENTRY[64]})
     assert _run(Launcher(_kernel), 20, device) == 16  # 64 and 32 are wider than 20: the first kept config

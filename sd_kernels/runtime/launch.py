@@ -73,7 +73,12 @@ class Launcher:
         self.direct = DirectPath(fn)
         # The autotune cache: only a choice between several configs is worth keeping on disk.
         self.tunable = any(len(layer.configs) > 1 for layer in self._autotuners())
-        self.config_names = {k for layer in self._autotuners() for c in layer.configs for k in c.all_kwargs()}
+        # in the configs' own order: a launch's options are part of Triton's in-memory cache key as a string
+        # (str of the dict), so the same config in another key order (a table's JSON is sorted) compiles
+        # the same kernel again
+        self.config_order = list(dict.fromkeys(k for layer in self._autotuners() for c in layer.configs
+                                               for k in c.all_kwargs()))
+        self.config_names = set(self.config_order)
         self.cache: CacheFile | None = None  # the file of the last miss's device and directory
         self.tuned_any = False  # whether a key was autotuned in this process (logged the first time)
         self.ruled: dict[Hashable, str] = {}  # key -> the tuned key whose choice the rule gave it (or why none)
@@ -190,7 +195,7 @@ class Launcher:
         for layer in self.layers:
             if isinstance(layer, Autotuner):
                 config = layer.best_config.all_kwargs() if tuned is None else tuned
-                meta.update({k: v for k, v in config.items() if k in self.config_names})
+                meta.update({k: config[k] for k in self.config_order if k in config})
             else:  # heuristics see the arguments and what the layers above added, as at launch
                 named = {**dict(zip(layer.arg_names, args)), **kwargs, **meta}
                 meta.update({name: value(named) for name, value in layer.values.items()})
