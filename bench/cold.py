@@ -22,7 +22,9 @@ compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's
 seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
 (keys that took the nearest tuned key's choice: sd_kernels/runtime/tuning_rule.py), ``late_compiles``
 (kernels compiled outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name),
-and the environment.
+and the environment. ``--specs`` also writes ``DIR/specs.jsonl``: each compilation's kernel,
+constants, attributes and options, per shape (what a new size compiled, and why). FLUX runs in bf16,
+the others in fp16.
 "shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
 architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """
@@ -80,6 +82,12 @@ def compile_watch() -> tuple[Stopwatch, collections.Counter]:
     def named(src, *args, **kwargs):
         name = getattr(getattr(src, "fn", None), "__name__", "?")
         ALL[name] += 1
+        options = kwargs.get("options") or (args[1] if len(args) > 1 else None) or {}
+        SPECS.append({"kernel": name, "signature": repr(getattr(src, "signature", None)),
+                      "constants": repr(getattr(src, "constants", None)),
+                      "attrs": repr(getattr(src, "attrs", None)),
+                      "options": {k: options.get(k) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+                                  if isinstance(options, dict)}})
         if not threading.current_thread().name.startswith("sd-kernels-compile"):
             late[name] += 1
         return inner(src, *args, **kwargs)
@@ -89,6 +97,8 @@ def compile_watch() -> tuple[Stopwatch, collections.Counter]:
 
 
 ALL: collections.Counter = collections.Counter()  # every compilation by kernel name (compile_watch)
+SPECS: list[dict] = []  # every compilation's specialization (constexprs, attributes, options), in order
+SPECS_ENV = "SD_KERNELS_COLD_SPECS"  # a file the child appends SPECS to, one JSON line per compilation
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -153,8 +163,9 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
 
     t = time.perf_counter()
     base = model.removesuffix(CONTROLNET)
-    pipe = (models.build_controlnet_pipeline(base, device="cuda", dtype=torch.float16) if base != model else
-            models.load_pipeline(model, device="cuda", dtype=torch.float16))
+    dtype = torch.bfloat16 if base.startswith("flux") else torch.float16  # FLUX's own dtype (fp16 overflows)
+    pipe = (models.build_controlnet_pipeline(base, device="cuda", dtype=dtype) if base != model else
+            models.load_pipeline(model, device="cuda", dtype=dtype))
     pipe.set_progress_bar_config(disable=True)
     torch.cuda.synchronize()
     build = time.perf_counter() - t
@@ -175,7 +186,7 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
     with torch.inference_mode():
         record = None
         for order, shape in enumerate(shapes, 1):
-            before, names, every = counters(), collections.Counter(late), collections.Counter(ALL)
+            before, names, every, specs = counters(), collections.Counter(late), collections.Counter(ALL), len(SPECS)
             t = time.perf_counter()
             if record is None:
                 record = sd_kernels.patch(pipe)
@@ -184,6 +195,10 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
             spent = {k: round(v - before[k], 1) if isinstance(v, float) else v - before[k]
                      for k, v in counters().items()}
             warm = statistics.median(image(shape) for _ in range(3))
+            if os.environ.get(SPECS_ENV):
+                with open(os.environ[SPECS_ENV], "a") as f:
+                    f.writelines(json.dumps({"model": model, "shape": label(shape), "order": order, **spec}) + "\n"
+                                 for spec in SPECS[specs:])
             rows.append({"shape": label(shape), "order": order, "build_s": round(build, 1) if order == 1 else "",
                          "first_s": round(first, 1), **spent, "warm_ms": round(warm * 1e3, 1),
                          "cuda_graph": record.cuda_graph,
@@ -193,14 +208,16 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
 
 
 def measure(model: str, shapes: list[tuple[int, int, int]], steps: int, shipped: bool = True,
-            precompile: bool = True, autotune: str = "rule", cache: str | None = None) -> list[dict]:
-    """``child`` in a new process with empty caches (``cache``: this autotune cache instead); its rows."""
+            precompile: bool = True, autotune: str = "rule", cache: str | None = None,
+            specs: pathlib.Path | None = None) -> list[dict]:
+    """``child`` in a new process with empty caches (``cache``: this autotune cache instead); its rows.
+    ``specs``: a file the child appends each compilation's specialization to (``--specs``)."""
     with tempfile.TemporaryDirectory(prefix="sd-kernels-cold-") as tmp:
         env = {**os.environ, "SD_KERNELS_AUTOTUNE_CACHE": cache or f"{tmp}/autotune",
                "TRITON_CACHE_DIR": f"{tmp}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor",
                "SD_KERNELS_SHIPPED_TUNING": "1" if shipped else "0",
                "SD_KERNELS_PRECOMPILE": "1" if precompile else "0",
-               "SD_KERNELS_AUTOTUNE": autotune}
+               "SD_KERNELS_AUTOTUNE": autotune, SPECS_ENV: str(specs or "")}
         proc = subprocess.run([sys.executable, "-m", "bench.cold", "--child", f"{model}@{'+'.join(map(label, shapes))}",
                                "--steps", str(steps)], env=env, capture_output=True, text=True)
     row = {"model": model, "shipped": "on" if shipped else "off", "precompile": "on" if precompile else "off",
@@ -233,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autotune", default="rule", help="SD_KERNELS_AUTOTUNE for --runs (rule, 1 or 0)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--first-only", action="store_true", help="the first model only")
+    ap.add_argument("--specs", action="store_true",
+                    help="also write specs.jsonl: each compilation's kernel, constexprs, attributes and options, "
+                         "per shape (what made a new size compile)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -260,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / "cold.csv"
     status = 0
     for model, shapes, shipped, precompile in plan:
-        for row in measure(model, shapes, args.steps, shipped, precompile, args.autotune if args.runs else "rule"):
+        for row in measure(model, shapes, args.steps, shipped, precompile, args.autotune if args.runs else "rule",
+                           specs=args.out / "specs.jsonl" if args.specs else None):
             status |= row["status"] != "ok"
             print(say(row), flush=True)
             common.append_csv(path, [{**row, **{k: env.get(k, "") for k in FIELDS if k in env}}], FIELDS)
