@@ -250,7 +250,13 @@ def _heads(t, n=2):
 def test_gpu_matches_the_quantized_reference(shape, modes, dtype):
     """Against the quantized algorithm in float64 (two heads: the reference's scores are large). The
     e4m3 wgmma accumulates in less than fp32 (reported for Hopper), hence the looser bound here; the
-    error against exact attention is printed beside it (pytest -s)."""
+    error against exact attention is printed beside it (pytest -s).
+
+    With P in e4m3 the kernel's probabilities (from ex2.approx) and the reference's (float64) round to
+    neighbouring codes wherever they straddle a rounding boundary, each such P off by 1/16: at FLUX's
+    4,608 keys that put the fp8/fp8 output 5.6-5.9e-3 from the reference on an H200 (2026-11-28),
+    whatever the input dtype, and adding each key block's P·V in fp32 did not change it (5.55e-3). So
+    an e4m3 P gets 8e-3, the other paths 4e-3, over the input's own rounding."""
     b, h, s, d = shape
     qk, pv = modes
     q, k, v = qkv(b, h, s, s, d, dtype, "cuda")
@@ -259,7 +265,7 @@ def test_gpu_matches_the_quantized_reference(shape, modes, dtype):
     exact = reference.attention(_heads(q), _heads(k), _heads(v))
     e_ref, e_exact = rel_err(out[:, :2], ref), rel_err(out[:, :2], exact)
     print(f"{shape} {dtype} qk={qk} pv={pv}: vs quantized reference {e_ref:.2e}, vs exact {e_exact:.2e}")
-    assert e_ref <= 4e-3 + MATCH[dtype]
+    assert e_ref <= (8e-3 if pv == "fp8" else 4e-3) + MATCH[dtype]
     assert e_exact < 0.06
 
 
