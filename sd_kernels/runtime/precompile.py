@@ -28,6 +28,16 @@ What keeps the dry run from leaving anything wrong behind:
   first launch as before.
 A compilation that fails in the pool is left to the real call, which compiles the kernel again and
 raises what it raises.
+
+Triton holds the interpreter's lock for most of a compilation (its front end and MLIR passes), so the
+threads overlap little besides ptxas: 52 kernels, about 80 s summed, take 7.5-10 s on 16 threads
+(SD1.5 512², H200). Opt-in, ``SD_KERNELS_COMPILE_PROCESSES=1``: where a dry run records many kernels
+(``PROCESS_MIN``: a new process's first graph), they first compile in worker processes
+(compile_worker.py, each a share of them, no GPU) into Triton's disk cache, from which the threads then
+load them; a kernel a worker could not compile the threads compile as before. Off by default: its one
+GPU measurement ran a worker that refused every kernel (Triton 3.6 names kernels module.qualname), so
+the threads compiled everything after the workers had started (first image 24 s against 11.5 s); fixed
+and checked on CPU against Triton's own preload (tests/test_compile_worker.py), not yet measured.
 """
 
 from __future__ import annotations
@@ -43,7 +53,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 ENV = "SD_KERNELS_PRECOMPILE"
+PROCESS_ENV = "SD_KERNELS_COMPILE_PROCESSES"
 MAX_THREADS = 16
+PROCESS_MIN = 24  # kernels a dry run records before worker processes pay their start (~2-3 s: torch's import)
+PROCESS_TIMEOUT_S = 300.0
 _local = threading.local()  # .todo: {(kernel id, specialization data): (kernel, data)} during a dry run
 
 
@@ -57,6 +70,7 @@ class Report:
     threads: int
     dry_s: float
     compile_s: float
+    processes: int = 0  # worker processes that compiled ahead of the threads (0: threads alone)
 
 
 def dry() -> bool:
@@ -120,6 +134,7 @@ def precompile(run: Callable[[], Any], device: Any = None) -> Report | None:
     items = list(todo.values())
     threads = max(1, min(len(items), os.cpu_count() or 1, MAX_THREADS))
     start = time.perf_counter()
+    processes = _in_processes(items, threads) if len(items) >= PROCESS_MIN else 0
     failed = 0
     if items:
         with ThreadPoolExecutor(threads, thread_name_prefix="sd-kernels-compile",
@@ -130,10 +145,69 @@ def precompile(run: Callable[[], Any], device: Any = None) -> Report | None:
             log.info("sd_kernels: %d of %d kernels did not compile ahead (the call compiles them): %s",
                      failed, len(items), errors[0])
     report = Report(len(items), len(items) - failed, failed, threads, round(dry_s, 3),
-                    round(time.perf_counter() - start, 3))
-    log.info("sd_kernels: compiled %d kernels on %d threads in %.1f s (dry run %.2f s)", report.compiled,
-             threads, report.compile_s, dry_s)
+                    round(time.perf_counter() - start, 3), processes)
+    log.info("sd_kernels: compiled %d kernels on %d %s in %.1f s (dry run %.2f s)", report.compiled,
+             processes or threads, "processes" if processes else "threads", report.compile_s, dry_s)
     return report
+
+
+def _in_processes(items: list[tuple[Any, str]], workers: int) -> int:
+    """Compile ``items`` into Triton's disk cache in up to ``workers`` processes; how many ran (0 where
+    none could: switched off, no disk cache, the target unknown)."""
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        if os.environ.get(PROCESS_ENV, "0") != "1" or knobs.compilation.always_compile or not knobs.cache.dir:
+            return 0
+        target = driver.active.get_current_target()
+        longest_first = sorted(items, key=lambda item: -len(getattr(item[0], "src", "")))  # shares alike
+        jobs = [(jit.fn.__module__, jit.fn.__qualname__, data) for jit, data in longest_first]
+        workers = min(workers, -(-len(jobs) // 3))  # at least three kernels a worker: each pays an import
+        errors = compile_in_processes(jobs, (target.backend, target.arch, target.warp_size), workers,
+                                      knobs.cache.dir)
+    except Exception as exc:  # the threads compile everything, as without workers
+        log.info("sd_kernels: no compiler processes (%s: %s)", type(exc).__name__, exc)
+        return 0
+    if errors:  # each costs the time it waited for the workers
+        log.warning("sd_kernels: %d of %d kernels did not compile in the worker processes (the threads compile "
+                    "them): %s", len(errors), len(items), errors[0])
+    return workers
+
+
+def compile_in_processes(jobs: list[tuple[str, str, str]], target: tuple, workers: int,
+                         cache_dir: str, timeout_s: float = PROCESS_TIMEOUT_S) -> list[str]:
+    """Compile ``jobs`` ((module, kernel name, specialization data)) for ``target`` ((backend, arch,
+    warp size)) into the Triton disk cache ``cache_dir``, on ``workers`` processes of
+    compile_worker.py; the errors (a job not done, a worker that failed or took over ``timeout_s``)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    shares = [jobs[i::workers] for i in range(workers)]  # the caller lists the longest sources first
+    procs = []
+    for share in shares:
+        proc = subprocess.Popen([sys.executable, "-m", "sd_kernels.runtime.compile_worker"], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc.stdin.write(json.dumps({"target": list(target), "jobs": share}))
+        proc.stdin.close()
+        procs.append(proc)
+    deadline, errors = time.monotonic() + timeout_s, []
+    for proc, share in zip(procs, shares):
+        try:  # its stdin is closed and its one line of output fits the pipe: waiting cannot block it
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            lines = proc.stdout.read().strip().splitlines()
+            errors += json.loads(lines[-1])["errors"] if proc.returncode == 0 and lines else [
+                f"a worker exited with {proc.returncode} ({len(share)} kernels)"]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            errors.append(f"a worker took over {timeout_s:.0f} s ({len(share)} kernels)")
+        finally:
+            proc.stdout.close()
+    return errors
 
 
 def _on_device(device: Any) -> None:
