@@ -17,8 +17,8 @@ synchronized, everything included), ``warm_ms`` (the median of 3 more images at 
 the first image spent: ``compiles`` / ``compile_s`` (Triton kernels compiled and the seconds spent,
 summed over the threads that compiled them, sd-kernels' and inductor's kernels alike),
 ``precompiled`` / ``precompile_s`` (compiled ahead by the parallel precompile, and the wall seconds of
-its dry runs and thread pools), ``capture_s`` (CUDA-graph capture with its warm-up calls, less the
-compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and the
+its dry runs and thread pools; ``dry_s``: the dry runs alone), ``capture_s`` (CUDA-graph capture with
+its warm-up calls, less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and the
 seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
 (keys that took the nearest tuned key's choice: sd_kernels/runtime/tuning_rule.py), ``late_compiles``
 (kernels compiled outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name),
@@ -44,7 +44,7 @@ import threading
 import time
 
 FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
-          "compile_s", "precompiled", "precompile_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
+          "compile_s", "precompiled", "precompile_s", "dry_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
           "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
@@ -159,6 +159,7 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
                 "tunings": tunings.calls, "tuning_s": tunings.seconds,
                 "precompiled": sum(r.compiled for r in done),
                 "precompile_s": sum(r.dry_s + r.compile_s for r in done),
+                "dry_s": sum(r.dry_s for r in done),
                 "ruled": sum(len(k.ruled) for k in kernels.values())}
 
     t = time.perf_counter()
@@ -237,7 +238,8 @@ def say(row: dict) -> str:
         return head + row["status"]
     build = f"build {row['build_s']} s, " if row["order"] == 1 else ""
     return head + (f"{build}first image {row['first_s']} s ({row['compiles']} Triton compiles, {row['compile_s']} s; "
-                   f"{row['precompiled']} ahead in {row['precompile_s']} s; capture {row['capture_s']} s; "
+                   f"{row['precompiled']} ahead in {row['precompile_s']} s (dry run {row.get('dry_s', '?')} s); "
+                   f"capture {row['capture_s']} s; "
                    f"{row['tunings']} configs timed, {row['tuning_s']} s; {row['ruled']} keys by rule), "
                    f"warm {row['warm_ms']} ms; compiled {row.get('compiled') or 'nothing'}")
 
