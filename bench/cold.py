@@ -11,20 +11,20 @@ run a model and its shapes (``+``): ``WxH`` or ``WxHxB`` (B images per prompt) o
 first shape is the process's cold start, each later one a new shape in a warm process; a model
 ``NAME+controlnet`` is the shipped config's ControlNet pipeline (a random conditioning image).
 
-One row per (run, shape) in ``DIR/cold.csv``: ``build_s`` (the random-weight pipeline), ``first_s``
-(the first shape: ``patch(pipe)`` with its defaults and one image; a later shape: its first image;
+One row per (run, shape) in ``DIR/cold.csv``: ``build_s`` (the random-weight pipeline), ``first_s`` (the
+first shape: ``patch(pipe)`` with its defaults and one image; a later shape: its first image;
 synchronized, everything included), ``warm_ms`` (the median of 3 more images at that shape), and what
 the first image spent: ``compiles`` / ``compile_s`` (Triton kernels compiled and the seconds spent,
-summed over the threads that compiled them, sd-kernels' and inductor's kernels alike),
-``precompiled`` / ``precompile_s`` (compiled ahead by the parallel precompile, and the wall seconds of
-its dry runs and thread pools; ``dry_s``: the dry runs alone), ``capture_s`` (CUDA-graph capture with
-its warm-up calls, less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and the
-seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
+summed over the threads that compiled them, sd-kernels' and inductor's kernels alike), ``precompiled`` /
+``precompile_s`` (compiled ahead by the parallel precompile, and the wall seconds of its dry runs and
+thread pools; ``dry_s``: the dry runs alone), ``capture_s`` (CUDA-graph capture with its warm-up calls,
+less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and
+the seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
 (keys that took the nearest tuned key's choice: sd_kernels/runtime/tuning_rule.py), ``late_compiles``
 (kernels compiled outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name),
-and the environment. ``--specs`` also writes ``DIR/specs.jsonl``: each compilation's kernel,
-constants, attributes and options, per shape (what a new size compiled, and why). FLUX runs in bf16,
-the others in fp16.
+and the environment. ``--specs`` also writes ``DIR/specs.jsonl``: each compilation's kernel, constants,
+attributes and options, per shape (what a new size compiled, and why). FLUX runs in bf16, the others in
+fp16.
 "shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
 architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """
@@ -44,8 +44,8 @@ import threading
 import time
 
 FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
-          "compile_s", "precompiled", "precompile_s", "dry_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
-          "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+          "compile_s", "precompiled", "precompile_s", "dry_s", "capture_s", "tunings", "tuning_s", "ruled",
+          "late_compiles", "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
 class Stopwatch:
