@@ -2,6 +2,7 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--rows stock,compile,patched,fp8,torchao] [--steps 20] [--calls 2] [--compile recipe]
+                        [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
 
 Random weights from the shipped configs (images are noise-like: the quality columns compare two runs
 of the same random model, not image quality). Three modes, each writing its CSV to DIR as it goes:
@@ -15,7 +16,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
 - ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;
   torch.compile (``--compile recipe``: bench/setups.py's ``stock+compile-graphs``, diffusers' recipe;
   ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``, or the whole transformer
-  compiled where diffusers names no repeated blocks: SD3, PixArt-Σ); ours lossless
+  compiled where diffusers names no repeated blocks: SD3, PixArt-Σ; ``--compile-mode``: torch.compile's
+  mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
+  label); ours lossless
   (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``; torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -139,9 +142,9 @@ def run_ops(models: list[str], out: pathlib.Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _regional_compile(pipe, quantize: bool):
-    """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks.
-    Not undone: quantize_ replaces the weights in place (the row runs last)."""
+def _regional_compile(pipe, quantize: bool, mode: str = "default"):
+    """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks in
+    torch.compile's ``mode``. Not undone: quantize_ replaces the weights in place (the row runs last)."""
     transformer = pipe.transformer
     dtype = next(transformer.parameters()).dtype
     if quantize and dtype != torch.bfloat16:  # torchao asserts it deep inside quantize_
@@ -152,30 +155,51 @@ def _regional_compile(pipe, quantize: bool):
 
         quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks(fullgraph=True)
-        mode = "regional-compile"
+        transformer.compile_repeated_blocks(fullgraph=True, mode=mode)
+        how = "regional-compile"
     else:  # SD3's and PixArt's transformers name no repeated blocks (diffusers 0.42.1): the whole forward
-        transformer.compile(fullgraph=True)
-        mode = "whole-transformer-compile"
-    yield {"e2e_mode": mode, "patched": "torchao float8 row-wise" if quantize else ""}
+        transformer.compile(fullgraph=True, mode=mode)
+        how = "whole-transformer-compile"
+    yield {"e2e_mode": f"{how} mode={mode}", "patched": "torchao float8 row-wise" if quantize else ""}
 
 
-def _setup(row: str, compile_mode: str):
-    """(label, a context factory for bench.dit.measure) of one e2e row."""
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+REGIONAL, TORCHAO = "compile-regional", "torchao-fp8+regional-compile"  # the regional peers' labels
+
+
+def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
+    """(label, a context factory for bench.dit.measure) of one e2e row; a regional peer compiled in
+    another mode than torch.compile's default carries it in its label."""
     from bench.setups import PEER, VARIANTS, Setup, applied
 
+    suffix = "" if torch_mode == "default" else f"[{torch_mode}]"
     if row == "stock":
         return "stock", lambda p: applied(p, VARIANTS["stock"])
     if row == "compile":
         if compile_mode == "regional":
-            return "compile-regional", lambda p: _regional_compile(p, quantize=False)
+            return REGIONAL + suffix, lambda p: _regional_compile(p, quantize=False, mode=torch_mode)
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
     if row == "fp8":
         setup = Setup("patched+graph+fp8", patched=True, graph=True, precision="fp8")
         return setup.name, lambda p: applied(p, setup)
-    return "torchao-fp8+regional-compile", lambda p: _regional_compile(p, quantize=True)
+    return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
+
+
+def peer_columns(rows: list[dict]) -> dict[str, float]:
+    """{ratio column: the peer's e2e_ms} of the peers measured in ``rows``: vs_compile against the
+    compile row (the recipe's or a regional one, in any mode), vs_torchao against torchao's."""
+    found: dict[str, float] = {}
+    for r in rows:
+        variant, ms = r.get("variant", ""), r.get("e2e_ms")
+        if not ms:
+            continue
+        if variant == "stock+compile-graphs" or variant.startswith(REGIONAL):
+            found["vs_compile"] = ms
+        elif variant.startswith(TORCHAO):
+            found["vs_torchao"] = ms
+    return found
 
 
 def run_e2e(model: str, rows: list[str], args, out: pathlib.Path) -> list[dict]:
@@ -206,7 +230,7 @@ def run_e2e(model: str, rows: list[str], args, out: pathlib.Path) -> list[dict]:
     images: dict = {}
     got = []
     for row in rows:
-        label, context = _setup(row, args.compile)
+        label, context = _setup(row, args.compile, args.compile_mode)
         t0 = time.perf_counter()
         try:
             result = measure(pipe, label, side, args.steps, args.calls, ref, context=context, images=images)
@@ -219,12 +243,10 @@ def run_e2e(model: str, rows: list[str], args, out: pathlib.Path) -> list[dict]:
         result.update(model=model, size=side, steps=args.steps, dtype=str(_dtype(model)).removeprefix("torch."),
                       **{k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")})
         got.append(result)
-        base = {r["variant"]: r.get("e2e_ms") for r in got}
         for r in got:
-            for peer, col in (("stock+compile-graphs", "vs_compile"), ("compile-regional", "vs_compile"),
-                              ("torchao-fp8+regional-compile", "vs_torchao")):
-                if base.get(peer) and r.get("e2e_ms"):
-                    r[col] = round(r["e2e_ms"] / base[peer], 3)
+            for col, peer in peer_columns(got).items():
+                if r.get("e2e_ms"):
+                    r[col] = round(r["e2e_ms"] / peer, 3)
         print(f"[{time.perf_counter() - t0:6.1f} s] {model} {label}: {result}", flush=True)
         common.append_csv(out / "fp8_e2e.csv", [result], E2E_COLUMNS)
         torch.cuda.empty_cache()
@@ -323,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: FLUX bf16, the others fp16; torchao's row needs bf16")
     ap.add_argument("--compile", choices=("recipe", "regional"), default="recipe",
                     help="the compile row: bench/setups.py's recipe (whole forward) or regional compilation")
+    ap.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                    help="torch.compile's mode for the regional peers (compile --compile regional, torchao): "
+                         "reduce-overhead adds CUDA graphs")
     args = ap.parse_args(argv)
     if args.dtype != "auto":
         DTYPE_OVERRIDE["all"] = torch.bfloat16 if args.dtype == "bf16" else torch.float16

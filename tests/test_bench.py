@@ -551,3 +551,17 @@ def test_parallel_bench_keeps_one_gpu_times_across_runs_of_some_variants():
     rows = [{"variant": "ours", "status": "ok", "e2e_ms": 4.0}, {"variant": "peer", "status": "failed: X"},
             {"variant": "ours+compile", "status": "ok", "e2e_ms": 3.0}]
     assert parallel.one_gpu_times(ref, rows) == {"stock": 9.0, "ours": 4.0, "ours+compile": 3.0}
+
+
+def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
+    from bench import fp8
+
+    assert fp8._setup("compile", "regional")[0] == "compile-regional"
+    assert fp8._setup("compile", "regional", "reduce-overhead")[0] == "compile-regional[reduce-overhead]"
+    assert fp8._setup("torchao", "regional", "reduce-overhead")[0] == "torchao-fp8+regional-compile[reduce-overhead]"
+    assert fp8._setup("compile", "recipe", "reduce-overhead")[0] == "stock+compile-graphs"  # the recipe's own modes
+    rows = [{"variant": "stock", "e2e_ms": 4.0}, {"variant": "compile-regional[reduce-overhead]", "e2e_ms": 2.5},
+            {"variant": "patched+graph+fp8", "e2e_ms": 2.0},
+            {"variant": "torchao-fp8+regional-compile[reduce-overhead]", "e2e_ms": 2.2},
+            {"variant": "torchao-fp8+regional-compile", "status": "error: X"}]
+    assert fp8.peer_columns(rows) == {"vs_compile": 2.5, "vs_torchao": 2.2}
