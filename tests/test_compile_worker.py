@@ -1,9 +1,10 @@
-"""The precompile's compiler processes (sd_kernels/runtime/compile_worker.py, opt-in with
-SD_KERNELS_COMPILE_PROCESSES=1): a package kernel's specialization, as Triton's jit_cache_hook records
-it at a launch, compiles in a worker for a Hopper target into the disk cache, and Triton's own
-``JITFunction.preload`` of the same data then finds that entry instead of compiling; what a worker
-cannot do comes back as an error for the caller's threads to redo. Runs on CPU: Triton compiles for
-CUDA targets without a driver, and a stand-in driver lets a launch reach the hook."""
+"""The precompile's compiler processes (opt-in, SD_KERNELS_COMPILE_PROCESSES=N; compile_pool.py and
+compile_worker.py): a package kernel's specialization, as Triton's jit_cache_hook records it at a
+launch, compiles in a worker for a Hopper target into the disk cache, and Triton's own
+``JITFunction.preload`` of the same data then finds that entry instead of compiling again; a worker
+answers an error for what it cannot do and stays up; one that dies is stopped and its kernel left to
+the threads. Runs on CPU: Triton compiles for CUDA targets without a driver, and a stand-in driver
+lets a launch reach the hook."""
 
 import json
 import os
@@ -12,20 +13,23 @@ import subprocess
 import sys
 import textwrap
 
-from sd_kernels.runtime import precompile
+import pytest
 
-HOPPER = ("cuda", 90, 32)
+from sd_kernels.runtime import compile_pool
+
+HOPPER = ["cuda", 90, 32]
 GELU = "sd_kernels.ops.gelu"
 
-# In a process without the interpreter: a launch of the elementwise GELU kernel under a stand-in CUDA
-# driver, recorded by the hook (as a dry run records it), compiled by a worker, then preloaded.
+# In a process without the interpreter: two launches of the elementwise GELU kernel under a stand-in
+# CUDA driver, recorded by the hook as a dry run records them, then compiled by the precompile with no
+# thread of its own: the one compiler process compiles both, and the preloads find its entries.
 SCRIPT = textwrap.dedent("""
     import importlib, json, pathlib, sys
     import torch
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
-    from sd_kernels.runtime import precompile
+    from sd_kernels.runtime import compile_pool, precompile
 
     class Driver:
         def get_current_device(self): return 0
@@ -34,48 +38,71 @@ SCRIPT = textwrap.dedent("""
         def get_active_torch_device(self): return torch.device("cpu")
 
     driver.set_active(Driver())
+    precompile.start_workers()
     jit = importlib.import_module("sd_kernels.ops.gelu")._ELEMENTWISE.jit
     recorded = []
     knobs.runtime.jit_cache_hook = lambda *, compile=None, **_: recorded.append(compile["specialization_data"]) or True
     x = torch.randn(64, 256).half()
-    jit[(4,)](x, torch.empty_like(x), 64, 256, 256, 1, 256, GATED=False, ACT="tanh", BLOCK_R=16, BLOCK_C=256,
-              num_warps=4)
+    for block_c in (256, 128):
+        jit[(4,)](x, torch.empty_like(x), 64, 256, 256, 1, 256, GATED=False, ACT="tanh", BLOCK_R=16, BLOCK_C=block_c,
+                  num_warps=4)
     knobs.runtime.jit_cache_hook = None
-    cache = pathlib.Path(sys.argv[1])
-    cubins = lambda: sorted(str(p) for p in cache.rglob("*.cubin"))
-    errors = precompile.compile_in_processes([(jit.fn.__module__, jit.fn.__qualname__, recorded[0])],
-                                             ("cuda", 90, 32), 1, str(cache))
-    after_worker = cubins()
-    jit.preload(recorded[0])
-    print(json.dumps({"errors": errors, "worker": after_worker, "preload": cubins()}))
+    errors, processes = precompile._compile([(jit, data) for data in recorded], 0, None)
+    cubins = sorted(str(p) for p in pathlib.Path(sys.argv[1]).rglob("*.cubin"))
+    keys = [json.loads(data)["key"] for data in recorded]
+    print(json.dumps({"errors": errors, "processes": processes, "cubins": cubins,
+                      "loaded": [k in jit.device_caches[0][0] for k in keys]}))
+    compile_pool.shutdown()
 """)
 
 
-def _cubins(folder: pathlib.Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*.cubin")}
-
-
-def test_a_workers_compilation_is_the_entry_tritons_preload_finds(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+def test_a_compiler_process_compiles_what_tritons_preload_then_finds(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), compile_pool.ENV: "1"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["errors"] == []
-    assert len(result["worker"]) == 1  # compiled by the worker...
-    assert result["preload"] == result["worker"]  # ...and found there by Triton's preload: nothing new
+    assert result["errors"] == [] and result["processes"] == 1
+    assert len(result["cubins"]) == 2  # each specialization compiled once, by the worker
+    assert result["loaded"] == [True, True]  # and in the kernel cache after the preloads
 
 
-def test_what_a_worker_cannot_do_comes_back_as_errors(tmp_path):
-    data = json.dumps({"name": f"{GELU}._other_kernel", "signature": {}, "constant_keys": [], "constant_vals": [],
-                       "attrs_keys": [], "attrs_vals": [], "options": {}, "key": "k"})
-    jobs = [("sd_kernels.ops.no_such_module", "_kernel", data),
-            (GELU, "_elementwise_kernel", data),  # the data names another kernel
-            (GELU, "_activation", data)]  # a Python function, not a kernel
-    errors = precompile.compile_in_processes(jobs, HOPPER, 1, tmp_path)
-    assert [e.split(":")[0] for e in errors] == [
-        "sd_kernels.ops.no_such_module._kernel", f"{GELU}._elementwise_kernel", f"{GELU}._activation"]
-    assert "ModuleNotFoundError" in errors[0] and "_other_kernel" in errors[1] and "not a Triton kernel" in errors[2]
-    broken = precompile.compile_in_processes([(GELU, "_elementwise_kernel", "{not json")], HOPPER, 1, tmp_path)
-    assert len(broken) == 1 and "JSONDecodeError" in broken[0]
-    assert _cubins(tmp_path) == set()
+def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_dies(tmp_path):
+    worker = compile_pool.Worker(str(tmp_path))
+    try:
+        assert worker.poll_ready(300)
+        data = json.dumps({"name": f"{GELU}._other_kernel", "signature": {}, "constant_keys": [],
+                           "constant_vals": [], "attrs_keys": [], "attrs_vals": [], "options": {}, "key": "k"})
+        missing = worker.compile(["sd_kernels.ops.no_such_module", "_kernel", data, HOPPER])
+        assert missing.startswith("sd_kernels.ops.no_such_module._kernel: ModuleNotFoundError")
+        assert "_other_kernel" in worker.compile([GELU, "_elementwise_kernel", data, HOPPER])  # another kernel's data
+        assert "not a Triton kernel" in worker.compile([GELU, "_activation", data, HOPPER])
+        assert "JSONDecodeError" in worker.compile([GELU, "_elementwise_kernel", "{not json", HOPPER])
+        assert not worker.dead  # errors are answers: the worker stays up
+        worker.proc.kill()
+        worker.proc.wait()
+        assert worker.compile([GELU, "_elementwise_kernel", data, HOPPER]) and worker.dead  # gone: stopped
+    finally:
+        worker.stop()
+    slow = compile_pool.Worker(str(tmp_path))
+    try:
+        assert slow.poll_ready(300)
+        # importing diffusers' UNet (about 3 s) takes longer than the half second given: no answer in time
+        unet = "diffusers.models.unets.unet_2d_condition"
+        assert "no answer within" in slow.compile([unet, "_kernel", data, HOPPER], timeout=0.5)
+        assert slow.dead and slow.proc.poll() is not None
+    finally:
+        slow.stop()
+    assert list(pathlib.Path(tmp_path).rglob("*.cubin")) == []
+
+
+@pytest.mark.parametrize("value, count", [("", 0), ("0", 0), ("1", 1), ("999", min(os.cpu_count() or 1, 16))])
+def test_the_environment_asks_for_a_count_of_processes(monkeypatch, value, count):
+    monkeypatch.setenv(compile_pool.ENV, value)
+    assert compile_pool.requested() == count
+
+
+def test_a_setting_that_is_not_a_count_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(compile_pool.ENV, "yes")
+    with pytest.raises(ValueError, match=compile_pool.ENV):
+        compile_pool.requested()

@@ -2,21 +2,24 @@
 
 Triton compiles a kernel mostly while holding the interpreter's lock (its Python front end and the MLIR
 passes), so the precompile's threads overlap little more than ptxas: 52 kernels took 7.5-10 s on 16
-threads (SD1.5 at 512², H200). A process of its own per share of the kernels compiles them truly in
-parallel into Triton's disk cache; the caller's threads then load each from there (opt-in:
-``SD_KERNELS_COMPILE_PROCESSES=1``, see precompile.py).
+threads (SD1.5 at 512², H200). A process of its own compiles truly in parallel, into Triton's disk
+cache; the caller then loads each kernel from there (compile_pool.py; opt-in:
+``SD_KERNELS_COMPILE_PROCESSES``).
 
-Reads one JSON object on stdin: ``{"target": [backend, arch, warp_size], "jobs": [[module, name,
-specialization data], ...]}`` (the data ``knobs.runtime.jit_cache_hook`` serializes, the same that
-``JITFunction.preload`` takes); writes one JSON line: ``{"compiled": n, "errors": [...]}``. It never
-touches a GPU (the caller hides them: CUDA_VISIBLE_DEVICES is empty), and a job it cannot do is only
-reported: the caller compiles that kernel itself.
+Protocol, one JSON line each way: the worker imports the modules named on its command line (the
+kernels' package, which sits above this layer: named, not imported here), then writes ``"ready"``;
+then, per line on stdin, ``[module, kernel name, specialization data, [backend, arch, warp size]]``
+(the data ``knobs.runtime.jit_cache_hook`` serializes, the same that ``JITFunction.preload`` takes),
+it compiles and answers ``{"ok": true}`` or ``{"error": "..."}``; it exits at the end of stdin. Its
+own stdout is stderr: nothing an import prints can break a line. It never touches a GPU (the caller
+hides them: CUDA_VISIBLE_DEVICES is empty).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -69,19 +72,32 @@ def compile_one(jit: Any, data: str, target: Any) -> Any:
     return triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options)
 
 
-def main() -> int:
+def answer(line: str) -> dict[str, Any]:
+    """The answer to one request line."""
     from triton.backends.compiler import GPUTarget
 
-    request = json.load(sys.stdin)
-    target = GPUTarget(*request["target"])
-    compiled, errors = 0, []
-    for module, name, data in request["jobs"]:
-        try:
-            compile_one(find_jit(module, name), data, target)
-            compiled += 1
-        except Exception as exc:  # the caller compiles it and reports what is wrong
-            errors.append(f"{module}.{name}: {type(exc).__name__}: {exc}")
-    print(json.dumps({"compiled": compiled, "errors": errors}), flush=True)
+    what = "a request"
+    try:
+        module, name, data, target = json.loads(line)
+        what = f"{module}.{name}"
+        compile_one(find_jit(module, name), data, GPUTarget(*target))
+        return {"ok": True}
+    except Exception as exc:  # the caller compiles it and reports what is wrong
+        return {"error": f"{what}: {type(exc).__name__}: {exc}"}
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed goes to stderr
+    os.dup2(2, 1)
+    for module in sys.argv[1:]:  # before saying ready: the first job pays no import
+        importlib.import_module(module)
+
+    out.write('"ready"\n')
+    out.flush()
+    for line in sys.stdin:
+        if line.strip():
+            out.write(json.dumps(answer(line)) + "\n")
+            out.flush()
     return 0
 
 

@@ -31,13 +31,13 @@ raises what it raises.
 
 Triton holds the interpreter's lock for most of a compilation (its front end and MLIR passes), so the
 threads overlap little besides ptxas: 52 kernels, about 80 s summed, take 7.5-10 s on 16 threads
-(SD1.5 512², H200). Opt-in, ``SD_KERNELS_COMPILE_PROCESSES=1``: where a dry run records many kernels
-(``PROCESS_MIN``: a new process's first graph), they first compile in worker processes
-(compile_worker.py, each a share of them, no GPU) into Triton's disk cache, from which the threads then
-load them; a kernel a worker could not compile the threads compile as before. Off by default: its one
-GPU measurement ran a worker that refused every kernel (Triton 3.6 names kernels module.qualname), so
-the threads compiled everything after the workers had started (first image 24 s against 11.5 s); fixed
-and checked on CPU against Triton's own preload (tests/test_compile_worker.py), not yet measured.
+(SD1.5 512², H200). Opt-in, ``SD_KERNELS_COMPILE_PROCESSES=N`` starts N compiler processes when a patch
+installs its CUDA graphs (compile_pool.py); each precompile then shares its kernels between the threads
+and the processes that are ready, which compile into Triton's disk cache for the threads to load. Off
+by default until a GPU run measures it: an earlier form (workers started at the precompile, all
+kernels handed out at once) made the first image slower (24 s against 11.5 s), its workers refusing
+every kernel (Triton 3.6 names kernels module.qualname); the worker's compilation is checked on CPU
+against Triton's own preload (tests/test_compile_worker.py).
 """
 
 from __future__ import annotations
@@ -51,12 +51,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import compile_pool
+
 log = logging.getLogger(__name__)
 ENV = "SD_KERNELS_PRECOMPILE"
-PROCESS_ENV = "SD_KERNELS_COMPILE_PROCESSES"
 MAX_THREADS = 16
-PROCESS_MIN = 24  # kernels a dry run records before worker processes pay their start (~2-3 s: torch's import)
-PROCESS_TIMEOUT_S = 300.0
 _local = threading.local()  # .todo: {(kernel id, specialization data): (kernel, data)} during a dry run
 
 
@@ -70,7 +69,7 @@ class Report:
     threads: int
     dry_s: float
     compile_s: float
-    processes: int = 0  # worker processes that compiled ahead of the threads (0: threads alone)
+    processes: int = 0  # compiler processes that compiled any of them (compile_pool.py; 0: threads alone)
 
 
 def dry() -> bool:
@@ -131,83 +130,72 @@ def precompile(run: Callable[[], Any], device: Any = None) -> Report | None:
 
         torch.cuda.synchronize(device)  # the dry run's own launches, before the timer reads
     dry_s = time.perf_counter() - start
-    items = list(todo.values())
+    items = sorted(todo.values(), key=lambda item: -len(getattr(item[0], "src", "")))  # the longest first
     threads = max(1, min(len(items), os.cpu_count() or 1, MAX_THREADS))
     start = time.perf_counter()
-    processes = _in_processes(items, threads) if len(items) >= PROCESS_MIN else 0
-    failed = 0
-    if items:
-        with ThreadPoolExecutor(threads, thread_name_prefix="sd-kernels-compile",
-                                initializer=_on_device, initargs=(device,)) as pool:
-            errors = [e for e in pool.map(_preload, items) if e is not None]
-        failed = len(errors)
-        if errors:
-            log.info("sd_kernels: %d of %d kernels did not compile ahead (the call compiles them): %s",
-                     failed, len(items), errors[0])
+    errors, processes = _compile(items, threads, device) if items else ([], 0)
+    failed = len(errors)
+    if errors:
+        log.info("sd_kernels: %d of %d kernels did not compile ahead (the call compiles them): %s",
+                 failed, len(items), errors[0])
     report = Report(len(items), len(items) - failed, failed, threads, round(dry_s, 3),
                     round(time.perf_counter() - start, 3), processes)
-    log.info("sd_kernels: compiled %d kernels on %d %s in %.1f s (dry run %.2f s)", report.compiled,
-             processes or threads, "processes" if processes else "threads", report.compile_s, dry_s)
+    log.info("sd_kernels: compiled %d kernels on %d threads%s in %.1f s (dry run %.2f s)", report.compiled,
+             threads, f" and {processes} processes" if processes else "", report.compile_s, dry_s)
     return report
 
 
-def _in_processes(items: list[tuple[Any, str]], workers: int) -> int:
-    """Compile ``items`` into Triton's disk cache in up to ``workers`` processes; how many ran (0 where
-    none could: switched off, no disk cache, the target unknown)."""
-    try:
-        from triton import knobs
-        from triton.runtime import driver
+class _Queue:
+    """The kernels left to compile, taken by the threads and the compiler processes' drivers alike."""
 
-        if os.environ.get(PROCESS_ENV, "0") != "1" or knobs.compilation.always_compile or not knobs.cache.dir:
-            return 0
-        target = driver.active.get_current_target()
-        longest_first = sorted(items, key=lambda item: -len(getattr(item[0], "src", "")))  # shares alike
-        jobs = [(jit.fn.__module__, jit.fn.__qualname__, data) for jit, data in longest_first]
-        workers = min(workers, -(-len(jobs) // 3))  # at least three kernels a worker: each pays an import
-        errors = compile_in_processes(jobs, (target.backend, target.arch, target.warp_size), workers,
-                                      knobs.cache.dir)
-    except Exception as exc:  # the threads compile everything, as without workers
-        log.info("sd_kernels: no compiler processes (%s: %s)", type(exc).__name__, exc)
-        return 0
-    if errors:  # each costs the time it waited for the workers
-        log.warning("sd_kernels: %d of %d kernels did not compile in the worker processes (the threads compile "
-                    "them): %s", len(errors), len(items), errors[0])
-    return workers
+    def __init__(self, items: list) -> None:
+        self.items, self.lock = list(items), threading.Lock()
+
+    def __call__(self, peek: bool = False) -> Any:
+        with self.lock:
+            return None if not self.items else self.items[0] if peek else self.items.pop(0)
 
 
-def compile_in_processes(jobs: list[tuple[str, str, str]], target: tuple, workers: int,
-                         cache_dir: str, timeout_s: float = PROCESS_TIMEOUT_S) -> list[str]:
-    """Compile ``jobs`` ((module, kernel name, specialization data)) for ``target`` ((backend, arch,
-    warp size)) into the Triton disk cache ``cache_dir``, on ``workers`` processes of
-    compile_worker.py; the errors (a job not done, a worker that failed or took over ``timeout_s``)."""
-    import json
-    import subprocess
-    import sys
+def _compile(items: list[tuple[Any, str]], threads: int, device: Any) -> tuple[list[str], int]:
+    """Compile ``items`` on ``threads`` threads and the ready compiler processes (compile_pool.py);
+    (the errors, how many processes compiled any)."""
+    take, errors = _Queue(items), []
+    workers, target = compile_pool.start(), None
+    if workers:
+        try:
+            target = compile_pool.target_of_device()
+        except Exception as exc:  # the threads compile everything, as without processes
+            log.info("sd_kernels: no compiler processes for this precompile (%s: %s)", type(exc).__name__, exc)
+            workers = []
+    until = time.monotonic() + compile_pool.READY_TIMEOUT_S
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    shares = [jobs[i::workers] for i in range(workers)]  # the caller lists the longest sources first
-    procs = []
-    for share in shares:
-        proc = subprocess.Popen([sys.executable, "-m", "sd_kernels.runtime.compile_worker"], env=env, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        proc.stdin.write(json.dumps({"target": list(target), "jobs": share}))
-        proc.stdin.close()
-        procs.append(proc)
-    deadline, errors = time.monotonic() + timeout_s, []
-    for proc, share in zip(procs, shares):
-        try:  # its stdin is closed and its one line of output fits the pipe: waiting cannot block it
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            lines = proc.stdout.read().strip().splitlines()
-            errors += json.loads(lines[-1])["errors"] if proc.returncode == 0 and lines else [
-                f"a worker exited with {proc.returncode} ({len(share)} kernels)"]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            errors.append(f"a worker took over {timeout_s:.0f} s ({len(share)} kernels)")
-        finally:
-            proc.stdout.close()
-    return errors
+    def load(item: tuple[Any, str]) -> None:
+        error = _preload(item)
+        if error is not None:
+            errors.append(error)
+
+    def drain() -> None:
+        while (item := take()) is not None:
+            load(item)
+
+    def drive(worker: Any) -> int:
+        _on_device(device)
+        return compile_pool.drive(worker, take, load, target, until)
+
+    with ThreadPoolExecutor(threads + len(workers), thread_name_prefix="sd-kernels-compile",
+                            initializer=_on_device, initargs=(device,)) as pool:
+        driven = [pool.submit(drive, w) for w in workers]
+        for future in [pool.submit(drain) for _ in range(threads)]:
+            future.result()
+        processes = sum(f.result() > 0 for f in driven)
+    return errors, processes
+
+
+def start_workers() -> None:
+    """Start the compiler processes ``SD_KERNELS_COMPILE_PROCESSES`` asks for, ahead of the first
+    precompile (a patch calls it when it installs CUDA graphs); nothing where there is no dry run."""
+    if unavailable() is None:
+        compile_pool.start()
 
 
 def _on_device(device: Any) -> None:
