@@ -17,14 +17,15 @@ synchronized, everything included), ``warm_ms`` (the median of 3 more images at 
 the first image spent: ``compiles`` / ``compile_s`` (Triton kernels compiled and the seconds spent,
 summed over the threads that compiled them, sd-kernels' and inductor's kernels alike), ``precompiled`` /
 ``precompile_s`` (compiled ahead by the parallel precompile, and the wall seconds of its dry runs and
-thread pools; ``dry_s``: the dry runs alone), ``capture_s`` (CUDA-graph capture with its warm-up calls,
-less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by Triton's autotuner and
-the seconds, compilations left out: keys no table holds under ``SD_KERNELS_AUTOTUNE=1``), ``ruled``
-(keys that took the nearest tuned key's choice: sd_kernels/runtime/tuning_rule.py), ``late_compiles``
-(kernels compiled outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name),
-and the environment. ``--specs`` also writes ``DIR/specs.jsonl``: each compilation's kernel, constants,
-attributes and options, per shape (what a new size compiled, and why). FLUX runs in bf16, the others in
-fp16.
+thread pools; ``dry_s``: the dry runs alone; ``processes``: compiler processes that took kernels, summed
+over the precompiles, under ``SD_KERNELS_COMPILE_PROCESSES``), ``capture_s`` (CUDA-graph capture with
+its warm-up calls, less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by
+Triton's autotuner and the seconds, compilations left out: keys no table holds under
+``SD_KERNELS_AUTOTUNE=1``), ``ruled`` (keys that took the nearest tuned key's choice:
+sd_kernels/runtime/tuning_rule.py), ``late_compiles`` (kernels compiled outside the precompile pool, by
+name), ``compiled`` (every kernel compiled, by name), and the environment. ``--specs`` also writes
+``DIR/specs.jsonl``: each compilation's kernel, constants, attributes and options, per shape (what a new
+size compiled, and why). FLUX runs in bf16, the others in fp16.
 "shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
 architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """
@@ -44,7 +45,7 @@ import threading
 import time
 
 FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
-          "compile_s", "precompiled", "precompile_s", "dry_s", "capture_s", "tunings", "tuning_s", "ruled",
+          "compile_s", "precompiled", "precompile_s", "dry_s", "processes", "capture_s", "tunings", "tuning_s", "ruled",
           "late_compiles", "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
 
 
@@ -160,6 +161,7 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
                 "precompiled": sum(r.compiled for r in done),
                 "precompile_s": sum(r.dry_s + r.compile_s for r in done),
                 "dry_s": sum(r.dry_s for r in done),
+                "processes": sum(getattr(r, "processes", 0) for r in done),
                 "ruled": sum(len(k.ruled) for k in kernels.values())}
 
     t = time.perf_counter()
