@@ -45,8 +45,9 @@ import threading
 import time
 
 FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
-          "compile_s", "precompiled", "precompile_s", "dry_s", "processes", "capture_s", "tunings", "tuning_s", "ruled",
-          "late_compiles", "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date"]
+          "compile_s", "precompiled", "precompile_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
+          "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date",
+          "dry_s", "processes"]  # columns added since: last, so rows appended to an older cold.csv stay aligned
 
 
 class Stopwatch:
@@ -100,6 +101,9 @@ def compile_watch() -> tuple[Stopwatch, collections.Counter]:
 ALL: collections.Counter = collections.Counter()  # every compilation by kernel name (compile_watch)
 SPECS: list[dict] = []  # every compilation's specialization (constexprs, attributes, options), in order
 SPECS_ENV = "SD_KERNELS_COLD_SPECS"  # a file the child appends SPECS to, one JSON line per compilation
+# what tells one run's spec lines from another's in the same file (the settings measure() varies)
+RUN = {k: os.environ.get(k, "") for k in ("SD_KERNELS_SHIPPED_TUNING", "SD_KERNELS_PRECOMPILE", "SD_KERNELS_AUTOTUNE",
+                                          "SD_KERNELS_COMPILE_PROCESSES")}
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -200,8 +204,8 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
             warm = statistics.median(image(shape) for _ in range(3))
             if os.environ.get(SPECS_ENV):
                 with open(os.environ[SPECS_ENV], "a") as f:
-                    f.writelines(json.dumps({"model": model, "shape": label(shape), "order": order, **spec}) + "\n"
-                                 for spec in SPECS[specs:])
+                    f.writelines(json.dumps({"model": model, "shape": label(shape), "order": order, **RUN, **spec})
+                                 + "\n" for spec in SPECS[specs:])
             rows.append({"shape": label(shape), "order": order, "build_s": round(build, 1) if order == 1 else "",
                          "first_s": round(first, 1), **spent, "warm_ms": round(warm * 1e3, 1),
                          "cuda_graph": record.cuda_graph,

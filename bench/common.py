@@ -183,16 +183,29 @@ def measure(case: Case, warmup: int = 25, rep: int = 100) -> Iterator[dict[str, 
 def append_csv(path, rows: list[dict[str, Any]], fields: list[str] | None = None) -> None:
     """Append ``rows`` to the CSV at ``path`` (``fields``: its columns, default the first row's keys;
     keys outside them are dropped), writing the header when the file is new: a benchmark's rows are
-    on disk as soon as they are measured."""
+    on disk as soon as they are measured. A file with other columns (an older version of the
+    benchmark) is rewritten once with its columns followed by the new ones, so no cell moves."""
     import csv
     import pathlib
 
     path = pathlib.Path(path)
     if not rows:
         return
+    fields = list(fields or rows[0])
+    if path.exists():
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header, old = list(reader.fieldnames or []), list(reader)
+        if header and header != fields:
+            union = header + [k for k in fields if k not in header]
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=union, restval="", extrasaction="ignore")
+                w.writeheader()
+                w.writerows(old)
+            fields = union
     new = not path.exists()
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields or list(rows[0]), restval="", extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, restval="", extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerows(rows)

@@ -565,3 +565,17 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
             {"variant": "torchao-fp8+regional-compile[reduce-overhead]", "e2e_ms": 2.2},
             {"variant": "torchao-fp8+regional-compile", "status": "error: X"}]
     assert fp8.peer_columns(rows) == {"vs_compile": 2.5, "vs_torchao": 2.2}
+
+
+def test_rows_appended_to_a_csv_of_other_columns_keep_every_cell_under_its_name(tmp_path):
+    from bench import common
+
+    path = tmp_path / "cold.csv"
+    common.append_csv(path, [{"a": 1, "b": 2}], ["a", "b"])
+    common.append_csv(path, [{"a": 3, "b": 4}], ["a", "b"])  # same columns: appended
+    common.append_csv(path, [{"a": 5, "new": 6, "b": 7}], ["a", "new", "b"])  # a column added mid-list
+    import csv
+
+    rows = list(csv.DictReader(open(path)))
+    assert list(rows[0]) == ["a", "b", "new"]
+    assert [(r["a"], r["b"], r["new"]) for r in rows] == [("1", "2", ""), ("3", "4", ""), ("5", "7", "6")]

@@ -20,9 +20,10 @@ from sd_kernels.runtime import compile_pool
 HOPPER = ["cuda", 90, 32]
 GELU = "sd_kernels.ops.gelu"
 
-# In a process without the interpreter: two launches of the elementwise GELU kernel under a stand-in
-# CUDA driver, recorded by the hook as a dry run records them, then compiled by the precompile with no
-# thread of its own: the one compiler process compiles both, and the preloads find its entries.
+# In a process without the interpreter, under a stand-in CUDA driver: (1) a whole precompile (its dry
+# run records two launches of the elementwise GELU kernel; its threads and the ready compiler process
+# share them), then (2) two more specializations, recorded by the hook as a dry run records them,
+# compiled with no thread of the precompile's own: the process compiles both, the preloads find them.
 SCRIPT = textwrap.dedent("""
     import importlib, json, pathlib, sys
     import torch
@@ -39,18 +40,26 @@ SCRIPT = textwrap.dedent("""
 
     driver.set_active(Driver())
     precompile.start_workers()
+    assert compile_pool.start()[0].poll_ready(300)
     jit = importlib.import_module("sd_kernels.ops.gelu")._ELEMENTWISE.jit
+    x = torch.randn(64, 256).half()
+    cubins = lambda: sorted(str(p) for p in pathlib.Path(sys.argv[1]).rglob("*.cubin"))
+
+    def launch(*blocks):
+        for block_c in blocks:
+            jit[(4,)](x, torch.empty_like(x), 64, 256, 256, 1, 256, GATED=False, ACT="tanh", BLOCK_R=16,
+                      BLOCK_C=block_c, num_warps=4)
+
+    report = precompile.precompile(lambda: launch(256, 128))
+    whole = {"compiled": report.compiled, "failed": report.failed, "cubins": len(cubins()),
+             "cached": len(jit.device_caches[0][0])}
     recorded = []
     knobs.runtime.jit_cache_hook = lambda *, compile=None, **_: recorded.append(compile["specialization_data"]) or True
-    x = torch.randn(64, 256).half()
-    for block_c in (256, 128):
-        jit[(4,)](x, torch.empty_like(x), 64, 256, 256, 1, 256, GATED=False, ACT="tanh", BLOCK_R=16, BLOCK_C=block_c,
-                  num_warps=4)
+    launch(64, 32)
     knobs.runtime.jit_cache_hook = None
     errors, processes = precompile._compile([(jit, data) for data in recorded], 0, None)
-    cubins = sorted(str(p) for p in pathlib.Path(sys.argv[1]).rglob("*.cubin"))
     keys = [json.loads(data)["key"] for data in recorded]
-    print(json.dumps({"errors": errors, "processes": processes, "cubins": cubins,
+    print(json.dumps({"whole": whole, "errors": errors, "processes": processes, "cubins": len(cubins()),
                       "loaded": [k in jit.device_caches[0][0] for k in keys]}))
     compile_pool.shutdown()
 """)
@@ -62,9 +71,11 @@ def test_a_compiler_process_compiles_what_tritons_preload_then_finds(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the whole precompile: both kernels compiled once each (by a thread or the process), both in the cache
+    assert result["whole"] == {"compiled": 2, "failed": 0, "cubins": 2, "cached": 2}
     assert result["errors"] == [] and result["processes"] == 1
-    assert len(result["cubins"]) == 2  # each specialization compiled once, by the worker
-    assert result["loaded"] == [True, True]  # and in the kernel cache after the preloads
+    assert result["cubins"] == 4  # each specialization compiled once: these two by the worker...
+    assert result["loaded"] == [True, True]  # ...and in the kernel cache after the preloads
 
 
 def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_dies(tmp_path):
@@ -94,6 +105,21 @@ def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_dies(tmp_path
     finally:
         slow.stop()
     assert list(pathlib.Path(tmp_path).rglob("*.cubin")) == []
+
+
+def test_a_worker_that_answers_nonsense_is_stopped(tmp_path):
+    worker = compile_pool.Worker(str(tmp_path))
+    worker.proc.kill()
+    worker.proc.wait()
+    worker.proc = subprocess.Popen([sys.executable, "-c", "import sys; print('\"ready\"', flush=True); "
+                                    "sys.stdin.readline(); print('not json', flush=True); sys.stdin.readline()"],
+                                   text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert worker.poll_ready(60)
+        assert "answered 'not json'" in worker.compile([GELU, "_elementwise_kernel", "{}", HOPPER], timeout=60)
+        assert worker.dead and worker.proc.poll() is not None
+    finally:
+        worker.stop()
 
 
 @pytest.mark.parametrize("value, count", [("", 0), ("0", 0), ("1", 1), ("999", min(os.cpu_count() or 1, 16))])

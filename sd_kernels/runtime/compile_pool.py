@@ -6,6 +6,8 @@ Triton and the kernels' modules (seconds) before its first kernel. So the worker
 installs its CUDA graphs (``start``), long before the first capture's dry run needs them, and stay
 for the life of the process: a later new size hands them its kernels with nothing to import.
 
+Each process of a program that patches (each rank under torchrun) starts its own N workers.
+
 A precompile shares its kernels between its threads and the workers that have said they are ready
 (``Worker.compile`` per kernel; the thread that fed the worker then loads the kernel from Triton's
 disk cache); a worker that is not ready yet takes nothing, and one that fails, hangs or dies is
@@ -70,7 +72,7 @@ class Worker:
         if not self.ready and not self.dead:
             line = self._line(timeout)
             if line is not None:
-                self.ready = json.loads(line) == "ready"
+                self.ready = line.strip() == '"ready"'
                 if not self.ready:
                     self.stop(f"said {line.strip()[:80]!r} instead of ready")
             elif self.proc.poll() is not None:
@@ -89,8 +91,13 @@ class Worker:
         if line is None:
             return self.stop(f"gave no answer within {timeout:.0f} s" if self.proc.poll() is None else
                              f"exited with {self.proc.returncode}")
-        answer = json.loads(line)
-        return None if answer.get("ok") else str(answer.get("error", answer))
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return self.stop(f"answered {line.strip()[:80]!r}")
+        if not isinstance(answer, dict):
+            return self.stop(f"answered {line.strip()[:80]!r}")
+        return None if answer.get("ok") is True else str(answer.get("error", answer))
 
     def stop(self, why: str = "stopped") -> str:
         """End the process; ``why`` is returned (and logged once)."""
@@ -147,11 +154,21 @@ def shutdown() -> None:
         _workers.clear()
 
 
-def target_of_device() -> list:
-    """This process's Triton target as the workers take it: [backend, arch, warp size]."""
+def target_of_device(device: Any = None) -> list:
+    """The Triton target of ``device`` (None: the current one) as the workers take it: [backend, arch,
+    warp size]. The caller's current device is left as it was."""
+    import contextlib
+
     from triton.runtime import driver
 
-    target = driver.active.get_current_target()
+    if device is None:
+        scope = contextlib.nullcontext()
+    else:
+        import torch
+
+        scope = torch.cuda.device(device)
+    with scope:
+        target = driver.active.get_current_target()
     return [target.backend, target.arch, target.warp_size]
 
 

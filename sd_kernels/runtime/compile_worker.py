@@ -83,7 +83,7 @@ def answer(line: str) -> dict[str, Any]:
         compile_one(find_jit(module, name), data, GPUTarget(*target))
         return {"ok": True}
     except Exception as exc:  # the caller compiles it and reports what is wrong
-        return {"error": f"{what}: {type(exc).__name__}: {exc}"}
+        return {"error": f"{what}: {type(exc).__name__}: {str(exc)[:500]}"}
 
 
 def main() -> int:

@@ -74,8 +74,8 @@ class Launcher:
         # The autotune cache: only a choice between several configs is worth keeping on disk.
         self.tunable = any(len(layer.configs) > 1 for layer in self._autotuners())
         # in the configs' own order: a launch's options are part of Triton's in-memory cache key as a string
-        # (str of the dict), so the same config in another key order (a table's JSON is sorted) compiles
-        # the same kernel again
+        # (str of the dict), so the same config in another key order (a table's JSON is sorted) misses it
+        # and goes through the compiler again (a disk-cache hit: Triton's disk key sorts the options)
         self.config_order = list(dict.fromkeys(k for layer in self._autotuners() for c in layer.configs
                                                for k in c.all_kwargs()))
         self.config_names = set(self.config_order)

@@ -163,7 +163,7 @@ def _compile(items: list[tuple[Any, str]], threads: int, device: Any) -> tuple[l
     workers, target = compile_pool.start(), None
     if workers:
         try:
-            target = compile_pool.target_of_device()
+            target = compile_pool.target_of_device(device)
         except Exception as exc:  # the threads compile everything, as without processes
             log.info("sd_kernels: no compiler processes for this precompile (%s: %s)", type(exc).__name__, exc)
             workers = []
