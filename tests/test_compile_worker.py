@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_a_compiler_process_compiles_what_tritons_preload_then_finds(tmp_path):
     assert result["loaded"] == [True, True]  # ...and in the kernel cache after the preloads
 
 
-def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_dies(tmp_path):
+def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_hangs(tmp_path):
     worker = compile_pool.Worker(str(tmp_path))
     try:
         assert worker.poll_ready(300)
@@ -90,36 +91,43 @@ def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_dies(tmp_path
         assert "not a Triton kernel" in worker.compile([GELU, "_activation", data, HOPPER])
         assert "JSONDecodeError" in worker.compile([GELU, "_elementwise_kernel", "{not json", HOPPER])
         assert not worker.dead  # errors are answers: the worker stays up
-        worker.proc.kill()
-        worker.proc.wait()
-        assert worker.compile([GELU, "_elementwise_kernel", data, HOPPER]) and worker.dead  # gone: stopped
-    finally:
-        worker.stop()
-    slow = compile_pool.Worker(str(tmp_path))
-    try:
-        assert slow.poll_ready(300)
         # importing diffusers' UNet (about 3 s) takes longer than the half second given: no answer in time
         unet = "diffusers.models.unets.unet_2d_condition"
-        assert "no answer within" in slow.compile([unet, "_kernel", data, HOPPER], timeout=0.5)
-        assert slow.dead and slow.proc.poll() is not None
-    finally:
-        slow.stop()
-    assert list(pathlib.Path(tmp_path).rglob("*.cubin")) == []
-
-
-def test_a_worker_that_answers_nonsense_is_stopped(tmp_path):
-    worker = compile_pool.Worker(str(tmp_path))
-    worker.proc.kill()
-    worker.proc.wait()
-    worker.proc = subprocess.Popen([sys.executable, "-c", "import sys; print('\"ready\"', flush=True); "
-                                    "sys.stdin.readline(); print('not json', flush=True); sys.stdin.readline()"],
-                                   text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        assert worker.poll_ready(60)
-        assert "answered 'not json'" in worker.compile([GELU, "_elementwise_kernel", "{}", HOPPER], timeout=60)
+        assert "no answer within" in worker.compile([unet, "_kernel", data, HOPPER], timeout=0.5)
         assert worker.dead and worker.proc.poll() is not None
     finally:
         worker.stop()
+    assert list(pathlib.Path(tmp_path).rglob("*.cubin")) == []
+
+
+def _stand_in(script: str) -> compile_pool.Worker:
+    """A Worker driving ``python -c script`` instead of a compiler process."""
+    worker = object.__new__(compile_pool.Worker)
+    worker.proc = subprocess.Popen([sys.executable, "-c", script], text=True, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE)
+    worker.ready, worker.dead, worker.busy = False, False, threading.Lock()
+    return worker
+
+
+READY = "import sys; print('\"ready\"', flush=True); sys.stdin.readline()"
+
+
+@pytest.mark.parametrize("script, said", [(READY + "; print('not json', flush=True); sys.stdin.readline()",
+                                           "answered 'not json'"),
+                                          (READY, "exited with 0")], ids=["nonsense", "dies"])
+def test_a_worker_that_answers_nonsense_or_dies_is_stopped(script, said):
+    worker = _stand_in(script)
+    try:
+        assert worker.poll_ready(60)
+        assert said in worker.compile([GELU, "_elementwise_kernel", "{}", HOPPER], timeout=60)
+        assert worker.dead and worker.proc.poll() is not None
+    finally:
+        worker.stop()
+
+
+def test_a_worker_that_ends_before_it_is_ready_is_stopped():
+    worker = _stand_in("print('starting')")
+    assert not worker.poll_ready(60) and worker.dead
 
 
 @pytest.mark.parametrize("value, count", [("", 0), ("0", 0), ("1", 1), ("999", min(os.cpu_count() or 1, 16))])
