@@ -81,12 +81,22 @@ def _given_norm_kernel(
 # The statistics kernel is ops/group_norm.py's, run bare: a Launcher of the same JIT function would
 # share the autotuned one's name (and its shipped tables), without its autotuner.
 _BAND_STATS, _GIVEN_NORM = _group_stats_kernel.fn, Launcher(_given_norm_kernel)
+# Its launch options as the autotuned launches pass them (all of the config, in its order): Triton keys
+# its in-memory cache on the options' string, so a bare launch with num_warps alone would compile again
+# a specialization the autotuned path has (sd_kernels/runtime/launch.py).
+_OPTIONS = {c.num_warps: c.all_kwargs() for c in _group_stats_kernel.configs}
 
 
 def _warps(tile_elems: int) -> int:
     """The fewest warps (of 4, 8, 16) that hold a tile at ≤ 32 elements a thread (the autotuners'
     prune rule)."""
     return next((w for w in (4, 8, 16) if tile_elems // (32 * w) <= 32), 16)
+
+
+def _options(tile_elems: int) -> dict:
+    """The launch options of a bare statistics launch: the autotuner's config of ``_warps`` warps."""
+    warps = _warps(tile_elems)
+    return _OPTIONS.get(warps, {"num_warps": warps})
 
 
 def _band_plan(x: torch.Tensor, num_groups: int) -> tuple[Plan, int]:
@@ -120,7 +130,7 @@ def group_partials(x: torch.Tensor, num_groups: int) -> torch.Tensor:
     parts = torch.empty(3, n * num_groups, p.chunks, dtype=torch.float32, device=x.device)
     _BAND_STATS[(n * num_groups, p.chunks)](x, parts, num_groups, math.prod(x.shape[2:]), p.chunks,
                 x.stride(0), x.stride(1), stride_s, p.chunk, CPG=x.shape[1] // num_groups,
-                BLOCK_C=p.block_c, BLOCK_S=p.block_s, num_warps=_warps(p.block_c * p.block_s))
+                BLOCK_C=p.block_c, BLOCK_S=p.block_s, **_options(p.block_c * p.block_s))
     return parts.view(3, n, num_groups, p.chunks)
 
 

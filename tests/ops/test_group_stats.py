@@ -127,3 +127,16 @@ def test_gpu_vae_band_shapes(shape, g, rows, dtype):
     want = F.silu(F.group_norm(x.double(), g, w.double(), b.double(), 1e-6))
     stock_err = (reference.group_norm(x, g, w.to(dtype), b.to(dtype), 1e-6, "silu").double() - want).abs().max().item()
     assert (out.double() - want).abs().max().item() <= max(4 * stock_err, 1e-5)
+
+
+def test_the_bare_statistics_launch_passes_the_autotuned_launches_options():
+    """Triton keys its in-memory kernel cache on the options' string: the band statistics (the autotuned
+    kernel run bare) pass the whole config, in its order, as the launcher does (launch.py)."""
+    from sd_kernels.runtime.launch import Launcher
+
+    order = Launcher(importlib.import_module("sd_kernels.ops.group_norm")._group_stats_kernel).config_order
+    for tile in (512, 8192, 16384):
+        options = gs._options(tile)
+        assert options["num_warps"] == gs._warps(tile)
+        if gs._warps(tile) in gs._OPTIONS:  # the interpreter's autotuner keeps one config
+            assert list(options) == [k for k in order if k in options] and len(options) > 1
