@@ -59,24 +59,29 @@ class Worker:
         self.busy = threading.Lock()  # one driving thread at a time
 
     def _line(self, timeout: float) -> str | None:
-        """The worker's next line, or None if none came within ``timeout`` s (or it ended)."""
-        if self.proc.poll() is not None and not select.select([self.proc.stdout], [], [], 0)[0]:
-            return None
+        """The worker's next line; "" if it ended (its output closed), None if no line came within
+        ``timeout`` s."""
         if not select.select([self.proc.stdout], [], [], max(0.0, timeout))[0]:
             return None
-        line = self.proc.stdout.readline()
-        return line or None
+        return self.proc.stdout.readline()  # "" at the end of its output
+
+    def _ended(self) -> str:
+        """Why a worker whose output closed is gone (waiting a moment for its exit status)."""
+        try:
+            return f"exited with {self.proc.wait(timeout=5)}"
+        except subprocess.TimeoutExpired:
+            return "closed its output"
 
     def poll_ready(self, timeout: float = 0.0) -> bool:
         """Whether it has said it is ready (waiting up to ``timeout`` s for it to)."""
         if not self.ready and not self.dead:
             line = self._line(timeout)
-            if line is not None:
+            if line == "":
+                self.stop(f"{self._ended()} before it was ready")
+            elif line is not None:
                 self.ready = line.strip() == '"ready"'
                 if not self.ready:
                     self.stop(f"said {line.strip()[:80]!r} instead of ready")
-            elif self.proc.poll() is not None:
-                self.stop(f"exited with {self.proc.returncode} before it was ready")
         return self.ready
 
     def compile(self, job: list, timeout: float = JOB_TIMEOUT_S) -> str | None:
@@ -89,8 +94,9 @@ class Worker:
             return self.stop(f"could not take a job ({exc})")
         line = self._line(timeout)
         if line is None:
-            return self.stop(f"gave no answer within {timeout:.0f} s" if self.proc.poll() is None else
-                             f"exited with {self.proc.returncode}")
+            return self.stop(f"gave no answer within {timeout:.0f} s")
+        if line == "":
+            return self.stop(self._ended())
         try:
             answer = json.loads(line)
         except ValueError:
