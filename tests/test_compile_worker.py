@@ -12,7 +12,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
@@ -102,11 +101,7 @@ def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_hangs(tmp_pat
 
 def _stand_in(script: str) -> compile_pool.Worker:
     """A Worker driving ``python -c script`` instead of a compiler process."""
-    worker = object.__new__(compile_pool.Worker)
-    worker.proc = subprocess.Popen([sys.executable, "-c", script], text=True, stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE)
-    worker.ready, worker.dead, worker.busy = False, False, threading.Lock()
-    return worker
+    return compile_pool.Worker("unused", command=[sys.executable, "-c", script])
 
 
 READY = "import sys; print('\"ready\"', flush=True); sys.stdin.readline()"

@@ -48,11 +48,12 @@ def requested() -> int:
 class Worker:
     """One compiler process (compile_worker.py), driven by one thread at a time."""
 
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, cache_dir: str, command: list[str] | None = None) -> None:
+        """``command``: what runs instead of compile_worker.py (tests: a stand-in speaking its protocol)."""
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1",
                "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "sd_kernels.runtime.compile_worker", *WARM_MODULES],
-                                     env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        command = command or [sys.executable, "-m", "sd_kernels.runtime.compile_worker", *WARM_MODULES]
+        self.proc = subprocess.Popen(command, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
         self.ready = False
         self.dead = False
@@ -123,8 +124,9 @@ _lock = threading.Lock()
 
 
 def start() -> list[Worker]:
-    """Start the requested workers, once per process (no-op when none are requested, under the
-    interpreter, or without Triton's disk cache); the live ones."""
+    """Start the requested workers, once per process (no-op when none are requested or without Triton's
+    disk cache; callers come through precompile.py, which has no dry run under the interpreter); the
+    live ones."""
     with _lock:
         if not _workers:
             count = requested()
@@ -137,8 +139,6 @@ def start() -> list[Worker]:
 
 
 def _cache_dir() -> str | None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return None
     from triton import knobs
 
     if knobs.compilation.always_compile:  # nothing would be read from the disk cache

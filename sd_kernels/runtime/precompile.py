@@ -178,13 +178,9 @@ def _compile(items: list[tuple[Any, str]], threads: int, device: Any) -> tuple[l
         while (item := take()) is not None:
             load(item)
 
-    def drive(worker: Any) -> int:
-        _on_device(device)
-        return compile_pool.drive(worker, take, load, target, until)
-
     with ThreadPoolExecutor(threads + len(workers), thread_name_prefix="sd-kernels-compile",
                             initializer=_on_device, initargs=(device,)) as pool:
-        driven = [pool.submit(drive, w) for w in workers]
+        driven = [pool.submit(compile_pool.drive, w, take, load, target, until) for w in workers]
         for future in [pool.submit(drain) for _ in range(threads)]:
             future.result()
         processes = sum(f.result() > 0 for f in driven)
