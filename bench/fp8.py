@@ -19,7 +19,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   compiled where diffusers names no repeated blocks: SD3, PixArt-Σ; ``--compile-mode``: torch.compile's
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
   label); ours lossless
-  (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``; torchao's float8 dynamic
+  (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, and with ``compile=True``
+  (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
   image of the same seed, PSNR, SSIM and the final latents' relative error.
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "torchao")
+ROWS = ("stock", "compile", "patched", "fp8", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -144,7 +145,9 @@ def run_ops(models: list[str], out: pathlib.Path) -> list[dict]:
 @contextlib.contextmanager
 def _regional_compile(pipe, quantize: bool, mode: str = "default"):
     """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks in
-    torch.compile's ``mode``. Not undone: quantize_ replaces the weights in place (the row runs last)."""
+    torch.compile's ``mode``. The compile row is undone on exit (blocks uncompiled, QKV unfused, dynamo
+    reset), so that a row after it measures its own setup and not the compiled blocks under it;
+    torchao's is not: quantize_ replaces the weights in place (its row runs last)."""
     transformer = pipe.transformer
     dtype = next(transformer.parameters()).dtype
     if quantize and dtype != torch.bfloat16:  # torchao asserts it deep inside quantize_
@@ -160,7 +163,21 @@ def _regional_compile(pipe, quantize: bool, mode: str = "default"):
     else:  # SD3's and PixArt's transformers name no repeated blocks (diffusers 0.42.1): the whole forward
         transformer.compile(fullgraph=True, mode=mode)
         how = "whole-transformer-compile"
-    yield {"e2e_mode": f"{how} mode={mode}", "patched": "torchao float8 row-wise" if quantize else ""}
+    try:
+        yield {"e2e_mode": f"{how} mode={mode}", "patched": "torchao float8 row-wise" if quantize else ""}
+    finally:
+        if not quantize:
+            _uncompile(transformer)
+
+
+def _uncompile(transformer) -> None:
+    """Undo ``nn.Module.compile`` on every module (what compile_repeated_blocks calls per block) and the
+    fused QKV; forget what dynamo compiled."""
+    for module in transformer.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    transformer.unfuse_qkv_projections()
+    torch._dynamo.reset()
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -181,8 +198,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
-    if row == "fp8":
-        setup = Setup("patched+graph+fp8", patched=True, graph=True, precision="fp8")
+    if row in ("fp8", "fp8+compile"):
+        setup = Setup("patched+graph+fp8" if row == "fp8" else "patched+graph+compile+fp8", patched=True,
+                      graph=True, precision="fp8", patch_compile=row == "fp8+compile")
         return setup.name, lambda p: applied(p, setup)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
@@ -216,8 +234,6 @@ def run_e2e(model: str, rows: list[str], args, out: pathlib.Path) -> list[dict]:
     rows = [r for r in rows if r != "torchao"] + (["torchao"] if "torchao" in rows else [])  # in-place: last
     if rows[0] != "stock":
         rows = ["stock", *[r for r in rows if r != "stock"]]  # every quality column compares with stock
-    if args.compile == "regional" and "compile" in rows and "torchao" in rows:
-        print("bench.fp8: the regional-compile row fuses QKV in place; torchao's row follows it", flush=True)
     env = common.environment()
     pipe = build_pipeline(model, "cuda", _dtype(model))
     pipe.set_progress_bar_config(disable=True)

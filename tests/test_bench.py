@@ -3,8 +3,11 @@
 import csv
 import json
 import pathlib
+import sys
+import types
 
 import pytest
+import torch
 
 from bench import e2e, plot, report
 
@@ -551,6 +554,42 @@ def test_parallel_bench_keeps_one_gpu_times_across_runs_of_some_variants():
     rows = [{"variant": "ours", "status": "ok", "e2e_ms": 4.0}, {"variant": "peer", "status": "failed: X"},
             {"variant": "ours+compile", "status": "ok", "e2e_ms": 3.0}]
     assert parallel.one_gpu_times(ref, rows) == {"stock": 9.0, "ours": 4.0, "ours+compile": 3.0}
+
+
+def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch):
+    """A row after the compile row must measure its own setup, not the compiled blocks left under it."""
+    import torch.nn as nn
+
+    from bench import fp8
+
+    class Transformer(nn.Module):
+        _repeated_blocks = ["Linear"]
+
+        def __init__(self):
+            super().__init__()
+            self.block, self.fused = nn.Linear(2, 2), False
+
+        def fuse_qkv_projections(self):
+            self.fused = True
+
+        def unfuse_qkv_projections(self):
+            self.fused = False
+
+        def compile_repeated_blocks(self, **kwargs):  # as diffusers': nn.Module.compile per block
+            self.block._compiled_call_impl = self.block._call_impl
+
+    class Pipe:
+        transformer = Transformer().to(torch.bfloat16)
+
+    t = Pipe.transformer
+    with fp8._regional_compile(Pipe, quantize=False):
+        assert t.fused and t.block._compiled_call_impl is not None
+    assert not t.fused and t.block._compiled_call_impl is None
+    monkeypatch.setitem(sys.modules, "torchao.quantization", types.SimpleNamespace(
+        Float8DynamicActivationFloat8WeightConfig=lambda **kw: None, PerRow=lambda: None, quantize_=lambda m, c: None))
+    with fp8._regional_compile(Pipe, quantize=True):
+        pass
+    assert t.fused and t.block._compiled_call_impl is not None  # quantize_ cannot be undone: its row runs last
 
 
 def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():

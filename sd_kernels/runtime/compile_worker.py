@@ -89,6 +89,8 @@ def answer(line: str) -> dict[str, Any]:
 def main() -> int:
     out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed goes to stderr
     os.dup2(2, 1)
+    if hasattr(os, "nice"):
+        os.nice(10)  # below the process that started it: a core it needs is never taken
     for module in sys.argv[1:]:  # before saying ready: the first job pays no import
         importlib.import_module(module)
 
