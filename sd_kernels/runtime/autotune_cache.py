@@ -37,6 +37,7 @@ kernel its first config, with no tables (GPU test runs).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import inspect
@@ -47,6 +48,7 @@ import os
 import pathlib
 import re
 import tempfile
+import textwrap
 from collections.abc import Hashable
 from typing import Any
 
@@ -298,7 +300,11 @@ class CacheFile:
 
 def kernel_fingerprint(jit: Any, layers: list[Any]) -> str:
     """A hash of the kernel's source, the sources of the ``@triton.jit`` helpers it calls (to any
-    depth), and its wrappers' (``layers``: autotuners, heuristics) configs and names."""
+    depth), and its wrappers' (``layers``: autotuners, heuristics) configs and names.
+
+    Each source is taken from its ``def`` line on, without its decorators: what the autotune and
+    heuristics layers choose is hashed from the layer objects, and how the JIT specializes integer
+    arguments (``do_not_specialize``) changes no result a table records."""
     parts = _jit_sources(jit)
     for layer in layers:
         if isinstance(layer, Autotuner):
@@ -327,8 +333,8 @@ def _jit_sources(jit: Any) -> list[str]:
         seen.add(id(fn))
         py = getattr(fn, "fn", None)
         try:
-            sources.append(inspect.getsource(py))
-        except (OSError, TypeError):
+            sources.append(_def_source(py))
+        except (OSError, TypeError, SyntaxError):
             sources.append(f"{getattr(py, '__module__', '?')}.{getattr(py, '__qualname__', '?')}")
         for name in getattr(getattr(py, "__code__", None), "co_names", ()):
             value = getattr(py, "__globals__", {}).get(name)
@@ -337,3 +343,10 @@ def _jit_sources(jit: Any) -> list[str]:
 
     visit(jit)
     return sources
+
+
+def _def_source(fn: Any) -> str:
+    """``fn``'s source from its ``def`` line on (``inspect.getsource`` starts at its first decorator)."""
+    lines, _ = inspect.getsourcelines(fn)
+    node = ast.parse(textwrap.dedent("".join(lines))).body[0]
+    return "".join(lines[node.lineno - 1:])
