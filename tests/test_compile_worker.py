@@ -9,10 +9,10 @@ lets a launch reach the hook."""
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import textwrap
 
+import cuda_standin
 import pytest
 
 from sd_kernels.runtime import compile_pool
@@ -28,18 +28,10 @@ GELU = "sd_kernels.ops.gelu"
 SCRIPT = textwrap.dedent("""
     import importlib, json, pathlib, sys
     import torch
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
+    import cuda_standin
     from sd_kernels.runtime import compile_pool, precompile
 
-    class Driver:
-        def get_current_device(self): return 0
-        def get_current_stream(self, device=None): return 0
-        def get_current_target(self): return GPUTarget("cuda", 90, 32)
-        def get_active_torch_device(self): return torch.device("cpu")
-
-    driver.set_active(Driver())
+    cuda_standin.install()
     jit = importlib.import_module("sd_kernels.ops.gelu")._ELEMENTWISE.jit
     x = torch.randn(64, 256).half()
     cubins = lambda: sorted(str(p) for p in pathlib.Path(sys.argv[1]).rglob("*.cubin"))
@@ -54,10 +46,8 @@ SCRIPT = textwrap.dedent("""
     assert compile_pool.live()[0].poll_ready(300)  # and starts the processes for the next precompile
     whole = {"compiled": report.compiled, "failed": report.failed, "cubins": len(cubins()),
              "cached": len(jit.device_caches[0][0])}
-    recorded = []
-    knobs.runtime.jit_cache_hook = lambda *, compile=None, **_: recorded.append(compile["specialization_data"]) or True
-    launch(64, 32)
-    knobs.runtime.jit_cache_hook = None
+    with cuda_standin.recording() as recorded:
+        launch(64, 32)
     errors, processes = precompile._compile([(jit, data) for data in recorded], 0, None)
     keys = [json.loads(data)["key"] for data in recorded]
     print(json.dumps({"whole": whole, "errors": errors, "processes": processes, "cubins": len(cubins()),
@@ -67,11 +57,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_compiler_process_compiles_what_tritons_preload_then_finds(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), compile_pool.ENV: "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = cuda_standin.run(SCRIPT, str(tmp_path), env={"TRITON_CACHE_DIR": str(tmp_path), compile_pool.ENV: "1"})
     # the first precompile: both kernels compiled once each (by its threads), both in the cache
     assert result["whole"] == {"compiled": 2, "failed": 0, "cubins": 2, "cached": 2}
     assert result["errors"] == [] and result["processes"] == 1
