@@ -53,7 +53,8 @@ _STATS_ELEMS = 8192  # elements of X per stats program and step: 16 KiB of fp16 
 ONE_TILE_MAX_K = 128
 
 
-@triton.jit
+# A masks rows (X's strided axis) and, with stride_s, places a row's two stats: no vector access depends on them.
+@triton.jit(do_not_specialize=["A", "stride_s"])
 def _row_stats_kernel(
     X, Stats, H, A, Bk, stride_xb, stride_xh, stride_xa, stride_xk, stride_s,
     ZERO_EMPTY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -154,8 +155,9 @@ def _autotune():
                            prune_configs_by={"early_config_prune": _prune_configs})
 
 
+# stride_s only offsets a gather of the row stats (rows wrap modulo A): its divisibility buys nothing.
 @_autotune()
-@triton.jit(do_not_specialize=["A", "Kd"])
+@triton.jit(do_not_specialize=["A", "Kd", "stride_s"])
 def _softmax_matmul_kernel(
     X, W, Stats, Y, H, A, Kd, C, A_KEY, K_KEY, C_KEY, stride_s,
     stride_xb, stride_xh, stride_xa, stride_xk,
