@@ -26,7 +26,8 @@ from sd_kernels import models
 from sd_kernels.runtime import autotune_cache
 
 gn = importlib.import_module("sd_kernels.ops.group_norm")
-TUNED = {"_STATS": gn._STATS, "_NORM": gn._NORM, "_PIXEL_STATS": gn._PIXEL_STATS, "_PIXEL_NORM": gn._PIXEL_NORM}
+TUNED = {"_STATS": gn._STATS, "_NORM": gn._NORM, "_TILE": gn._TILE, "_PIXEL_STATS": gn._PIXEL_STATS,
+         "_PIXEL_NORM": gn._PIXEL_NORM}
 DEVICES = ("nvidia-h100-80gb-hbm3-sm90", "nvidia-h200-sm90")
 MODELS = (("sd15", 512), ("sd21", 768), ("sdxl", 1024))
 

@@ -5,8 +5,9 @@ Three paths, chosen per call by ``plan`` (sizes in elements of one group); the f
 program per group (or per chunk of a group), the third one per chunk of whole pixels:
 
 * **fused** (one launch): one program per group computes the group's statistics and normalizes
-  it. A group that fits one register tile (≤ ``_ONE_TILE_ELEMS`` padded) is read once: 1 read +
-  1 write, the ideal. A larger group is streamed twice (statistics, then normalize); the second
+  it. A group that fits one register tile (≤ ``_ONE_TILE_ELEMS`` padded) is read once by
+  ``_group_norm_tile_kernel``: 1 read + 1 write, the ideal. A larger group is streamed twice by
+  ``_group_norm_kernel`` (statistics, then normalize); the second
   read comes from L2, because the data of the programs in flight (≈ SMs × group bytes) stays far
   below its 50 MB, so DRAM still sees ≈ 1 read + 1 write. All of SD's UNet shapes in NCHW take it.
 * **split** (two launches): when there are few, huge groups (the VAE: 32 groups of up to 2 M
@@ -63,6 +64,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
+from sd_kernels.ops.attention_common import _aligned
 from sd_kernels.ops.layout import contiguous_strides, is_dense
 from sd_kernels.profiles import active_profile
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
@@ -200,21 +202,52 @@ def _group_stats_kernel(
     tl.store(part_ptr + 2 * plane + idx, m2)
 
 
-@_autotune(key=["HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S", "ONE_TILE", "HAS_PARTIALS"])
-@triton.jit
-def _group_norm_kernel(
-    x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, part_ptr, G, HW, S, eps,
-    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
-    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_TILE: tl.constexpr,
-    HAS_PARTIALS: tl.constexpr, PART_BLOCK: tl.constexpr,
+# One program per group, the group one register tile (grid (N·G,)). HW is not specialized on: it
+# bounds the pixel mask and counts pixels, and a channels-fast tile's vectors run along the channels,
+# so every image size whose group pads to the same tile shares one kernel. Where pixels are the vector
+# axis of x or y (NCHW), HW_ALIGN (16 when HW is a multiple of 16, else 1) gives the mask the
+# divisibility that keeps those loads and stores vectorized.
+@_autotune(key=["HW", "G", "CPG", "BLOCK_C", "BLOCK_S"])
+@triton.jit(do_not_specialize=["HW"])
+def _group_norm_tile_kernel(
+    x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, G, HW, eps,
+    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys,
+    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, HW_ALIGN: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):
-    """y = act((x − mean)·rstd·w + b) over this program's chunk of its group.
+    """y = act((x − mean)·rstd·w + b) over a group that is one register tile, read once (HAS_SHIFT:
+    x + shift[n, c] is, the sum made in registers)."""
+    pid_g = tl.program_id(0)
+    n, g = pid_g // G, pid_g % G
+    x_grp = x_ptr + n.to(tl.int64) * stride_xn + (g * CPG).to(tl.int64) * stride_xc
+    y_grp = y_ptr + n.to(tl.int64) * stride_yn + (g * CPG).to(tl.int64) * stride_yc
+    c = tl.arange(0, BLOCK_C)
+    s = tl.arange(0, BLOCK_S)
+    x, mask = _load_tile(x_grp, c, s, _aligned(HW, HW_ALIGN), stride_xc, stride_xs, CPG)
+    if HAS_SHIFT:
+        sh = tl.load(shift_ptr + n * G * CPG + g * CPG + c, mask=c < CPG, other=0.0).to(tl.float32)
+        x = tl.where(mask, x + sh[:, None], 0.0)
+    count = CPG * HW * 1.0
+    mean = tl.sum(x) / count
+    d = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d) / count + eps)
+    scale, shift = _channel_affine(w_ptr, b_ptr, g * CPG + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
+    y = _finish(d * scale[:, None] + shift[:, None], ACT)
+    tl.store(y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-    ONE_TILE: the whole group is one register tile, read once (HAS_SHIFT: x + shift[n, c] is, the
-    sum made in registers; the other branches never see a shift). HAS_PARTIALS: the statistics are
-    merged from the split path's partials. Otherwise the program streams its group for them first.
-    """
+
+@_autotune(key=["HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S", "HAS_PARTIALS"])
+@triton.jit
+def _group_norm_kernel(
+    x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, G, HW, S, eps,
+    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
+    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_PARTIALS: tl.constexpr, PART_BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+):
+    """y = act((x − mean)·rstd·w + b) over this program's chunk of its group, streamed (looped and
+    split paths; a shifted input was summed by the host). HAS_PARTIALS: the statistics are merged
+    from the split path's partials; otherwise the program streams its group for them first."""
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     if HAS_PARTIALS:  # reversed: the statistics launch read the last chunks last; L2 still has them
@@ -223,45 +256,27 @@ def _group_norm_kernel(
     x_grp = x_ptr + n.to(tl.int64) * stride_xn + (g * CPG).to(tl.int64) * stride_xc
     y_grp = y_ptr + n.to(tl.int64) * stride_yn + (g * CPG).to(tl.int64) * stride_yc
     w_base = g * CPG
-
-    if ONE_TILE:
-        c = tl.arange(0, BLOCK_C)
-        s = tl.arange(0, BLOCK_S)
-        x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
-        if HAS_SHIFT:
-            sh = tl.load(shift_ptr + n * G * CPG + w_base + c, mask=c < CPG, other=0.0).to(tl.float32)
-            x = tl.where(mask, x + sh[:, None], 0.0)
-        count = CPG * HW * 1.0
-        mean = tl.sum(x) / count
-        d = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d) / count + eps)
-        scale, shift = _channel_affine(w_ptr, b_ptr, w_base + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
-        y = _finish(d * scale[:, None] + shift[:, None], ACT)
-        y_ptrs = y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if HAS_PARTIALS:
+        k = tl.arange(0, PART_BLOCK)
+        plane = tl.num_programs(0) * S
+        idx = pid_g * S + k
+        k_mask = k < S
+        count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
+                                      tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
+                                      tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
     else:
-        if HAS_PARTIALS:
-            k = tl.arange(0, PART_BLOCK)
-            plane = tl.num_programs(0) * S
-            idx = pid_g * S + k
-            k_mask = k < S
-            count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
-                                          tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
-                                          tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
-        else:
-            count, mean, m2 = _chunk_stats(x_grp, 0, HW, HW, stride_xc, stride_xs, CPG, BLOCK_C, BLOCK_S)
-        rstd = 1.0 / tl.sqrt(m2 / count + eps)
-        s_lo = pid_s * CHUNK
-        s_hi = tl.minimum(s_lo + CHUNK, HW)
-        for c0 in range(0, CPG, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            scale, shift = _channel_affine(w_ptr, b_ptr, w_base + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
-            for s0 in range(s_lo, s_hi, BLOCK_S):
-                s = s0 + tl.arange(0, BLOCK_S)
-                x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
-                y = _finish((x - mean) * scale[:, None] + shift[:, None], ACT)
-                tl.store(y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys,
-                         y.to(y_ptr.dtype.element_ty), mask=mask)
+        count, mean, m2 = _chunk_stats(x_grp, 0, HW, HW, stride_xc, stride_xs, CPG, BLOCK_C, BLOCK_S)
+    rstd = 1.0 / tl.sqrt(m2 / count + eps)
+    s_lo = pid_s * CHUNK
+    s_hi = tl.minimum(s_lo + CHUNK, HW)
+    for c0 in range(0, CPG, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        scale, shift = _channel_affine(w_ptr, b_ptr, w_base + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            x, mask = _load_tile(x_grp, c, s, HW, stride_xc, stride_xs, CPG)
+            y = _finish((x - mean) * scale[:, None] + shift[:, None], ACT)
+            tl.store(y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +519,7 @@ def _pixel_plan(n: int, groups: int, cpg: int, hw: int, sms: int) -> Plan:
                 pixels=True, norm_block_c=norm_c, norm_block_s=norm_s, stat_chunk=stat_chunk, stat_chunks=stat_chunks)
 
 
-_STATS, _NORM = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel)
+_STATS, _NORM, _TILE = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel), Launcher(_group_norm_tile_kernel)
 _PIXEL_STATS, _PIXEL_MERGE, _PIXEL_NORM = (Launcher(_pixel_stats_kernel), Launcher(_pixel_merge_kernel),
                                            Launcher(_pixel_norm_kernel))
 
@@ -648,6 +663,16 @@ def group_norm(
             HAS_SHIFT=shift is not None,
         )
         return y
+    if p.one_tile:  # HW_ALIGN: HW's divisibility where pixels are x's or y's vector axis (see the kernel)
+        _TILE(
+            key, (n * num_groups,), x, shift_arg, y, weight if weight is not None else x,
+            bias if bias is not None else x, num_groups, hw, float(eps),
+            x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys,
+            CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, HW_ALIGN=16 if hw % 16 == 0 and 1 in (stride_s, ys) else 1,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
+            HAS_SHIFT=shift is not None,
+        )
+        return y
     parts = x  # dummy pointer when unused
     if p.split:
         parts = torch.empty(3 * n * num_groups * p.chunks, dtype=torch.float32, device=x.device)
@@ -656,12 +681,10 @@ def group_norm(
             CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s,
         )
     _NORM(
-        key, grid, x, shift_arg, y, weight if weight is not None else x, bias if bias is not None else x, parts,
+        key, grid, x, y, weight if weight is not None else x, bias if bias is not None else x, parts,
         num_groups, hw, p.chunks, float(eps),
         x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
-        CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, ONE_TILE=p.one_tile,
-        HAS_PARTIALS=p.split, PART_BLOCK=next_pow2(p.chunks),
+        CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, HAS_PARTIALS=p.split, PART_BLOCK=next_pow2(p.chunks),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
-        HAS_SHIFT=shift is not None,
     )
     return y
