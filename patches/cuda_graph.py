@@ -307,6 +307,7 @@ class GraphedCall:
         self.forward = fn
         self.eager_fn = eager if eager is not None else fn  # what a precompile dry run calls (not compiled)
         self.precompile = True  # False: captures without a dry run first (tests set it)
+        precompile.start_workers()  # SD_KERNELS_COMPILE_PROCESSES: compiler processes, started long before a dry run
         self.label = label
         self.drop = tuple(drop)
         self.timestep = timestep

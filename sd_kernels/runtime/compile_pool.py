@@ -1,17 +1,18 @@
-"""Compiler processes that outlive one precompile (``SD_KERNELS_COMPILE_PROCESSES``).
+"""Compiler processes that outlive one precompile (opt-in: ``SD_KERNELS_COMPILE_PROCESSES=N``).
 
 Triton's compilations in threads serialize on the interpreter lock (precompile.py). Worker processes
 (compile_worker.py) compile in parallel, but each pays an interpreter start and the import of torch,
-Triton and the kernels' modules (seconds) before its first kernel. So the workers start when the
-process's first precompile has finished (``start``, called by precompile.py), and stay for the life of
-the process: the first image compiles on threads alone, with every core to itself (workers importing
-beside it made it slower: SD1.5 512², H200, 10.9 s with 8 against 9.7 s without, 2026-11-28), and a
-later new size hands its kernels to workers with nothing left to import. They run at a lower CPU
-priority (``nice`` 10): they never take a core from the process that started them.
+Triton and the kernels' modules (seconds) before its first kernel. So the workers start when a patch
+installs its CUDA graphs (``start``), before the first capture's dry run needs them, and stay for the
+life of the process, at a lower CPU priority (``nice`` 10): a later new size hands them its kernels
+with nothing to import. Each process of a program that patches (each rank under torchrun) starts its
+own N workers.
 
-How many: ``SD_KERNELS_COMPILE_PROCESSES=N`` (0: none); unset, half the cores up to ``AUTO_WORKERS``
-on a machine of at least ``AUTO_MIN_CORES`` cores, else none. Each process of a program that patches
-(each rank under torchrun) starts its own.
+Off by default: measured on an H200 (16 cores; bench/results/2026-11-28-h200-compile-processes), they
+did not shorten a new size's first image beyond the run-to-run spread and lengthened the first
+image (SD1.5 512²: 9.7 s without, 10.9 s with 8 started at the patch, 17.8 s with 8 started after
+the process's first precompile, which is the text encoder's: their imports then ran beside the
+UNet's precompile).
 
 A precompile shares its kernels between its threads and the workers that have said they are ready
 (``Worker.compile`` per kernel; the thread that fed the worker then loads the kernel from Triton's
@@ -36,23 +37,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 ENV = "SD_KERNELS_COMPILE_PROCESSES"
 MAX_WORKERS = 16
-AUTO_WORKERS, AUTO_MIN_CORES = 8, 8  # unset: min(AUTO_WORKERS, cores // 2) where there are AUTO_MIN_CORES
 JOB_TIMEOUT_S = 120.0
 READY_TIMEOUT_S = 120.0
 WARM_MODULES = ("sd_kernels.ops",)  # what a worker imports before it says ready: every kernel module
 
 
 def requested() -> int:
-    """How many workers ``SD_KERNELS_COMPILE_PROCESSES`` asks for (unset: half the cores, at most
-    AUTO_WORKERS, none below AUTO_MIN_CORES), capped at the cores and MAX_WORKERS; a value that is not a
-    count raises."""
-    cores = os.cpu_count() or 1
-    value = os.environ.get(ENV, "").strip()
-    if not value:
-        return min(AUTO_WORKERS, cores // 2) if cores >= AUTO_MIN_CORES else 0
+    """How many workers ``SD_KERNELS_COMPILE_PROCESSES`` asks for (unset: 0), capped at the cores and
+    MAX_WORKERS; a value that is not a count raises."""
+    value = os.environ.get(ENV, "0").strip() or "0"
     if not value.isdigit():
         raise ValueError(f"{ENV}={value!r}: give a number of worker processes (0: none)")
-    return min(int(value), cores, MAX_WORKERS)
+    return min(int(value), os.cpu_count() or 1, MAX_WORKERS)
 
 
 class Worker:
@@ -135,8 +131,8 @@ _lock = threading.Lock()
 
 def start() -> list[Worker]:
     """Start the requested workers, once per process (no-op when none are requested or without Triton's
-    disk cache; precompile.py calls it after a precompile, and has no dry run under the interpreter);
-    the live ones."""
+    disk cache; callers come through precompile.py, which has no dry run under the interpreter); the
+    live ones."""
     with _lock:
         if not _workers:
             count = requested()

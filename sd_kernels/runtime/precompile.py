@@ -31,12 +31,12 @@ raises what it raises.
 
 Triton holds the interpreter's lock for most of a compilation (its front end and MLIR passes), so the
 threads overlap little besides ptxas: 52 kernels, about 80 s summed, take 7.5-10 s on 16 threads
-(SD1.5 512², H200). So when a process's first precompile has finished, compiler processes start
-(compile_pool.py: half the cores, up to 8, where there are at least 8; ``SD_KERNELS_COMPILE_PROCESSES``
-sets the count, 0 none), and every later precompile (a new size, a new batch) shares its kernels
-between the threads and the processes that are ready, which compile into Triton's disk cache for the
-threads to load; the worker's compilation is checked on CPU against Triton's own preload
-(tests/test_compile_worker.py).
+(SD1.5 512², H200). Opt-in, ``SD_KERNELS_COMPILE_PROCESSES=N`` starts N compiler processes when a patch
+installs its CUDA graphs (compile_pool.py); each precompile then shares its kernels between the threads
+and the processes that are ready, which compile into Triton's disk cache for the threads to load (the
+worker's compilation is checked on CPU against Triton's own preload: tests/test_compile_worker.py).
+Off by default: on an H200 they did not shorten a new size's first image beyond the run-to-run spread
+and lengthened the first image (compile_pool.py has the figures).
 """
 
 from __future__ import annotations
@@ -133,7 +133,6 @@ def precompile(run: Callable[[], Any], device: Any = None) -> Report | None:
     threads = max(1, min(len(items), os.cpu_count() or 1, MAX_THREADS))
     start = time.perf_counter()
     errors, processes = _compile(items, threads, device) if items else ([], 0)
-    compile_pool.start()  # once per process, after its first precompile: ready for the next one
     failed = len(errors)
     if errors:
         log.info("sd_kernels: %d of %d kernels did not compile ahead (the call compiles them): %s",
@@ -160,7 +159,7 @@ def _compile(items: list[tuple[Any, str]], threads: int, device: Any) -> tuple[l
     """Compile ``items`` on ``threads`` threads and the ready compiler processes (compile_pool.py);
     (the errors, how many processes compiled any)."""
     take, errors = _Queue(items), []
-    workers, target = compile_pool.live(), None
+    workers, target = compile_pool.start(), None
     if workers:
         try:
             target = compile_pool.target_of_device(device)
@@ -185,6 +184,13 @@ def _compile(items: list[tuple[Any, str]], threads: int, device: Any) -> tuple[l
             future.result()
         processes = sum(f.result() > 0 for f in driven)
     return errors, processes
+
+
+def start_workers() -> None:
+    """Start the compiler processes ``SD_KERNELS_COMPILE_PROCESSES`` asks for, ahead of the first
+    precompile (a patch calls it when it installs CUDA graphs); nothing where there is no dry run."""
+    if unavailable() is None:
+        compile_pool.start()
 
 
 def _on_device(device: Any) -> None:
