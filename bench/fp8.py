@@ -1,7 +1,8 @@
 """The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
-                        [--rows stock,compile,patched,fp8,torchao] [--steps 20] [--calls 2] [--compile recipe]
+                        [--rows stock,compile,patched,fp8,fp8+compile,torchao] [--steps 20] [--calls 2]
+                        [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
 
 Random weights from the shipped configs (images are noise-like: the quality columns compare two runs
@@ -208,12 +209,14 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 def peer_columns(rows: list[dict]) -> dict[str, float]:
     """{ratio column: the peer's e2e_ms} of the peers measured in ``rows``: vs_compile against the
     compile row (the recipe's or a regional one, in any mode), vs_torchao against torchao's."""
+    from bench.setups import PEER
+
     found: dict[str, float] = {}
     for r in rows:
         variant, ms = r.get("variant", ""), r.get("e2e_ms")
         if not ms:
             continue
-        if variant == "stock+compile-graphs" or variant.startswith(REGIONAL):
+        if variant == PEER or variant.startswith(REGIONAL):
             found["vs_compile"] = ms
         elif variant.startswith(TORCHAO):
             found["vs_torchao"] = ms

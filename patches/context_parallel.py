@@ -28,6 +28,7 @@ import torch
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
 from .cfg_parallel import same_patch
+from .cuda_graph import context_parallel as under_context_parallel
 from .diffusers_sources import is_verified
 
 # diffusers' code this calls and whose calling convention (forward_op's arguments, what the native
@@ -84,8 +85,7 @@ def check_setup(models: list, profile, ops: tuple[str, ...], graph_mode: str | N
     """Patching a model already under context parallelism: every process of its mesh patches alike (a
     collective over that mesh, as ``enable_parallelism`` was; a patch made before ``enable_parallelism``
     cannot be checked so)."""
-    parallel = [(part, m) for part, m in models
-                if getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None) is not None]
+    parallel = [(part, m) for part, m in models if under_context_parallel(m)]
     if parallel:
         group = parallel[0][1]._parallel_config.context_parallel_config._flattened_mesh.get_group()
         same_patch(group, parallel, profile, ops, graph_mode, compile, "context parallelism")

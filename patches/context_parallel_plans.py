@@ -48,6 +48,7 @@ from sd_kernels.ops.custom_ops import attention as sdk_attention
 
 from . import cfg_parallel, context_parallel, flux_attention
 from .cfg_parallel import _close, group_or_error
+from .cuda_graph import context_parallel as under_context_parallel
 
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
 PLANNED = ("SD3Transformer2DModel", "PixArtTransformer2DModel")
@@ -123,8 +124,7 @@ def ulysses_of(attn) -> Ulysses | None:
     all here); a clear error where diffusers' ``enable_parallelism`` split the tokens (it sets its config
     on the processor) and ``enable_context_parallel`` marked nothing."""
     ulysses = vars(attn).get(MARK)
-    split = getattr(getattr(attn.processor, "_parallel_config", None), "context_parallel_config", None)
-    if ulysses is None and split is not None:
+    if ulysses is None and under_context_parallel(attn.processor):
         raise ValueError(f"{type(attn.processor).__name__}: this attention's tokens are split over processes by "
                          "diffusers' enable_parallelism alone, and it would attend over a process's share only (a "
                          "wrong image): split SD3 and PixArt-Σ with sd_kernels.enable_context_parallel(pipe)")
@@ -135,8 +135,7 @@ def check_split(models: list[tuple[str, torch.nn.Module]]) -> None:
     """Before a patch: an SD3 or PixArt-Σ under context parallelism is split by ``enable_context_parallel``
     (diffusers' ``enable_parallelism`` with this plan alone marks no attention for the exchange)."""
     for part, m in models:
-        cp = getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None)
-        if cp is not None and plan_for(m) is not None and not any(MARK in vars(a) for a in m.modules()):
+        if under_context_parallel(m) and plan_for(m) is not None and not any(MARK in vars(a) for a in m.modules()):
             raise ValueError(f"the {part} ({type(m).__name__}) is under context parallelism without sd_kernels' "
                              "exchange (diffusers' enable_parallelism alone): each attention would run over a "
                              "process's share of the tokens (a wrong image); split it with "

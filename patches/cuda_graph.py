@@ -141,8 +141,9 @@ def auto_mode(unets: list[nn.Module], profile: Any) -> tuple[str | None, str]:
     return MODES[0], f"the {type(unets[0]).__name__} is on CUDA"
 
 
-def context_parallel(model: nn.Module) -> bool:
-    """Whether diffusers' context parallelism is on for ``model`` (``enable_parallelism``)."""
+def context_parallel(model: Any) -> bool:
+    """Whether diffusers' context parallelism is on for ``model`` (``enable_parallelism``; it also sets its
+    config on the attention processors it splits, which this reads as well)."""
     return getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None) is not None
 
 
