@@ -6,7 +6,8 @@ Read from the specialization data Triton's JIT serializes for its ``jit_cache_ho
 constants and attributes of the launch), recorded in a process without the interpreter under a stand-in
 CUDA driver (tests/cuda_standin.py), from the package's own host code: GroupNorm's one-tile kernel at
 two image sizes whose groups pad to the same tile, channels_last (its vectors run along the channels);
-the partial softmax's row statistics and fused matmul at two row counts. Where the pixels are the
+the partial softmax's row statistics and fused matmul at two row counts; the pixel path's merge at two
+sizes and batches. Where the pixels are the
 vector axis (NCHW), the one-tile kernel is compiled for Hopper and its stores must stay 16-byte vectors."""
 
 import json
@@ -34,6 +35,13 @@ SCRIPT = textwrap.dedent("""
             gn.group_norm(x, 32, affine, affine, activation="silu")
         return recorded
 
+    def pixel_path(n, h, w):
+        # the channels-fast path at SDXL's widest level; its statistics chunk count follows the batch
+        x = torch.randn(n, 320, h, w, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        with cuda_standin.recording() as recorded:
+            gn.group_norm(x, 32, pixels=True)
+        return recorded
+
     def softmax_matmul(rows):
         x, w = torch.randn(1, rows, 256, dtype=torch.float16), torch.randn(1, 256, 64, dtype=torch.float16)
         with cuda_standin.recording() as recorded:
@@ -46,6 +54,7 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({
         "group_norm": [group_norm(8, 8, torch.channels_last), group_norm(6, 10, torch.channels_last)],
         "softmax_matmul": [softmax_matmul(112), softmax_matmul(120)],
+        "pixel_path": [pixel_path(2, 128, 128), pixel_path(8, 104, 152)],
         "nchw": nchw, "nchw_stores": sorted(set(re.findall(r"st\\.global[.\\w]*", ptx))),
     }))
 """)
@@ -80,6 +89,14 @@ def test_launches_differing_only_in_a_sizes_divisibility_share_a_kernel(recorded
     assert _names(first) == _names(second) == kernels
     for a, b in zip(first, second):
         assert a == b, f"{_names([a])[0]}: {_differences(a, b)}"
+
+
+def test_the_pixel_paths_merge_is_one_kernel_at_every_size_and_batch(recorded):
+    """GroupNorm's pixel path at 128² × 2 and 104×152 × 8 (SDXL's widest level at 1024² with guidance,
+    then 832×1216 at four images): a different number of statistics chunks per sample, one merge kernel."""
+    first, second = recorded["pixel_path"]
+    assert _names(first) == _names(second) == ["_pixel_stats_kernel", "_pixel_merge_kernel", "_pixel_norm_kernel"]
+    assert first[1] == second[1], _differences(first[1], second[1])
 
 
 def test_an_nchw_one_tile_group_keeps_its_vector_stores(recorded):

@@ -180,13 +180,14 @@ def _consumer(qo, ring, b, h, m0, n_blocks, Sk, qk_scale, HAS_HI: gl.constexpr, 
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Sk"])  # Sk only bounds the loop and masks: one compilation for every length
 def _attn_wgmma_fwd(qd_lo, qd_hi, kd_lo, kd_hi, vd_lo, vd_hi, od_lo, od_hi, H, Sk, qk_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr, HAS_HI: gl.constexpr,
                     EVEN_K: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (cdiv(Sq, NC·BLOCK_M), B·H); descriptors over [B, S, H, D] with blocks [1, rows, 1, D_*].
     qk_scale = scale·log2(e) > 0. CONSUMER_REGS: registers per thread of each consumer that runs as
-    a worker partition (the first consumer is the default partition)."""
+    a worker partition (the first consumer is the default partition). EVEN_K: Sk is a multiple of
+    BLOCK_N, the ragged-block test compiled out (benchmarks; the launcher passes False)."""
     m0 = gl.program_id(0) * (NC * BLOCK_M)
     bh = gl.program_id(1)
     b = bh // H

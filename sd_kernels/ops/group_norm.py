@@ -519,6 +519,14 @@ def _pixel_plan(n: int, groups: int, cpg: int, hw: int, sms: int) -> Plan:
                 pixels=True, norm_block_c=norm_c, norm_block_s=norm_s, stat_chunk=stat_chunk, stat_chunks=stat_chunks)
 
 
+def _merge_block(stat_chunks: int, sms: int) -> int:
+    """The merge launch's lanes: enough for the most statistics chunks a sample can have on this GPU
+    (``_pixel_plan`` makes at most _PIXEL_STAT_PROGRAMS, scaled to the SMs), whatever the size and
+    batch, so one compilation serves them all (lanes sized to each call's chunk count compiled it again
+    at a new size or batch)."""
+    return max(next_pow2(stat_chunks), next_pow2(_per_sms(_PIXEL_STAT_PROGRAMS, sms)))
+
+
 _STATS, _NORM, _TILE = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel), Launcher(_group_norm_tile_kernel)
 _PIXEL_STATS, _PIXEL_MERGE, _PIXEL_NORM = (Launcher(_pixel_stats_kernel), Launcher(_pixel_merge_kernel),
                                            Launcher(_pixel_norm_kernel))
@@ -653,7 +661,7 @@ def group_norm(
             HAS_SHIFT=shift is not None,
         )
         _PIXEL_MERGE(key, (n * num_groups,), parts, stat, p.stat_chunks, float(eps),
-                     PART_BLOCK=next_pow2(p.stat_chunks))
+                     PART_BLOCK=_merge_block(p.stat_chunks, sms))
         _PIXEL_NORM(
             key, (n, p.chunks), x, shift_arg, y, weight if weight is not None else x,
             bias if bias is not None else x, stat, c, num_groups, hw, p.chunks,

@@ -242,3 +242,32 @@ def test_ops_attention_takes_it_under_the_hopper_profile(monkeypatch):
         out = attn_mod.attention(q, k, v, scale=scale)
         stock = F.scaled_dot_product_attention(q, k, v, scale=scale)
         torch.testing.assert_close(out, stock, atol=0, rtol=0, equal_nan=True)
+
+
+@gpu
+@poisoned
+def test_the_even_key_variant_equals_the_default_and_refuses_ragged_keys():
+    """``even_k=True`` compiles the ragged-block test out: at a key count that is a multiple of BLOCK_N
+    nothing is masked either way, so the two agree bit for bit; at a ragged count it is refused."""
+    q, k, v = qkv(1, 3, 333, 2 * wg.BLOCK_N, 64, torch.float16, "cuda")
+    torch.testing.assert_close(wg.attention_wgmma(q, k, v, even_k=True), wg.attention_wgmma(q, k, v), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of"):
+        wg.attention_wgmma(q, k[:, :, :100], v[:, :, :100], even_k=True)
+
+
+@gpu
+def test_one_compilation_serves_every_sequence_length():
+    """SDXL's second level at 1024² (4096 keys), then at 832×1216 (3952, ragged) and its third level
+    there (988, not a multiple of 16): after the first, no length compiles the kernel again."""
+    from triton import knobs
+
+    wg.attention_wgmma(*qkv(1, 2, 4096, 4096, 64, torch.float16, "cuda"))
+    compiled, before = [], knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *, fn=None, **_: compiled.append(getattr(fn, "name", fn)) and False
+    try:
+        for s in (3952, 988, 77):
+            check(*qkv(1, 2, s, s, 64, torch.float16, "cuda"))
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = before
+    assert compiled == []
