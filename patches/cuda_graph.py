@@ -322,6 +322,7 @@ class GraphedCall:
         self.state = _model_state(model, self.watch)
         self._logged: set[str] = set()
         self.step_hook = None  # cuda_graph="step": the pipeline's WholeStep (patches/whole_step.py)
+        self.moved_dry_run = False  # whether a call with moved weights had its precompile (see __call__)
 
     def __repr__(self) -> str:
         return f"GraphedCall({self.label}, {len(self.graphs)} graphs)"
@@ -412,6 +413,13 @@ class GraphedCall:
         level = logging.WARNING
         if reason is None:
             reason, level = self.eager_reason() or (None, level)
+        if reason is MOVED and not self.moved_dry_run:
+            # The first call with weights that moved (SDXL's VAE, upcast to fp32 for every decode) runs
+            # eagerly; without a dry run its kernels would compile one after the other inside it (nine
+            # for SDXL's decode at 1024²). Only the first: a dry run costs one more eager call, which
+            # a later size would pay for the few kernels it needs.
+            self.moved_dry_run = True
+            self.prepare(leaves, tree)
         if reason is not None:
             return self._eager(reason, args, kwargs, level)
         graph = self.graphs.get(key)

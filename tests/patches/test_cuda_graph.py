@@ -432,11 +432,16 @@ def test_a_buffer_moved_alone_recaptures(fake_cuda):
     assert len(fake_cuda) == 2
 
 
-def test_weights_moved_around_every_call_never_capture(fake_cuda, caplog):
+def test_weights_moved_around_every_call_never_capture(fake_cuda, caplog, monkeypatch):
     """The SDXL pipeline moves its VAE to fp32 for the decode and back after it, on every call: a
-    capture would never be replayed, so those calls run eagerly (said once), and stay exact."""
+    capture would never be replayed, so those calls run eagerly (said once), and stay exact. The first
+    of them has its kernels precompiled (a dry run), the later ones not."""
     eager, pipe, _ = _pipe_pair()
     ref, graphed = eager.vae, pipe.vae
+    prepared = []
+    prepare = cuda_graph.GraphedCall.prepare
+    monkeypatch.setattr(cuda_graph.GraphedCall, "prepare",
+                        lambda self, leaves, tree: prepared.append(leaves[0].dtype) or prepare(self, leaves, tree))
     z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     kept = []  # each round's weights stay alive, so the next round's cannot take their addresses
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="sd_kernels"):
@@ -451,6 +456,7 @@ def test_weights_moved_around_every_call_never_capture(fake_cuda, caplog):
             ref.float()
     assert len(fake_cuda) == 1  # the first decode only
     assert sum("weights moved" in r.getMessage() for r in caplog.records) == 1
+    assert prepared == [torch.float32, torch.float64]  # the capture's, then the first moved call's
 
 
 SCHEDULERS = ["PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
