@@ -14,7 +14,8 @@ head-dim splits at the self-attention shapes, the partial softmax's two paths at
 shapes, written to OUT/sweep.json; ``--dit`` sweeps the diffusion transformers' self-attention shapes
 instead (``DIT_SHAPES``: PixArt-Σ, SD3's joint text + image sequence, FLUX's, at 1024²); ``--wgmma``
 times the Hopper wgmma kernel (two and three consumer warpgroups) against cuDNN and our flash at the
-DiTs' and the UNets' long-sequence shapes (``WGMMA_SHAPES``), written to OUT/wgmma.json.
+DiTs' and the UNets' long-sequence shapes (``WGMMA_SHAPES``; at key counts that are a multiple of its key
+block also its variant without the run-time ragged-block test), written to OUT/wgmma.json.
 """
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ def wgmma_sweep() -> list[dict]:
         rows.append(run("sdpa_cudnn", _sdpa_with(SDPBackend.CUDNN_ATTENTION)))
         for n in (2, 3) if shape[-1] <= 80 else (2,):
             rows.append(run(f"wgmma_{n}_consumers", functools.partial(wg.attention_wgmma, n_consumers=n)))
+            if n == wg.consumers(shape[-1]) and shape[3] % wg.BLOCK_N == 0:  # what the run-time ragged test costs
+                rows.append(run(f"wgmma_{n}_consumers_even_k",
+                                functools.partial(wg.attention_wgmma, n_consumers=n, even_k=True)))
         rows.append(run("ours_flash", flash_attention))
         del inputs, ref, nxt, run
         torch.cuda.empty_cache()

@@ -125,18 +125,23 @@ def consumers(d: int) -> int:
 
 
 def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                    n_consumers: int | None = None) -> torch.Tensor:
+                    n_consumers: int | None = None, even_k: bool = False) -> torch.Tensor:
     """softmax(q·kᵀ·scale)·v for calls ``reason`` accepts (it is not checked again here).
     ``n_consumers`` (2 or 3) overrides ``consumers(d)``, for benchmarks; three need head dim ≤ 80 (at 128
-    the three Q tiles and the ring exceed shared memory). One compilation serves every sequence length
-    (the kernel neither specializes on the key count nor compiles a variant per raggedness): a new image
-    size compiles nothing here."""
+    the three Q tiles and the ring exceed shared memory).
+
+    ``even_k``, for benchmarks: compile the variant without the ragged-block test (only where the key
+    count is a multiple of BLOCK_N). By default every key count runs one compilation, which tests each
+    key block for raggedness at run time (a uniform branch): a new image size then compiles nothing
+    here, where a variant per raggedness cost a Gluon compilation of seconds at the first odd size."""
     b, h, sq, d = q.shape
     nc = consumers(d) if n_consumers is None else n_consumers
     if nc not in REGISTERS or (nc == 3 and d > 80):
         raise ValueError(f"n_consumers={n_consumers!r} at head dim {d}: 2, or 3 up to head dim 80")
     maxnreg, consumer_regs = REGISTERS[nc]
     sk = k.shape[2]
+    if even_k and sk % BLOCK_N:
+        raise ValueError(f"even_k=True needs a key count that is a multiple of {BLOCK_N}, not {sk}")
     d_lo, d_hi, has_hi = split_head_dim(d)
     out = output_like(q)
     qd, kd, vd, od = (_descriptors(t, r, d_lo, d_hi) for t, r in ((q, BLOCK_M), (k, BLOCK_N), (v, BLOCK_N),
@@ -145,6 +150,6 @@ def attention_wgmma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     grid = (triton.cdiv(sq, nc * BLOCK_M), b * h)
     with torch.cuda.device(q.device):
         _kernel()._attn_wgmma_fwd[grid](*qd, *kd, *vd, *od, h, sk, qk_scale, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                        NS=STAGES, HAS_HI=has_hi, NC=nc,
+                                        NS=STAGES, HAS_HI=has_hi, EVEN_K=even_k, NC=nc,
                                         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return out

@@ -193,7 +193,7 @@ def check(q, k, v, scale=None, n_consumers=None):
     (1, 2, 520, 640, 40),
     (1, 2, 384, 512, 128),
     (1, 1, 64, 129, 80),
-    (1, 2, 200, 256, 64),  # two whole key blocks: the last block's ragged test finds none
+    (1, 2, 200, 256, 64),  # two whole key blocks: the ragged test finds none
 ], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("n_consumers", [2, 3])
 def test_matches_float64(shape, dtype, n_consumers):
@@ -243,6 +243,17 @@ def test_ops_attention_takes_it_under_the_hopper_profile(monkeypatch):
         out = attn_mod.attention(q, k, v, scale=scale)
         stock = F.scaled_dot_product_attention(q, k, v, scale=scale)
         torch.testing.assert_close(out, stock, atol=0, rtol=0, equal_nan=True)
+
+
+@gpu
+@poisoned
+def test_the_even_key_variant_equals_the_default_and_refuses_ragged_keys():
+    """``even_k=True`` compiles the ragged-block test out: at a key count that is a multiple of BLOCK_N
+    nothing is masked either way, so the two agree bit for bit; at a ragged count it is refused."""
+    q, k, v = qkv(1, 3, 333, 2 * wg.BLOCK_N, 64, torch.float16, "cuda")
+    torch.testing.assert_close(wg.attention_wgmma(q, k, v, even_k=True), wg.attention_wgmma(q, k, v), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of"):
+        wg.attention_wgmma(q, k[:, :, :100], v[:, :, :100], even_k=True)
 
 
 @gpu
