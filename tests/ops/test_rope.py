@@ -14,7 +14,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from sd_kernels import reference
 from sd_kernels.ops import custom_ops, qk_norm_rope
 from sd_kernels.runtime import dispatch
-from sd_kernels.testing import assert_close_to_reference, poison_
+from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_
 
 rope_ops = importlib.import_module("sd_kernels.ops.rope")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -87,6 +87,18 @@ def test_power_of_two_head_dims_batch_three(head_dim, device):
                                     device=device))
 
 
+def test_element_strided_projections_and_an_empty_stream(device):
+    """Projections whose elements are not adjacent (every other of a doubled last dim) are read through their
+    stride; an image stream of no tokens leaves the text stream's rows alone."""
+    args = list(make_args(fused=False, device=device))
+    args[:3] = [non_contiguous(t) for t in args[:3]]
+    check_against_float64(tuple(args))
+    empty = list(make_args(s=0, device=device))
+    assert empty[0].shape[1] == 0
+    query, _, value = check_against_float64(tuple(empty))
+    assert query.shape == value.shape == (2, 3, 2, 24)
+
+
 def test_every_output_element_is_written_and_the_streams_land_in_order(monkeypatch, device):
     """Outputs start as NaN: both launches (text at offset 0, image after it) cover their rows; and the text
     rows are the text stream's (a kernel with the streams swapped would be far off, not NaN)."""
@@ -125,6 +137,7 @@ def test_reference_is_stock_bit_for_bit():
         assert torch.equal(o, want)
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch: its unfused path
 def test_calls_off_the_kernels_ground_run_the_reference(device):
     """Float64, and norm weights of another dtype than the activations (stock promotes): the reference,
     counted as a fallback; the results are stock's."""
