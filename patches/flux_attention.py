@@ -12,6 +12,13 @@ from diffusers' own ``_get_qkv_projections`` (separate ``to_q`` / ``to_k`` / ``t
 front of the image stream; the rotary embedding is diffusers' ``apply_rotary_emb`` (``sequence_dim=1``);
 after the attention the streams are split back, ``to_out`` on the image's, ``to_add_out`` on the text's.
 
+From the projections to the attention's inputs (unflatten, norms, concatenation, rotation) one op runs
+instead, ``sd_kernels.ops.qk_norm_rope`` (a launch per stream, writing each stream into the joined
+buffers at its offset; docs/kernels/rope.md), where it computes what those lines do: every norm a
+``torch.nn.RMSNorm`` over the head dim (what ``FluxAttention`` builds) with one eps, or no norm at all;
+``image_rotary_emb`` None or FLUX's (cos, sin) pair of [S_text + S, D]. Anything else (another norm
+class, a tensor or complex rotary embedding) runs diffusers' lines as they are.
+
 The attention core: diffusers calls ``dispatch_attention_fn`` on [B, S, H, D], which by default
 (its "native" backend) runs ``F.scaled_dot_product_attention`` on the [B, H, S, D] views
 ``x.permute(0, 2, 1, 3)`` and permutes the result back. Here those views go to
@@ -38,7 +45,7 @@ import sys
 
 import torch
 
-from sd_kernels.ops.custom_ops import attention
+from sd_kernels.ops.custom_ops import attention, qk_norm_rope
 from sd_kernels.profiles import scoped
 
 from . import context_parallel
@@ -79,6 +86,44 @@ def _native_backend() -> bool:
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     return _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+
+
+def _norms(attn, text: bool) -> tuple | None:
+    """(eps, weights) of ``attn``'s q/k RMSNorms (the text stream's after the image's) where
+    ``qk_norm_rope`` computes what they do: all ``torch.nn.RMSNorm`` over the head dim with one eps,
+    weights None or [D]; (None, Nones) where all are None (no norm); None where anything else is."""
+    modules = [attn.norm_q, attn.norm_k]
+    if text:
+        modules += [getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None)]
+    if all(m is None for m in modules):
+        return None, (None,) * 4
+    if any(type(m) is not torch.nn.RMSNorm or tuple(m.normalized_shape) != (attn.head_dim,) for m in modules):
+        return None
+    eps = {m.eps for m in modules}
+    if len(eps) != 1 or None in eps:  # eps None: torch's per-dtype default, left to the modules
+        return None
+    return eps.pop(), (*(m.weight for m in modules), *(None,) * (4 - len(modules)))
+
+
+def _fused_inputs(attn, query: torch.Tensor, encoder_query: torch.Tensor | None, image_rotary_emb) -> tuple | None:
+    """(eps, weights, (cos, sin)) for ``qk_norm_rope`` where it computes the processor's lines from the
+    projections to the attention's inputs: the norms ``_norms`` serves, FLUX's rotary embedding (None,
+    or a (cos, sin) pair of [S, D] tensors), projections [B, S, H·D] (the text stream's when ``attn``
+    has one). None: the processor runs diffusers' lines (which also raise diffusers' errors)."""
+    norms = _norms(attn, encoder_query is not None)
+    if norms is None or not isinstance(query, torch.Tensor) or query.dim() != 3:
+        return None
+    if attn.added_kv_proj_dim is not None and (not isinstance(encoder_query, torch.Tensor) or encoder_query.dim() != 3):
+        return None
+    tokens = query.shape[1] + (0 if encoder_query is None else encoder_query.shape[1])
+    if image_rotary_emb is None:
+        rotary = (None, None)
+    elif (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2 and attn.head_dim % 2 == 0
+          and all(isinstance(t, torch.Tensor) and tuple(t.shape) == (tokens, attn.head_dim) for t in image_rotary_emb)):
+        rotary = tuple(image_rotary_emb)
+    else:
+        return None
+    return norms[0], norms[1], rotary
 
 
 def _delegated(name: str) -> property:
@@ -148,28 +193,36 @@ class SDKernelsFluxAttnProcessor:
             attn, hidden_states, encoder_hidden_states
         )
 
-        query = query.unflatten(-1, (-1, attn.head_dim))
-        key = key.unflatten(-1, (-1, attn.head_dim))
-        value = value.unflatten(-1, (-1, attn.head_dim))
+        text = attn.added_kv_proj_dim is not None
+        fused = _fused_inputs(attn, query, encoder_query if text else None, image_rotary_emb)
+        if fused is not None:  # the lines below in one op: sd_kernels.ops.qk_norm_rope
+            eps, weights, rotary = fused
+            query, key, value = qk_norm_rope(
+                query, key, value, attn.head_dim, *weights[:2], eps, *rotary,
+                *((encoder_query, encoder_key, encoder_value, *weights[2:]) if text else ()))
+        else:
+            query = query.unflatten(-1, (-1, attn.head_dim))
+            key = key.unflatten(-1, (-1, attn.head_dim))
+            value = value.unflatten(-1, (-1, attn.head_dim))
 
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
+            query = attn.norm_q(query)
+            key = attn.norm_k(key)
 
-        if attn.added_kv_proj_dim is not None:
-            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
-            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
-            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            if attn.added_kv_proj_dim is not None:
+                encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+                encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+                encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
 
-            encoder_query = attn.norm_added_q(encoder_query)
-            encoder_key = attn.norm_added_k(encoder_key)
+                encoder_query = attn.norm_added_q(encoder_query)
+                encoder_key = attn.norm_added_k(encoder_key)
 
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
-            value = torch.cat([encoder_value, value], dim=1)
+                query = torch.cat([encoder_query, query], dim=1)
+                key = torch.cat([encoder_key, key], dim=1)
+                value = torch.cat([encoder_value, value], dim=1)
 
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            if image_rotary_emb is not None:
+                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
 
         # diffusers: dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=...,
         # parallel_config=...)

@@ -415,3 +415,74 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if pv == "fp8":
         out = out * (v_amax.to(f64) / E4M3_MAX)
     return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLUX's attention inputs: q/k RMSNorm, the text + image join, the rotary embedding (ops/rope.py).
+
+
+def check_qk_norm_rope_args(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight,
+                            ek_weight) -> None:
+    """What ``qk_norm_rope`` takes: q, k, v [B, S, H·D] of one shape; the text stream's eq, ek, ev all
+    given ([B, S_text, H·D]) or none; norm weights [D] only with a norm (``eps`` set); cos and sin both
+    [S_text + S, D] or neither, D even with them (the rotation pairs neighbours)."""
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"qk_norm_rope: q, k, v must be [B, S, H·D] of one shape, got {_shape(q)}, {_shape(k)}, "
+                         f"{_shape(v)}")
+    if head_dim < 1 or q.shape[-1] % head_dim:
+        raise ValueError(f"qk_norm_rope: head_dim {head_dim} does not divide the projections' width {q.shape[-1]}")
+    text = (eq, ek, ev)
+    if any(t is None for t in text) != all(t is None for t in text):
+        raise ValueError("qk_norm_rope: the text stream needs all of eq, ek, ev (or none)")
+    if eq is not None and any(t.dim() != 3 or t.shape[0] != q.shape[0] or t.shape[-1] != q.shape[-1]
+                              or t.shape != eq.shape for t in text):
+        raise ValueError(f"qk_norm_rope: eq, ek, ev must be [B, S_text, H·D] of one shape with B = {q.shape[0]} "
+                         f"and H·D = {q.shape[-1]}, got {_shape(eq)}, {_shape(ek)}, {_shape(ev)}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight), ("eq_weight", eq_weight),
+                    ("ek_weight", ek_weight)):
+        if w is not None and (eps is None or _shape(w) != [head_dim]):
+            raise ValueError(f"qk_norm_rope: {name} must be [{head_dim}] with a norm (eps set), got {_shape(w)} "
+                             f"with eps={eps}")
+    if (cos is None) != (sin is None):
+        raise ValueError("qk_norm_rope: the rotary embedding needs both cos and sin")
+    s_total = q.shape[1] + (0 if eq is None else eq.shape[1])
+    if cos is not None and (_shape(cos) != [s_total, head_dim] or _shape(sin) != [s_total, head_dim]
+                            or head_dim % 2):
+        raise ValueError(f"qk_norm_rope: cos and sin must be [{s_total}, {head_dim}] with an even head dim, "
+                         f"got {_shape(cos)}, {_shape(sin)}")
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb(x, (cos, sin), sequence_dim=1)`` (``use_real``, pairs (x[2i], x[2i+1])):
+    x·cos + turned·sin with turned[2i] = −x[2i+1], turned[2i+1] = x[2i], for x [B, S, H, D] and cos, sin
+    [S, D]; in fp32 (float64 for float64 x), the result in x's dtype."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    turned = torch.stack([-odd, even], dim=-1).flatten(-2)
+    cos, sin = cos[None, :, None, :].to(x.device), sin[None, :, None, :].to(x.device)
+    return (x.to(wide) * cos + turned.to(wide) * sin).to(x.dtype)
+
+
+def qk_norm_rope(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
+                 ev=None, eq_weight=None, ek_weight=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What diffusers' FluxAttnProcessor does between its projections and the attention, in its order:
+    each stream's q, k, v [B, S, H·D] as [B, S, H, D] heads; q and k through ``torch.nn.RMSNorm``'s
+    ``F.rms_norm`` over D (with eps set; weights per stream, None for none); the text stream (eq, ek,
+    ev) concatenated in front of the image's; q and k rotated by ``rotary`` (cos, sin given). Returns
+    (query, key, value) [B, S_text + S, H, D]; without a text stream value is v's view."""
+    check_qk_norm_rope_args(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+
+    def heads(t):
+        return t.unflatten(-1, (-1, head_dim))
+
+    def norm(t, weight):
+        return heads(t) if eps is None else F.rms_norm(heads(t), (head_dim,), weight, eps)
+
+    query, key, value = norm(q, q_weight), norm(k, k_weight), heads(v)
+    if eq is not None:
+        query = torch.cat([norm(eq, eq_weight), query], dim=1)
+        key = torch.cat([norm(ek, ek_weight), key], dim=1)
+        value = torch.cat([heads(ev), value], dim=1)
+    if cos is not None:
+        query, key = rotary(query, cos, sin), rotary(key, cos, sin)
+    return query, key, value

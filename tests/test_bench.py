@@ -517,6 +517,30 @@ def test_layer_norm_bench_is_a_family_and_its_impls_agree(device):
     assert lnb.traffic((2, 4096, 1152), True) == {"ours": 4 * n + 3 * 2 * 1152 * 2, "stock": 11 * n}
 
 
+def test_rope_bench_is_a_family_and_its_impls_agree(device):
+    """bench.ops_rope at tiny token counts (FLUX's head dim; on CPU through the Triton interpreter): bench.run
+    finds it, its stock lines and ours give the same attention inputs for every variant, and its byte counts
+    are 6 passes of [S_text + S, H, D] (4 for the single stream, whose v is a view) plus cos and sin."""
+    import torch
+
+    from bench import ops_rope as rb
+    from bench import run
+
+    assert "rope" in run.families()
+    for variant in rb.VARIANTS:
+        inputs = rb.make_inputs(variant, tokens=5, text=3, heads=2, device=device)
+        norms = [rb._norm(w) for w in inputs["weights"]]
+        with torch.no_grad():
+            got, want = rb.ours(inputs), rb.stock(inputs, norms)
+        assert got[0].shape == (1, 8, 2, rb.HEAD_DIM)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+        assert torch.equal(got[2], want[2])
+    n = (4096 + 512) * 24 * 128 * 2
+    assert rb.traffic("double", 4096) == 6 * n + 2 * 4608 * 128 * 4
+    assert rb.traffic("single", 4096) == 4 * n + 2 * 4608 * 128 * 4
+
+
 def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance_splits():
     """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses rows at every W > 1; SD3
     and PixArt-Σ (guidance, sd_kernels' plans) ours at every W > 1 (no peer: diffusers' processors for them

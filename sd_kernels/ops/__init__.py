@@ -12,6 +12,7 @@ from .group_stats import group_norm_given, group_partials, group_stats, mean_rst
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated, layer_norm_modulated_fp8
 from .pack8 import pack8, unpack8
 from .residual import bias_residual
+from .rope import qk_norm_rope
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
 from .upsample import upsample_conv2d
 from .winograd import winograd_conv2d, winograd_weight
@@ -37,6 +38,7 @@ __all__ = [
     "mean_rstd",
     "merge_group_stats",
     "pack8",
+    "qk_norm_rope",
     "quantize_rows",
     "partial_softmax_attention",
     "softmax_matmul",

@@ -32,6 +32,7 @@ fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")
 attention_fp8_ops = importlib.import_module("sd_kernels.ops.attention_fp8")
 gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
 layer_norm_ops = importlib.import_module("sd_kernels.ops.layer_norm")
+rope_ops = importlib.import_module("sd_kernels.ops.rope")
 upsample_ops = importlib.import_module("sd_kernels.ops.upsample")
 winograd_ops = importlib.import_module("sd_kernels.ops.winograd")
 
@@ -215,10 +216,11 @@ def _upsample_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return upsample_ops.upsample_conv2d(x, weight, bias, cached=True)
 
 
-# The FP8 ops return codes and scales of other shapes and dtypes than their input: their own fakes.
+# The FP8 ops return codes and scales of other shapes and dtypes than their input, qk_norm_rope two or three
+# outputs of another shape: their own fakes.
 
 
-def _fp8_op(name: str, fake: Callable):
+def _own_fake_op(name: str, fake: Callable):
     def register(fn):
         op = torch.library.custom_op(f"sd_kernels::{name}", fn, mutates_args=(), tags=_TAGS)
         _REGISTERED.append(name)
@@ -233,12 +235,12 @@ def _codes_and_scales(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tens
             torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
 
 
-@_fp8_op("fp8_quantize_rows", lambda x, act, gated: _codes_and_scales(x, x.shape[-1] // (2 if gated else 1)))
+@_own_fake_op("fp8_quantize_rows", lambda x, act, gated: _codes_and_scales(x, x.shape[-1] // (2 if gated else 1)))
 def _fp8_quantize_op(x: torch.Tensor, act: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_ops.quantize_rows(x, act, gated)
 
 
-@_fp8_op("fp8_gemm", lambda a_q, s_a, w_q, *args: torch.empty((*a_q.shape[:-1], w_q.shape[0]), dtype=args[-1],
+@_own_fake_op("fp8_gemm", lambda a_q, s_a, w_q, *args: torch.empty((*a_q.shape[:-1], w_q.shape[0]), dtype=args[-1],
                                                                device=a_q.device))
 def _fp8_gemm_op(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
                  bias: torch.Tensor | None, act: str, gate: torch.Tensor | None, residual: torch.Tensor | None,
@@ -251,11 +253,33 @@ def _norm_fp8_fake(x, weight, bias, eps, scale, shift):
             *_codes_and_scales(x, x.shape[-1]))
 
 
-@_fp8_op("layer_norm_modulated_fp8", _norm_fp8_fake)
+@_own_fake_op("layer_norm_modulated_fp8", _norm_fp8_fake)
 def _layer_norm_modulated_fp8_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                                  eps: float, scale: torch.Tensor | None,
                                  shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return layer_norm_ops.layer_norm_modulated_fp8(x, weight, bias, eps, scale, shift)
+
+
+def _joined_heads(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight):
+    """qk_norm_rope's outputs: query and key [B, S_text + S, H, D], contiguous, and the joined values
+    only with a text stream (without one the values are the caller's view of v, never an output)."""
+    bsz, s, n = q.shape
+    shape = (bsz, s + (0 if eq is None else eq.shape[1]), n // head_dim, head_dim)
+    return [torch.empty(shape, dtype=q.dtype, device=q.device) for _ in range(2 if ev is None else 3)]
+
+
+@_own_fake_op("qk_norm_rope", _joined_heads)
+def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, q_weight: torch.Tensor | None,
+                     k_weight: torch.Tensor | None, eps: float | None, cos: torch.Tensor | None,
+                     sin: torch.Tensor | None, eq: torch.Tensor | None, ek: torch.Tensor | None,
+                     ev: torch.Tensor | None, eq_weight: torch.Tensor | None,
+                     ek_weight: torch.Tensor | None) -> list[torch.Tensor]:
+    out = rope_ops.qk_norm_rope(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight,
+                                ek_weight)[:2 if ev is None else 3]
+    # a custom op's outputs are fresh and in the fake's layout: the reference's views (no norm, no rotation)
+    # and its other layouts (a norm of a strided slice) are copied
+    return [t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+            for t in out]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +397,18 @@ def layer_norm_modulated_fp8(x, weight=None, bias=None, eps=1e-6, scale=None, sh
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.layer_norm_modulated_fp8(x, weight, bias, float(eps), scale, shift)
     return layer_norm_ops.layer_norm_modulated_fp8(x, weight, bias, eps, scale, shift)
+
+
+def qk_norm_rope(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
+                 ev=None, eq_weight=None, ek_weight=None):
+    """FLUX's attention inputs (q/k RMSNorm, text + image join, rotary embedding): ``sd_kernels.ops.qk_norm_rope``."""
+    if torch.compiler.is_compiling():
+        out = torch.ops.sd_kernels.qk_norm_rope(q, k, v, int(head_dim), q_weight, k_weight,
+                                                None if eps is None else float(eps), cos, sin, eq, ek, ev,
+                                                eq_weight, ek_weight)
+        return out[0], out[1], v.unflatten(-1, (-1, head_dim)) if ev is None else out[2]
+    return rope_ops.qk_norm_rope(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight,
+                                 ek_weight)
 
 
 OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

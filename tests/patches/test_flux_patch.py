@@ -1,8 +1,9 @@
 """FLUX.1 (patches/families.py: FluxTransformer2DModel, part "transformer"): the tiny config's transformer
 and whole FluxPipeline patched and exactly unpatched; the FLUX attention processor
 (patches/flux_attention.py) of the double- and single-stream blocks through the kernels against
-float64, with fused projections, and its fallbacks (unverified source, custom processors, a chosen
-attention backend, a mask); the pipeline's model calls replayed from (stand-in) CUDA graphs with the
+float64 (its inputs through qk_norm_rope, one launch per stream), with fused projections, and its
+fallbacks (unverified source, custom processors, a chosen attention backend, a mask, norms of another
+class); the pipeline's model calls replayed from (stand-in) CUDA graphs with the
 timesteps left on the device."""
 
 import copy
@@ -141,6 +142,46 @@ def test_transformer_through_kernels(transformer):
     assert torch.equal(_run(transformer, x, kw), stock)
 
 
+def _count_streams(monkeypatch) -> list:
+    """The qk_norm_rope kernel's launches (one per stream of an attention call), by stream token count."""
+    rope_ops = importlib.import_module("sd_kernels.ops.rope")
+    launches, launch = [], rope_ops._launch_stream
+    monkeypatch.setattr(rope_ops, "_launch_stream", lambda q, *a: launches.append(q.shape[1]) or launch(q, *a))
+    return launches
+
+
+def test_attention_inputs_are_one_kernel_launch_per_stream(transformer, monkeypatch):
+    """Between the projections and the attention each call runs qk_norm_rope's kernel: the double blocks one
+    launch for the text stream (9 tokens) and one for the image's (64), the single blocks one for their joined
+    73; with fused projections alike. A block whose norms are not torch.nn.RMSNorm (diffusers' own RMSNorm
+    here, as another model might build) runs diffusers' lines."""
+    from diffusers.models.normalization import RMSNorm
+
+    x, kw = _inputs(transformer)
+    launches = _count_streams(monkeypatch)
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        _run(transformer, x, kw)
+        assert launches == [9, 64, 9, 64, 73, 73]
+        launches.clear()
+        transformer.fuse_qkv_projections()
+        _run(transformer, x, kw)
+        assert launches == [9, 64, 9, 64, 73, 73]
+        transformer.unfuse_qkv_projections()
+    attn = transformer.transformer_blocks[0].attn
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        norm = RMSNorm(attn.head_dim, eps=1e-6)
+        norm.weight.data.copy_(getattr(attn, name).weight)
+        setattr(attn, name, norm)
+    stock = _run(transformer, x, kw)
+    ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
+    launches.clear()
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
+        assert launches == [9, 64, 73, 73]  # block 0: diffusers' lines
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
 @pytest.mark.parametrize("ops", [["attention"], None])
 def test_reference_ops_compute_what_stock_computes(transformer, monkeypatch, ops):
     """With the PyTorch reference behind every op, the patched forward is stock's arithmetic in stock's
@@ -250,7 +291,7 @@ def test_calls_the_native_backend_would_not_serve_go_to_diffusers_dispatch(trans
 @pytest.mark.slow
 def test_patched_transformer_compiles_fullgraph(transformer):
     """torch.compile(fullgraph=True) of the patched transformer: no graph break, one
-    torch.ops.sd_kernels.attention node per FLUX attention, eager's outputs."""
+    torch.ops.sd_kernels.attention and one qk_norm_rope node per FLUX attention, eager's outputs."""
     x, kw = _inputs(transformer)
     graphs = []
 
@@ -269,6 +310,7 @@ def test_patched_transformer_compiles_fullgraph(transformer):
     # the custom ops' targets, whatever torch names them (the packet or its .default overload)
     calls = [str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function"]
     assert calls.count("sd_kernels.attention") == counts["flux_attention_processor"] == 4
+    assert calls.count("sd_kernels.qk_norm_rope") == 4  # the attention's inputs: one op per call
     gelus = [c for c in calls if c.startswith("sd_kernels.") and "gelu" in c]  # gelu, or linear_gelu
     assert len(gelus) == counts["gelu.GELU"] == 4
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)

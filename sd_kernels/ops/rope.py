@@ -1,0 +1,199 @@
+"""FLUX's attention inputs in one pass: q/k RMSNorm, the rotary embedding, the text + image join.
+
+Between its q/k/v projections and the attention core, diffusers' FLUX attention processor runs, per
+stream (the image tokens, and in the double-stream blocks the text tokens too):
+
+    q, k, v = (t.unflatten(-1, (H, D)) for t in projections)         # [B, S, H, D] views
+    q, k = norm_q(q), norm_k(k)                                        # torch.nn.RMSNorm over D
+    q, k, v = (cat([text, image], dim=1) for each)                     # double-stream blocks
+    q, k = apply_rotary_emb(q, (cos, sin)), apply_rotary_emb(k, ...)  # cos, sin [S_text + S_image, D]
+
+with the rotation on the pairs (x[2i], x[2i+1]): y[2i] = x[2i]·cos[2i] − x[2i+1]·sin[2i],
+y[2i+1] = x[2i+1]·cos[2i+1] + x[2i]·sin[2i+1]. Stock PyTorch runs that as a dozen kernels, each
+reading and writing a [B, S, H, D] tensor (the norm's upcast, square, mean, scale, weight; the
+concatenations; the rotation's reshape, stack, two products and sum). Here one launch per stream
+reads the projections' outputs as they are (any batch and token strides: slices of one fused
+``to_qkv`` output too), normalizes and rotates q and k in registers, and writes q, k and v once,
+straight into [B, S_text + S_image, H, D] buffers at the stream's token offset: the join costs
+nothing. docs/kernels/rope.md counts the bytes.
+
+Numerics: fp32 inside, one rounding to the input's dtype at the store. Stock rounds twice more (the
+normalized value, then its product with the weight, before the rotation upcasts again), so the
+kernel is at least as close to a float64 evaluation of the formula as stock. The norm's rsqrt is an
+IEEE square root and division (``/`` and ``sqrt`` are approximate on the GPU).
+
+A program owns ROWS rows of D elements, a row being one (token, head) of q, of k and of v, loaded
+whole (vector loads) and split into the rotation's pairs in registers, without a second load. Calls the
+kernel does not take (float64, autograd, inputs of several dtypes, an odd head dim with the
+rotation, D past ``_MAX_D``) run ``sd_kernels.reference.qk_norm_rope``, stock's ops in stock's order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sd_kernels import reference
+from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
+
+_ELEMS = 4096  # elements per program and tensor: 32 rows of FLUX's D = 128
+_MAX_D = 1024  # a head dim wider than any model's; one program's row tile
+
+
+@triton.jit
+def _rows(ptr, off, d, mask, stride_d):
+    """The [ROWS, BLOCK_D] elements of the rows starting at ``off``, as fp32."""
+    return tl.load(ptr + off[:, None] + d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pairs(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x [ROWS, BLOCK_D] as its even and odd elements, [ROWS, BLOCK_D / 2] each (a thread's contiguous
+    elements split in registers)."""
+    return tl.split(tl.reshape(x, (ROWS, BLOCK_D // 2, 2)))
+
+
+@triton.jit
+def _norm_rope(src, off, stride_d, w_ptr, dst, out_off, d, mask, D, eps, ce, co, se, so,
+               NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """One of q, k: its rows RMS-normalized over D (times the weight), rotated, stored."""
+    x = _rows(src, off, d, mask, stride_d)
+    if NORM:
+        ms = tl.math.div_rn(tl.sum(x * x, axis=1), D * 1.0)
+        x = x * tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))[:, None]
+        if HAS_W:
+            x = x * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    if ROPE:
+        xe, xo = _pairs(x, ROWS, BLOCK_D)
+        x = tl.reshape(tl.join(xe * ce - xo * se, xo * co + xe * so), (ROWS, BLOCK_D))
+    tl.store(dst + out_off[:, None] + d[None, :], x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr,
+    n_rows, S, H, D, offset, s_total, eps,
+    stride_qb, stride_qs, stride_qd, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    stride_cs, stride_cd, stride_ss, stride_sd,
+    NORM: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROPE: tl.constexpr, HAS_V: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of one stream's B·S·H (token, head) rows: q and k normalized
+    (NORM) and rotated (ROPE), v copied (HAS_V), into contiguous [B, s_total, H, D] outputs at token
+    ``offset``. Rows are loaded whole (contiguous, vector loads) and split into the rotation's pairs
+    in registers."""
+    # int64: (sample·s_total + token)·H·D passes 2³¹ on large batches
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    head = rows % H
+    token = (rows // H) % S
+    sample = rows // (H * S)
+    d = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (d < D)[None, :]
+    out_off = ((sample * s_total + offset + token) * H + head) * D
+    col = head * D  # the head's first element in the H·D projection row
+
+    ce, co, se, so = 0.0, 0.0, 0.0, 0.0
+    if ROPE:
+        ce, co = _pairs(_rows(cos_ptr, (offset + token) * stride_cs, d, mask, stride_cd), ROWS, BLOCK_D)
+        se, so = _pairs(_rows(sin_ptr, (offset + token) * stride_ss, d, mask, stride_sd), ROWS, BLOCK_D)
+    _norm_rope(q_ptr, sample * stride_qb + token * stride_qs + col * stride_qd, stride_qd, wq_ptr, oq_ptr, out_off,
+               d, mask, D, eps, ce, co, se, so, NORM, HAS_WQ, ROPE, ROWS, BLOCK_D)
+    _norm_rope(k_ptr, sample * stride_kb + token * stride_ks + col * stride_kd, stride_kd, wk_ptr, ok_ptr, out_off,
+               d, mask, D, eps, ce, co, se, so, NORM, HAS_WK, ROPE, ROWS, BLOCK_D)
+    if HAS_V:
+        off = sample * stride_vb + token * stride_vs + col * stride_vd
+        v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_vd, mask=mask, other=0.0)
+        tl.store(ov_ptr + out_off[:, None] + d[None, :], v, mask=mask)
+
+
+_LAUNCH = Launcher(_qk_norm_rope_kernel)
+
+
+def _kernel_reason(activations: tuple, weights: tuple, rotary: tuple, head_dim: int) -> str | None:
+    reason = tensor_reason(*activations, *weights, *rotary)
+    if reason is not None:
+        return reason
+    dtypes = sorted({str(t.dtype) for t in (*activations, *weights) if t is not None})
+    if len(dtypes) > 1:
+        return f"activations and norm weights of several dtypes {dtypes} (the kernel takes one)"
+    if head_dim > _MAX_D:
+        return f"head dim {head_dim} is wider than one program's row tile ({_MAX_D})"
+    return None
+
+
+def blocks(head_dim: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_D, num_warps): the head dim padded to a power of two (at least one pair), rows up to
+    ``_ELEMS`` elements a program, a warp per 512 elements, 4 to 8."""
+    block_d = max(2, next_pow2(head_dim))
+    rows = max(1, _ELEMS // block_d)
+    return rows, block_d, min(8, max(4, rows * block_d // 512))
+
+
+def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offset: int, head_dim: int) -> None:
+    """One stream's rows into ``out`` = (query, key, value or None) at token ``offset``."""
+    bsz, s, n = q.shape
+    heads = n // head_dim
+    n_rows = bsz * s * heads
+    if n_rows == 0:
+        return
+    rows, block_d, num_warps = blocks(head_dim)
+    oq, ok, ov = out
+    flags = dict(NORM=eps is not None, HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None,
+                 ROPE=cos is not None, HAS_V=ov is not None)
+    key = (*flags.values(), rows, block_d, num_warps)
+    c, sn = (q, q) if cos is None else (cos, sin)
+    vv = q if ov is None else v
+    _LAUNCH(
+        key, (cdiv(n_rows, rows),),
+        q, k, vv, q if q_weight is None else q_weight, q if k_weight is None else k_weight, c, sn,
+        oq, ok, oq if ov is None else ov,
+        n_rows, s, heads, head_dim, offset, oq.shape[1], 0.0 if eps is None else float(eps),
+        *q.stride(), *k.stride(), *vv.stride(), *c.stride()[-2:], *sn.stride()[-2:],
+        **flags, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+    )
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    head_dim: int,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    eq: torch.Tensor | None = None,
+    ek: torch.Tensor | None = None,
+    ev: torch.Tensor | None = None,
+    eq_weight: torch.Tensor | None = None,
+    ek_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FLUX's attention inputs (``sd_kernels.reference.qk_norm_rope``'s contract) in one launch per
+    stream: (query, key, value) [B, S_text + S, H, D], query and key contiguous new tensors in q's
+    dtype; value the text and image values joined (a new tensor), or without a text stream the view
+    ``v.unflatten(-1, (-1, head_dim))`` (no copy, as stock)."""
+    reference.check_qk_norm_rope_args(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev,
+                                      eq_weight, ek_weight)
+    activations, weights = (q, k, v, eq, ek, ev), (q_weight, k_weight, eq_weight, ek_weight)
+    reason = _kernel_reason(activations, weights, (cos, sin), head_dim)
+    if not use_kernel("qk_norm_rope", *activations, *weights, cos, sin, unsupported=reason):
+        return reference.qk_norm_rope(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev,
+                                      eq_weight, ek_weight)
+    bsz, s, n = q.shape
+    s_text = 0 if eq is None else eq.shape[1]
+    shape = (bsz, s_text + s, n // head_dim, head_dim)
+    query, key = _alloc(shape, q), _alloc(shape, q)
+    value = None if eq is None else _alloc(shape, q)
+    if eq is not None:
+        _launch_stream(eq, ek, ev, eq_weight, ek_weight, eps, cos, sin, (query, key, value), 0, head_dim)
+    _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, (query, key, value), s_text, head_dim)
+    return query, key, v.unflatten(-1, (-1, head_dim)) if value is None else value
+
+
+def _alloc(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Every output of this module comes from here (tests poison it to catch unwritten elements)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
