@@ -350,17 +350,20 @@ def _pixel_stats_kernel(
 @triton.jit(do_not_specialize=["S"])
 def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
     """Pixel path, launch 2, one program per (sample, group): merges the group's S partials (Chan)
-    into (mean, rstd), stored as stat[2, N·G]."""
+    into (mean, rstd), stored as stat[2, N·G]. In float64: PART_BLOCK is the GPU's most chunks, not
+    this call's, so the order in which the sums meet depends on the lanes' layout; in fp32 that order
+    moved the result by ulps, and the partials' own rounding leaves none to spare where a chunk's
+    pivot is an outlier (tests/ops/test_group_norm.py). At most a few hundred values a program."""
     pid = tl.program_id(0)
     plane = tl.num_programs(0) * S
     k = tl.arange(0, PART_BLOCK)
     idx = pid * S + k
     k_mask = k < S
-    count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
-                                  tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
-                                  tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
-    tl.store(stat_ptr + pid, mean)
-    tl.store(stat_ptr + tl.num_programs(0) + pid, 1.0 / tl.sqrt(m2 / count + eps))
+    count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0).to(tl.float64),
+                                  tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0).to(tl.float64),
+                                  tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0).to(tl.float64))
+    tl.store(stat_ptr + pid, mean.to(tl.float32))
+    tl.store(stat_ptr + tl.num_programs(0) + pid, (1.0 / tl.sqrt(m2 / count + eps)).to(tl.float32))
 
 
 @_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
