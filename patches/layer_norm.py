@@ -287,17 +287,15 @@ class JointBlockForward(_BlockForward):
         if block.context_pre_only:
             encoder_hidden_states = None
         else:
-            encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context, encoder_hidden_states,
-                                                     context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp,
-                                                     c_gate_mlp)
+            encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context,
+                                                     encoder_hidden_states, context_attn_output, c_gate_msa,
+                                                     c_shift_mlp, c_scale_mlp, c_gate_mlp)
         return encoder_hidden_states, hidden_states
 
 
-class FluxBlockForward(_BlockForward):
-    """The instance ``forward`` of one FLUX ``FluxTransformerBlock`` (double-stream): diffusers 0.42.1's
-    forward with each stream's adaLN-Zero LayerNorm in ``layer_norm_modulated`` and each stream's gated
-    attention residual + norm2 in ``gated_residual_layer_norm``; any call it does not serve goes to the
-    class's forward."""
+class _FluxForward(_BlockForward):
+    """The instance ``forward`` of one FLUX block, in diffusers' signature: ``_fused`` serves the calls
+    ``_unserved_joint`` lets through, the class's forward the others."""
 
     @scoped
     def __call__(
@@ -308,12 +306,20 @@ class FluxBlockForward(_BlockForward):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         joint_attention_kwargs: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        block = self.block
         reason = _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs)
         if reason is not None:
             return self._fallback(reason, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                   joint_attention_kwargs)
+        return self._fused(self.block, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
 
+
+class FluxBlockForward(_FluxForward):
+    """``FluxTransformerBlock`` (double-stream): diffusers 0.42.1's forward with each stream's adaLN-Zero
+    LayerNorm in ``layer_norm_modulated`` and each stream's gated attention residual + norm2 in
+    ``gated_residual_layer_norm``."""
+
+    @staticmethod
+    def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(block.norm1, hidden_states, temb)
         norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_norm_zero(
             block.norm1_context, encoder_hidden_states, temb)
@@ -327,32 +333,19 @@ class FluxBlockForward(_BlockForward):
         if len(attention_outputs) == 3:  # an IP-Adapter processor's image residual, after the feed-forward's
             hidden_states = hidden_states + attention_outputs[2]
         encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context, encoder_hidden_states,
-                                                 context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp)
+                                                 context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp,
+                                                 c_gate_mlp)
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
         return encoder_hidden_states, hidden_states
 
 
-class FluxSingleBlockForward(_BlockForward):
-    """The instance ``forward`` of one FLUX ``FluxSingleTransformerBlock`` (text and image tokens in one
-    stream): diffusers 0.42.1's forward with its ``AdaLayerNormZeroSingle`` LayerNorm in
-    ``layer_norm_modulated``; any call it does not serve goes to the class's forward."""
+class FluxSingleBlockForward(_FluxForward):
+    """``FluxSingleTransformerBlock`` (text and image tokens in one stream): diffusers 0.42.1's forward
+    with its ``AdaLayerNormZeroSingle`` LayerNorm in ``layer_norm_modulated``."""
 
-    @scoped
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        joint_attention_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        block = self.block
-        reason = _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs)
-        if reason is not None:
-            return self._fallback(reason, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                  joint_attention_kwargs)
-
+    @staticmethod
+    def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = _ada_norm_zero(block.norm, hidden_states, temb)
@@ -378,12 +371,14 @@ def _plain_ada_norm_zero_single(norm: nn.Module) -> bool:
     return type(norm) is AdaLayerNormZeroSingle and _plain_layer_norm(norm.norm)
 
 
-def _odd_norms(block: nn.Module, adaln: tuple[str, ...], plain: tuple[str, ...], single: bool = False) -> str | None:
+def _odd_norms(block: nn.Module, adaln: tuple[str, ...], plain: tuple[str, ...],
+               single: bool = False) -> str | None:
     """Why the norms of ``block`` (the adaLN-Zero ones named in ``adaln``, of the ``single`` kind or not,
     and the LayerNorms named in ``plain``) are not the plain modules the fused forwards assume, or None."""
     ada = _plain_ada_norm_zero_single if single else _plain_ada_norm_zero
     odd = [f"{name} {type(getattr(block, name)).__name__}"
-           for names, ok in ((adaln, ada), (plain, _plain_layer_norm)) for name in names if not ok(getattr(block, name))]
+           for names, ok in ((adaln, ada), (plain, _plain_layer_norm))
+           for name in names if not ok(getattr(block, name))]
     if odd:
         return (f"{', '.join(odd)}: not the plain adaLN-Zero (a LayerNorm, no class embedding) / LayerNorm "
                 "over the last dim that the fused forward assumes")
