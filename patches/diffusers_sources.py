@@ -25,6 +25,8 @@ VERIFIED = {
     "FusedJointAttnProcessor2_0.__call__": "38ab0a3e81c938e3",
     "FluxAttnProcessor.__call__": "d5b36134887ebe45",
     "JointTransformerBlock.forward": "9dd8f9decdd27284",
+    "FluxTransformerBlock.forward": "0b184cbe172708b6",
+    "FluxSingleTransformerBlock.forward": "57350a6dab842b40",
     "AdaLayerNormZero.forward": "93374820c014f812",
     "AdaLayerNormZeroSingle.forward": "d48dfb2b1e75e64f",
     "FeedForward.forward": "dae2c9f53987c25a",

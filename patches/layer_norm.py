@@ -49,11 +49,28 @@ Blocks are left alone (``record.skip``) where ``JointTransformerBlock.forward`` 
 (``use_dual_attention``: an ``SD35AdaLayerNormZeroX`` norm1 and a second attention), and where a
 norm is not the plain module the fused forward assumes (an ``fp32_layer_norm`` adaLN, a class
 embedding inside ``AdaLayerNormZero``).
+
+FLUX's double-stream ``FluxTransformerBlock`` has the joint block's structure per stream (an
+``AdaLayerNormZero`` ``norm1`` / ``norm1_context``, a plain ``norm2`` / ``norm2_context``) and gets the
+same two fusions per stream (``FluxBlockForward``, counted as ``layer_norm.FluxTransformerBlock``); its
+rotary embedding goes to the attention as diffusers passes it, a third attention output (an IP-Adapter
+processor's image residual) is added after the feed-forward residual and the text stream is clipped in
+fp16, as in diffusers' forward. The single-stream ``FluxSingleTransformerBlock`` (text and image tokens
+concatenated) has one ``AdaLayerNormZeroSingle`` (``linear(silu(temb))`` in three chunks):
+``norm(x) * (1 + scale) + shift`` is ``layer_norm_modulated`` (``FluxSingleBlockForward``, counted as
+``layer_norm.FluxSingleTransformerBlock``); its gated ``proj_out`` residual is followed by the next
+block's norm, a fusion across blocks, left to stock's ops. Both call the original forward for
+``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, a mask) and for
+streams not [B, T, D]; blocks are left alone where the block's forward or its adaLN's is not the
+verified source or a norm is not the plain module assumed. A norm module swapped in after the patch
+(the FP8 tier's ``Fp8AdaLayerNormZero``, which quantizes in the same pass) runs as itself, in every
+block forward here.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.nn as nn
@@ -97,8 +114,9 @@ def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor
 
 
 def _feed_forward(block: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``ff(x)``, chunked as diffusers' block does when ``set_chunk_feed_forward`` asked for it."""
-    if block._chunk_size is not None:
+    """``ff(x)``, chunked as diffusers' block does when ``set_chunk_feed_forward`` asked for it (FLUX's
+    blocks have no chunking: whole)."""
+    if getattr(block, "_chunk_size", None) is not None:
         from diffusers.models.attention import _chunked_feed_forward
 
         return _chunked_feed_forward(ff, x, block._chunk_dim, block._chunk_size)
@@ -116,6 +134,12 @@ class _BlockForward:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.block).__name__})"
+
+    def _fallback(self, reason: str, *args):
+        """The class's forward on ``args``, for a call this forward does not serve (``reason``)."""
+        block = self.block
+        _note_fallback(type(block).__name__, reason)
+        return type(block).forward(block, *args)
 
 
 class AdaNormSingleForward(_BlockForward):
@@ -147,10 +171,8 @@ class AdaNormSingleForward(_BlockForward):
         block = self.block
         reason = self._unserved(hidden_states, timestep, cross_attention_kwargs)
         if reason is not None:
-            _note_fallback("BasicTransformerBlock", reason)
-            return type(block).forward(block, hidden_states, attention_mask, encoder_hidden_states,
-                                       encoder_attention_mask, timestep, cross_attention_kwargs, class_labels,
-                                       added_cond_kwargs)
+            return self._fallback(reason, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                  timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
 
         batch_size = hidden_states.shape[0]
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
@@ -196,13 +218,39 @@ def _unfit(block: nn.Module) -> str | None:
     return None
 
 
-def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor):
-    """diffusers' ``AdaLayerNormZero.forward`` (no class embedding: ``norm.emb`` is None) with its
-    modulated LayerNorm in one kernel: (normed x, gate_msa, shift_mlp, scale_mlp, gate_mlp)."""
-    emb = norm.linear(norm.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = _modulated(norm.norm, x, scale_msa[:, None], shift_msa[:, None])
-    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """diffusers' ``AdaLayerNormZero.forward`` (no class embedding: ``norm.emb`` is None; 6 chunks) or
+    ``AdaLayerNormZeroSingle.forward`` (3) with its modulated LayerNorm in one kernel: (normed x, the
+    chunks after shift_msa and scale_msa: gate_msa, shift_mlp, scale_mlp, gate_mlp, or gate). A module
+    that replaced the norm after the patch (the FP8 tier's, whose LayerNorm also quantizes) runs as itself."""
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    chunks = {AdaLayerNormZero: 6, AdaLayerNormZeroSingle: 3}.get(type(norm))
+    if chunks is None:
+        return norm(x, emb=emb)
+    shift_msa, scale_msa, *rest = norm.linear(norm.silu(emb)).chunk(chunks, dim=1)
+    return _modulated(norm.norm, x, scale_msa[:, None], shift_msa[:, None]), *rest
+
+
+def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: torch.Tensor, attn_output: torch.Tensor,
+                     gate_msa: torch.Tensor, shift_mlp: torch.Tensor, scale_mlp: torch.Tensor,
+                     gate_mlp: torch.Tensor) -> torch.Tensor:
+    """One stream of an adaLN-Zero block after its attention: ``x + gate_msa.unsqueeze(1) * attn_output``
+    and ``norm2`` of it modulated with scale/shift_mlp in one kernel, then ``x + gate_mlp.unsqueeze(1) *
+    ff(normed)`` as stock."""
+    x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None])
+    return x + gate_mlp.unsqueeze(1) * _feed_forward(block, ff, normed)
+
+
+def _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs) -> str | None:
+    """Why a call of a two-stream block (SD3's, FLUX's) is not one its fused forward serves."""
+    if joint_attention_kwargs:
+        return f"joint_attention_kwargs {sorted(joint_attention_kwargs)}"
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        return "hidden states that are not [B, T, D]"
+    if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3:
+        return "no [B, T, D] context"
+    return None
 
 
 class JointBlockForward(_BlockForward):
@@ -210,16 +258,6 @@ class JointBlockForward(_BlockForward):
     each stream's adaLN-Zero LayerNorm in ``layer_norm_modulated`` and each stream's gated attention
     residual + norm2 in ``gated_residual_layer_norm``; any call it does not serve goes to the class's
     forward."""
-
-    @staticmethod
-    def _unserved(hidden_states, encoder_hidden_states, joint_attention_kwargs) -> str | None:
-        if joint_attention_kwargs:
-            return f"joint_attention_kwargs {sorted(joint_attention_kwargs)}"
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            return "hidden states that are not [B, T, D]"
-        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3:
-            return "no [B, T, D] context"
-        return None
 
     @scoped
     def __call__(
@@ -230,10 +268,9 @@ class JointBlockForward(_BlockForward):
         joint_attention_kwargs: dict | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         block = self.block
-        reason = self._unserved(hidden_states, encoder_hidden_states, joint_attention_kwargs)
+        reason = _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs)
         if reason is not None:
-            _note_fallback("JointTransformerBlock", reason)
-            return type(block).forward(block, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+            return self._fallback(reason, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
 
         norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(block.norm1, hidden_states, temb)
         if block.context_pre_only:
@@ -245,22 +282,81 @@ class JointBlockForward(_BlockForward):
         attn_output, context_attn_output = block.attn(
             hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states)
 
-        # hidden_states + gate_msa.unsqueeze(1) * attn_output, then norm2 modulated with scale/shift_mlp
-        hidden_states, norm_hidden_states = _gated_norm(block.norm2, hidden_states, attn_output, gate_msa.unsqueeze(1),
-                                                        scale_mlp[:, None], shift_mlp[:, None])
-        ff_output = _feed_forward(block, block.ff, norm_hidden_states)
-        hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
-
+        hidden_states = _after_attention(block, block.norm2, block.ff, hidden_states, attn_output, gate_msa,
+                                         shift_mlp, scale_mlp, gate_mlp)
         if block.context_pre_only:
             encoder_hidden_states = None
         else:
-            encoder_hidden_states, norm_encoder_hidden_states = _gated_norm(
-                block.norm2_context, encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1),
-                c_scale_mlp[:, None], c_shift_mlp[:, None])
-            context_ff_output = _feed_forward(block, block.ff_context, norm_encoder_hidden_states)
-            encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
-
+            encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context,
+                                                     encoder_hidden_states, context_attn_output, c_gate_msa,
+                                                     c_shift_mlp, c_scale_mlp, c_gate_mlp)
         return encoder_hidden_states, hidden_states
+
+
+class _FluxForward(_BlockForward):
+    """The instance ``forward`` of one FLUX block, in diffusers' signature: ``_fused`` serves the calls
+    ``_unserved_joint`` lets through, the class's forward the others."""
+
+    @scoped
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        reason = _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs)
+        if reason is not None:
+            return self._fallback(reason, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                  joint_attention_kwargs)
+        return self._fused(self.block, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+
+
+class FluxBlockForward(_FluxForward):
+    """``FluxTransformerBlock`` (double-stream): diffusers 0.42.1's forward with each stream's adaLN-Zero
+    LayerNorm in ``layer_norm_modulated`` and each stream's gated attention residual + norm2 in
+    ``gated_residual_layer_norm``."""
+
+    @staticmethod
+    def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(block.norm1, hidden_states, temb)
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_norm_zero(
+            block.norm1_context, encoder_hidden_states, temb)
+        attention_outputs = block.attn(hidden_states=norm_hidden_states,
+                                       encoder_hidden_states=norm_encoder_hidden_states,
+                                       image_rotary_emb=image_rotary_emb)
+        attn_output, context_attn_output = attention_outputs[:2]
+
+        hidden_states = _after_attention(block, block.norm2, block.ff, hidden_states, attn_output, gate_msa,
+                                         shift_mlp, scale_mlp, gate_mlp)
+        if len(attention_outputs) == 3:  # an IP-Adapter processor's image residual, after the feed-forward's
+            hidden_states = hidden_states + attention_outputs[2]
+        encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context, encoder_hidden_states,
+                                                 context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp,
+                                                 c_gate_mlp)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+
+class FluxSingleBlockForward(_FluxForward):
+    """``FluxSingleTransformerBlock`` (text and image tokens in one stream): diffusers 0.42.1's forward
+    with its ``AdaLayerNormZeroSingle`` LayerNorm in ``layer_norm_modulated``."""
+
+    @staticmethod
+    def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        norm_hidden_states, gate = _ada_norm_zero(block.norm, hidden_states, temb)
+        mlp_hidden_states = block.act_mlp(block.proj_mlp(norm_hidden_states))
+        attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+        # the gated residual: the next block's norm follows (a fusion across blocks, not done)
+        projected = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+        hidden_states = hidden_states + gate.unsqueeze(1) * projected
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
 def _plain_ada_norm_zero(norm: nn.Module) -> bool:
@@ -269,19 +365,43 @@ def _plain_ada_norm_zero(norm: nn.Module) -> bool:
     return type(norm) is AdaLayerNormZero and norm.emb is None and _plain_layer_norm(norm.norm)
 
 
+def _plain_ada_norm_zero_single(norm: nn.Module) -> bool:
+    from diffusers.models.normalization import AdaLayerNormZeroSingle
+
+    return type(norm) is AdaLayerNormZeroSingle and _plain_layer_norm(norm.norm)
+
+
+def _odd_norms(block: nn.Module, adaln: tuple[str, ...], plain: tuple[str, ...],
+               single: bool = False) -> str | None:
+    """Why the norms of ``block`` (the adaLN-Zero ones named in ``adaln``, of the ``single`` kind or not,
+    and the LayerNorms named in ``plain``) are not the plain modules the fused forwards assume, or None."""
+    ada = _plain_ada_norm_zero_single if single else _plain_ada_norm_zero
+    odd = [f"{name} {type(getattr(block, name)).__name__}"
+           for names, ok in ((adaln, ada), (plain, _plain_layer_norm))
+           for name in names if not ok(getattr(block, name))]
+    if odd:
+        return (f"{', '.join(odd)}: not the plain adaLN-Zero (a LayerNorm, no class embedding) / LayerNorm "
+                "over the last dim that the fused forward assumes")
+    return None
+
+
 def _unfit_joint(block: nn.Module) -> str | None:
     """Why a JointTransformerBlock's structure is not the one ``JointBlockForward`` serves."""
     if block.use_dual_attention or block.attn2 is not None:
         return "SD3.5 dual attention (a second attention and an SD35AdaLayerNormZeroX norm1)"
-    norms = [("norm1", _plain_ada_norm_zero(block.norm1)), ("norm2", _plain_layer_norm(block.norm2))]
-    if not block.context_pre_only:
-        norms += [("norm1_context", _plain_ada_norm_zero(block.norm1_context)),
-                  ("norm2_context", _plain_layer_norm(block.norm2_context))]
-    odd = [f"{name} {type(getattr(block, name)).__name__}" for name, ok in norms if not ok]
-    if odd:
-        return (f"{', '.join(odd)}: not the plain AdaLayerNormZero (LayerNorm, no class embedding) / LayerNorm "
-                "over the last dim that the fused forward assumes")
-    return None
+    if block.context_pre_only:
+        return _odd_norms(block, ("norm1",), ("norm2",))
+    return _odd_norms(block, ("norm1", "norm1_context"), ("norm2", "norm2_context"))
+
+
+def _unfit_flux(block: nn.Module) -> str | None:
+    """Why a FluxTransformerBlock's structure is not the one ``FluxBlockForward`` serves."""
+    return _odd_norms(block, ("norm1", "norm1_context"), ("norm2", "norm2_context"))
+
+
+def _unfit_flux_single(block: nn.Module) -> str | None:
+    """Why a FluxSingleTransformerBlock's structure is not the one ``FluxSingleBlockForward`` serves."""
+    return _odd_norms(block, ("norm",), (), single=True)
 
 
 def _install(record: PatchRecord, blocks: list[tuple[str, nn.Module]], sources: tuple,
@@ -300,18 +420,34 @@ def _install(record: PatchRecord, blocks: list[tuple[str, nn.Module]], sources: 
             record.set_attr(block, "forward", forward(block), f"layer_norm.{kind}")
 
 
+def _flux_blocks() -> tuple[type, type] | None:
+    """diffusers' FLUX block classes (double-, single-stream), or None where their module was never
+    imported (then no model holds one)."""
+    module = sys.modules.get("diffusers.models.transformers.transformer_flux")
+    return None if module is None else (module.FluxTransformerBlock, module.FluxSingleTransformerBlock)
+
+
 def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
     """Fuse the adaLN glue of ``model``'s DiT blocks: every ``JointTransformerBlock`` (SD3; exact type)
     gets a ``JointBlockForward`` while diffusers' block forward and ``AdaLayerNormZero.forward`` are the
-    verified ones, every ``BasicTransformerBlock`` (exact type) with ``norm_type="ada_norm_single"``
-    (PixArt) an ``AdaNormSingleForward`` while the block's forward is."""
+    verified ones, every ``FluxTransformerBlock`` a ``FluxBlockForward`` alike, every
+    ``FluxSingleTransformerBlock`` a ``FluxSingleBlockForward`` while its forward and
+    ``AdaLayerNormZeroSingle.forward`` are, every ``BasicTransformerBlock`` (exact type) with
+    ``norm_type="ada_norm_single"`` (PixArt) an ``AdaNormSingleForward`` while the block's forward is."""
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
-    from diffusers.models.normalization import AdaLayerNormZero
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
     modules = list(model.named_modules())
     joint = [(path, m) for path, m in modules if type(m) is JointTransformerBlock]
     _install(record, joint, (JointTransformerBlock.forward, AdaLayerNormZero.forward), _unfit_joint,
              JointBlockForward, "JointTransformerBlock")
+    if (flux := _flux_blocks()) is not None:
+        double, single_stream = flux
+        _install(record, [(path, m) for path, m in modules if type(m) is double],
+                 (double.forward, AdaLayerNormZero.forward), _unfit_flux, FluxBlockForward, "FluxTransformerBlock")
+        _install(record, [(path, m) for path, m in modules if type(m) is single_stream],
+                 (single_stream.forward, AdaLayerNormZeroSingle.forward), _unfit_flux_single, FluxSingleBlockForward,
+                 "FluxSingleTransformerBlock")
     single = [(path, m) for path, m in modules
               if type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"]
     _install(record, single, (BasicTransformerBlock.forward,), _unfit, AdaNormSingleForward,

@@ -3,8 +3,8 @@ and whole FluxPipeline patched and exactly unpatched; the FLUX attention process
 (patches/flux_attention.py) of the double- and single-stream blocks through the kernels against
 float64 (its inputs through qk_norm_rope, one launch per stream), with fused projections, and its
 fallbacks (unverified source, custom processors, a chosen attention backend, a mask, norms of another
-class); the pipeline's model calls replayed from (stand-in) CUDA graphs with the
-timesteps left on the device."""
+class); the blocks' fused adaLN forwards (patches/layer_norm.py) and theirs; the pipeline's model calls
+replayed from (stand-in) CUDA graphs with the timesteps left on the device."""
 
 import copy
 import importlib
@@ -15,7 +15,12 @@ import torch.nn as nn
 from diffusers import FluxPipeline
 from diffusers.models.activations import GELU
 from diffusers.models.attention_dispatch import attention_backend
-from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+)
 from dit_checks import (
     check_gpu_pipeline_mode_syncs,
     check_gpu_transformer_fp16,
@@ -26,6 +31,7 @@ from dit_checks import (
 )
 from sd_kernels.patches import cuda_graph
 from sd_kernels.patches.flux_attention import SDKernelsFluxAttnProcessor
+from sd_kernels.patches.layer_norm import FluxBlockForward, FluxSingleBlockForward
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
 
 import sd_kernels
@@ -69,6 +75,8 @@ def _census(model):
         "flux_attention_processor": sum(isinstance(m, FluxAttention) and type(m.processor) is FluxAttnProcessor
                                         for m in model.modules()),
         "gelu.GELU": sum(type(m) is GELU and m.approximate == "tanh" for m in model.modules()),
+        "layer_norm.FluxTransformerBlock": sum(type(m) is FluxTransformerBlock for m in model.modules()),
+        "layer_norm.FluxSingleTransformerBlock": sum(type(m) is FluxSingleTransformerBlock for m in model.modules()),
     }
 
 
@@ -99,13 +107,16 @@ def test_tiny_config_is_flux_shaped(transformer):
 def test_patch_and_unpatch_restore_exactly(transformer):
     x, kw = _inputs(transformer)
     expected, tree = _census(transformer), _tree(transformer)
-    assert expected == {"flux_attention_processor": 4, "gelu.GELU": 4}  # 2 double + 2 single; ff, ff_context
+    assert expected == {"flux_attention_processor": 4, "gelu.GELU": 4,  # 2 double + 2 single; ff, ff_context
+                        "layer_norm.FluxTransformerBlock": 2, "layer_norm.FluxSingleTransformerBlock": 2}
     params = dict(transformer.state_dict(keep_vars=True))
     stock = _run(transformer, x, kw)
     record = sd_kernels.patch(transformer)
     assert dict(record.counts) == expected
     assert record.parts == ["FluxTransformer2DModel"] and not record.skipped
     assert all(isinstance(a.processor, SDKernelsFluxAttnProcessor) for a in _attentions(transformer))
+    assert all(isinstance(vars(b)["forward"], FluxBlockForward) for b in transformer.transformer_blocks)
+    assert all(isinstance(vars(b)["forward"], FluxSingleBlockForward) for b in transformer.single_transformer_blocks)
     # the single blocks' nn.GELU(approximate="tanh") is torch's module, not diffusers': left as it is
     assert all(type(b.act_mlp) is nn.GELU for b in transformer.single_transformer_blocks)
     now = transformer.state_dict(keep_vars=True)
@@ -129,13 +140,15 @@ def test_processor_takes_the_arguments_diffusers_passes(transformer):
 
 def test_transformer_through_kernels(transformer):
     """The tiny transformer with the kernels (the interpreter on CPU: attention at head dim 24 over 9 text
-    + 64 image tokens, in the double and the single blocks; GELU tanh) against a float64 copy; no op
-    took the reference."""
+    + 64 image tokens, in the double and the single blocks; GELU tanh; the fused adaLN LayerNorms) against
+    a float64 copy; no op took the reference."""
     x, kw = _inputs(transformer)
     stock = _run(transformer, x, kw)
     ref64 = _run(copy.deepcopy(transformer).double(), x, kw, torch.float64)
     with sd_kernels.patched(transformer, cuda_graph=False) as record:
         assert record.counts["flux_attention_processor"] == 4
+        assert record.counts["layer_norm.FluxTransformerBlock"] == 2
+        assert record.counts["layer_norm.FluxSingleTransformerBlock"] == 2
         dispatch.reset_fallbacks()
         assert_close_to_reference(_run(transformer, x, kw), stock, ref64)
         assert not dispatch.fallbacks()  # the kernels ran, not the reference
@@ -182,11 +195,12 @@ def test_attention_inputs_are_one_kernel_launch_per_stream(transformer, monkeypa
         assert torch.equal(_run(transformer, x, kw), stock)
 
 
-@pytest.mark.parametrize("ops", [["attention"], None])
+@pytest.mark.parametrize("ops", [["attention"], ["layer_norm"], None])
 def test_reference_ops_compute_what_stock_computes(transformer, monkeypatch, ops):
     """With the PyTorch reference behind every op, the patched forward is stock's arithmetic in stock's
     order: bit-identical outputs (the plumbing: projections, QK RMSNorm, the text-first concatenation,
-    the rotary embedding, the [B, S, H, D] <-> [B, H, S, D] views, the split back)."""
+    the rotary embedding, the [B, S, H, D] <-> [B, H, S, D] views, the split back; the adaLN chunks,
+    gates and residuals of both kinds of block)."""
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     x, kw = _inputs(transformer)
     stock = _run(transformer, x, kw)
@@ -311,9 +325,152 @@ def test_patched_transformer_compiles_fullgraph(transformer):
     calls = [str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function"]
     assert calls.count("sd_kernels.attention") == counts["flux_attention_processor"] == 4
     assert calls.count("sd_kernels.qk_norm_rope") == 4  # the attention's inputs: one op per call
+    assert calls.count("sd_kernels.layer_norm_modulated") == 2 * 2 + 2  # the double blocks' streams, the singles
+    assert calls.count("sd_kernels.gated_residual_layer_norm") == 2 * 2
     gelus = [c for c in calls if c.startswith("sd_kernels.") and "gelu" in c]  # gelu, or linear_gelu
     assert len(gelus) == counts["gelu.GELU"] == 4
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The blocks' adaLN forwards (patches/layer_norm.py).
+
+
+def _spy_norm_ops(monkeypatch) -> list:
+    ln_patch = importlib.import_module("sd_kernels.patches.layer_norm")
+    calls = []
+    for name in ("layer_norm_modulated", "gated_residual_layer_norm"):
+        original = getattr(ln_patch, name)
+        monkeypatch.setattr(ln_patch, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+    return calls
+
+
+def _spy_forwards(monkeypatch) -> list:
+    """The class forwards of FLUX's blocks, as they run (a patched block's fallback calls them)."""
+    seen = []
+    for cls in (FluxTransformerBlock, FluxSingleTransformerBlock):
+        original = cls.forward
+        monkeypatch.setattr(cls, "forward",
+                            lambda self, *a, _o=original, **k: seen.append(type(self)) or _o(self, *a, **k))
+    return seen
+
+
+def test_block_forwards_call_the_fused_ops_and_fall_back_for_joint_attention_kwargs(transformer, monkeypatch):
+    """Per double block: norm1 and norm1_context modulated, both streams' gated residual + norm2 fused;
+    per single block: its norm modulated. A call with joint_attention_kwargs (an attention mask here; an
+    IP-Adapter's ip_hidden_states alike) runs diffusers' forwards, with stock's bits."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    x, kw = _inputs(transformer)
+    mask = torch.ones(2, 9 + 64, dtype=torch.bool)
+    mask[1, 7:9] = False
+    masked = {**kw, "joint_attention_kwargs": {"attention_mask": mask}}
+    stock_masked = _run(transformer, x, masked)
+    with sd_kernels.patched(transformer, ops=["layer_norm"], cuda_graph=False):
+        calls, seen = _spy_norm_ops(monkeypatch), _spy_forwards(monkeypatch)
+        _run(transformer, x, kw)
+        assert calls.count("layer_norm_modulated") == 2 * 2 + 2 and calls.count("gated_residual_layer_norm") == 2 * 2
+        assert not seen
+        calls.clear()
+        assert torch.equal(_run(transformer, x, masked), stock_masked)
+        assert not calls and seen == [FluxTransformerBlock] * 2 + [FluxSingleTransformerBlock] * 2
+
+
+def test_a_third_attention_output_is_added_after_the_feed_forward(transformer, monkeypatch):
+    """A processor that returns a third output (what diffusers' IP-Adapter processor returns: the image
+    prompt's residual) gets it added to the image stream after the feed-forward residual, as diffusers'
+    forward adds it: stock's bits."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+
+    class WithResidual(FluxAttnProcessor):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     image_rotary_emb=None):
+            out = super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+            return (*out, 0.25 * out[0].flip(1)) if encoder_hidden_states is not None else out
+
+    for block in transformer.transformer_blocks:
+        block.attn.set_processor(WithResidual())
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=["layer_norm"], cuda_graph=False) as record:
+        assert record.counts["layer_norm.FluxTransformerBlock"] == 2
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_fp16_streams_are_clipped_as_diffusers_clips_them(transformer, monkeypatch):
+    """In fp16 diffusers clips the double block's text stream and the single block's joined stream to
+    ±65504 after the last residual: a gated branch that overflows (the largest fp16 bias times a gate
+    near 2) gives stock's finite bits."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    double, single = transformer.transformer_blocks[0], transformer.single_transformer_blocks[0]
+    with torch.no_grad():
+        double.ff_context.net[2].bias.fill_(65504)
+        double.norm1_context.linear.bias[5 * 48:].add_(2)  # c_gate_mlp, the last of 6 chunks
+        single.proj_out.bias.fill_(65504)
+        single.norm.linear.bias[2 * 48:].add_(2)  # gate, the last of 3
+    double, single = double.half(), single.half()
+    g = torch.Generator().manual_seed(3)
+    x, ctx, temb = (torch.randn(1, t, 48, generator=g).half() for t in (16, 5, 1))
+    temb = temb[:, 0]
+    with torch.no_grad():
+        stock = double(x, ctx, temb) + single(x, ctx, temb)
+        assert all(t.abs().max() == 65504 for t in (stock[0], stock[2]))  # clipped, not inf
+        with sd_kernels.patched(transformer, ops=["layer_norm"], cuda_graph=False):
+            ours = double(x, ctx, temb) + single(x, ctx, temb)
+            assert all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True))
+
+
+def test_blocks_with_other_norms_are_left_alone(transformer, monkeypatch):
+    """A norm that is not the plain module the fused forwards assume (diffusers' RMSNorm as norm2_context,
+    an adaLN with an RMSNorm inside) leaves its block to diffusers' forward, listed; the others are served."""
+    from diffusers.models.normalization import RMSNorm
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    transformer.transformer_blocks[1].norm2_context = RMSNorm(48, eps=1e-6, elementwise_affine=False)
+    transformer.single_transformer_blocks[0].norm.norm = RMSNorm(48, eps=1e-6, elementwise_affine=False)
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, ops=["layer_norm"], cuda_graph=False) as record:
+        counts = record.counts
+        assert counts["layer_norm.FluxTransformerBlock"] == counts["layer_norm.FluxSingleTransformerBlock"] == 1
+        reasons = {s.path.removeprefix("FluxTransformer2DModel."): s.reason for s in record.skipped}
+        assert set(reasons) == {"transformer_blocks.1", "single_transformer_blocks.0"}
+        assert reasons["transformer_blocks.1"].startswith("left as it is: norm2_context RMSNorm: not the plain")
+        assert reasons["single_transformer_blocks.0"].startswith("left as it is: norm AdaLayerNormZeroSingle: not")
+        assert "forward" not in vars(transformer.transformer_blocks[1])
+        assert torch.equal(_run(transformer, x, kw), stock)
+
+
+@pytest.mark.parametrize("qualname", ["FluxTransformerBlock.forward", "AdaLayerNormZeroSingle.forward"])
+def test_unverified_block_sources_are_left_alone(transformer, monkeypatch, qualname):
+    monkeypatch.setitem(verified.VERIFIED, qualname, "0" * 16)
+    verified.is_verified.cache_clear()
+    try:
+        with sd_kernels.patched(transformer, ops=["layer_norm"], cuda_graph=False) as record:
+            kind = "FluxTransformerBlock" if qualname.startswith("Flux") else "FluxSingleTransformerBlock"
+            other = "FluxSingleTransformerBlock" if qualname.startswith("Flux") else "FluxTransformerBlock"
+            assert f"layer_norm.{kind}" not in record.counts and record.counts[f"layer_norm.{other}"] == 2
+            assert len(record.skipped) == 2 and all(s.what == qualname for s in record.skipped)
+            assert "not the diffusers 0.42.1" in record.skipped[0].reason
+    finally:
+        verified.is_verified.cache_clear()
+
+
+def test_fp8_adaln_runs_as_itself_inside_the_fused_forwards(monkeypatch):
+    """Under precision="fp8" the FP8 tier swaps the blocks' adaLN modules after the layer_norm patcher
+    installed its forwards: those call the swapped module (its LayerNorm writes the FP8 codes the q/k/v
+    projections read), once per stream and block."""
+    from sd_kernels.patches import fp8
+
+    model = models.build_model("tiny-flux", "transformer")
+    calls = []
+    original = fp8.Fp8AdaLayerNormZero.forward
+    monkeypatch.setattr(fp8.Fp8AdaLayerNormZero, "forward",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    x, kw = _inputs(model, batch=1, side=2, text=3)
+    with sd_kernels.patched(model, ops=["layer_norm"], precision="fp8", cuda_graph=False) as record:
+        assert record.counts["layer_norm.FluxTransformerBlock"] == 2 and record.counts["fp8.AdaLayerNormZero"] == 6
+        _run(model, x, kw)
+    assert len(calls) == 2 * 2 + 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,8 +489,8 @@ def _pipe_run(pipe, steps=2, **kwargs):
 
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
-        "flux_attention_processor": 4, "gelu.GELU": 4,
-        "attention_processor": 2})
+        "flux_attention_processor": 4, "gelu.GELU": 4, "layer_norm.FluxTransformerBlock": 2,
+        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):
