@@ -350,10 +350,8 @@ def _pixel_stats_kernel(
 @triton.jit(do_not_specialize=["S"])
 def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
     """Pixel path, launch 2, one program per (sample, group): merges the group's S partials (Chan)
-    into (mean, rstd), stored as stat[2, N·G]. In float64: PART_BLOCK is the GPU's most chunks, not
-    this call's, so the order in which the sums meet depends on the lanes' layout; in fp32 that order
-    moved the result by ulps, and the partials' own rounding leaves none to spare where a chunk's
-    pivot is an outlier (tests/ops/test_group_norm.py). At most a few hundred values a program."""
+    into (mean, rstd), stored as stat[2, N·G]. In float64 (a few hundred values a program): over the
+    GPU's most chunks (PART_BLOCK) fp32's sums meet in an order that cost ulps an outlier pivot lacks."""
     pid = tl.program_id(0)
     plane = tl.num_programs(0) * S
     k = tl.arange(0, PART_BLOCK)
