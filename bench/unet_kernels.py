@@ -38,11 +38,17 @@ CATEGORIES = (
     # inductor's kernels first: their names list the ops they fuse ("native_group_norm", "convolution")
     ("gemm/conv (inductor template)", r"^triton_tem"),
     ("inductor fused", r"^triton_(poi|red|per)"),
-    # ours: Triton kernels named after the function (a leading underscore)
+    # ours: Triton kernels named after the function (a leading underscore), before the stock patterns
+    # their names would match ("norm", "attention", "conv"); tests/test_bench.py checks every kernel
     ("winograd", r"^_(input_transform|batched_gemm|output_transform|fused_gemm_output)"),
-    ("attention (ours)", r"^_(flash|attn|softmax_matmul|row_stats|partial)"),
-    ("group_norm (ours)", r"^_(group_norm|group_stats|pixel_(stats|merge|norm))"),
+    ("attention (ours)", r"^_(flash|attn|attention_fp8|softmax_matmul|row_stats|partial)"),
+    ("group_norm (ours)", r"^_(group_norm|group_stats|given_norm|pixel_(stats|merge|norm))"),
     ("layer_norm (ours)", r"^_layer_norm_kernel"),
+    ("rope (ours)", r"^_qk_norm_rope_kernel"),
+    ("fp8 gemm (ours)", r"^_fp8_gemm_kernel"),
+    ("fp8 quantize (ours)", r"^_(quantize|kv_stats|kv_quant)_kernel"),
+    ("conv (ours)", r"^_conv_kernel"),
+    ("residual / layout (ours)", r"^_(bias_residual|pack8|unpack8)_kernel"),
     ("geglu/gelu (ours)", r"^_(linear_geglu|elementwise)_kernel"),
     ("attention (stock)", r"fmha|flash|attention|sdpa"),
     ("conv (cuDNN)", r"conv|implicit|cudnn|xmma|fprop|dgrad|wgrad"),

@@ -642,3 +642,25 @@ def test_rows_appended_to_a_csv_of_other_columns_keep_every_cell_under_its_name(
     rows = list(csv.DictReader(open(path)))
     assert list(rows[0]) == ["a", "b", "new"]
     assert [(r["a"], r["b"], r["new"]) for r in rows] == [("1", "2", ""), ("3", "4", ""), ("5", "7", "6")]
+
+
+def test_every_kernel_of_ours_is_counted_as_ours_in_the_step_profiles():
+    """bench.unet_kernels' categories split a step's device time between our kernels and stock's by
+    name; a kernel of ours whose name matched a stock pattern (``_qk_norm_rope_kernel`` as a stock
+    norm, ``_attention_fp8_kernel`` as stock attention) would move its time to the wrong side."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    import sd_kernels.ops
+    from bench.unet_kernels import category
+
+    names = {"_attn_wgmma_fwd"}  # Gluon, imported only under Triton 3.6
+    for info in pkgutil.iter_modules(sd_kernels.ops.__path__):
+        if info.name != "attention_wgmma_kernel":
+            module = importlib.import_module(f"sd_kernels.ops.{info.name}")
+            names |= {n for n, v in vars(module).items() if isinstance(v, KernelInterface) and n.endswith("_kernel")}
+    assert len(names) > 20
+    misplaced = {n: c for n in sorted(names) if not ((c := category(n)).endswith("(ours)") or c == "winograd")}
+    assert not misplaced
