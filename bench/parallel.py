@@ -27,6 +27,8 @@ Variants (``plan`` says which apply to a model at W):
   process holds and have no context-parallel path, so diffusers' own attention backends cannot run
   under any plan there.
 - ``ulysses-ours+compile``: the same with the patched transformer's forward torch.compiled (mode "default").
+- ``ulysses-ours+graphs``: ``ulysses-ours`` with ``SD_KERNELS_GRAPH_COLLECTIVES=1``: the transformer's
+  calls captured in CUDA graphs with their collectives inside (experimental, patches/cuda_graph.py).
 - ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
   the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
 
@@ -57,7 +59,7 @@ from bench import common
 PROMPT = "a photograph of an astronaut riding a horse"
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
 ONE_GPU = ("stock", "peer", "ours", "ours+compile")
-ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile")
+ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
 CFG = ("cfg-ours", "cfg-ours+compile")
 CP_PLANS = ("flux-dev",)  # diffusers 0.42.1 ships a context-parallel plan for these transformers
 OUR_CP_PLANS = ("sd3-medium", "pixart-sigma")  # sd_kernels' plans (patches/context_parallel_plans.py): no peer
@@ -127,6 +129,11 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
                 transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
         elif variant.startswith("ulysses") and transformer._parallel_config is None:
             sd_kernels.enable_context_parallel(pipe, world)  # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
+        if variant == "ulysses-ours+graphs":
+            from sd_kernels.patches import cuda_graph
+
+            os.environ[cuda_graph.COLLECTIVES_ENV] = "1"
+            stack.callback(os.environ.pop, cuda_graph.COLLECTIVES_ENV)
         record = None
         if variant != "ulysses-peer":
             parallel = "cfg" if variant.startswith("cfg") else None

@@ -62,7 +62,9 @@ processors read them); offloading hooks added after the patch make the calls eag
 A model under diffusers' context parallelism (``enable_parallelism``) is not graphed: its forward runs
 collectives (Ulysses' all-to-alls, the output's all-gather) that a capture would bake into the graph,
 which is not checked safe here. ``cuda_graph="auto"`` then captures nothing, ``cuda_graph=True`` is
-refused, and a model graphed before ``enable_parallelism`` runs eagerly from then on. diffusers'
+refused, and a model graphed before ``enable_parallelism`` runs eagerly from then on. Experimental,
+``SD_KERNELS_GRAPH_COLLECTIVES=1`` (set alike on every process) lifts that: the calls are captured
+with their NCCL collectives inside the graphs (``collectives_captured``). diffusers'
 hooks wrap the ``GraphedCall`` they find as the model's ``forward``; unpatch hands them the
 original method in its place (``_release``), so the model is left as ``enable_parallelism`` would have
 left a model never patched.
@@ -72,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -149,12 +152,24 @@ def context_parallel(model: Any) -> bool:
 
 # Why a model under context parallelism runs eagerly (module docstring).
 CONTEXT_PARALLEL = ("it runs under diffusers' context parallelism (enable_parallelism), whose collectives a capture "
-                    "would bake into the graph")
+                    "would bake into the graph (SD_KERNELS_GRAPH_COLLECTIVES=1 captures them, experimental)")
+COLLECTIVES_ENV = "SD_KERNELS_GRAPH_COLLECTIVES"
+
+
+def collectives_captured() -> bool:
+    """Whether calls under context parallelism are captured too, their NCCL collectives inside the graphs
+    (``SD_KERNELS_GRAPH_COLLECTIVES=1``; experimental, and every process must set it alike: a process that
+    replays a graph waits in its collectives for the others'). Off by default."""
+    return os.environ.get(COLLECTIVES_ENV, "0") == "1"
+
+
+def _parallel_blocks_capture(model: Any) -> bool:
+    return context_parallel(model) and not collectives_captured()
 
 
 def graphable_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot be run from CUDA graphs, or None if it can."""
-    if context_parallel(model):
+    if _parallel_blocks_capture(model):
         return f"cannot capture the {type(model).__name__}: {CONTEXT_PARALLEL}"
     devices = sorted({str(p.device) for p in model.parameters()})
     if len(devices) != 1 or not devices[0].startswith("cuda"):
@@ -364,7 +379,7 @@ class GraphedCall:
         every graph (``reset``) when the model changed since the last call (see ``_model_state``)."""
         if torch.is_grad_enabled():
             return "autograd is enabled (capture only runs under torch.no_grad / inference_mode)", logging.WARNING
-        if context_parallel(self.model_ref):
+        if _parallel_blocks_capture(self.model_ref):
             return CONTEXT_PARALLEL, logging.INFO
         state = _model_state(self.model_ref, self.watch)
         if state != self.state:  # the captured kernels would run stale modules or read freed weights

@@ -555,7 +555,7 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
         assert parallel.plan(model, 1) == parallel.ONE_GPU
     assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES
     assert parallel.plan("sdxl", 2) == parallel.CFG and parallel.plan("sdxl", 4) == ()
-    ours = ("ulysses-ours", "ulysses-ours+compile")
+    ours = ("ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
     for model in ("sd3-medium", "pixart-sigma"):
         assert parallel.plan(model, 2) == ours + parallel.CFG and parallel.plan(model, 4) == ours
     classes = {"flux-dev": diffusers.FluxTransformer2DModel, "sd3-medium": diffusers.SD3Transformer2DModel,

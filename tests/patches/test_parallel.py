@@ -174,10 +174,14 @@ def test_context_parallel_models_are_not_captured_and_hooks_get_the_original_bac
     assert sorted(vars(outer)) == sorted(vars(stock)) and outer.__wrapped__ == model.__class__.forward.__get__(model)
 
 
-def test_graphable_reason_names_context_parallelism():
+def test_graphable_reason_names_context_parallelism(monkeypatch):
+    """Refused by default, with the switch that lifts it named; allowed under it (experimental)."""
     model = models.build_model("tiny-flux", "transformer")
     model._parallel_config = types.SimpleNamespace(context_parallel_config=object())
-    assert "context parallelism" in cuda_graph.graphable_reason(model)
+    reason = cuda_graph.graphable_reason(model)
+    assert "context parallelism" in reason and cuda_graph.COLLECTIVES_ENV in reason
+    monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "1")
+    assert "context parallelism" not in cuda_graph.graphable_reason(model)  # what is left: not on CUDA here
 
 
 def _cp(ring=1, ulysses=2, anything=False):
