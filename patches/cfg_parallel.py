@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .cuda_graph import context_parallel
+from .cuda_graph import COLLECTIVES_ENV, collectives_captured, context_parallel
 from .families import family_of, is_denoiser
 from .record import PatchRecord
 
@@ -120,17 +120,19 @@ def check_setup(models: list[tuple[str, nn.Module]], profile: Any, ops: tuple[st
 def same_patch(group, denoisers: list[tuple[str, nn.Module]], profile: Any, ops: tuple[str, ...],
                graph_mode: str | None, compile: str | None, what: str) -> None:
     """Raise on every process of ``group`` unless all of them patch alike: profile, ops, graph mode,
-    compile, the denoisers' classes, configs, attention processors (which the patch replaces or leaves:
-    under context parallelism one left on some process only would have the others wait in its exchange)
-    and weights (float64 sums). A collective."""
-    mine = (repr(profile), ops, graph_mode, compile,
+    compile, the switch that captures collectives (``SD_KERNELS_GRAPH_COLLECTIVES``), the denoisers'
+    classes, configs, attention processors (which the patch replaces or leaves: under context
+    parallelism one left on some process only would have the others wait in its exchange) and weights
+    (float64 sums). A collective."""
+    mine = (repr(profile), ops, graph_mode, compile, collectives_captured(),
             tuple((part, type(m).__name__, _config(m)) for part, m in denoisers),
             tuple((part, path, type(x.processor).__name__) for part, m in denoisers
                   for path, x in m.named_modules() if hasattr(x, "processor")))
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (mine, [_weights_sum(m) for _, m in denoisers], profile.name), group=group)
     differ = _differing([g[0] for g in gathered], ("profile", "ops", "cuda_graph", "compile",
-                                                   "denoiser class or config", "attention processors"))
+                                                   COLLECTIVES_ENV, "denoiser class or config",
+                                                   "attention processors"))
     if not differ and not all(_close(g[1], gathered[0][1]) for g in gathered):
         differ = ["denoiser weights"]
     if differ:

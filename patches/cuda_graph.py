@@ -284,11 +284,11 @@ class _Watch:
 def _model_state(model: nn.Module, watch: _Watch) -> tuple:
     """What invalidates captured graphs: peft adapters added or removed (the module tree changes with
     them), the weights moved (``.to(device or dtype)``, offloading: the graphs read every parameter and
-    buffer by address), and what ``watch`` reads (adapter switches and scales, fused LoRA, swapped
-    processors)."""
+    buffer by address), what ``watch`` reads (adapter switches and scales, fused LoRA, swapped
+    processors), and context parallelism turned on (a graph captured before it holds no collectives)."""
     cfg = getattr(model, "peft_config", None)
     tree = tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
-    return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree)
+    return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree), context_parallel(model)
 
 
 class _Graph:
@@ -431,8 +431,8 @@ class GraphedCall:
         if reason is MOVED and not self.moved_dry_run:
             # The first call with weights that moved (SDXL's VAE, upcast to fp32 for every decode) runs
             # eagerly; without a dry run its kernels would compile one after the other inside it (nine
-            # for SDXL's decode at 1024²). Only the first: a dry run costs one more eager call, which
-            # a later size would pay for the few kernels it needs.
+            # for SDXL's decode at 1024²). Only the first: later moved calls at new sizes compile their
+            # few new kernels inline, where a dry run each would cost one more eager call.
             self.moved_dry_run = True
             self.prepare(leaves, tree)
         if reason is not None:

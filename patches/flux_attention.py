@@ -196,10 +196,11 @@ class SDKernelsFluxAttnProcessor:
         text = attn.added_kv_proj_dim is not None
         fused = _fused_inputs(attn, query, encoder_query if text else None, image_rotary_emb)
         if fused is not None:  # the lines below in one op: sd_kernels.ops.qk_norm_rope
-            eps, weights, rotary = fused
-            query, key, value = qk_norm_rope(
-                query, key, value, attn.head_dim, *weights[:2], eps, *rotary,
-                *((encoder_query, encoder_key, encoder_value, *weights[2:]) if text else ()))
+            eps, (q_weight, k_weight, eq_weight, ek_weight), (cos, sin) = fused
+            stream = dict(eq=encoder_query, ek=encoder_key, ev=encoder_value, eq_weight=eq_weight,
+                          ek_weight=ek_weight) if text else {}
+            query, key, value = qk_norm_rope(query, key, value, attn.head_dim, q_weight=q_weight, k_weight=k_weight,
+                                             eps=eps, cos=cos, sin=sin, **stream)
         else:
             query = query.unflatten(-1, (-1, attn.head_dim))
             key = key.unflatten(-1, (-1, attn.head_dim))

@@ -82,12 +82,15 @@ def launch(mode: str, *, cuda_graph: str, compile: bool | str) -> Launch:
         raise ValueError("--cuda-graph step with --parallel cfg: the outputs are exchanged between the processes "
                          "each step, outside the CUDA graphs; a step's graph would capture the exchange (use auto or "
                          "pipeline)")
+    from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV, collectives_captured
+
     if mode == "ulysses" and compile:
         raise ValueError("--compile with --parallel ulysses: the patch compiles what its CUDA graphs capture, and a "
                          "transformer under context parallelism is not captured (its collectives would be baked in)")
-    if mode == "ulysses" and cuda_graph not in ("auto", "off"):
+    if mode == "ulysses" and cuda_graph not in ("auto", "off") and not collectives_captured():
         raise ValueError(f"--cuda-graph {cuda_graph} with --parallel ulysses: a transformer under context parallelism "
-                         "is not captured (its collectives would be baked in); use auto or off")
+                         f"is not captured (its collectives would be baked in; {COLLECTIVES_ENV}=1 on every process "
+                         "captures them, experimental); use auto or off")
     return Launch(mode, rank, world, local, local_world)
 
 

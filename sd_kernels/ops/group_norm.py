@@ -350,18 +350,17 @@ def _pixel_stats_kernel(
 @triton.jit(do_not_specialize=["S"])
 def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
     """Pixel path, launch 2, one program per (sample, group): merges the group's S partials (Chan)
-    into (mean, rstd), stored as stat[2, N·G]. In float64 (a few hundred values a program): over the
-    GPU's most chunks (PART_BLOCK) fp32's sums meet in an order that cost ulps an outlier pivot lacks."""
+    into (mean, rstd), stored as stat[2, N·G]."""
     pid = tl.program_id(0)
     plane = tl.num_programs(0) * S
     k = tl.arange(0, PART_BLOCK)
     idx = pid * S + k
     k_mask = k < S
-    count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0).to(tl.float64),
-                                  tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0).to(tl.float64),
-                                  tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0).to(tl.float64))
-    tl.store(stat_ptr + pid, mean.to(tl.float32))
-    tl.store(stat_ptr + tl.num_programs(0) + pid, (1.0 / tl.sqrt(m2 / count + eps)).to(tl.float32))
+    count, mean, m2 = _chan_merge(tl.load(part_ptr + idx, mask=k_mask, other=0.0),
+                                  tl.load(part_ptr + plane + idx, mask=k_mask, other=0.0),
+                                  tl.load(part_ptr + 2 * plane + idx, mask=k_mask, other=0.0))
+    tl.store(stat_ptr + pid, mean)
+    tl.store(stat_ptr + tl.num_programs(0) + pid, 1.0 / tl.sqrt(m2 / count + eps))
 
 
 @_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
@@ -520,12 +519,12 @@ def _pixel_plan(n: int, groups: int, cpg: int, hw: int, sms: int) -> Plan:
                 pixels=True, norm_block_c=norm_c, norm_block_s=norm_s, stat_chunk=stat_chunk, stat_chunks=stat_chunks)
 
 
-def _merge_block(stat_chunks: int, sms: int) -> int:
-    """The merge launch's lanes: enough for the most statistics chunks a sample can have on this GPU
-    (``_pixel_plan`` makes at most _PIXEL_STAT_PROGRAMS, scaled to the SMs), whatever the size and
+def _merge_block(sms: int) -> int:
+    """The merge launch's lanes: the most statistics chunks a sample can have on this GPU (``_pixel_plan``
+    makes at most _PIXEL_STAT_PROGRAMS, scaled to the SMs, over all samples), whatever the size and
     batch, so one compilation serves them all (lanes sized to each call's chunk count compiled it again
     at a new size or batch)."""
-    return max(next_pow2(stat_chunks), next_pow2(_per_sms(_PIXEL_STAT_PROGRAMS, sms)))
+    return next_pow2(_per_sms(_PIXEL_STAT_PROGRAMS, sms))
 
 
 _STATS, _NORM, _TILE = Launcher(_group_stats_kernel), Launcher(_group_norm_kernel), Launcher(_group_norm_tile_kernel)
@@ -662,7 +661,7 @@ def group_norm(
             HAS_SHIFT=shift is not None,
         )
         _PIXEL_MERGE(key, (n * num_groups,), parts, stat, p.stat_chunks, float(eps),
-                     PART_BLOCK=_merge_block(p.stat_chunks, sms))
+                     PART_BLOCK=_merge_block(sms))
         _PIXEL_NORM(
             key, (n, p.chunks), x, shift_arg, y, weight if weight is not None else x,
             bias if bias is not None else x, stat, c, num_groups, hw, p.chunks,

@@ -17,15 +17,16 @@ reads the projections' outputs as they are (any batch and token strides: slices 
 straight into [B, S_text + S_image, H, D] buffers at the stream's token offset: the join costs
 nothing. docs/kernels/rope.md counts the bytes.
 
-Numerics: fp32 inside, one rounding to the input's dtype at the store. Stock rounds twice more (the
-normalized value, then its product with the weight, before the rotation upcasts again), so the
-kernel is at least as close to a float64 evaluation of the formula as stock. The norm's rsqrt is an
+Numerics: fp32 inside, one rounding to the input's dtype at the store. Stock rounds once more (the
+weighted, normalized value, before the rotation upcasts it again), so the kernel is at least as
+close to a float64 evaluation of the formula as stock. The norm's rsqrt is an
 IEEE square root and division (``/`` and ``sqrt`` are approximate on the GPU).
 
 A program owns ROWS rows of D elements, a row being one (token, head) of q, of k and of v, loaded
 whole (vector loads) and split into the rotation's pairs in registers, without a second load. Calls the
-kernel does not take (float64, autograd, inputs of several dtypes, an odd head dim with the
-rotation, D past ``_MAX_D``) run ``sd_kernels.reference.qk_norm_rope``, stock's ops in stock's order.
+kernel does not take (float64, autograd, inputs of several dtypes, D past ``_MAX_D``) run
+``sd_kernels.reference.qk_norm_rope``, stock's ops in stock's order; an odd head dim with the rotation
+is a ValueError (``reference.check_qk_norm_rope_args``).
 """
 
 from __future__ import annotations

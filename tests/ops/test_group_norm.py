@@ -178,7 +178,7 @@ def test_pixel_path_loops_over_tiles_and_chunks(force_path, plans, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_pixel_path_pivot_is_an_outlier(dtype, force_path, device):
+def test_pixel_path_pivot_is_an_outlier(dtype, force_path, plans, device):
     """The pixel path's statistics sum deviations from each chunk's first pixel (its pivot). A pivot
     5,000 σ from the rest of its channel is that shift's worst case: a chunk's M2 = Σd² − (Σd)²/n is
     then a difference of sums n times larger than itself, so its rounding is bounded by the chunk's
@@ -188,12 +188,13 @@ def test_pixel_path_pivot_is_an_outlier(dtype, force_path, device):
     (Large means, the case the shift exists for, are test_large_mean's.)"""
     kw = force_path("pixels")
     x, w, b = _inputs((3, 40, 7, 5), dtype, device)
-    chunk = 12  # the statistics chunks' pixels here (35 pixels: 12, 12, 11)
     x[:, :, 0, 0] = 1e4  # every sample's first chunk starts at the outlier
-    x[:, :, 2, 2] = -1e4  # and the second (pixel 12)
+    x[:, :, 2, 2] = -1e4  # and the second (pixel 12: the statistics chunks are 12 pixels here)
     x = layout(x, "channels_last")
-    _check(x, 8, w, b, None, group_norm(x, 8, w, b, 1e-5, None, **kw),
-           floor_ulps=chunk / 2 if dtype == torch.float32 else 2.0)
+    y = group_norm(x, 8, w, b, 1e-5, None, **kw)
+    (p,) = plans
+    assert p.stat_chunk == 12  # the second outlier starts the second chunk
+    _check(x, 8, w, b, None, y, floor_ulps=p.stat_chunk / 2 if dtype == torch.float32 else 2.0)
 
 
 @pytest.mark.parametrize("shape, g", [((1, 32, 48, 48), 4), ((1, 40, 48, 48), 8)])

@@ -139,8 +139,8 @@ def test_reference_is_stock_bit_for_bit():
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch: its unfused path
 def test_calls_off_the_kernels_ground_run_the_reference(device):
-    """Float64, and norm weights of another dtype than the activations (stock promotes): the reference,
-    counted as a fallback; the results are stock's."""
+    """Float64, and norm weights of another dtype than the activations (stock's ops decide the result's
+    dtype): the reference, counted as a fallback; the results are stock's."""
     for args in (_float64(make_args(device=device)),
                  tuple(a.float() if i == 4 else a for i, a in enumerate(make_args(dtype=torch.bfloat16,
                                                                                   device=device)))):

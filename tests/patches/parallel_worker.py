@@ -23,7 +23,7 @@ os.environ.setdefault("SD_KERNELS_AUTOTUNE_CACHE", "off")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from sd_kernels.patches import cfg_parallel, context_parallel  # noqa: E402
+from sd_kernels.patches import cfg_parallel, context_parallel, cuda_graph  # noqa: E402
 
 import sd_kernels  # noqa: E402
 from sd_kernels import models  # noqa: E402
@@ -167,8 +167,16 @@ def ulysses_mixed_profiles_case(rank):
     pipe.transformer.enable_parallelism(config=_cp_config())
     cpu = get_profile("cpu")
     mine = cpu if rank == 0 else dataclasses.replace(cpu, name="cpu-other", flash_min_keys=cpu.flash_min_keys + 1)
-    return {"error": error_of(lambda: sd_kernels.patch(pipe, profile=mine)),
-            "left_unpatched": sd_kernels.patches.patch_record(pipe) is None}
+    out = {"error": error_of(lambda: sd_kernels.patch(pipe, profile=mine)),
+           "left_unpatched": sd_kernels.patches.patch_record(pipe) is None}
+    # the switch that captures collectives, on one process only: the other would wait in its exchange
+    if rank == 1:
+        os.environ[cuda_graph.COLLECTIVES_ENV] = "1"
+    try:
+        out["switch_error"] = error_of(lambda: sd_kernels.patch(pipe, profile=cpu))
+    finally:
+        os.environ.pop(cuda_graph.COLLECTIVES_ENV, None)
+    return out
 
 
 def heads_case():

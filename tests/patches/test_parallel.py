@@ -101,6 +101,8 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
         mixed = r["ulysses_mixed_profiles"]
         assert mixed["error"].startswith("ValueError: context parallelism: the processes patch differently (in "
                                          "profile)") and mixed["left_unpatched"]
+        assert mixed["switch_error"].startswith("ValueError: context parallelism: the processes patch differently "
+                                                "(in SD_KERNELS_GRAPH_COLLECTIVES)")
         heads = r["heads"]
         for when in ("patch_after", "patch_before"):
             assert heads[when].startswith("ValueError") and "2 does not divide 3 heads" in heads[when]
@@ -209,3 +211,23 @@ def test_our_local_attention_serves_ulysses_only_on_the_verified_templates(monke
         context_parallel.check_heads(6, _cp(ulysses=4), "FluxAttention")
     context_parallel.check_heads(6, _cp(ulysses=4, anything=True), "FluxAttention")
     context_parallel.check_heads(6, _cp(ring=4, ulysses=1), "FluxAttention")
+
+
+def test_under_the_switch_calls_under_context_parallelism_are_captured_anew(fake_cuda, monkeypatch):  # noqa: F811
+    """``SD_KERNELS_GRAPH_COLLECTIVES=1``: a call under context parallelism is captured (its collectives
+    inside), and a graph captured before parallelism was on is dropped, never replayed without them."""
+    monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "1")
+    model = models.build_model("tiny-flux", "transformer")
+    sd_kernels.patch(model, cuda_graph=True)
+    x = torch.randn(1, 16, model.config.in_channels)
+    kw = dict(encoder_hidden_states=torch.randn(1, 4, model.config.joint_attention_dim),
+              pooled_projections=torch.randn(1, model.config.pooled_projection_dim), timestep=torch.ones(1) / 2,
+              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), guidance=torch.full([1], 3.5), return_dict=False)
+    with torch.no_grad():
+        model(x, **kw)
+        assert len(fake_cuda) == 1
+        model._parallel_config = types.SimpleNamespace(context_parallel_config=object())
+        model(x, **kw)
+        assert len(fake_cuda) == 2  # the same signature, captured again now that parallelism is on
+        model(x, **kw)
+    assert len(fake_cuda) == 2  # then replayed
