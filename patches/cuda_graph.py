@@ -150,10 +150,10 @@ def context_parallel(model: Any) -> bool:
     return getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None) is not None
 
 
+COLLECTIVES_ENV = "SD_KERNELS_GRAPH_COLLECTIVES"
 # Why a model under context parallelism runs eagerly (module docstring).
 CONTEXT_PARALLEL = ("it runs under diffusers' context parallelism (enable_parallelism), whose collectives a capture "
-                    "would bake into the graph (SD_KERNELS_GRAPH_COLLECTIVES=1 captures them, experimental)")
-COLLECTIVES_ENV = "SD_KERNELS_GRAPH_COLLECTIVES"
+                    f"would bake into the graph ({COLLECTIVES_ENV}=1 captures them, experimental)")
 
 
 def collectives_captured() -> bool:

@@ -55,9 +55,15 @@ KIND = "flux_attention_processor"
 _FLUX = "diffusers.models.transformers.transformer_flux"
 
 
+def flux_module():
+    """diffusers' FLUX transformer module, or None where it was never imported (then no model holds
+    any of its classes)."""
+    return sys.modules.get(_FLUX)
+
+
 def flux_attention_class() -> type | None:
-    """diffusers' ``FluxAttention``, or None where its module was never imported (then no model holds one)."""
-    module = sys.modules.get(_FLUX)
+    """diffusers' ``FluxAttention``, or None (``flux_module``)."""
+    module = flux_module()
     return None if module is None else module.FluxAttention
 
 

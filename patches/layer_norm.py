@@ -70,7 +70,6 @@ block forward here.
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 import torch.nn as nn
@@ -79,6 +78,7 @@ from sd_kernels.ops.custom_ops import gated_residual_layer_norm, layer_norm_modu
 from sd_kernels.profiles import scoped
 
 from .diffusers_sources import VERIFIED_WITH, is_verified
+from .flux_attention import flux_module
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -421,9 +421,8 @@ def _install(record: PatchRecord, blocks: list[tuple[str, nn.Module]], sources: 
 
 
 def _flux_blocks() -> tuple[type, type] | None:
-    """diffusers' FLUX block classes (double-, single-stream), or None where their module was never
-    imported (then no model holds one)."""
-    module = sys.modules.get("diffusers.models.transformers.transformer_flux")
+    """diffusers' FLUX block classes (double-, single-stream), or None (``flux_attention.flux_module``)."""
+    module = flux_module()
     return None if module is None else (module.FluxTransformerBlock, module.FluxSingleTransformerBlock)
 
 

@@ -150,6 +150,14 @@ def test_split_wraps_the_graphed_unet_and_unpatches_exactly(fake_cuda, one_proce
     assert "forward" not in vars(unet)
 
 
+def _flux_inputs(model) -> tuple[torch.Tensor, dict]:
+    """One call's inputs for the tiny FLUX transformer: 16 image and 4 text tokens."""
+    kw = dict(encoder_hidden_states=torch.randn(1, 4, model.config.joint_attention_dim),
+              pooled_projections=torch.randn(1, model.config.pooled_projection_dim), timestep=torch.ones(1) / 2,
+              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), guidance=torch.full([1], 3.5), return_dict=False)
+    return torch.randn(1, 16, model.config.in_channels), kw
+
+
 def test_context_parallel_models_are_not_captured_and_hooks_get_the_original_back(fake_cuda):  # noqa: F811
     """A model under context parallelism: ``graphable_reason`` says why (cuda_graph="auto" captures nothing,
     True is refused); one graphed before ``enable_parallelism`` runs eagerly; unpatch gives diffusers' hook
@@ -162,10 +170,7 @@ def test_context_parallel_models_are_not_captured_and_hooks_get_the_original_bac
     for m in (model, twin):  # what enable_parallelism does to the model object: a config, hooks on its forward
         m._parallel_config = cp
         HookRegistry.check_if_exists_or_initialize(m).register_hook(ModelHook(), "probe")
-    x = torch.randn(1, 16, model.config.in_channels)
-    kw = dict(encoder_hidden_states=torch.randn(1, 4, model.config.joint_attention_dim),
-              pooled_projections=torch.randn(1, model.config.pooled_projection_dim), timestep=torch.ones(1) / 2,
-              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), guidance=torch.full([1], 3.5), return_dict=False)
+    x, kw = _flux_inputs(model)
     with torch.no_grad():
         model(x, **kw)
     assert not graphed.graphs and not fake_cuda
@@ -219,10 +224,7 @@ def test_under_the_switch_calls_under_context_parallelism_are_captured_anew(fake
     monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "1")
     model = models.build_model("tiny-flux", "transformer")
     sd_kernels.patch(model, cuda_graph=True)
-    x = torch.randn(1, 16, model.config.in_channels)
-    kw = dict(encoder_hidden_states=torch.randn(1, 4, model.config.joint_attention_dim),
-              pooled_projections=torch.randn(1, model.config.pooled_projection_dim), timestep=torch.ones(1) / 2,
-              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), guidance=torch.full([1], 3.5), return_dict=False)
+    x, kw = _flux_inputs(model)
     with torch.no_grad():
         model(x, **kw)
         assert len(fake_cuda) == 1
