@@ -45,7 +45,8 @@ def _scale_kernel(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr, EVEN: tl.constex
 
 
 @pytest.mark.parametrize("n", [48, 50])
-def test_memo_launch_matches_autotuned_launch(n, device):
+def test_memo_launch_matches_autotuned_launch(n, device, monkeypatch):
+    monkeypatch.setattr(cache_mod, "MODE", "time")  # the autotuner times the key (the default rule picks untimed)
     launch = Launcher(_scale_kernel)
     x = torch.randn(n, device=device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
