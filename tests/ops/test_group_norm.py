@@ -485,14 +485,14 @@ def test_sm_count_is_queried_once_per_device(monkeypatch):
     assert calls == [0, 1]
 
 
-def test_group_norm_plans_with_the_device_and_the_profile(monkeypatch):
+def test_group_norm_plans_with_the_device_and_the_profile(monkeypatch, device):
     plans = []
     plan = gn.plan
     monkeypatch.setattr(gn, "plan", lambda *a, **kw: plans.append((kw, plan(*a, **kw))) or plans[-1][1])
-    monkeypatch.setattr(gn, "_SMS", {-1: 8})  # the CPU's tensors as if on an 8-SM GPU
+    x, w, b = _inputs((1, 128, 32, 32), torch.float32, device)  # 4 channels × 1024 pixels: 4096 a group
+    monkeypatch.setattr(gn, "_SMS", {x.get_device(): 8})  # the tensors' device as if an 8-SM GPU
     few = dataclasses.replace(profiles.get_profile("cpu"), name="few-registers", register_file_kb=32)
     monkeypatch.setattr(profiles, "_active", few)
-    x, w, b = _inputs((1, 128, 32, 32), torch.float32, "cpu")  # 4 channels × 1024 pixels: 4096 a group
     _check(x, 32, w, b, "silu", group_norm(x, 32, w, b, activation="silu"))
     ((kw, p),) = plans
     assert kw == {"sms": 8, "register_file_kb": 32, "pixels": None}
