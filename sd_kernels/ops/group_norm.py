@@ -202,20 +202,22 @@ def _group_stats_kernel(
     tl.store(part_ptr + 2 * plane + idx, m2)
 
 
-# One program per group, the group one register tile (grid (N·G,)). HW is not specialized on: it
-# bounds the pixel mask and counts pixels, and a channels-fast tile's vectors run along the channels,
-# so every image size whose group pads to the same tile shares one kernel. Where pixels are the vector
+# One program per group, the group one register tile (grid (N·G,)). Neither HW nor the tile follows
+# the image size: HW bounds the pixel mask and counts pixels, and the tile is the largest a group of
+# CPG channels may have (``plan``), so every size and batch at which a group is one tile shares one
+# kernel per CPG (a channels-fast tile's vectors run along the channels). Where pixels are the vector
 # axis of x or y (NCHW), HW_ALIGN (16 when HW is a multiple of 16, else 1) gives the mask the
-# divisibility that keeps those loads and stores vectorized.
+# divisibility that keeps those loads and stores vectorized. HAS_SHIFT is a run-time flag (one load
+# per program), so shifted and plain calls share the kernel too.
 @_autotune(key=["HW", "G", "CPG", "BLOCK_C", "BLOCK_S"])
-@triton.jit(do_not_specialize=["HW"])
+@triton.jit(do_not_specialize=["HW", "HAS_SHIFT"])
 def _group_norm_tile_kernel(
     x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, G, HW, eps,
-    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys,
+    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, HAS_SHIFT,
     CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, HW_ALIGN: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
 ):
-    """y = act((x − mean)·rstd·w + b) over a group that is one register tile, read once (HAS_SHIFT:
+    """y = act((x − mean)·rstd·w + b) over a group that is one register tile, read once (HAS_SHIFT != 0:
     x + shift[n, c] is, the sum made in registers)."""
     pid_g = tl.program_id(0)
     n, g = pid_g // G, pid_g % G
@@ -224,11 +226,11 @@ def _group_norm_tile_kernel(
     c = tl.arange(0, BLOCK_C)
     s = tl.arange(0, BLOCK_S)
     x, mask = _load_tile(x_grp, c, s, _aligned(HW, HW_ALIGN), stride_xc, stride_xs, CPG)
-    if HAS_SHIFT:
+    if HAS_SHIFT != 0:
         sh = tl.load(shift_ptr + n * G * CPG + g * CPG + c, mask=c < CPG, other=0.0).to(tl.float32)
         x = tl.where(mask, x + sh[:, None], 0.0)
     count = CPG * HW * 1.0
-    mean = tl.sum(x) / count
+    mean = tl.div_rn(tl.sum(x), count)  # rounded division (``/`` is approximate): a constant group's is exact
     d = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(d * d) / count + eps)
     scale, shift = _channel_affine(w_ptr, b_ptr, g * CPG + c, c < CPG, rstd, HAS_WEIGHT, HAS_BIAS)
@@ -285,15 +287,17 @@ def _group_norm_kernel(
 # The chunk's base is an int64 pointer; offsets inside a chunk are int32 (the host checks the span).
 # HW, S and CHUNK are not specialized on (divisible by 16 or not): the loads are vectors along the
 # channels, whose alignment the channel count and pixel stride (C) carry, so a new image size
-# compiles nothing new here (a dozen Triton compilations fewer per size).
+# compiles nothing new here (a dozen Triton compilations fewer per size). Nor are CPG and HAS_SHIFT:
+# they are run-time arguments (CPG sets a per-channel index once per program, HAS_SHIFT one load),
+# so layers whose channel counts pad alike (SD1.5's 640 and 960, 1280 and 1920) and their shifted
+# calls share one kernel; only the padded shapes (C_P, G_P, CPG_P, tiles) are compile-time.
 
 
 @_autotune(key=["HW", "G", "S", "CPG", "C_P", "G_P", "CPG_P", "BLOCK_S"], tile=("BLOCK_S", "C_P"), per_thread=64)
-@triton.jit(do_not_specialize=["HW", "S", "CHUNK"])
+@triton.jit(do_not_specialize=["HW", "S", "CHUNK", "CPG", "HAS_SHIFT"])
 def _pixel_stats_kernel(
-    x_ptr, shift_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK,
-    CPG: tl.constexpr, C_P: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SHIFT: tl.constexpr,
+    x_ptr, shift_ptr, part_ptr, C, G, HW, S, stride_xn, stride_xc, stride_xs, CHUNK, CPG, HAS_SHIFT,
+    C_P: tl.constexpr, G_P: tl.constexpr, CPG_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Pixel path, launch 1: partial (count, mean, M2) of every (sample, chunk, group), as
     part[3, N, G, S] (a group's S partials contiguous, for the merge launch).
@@ -325,7 +329,7 @@ def _pixel_stats_kernel(
         s2 += d * d
     n = n_s.to(tl.float32)
     sum1, sum2 = tl.sum(s1, axis=0), tl.sum(s2, axis=0)  # [C_P]
-    if HAS_SHIFT:
+    if HAS_SHIFT != 0:
         pivot += tl.load(shift_ptr + pid_n * C + ch, mask=c_ok, other=0.0).to(tl.float32)
     mu_c = tl.reshape(pivot, (C_P,)) + sum1 / n
     m2_c = tl.maximum(sum2 - sum1 * sum1 / n, 0.0)
@@ -342,7 +346,7 @@ def _pixel_stats_kernel(
     gs = tl.arange(0, G_P)
     plane = tl.num_programs(0) * G * S
     idx = (pid_n * G + gs) * S + pid_s
-    tl.store(part_ptr + idx, tl.full((G_P,), CPG, tl.float32) * n, mask=gs < G)
+    tl.store(part_ptr + idx, tl.zeros((G_P,), tl.float32) + CPG * n, mask=gs < G)
     tl.store(part_ptr + plane + idx, mu, mask=gs < G)
     tl.store(part_ptr + 2 * plane + idx, m2_g, mask=gs < G)
 
@@ -364,12 +368,12 @@ def _pixel_merge_kernel(part_ptr, stat_ptr, S, eps, PART_BLOCK: tl.constexpr):
 
 
 @_autotune(key=["C", "HW", "G", "S", "CPG", "BLOCK_C", "BLOCK_S"])
-@triton.jit(do_not_specialize=["HW", "S", "CHUNK"])
+@triton.jit(do_not_specialize=["HW", "S", "CHUNK", "CPG", "HAS_SHIFT"])
 def _pixel_norm_kernel(
     x_ptr, shift_ptr, y_ptr, w_ptr, b_ptr, stat_ptr, C, G, HW, S,
-    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK,
-    CPG: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    stride_xn, stride_xc, stride_xs, stride_yn, stride_yc, stride_ys, CHUNK, CPG, HAS_SHIFT,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
 ):
     """Pixel path, launch 3: y = act((x − mean)·(rstd·w) + b) over the chunk's [pixels, C] slab.
 
@@ -388,7 +392,7 @@ def _pixel_norm_kernel(
     stat_ptr += pid_n * G + ch // CPG  # stat[2, N·G], the merge launch's output
     mean = tl.load(stat_ptr, mask=c_mask, other=0.0)
     rstd = tl.load(stat_ptr + tl.num_programs(0) * G, mask=c_mask, other=0.0)
-    if HAS_SHIFT:
+    if HAS_SHIFT != 0:
         mean -= tl.load(shift_ptr + pid_n * C + ch, mask=c_mask, other=0.0).to(tl.float32)
     scale, shift = _channel_affine(w_ptr, b_ptr, ch, c_mask, rstd, HAS_WEIGHT, HAS_BIAS)
     s = tl.arange(0, BLOCK_S)
@@ -482,9 +486,9 @@ def plan(n: int, groups: int, cpg: int, hw: int, channels_fast: bool,
     if split_threshold is None:
         split_threshold = _SPLIT_ELEMS if programs >= _per_sms(_FEW_GROUPS, sms) else _SPLIT_ELEMS_FEW
     split = group_elems > split_threshold
-    p2c, p2s = next_pow2(cpg), next_pow2(hw)
-    if not pixels and not split and p2c * p2s <= one_tile_elems(register_file_kb):
-        return Plan(p2c, p2s, one_tile=True, split=False, chunk=hw, chunks=1)
+    p2c, p2s, one_tile = next_pow2(cpg), next_pow2(hw), one_tile_elems(register_file_kb)
+    if not pixels and not split and p2c * p2s <= one_tile:  # the largest tile of CPG channels: one kernel at every size
+        return Plan(p2c, one_tile // p2c, one_tile=True, split=False, chunk=hw, chunks=1)
     if pixels or (pixels is None and channels_fast and next_pow2(groups * cpg) <= _TILE_ELEMS):
         return _pixel_plan(n, groups, cpg, hw, sms)
     if channels_fast and p2c <= _TILE_ELEMS:  # a pixel's CPG channels are one contiguous run: all of it
@@ -643,12 +647,13 @@ def group_norm(
     if shift is not None and not (p.pixels or p.one_tile):  # the streaming group paths normalize the sum, made here
         x, shift = _shifted(x, shift), None
         stride_s = _spatial_stride(x)
-    shift_arg = x if shift is None else shift.contiguous()  # dummy pointer when unused
+    # The shift as fp32 (the patch's is), a missing one as an fp32 null pointer: one kernel serves both.
+    shift_arg = x.new_empty(0, dtype=torch.float32) if shift is None else shift.float().contiguous()
 
     grid = (n * num_groups, p.chunks)
     # Launcher keys: the autotuners key on (HW, G, S, CPG, tiles, path) and the dtypes, all set by
-    # (hw, num_groups, cpg, p) and the tensors' dtypes; a shifted call is a key of its own (its kernels are
-    # another specialization, which a dry run must find through its own table entry).
+    # (hw, num_groups, cpg, p) and the tensors' dtypes; a shifted call is a key of its own (tuned apart:
+    # its table entry may choose other warps, hence another kernel, which a dry run finds through it).
     key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, activation) + (() if shift is None else ("shift",))
     if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S_stat], then stat[2, N·G]
@@ -656,29 +661,26 @@ def group_norm(
         parts, stat = buf.split([3 * p.stat_chunks * n * num_groups, 2 * n * num_groups])
         _PIXEL_STATS(
             key, (n, p.stat_chunks), x, shift_arg, parts, c, num_groups, hw, p.stat_chunks,
-            x.stride(0), x.stride(1), stride_s, p.stat_chunk,
-            CPG=cpg, C_P=p.block_c, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
-            HAS_SHIFT=shift is not None,
+            x.stride(0), x.stride(1), stride_s, p.stat_chunk, cpg, int(shift is not None),
+            C_P=p.block_c, G_P=next_pow2(num_groups), CPG_P=next_pow2(cpg), BLOCK_S=p.block_s,
         )
         _PIXEL_MERGE(key, (n * num_groups,), parts, stat, p.stat_chunks, float(eps),
                      PART_BLOCK=_merge_block(sms))
         _PIXEL_NORM(
             key, (n, p.chunks), x, shift_arg, y, weight if weight is not None else x,
             bias if bias is not None else x, stat, c, num_groups, hw, p.chunks,
-            x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk,
-            CPG=cpg, BLOCK_C=p.norm_block_c, BLOCK_S=p.norm_block_s,
+            x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, p.chunk, cpg, int(shift is not None),
+            BLOCK_C=p.norm_block_c, BLOCK_S=p.norm_block_s,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
-            HAS_SHIFT=shift is not None,
         )
         return y
     if p.one_tile:  # HW_ALIGN: HW's divisibility where pixels are x's or y's vector axis (see the kernel)
         _TILE(
             key, (n * num_groups,), x, shift_arg, y, weight if weight is not None else x,
             bias if bias is not None else x, num_groups, hw, float(eps),
-            x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys,
+            x.stride(0), x.stride(1), stride_s, y.stride(0), y.stride(1), ys, int(shift is not None),
             CPG=cpg, BLOCK_C=p.block_c, BLOCK_S=p.block_s, HW_ALIGN=16 if hw % 16 == 0 and 1 in (stride_s, ys) else 1,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=activation or "none",
-            HAS_SHIFT=shift is not None,
         )
         return y
     parts = x  # dummy pointer when unused
