@@ -35,7 +35,7 @@ import torch.nn as nn
 from sd_kernels.profiles import scoped
 
 from . import attention_processor_steps as steps
-from . import flux_attention
+from . import flux_attention, qkv_fusion
 from .context_parallel_plans import ulysses_of
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
@@ -171,6 +171,8 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
         elif new is not None:
             replaced[id(new)] = (new, processor)
             record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
+            if isinstance(new, flux_attention.SDKernelsFluxAttnProcessor):
+                qkv_fusion.install(module, new, path, record)
         else:
             record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")
 

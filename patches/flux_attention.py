@@ -12,6 +12,10 @@ from diffusers' own ``_get_qkv_projections`` (separate ``to_q`` / ``to_k`` / ``t
 front of the image stream; the rotary embedding is diffusers' ``apply_rotary_emb`` (``sequence_dim=1``);
 after the attention the streams are split back, ``to_out`` on the image's, ``to_add_out`` on the text's.
 
+The q, k and v projections of each stream run as one GEMM on a buffer their three weights share
+(patches/qkv_fusion.py: no second copy of the weights, unlike ``fuse_qkv_projections()``), while the
+patch's layout holds; diffusers' projections otherwise.
+
 From the projections to the attention's inputs (unflatten, norms, concatenation, rotation) one op runs
 instead, ``sd_kernels.ops.qk_norm_rope`` (a launch per stream, writing each stream into the joined
 buffers at its offset; docs/kernels/rope.md), where it computes what those lines do: every norm a
@@ -48,7 +52,7 @@ import torch
 from sd_kernels.ops.custom_ops import attention, qk_norm_rope
 from sd_kernels.profiles import scoped
 
-from . import context_parallel
+from . import context_parallel, qkv_fusion
 from .diffusers_sources import VERIFIED_WITH, is_verified
 
 KIND = "flux_attention_processor"
@@ -150,6 +154,9 @@ class SDKernelsFluxAttnProcessor:
     # The attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py). Ulysses'
     # local attention (patches/context_parallel.py) stays exact.
     precision = "exact"
+    # Each stream's q, k, v as one GEMM on the buffer the three weights share (patches/qkv_fusion.py);
+    # None: diffusers' projections.
+    qkv = added_qkv = None
 
     def __init__(self, original) -> None:
         self.original = original  # the FluxAttnProcessor replaced (unpatch puts it back)
@@ -193,10 +200,11 @@ class SDKernelsFluxAttnProcessor:
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from diffusers.models.embeddings import apply_rotary_emb
-        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
+        # diffusers: _get_qkv_projections(attn, hidden_states, encoder_hidden_states), one GEMM a stream
+        # where the patch laid the three weights out in one buffer
+        query, key, value, encoder_query, encoder_key, encoder_value = qkv_fusion.projections(
+            self, attn, hidden_states, encoder_hidden_states
         )
 
         text = attn.added_kv_proj_dim is not None

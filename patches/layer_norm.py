@@ -342,12 +342,13 @@ class FluxBlockForward(_FluxForward):
 
 class FluxSingleBlockForward(_FluxForward):
     """``FluxSingleTransformerBlock`` (text and image tokens in one stream): diffusers 0.42.1's forward
-    with its ``AdaLayerNormZeroSingle`` LayerNorm in ``layer_norm_modulated``."""
+    with its ``AdaLayerNormZeroSingle`` LayerNorm in ``layer_norm_modulated``, and the text + image join
+    of the previous single block's output (its two halves) without a copy (``_joined``)."""
 
     @staticmethod
     def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        hidden_states = _joined(encoder_hidden_states, hidden_states)
         norm_hidden_states, gate = _ada_norm_zero(block.norm, hidden_states, temb)
         mlp_hidden_states = block.act_mlp(block.proj_mlp(norm_hidden_states))
         attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
@@ -357,6 +358,20 @@ class FluxSingleBlockForward(_FluxForward):
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([text, image], dim=1)``; where the two are the halves of one contiguous tensor (what
+    the previous single block returned), that tensor, uncopied."""
+    base = None if torch.compiler.is_compiling() else text._base  # traced: the compiler plans the copy
+    if base is None or image._base is not base or base.dim() != 3 or not base.is_contiguous():
+        return torch.cat([text, image], dim=1)
+    b, t, d = text.shape
+    if (base.shape == (b, t + image.shape[1], d) and image.shape[::2] == (b, d)
+            and text.stride() == image.stride() == base.stride() and text.data_ptr() == base.data_ptr()
+            and image.data_ptr() == base.data_ptr() + t * base.stride(1) * base.element_size()):
+        return base
+    return torch.cat([text, image], dim=1)
 
 
 def _plain_ada_norm_zero(norm: nn.Module) -> bool:

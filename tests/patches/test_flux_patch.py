@@ -112,8 +112,12 @@ def test_patch_and_unpatch_restore_exactly(transformer):
     params = dict(transformer.state_dict(keep_vars=True))
     stock = _run(transformer, x, kw)
     record = sd_kernels.patch(transformer)
-    assert dict(record.counts) == expected
+    assert dict(record.counts) == {**expected, "qkv_fusion": 6}  # each attention's q, k, v; the text streams'
     assert record.parts == ["FluxTransformer2DModel"] and not record.skipped
+    for a in _attentions(transformer):  # the projections' weights are rows of one buffer: no second copy
+        bases = {getattr(a, n).weight.untyped_storage().data_ptr() for n in ("to_q", "to_k", "to_v")}
+        assert bases == {a.processor.qkv.weight.untyped_storage().data_ptr()}
+        assert a.added_kv_proj_dim is None or a.processor.added_qkv.weight.data_ptr() == a.add_q_proj.weight.data_ptr()
     assert all(isinstance(a.processor, SDKernelsFluxAttnProcessor) for a in _attentions(transformer))
     assert all(isinstance(vars(b)["forward"], FluxBlockForward) for b in transformer.transformer_blocks)
     assert all(isinstance(vars(b)["forward"], FluxSingleBlockForward) for b in transformer.single_transformer_blocks)
@@ -125,6 +129,8 @@ def test_patch_and_unpatch_restore_exactly(transformer):
     assert sd_kernels.unpatch(transformer)
     assert _same(_tree(transformer), tree) and not hasattr(transformer, "_sd_kernels_owner")
     assert all(type(a.processor) is FluxAttnProcessor for a in _attentions(transformer))
+    assert all(len({getattr(a, n).weight.untyped_storage().data_ptr() for n in ("to_q", "to_k", "to_v")}) == 3
+               for a in _attentions(transformer))  # storage of their own again
     assert torch.equal(_run(transformer, x, kw), stock)
 
 
@@ -206,6 +212,20 @@ def test_reference_ops_compute_what_stock_computes(transformer, monkeypatch, ops
     stock = _run(transformer, x, kw)
     with sd_kernels.patched(transformer, ops=ops, cuda_graph=False):
         assert torch.equal(_run(transformer, x, kw), stock)
+
+
+def test_single_blocks_join_their_streams_without_a_copy(transformer, monkeypatch):
+    """Stock's single block concatenates text and image. Patched, the second single block takes the
+    first's output as it is (its text and image halves: one tensor), with stock's bits (reference ops)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    layer_norm = importlib.import_module("sd_kernels.patches.layer_norm")
+    joins, joined = [], layer_norm._joined
+    monkeypatch.setattr(layer_norm, "_joined", lambda t, i: joins.append((out := joined(t, i)) is t._base) or out)
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        assert torch.equal(_run(transformer, x, kw), stock)
+    assert joins == [False, True]  # the double blocks' streams are two tensors; then one, uncopied
 
 
 def test_fused_projections_are_served(transformer, monkeypatch):
@@ -490,7 +510,7 @@ def _pipe_run(pipe, steps=2, **kwargs):
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "flux_attention_processor": 4, "gelu.GELU": 4, "layer_norm.FluxTransformerBlock": 2,
-        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2})
+        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2, "qkv_fusion": 6})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):

@@ -1,0 +1,120 @@
+"""FLUX's q, k, v projections as one GEMM on a buffer their weights share (patches/qkv_fusion.py): with
+the reference ops the patched transformer computes stock's bits; whatever changes a projection while
+patched (a Parameter assigned anew, a wrapped Linear, a dtype change) sends the call back to separate
+projections, and an in-place update through a view reaches the fused GEMM; unpatch leaves the weights
+as those changes left them; the patches that fuse nothing say why."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from sd_kernels.patches import qkv_fusion
+from test_flux_patch import _inputs, _run, transformer  # noqa: F401  (transformer: a fixture)
+
+import sd_kernels
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+
+
+class _Wrapped(nn.Module):
+    """A Linear wrapped as a LoRA layer wraps it: the same output, another module."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = inner
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+def _change(model, how: str) -> None:
+    """One change to the first double-stream block's projections (as a user or a library makes it)."""
+    attn = model.transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        if how == "new parameter":
+            attn.to_k.weight = nn.Parameter(torch.randn(attn.to_k.weight.shape, generator=g))
+        elif how == "data assigned":
+            attn.add_v_proj.weight.data = torch.randn(attn.add_v_proj.weight.shape, generator=g)
+        elif how == "in place":
+            attn.to_v.weight.mul_(1.5)
+            attn.add_q_proj.bias.add_(0.25)
+        elif how == "wrapped":
+            attn.to_q = _Wrapped(attn.to_q)
+        elif how == "hooked":
+            attn.to_k.register_forward_hook(lambda module, args, out: out * 2)
+
+
+@pytest.mark.parametrize("how", ["new parameter", "data assigned", "in place", "wrapped", "hooked"])
+def test_a_projection_changed_while_patched_is_computed_as_changed(transformer, reference, how):  # noqa: F811
+    x, kw = _inputs(transformer)
+    stock = copy.deepcopy(transformer)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["qkv_fusion"] == 6
+        _change(transformer, how)
+        _change(stock, how)
+        want = _run(stock, x, kw)
+        assert torch.equal(_run(transformer, x, kw), want)
+        fused = transformer.transformer_blocks[0].attn.processor
+        intact = fused.qkv.intact(transformer.transformer_blocks[0].attn, qkv_fusion.STREAMS[0][1])
+        assert intact is (how in ("in place", "data assigned"))  # the image stream's; "data assigned" is the text's
+    assert torch.equal(_run(transformer, x, kw), want)  # unpatched: the weights as the change left them
+
+
+def test_a_dtype_change_while_patched_falls_back_and_unpatches_as_changed(transformer, reference):  # noqa: F811
+    x, kw = _inputs(transformer)
+    stock = copy.deepcopy(transformer).double()
+    want = _run(stock, x, kw, torch.float64)
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        transformer.double()
+        attn = transformer.transformer_blocks[0].attn
+        assert not attn.processor.qkv.intact(attn, qkv_fusion.STREAMS[0][1])
+        # (the same 4e-9 without the fusion: other ops of the patch round some intermediates to fp32)
+        torch.testing.assert_close(_run(transformer, x, kw, torch.float64), want, rtol=0, atol=1e-7)
+    assert all(a.to_q.weight.dtype == torch.float64 for a in transformer.modules() if hasattr(a, "to_q"))
+    assert torch.equal(_run(transformer, x, kw, torch.float64), want)
+
+
+def test_fused_and_separate_calls_agree_on_the_kernels(transformer):  # noqa: F811
+    """On the kernels (the interpreter here), the fused GEMM's q, k, v feed the same attention as three
+    GEMMs would: the outputs agree to fp32 rounding."""
+    x, kw = _inputs(transformer)
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        fused = _run(transformer, x, kw)
+        for a in transformer.modules():
+            if hasattr(a, "processor") and getattr(a.processor, "qkv", None) is not None:
+                a.processor.qkv.views = ()  # no longer intact: separate projections
+        separate = _run(transformer, x, kw)
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, reason", [
+    ({"precision": "fp8"}, "quantizes the projections"),
+    ({"compile": "default"}, "compile=True"),
+    ({"memory_plan": object()}, "memory budget"),
+])
+def test_patches_that_fuse_nothing_say_why(setting, reason):
+    record = dataclasses.make_dataclass("Record", [("precision", object, None), ("compile", object, None),
+                                                   ("memory_plan", object, None)])(**setting)
+    assert reason in qkv_fusion.wanted(record)
+    assert qkv_fusion.wanted(dataclasses.replace(record, **{k: None for k in setting})) is None
+
+
+def test_a_module_fused_by_diffusers_is_left_to_its_to_qkv(transformer):  # noqa: F811
+    transformer.fuse_qkv_projections()
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert "qkv_fusion" not in record.counts
+        assert all(a.processor.qkv is None for a in transformer.modules() if hasattr(a, "fused_projections"))
+
+
+def test_unfit_projections_are_skipped_with_the_reason(transformer):  # noqa: F811
+    attn = transformer.single_transformer_blocks[0].attn
+    attn.to_v = _Wrapped(attn.to_v)
+    with sd_kernels.patched(transformer, cuda_graph=False) as record:
+        assert record.counts["qkv_fusion"] == 5
+        assert any("q, k, v not fused: not exactly nn.Linear" in s.reason for s in record.skipped)
