@@ -7,12 +7,15 @@ three weights (and biases) are laid out once, in q, k, v order, in one buffer, a
 Parameters become views of it (``param.data``: the same Parameter objects, their state_dict keys and
 values unchanged): the fused GEMM reads the buffer, the modules read their rows, and nothing is held
 twice. ``SDKernelsFluxAttnProcessor`` (patches/flux_attention.py) calls ``FusedProjections`` where
-diffusers' processor calls the three Linears, and only while ``intact``: the attention module still
+diffusers' processor calls the three Linears, and only while the layout holds: the attention module still
 holds those very Linears, exactly ``nn.Linear`` without hooks, whose weights and biases are still the
 buffer's rows. Anything that changes that while patched (a LoRA wrapping a projection, a Parameter or
 ``weight.data`` assigned anew, ``.to()`` moving the weights, a memory budget swapping them) sends the
 call back to the three separate projections; an in-place update through the views (``weight.data.add_``,
-``copy_``) is an update of the buffer, which the fused GEMM reads.
+``copy_``) is an update of the buffer, which the fused GEMM reads. Nothing but the Parameters holds the
+buffer (the fused operands are views made at each call), so weights moved or offloaded free it; and a
+call that wants gradients for them takes the separate projections (autograd would not reach the
+Parameters through those views).
 
 Installed by the attention patcher on every FluxAttention it gives our processor, for the image stream
 (``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), in the
@@ -50,46 +53,62 @@ def _unfit(linears: list) -> str | None:
     return None
 
 
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The three tensors as one, where they are consecutive contiguous blocks of one storage (as
+    ``FusedProjections`` laid them out): a view made now, no reference kept; None otherwise."""
+    first = tensors[0]
+    storage, start, size = first.untyped_storage(), first.storage_offset(), first.numel()
+    for i, t in enumerate(tensors):
+        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.storage_offset() != start + i * size or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    shape = (3 * first.shape[0], *first.shape[1:])
+    return first.new_empty(0).set_(storage, start, shape, torch.empty(shape, device="meta").stride())
+
+
 class FusedProjections:
-    """Three Linears whose weights (and biases) are rows of one buffer; called, one GEMM for all three."""
+    """Three Linears whose weights (and biases) are consecutive rows of one storage; called, one GEMM on
+    it for all three. Only their Parameters hold that storage: weights moved, offloaded or dropped take
+    it with them (nothing here keeps a copy alive)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = tuple(linears)
         rows = linears[0].out_features
         with torch.no_grad():
-            self.weight = torch.cat([m.weight.detach() for m in linears])
-            self.bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+            weight = torch.cat([m.weight.detach() for m in linears])
+            bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
             for i, m in enumerate(linears):
-                m.weight.data = self.weight[i * rows:(i + 1) * rows]
-                if self.bias is not None:
-                    m.bias.data = self.bias[i * rows:(i + 1) * rows]
-        self.views = self._pointers()
+                m.weight.data = weight[i * rows:(i + 1) * rows]
+                if bias is not None:
+                    m.bias.data = bias[i * rows:(i + 1) * rows]
+        self.has_bias = bias is not None
 
-    def _pointers(self) -> tuple:
-        return tuple((m.weight.data_ptr(), None if m.bias is None else m.bias.data_ptr()) for m in self.linears)
-
-    def intact(self, module: nn.Module, names: tuple[str, ...]) -> bool:
-        """Whether ``module`` still holds these Linears, unhooked, their weights still this buffer's rows."""
-        if self.weight is None:
-            return False
+    def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, bias) of the fused GEMM while ``module`` still holds these Linears, unhooked, their
+        weights (and biases) still laid out as one, and no gradient is wanted for them (the fused operands
+        are views autograd does not trace to the Parameters); None otherwise."""
         for linear, name in zip(self.linears, names):
             if module._modules.get(name) is not linear or linear._forward_hooks or linear._forward_pre_hooks:
-                return False
-        return self._pointers() == self.views
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return F.linear(x, self.weight, self.bias).chunk(3, dim=-1)
+                return None
+        params = [p for m in self.linears for p in (m.weight, m.bias) if p is not None]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return None
+        weight = _stacked([m.weight for m in self.linears])
+        if weight is None or tuple(m.bias is None for m in self.linears) != (not self.has_bias,) * 3:
+            return None
+        if not self.has_bias:
+            return weight, None
+        bias = _stacked([m.bias for m in self.linears])
+        return None if bias is None else (weight, bias)
 
     def release(self) -> None:
-        """Each Parameter still a view of the buffer gets storage of its own (the same values); the
-        buffer is dropped."""
+        """Each Parameter still laid out with the others gets storage of its own (the same values)."""
         with torch.no_grad():
-            for m, (w, b) in zip(self.linears, self.views):
-                if m.weight.data_ptr() == w:
-                    m.weight.data = m.weight.data.clone()
-                if b is not None and m.bias is not None and m.bias.data_ptr() == b:
-                    m.bias.data = m.bias.data.clone()
-        self.weight = self.bias = None
+            for name in ("weight", "bias"):
+                tensors = [getattr(m, name) for m in self.linears]
+                if all(t is not None for t in tensors) and _stacked(tensors) is not None:
+                    for t in tensors:
+                        t.data = t.data.clone()
 
 
 def wanted(record: PatchRecord) -> str | None:
@@ -123,18 +142,21 @@ def install(attn: nn.Module, processor, path: str, record: PatchRecord) -> None:
 
 def projections(processor, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
     """diffusers' ``_get_qkv_projections(attn, hidden_states, encoder_hidden_states)``, each stream through
-    its ``FusedProjections`` where it is intact."""
+    its ``FusedProjections`` where the layout holds (``operands``)."""
     from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
     qkv, added = processor.qkv, processor.added_qkv
-    if (qkv is None or attn.fused_projections or torch.compiler.is_compiling()  # a traced guard: diffusers' lines
-            or not qkv.intact(attn, STREAMS[0][1])):
+    # (traced by torch.compile: diffusers' lines, the guard reads storages the compiler does not trace)
+    fused = None if qkv is None or attn.fused_projections or torch.compiler.is_compiling() else qkv.operands(
+        attn, STREAMS[0][1])
+    if fused is None:
         return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-    query, key, value = qkv(hidden_states)
+    query, key, value = F.linear(hidden_states, *fused).chunk(3, dim=-1)
     encoder_query = encoder_key = encoder_value = None
     if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-        if added is not None and added.intact(attn, STREAMS[1][1]):
-            encoder_query, encoder_key, encoder_value = added(encoder_hidden_states)
+        fused = None if added is None else added.operands(attn, STREAMS[1][1])
+        if fused is not None:
+            encoder_query, encoder_key, encoder_value = F.linear(encoder_hidden_states, *fused).chunk(3, dim=-1)
         else:
             encoder_query, encoder_key, encoder_value = (getattr(attn, n)(encoder_hidden_states) for n in STREAMS[1][1])
     return query, key, value, encoder_query, encoder_key, encoder_value

@@ -29,7 +29,7 @@ from dit_checks import (
     check_transformer_kernels_close_to_stock,
     tiny_pipeline,
 )
-from sd_kernels.patches import cuda_graph
+from sd_kernels.patches import cuda_graph, qkv_fusion
 from sd_kernels.patches.flux_attention import SDKernelsFluxAttnProcessor
 from sd_kernels.patches.layer_norm import FluxBlockForward, FluxSingleBlockForward
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
@@ -115,9 +115,10 @@ def test_patch_and_unpatch_restore_exactly(transformer):
     assert dict(record.counts) == {**expected, "qkv_fusion": 6}  # each attention's q, k, v; the text streams'
     assert record.parts == ["FluxTransformer2DModel"] and not record.skipped
     for a in _attentions(transformer):  # the projections' weights are rows of one buffer: no second copy
-        bases = {getattr(a, n).weight.untyped_storage().data_ptr() for n in ("to_q", "to_k", "to_v")}
-        assert bases == {a.processor.qkv.weight.untyped_storage().data_ptr()}
-        assert a.added_kv_proj_dim is None or a.processor.added_qkv.weight.data_ptr() == a.add_q_proj.weight.data_ptr()
+        for attr, names in qkv_fusion.STREAMS[:2 if a.added_kv_proj_dim else 1]:
+            assert len({getattr(a, n).weight.untyped_storage().data_ptr() for n in names}) == 1
+            weight, _ = getattr(a.processor, attr).operands(a, names)
+            assert weight.data_ptr() == getattr(a, names[0]).weight.data_ptr() and weight.shape[0] == 3 * a.inner_dim
     assert all(isinstance(a.processor, SDKernelsFluxAttnProcessor) for a in _attentions(transformer))
     assert all(isinstance(vars(b)["forward"], FluxBlockForward) for b in transformer.transformer_blocks)
     assert all(isinstance(vars(b)["forward"], FluxSingleBlockForward) for b in transformer.single_transformer_blocks)

@@ -60,9 +60,9 @@ def test_a_projection_changed_while_patched_is_computed_as_changed(transformer, 
         _change(stock, how)
         want = _run(stock, x, kw)
         assert torch.equal(_run(transformer, x, kw), want)
-        fused = transformer.transformer_blocks[0].attn.processor
-        intact = fused.qkv.intact(transformer.transformer_blocks[0].attn, qkv_fusion.STREAMS[0][1])
-        assert intact is (how in ("in place", "data assigned"))  # the image stream's; "data assigned" is the text's
+        attn = transformer.transformer_blocks[0].attn
+        served = attn.processor.qkv.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
+        assert served is (how in ("in place", "data assigned"))  # the image stream's; "data assigned" is the text's
     assert torch.equal(_run(transformer, x, kw), want)  # unpatched: the weights as the change left them
 
 
@@ -73,7 +73,7 @@ def test_a_dtype_change_while_patched_falls_back_and_unpatches_as_changed(transf
     with sd_kernels.patched(transformer, cuda_graph=False):
         transformer.double()
         attn = transformer.transformer_blocks[0].attn
-        assert not attn.processor.qkv.intact(attn, qkv_fusion.STREAMS[0][1])
+        assert attn.processor.qkv.operands(attn, qkv_fusion.STREAMS[0][1]) is None
         # (the same 4e-9 without the fusion: other ops of the patch round some intermediates to fp32)
         torch.testing.assert_close(_run(transformer, x, kw, torch.float64), want, rtol=0, atol=1e-7)
     assert all(a.to_q.weight.dtype == torch.float64 for a in transformer.modules() if hasattr(a, "to_q"))
@@ -87,8 +87,9 @@ def test_fused_and_separate_calls_agree_on_the_kernels(transformer):  # noqa: F8
     with sd_kernels.patched(transformer, cuda_graph=False):
         fused = _run(transformer, x, kw)
         for a in transformer.modules():
-            if hasattr(a, "processor") and getattr(a.processor, "qkv", None) is not None:
-                a.processor.qkv.views = ()  # no longer intact: separate projections
+            for stream in (getattr(getattr(a, "processor", None), n, None) for n in ("qkv", "added_qkv")):
+                if stream is not None:
+                    stream.operands = lambda *args: None  # separate projections
         separate = _run(transformer, x, kw)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
 
@@ -118,3 +119,20 @@ def test_unfit_projections_are_skipped_with_the_reason(transformer):  # noqa: F8
     with sd_kernels.patched(transformer, cuda_graph=False) as record:
         assert record.counts["qkv_fusion"] == 5
         assert any("q, k, v not fused: not exactly nn.Linear" in s.reason for s in record.skipped)
+
+
+def test_only_the_parameters_hold_the_shared_storage_and_gradients_take_separate_projections(transformer):  # noqa: F811
+    """Weights moved or offloaded free the storage they shared (nothing else refers to it); a call that
+    wants gradients for the projections takes them separately (autograd would not reach the Parameters
+    through the fused operands)."""
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        attn = transformer.transformer_blocks[0].attn
+        fused = attn.processor.qkv
+        assert not any(isinstance(v, torch.Tensor) for v in vars(fused).values())
+        with torch.no_grad():
+            assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
+        with torch.enable_grad():
+            attn.requires_grad_(True)
+            assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is None
+            attn.requires_grad_(False)
+            assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
