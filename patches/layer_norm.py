@@ -361,16 +361,17 @@ class FluxSingleBlockForward(_FluxForward):
 
 
 def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-    """``torch.cat([text, image], dim=1)``; where the two are the halves of one contiguous tensor (what
-    the previous single block returned), that tensor, uncopied."""
-    base = None if torch.compiler.is_compiling() else text._base  # traced: the compiler plans the copy
-    if base is None or image._base is not base or base.dim() != 3 or not base.is_contiguous():
-        return torch.cat([text, image], dim=1)
-    b, t, d = text.shape
-    if (base.shape == (b, t + image.shape[1], d) and image.shape[::2] == (b, d)
-            and text.stride() == image.stride() == base.stride() and text.data_ptr() == base.data_ptr()
-            and image.data_ptr() == base.data_ptr() + t * base.stride(1) * base.element_size()):
-        return base
+    """``torch.cat([text, image], dim=1)``; where the two lie back to back in one storage as the halves of
+    a contiguous [B, T + S, D] tensor (what the previous single block returned), that tensor as a view,
+    uncopied (read from the storage, not from ``_base``, which views of inference tensors lack)."""
+    if (not torch.compiler.is_compiling() and type(text) is type(image) is torch.Tensor  # traced: a cat
+            and text.dim() == image.dim() == 3 and text.dtype == image.dtype):
+        (b, t, d), total = text.shape, text.shape[1] + image.shape[1]
+        strides = (total * d, d, 1)
+        if (image.shape[::2] == (b, d) and text.stride() == image.stride() == strides
+                and image.storage_offset() == text.storage_offset() + t * d
+                and text.untyped_storage().data_ptr() == image.untyped_storage().data_ptr()):
+            return text.as_strided((b, total, d), strides, text.storage_offset())
     return torch.cat([text, image], dim=1)
 
 

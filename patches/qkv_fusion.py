@@ -38,15 +38,32 @@ KIND = "qkv_fusion"
 STREAMS = (("qkv", ("to_q", "to_k", "to_v")), ("added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
 
 
+def _hooked(m: nn.Module) -> bool:
+    """Whether calling ``m`` runs more than ``nn.Linear.forward``: its own or global forward (pre-)hooks,
+    diffusers' hook registry, accelerate's hook, a ``forward`` set on the instance. The fused GEMM would
+    skip them."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) or hasattr(m, "_diffusers_hook")
+                or hasattr(m, "_hf_hook") or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    """Whether a Parameter's data is a plain tensor with storage (not a tensor subclass, e.g. a quantized
+    weight, nor on the meta device)."""
+    return t is not None and type(t.data) is torch.Tensor and t.device.type != "meta"
+
+
 def _unfit(linears: list) -> str | None:
     """Why these Linears cannot share one buffer, or None."""
     if any(type(m) is not nn.Linear for m in linears):
         return "not exactly nn.Linear (a LoRA layer, a quantized one, ...)"
-    if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in linears):
+    if any(map(_hooked, linears)):
         return "hooks on a projection (the fused GEMM would skip them)"
     first = linears[0].weight
-    if first.device.type == "meta" or any(m.weight.shape != first.shape or m.weight.dtype != first.dtype
-                                          or m.weight.device != first.device for m in linears):
+    if not all(_plain(m.weight) and (m.bias is None or _plain(m.bias)) for m in linears):
+        return "weights that are not plain tensors with storage (a tensor subclass, the meta device)"
+    if any(m.weight.shape != first.shape or m.weight.dtype != first.dtype or m.weight.device != first.device
+           for m in linears):
         return "projections of different shapes, dtypes or devices"
     if len({m.bias is None for m in linears}) != 1:
         return "a bias on some projections only"
@@ -54,8 +71,10 @@ def _unfit(linears: list) -> str | None:
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The three tensors as one, where they are consecutive contiguous blocks of one storage (as
+    """The three tensors as one, where they are plain, consecutive contiguous blocks of one storage (as
     ``FusedProjections`` laid them out): a view made now, no reference kept; None otherwise."""
+    if not all(map(_plain, tensors)):
+        return None
     first = tensors[0]
     storage, start, size = first.untyped_storage(), first.storage_offset(), first.numel()
     for i, t in enumerate(tensors):
@@ -63,13 +82,13 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
                 or t.storage_offset() != start + i * size or t.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
     shape = (3 * first.shape[0], *first.shape[1:])
-    return first.new_empty(0).set_(storage, start, shape, torch.empty(shape, device="meta").stride())
+    return first.new_empty(0).set_(storage, start, shape, first.stride())  # contiguous rows: the same strides
 
 
 class FusedProjections:
     """Three Linears whose weights (and biases) are consecutive rows of one storage; called, one GEMM on
     it for all three. Only their Parameters hold that storage: weights moved, offloaded or dropped take
-    it with them (nothing here keeps a copy alive)."""
+    it with them (nothing here keeps a copy alive; ``storages`` are addresses, to find it at unpatch)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = tuple(linears)
@@ -82,13 +101,14 @@ class FusedProjections:
                 if bias is not None:
                     m.bias.data = bias[i * rows:(i + 1) * rows]
         self.has_bias = bias is not None
+        self.storages = {t.untyped_storage().data_ptr() for t in (weight, bias) if t is not None}
 
     def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, bias) of the fused GEMM while ``module`` still holds these Linears, unhooked, their
         weights (and biases) still laid out as one, and no gradient is wanted for them (the fused operands
         are views autograd does not trace to the Parameters); None otherwise."""
         for linear, name in zip(self.linears, names):
-            if module._modules.get(name) is not linear or linear._forward_hooks or linear._forward_pre_hooks:
+            if module._modules.get(name) is not linear or _hooked(linear):
                 return None
         params = [p for m in self.linears for p in (m.weight, m.bias) if p is not None]
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
@@ -102,12 +122,12 @@ class FusedProjections:
         return None if bias is None else (weight, bias)
 
     def release(self) -> None:
-        """Each Parameter still laid out with the others gets storage of its own (the same values)."""
+        """Each Parameter still in the storage laid out at the patch gets storage of its own (the same
+        values), whatever became of the others (one assigned anew leaves two in it)."""
         with torch.no_grad():
-            for name in ("weight", "bias"):
-                tensors = [getattr(m, name) for m in self.linears]
-                if all(t is not None for t in tensors) and _stacked(tensors) is not None:
-                    for t in tensors:
+            for m in self.linears:
+                for t in (m.weight, m.bias):
+                    if _plain(t) and t.untyped_storage().data_ptr() in self.storages:
                         t.data = t.data.clone()
 
 

@@ -17,6 +17,7 @@ Attention's and the partial softmax's keys are not covered here.
 
 import importlib
 import json
+import os
 
 import pytest
 import torch
@@ -40,7 +41,9 @@ def _table(device: str, launcher) -> set[str]:
     key that table holds is its own nearest key, so nothing is timed)."""
     root = autotune_cache.SHIPPED_ROOT / "hopper"
     arch = device.rpartition("-")[2]
-    for folder in [device, *sorted(d.name for d in root.iterdir() if d.name != device and d.name.endswith(arch))]:
+    siblings = sorted((d.name for d in root.iterdir() if d.name != device and d.name.endswith(arch)),
+                      key=lambda name: (-len(os.path.commonprefix([name, device])), name))  # as the runtime orders
+    for folder in [device, *siblings]:
         paths = sorted((root / folder).glob(f"triton-*/{launcher.name}.json"))
         if paths:
             return set.intersection(*(set(json.loads(p.read_text())["entries"]) for p in paths))

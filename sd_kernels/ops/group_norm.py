@@ -652,8 +652,8 @@ def group_norm(
 
     grid = (n * num_groups, p.chunks)
     # Launcher keys: the autotuners key on (HW, G, S, CPG, tiles, path) and the dtypes, all set by
-    # (hw, num_groups, cpg, p) and the tensors' dtypes; a shifted call is a key of its own (tuned apart:
-    # its table entry may choose other warps, hence another kernel, which a dry run finds through it).
+    # (hw, num_groups, cpg, p) and the tensors' dtypes; a shifted call is a key of its own in the tables
+    # (the shipped entries choose as for the plain call: the kernels are shared).
     key = (hw, num_groups, cpg, p, x.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, activation) + (() if shift is None else ("shift",))
     if p.pixels:  # statistics, merge, normalize; one fp32 buffer: part[3, N, G, S_stat], then stat[2, N·G]

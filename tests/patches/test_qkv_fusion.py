@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+from diffusers.hooks import HookRegistry, ModelHook
 from sd_kernels.patches import qkv_fusion
 from test_flux_patch import _inputs, _run, transformer  # noqa: F401  (transformer: a fixture)
 
@@ -19,6 +20,15 @@ import sd_kernels
 @pytest.fixture
 def reference(monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _Doubled(ModelHook):
+    def post_forward(self, module, output):
+        return output * 2
 
 
 class _Wrapped(nn.Module):
@@ -48,9 +58,16 @@ def _change(model, how: str) -> None:
             attn.to_q = _Wrapped(attn.to_q)
         elif how == "hooked":
             attn.to_k.register_forward_hook(lambda module, args, out: out * 2)
+        elif how == "diffusers hook":
+            HookRegistry.check_if_exists_or_initialize(attn.to_v).register_hook(_Doubled(), "doubled")
+        elif how == "instance forward":
+            attn.to_q.forward = lambda x, linear=attn.to_q: nn.Linear.forward(linear, x) * 2
+        elif how == "subclass":  # a weight of another tensor type (as a quantizer's): never asked for storage
+            attn.to_k.weight = nn.Parameter(attn.to_k.weight.detach().clone().as_subclass(_Sub))
 
 
-@pytest.mark.parametrize("how", ["new parameter", "data assigned", "in place", "wrapped", "hooked"])
+@pytest.mark.parametrize("how", ["new parameter", "data assigned", "in place", "wrapped", "hooked", "diffusers hook",
+                                 "instance forward", "subclass"])
 def test_a_projection_changed_while_patched_is_computed_as_changed(transformer, reference, how):  # noqa: F811
     x, kw = _inputs(transformer)
     stock = copy.deepcopy(transformer)
@@ -64,6 +81,9 @@ def test_a_projection_changed_while_patched_is_computed_as_changed(transformer, 
         served = attn.processor.qkv.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
         assert served is (how in ("in place", "data assigned"))  # the image stream's; "data assigned" is the text's
     assert torch.equal(_run(transformer, x, kw), want)  # unpatched: the weights as the change left them
+    for a in transformer.modules():  # and each in storage of its own, whatever became of the others
+        for p in (a.parameters(recurse=False) if isinstance(a, nn.Linear) else ()):
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
 
 
 def test_a_dtype_change_while_patched_falls_back_and_unpatches_as_changed(transformer, reference):  # noqa: F811
@@ -136,3 +156,8 @@ def test_only_the_parameters_hold_the_shared_storage_and_gradients_take_separate
             assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is None
             attn.requires_grad_(False)
             assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
+
+
+def test_the_fp8_tier_fuses_nothing(transformer):  # noqa: F811
+    with sd_kernels.patched(transformer, cuda_graph=False, precision="fp8") as record:
+        assert record.counts["flux_attention_processor"] == 4 and "qkv_fusion" not in record.counts
