@@ -364,7 +364,9 @@ def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
     """``torch.cat([text, image], dim=1)``; where the two lie back to back in one storage as the halves of
     a contiguous [B, T + S, D] tensor (what the previous single block returned), that tensor as a view,
     uncopied (read from the storage, not from ``_base``, which views of inference tensors lack)."""
-    if (not torch.compiler.is_compiling() and type(text) is type(image) is torch.Tensor  # traced: a cat
+    # traced: a cat; tracked by autograd: a cat too (as_strided would pass gradients to text's rows only)
+    grad = torch.is_grad_enabled() and (text.requires_grad or image.requires_grad)
+    if (not torch.compiler.is_compiling() and not grad and type(text) is type(image) is torch.Tensor
             and text.dim() == image.dim() == 3 and text.dtype == image.dtype):
         (b, t, d), total = text.shape, text.shape[1] + image.shape[1]
         strides = (total * d, d, 1)

@@ -15,7 +15,8 @@ call back to the three separate projections; an in-place update through the view
 ``copy_``) is an update of the buffer, which the fused GEMM reads. Nothing but the Parameters holds the
 buffer (the fused operands are views made at each call), so weights moved or offloaded free it; and a
 call that wants gradients for them takes the separate projections (autograd would not reach the
-Parameters through those views).
+Parameters through those views): fusion serves calls under ``torch.no_grad`` or inference mode, as
+diffusers' pipelines make them.
 
 Installed by the attention patcher on every FluxAttention it gives our processor, for the image stream
 (``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), in the
@@ -28,9 +29,12 @@ and drops the buffer, block by block.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .record import PatchRecord
 
@@ -82,18 +86,20 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
                 or t.storage_offset() != start + i * size or t.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
     shape = (3 * first.shape[0], *first.shape[1:])
-    return first.new_empty(0).set_(storage, start, shape, first.stride())  # contiguous rows: the same strides
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous (is_contiguous skips size-1 dims)
+    return first.new_empty(0).set_(storage, start, shape, strides)
 
 
 class FusedProjections:
     """Three Linears whose weights (and biases) are consecutive rows of one storage; called, one GEMM on
     it for all three. Only their Parameters hold that storage: weights moved, offloaded or dropped take
-    it with them (nothing here keeps a copy alive; ``storages`` are addresses, to find it at unpatch)."""
+    it with them (nothing here keeps a copy alive; ``storages`` are weak references, to find it at unpatch).
+    Made and released outside inference mode, whatever the caller's: the Parameters stay normal tensors."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = tuple(linears)
         rows = linears[0].out_features
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():
             weight = torch.cat([m.weight.detach() for m in linears])
             bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
             for i, m in enumerate(linears):
@@ -101,18 +107,18 @@ class FusedProjections:
                 if bias is not None:
                     m.bias.data = bias[i * rows:(i + 1) * rows]
         self.has_bias = bias is not None
-        self.storages = {t.untyped_storage().data_ptr() for t in (weight, bias) if t is not None}
+        self.storages = [StorageWeakRef(t.untyped_storage()) for t in (weight, bias) if t is not None]
 
     def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, bias) of the fused GEMM while ``module`` still holds these Linears, unhooked, their
-        weights (and biases) still laid out as one, and no gradient is wanted for them (the fused operands
-        are views autograd does not trace to the Parameters); None otherwise."""
-        for linear, name in zip(self.linears, names):
-            if module._modules.get(name) is not linear or _hooked(linear):
-                return None
-        params = [p for m in self.linears for p in (m.weight, m.bias) if p is not None]
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        """(weight, bias) of the fused GEMM while ``module`` still holds these Linears, exactly ``nn.Linear``,
+        unhooked, their weights (and biases) still laid out as one, outside autograd (the fused operands are
+        views it would not trace to the Parameters, nor run a projection's backward hooks for); None
+        otherwise."""
+        if torch.is_grad_enabled():
             return None
+        for linear, name in zip(self.linears, names):
+            if module._modules.get(name) is not linear or type(linear) is not nn.Linear or _hooked(linear):
+                return None
         weight = _stacked([m.weight for m in self.linears])
         if weight is None or tuple(m.bias is None for m in self.linears) != (not self.has_bias,) * 3:
             return None
@@ -122,12 +128,14 @@ class FusedProjections:
         return None if bias is None else (weight, bias)
 
     def release(self) -> None:
-        """Each Parameter still in the storage laid out at the patch gets storage of its own (the same
-        values), whatever became of the others (one assigned anew leaves two in it)."""
-        with torch.no_grad():
+        """Each Parameter of the Linears (theirs, and any a parametrization added) still in the storage laid
+        out at the patch gets storage of its own (the same values), whatever became of the others (one
+        assigned anew leaves two in it)."""
+        live = [ref for ref in self.storages if not ref.expired()]
+        with torch.inference_mode(False), torch.no_grad():
             for m in self.linears:
-                for t in (m.weight, m.bias):
-                    if _plain(t) and t.untyped_storage().data_ptr() in self.storages:
+                for t in m.parameters():
+                    if _plain(t) and StorageWeakRef(t.untyped_storage()) in live:
                         t.data = t.data.clone()
 
 

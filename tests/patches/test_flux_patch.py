@@ -117,7 +117,8 @@ def test_patch_and_unpatch_restore_exactly(transformer):
     for a in _attentions(transformer):  # the projections' weights are rows of one buffer: no second copy
         for attr, names in qkv_fusion.STREAMS[:2 if a.added_kv_proj_dim else 1]:
             assert len({getattr(a, n).weight.untyped_storage().data_ptr() for n in names}) == 1
-            weight, _ = getattr(a.processor, attr).operands(a, names)
+            with torch.no_grad():
+                weight, _ = getattr(a.processor, attr).operands(a, names)
             assert weight.data_ptr() == getattr(a, names[0]).weight.data_ptr() and weight.shape[0] == 3 * a.inner_dim
     assert all(isinstance(a.processor, SDKernelsFluxAttnProcessor) for a in _attentions(transformer))
     assert all(isinstance(vars(b)["forward"], FluxBlockForward) for b in transformer.transformer_blocks)
@@ -224,12 +225,18 @@ def test_single_blocks_join_their_streams_without_a_copy(transformer, monkeypatc
     monkeypatch.setattr(layer_norm, "_joined", lambda t, i: joins.append(
         (out := joined(t, i)).untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) or out)
     x, kw = _inputs(transformer)
-    stock = _run(transformer, x, kw)
+    stock, stock_model = _run(transformer, x, kw), copy.deepcopy(transformer)
     with sd_kernels.patched(transformer, cuda_graph=False):
         assert torch.equal(_run(transformer, x, kw), stock)
         with torch.inference_mode():  # views of inference tensors have no _base: found from the storage
             assert torch.equal(transformer(x, **kw, return_dict=False)[0], stock)
-    assert joins == [False, True] * 2  # the double blocks' streams are two tensors; then one, uncopied
+        grads = []
+        for model in (transformer, stock_model):  # tracked by autograd, a cat: every row gets its gradient
+            latents = x.clone().requires_grad_(True)
+            model(latents, **kw, return_dict=False)[0].square().sum().backward()
+            grads.append(latents.grad)
+        assert torch.equal(*grads)
+    assert joins == [False, True] * 2 + [False, False]  # the double blocks' streams are two tensors; then one
 
 
 def test_fused_projections_are_served(transformer, monkeypatch):

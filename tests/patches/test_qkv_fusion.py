@@ -78,7 +78,8 @@ def test_a_projection_changed_while_patched_is_computed_as_changed(transformer, 
         want = _run(stock, x, kw)
         assert torch.equal(_run(transformer, x, kw), want)
         attn = transformer.transformer_blocks[0].attn
-        served = attn.processor.qkv.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
+        with torch.no_grad():
+            served = attn.processor.qkv.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
         assert served is (how in ("in place", "data assigned"))  # the image stream's; "data assigned" is the text's
     assert torch.equal(_run(transformer, x, kw), want)  # unpatched: the weights as the change left them
     for a in transformer.modules():  # and each in storage of its own, whatever became of the others
@@ -151,11 +152,26 @@ def test_only_the_parameters_hold_the_shared_storage_and_gradients_take_separate
         assert not any(isinstance(v, torch.Tensor) for v in vars(fused).values())
         with torch.no_grad():
             assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
-        with torch.enable_grad():
-            attn.requires_grad_(True)
+        with torch.enable_grad():  # with or without Parameters that want gradients: an input may
             assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is None
-            attn.requires_grad_(False)
+        with torch.inference_mode():
             assert fused.operands(attn, qkv_fusion.STREAMS[0][1]) is not None
+
+
+def test_a_patch_under_inference_mode_leaves_normal_parameters(transformer):  # noqa: F811
+    """Patched and unpatched inside inference mode (as benchmarks do), the re-laid Parameters stay normal
+    tensors: autograd can use the model afterwards."""
+    with torch.inference_mode():
+        record = sd_kernels.patch(transformer, cuda_graph=False)
+        assert record.counts["qkv_fusion"] == 6
+    assert not any(p.is_inference() for p in transformer.parameters())
+    with torch.inference_mode():
+        sd_kernels.unpatch(transformer)
+    assert not any(p.is_inference() for p in transformer.parameters())
+    x, kw = _inputs(transformer)
+    x.requires_grad_(True)  # the backward to the latents saves the weights: inference tensors would refuse
+    transformer(x, **kw, return_dict=False)[0].sum().backward()
+    assert x.grad is not None
 
 
 def test_the_fp8_tier_fuses_nothing(transformer):  # noqa: F811
