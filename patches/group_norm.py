@@ -97,7 +97,7 @@ def _folds_into_norm2(block: nn.Module, temb: torch.Tensor | None) -> bool:
     conv = block.conv1
     return (block.time_embedding_norm == "default" and temb is not None and block.time_emb_proj is not None
             and isinstance(block.norm2, FusedGroupNorm) and type(conv) is nn.Conv2d and conv.bias is not None
-            and not (conv._forward_hooks or conv._forward_pre_hooks or _global_hooks()) and not _reference_backend())
+            and not (conv._forward_hooks or conv._forward_pre_hooks or global_hooks()) and not _reference_backend())
 
 
 @torch.compiler.assume_constant_result
@@ -107,7 +107,8 @@ def _reference_backend() -> bool:
     return backend() == "reference"
 
 
-def _global_hooks() -> bool:
+def global_hooks() -> bool:
+    """Whether forward (pre-)hooks registered for every module are set: any module's call runs them."""
     from torch.nn.modules import module
 
     return bool(module._global_forward_hooks or module._global_forward_pre_hooks)

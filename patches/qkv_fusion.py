@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .group_norm import global_hooks
 from .record import PatchRecord
 
 KIND = "qkv_fusion"
@@ -47,8 +48,7 @@ def _hooked(m: nn.Module) -> bool:
     diffusers' hook registry, accelerate's hook, a ``forward`` set on the instance. The fused GEMM would
     skip them."""
     return bool(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) or hasattr(m, "_diffusers_hook")
-                or hasattr(m, "_hf_hook") or nn.modules.module._global_forward_hooks
-                or nn.modules.module._global_forward_pre_hooks)
+                or hasattr(m, "_hf_hook") or global_hooks())
 
 
 def _plain(t: torch.Tensor | None) -> bool:

@@ -17,7 +17,6 @@ Attention's and the partial softmax's keys are not covered here.
 
 import importlib
 import json
-import os
 
 import pytest
 import torch
@@ -39,12 +38,8 @@ def _table(device: str, launcher) -> set[str]:
     A device with no table of its own for the kernel takes the keys of the first table of another GPU of
     its architecture, as the nearest-key rule does at run time (autotune_cache.shipped_device_dirs: a
     key that table holds is its own nearest key, so nothing is timed)."""
-    root = autotune_cache.SHIPPED_ROOT / "hopper"
-    arch = device.rpartition("-")[2]
-    siblings = sorted((d.name for d in root.iterdir() if d.name != device and d.name.endswith(arch)),
-                      key=lambda name: (-len(os.path.commonprefix([name, device])), name))  # as the runtime orders
-    for folder in [device, *siblings]:
-        paths = sorted((root / folder).glob(f"triton-*/{launcher.name}.json"))
+    for folder in autotune_cache.device_dirs(autotune_cache.SHIPPED_ROOT / "hopper", device):
+        paths = sorted(folder.glob(f"triton-*/{launcher.name}.json"))
         if paths:
             return set.intersection(*(set(json.loads(p.read_text())["entries"]) for p in paths))
     raise AssertionError(f"no shipped {launcher.name} table for {device} or another GPU of its architecture")

@@ -163,7 +163,12 @@ def shipped_device_dirs(device: torch.device | None, profile: Any = None) -> lis
         from sd_kernels.profiles import active_profile
 
         profile = active_profile()
-    slug, base = device_slug(device), SHIPPED_ROOT / profile.name
+    return device_dirs(SHIPPED_ROOT / profile.name, device_slug(device))
+
+
+def device_dirs(base: pathlib.Path, slug: str) -> list[pathlib.Path]:
+    """``base``'s folder for the GPU named ``slug``, then those of other GPUs of its architecture (the
+    slug's ``-smXY``), the most similar name first."""
     arch = slug.rpartition("-")[2]
     others = sorted((p for p in (base.iterdir() if base.is_dir() else ()) if p.is_dir() and p.name != slug
                      and p.name.rpartition("-")[2] == arch), key=lambda p: (-_common_prefix(p.name, slug), p.name))
