@@ -22,10 +22,11 @@ over the precompiles, under ``SD_KERNELS_COMPILE_PROCESSES``), ``capture_s`` (CU
 its warm-up calls, less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by
 Triton's autotuner and the seconds, compilations left out: keys no table holds under
 ``SD_KERNELS_AUTOTUNE=1``), ``ruled`` (keys that took the nearest tuned key's choice:
-sd_kernels/runtime/tuning_rule.py), ``late_compiles`` (kernels compiled outside the precompile pool, by
-name), ``compiled`` (every kernel compiled, by name), and the environment. ``--specs`` also writes
-``DIR/specs.jsonl``: each compilation's kernel, constants, attributes and options, per shape (what a new
-size compiled, and why). FLUX runs in bf16, the others in fp16.
+sd_kernels/runtime/tuning_rule.py), ``tied`` (keys that took a config compiled already, which timed
+within 2% of their choice at tuning: ``Launcher._compiled_tie``), ``late_compiles`` (kernels compiled
+outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name), and the
+environment. ``--specs`` also writes ``DIR/specs.jsonl``: each compilation's kernel, constants,
+attributes and options, per shape (what a new size compiled, and why). FLUX runs in bf16, the others in fp16.
 "shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
 architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """
@@ -47,7 +48,7 @@ import time
 FIELDS = ["model", "shape", "order", "shipped", "precompile", "autotune", "status", "build_s", "first_s", "compiles",
           "compile_s", "precompiled", "precompile_s", "capture_s", "tunings", "tuning_s", "ruled", "late_compiles",
           "compiled", "warm_ms", "cuda_graph", "device", "torch", "triton", "diffusers", "date",
-          "dry_s", "processes"]  # columns added since: last, so rows appended to an older cold.csv stay aligned
+          "dry_s", "processes", "tied"]  # columns added since: last, so rows appended to an older cold.csv stay aligned
 
 
 class Stopwatch:
@@ -166,7 +167,8 @@ def child(model: str, shapes: list[tuple[int, int, int]], steps: int) -> list[di
                 "precompile_s": sum(r.dry_s + r.compile_s for r in done),
                 "dry_s": sum(r.dry_s for r in done),
                 "processes": sum(getattr(r, "processes", 0) for r in done),
-                "ruled": sum(len(k.ruled) for k in kernels.values())}
+                "ruled": sum(len(k.ruled) for k in kernels.values()),
+                "tied": sum(len(k.tied) for k in kernels.values())}
 
     t = time.perf_counter()
     base = model.removesuffix(CONTROLNET)
@@ -246,7 +248,8 @@ def say(row: dict) -> str:
     return head + (f"{build}first image {row['first_s']} s ({row['compiles']} Triton compiles, {row['compile_s']} s; "
                    f"{row['precompiled']} ahead in {row['precompile_s']} s (dry run {row.get('dry_s', '?')} s); "
                    f"capture {row['capture_s']} s; "
-                   f"{row['tunings']} configs timed, {row['tuning_s']} s; {row['ruled']} keys by rule), "
+                   f"{row['tunings']} configs timed, {row['tuning_s']} s; {row['ruled']} keys by rule, "
+                   f"{row.get('tied', 0)} by a compiled tie), "
                    f"warm {row['warm_ms']} ms; compiled {row.get('compiled') or 'nothing'}")
 
 

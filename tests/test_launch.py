@@ -220,6 +220,23 @@ def test_hooks_pre_run_hooks_and_knobs_take_run(fake, monkeypatch):
     assert len(jit.launches) == 8
 
 
+def test_it_tells_whether_a_call_would_launch_a_kernel_it_launched(fake):
+    """DirectPath.compiled: the call's specialization and options (Triton's binder) among the kernels
+    the path launched; nothing before any; a misaligned view, another constexpr or other options not."""
+    jit, launch = fake
+    storage = torch.randn(65)
+    x, misaligned = storage[:64], storage[1:]
+    assert not launch.direct.compiled({"BLOCK": 32}, (x, 64, 2.0), {})
+    for _ in range(2):
+        launch("key", _grid, x, 64, 2.0)
+    assert launch.direct.compiled({"BLOCK": 32}, (x, 64, 2.0), {})
+    assert launch.direct.compiled({"BLOCK": 32}, (storage[16:], 48, 5.0), {})  # aligned, n % 16 == 0: the same
+    assert not launch.direct.compiled({"BLOCK": 16}, (x, 64, 2.0), {})
+    assert not launch.direct.compiled({"BLOCK": 32}, (misaligned, 64, 2.0), {})
+    assert not launch.direct.compiled({"BLOCK": 32, "num_warps": 2}, (x, 64, 2.0), {})
+    assert not launch.direct.compiled({"BLOCK": 32}, (x,), {})  # the binder refuses: cannot tell
+
+
 def test_switched_off(fake, monkeypatch):
     jit, launch = fake
     monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
@@ -413,13 +430,15 @@ def tuning(monkeypatch, tmp_path):
     monkeypatch.setattr(cache_mod, "SHIPPED_ROOT", tmp_path / "shipped")  # the package's own tables stay out
     benched = []
 
+    times = {32: 1.0, 16: 2.0}
+
     def bench(*args, config, **meta):
         benched.append(config.kwargs["BLOCK"])
-        return [1.0 if config.kwargs["BLOCK"] == 32 else 2.0] * 3
+        return [times[config.kwargs["BLOCK"]]] * 3
 
     monkeypatch.setattr(_tuned_kernel, "_bench", bench)
     monkeypatch.setattr(_tuned_kernel, "cache", {})
-    return SimpleNamespace(dir=tmp_path, benched=benched)
+    return SimpleNamespace(dir=tmp_path, benched=benched, times=times)
 
 
 def _run(launcher, n, device, key=None):
@@ -460,6 +479,27 @@ def test_a_tuned_choice_is_reused_by_the_next_process(tuning, device, monkeypatc
     monkeypatch.setattr(Launcher, "_first", _no_autotuner)  # a memo hit does nothing more than before
     _run(second, 48, device)
     assert tuning.benched == [16, 32, 16, 32]
+
+
+@pytest.mark.parametrize("slower, tied", [(1.0199, True), (1.0201, False)])
+def test_a_config_timed_within_the_tie_of_the_best_is_kept_beside_it(tuning, device, slower, tied):
+    """The file keeps, per key, the configs that timed within TIE (2%) of its choice, fastest first;
+    another process reads them (CacheFile.ties), and the key's next tuning replaces them."""
+    tuning.times[16] = slower
+    _run(Launcher(_tuned_kernel), 48, device)
+    data = json.loads(_cache_file(device).read_text())
+    config, other = (c.all_kwargs() for c in reversed(_tuned_kernel.configs))
+    assert data["entries"] == {repr(("scale", 48)): config}
+    assert data["ties"] == ({repr(("scale", 48)): [other]} if tied else {})
+    fresh = Launcher(_tuned_kernel)
+    _run(fresh, 48, device)
+    assert fresh.cache.ties(repr(("scale", 48))) == ([other] if tied else [])
+    tuning.times[16] = 3.0  # tuned again (the autotuner's own memory emptied): no tie now
+    _tuned_kernel.cache.clear()
+    fresh.cache.entries.clear()
+    fresh.memo.clear()
+    _run(fresh, 48, device)
+    assert json.loads(_cache_file(device).read_text())["ties"] == {}
 
 
 def test_a_dry_run_leaves_a_key_without_a_tuned_choice_to_the_real_call(tuning, device, monkeypatch):

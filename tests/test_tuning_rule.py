@@ -60,12 +60,13 @@ def rule(monkeypatch, tmp_path):
     return tmp_path
 
 
-def _ship(root, slug, entries, version=None, fingerprint=None):
+def _ship(root, slug, entries, version=None, fingerprint=None, ties=None):
     folder = root / "cpu" / slug / f"triton-{version or cache_mod.TRITON_VERSION}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{Launcher(_kernel).name}.json"
     path.write_text(json.dumps({"format": cache_mod.CACHE_FORMAT, "fingerprint": fingerprint or
-                                Launcher(_kernel).fingerprint, "entries": {repr(k): v for k, v in entries.items()}}))
+                                Launcher(_kernel).fingerprint, "entries": {repr(k): v for k, v in entries.items()},
+                                **({} if ties is None else {"ties": {repr(k): v for k, v in ties.items()}})}))
     return path
 
 
@@ -207,3 +208,57 @@ def test_the_environment_names_the_mode(value, mode):
 def test_an_unknown_mode_is_refused_naming_the_variable():
     with pytest.raises(ValueError, match="SD_KERNELS_AUTOTUNE='sometimes'"):
         cache_mod._mode("sometimes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ties: a config that timed within 2% of a key's choice serves it where it is compiled and the choice is not
+
+
+def _compiled(launcher, monkeypatch, blocks):
+    """The launcher's direct path faked to say which BLOCKs are compiled (the interpreter compiles
+    nothing: DirectPath.compiled is tested against a fake JIT in tests/test_launch.py)."""
+    seen = []
+
+    def compiled(meta, args, kwargs):
+        seen.append(meta["BLOCK"])
+        return meta["BLOCK"] in blocks
+
+    monkeypatch.setattr(launcher.direct, "compiled", compiled)
+    return seen
+
+
+def test_a_compiled_tie_serves_a_tabled_or_ruled_key_whose_choice_is_not_compiled(rule, device, monkeypatch):
+    _ship(rule, "gpu-a-sm90", {("scale", 1000): ENTRY[64], ("scale", 48): ENTRY[16]},
+          ties={("scale", 1000): [ENTRY[16], ENTRY[32]]})
+    launcher = Launcher(_kernel)
+    seen = _compiled(launcher, monkeypatch, {32})
+    assert _run(launcher, 1000, device) == 32  # tabled 64, not compiled; ties 16 (not compiled), then 32
+    assert seen == [64, 16, 32] and launcher.tied == {("scale", 1000): ENTRY[32]}
+    assert _run(launcher, 900, device) == 32 and launcher.ruled == {("scale", 900): repr(("scale", 1000))}
+    assert _run(launcher, 50, device) == 16  # the nearest key (48) has no ties: its choice
+    assert set(launcher.tied) == {("scale", 1000), ("scale", 900)}
+
+
+def test_a_compiled_choice_or_no_compiled_tie_keeps_the_choice(rule, device, monkeypatch):
+    _ship(rule, "gpu-a-sm90", {("scale", 1000): ENTRY[64]}, ties={("scale", 1000): [ENTRY[32]]})
+    launcher = Launcher(_kernel)
+    seen = _compiled(launcher, monkeypatch, {64, 32})
+    assert _run(launcher, 1000, device) == 64 and seen == [64]  # the choice is compiled: nothing else asked
+    other = Launcher(_kernel)
+    _compiled(other, monkeypatch, {16})
+    assert _run(other, 1000, device) == 64 and other.tied == {}
+
+
+def test_a_tie_the_kernel_prunes_for_the_call_or_does_not_have_is_never_taken(rule, device, monkeypatch):
+    path = _ship(rule, "gpu-a-sm90", {("scale", 40): ENTRY[16]}, ties={("scale", 40): [ENTRY[64], {"BLOCK": 8}]})
+    launcher = Launcher(_kernel)
+    _compiled(launcher, monkeypatch, {64, 8})
+    assert _run(launcher, 40, device) == 16  # 64 is wider than 40: pruned for this call
+    assert launcher.cache.ties(repr(("scale", 40))) == [ENTRY[64]]  # BLOCK 8 is no config of the kernel: dropped
+    data = json.loads(path.read_text())
+    data["ties"] = ["not a mapping"]
+    path.write_text(json.dumps(data))
+    fresh = Launcher(_kernel)
+    _compiled(fresh, monkeypatch, {32})
+    assert _run(fresh, 40, device) == 32  # a malformed file serves nothing: the rule's first config for n=40
+    assert fresh.cache.shipped == {} and fresh.tied == {}

@@ -82,6 +82,9 @@ CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
 SHIPPED_ENV = "SD_KERNELS_SHIPPED_TUNING"
 SHIPPED_ROOT = pathlib.Path(__file__).resolve().parents[1] / "tuning"
 CACHE_FORMAT = 1
+# A config that timed within this fraction of a key's best at tuning is kept beside it, as a tie: a
+# later key whose choice is not compiled yet takes a compiled tie instead (launch.Launcher).
+TIE = 0.02
 TRITON_VERSION = triton.__version__
 _warned: set[str] = set()  # cache paths already logged as unusable
 
@@ -204,36 +207,41 @@ class CacheFile:
     def __init__(self, path: pathlib.Path | None, launcher: Any, shipped_dirs: list[pathlib.Path] = ()) -> None:
         self.path, self.launcher, self.shipped_dirs = path, launcher, list(shipped_dirs)
         self.writable = path is not None
-        self.entries: dict[str, dict[str, Any]] = self._read(path, warn=True) if path is not None else {}
-        self.shipped_path, self.shipped = (self._shipped(self.shipped_dirs[0], warn=True) if self.shipped_dirs
-                                           else (None, {}))
+        self.entries, self.entry_ties = self._read(path, warn=True) if path is not None else ({}, {})
+        self.shipped_path, (self.shipped, self.shipped_ties) = (self._shipped(self.shipped_dirs[0], warn=True)
+                                                                if self.shipped_dirs else (None, ({}, {})))
         self._neighbours: list[Neighbours] | None = None  # the shipped tables'
         self._mine: tuple[int, list[Neighbours]] | None = None  # with the user's entries: (their count, tables)
 
-    def _read(self, path: pathlib.Path, warn: bool, stale: list | None = None) -> dict[str, dict[str, Any]]:
+    def _read(self, path: pathlib.Path, warn: bool, stale: list | None = None) -> tuple[dict, dict]:
+        """(entries, ties) of the file at ``path``: ``repr(key) -> config`` and ``repr(key) -> [config, ...]``
+        (the configs that timed within TIE of the entry's, fastest first), each config one the kernel has."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             if warn:
                 _warn_once(path, f"is unreadable ({type(exc).__name__}: {exc})")
-            return {}
-        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            return {}, {}
+        if (not isinstance(data, dict) or not isinstance(data.get("entries"), dict)
+                or not isinstance(data.get("ties", {}), dict)):
             if warn:
                 _warn_once(path, "is not an autotune cache file")
-            return {}
+            return {}, {}
         if data.get("format") != CACHE_FORMAT or data.get("fingerprint") != self.launcher.fingerprint:
             if stale is not None:  # a user's file is simply rewritten; a shipped one says why it is not used
                 stale.append(path)
-            return {}  # another version of the kernel or of this format: tuned again, then rewritten
+            return {}, {}  # another version of the kernel or of this format: tuned again, then rewritten
         entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
         if warn and len(entries) < len(data["entries"]):
             _warn_once(path, f"has {len(data['entries']) - len(entries)} entries that match no config")
-        return entries
+        ties = {k: [c for c in v if self.launcher.valid_entry(c)] for k, v in data.get("ties", {}).items()
+                if k in entries and isinstance(v, list)}
+        return entries, {k: v for k, v in ties.items() if v}
 
-    def _shipped(self, device_dir: pathlib.Path, warn: bool) -> tuple[pathlib.Path | None, dict[str, dict[str, Any]]]:
-        """(the file, its entries) of the table in ``device_dir`` made for the kernel's current source:
+    def _shipped(self, device_dir: pathlib.Path, warn: bool) -> tuple[pathlib.Path | None, tuple[dict, dict]]:
+        """(the file, its (entries, ties)) of the table in ``device_dir`` made for the kernel's current source:
         the installed Triton's version first, then the newest other version's (a table names configs
         and keys, which mean the same under any Triton that compiles the kernel)."""
         own = f"triton-{TRITON_VERSION}"
@@ -241,23 +249,28 @@ class CacheFile:
                        key=lambda f: (f.parent.name != own, [-v for v in _version(f.parent)]))
         stale: list[pathlib.Path] = []
         for path in files:
-            entries = self._read(path, warn=warn, stale=stale)
+            entries, ties = self._read(path, warn=warn, stale=stale)
             if entries:
-                return path, entries
+                return path, (entries, ties)
         if stale and warn:
             _warn_once(stale[0], "was tuned for another version of the kernel (regenerate: python -m bench.tune)")
-        return None, {}
+        return None, ({}, {})
 
     def get(self, key: Hashable) -> dict[str, Any] | None:
         name = repr(key)
         return self.entries.get(name) or self.shipped.get(name)
+
+    def ties(self, name: str) -> list[dict[str, Any]]:
+        """The configs that timed within TIE of the choice for the key ``name`` (a key's repr), fastest
+        first, from the file that holds the choice; [] where it holds none or was tuned without them."""
+        return self.entry_ties.get(name, []) if name in self.entries else self.shipped_ties.get(name, [])
 
     def neighbours(self, mine: bool = True) -> list[Neighbours]:
         """The tables the nearest-key rule searches, in order: this device's (the user's choices, unless
         ``mine`` is False, and the shipped ones), then each other folder's shipped table (read on first
         use)."""
         if self._neighbours is None:
-            others = [self._shipped(d, warn=False)[1] for d in self.shipped_dirs[1:]]
+            others = [self._shipped(d, warn=False)[1][0] for d in self.shipped_dirs[1:]]
             self._neighbours = [Neighbours(t) for t in [self.shipped, *others] if t]
         if not mine or not self.entries:
             return self._neighbours
@@ -275,15 +288,20 @@ class CacheFile:
             return f"no table for this GPU: nearest keys of {others[0].relative_to(SHIPPED_ROOT)}"
         return "no table for this GPU class: each kernel's first config for the call"
 
-    def put(self, key: Hashable, config: dict[str, Any]) -> None:
+    def put(self, key: Hashable, config: dict[str, Any], ties: list[dict[str, Any]] = ()) -> None:
+        """Keep ``config`` for ``key`` (and ``ties``: the configs that timed within TIE of it, fastest
+        first) in the user's file."""
         name = repr(key)
         if (not self.writable or " at 0x" in name or len(self.entries) >= MAX_KEYS
-                or not all(_scalar(v) for v in config.values())):
+                or not all(_scalar(v) for c in (config, *ties) for v in c.values())):
             return  # a key whose repr names an address would never match again; a value JSON changes
         self.entries[name] = dict(config)
-        merged = {**self._read(self.path, warn=False), **self.entries}  # keep what another process wrote meanwhile
+        self.entry_ties[name] = [dict(c) for c in ties]
+        entries, ties_read = self._read(self.path, warn=False)  # keep what another process wrote meanwhile
+        merged = {**entries, **self.entries}
+        merged_ties = {k: self.entry_ties.get(k) if k in self.entries else ties_read.get(k) for k in merged}
         data = {"format": CACHE_FORMAT, "kernel": self.launcher.name, "fingerprint": self.launcher.fingerprint,
-                "triton": TRITON_VERSION, "entries": merged}
+                "triton": TRITON_VERSION, "entries": merged, "ties": {k: v for k, v in merged_ties.items() if v}}
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,25 @@ class DirectPath:
     def __init__(self, jit: Any) -> None:
         self.jit = jit
         self.table: dict[Hashable, tuple] | None = {}
+        self.kernels: set[tuple] = set()  # (device, specialization, options) of every kernel in ``table``
         self._runtime: tuple | None = None  # (triton's driver, knobs.runtime, knobs.compilation)
+
+    def compiled(self, meta: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether a call on ``args`` with the meta-parameters ``meta`` would launch a kernel this path
+        already launched (the same device, specialization and options: no compilation); False where the
+        path is off or cannot tell. Triton's binder runs once (native code, microseconds)."""
+        runtime = self._runtime or self._set_up()
+        if runtime is None or self.table is None or not self.kernels:
+            return False
+        device = runtime[0].active.get_current_device()
+        caches = self.jit.device_caches.get(device)
+        if caches is None or len(caches) != 5:
+            return False
+        try:
+            _, specialization, options = caches[4](*args, **kwargs, **meta)
+            return (device, tuple(specialization), repr(options)) in self.kernels
+        except Exception:  # arguments the binder refuses, unhashable options: cannot tell
+            return False
 
     def launch(self, key: Hashable, meta: dict[str, Any], grid: Callable | tuple, args: tuple,
                kwargs: dict[str, Any]) -> bool:
@@ -127,7 +145,9 @@ class DirectPath:
             return
         if len(table) >= MAX_KEYS:
             table.clear()
+            self.kernels.clear()
         table[direct_key] = entry
+        self.kernels.add((direct_key[1], direct_key[2], repr(options)))
 
     def turn_off(self, why: object) -> None:
         self.table = None

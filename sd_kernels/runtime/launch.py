@@ -35,6 +35,7 @@ from . import autotune_cache, tuning_rule
 from .autotune_cache import (
     AUTOTUNE,
     MAX_KEYS,
+    TIE,
     CacheFile,
     cache_dir,
     device_properties,
@@ -82,6 +83,7 @@ class Launcher:
         self.cache: CacheFile | None = None  # the file of the last miss's device and directory
         self.tuned_any = False  # whether a key was autotuned in this process (logged the first time)
         self.ruled: dict[Hashable, str] = {}  # key -> the tuned key whose choice the rule gave it (or why none)
+        self.tied: dict[Hashable, dict[str, Any]] = {}  # key -> the compiled tie it took (_compiled_tie)
         self.too_large: list[dict[str, Any]] = []  # configs this GPU lacked the resources for
         self._fingerprint: str | None = None
 
@@ -102,12 +104,14 @@ class Launcher:
         """A key not in the memo: its config from the cache file if it has one; else, by default, the
         nearest tuned key's (tuning_rule.py); else (SD_KERNELS_AUTOTUNE=1) from the autotuner."""
         cache = self._cache_file(args) if self.tunable else None
-        tuned = None if cache is None else cache.get(key)
+        tuned, source = (None, "") if cache is None else (cache.get(key), repr(key))
         if tuned is None and self.tunable and autotune_cache.MODE == "rule":
-            tuned = self._rule(key, args, kwargs, cache)
+            tuned, source = self._rule(key, args, kwargs, cache)
         if tuned is None and self.tunable and dry():  # tuning needs real launches: the real call tunes it
             return
         if tuned is not None:
+            if cache is not None and source:
+                tuned = self._compiled_tie(key, tuned, cache.ties(source), args, kwargs)
             meta = self._jit_launch(grid, args, kwargs, self._chosen(args, kwargs, tuned))
         else:
             if self.tunable and not self.tuned_any:  # once per kernel: a shape no table holds is timed now
@@ -115,11 +119,13 @@ class Launcher:
                 log.info("sd_kernels: autotuning %s for a shape no tuning table holds (key %s); the choice is "
                          "kept in the autotune cache", self.name, key)
             # a tuning launch runs outside a memory budget's cap and peak (memory.tuning): a one-time cost, cached
+            for layer in self._autotuners():
+                layer.configs_timings = None  # set again by a layer that times configs in this launch
             with TUNING() if self.tunable else contextlib.nullcontext():
                 self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
             if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):
-                cache.put(key, {k: v for k, v in meta.items() if k in self.config_names})
+                cache.put(key, {k: v for k, v in meta.items() if k in self.config_names}, self._timed_ties())
         if len(self.memo) >= MAX_KEYS:
             self.memo.clear()
         self.memo[key] = meta
@@ -145,10 +151,43 @@ class Launcher:
             self.cache = CacheFile(path, self, shipped)
         return self.cache
 
+    def _timed_ties(self) -> list[dict[str, Any]]:
+        """The configs the last launch's autotuner timed within TIE of its best, fastest first, as cache
+        entries ([] unless one autotuner timed them in that launch)."""
+        layers = self._autotuners()
+        timings = getattr(layers[0], "configs_timings", None) if len(layers) == 1 else None
+        if not timings:
+            return []
+        ms = {config: float(t[0] if isinstance(t, (list, tuple)) else t) for config, t in timings.items()}
+        best = min(ms.values())
+        close = sorted((t, i) for i, (config, t) in enumerate(ms.items())
+                       if config is not layers[0].best_config and t <= best * (1 + TIE))
+        configs = list(ms)
+        return [{k: v for k, v in configs[i].all_kwargs().items() if k in self.config_names} for _, i in close]
+
+    def _compiled_tie(self, key: Hashable, tuned: dict[str, Any], ties: list[dict[str, Any]], args: tuple,
+                      kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``tuned``, unless its kernel for this call is not compiled and one of ``ties`` (configs that
+        timed within TIE of it at tuning, fastest first) is, launched in this process for another key:
+        then that one, which saves a compilation at a new size for at most TIE of the kernel's time."""
+        if not ties or self.direct.compiled(self._chosen(args, kwargs, tuned), args, kwargs):
+            return tuned
+        allowed = self.allowed(args, kwargs)
+        for tie in ties:
+            option = tuning_rule.accepted(tie, allowed)
+            if option is not None and self.direct.compiled(self._chosen(args, kwargs, option), args, kwargs):
+                if not self.tied:
+                    log.info("sd_kernels: %s: %s takes %s, compiled already and timed within %.0f%% of the "
+                             "choice %s at tuning", self.name, key, option, TIE * 100, tuned)
+                if len(self.tied) < MAX_KEYS:
+                    self.tied[key] = option
+                return option
+        return tuned
+
     def _rule(self, key: Hashable, args: tuple, kwargs: dict[str, Any],
-              cache: CacheFile | None) -> dict[str, Any]:
-        """The config of the nearest tuned key the kernel accepts for this call, else its first config
-        for the call (tuning_rule.py); nothing is timed."""
+              cache: CacheFile | None) -> tuple[dict[str, Any], str]:
+        """(the config of the nearest tuned key the kernel accepts for this call, that key's repr), else
+        (its first config for the call, ""): tuning_rule.py; nothing is timed."""
         allowed = self.allowed(args, kwargs)
         found = tuning_rule.nearest(repr(key), cache.neighbours() if cache is not None else [], allowed)
         config, near = found if found is not None else (allowed[0], "")
@@ -158,7 +197,7 @@ class Launcher:
                      "the kernel's first config for the call (no tuned key of its kind)")
         if len(self.ruled) < MAX_KEYS:
             self.ruled[key] = near
-        return config
+        return config, near
 
     def allowed(self, args: tuple, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         """The configs the kernel's autotuners keep for a call on ``args`` (their own pruning), in their

@@ -69,7 +69,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(type(a[k]) is type(b[k]) and a[k] == b[k] for k in a)
 
 
-def _accepted(config: dict[str, Any], allowed: list[dict[str, Any]]) -> dict[str, Any] | None:
+def accepted(config: dict[str, Any], allowed: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The allowed config ``config`` names (the part of it each allowed config has), or None."""
     for option in allowed:
         if _same({k: v for k, v in config.items() if k in option}, option):
@@ -83,7 +83,7 @@ def nearest(text: str, tables: Iterable[Neighbours], allowed: list[dict[str, Any
     kernel accepts (``allowed``: its configs for this call, as cache entries); None if none has."""
     for table in tables:
         ranked = [(d, name, option) for d, name, config in table.ranked(text)
-                  if (option := _accepted(config, allowed)) is not None]
+                  if (option := accepted(config, allowed)) is not None]
         if not ranked:
             continue
         best = ranked[0][0]
