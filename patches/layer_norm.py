@@ -75,6 +75,7 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.ops.custom_ops import gated_residual_layer_norm, layer_norm_modulated
+from sd_kernels.ops.gelu import gelu_into
 from sd_kernels.profiles import scoped
 
 from .diffusers_sources import VERIFIED_WITH, is_verified
@@ -350,10 +351,18 @@ class FluxSingleBlockForward(_FluxForward):
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = _joined(encoder_hidden_states, hidden_states)
         norm_hidden_states, gate = _ada_norm_zero(block.norm, hidden_states, temb)
-        mlp_hidden_states = block.act_mlp(block.proj_mlp(norm_hidden_states))
+        # torch.cat([attn_output, act_mlp(proj_mlp(norm_hidden_states))], dim=2), the GELU written in its place
+        joined = _mlp_beside(block, norm_hidden_states)
         attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+        inner = block.attn.inner_dim
+        if not isinstance(joined, torch.Tensor):
+            joined = torch.cat([attn_output, joined[0]], dim=2)
+        elif attn_output.shape == (*joined.shape[:-1], inner):
+            joined[..., :inner].copy_(attn_output)
+        else:  # another attention output than the width planned for: stock's concatenation (and its errors)
+            joined = torch.cat([attn_output, joined[..., inner:]], dim=2)
         # the gated residual: the next block's norm follows (a fusion across blocks, not done)
-        projected = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+        projected = block.proj_out(joined)
         hidden_states = hidden_states + gate.unsqueeze(1) * projected
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
@@ -375,6 +384,24 @@ def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
                 and text.untyped_storage().data_ptr() == image.untyped_storage().data_ptr()):
             return text.as_strided((b, total, d), strides, text.storage_offset())
     return torch.cat([text, image], dim=1)
+
+
+def _mlp_beside(block: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor]:
+    """A [..., attention width + MLP width] buffer whose second part holds ``act_mlp(proj_mlp(x))``, our
+    GELU kernel writing it there (``ops.gelu_into``: rows at the buffer's stride, at full vector width;
+    torch's GELU into such a slice measured slower than the copy it saves), for the attention output to
+    be copied in front: stock's concatenation less one copy of its wider part. (The MLP's output,)
+    where ``act_mlp`` is not torch's GELU, the widths are not FLUX's or the call is traced (the caller
+    concatenates)."""
+    hidden = block.proj_mlp(x)
+    act = block.act_mlp
+    width = getattr(block.proj_out, "in_features", None)
+    if (type(act) is not nn.GELU or width != block.attn.inner_dim + hidden.shape[-1]
+            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and hidden.requires_grad)):
+        return (act(hidden),)
+    joined = hidden.new_empty(*hidden.shape[:-1], width)
+    gelu_into(hidden, joined[..., width - hidden.shape[-1]:], act.approximate)
+    return joined
 
 
 def _plain_ada_norm_zero(norm: nn.Module) -> bool:

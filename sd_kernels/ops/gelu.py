@@ -148,6 +148,29 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return _activation(x, approximate)
 
 
+def gelu_into(x: torch.Tensor, out: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``out.copy_(F.gelu(x, approximate))`` in one kernel, written in place: ``out`` of x's shape and
+    dtype, its last dim contiguous and its rows at any stride (a slice of a wider buffer, e.g. the input
+    of a projection that a concatenation would otherwise build). Returns ``out``."""
+    reference.check_gelu_approximation(approximate)
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"gelu_into: out {tuple(out.shape)} {out.dtype} on {out.device} must match x "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    try:
+        rows = out.view(-1, out.shape[-1]) if x.dim() else None
+    except RuntimeError:
+        rows = None
+    unsupported = tensor_reason(x) or (None if rows is not None and rows.stride(1) == 1 else
+                                       "out's rows are not one stride apart with a contiguous last dim")
+    if not use_kernel("gelu", x, out, unsupported=unsupported):
+        return out.copy_(reference.gelu(x, approximate))
+    if x.numel():
+        x2 = _as_rows(x)
+        _launch_elementwise(x2, rows, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), rows.stride(0),
+                            gated=False, act=approximate)
+    return out
+
+
 def reference_quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """diffusers' ApproximateGELU activation, as it computes it."""
     return x * torch.sigmoid(1.702 * x)

@@ -80,6 +80,33 @@ def test_gelu(shape, kind, dtype, approximate, device):
         assert ours.stride() == stock.stride()
 
 
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 5, 77), (1, 9, 24), (3, 40)])
+def test_gelu_into_a_slice_of_a_wider_buffer(shape, dtype, approximate, device):
+    """Written in place into the last columns of a wider buffer (a projection's input built without a
+    concatenation): the slice as stock computes it, within float64's tolerance; the columns before it
+    untouched; and into rows that are not one stride apart, the same result (through the reference)."""
+    x = _input(shape, dtype, device)
+    wide = torch.full((*shape[:-1], shape[-1] + 8), 7.0, dtype=dtype, device=device)
+    stock, ref = F.gelu(x, approximate=approximate), reference.gelu(x.double(), approximate)
+    out = gelu_mod.gelu_into(x, wide[..., 8:], approximate)
+    assert out.data_ptr() == wide[..., 8:].data_ptr()
+    assert_close_to_reference(wide[..., 8:], stock, ref)
+    assert (wide[..., :8] == 7).all()
+    if len(shape) == 3:  # batch rows and token rows at unrelated strides: no [rows, cols] view exists
+        gapped = torch.zeros(shape[1], shape[0], shape[-1] + 3, dtype=dtype, device=device).transpose(0, 1)[..., 3:]
+        gelu_mod.gelu_into(x, gapped, approximate)
+        assert_close_to_reference(gapped, stock, ref)
+
+
+def test_gelu_into_refuses_an_output_of_another_shape_or_dtype(device):
+    x = torch.zeros(2, 3, device=device)
+    for out in (torch.zeros(2, 4, device=device), torch.zeros(2, 3, device=device, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="must match x"):
+            gelu_mod.gelu_into(x, out)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -239,6 +239,24 @@ def test_single_blocks_join_their_streams_without_a_copy(transformer, monkeypatc
     assert joins == [False, True] * 2 + [False, False]  # the double blocks' streams are two tensors; then one
 
 
+def test_single_blocks_write_the_mlp_beside_the_attention_output(transformer, monkeypatch):
+    """The single blocks' MLP GELU is written into proj_out's input (``ops.gelu_into``), the attention
+    output copied in front: stock's concatenation's values, bits included (reference ops), without
+    building it; traced or tracked by autograd, the concatenation."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    layer_norm = importlib.import_module("sd_kernels.patches.layer_norm")
+    made, beside = [], layer_norm._mlp_beside
+    monkeypatch.setattr(layer_norm, "_mlp_beside", lambda b, x: made.append(isinstance(out := beside(b, x),
+                                                                                        torch.Tensor)) or out)
+    x, kw = _inputs(transformer)
+    stock = _run(transformer, x, kw)
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        assert torch.equal(_run(transformer, x, kw), stock)
+        latents = x.clone().requires_grad_(True)
+        transformer(latents, **kw, return_dict=False)[0].sum().backward()  # autograd: stock's cat
+    assert made == [True, True, False, False]
+
+
 def test_fused_projections_are_served(transformer, monkeypatch):
     """After ``transformer.fuse_qkv_projections()`` diffusers keeps FluxAttnProcessor and reads
     ``attn.fused_projections`` (to_qkv, and to_added_qkv for the text stream): ours too, with stock's
