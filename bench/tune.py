@@ -8,8 +8,8 @@ every shape the pipeline gives it, with an empty autotune cache and the shipped 
 every choice is tuned anew on this GPU. Then it merges the tuned files into
 ``DIR/<profile>/<device slug>/triton-<version>/`` (default DIR: the source tree's sd_kernels/tuning),
 replacing entries of the same key and dropping files made for another version of a kernel. Each key
-also keeps its ties: the configs that timed within 2% of its choice (``autotune_cache.TIE``), which a
-later size may take where they are compiled already and its own choice is not. Commit
+also keeps the time of every config timed for it, from which a later size takes a tie (a config within
+3% + 0.5 µs of the choice: ``autotune_cache.TIE``) where that is compiled already and the choice is not. Commit
 what it writes; tests/test_launch.py checks that the tables parse and match the kernels' sources.
 """
 
@@ -64,9 +64,9 @@ def merge(new: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
     if dest.exists():
         old = json.loads(dest.read_text())
         if old.get("fingerprint") == data["fingerprint"] and old.get("format") == data["format"]:
-            kept = {k: v for k, v in old.get("ties", {}).items() if k not in data["entries"]}  # retuned: its own
+            kept = {k: v for k, v in old.get("timings", {}).items() if k not in data["entries"]}  # retuned: its own
             data["entries"] = {**old["entries"], **data["entries"]}
-            data["ties"] = {**kept, **data.get("ties", {})}
+            data["timings"] = {**kept, **data.get("timings", {})}
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return dest

@@ -290,17 +290,17 @@ def test_memory_bench_reports_each_component_and_saves_after_each_variant(tmp_pa
 def test_tune_merges_into_tables_of_the_same_kernel_version(tmp_path):
     from bench import tune
 
-    def table(path, fingerprint, entries, ties=None):
+    def table(path, fingerprint, entries, timings=None):
         path.write_text(json.dumps({"format": 1, "fingerprint": fingerprint, "entries": entries,
-                                    **({} if ties is None else {"ties": ties})}))
+                                    **({} if timings is None else {"timings": timings})}))
         return path
 
     dest = table(tmp_path / "dest.json", "aaaa", {"k1": {"BLOCK": 16}, "k2": {"BLOCK": 16}},
-                 ties={"k1": [{"BLOCK": 8}], "k2": [{"BLOCK": 8}]})
-    tune.merge(table(tmp_path / "new.json", "aaaa", {"k2": {"BLOCK": 32}}, ties={}), dest)
+                 timings={"k1": [[{"BLOCK": 16}, 1.0]], "k2": [[{"BLOCK": 16}, 1.0]]})
+    tune.merge(table(tmp_path / "new.json", "aaaa", {"k2": {"BLOCK": 32}}, timings={}), dest)
     merged = json.loads(dest.read_text())
     assert merged["entries"] == {"k1": {"BLOCK": 16}, "k2": {"BLOCK": 32}}
-    assert merged["ties"] == {"k1": [{"BLOCK": 8}]}  # k2 was tuned again, without ties: its old ones go
+    assert merged["timings"] == {"k1": [[{"BLOCK": 16}, 1.0]]}  # k2 was tuned again, untimed: its old ones go
     tune.merge(table(tmp_path / "newer.json", "bbbb", {"k3": {"BLOCK": 64}}), dest)  # a new kernel version
     assert json.loads(dest.read_text()) == {"format": 1, "fingerprint": "bbbb", "entries": {"k3": {"BLOCK": 64}}}
 

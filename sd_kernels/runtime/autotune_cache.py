@@ -82,9 +82,9 @@ CACHE_ENV = "SD_KERNELS_AUTOTUNE_CACHE"
 SHIPPED_ENV = "SD_KERNELS_SHIPPED_TUNING"
 SHIPPED_ROOT = pathlib.Path(__file__).resolve().parents[1] / "tuning"
 CACHE_FORMAT = 1
-# A config that timed within this fraction of a key's best at tuning is kept beside it, as a tie: a
-# later key whose choice is not compiled yet takes a compiled tie instead (launch.Launcher).
-TIE = 0.02
+# Ties: a config that timed within TIE (relative) plus TIE_MS of a key's choice at tuning. A later key
+# whose choice would compile a new kernel takes a tie that is compiled already (launch.Launcher).
+TIE, TIE_MS = 0.03, 0.0005
 TRITON_VERSION = triton.__version__
 _warned: set[str] = set()  # cache paths already logged as unusable
 
@@ -193,6 +193,11 @@ def _warn_once(path: pathlib.Path, what: str) -> None:
         log.warning("sd_kernels: autotune cache %s %s; ignoring it (choices are tuned again)", path, what)
 
 
+def _ms(value: Any) -> bool:
+    """Whether ``value`` is a time a table may hold: a finite positive number."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def _scalar(value: Any) -> bool:
     """Whether a meta value survives JSON unchanged: bool, int, str, None or a finite float."""
     return (value is None or isinstance(value, (bool, int, str))
@@ -207,15 +212,15 @@ class CacheFile:
     def __init__(self, path: pathlib.Path | None, launcher: Any, shipped_dirs: list[pathlib.Path] = ()) -> None:
         self.path, self.launcher, self.shipped_dirs = path, launcher, list(shipped_dirs)
         self.writable = path is not None
-        self.entries, self.entry_ties = self._read(path, warn=True) if path is not None else ({}, {})
-        self.shipped_path, (self.shipped, self.shipped_ties) = (self._shipped(self.shipped_dirs[0], warn=True)
-                                                                if self.shipped_dirs else (None, ({}, {})))
+        self.entries, self.timings = self._read(path, warn=True) if path is not None else ({}, {})
+        self.shipped_path, (self.shipped, self.shipped_timings) = (self._shipped(self.shipped_dirs[0], warn=True)
+                                                                   if self.shipped_dirs else (None, ({}, {})))
         self._neighbours: list[Neighbours] | None = None  # the shipped tables'
         self._mine: tuple[int, list[Neighbours]] | None = None  # with the user's entries: (their count, tables)
 
     def _read(self, path: pathlib.Path, warn: bool, stale: list | None = None) -> tuple[dict, dict]:
-        """(entries, ties) of the file at ``path``: ``repr(key) -> config`` and ``repr(key) -> [config, ...]``
-        (the configs that timed within TIE of the entry's, fastest first), each config one the kernel has."""
+        """(entries, timings) of the file at ``path``: ``repr(key) -> config`` and ``repr(key) -> [[config,
+        ms], ...]`` (every config timed for the key at tuning), each config one the kernel has."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -225,7 +230,7 @@ class CacheFile:
                 _warn_once(path, f"is unreadable ({type(exc).__name__}: {exc})")
             return {}, {}
         if (not isinstance(data, dict) or not isinstance(data.get("entries"), dict)
-                or not isinstance(data.get("ties", {}), dict)):
+                or not isinstance(data.get("timings", {}), dict)):
             if warn:
                 _warn_once(path, "is not an autotune cache file")
             return {}, {}
@@ -236,12 +241,13 @@ class CacheFile:
         entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
         if warn and len(entries) < len(data["entries"]):
             _warn_once(path, f"has {len(data['entries']) - len(entries)} entries that match no config")
-        ties = {k: [c for c in v if self.launcher.valid_entry(c)] for k, v in data.get("ties", {}).items()
-                if k in entries and isinstance(v, list)}
-        return entries, {k: v for k, v in ties.items() if v}
+        timings = {k: [(c, float(ms)) for c, ms in v if self.launcher.valid_entry(c) and _ms(ms)]
+                   for k, v in data.get("timings", {}).items()
+                   if k in entries and isinstance(v, list) and all(isinstance(r, list) and len(r) == 2 for r in v)}
+        return entries, {k: v for k, v in timings.items() if v}
 
     def _shipped(self, device_dir: pathlib.Path, warn: bool) -> tuple[pathlib.Path | None, tuple[dict, dict]]:
-        """(the file, its (entries, ties)) of the table in ``device_dir`` made for the kernel's current source:
+        """(the file, its (entries, timings)) of the table in ``device_dir`` made for the kernel's current source:
         the installed Triton's version first, then the newest other version's (a table names configs
         and keys, which mean the same under any Triton that compiles the kernel)."""
         own = f"triton-{TRITON_VERSION}"
@@ -249,9 +255,9 @@ class CacheFile:
                        key=lambda f: (f.parent.name != own, [-v for v in _version(f.parent)]))
         stale: list[pathlib.Path] = []
         for path in files:
-            entries, ties = self._read(path, warn=warn, stale=stale)
+            entries, timings = self._read(path, warn=warn, stale=stale)
             if entries:
-                return path, (entries, ties)
+                return path, (entries, timings)
         if stale and warn:
             _warn_once(stale[0], "was tuned for another version of the kernel (regenerate: python -m bench.tune)")
         return None, ({}, {})
@@ -261,9 +267,16 @@ class CacheFile:
         return self.entries.get(name) or self.shipped.get(name)
 
     def ties(self, name: str) -> list[dict[str, Any]]:
-        """The configs that timed within TIE of the choice for the key ``name`` (a key's repr), fastest
-        first, from the file that holds the choice; [] where it holds none or was tuned without them."""
-        return self.entry_ties.get(name, []) if name in self.entries else self.shipped_ties.get(name, [])
+        """The configs that timed within TIE + TIE_MS of the choice for the key ``name`` (a key's repr) at
+        its tuning, fastest first, from the file that holds the choice; [] where it holds none or was
+        written without timings."""
+        entry = self.entries.get(name) or self.shipped.get(name)
+        timed = self.timings.get(name, []) if name in self.entries else self.shipped_timings.get(name, [])
+        chosen = [ms for config, ms in timed if config == entry]
+        if not chosen:
+            return []
+        limit = chosen[0] * (1 + TIE) + TIE_MS
+        return [config for config, ms in sorted(timed, key=lambda row: row[1]) if config != entry and ms <= limit]
 
     def neighbours(self, mine: bool = True) -> list[Neighbours]:
         """The tables the nearest-key rule searches, in order: this device's (the user's choices, unless
@@ -288,20 +301,21 @@ class CacheFile:
             return f"no table for this GPU: nearest keys of {others[0].relative_to(SHIPPED_ROOT)}"
         return "no table for this GPU class: each kernel's first config for the call"
 
-    def put(self, key: Hashable, config: dict[str, Any], ties: list[dict[str, Any]] = ()) -> None:
-        """Keep ``config`` for ``key`` (and ``ties``: the configs that timed within TIE of it, fastest
-        first) in the user's file."""
+    def put(self, key: Hashable, config: dict[str, Any], timings: list[tuple[dict[str, Any], float]] = ()) -> None:
+        """Keep ``config`` for ``key`` in the user's file, with ``timings``: (config, ms) of every config
+        timed for it."""
         name = repr(key)
         if (not self.writable or " at 0x" in name or len(self.entries) >= MAX_KEYS
-                or not all(_scalar(v) for c in (config, *ties) for v in c.values())):
+                or not all(_scalar(v) for c in (config, *(c for c, _ in timings)) for v in c.values())):
             return  # a key whose repr names an address would never match again; a value JSON changes
         self.entries[name] = dict(config)
-        self.entry_ties[name] = [dict(c) for c in ties]
-        entries, ties_read = self._read(self.path, warn=False)  # keep what another process wrote meanwhile
+        self.timings[name] = [(dict(c), float(ms)) for c, ms in timings if _ms(ms)]
+        entries, timings_read = self._read(self.path, warn=False)  # keep what another process wrote meanwhile
         merged = {**entries, **self.entries}
-        merged_ties = {k: self.entry_ties.get(k) if k in self.entries else ties_read.get(k) for k in merged}
+        timed = {k: self.timings.get(k) if k in self.entries else timings_read.get(k) for k in merged}
         data = {"format": CACHE_FORMAT, "kernel": self.launcher.name, "fingerprint": self.launcher.fingerprint,
-                "triton": TRITON_VERSION, "entries": merged, "ties": {k: v for k, v in merged_ties.items() if v}}
+                "triton": TRITON_VERSION, "entries": merged,
+                "timings": {k: [[c, ms] for c, ms in v] for k, v in timed.items() if v}}
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ from .autotune_cache import (
     AUTOTUNE,
     MAX_KEYS,
     TIE,
+    TIE_MS,
     CacheFile,
     cache_dir,
     device_properties,
@@ -125,7 +126,7 @@ class Launcher:
                 self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
             if cache is not None and all(layer.best_config.pre_hook is None for layer in self._autotuners()):
-                cache.put(key, {k: v for k, v in meta.items() if k in self.config_names}, self._timed_ties())
+                cache.put(key, {k: v for k, v in meta.items() if k in self.config_names}, self._timings())
         if len(self.memo) >= MAX_KEYS:
             self.memo.clear()
         self.memo[key] = meta
@@ -151,25 +152,20 @@ class Launcher:
             self.cache = CacheFile(path, self, shipped)
         return self.cache
 
-    def _timed_ties(self) -> list[dict[str, Any]]:
-        """The configs the last launch's autotuner timed within TIE of its best, fastest first, as cache
-        entries ([] unless one autotuner timed them in that launch)."""
+    def _timings(self) -> list[tuple[dict[str, Any], float]]:
+        """(config as a cache entry, ms) of every config the last launch's autotuner timed, fastest first
+        (Triton's median); [] unless one autotuner timed configs in that launch."""
         layers = self._autotuners()
         timings = getattr(layers[0], "configs_timings", None) if len(layers) == 1 else None
-        if not timings:
-            return []
-        ms = {config: float(t[0] if isinstance(t, (list, tuple)) else t) for config, t in timings.items()}
-        best = min(ms.values())
-        close = sorted((t, i) for i, (config, t) in enumerate(ms.items())
-                       if config is not layers[0].best_config and t <= best * (1 + TIE))
-        configs = list(ms)
-        return [{k: v for k, v in configs[i].all_kwargs().items() if k in self.config_names} for _, i in close]
+        rows = [({k: v for k, v in config.all_kwargs().items() if k in self.config_names},
+                 float(t[0] if isinstance(t, (list, tuple)) else t)) for config, t in (timings or {}).items()]
+        return sorted(rows, key=lambda row: row[1])
 
     def _compiled_tie(self, key: Hashable, tuned: dict[str, Any], ties: list[dict[str, Any]], args: tuple,
                       kwargs: dict[str, Any]) -> dict[str, Any]:
         """``tuned``, unless its kernel for this call is not compiled and one of ``ties`` (configs that
-        timed within TIE of it at tuning, fastest first) is, launched in this process for another key:
-        then that one, which saves a compilation at a new size for at most TIE of the kernel's time."""
+        timed within TIE + TIE_MS of it at tuning, fastest first) is, launched in this process for another
+        key: then that one, which saves a compilation at a new size for at most that much kernel time."""
         if not ties or self.direct.compiled(self._chosen(args, kwargs, tuned), args, kwargs):
             return tuned
         allowed = self.allowed(args, kwargs)
@@ -177,8 +173,8 @@ class Launcher:
             option = tuning_rule.accepted(tie, allowed)
             if option is not None and self.direct.compiled(self._chosen(args, kwargs, option), args, kwargs):
                 if not self.tied:
-                    log.info("sd_kernels: %s: %s takes %s, compiled already and timed within %.0f%% of the "
-                             "choice %s at tuning", self.name, key, option, TIE * 100, tuned)
+                    log.info("sd_kernels: %s: %s takes %s, compiled already and timed within %.0f%% + %.1f µs of "
+                             "the choice %s at tuning", self.name, key, option, TIE * 100, TIE_MS * 1e3, tuned)
                 if len(self.tied) < MAX_KEYS:
                     self.tied[key] = option
                 return option
