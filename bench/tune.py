@@ -9,7 +9,7 @@ every choice is tuned anew on this GPU. Then it merges the tuned files into
 ``DIR/<profile>/<device slug>/triton-<version>/`` (default DIR: the source tree's sd_kernels/tuning),
 replacing entries of the same key and dropping files made for another version of a kernel. Each key
 also keeps the time of every config timed for it, from which a later size takes a tie (a config within
-3% + 0.5 µs of the choice: ``autotune_cache.TIE``) where that is compiled already and the choice is not. Commit
+10% + 2 µs of the choice: ``autotune_cache.TIE``) where that is compiled already and the choice is not. Commit
 what it writes; tests/test_launch.py checks that the tables parse and match the kernels' sources.
 """
 

@@ -211,7 +211,7 @@ def test_an_unknown_mode_is_refused_naming_the_variable():
 
 
 # ---------------------------------------------------------------------------------------------
-# Ties: a config that timed within 3% + 0.5 µs of a key's choice serves it where it is compiled and the
+# Ties: a config that timed within TIE + TIE_MS of a key's choice serves it where it is compiled and the
 # choice is not
 
 
