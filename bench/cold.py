@@ -22,11 +22,12 @@ over the precompiles, under ``SD_KERNELS_COMPILE_PROCESSES``), ``capture_s`` (CU
 its warm-up calls, less the compilations inside them), ``tunings`` / ``tuning_s`` (configs timed by
 Triton's autotuner and the seconds, compilations left out: keys no table holds under
 ``SD_KERNELS_AUTOTUNE=1``), ``ruled`` (keys that took the nearest tuned key's choice:
-sd_kernels/runtime/tuning_rule.py), ``tied`` (keys that took a config compiled already, which timed
-within 10% + 2 µs of their choice at tuning: ``Launcher._compiled_tie``), ``late_compiles`` (kernels compiled
-outside the precompile pool, by name), ``compiled`` (every kernel compiled, by name), and the
-environment. ``--specs`` also writes ``DIR/specs.jsonl``: each compilation's kernel, constants,
-attributes and options, per shape (what a new size compiled, and why). FLUX runs in bf16, the others in fp16.
+sd_kernels/runtime/tuning_rule.py), ``tied`` (keys that took a kernel compiled already instead of
+their choice's: a config within 10% + 2 µs of it at tuning, or a relaxed heuristic;
+``Launcher._compiled_choice``), ``late_compiles`` (kernels compiled outside the precompile pool, by
+name), ``compiled`` (every kernel compiled, by name), and the environment. ``--specs`` also writes
+``DIR/specs.jsonl``: each compilation's kernel, constants, attributes and options, per shape (what a
+new size compiled, and why). FLUX runs in bf16, the others in fp16.
 "shipped off" (``--models``' first model) sets SD_KERNELS_SHIPPED_TUNING=0: what a GPU of another
 architecture than the tables' pays; "precompile off" sets SD_KERNELS_PRECOMPILE=0.
 """

@@ -665,6 +665,34 @@ def test_the_users_own_choice_wins_over_the_shipped_one(tuning, device):
     assert launcher.memo[("scale", 48)]["BLOCK"] == 32
 
 
+def test_a_relaxed_heuristic_serves_where_its_kernel_is_compiled_and_the_computed_one_is_not(
+        tuning, device, monkeypatch):
+    """Launcher(relax=...): a heuristic's value correct for every call (EVEN=False: the masked path) is
+    taken at a key's first launch where it is compiled and the computed value is not; never otherwise."""
+    config = _tuned_kernel.configs[1].all_kwargs()
+    _ship(device, {repr(("scale", 64)): config, repr(("scale", 96)): config})
+    launcher = Launcher(_tuned_kernel, relax={"EVEN": False})
+    compiled = {(32, False)}
+    asked = []
+
+    def fake(meta, args, kwargs):
+        asked.append((meta["BLOCK"], meta["EVEN"]))
+        return (meta["BLOCK"], meta["EVEN"]) in compiled
+
+    monkeypatch.setattr(launcher.direct, "compiled", fake)
+    _run(launcher, 64, device)  # 64 % 32 == 0: EVEN, not compiled; the masked kernel is
+    assert launcher.memo[("scale", 64)]["EVEN"] is False and asked == [(32, True), (32, False)]
+    assert launcher.tied == {("scale", 64): {**config, "EVEN": False}}
+    compiled.clear()
+    _run(launcher, 96, device)  # nothing compiled: the computed value
+    assert launcher.memo[("scale", 96)]["EVEN"] is True and ("scale", 96) not in launcher.tied
+    plain = Launcher(_tuned_kernel)  # no relax, no ties: the computed value, nothing asked
+    monkeypatch.setattr(plain.direct, "compiled", fake)
+    asked.clear()
+    _run(plain, 64, device)
+    assert plain.memo[("scale", 64)]["EVEN"] is True and asked == []
+
+
 @pytest.mark.parametrize("what", ["another kernel version", "corrupt", "switched off"])
 def test_a_stale_corrupt_or_refused_shipped_table_is_ignored(tuning, device, caplog, monkeypatch, what):
     config = _tuned_kernel.configs[0].all_kwargs()

@@ -311,7 +311,9 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
     return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
 
 
-_FLASH = Launcher(_flash_attention_kernel)
+# EVEN_N=False (every key block masked) is correct at any Sk: a new size whose EVEN_N kernel is not
+# compiled yet takes the masked one where it is (SD1.5's 8×8 self-attention: 64 keys at 512², 140 at 896×640)
+_FLASH = Launcher(_flash_attention_kernel, relax={"EVEN_N": False})
 
 
 class _FlashPlan:

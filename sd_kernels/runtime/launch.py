@@ -63,8 +63,11 @@ class Launcher:
     """``Launcher(kernel)(key, grid, *args, **kwargs)``: ``kernel[grid](*args, **kwargs)`` for the
     first call of each ``key``, the bare JIT function with the remembered meta-parameters after."""
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, relax: dict[str, Any] | None = None) -> None:
         self.kernel = kernel
+        # heuristics' values that are correct for every call (EVEN_N=False: the masked path), taken at a
+        # key's first launch where the computed ones would compile a new kernel and these would not
+        self.relax = dict(relax or {})
         self.layers: list[Any] = []  # autotuner / heuristics wrappers, outermost first
         fn = kernel
         while isinstance(fn, (Autotuner, Heuristics)):
@@ -84,7 +87,7 @@ class Launcher:
         self.cache: CacheFile | None = None  # the file of the last miss's device and directory
         self.tuned_any = False  # whether a key was autotuned in this process (logged the first time)
         self.ruled: dict[Hashable, str] = {}  # key -> the tuned key whose choice the rule gave it (or why none)
-        self.tied: dict[Hashable, dict[str, Any]] = {}  # key -> the compiled tie it took (_compiled_tie)
+        self.tied: dict[Hashable, dict[str, Any]] = {}  # key -> the compiled alternative it took (_compiled_choice)
         self.too_large: list[dict[str, Any]] = []  # configs this GPU lacked the resources for
         self._fingerprint: str | None = None
 
@@ -111,9 +114,8 @@ class Launcher:
         if tuned is None and self.tunable and dry():  # tuning needs real launches: the real call tunes it
             return
         if tuned is not None:
-            if cache is not None and source:
-                tuned = self._compiled_tie(key, tuned, cache.ties(source), args, kwargs)
-            meta = self._jit_launch(grid, args, kwargs, self._chosen(args, kwargs, tuned))
+            ties = cache.ties(source) if cache is not None and source else []
+            meta = self._jit_launch(grid, args, kwargs, self._compiled_choice(key, tuned, ties, args, kwargs))
         else:
             if self.tunable and not self.tuned_any:  # once per kernel: a shape no table holds is timed now
                 self.tuned_any = True
@@ -161,24 +163,29 @@ class Launcher:
                  float(t[0] if isinstance(t, (list, tuple)) else t)) for config, t in (timings or {}).items()]
         return sorted(rows, key=lambda row: row[1])
 
-    def _compiled_tie(self, key: Hashable, tuned: dict[str, Any], ties: list[dict[str, Any]], args: tuple,
-                      kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``tuned``, unless its kernel for this call is not compiled and one of ``ties`` (configs that
-        timed within TIE + TIE_MS of it at tuning, fastest first) is, launched in this process for another
-        key: then that one, which saves a compilation at a new size for at most that much kernel time."""
-        if not ties or self.direct.compiled(self._chosen(args, kwargs, tuned), args, kwargs):
-            return tuned
+    def _compiled_choice(self, key: Hashable, tuned: dict[str, Any], ties: list[dict[str, Any]], args: tuple,
+                         kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The meta-parameters of ``tuned``, unless their kernel for this call is not compiled and one of
+        these is, launched in this process for another key: a config of ``ties`` (within TIE + TIE_MS of
+        ``tuned`` at tuning, fastest first), then ``tuned`` and each tie with the heuristics' values of
+        ``relax``. That saves a compilation at a new size for a little kernel time."""
+        meta = self._chosen(args, kwargs, tuned)
+        if not (ties or self.relax) or self.direct.compiled(meta, args, kwargs):
+            return meta
         allowed = self.allowed(args, kwargs)
-        for tie in ties:
-            option = tuning_rule.accepted(tie, allowed)
-            if option is not None and self.direct.compiled(self._chosen(args, kwargs, option), args, kwargs):
+        options = [option for tie in ties if (option := tuning_rule.accepted(tie, allowed)) is not None]
+        metas = [meta, *(self._chosen(args, kwargs, option) for option in options)]
+        relaxed = [{**m, **self.relax} for m in metas if any(m.get(k) != v for k, v in self.relax.items())]
+        for other in [*metas[1:], *relaxed]:
+            if self.direct.compiled(other, args, kwargs):
                 if not self.tied:
-                    log.info("sd_kernels: %s: %s takes %s, compiled already and timed within %.0f%% + %.1f µs of "
-                             "the choice %s at tuning", self.name, key, option, TIE * 100, TIE_MS * 1e3, tuned)
+                    log.info("sd_kernels: %s: %s launches with %s, compiled already (a config within %.0f%% + %.1f "
+                             "µs of its choice at tuning, or relaxed heuristics), not %s", self.name, key, other,
+                             TIE * 100, TIE_MS * 1e3, meta)
                 if len(self.tied) < MAX_KEYS:
-                    self.tied[key] = option
-                return option
-        return tuned
+                    self.tied[key] = {k: v for k, v in other.items() if k in self.config_names or k in self.relax}
+                return other
+        return meta
 
     def _rule(self, key: Hashable, args: tuple, kwargs: dict[str, Any],
               cache: CacheFile | None) -> tuple[dict[str, Any], str]:

@@ -511,3 +511,34 @@ def test_misaligned_inputs_run_on_aligned_copies(monkeypatch, device):
     copies.clear()
     check(view(0), view(0), view(0), fn=attn_mod.attention)
     assert not copies and len(attn_mod._PLANS) == 1
+
+
+def _masked_heuristic(monkeypatch):
+    """The flash kernel's EVEN_N heuristic replaced by the value its launcher may relax it to (False:
+    every key block masked), as a new size takes it where only that kernel is compiled."""
+    (heuristics,) = [layer for layer in attn_mod._FLASH.layers if hasattr(layer, "values")]
+    monkeypatch.setitem(heuristics.values, "EVEN_N", lambda args: False)
+    monkeypatch.setattr(attn_mod, "_PLANS", {})
+    monkeypatch.setattr(attn_mod._FLASH, "memo", {})
+    assert attn_mod._FLASH.relax == {"EVEN_N": False}
+
+
+@pytest.mark.parametrize("sk", [32, 64])
+def test_the_masked_path_is_exact_at_key_counts_a_block_divides(sk, monkeypatch, device):
+    _masked_heuristic(monkeypatch)
+    check(*qkv(1, 2, 40, sk, 40, torch.float16, device))
+    assert all(meta["EVEN_N"] is False for meta in attn_mod._FLASH.memo.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, sk", [(160, 64), (160, 256), (40, 4096), (80, 1024)])
+def test_gpu_the_masked_path_is_exact_at_key_counts_a_block_divides(d, sk, monkeypatch, device):
+    """Every config at SD1.5's even self-attention lengths, EVEN_N relaxed to False."""
+    _masked_heuristic(monkeypatch)
+    q, k, v = qkv(2, 8, sk, sk, d, torch.float16, device, layout="diffusers")
+    ref64 = reference.attention(q.double(), k.double(), v.double())
+    stock = F.scaled_dot_product_attention(q, k, v)
+    views = attn_mod._views(q, k, v, None, (2, 8))
+    for config in attn_mod.flash_configs(torch.float16, d, False, sk, sk):
+        report = assert_close_to_reference(attn_mod._flash(*views, d**-0.5, config=config), stock, ref64)
+        assert report.ok, f"{config}: {report}"
