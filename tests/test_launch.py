@@ -495,7 +495,8 @@ def test_every_timed_config_is_kept_and_one_within_the_tie_is_a_tie(tuning, devi
     assert data["timings"] == {repr(("scale", 48)): [[config, 1.0], [other, slower]]}
     fresh = Launcher(_tuned_kernel)
     _run(fresh, 48, device)
-    assert fresh.cache.ties(repr(("scale", 48))) == ([other] if tied else [])
+    assert fresh.cache.ties(repr(("scale", 48)), config) == ([other] if tied else [])
+    assert fresh.cache.ties(repr(("scale", 48)), other) == []  # ties of another choice: none
     tuning.times[16] = 3.0  # tuned again (the autotuner's own memory emptied)
     _tuned_kernel.cache.clear()
     fresh.cache.entries.clear()
@@ -503,7 +504,7 @@ def test_every_timed_config_is_kept_and_one_within_the_tie_is_a_tie(tuning, devi
     _run(fresh, 48, device)
     timings = json.loads(_cache_file(device).read_text())["timings"]
     assert timings == {repr(("scale", 48)): [[config, 1.0], [other, 3.0]]}
-    assert fresh.cache.ties(repr(("scale", 48))) == []
+    assert fresh.cache.ties(repr(("scale", 48)), config) == []
 
 
 def test_a_dry_run_leaves_a_key_without_a_tuned_choice_to_the_real_call(tuning, device, monkeypatch):
@@ -667,11 +668,12 @@ def test_the_users_own_choice_wins_over_the_shipped_one(tuning, device):
 
 def test_a_relaxed_heuristic_serves_where_its_kernel_is_compiled_and_the_computed_one_is_not(
         tuning, device, monkeypatch):
-    """Launcher(relax=...): a heuristic's value correct for every call (EVEN=False: the masked path) is
-    taken at a key's first launch where it is compiled and the computed value is not; never otherwise."""
+    """Launcher(relax=...): a heuristic's value correct for the call (EVEN=False: the masked path), as
+    ``relax`` gives it from the call's arguments, is taken at a key's first launch where it is compiled
+    and the computed value is not; never otherwise, and never where ``relax`` gives nothing."""
     config = _tuned_kernel.configs[1].all_kwargs()
-    _ship(device, {repr(("scale", 64)): config, repr(("scale", 96)): config})
-    launcher = Launcher(_tuned_kernel, relax={"EVEN": False})
+    _ship(device, {repr(("scale", n)): config for n in (64, 96, 128)})
+    launcher = Launcher(_tuned_kernel, relax=lambda named: {"EVEN": False} if named["n"] <= 96 else {})
     compiled = {(32, False)}
     asked = []
 
@@ -683,14 +685,49 @@ def test_a_relaxed_heuristic_serves_where_its_kernel_is_compiled_and_the_compute
     _run(launcher, 64, device)  # 64 % 32 == 0: EVEN, not compiled; the masked kernel is
     assert launcher.memo[("scale", 64)]["EVEN"] is False and asked == [(32, True), (32, False)]
     assert launcher.tied == {("scale", 64): {**config, "EVEN": False}}
+    asked.clear()
+    _run(launcher, 128, device)  # past relax's bound: the computed value, though the masked one is compiled
+    assert launcher.memo[("scale", 128)]["EVEN"] is True and asked == [(32, True)]
     compiled.clear()
     _run(launcher, 96, device)  # nothing compiled: the computed value
-    assert launcher.memo[("scale", 96)]["EVEN"] is True and ("scale", 96) not in launcher.tied
+    assert launcher.memo[("scale", 96)]["EVEN"] is True and set(launcher.tied) == {("scale", 64)}
     plain = Launcher(_tuned_kernel)  # no relax, no ties: the computed value, nothing asked
     monkeypatch.setattr(plain.direct, "compiled", fake)
     asked.clear()
     _run(plain, 64, device)
     assert plain.memo[("scale", 64)]["EVEN"] is True and asked == []
+
+
+def test_keys_sharing_the_autotuners_key_are_each_timed(tuning, device):
+    """Our keys can be finer than the autotuner's own (flash attention keys exact lengths, its
+    autotuner powers of two): each is timed and keeps its timings, not the other key's choice."""
+    launcher = Launcher(_tuned_kernel)
+    _run(launcher, 48, device, key=("silu", 48))
+    _run(launcher, 48, device, key=(None, 48))
+    assert tuning.benched == [16, 32, 16, 32]
+    timings = json.loads(_cache_file(device).read_text())["timings"]
+    assert set(timings) == {repr(("silu", 48)), repr((None, 48))}
+
+
+def test_a_malformed_or_out_of_range_time_is_dropped_with_nothing_else(tuning, device):
+    """Timings are optional: a malformed field, or a time JSON reads as an int past float's range,
+    is dropped; the file's entries stay (the next write keeps another process's entries)."""
+    launcher = Launcher(_tuned_kernel)
+    _run(launcher, 48, device)
+    path = _cache_file(device)
+    data = json.loads(path.read_text())
+    data["timings"] = ["not a mapping"]
+    path.write_text(json.dumps(data))
+    other = Launcher(_tuned_kernel)  # another process
+    _run(other, 64, device)
+    assert set(json.loads(path.read_text())["entries"]) == {repr(("scale", 48)), repr(("scale", 64))}
+    config = _tuned_kernel.configs[1].all_kwargs()
+    data = json.loads(path.read_text())
+    data["timings"][repr(("scale", 48))] = [[config, 10**400], [_tuned_kernel.configs[0].all_kwargs(), 1.0]]
+    path.write_text(json.dumps(data))
+    third = Launcher(_tuned_kernel)
+    _run(third, 48, device)  # read without raising; the huge time dropped
+    assert third.memo[("scale", 48)]["BLOCK"] == 32 and third.cache.ties(repr(("scale", 48)), config) == []
 
 
 @pytest.mark.parametrize("what", ["another kernel version", "corrupt", "switched off"])

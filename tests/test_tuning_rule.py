@@ -259,11 +259,21 @@ def test_a_tie_the_kernel_prunes_for_the_call_or_does_not_have_is_never_taken(ru
     _compiled(launcher, monkeypatch, {64, 8})
     assert _run(launcher, 40, device) == 16  # 64 is wider than 40: pruned for this call
     # BLOCK 8 is no config of the kernel: dropped; 32 took twice as long: no tie
-    assert launcher.cache.ties(repr(("scale", 40))) == [ENTRY[64]]
+    assert launcher.cache.ties(repr(("scale", 40)), ENTRY[16]) == [ENTRY[64]]
     data = json.loads(path.read_text())
     data["timings"] = ["not a mapping"]
     path.write_text(json.dumps(data))
     fresh = Launcher(_kernel)
     _compiled(fresh, monkeypatch, {32})
-    assert _run(fresh, 40, device) == 32  # a malformed file serves nothing: the rule's first config for n=40
-    assert fresh.cache.shipped == {} and fresh.tied == {}
+    assert _run(fresh, 40, device) == 16  # malformed timings are dropped, the entries serve
+    assert fresh.cache.shipped_timings == {} and fresh.tied == {}
+
+
+def test_a_ruled_key_takes_no_ties_measured_against_another_choice(rule, device, monkeypatch):
+    """The rule found the nearest key in another GPU's table; this GPU's own table holds the same key
+    with another choice and its timings: those ties belong to that choice, not to the rule's."""
+    _ship(rule, "gpu-a-sm90", {("scale", 48): ENTRY[16]},
+          timings={("scale", 48): [[ENTRY[16], 1.0], [ENTRY[32], 1.0]]})
+    cache = Launcher(_kernel)._cache_file((torch.empty(1),))
+    assert cache.ties(repr(("scale", 48)), ENTRY[64]) == []
+    assert cache.ties(repr(("scale", 48)), ENTRY[16]) == [ENTRY[32]]

@@ -311,9 +311,19 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
     return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
 
 
-# EVEN_N=False (every key block masked) is correct at any Sk: a new size whose EVEN_N kernel is not
-# compiled yet takes the masked one where it is (SD1.5's 8×8 self-attention: 64 keys at 512², 140 at 896×640)
-_FLASH = Launcher(_flash_attention_kernel, relax={"EVEN_N": False})
+RELAX_MAX_KEYS = 256
+
+
+def _relax(named: dict) -> dict:
+    """EVEN_N=False (every key block masked) is right at any Sk: a new size whose EVEN_N kernel is not
+    compiled yet takes the masked one where it is (SD1.5's 16×16 and 8×8 self-attention: 256 and 64 keys
+    at 512², 560 and 140 at 896×640). Only up to RELAX_MAX_KEYS keys, four 64-key blocks, where the masks
+    cost was within the spread (SD1.5 512² after 896×640: 156.7 against 155.9 ms warm); a longer
+    attention compiles its unmasked kernel."""
+    return {"EVEN_N": False} if named["Sk"] <= RELAX_MAX_KEYS else {}
+
+
+_FLASH = Launcher(_flash_attention_kernel, relax=_relax)
 
 
 class _FlashPlan:

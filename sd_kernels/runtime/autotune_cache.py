@@ -196,7 +196,12 @@ def _warn_once(path: pathlib.Path, what: str) -> None:
 
 def _ms(value: Any) -> bool:
     """Whether ``value`` is a time a table may hold: a finite positive number."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:  # an int JSON read past float's range
+        return False
 
 
 def _scalar(value: Any) -> bool:
@@ -230,8 +235,7 @@ class CacheFile:
             if warn:
                 _warn_once(path, f"is unreadable ({type(exc).__name__}: {exc})")
             return {}, {}
-        if (not isinstance(data, dict) or not isinstance(data.get("entries"), dict)
-                or not isinstance(data.get("timings", {}), dict)):
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             if warn:
                 _warn_once(path, "is not an autotune cache file")
             return {}, {}
@@ -242,8 +246,10 @@ class CacheFile:
         entries = {k: v for k, v in data["entries"].items() if self.launcher.valid_entry(v)}
         if warn and len(entries) < len(data["entries"]):
             _warn_once(path, f"has {len(data['entries']) - len(entries)} entries that match no config")
+        # timings are optional: a malformed one is dropped, never the file's entries with it
+        found = data.get("timings")
         timings = {k: [(c, float(ms)) for c, ms in v if self.launcher.valid_entry(c) and _ms(ms)]
-                   for k, v in data.get("timings", {}).items()
+                   for k, v in (found.items() if isinstance(found, dict) else ())
                    if k in entries and isinstance(v, list) and all(isinstance(r, list) and len(r) == 2 for r in v)}
         return entries, {k: v for k, v in timings.items() if v}
 
@@ -267,11 +273,13 @@ class CacheFile:
         name = repr(key)
         return self.entries.get(name) or self.shipped.get(name)
 
-    def ties(self, name: str) -> list[dict[str, Any]]:
-        """The configs that timed within TIE + TIE_MS of the choice for the key ``name`` (a key's repr) at
-        its tuning, fastest first, from the file that holds the choice; [] where it holds none or was
-        written without timings."""
+    def ties(self, name: str, choice: dict[str, Any]) -> list[dict[str, Any]]:
+        """The configs that timed within TIE + TIE_MS of ``choice`` for the key ``name`` (a key's repr) at
+        its tuning, fastest first, from the file that holds the key; [] where this device's files hold
+        another choice for it (the rule took it from another GPU's table), none, or no timings."""
         entry = self.entries.get(name) or self.shipped.get(name)
+        if entry != choice:
+            return []
         timed = self.timings.get(name, []) if name in self.entries else self.shipped_timings.get(name, [])
         chosen = [ms for config, ms in timed if config == entry]
         if not chosen:

@@ -41,10 +41,14 @@ class DirectPath:
 
     def compiled(self, meta: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> bool:
         """Whether a call on ``args`` with the meta-parameters ``meta`` would launch a kernel this path
-        already launched (the same device, specialization and options: no compilation); False where the
-        path is off or cannot tell. Triton's binder runs once (native code, microseconds)."""
+        already launched (the same device, specialization and options; the debug and instrumentation
+        knobs are not compared): False where the path is off, has launched nothing (``kernels`` is
+        filled by direct launches only: not with SD_KERNELS_FAST_LAUNCH=0 or a launch hook set) or
+        cannot tell. Triton's binder runs once (native code, microseconds)."""
+        if not self.kernels or self.table is None:
+            return False
         runtime = self._runtime or self._set_up()
-        if runtime is None or self.table is None or not self.kernels:
+        if runtime is None:
             return False
         device = runtime[0].active.get_current_device()
         caches = self.jit.device_caches.get(device)

@@ -63,11 +63,12 @@ class Launcher:
     """``Launcher(kernel)(key, grid, *args, **kwargs)``: ``kernel[grid](*args, **kwargs)`` for the
     first call of each ``key``, the bare JIT function with the remembered meta-parameters after."""
 
-    def __init__(self, kernel: Any, relax: dict[str, Any] | None = None) -> None:
+    def __init__(self, kernel: Any, relax: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self.kernel = kernel
-        # heuristics' values that are correct for every call (EVEN_N=False: the masked path), taken at a
-        # key's first launch where the computed ones would compile a new kernel and these would not
-        self.relax = dict(relax or {})
+        # relax(the call's arguments by name) -> heuristics' values right for that call (flash attention's
+        # EVEN_N=False: the masked path), taken at a key's first launch where the computed ones would
+        # compile a new kernel and these would not
+        self.relax = relax
         self.layers: list[Any] = []  # autotuner / heuristics wrappers, outermost first
         fn = kernel
         while isinstance(fn, (Autotuner, Heuristics)):
@@ -114,7 +115,7 @@ class Launcher:
         if tuned is None and self.tunable and dry():  # tuning needs real launches: the real call tunes it
             return
         if tuned is not None:
-            ties = cache.ties(source) if cache is not None and source else []
+            ties = cache.ties(source, tuned) if cache is not None and source else []
             meta = self._jit_launch(grid, args, kwargs, self._compiled_choice(key, tuned, ties, args, kwargs))
         else:
             if self.tunable and not self.tuned_any:  # once per kernel: a shape no table holds is timed now
@@ -124,6 +125,9 @@ class Launcher:
             # a tuning launch runs outside a memory budget's cap and peak (memory.tuning): a one-time cost, cached
             for layer in self._autotuners():
                 layer.configs_timings = None  # set again by a layer that times configs in this launch
+                # the autotuner's own key is coarser than ours (flash attention: powers of two): time
+                # this key anew rather than take another key's choice untimed
+                layer.cache.clear()
             with TUNING() if self.tunable else contextlib.nullcontext():
                 self.kernel[grid](*args, **kwargs)
             meta = self._chosen(args, kwargs)
@@ -175,7 +179,8 @@ class Launcher:
         allowed = self.allowed(args, kwargs)
         options = [option for tie in ties if (option := tuning_rule.accepted(tie, allowed)) is not None]
         metas = [meta, *(self._chosen(args, kwargs, option) for option in options)]
-        relaxed = [{**m, **self.relax} for m in metas if any(m.get(k) != v for k, v in self.relax.items())]
+        relax = self.relax({**dict(zip(self.jit.arg_names, args)), **kwargs}) if self.relax else {}
+        relaxed = [{**m, **relax} for m in metas if any(m.get(k) != v for k, v in relax.items())]
         for other in [*metas[1:], *relaxed]:
             if self.direct.compiled(other, args, kwargs):
                 if not self.tied:
@@ -183,7 +188,7 @@ class Launcher:
                              "µs of its choice at tuning, or relaxed heuristics), not %s", self.name, key, other,
                              TIE * 100, TIE_MS * 1e3, meta)
                 if len(self.tied) < MAX_KEYS:
-                    self.tied[key] = {k: v for k, v in other.items() if k in self.config_names or k in self.relax}
+                    self.tied[key] = {k: v for k, v in other.items() if k in self.config_names or k in relax}
                 return other
         return meta
 

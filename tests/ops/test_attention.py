@@ -520,7 +520,9 @@ def _masked_heuristic(monkeypatch):
     monkeypatch.setitem(heuristics.values, "EVEN_N", lambda args: False)
     monkeypatch.setattr(attn_mod, "_PLANS", {})
     monkeypatch.setattr(attn_mod._FLASH, "memo", {})
-    assert attn_mod._FLASH.relax == {"EVEN_N": False}
+    relax = attn_mod._FLASH.relax
+    assert relax({"Sk": attn_mod.RELAX_MAX_KEYS}) == {"EVEN_N": False}
+    assert relax({"Sk": attn_mod.RELAX_MAX_KEYS + 1}) == {}
 
 
 @pytest.mark.parametrize("sk", [32, 64])
@@ -531,7 +533,7 @@ def test_the_masked_path_is_exact_at_key_counts_a_block_divides(sk, monkeypatch,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, sk", [(160, 64), (160, 256), (40, 4096), (80, 1024)])
+@pytest.mark.parametrize("d, sk", [(160, 64), (160, 256), (64, 256), (40, 4096), (80, 1024)])
 def test_gpu_the_masked_path_is_exact_at_key_counts_a_block_divides(d, sk, monkeypatch, device):
     """Every config at SD1.5's even self-attention lengths, EVEN_N relaxed to False."""
     _masked_heuristic(monkeypatch)
