@@ -269,6 +269,16 @@ def test_a_tie_the_kernel_prunes_for_the_call_or_does_not_have_is_never_taken(ru
     assert fresh.cache.shipped_timings == {} and fresh.tied == {}
 
 
+def test_a_gpu_without_a_table_takes_ties_from_the_table_the_rule_used(rule, device, monkeypatch):
+    """An H100 takes the H200's choices by the rule, and with them the H200's ties."""
+    _ship(rule, "gpu-b-sm90", {("scale", 1000): ENTRY[64]},
+          timings={("scale", 1000): [[ENTRY[64], 1.0], [ENTRY[32], 1.05]]})
+    launcher = Launcher(_kernel)
+    _compiled(launcher, monkeypatch, {32})
+    assert _run(launcher, 900, device) == 32 and launcher.ruled == {("scale", 900): repr(("scale", 1000))}
+    assert launcher.cache.get(("scale", 1000)) is None  # not this GPU's table
+
+
 def test_a_ruled_key_takes_no_ties_measured_against_another_choice(rule, device, monkeypatch):
     """The rule found the nearest key in another GPU's table; this GPU's own table holds the same key
     with another choice and its timings: those ties belong to that choice, not to the rule's."""

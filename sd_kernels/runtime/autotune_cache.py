@@ -222,6 +222,7 @@ class CacheFile:
         self.shipped_path, (self.shipped, self.shipped_timings) = (self._shipped(self.shipped_dirs[0], warn=True)
                                                                    if self.shipped_dirs else (None, ({}, {})))
         self._neighbours: list[Neighbours] | None = None  # the shipped tables'
+        self._others: list[tuple[dict, dict]] = []  # the other GPUs' tables: (entries, timings), with _neighbours
         self._mine: tuple[int, list[Neighbours]] | None = None  # with the user's entries: (their count, tables)
 
     def _read(self, path: pathlib.Path, warn: bool, stale: list | None = None) -> tuple[dict, dict]:
@@ -275,12 +276,18 @@ class CacheFile:
 
     def ties(self, name: str, choice: dict[str, Any]) -> list[dict[str, Any]]:
         """The configs that timed within TIE + TIE_MS of ``choice`` for the key ``name`` (a key's repr) at
-        its tuning, fastest first, from the file that holds the key; [] where this device's files hold
-        another choice for it (the rule took it from another GPU's table), none, or no timings."""
-        entry = self.entries.get(name) or self.shipped.get(name)
+        its tuning, fastest first, from the first file that holds the key: this device's, else another
+        GPU's of its architecture (where the rule found it); [] where that file holds another choice
+        for it, or no timings."""
+        if name in self.entries:
+            entry, timed = self.entries[name], self.timings.get(name, [])
+        elif name in self.shipped:
+            entry, timed = self.shipped[name], self.shipped_timings.get(name, [])
+        else:
+            self.neighbours()  # reads the other GPUs' tables on first use
+            entry, timed = next(((e[name], t.get(name, [])) for e, t in self._others if name in e), (None, []))
         if entry != choice:
             return []
-        timed = self.timings.get(name, []) if name in self.entries else self.shipped_timings.get(name, [])
         chosen = [ms for config, ms in timed if config == entry]
         if not chosen:
             return []
@@ -292,8 +299,8 @@ class CacheFile:
         ``mine`` is False, and the shipped ones), then each other folder's shipped table (read on first
         use)."""
         if self._neighbours is None:
-            others = [self._shipped(d, warn=False)[1][0] for d in self.shipped_dirs[1:]]
-            self._neighbours = [Neighbours(t) for t in [self.shipped, *others] if t]
+            self._others = [self._shipped(d, warn=False)[1] for d in self.shipped_dirs[1:]]  # (entries, timings)
+            self._neighbours = [Neighbours(t) for t in [self.shipped, *(e for e, _ in self._others)] if t]
         if not mine or not self.entries:
             return self._neighbours
         if self._mine is None or self._mine[0] != len(self.entries):  # rebuilt only after a put
