@@ -34,14 +34,6 @@ import tempfile
 from bench import cold
 
 
-def _entry(launcher, config) -> str:
-    return json.dumps({k: v for k, v in config.all_kwargs().items() if k in launcher.config_names}, sort_keys=True)
-
-
-def _ms(timing) -> float:
-    return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
-
-
 def tune_child(model: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
     """In a fresh process under SD_KERNELS_AUTOTUNE=1: every key no shipped table holds is timed; its row."""
     import torch
@@ -62,20 +54,8 @@ def tune_child(model: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
         allowed = self.allowed(args, kwargs)
         found = tuning_rule.nearest(repr(key), cache.neighbours(mine=False), allowed)
         rule, near = found if found is not None else (allowed[0], "")
-        layer = self._autotuners()[0]
-        layer.cache.clear()  # its own key is coarser than ours: time this key anew
-        timings, bench = {}, layer._bench
-
-        def recorded(*a, config, **kw):
-            timings[_entry(self, config)] = result = bench(*a, config=config, **kw)
-            return result
-
-        layer._bench = recorded
-        try:
-            first(self, key, grid, args, kwargs)
-        finally:
-            del layer._bench  # the class's method again
-        timings = {k: _ms(v) for k, v in timings.items()}
+        first(self, key, grid, args, kwargs)  # times every config the kernel keeps for the call (Launcher._timings)
+        timings = {json.dumps(entry, sort_keys=True): ms for entry, ms in self._timings()}
         if not timings:  # one config kept for the call: nothing was timed
             return
         best = min(timings, key=timings.get)

@@ -163,9 +163,12 @@ class Launcher:
         (Triton's median); [] unless one autotuner timed configs in that launch."""
         layers = self._autotuners()
         timings = getattr(layers[0], "configs_timings", None) if len(layers) == 1 else None
-        rows = [({k: v for k, v in config.all_kwargs().items() if k in self.config_names},
-                 float(t[0] if isinstance(t, (list, tuple)) else t)) for config, t in (timings or {}).items()]
+        rows = [(self.entry(config), timing_ms(t)) for config, t in (timings or {}).items()]
         return sorted(rows, key=lambda row: row[1])
+
+    def entry(self, config: Any) -> dict[str, Any]:
+        """A ``triton.Config`` as a cache entry: its meta-parameters and options this kernel's configs name."""
+        return {k: v for k, v in config.all_kwargs().items() if k in self.config_names}
 
     def _compiled_choice(self, key: Hashable, tuned: dict[str, Any], ties: list[dict[str, Any]], args: tuple,
                          kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -216,8 +219,7 @@ class Launcher:
             prune = getattr(layer, "early_config_prune", None)
             if prune is not None:
                 configs = prune(configs, dict(zip(layer.arg_names, args)), **kwargs) or configs
-            options = [{**o, **{k: v for k, v in c.all_kwargs().items() if k in self.config_names}}
-                       for o in options for c in configs]
+            options = [{**o, **self.entry(c)} for o in options for c in configs]
         return [o for o in options if o not in self.too_large] or options
 
     def _smaller(self, meta: dict[str, Any], args: tuple, kwargs: dict[str, Any],
@@ -282,6 +284,11 @@ class Launcher:
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Dict equality that also tells True from 1 (JSON keeps the difference; ``==`` does not)."""
     return a.keys() == b.keys() and all(type(a[k]) is type(b[k]) and a[k] == b[k] for k in a)
+
+
+def timing_ms(timing: Any) -> float:
+    """ms of one config as Triton's autotuner timed it: the median where it kept quantiles."""
+    return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
 
 
 def cdiv(a: int, b: int) -> int:
