@@ -29,6 +29,10 @@ Variants (``plan`` says which apply to a model at W):
 - ``ulysses-ours+compile``: the same with the patched transformer's forward torch.compiled (mode "default").
 - ``ulysses-ours+graphs``: ``ulysses-ours`` with ``SD_KERNELS_GRAPH_COLLECTIVES=1``: the transformer's
   calls captured in CUDA graphs with their collectives inside (experimental, patches/cuda_graph.py).
+- ``ring-peer``, ``ring-ours``, ``ring-ours+graphs`` (FLUX): the same three with
+  ``ContextParallelConfig(ring_degree=W)`` (``enable_context_parallel(pipe, exchange="ring")``): diffusers'
+  ring template over its cuDNN backend; ours, one all-gather of the keys and values and one attention
+  call (patches/context_parallel.py).
 - ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
   the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
 
@@ -38,12 +42,20 @@ from a barrier to the last process's end), ``vs_one_gpu`` (over ``ours`` on one 
 the one-GPU ``peer``, or at W > 1 over ``ulysses-peer`` where it ran), ``latent_rel_err`` and ``psnr_db``
 against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``status`` (ok, or why the
 row did not run), device and versions.
+
+``--profile``: after a variant's timed calls, one more call under torch.profiler on the first process:
+``DIR/profile-<model>-W<W>-<variant>.json`` holds its device time per kernel category
+(bench/unet_kernels.py's categories; the collectives are NCCL's kernels, their time including the wait
+for the other processes), the GPU's busy time (the union of kernel intervals), the collectives' time
+with no other kernel running beside them (``collectives_exposed_ms``), the largest idle gaps and the
+largest kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
 import statistics
@@ -60,6 +72,7 @@ PROMPT = "a photograph of an astronaut riding a horse"
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
 ONE_GPU = ("stock", "peer", "ours", "ours+compile")
 ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
+RING = ("ring-peer", "ring-ours", "ring-ours+graphs")  # under diffusers' plans only (FLUX)
 CFG = ("cfg-ours", "cfg-ours+compile")
 CP_PLANS = ("flux-dev",)  # diffusers 0.42.1 ships a context-parallel plan for these transformers
 OUR_CP_PLANS = ("sd3-medium", "pixart-sigma")  # sd_kernels' plans (patches/context_parallel_plans.py): no peer
@@ -72,7 +85,7 @@ def plan(model: str, world: int) -> tuple[str, ...]:
     """The variants that apply to ``model`` on ``world`` GPUs."""
     if world == 1:
         return ONE_GPU
-    out = ULYSSES if model in CP_PLANS else ULYSSES[1:] if model in OUR_CP_PLANS else ()
+    out = ULYSSES + RING if model in CP_PLANS else ULYSSES[1:] if model in OUR_CP_PLANS else ()
     if model not in NO_GUIDANCE and 2 % world == 0:  # one image: a guidance batch of 2
         out += CFG
     return out
@@ -113,9 +126,15 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
         with applied(pipe, VARIANTS["stock" if variant == "stock" else PEER]) as info:
             yield info["patched"]
         return
+    exchange = variant.split("-")[0]
     with contextlib.ExitStack() as stack:
         transformer = getattr(pipe, "transformer", None)
-        if variant == "ulysses-peer":
+        if exchange in ("ulysses", "ring") and transformer._parallel_config is not None:
+            # enable_parallelism cannot be undone: a process runs one exchange's variants
+            cp = transformer._parallel_config.context_parallel_config
+            if (cp.ring_degree > 1) != (exchange == "ring"):
+                raise RuntimeError(f"{variant}: this process's transformer is already under another exchange")
+        if variant.endswith("-peer"):
             from diffusers import ContextParallelConfig
             from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
 
@@ -125,23 +144,24 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
             transformer.set_attention_backend("_native_cudnn")
             stack.callback(registry.set_active_backend, active)
             stack.callback(transformer.reset_attention_backend)
-            if transformer._parallel_config is None:  # enable_parallelism cannot be undone: once per process
-                transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-        elif variant.startswith("ulysses") and transformer._parallel_config is None:
-            sd_kernels.enable_context_parallel(pipe, world)  # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
-        if variant == "ulysses-ours+graphs":
+            if transformer._parallel_config is None:
+                transformer.enable_parallelism(config=ContextParallelConfig(**{f"{exchange}_degree": world}))
+        elif exchange in ("ulysses", "ring") and transformer._parallel_config is None:
+            # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
+            sd_kernels.enable_context_parallel(pipe, world, exchange=exchange)
+        if variant.endswith("+graphs"):
             from sd_kernels.patches import cuda_graph
 
             os.environ[cuda_graph.COLLECTIVES_ENV] = "1"
             stack.callback(os.environ.pop, cuda_graph.COLLECTIVES_ENV)
         record = None
-        if variant != "ulysses-peer":
+        if not variant.endswith("-peer"):
             parallel = "cfg" if variant.startswith("cfg") else None
             compile = variant == "ours+compile" or variant == "cfg-ours+compile"
             record = sd_kernels.patch(pipe, parallel=parallel, compile=compile,
                                       cuda_graph=True if compile else "auto")
             stack.callback(sd_kernels.unpatch, pipe)
-        if variant in ("ulysses-peer", "ulysses-ours+compile"):
+        if variant.endswith("-peer") or variant == "ulysses-ours+compile":
             stack.enter_context(_compiled_forward(transformer))
         yield "" if record is None else " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
 
@@ -164,7 +184,39 @@ def _timed_ms(call) -> float:
     return ms.item()
 
 
-def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int) -> dict:
+def profiled(call, path: pathlib.Path) -> None:
+    """One ``call()`` under torch.profiler; on the first process, its device time per kernel category and
+    its largest kernels written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.timeline import gaps
+    from bench.unet_kernels import categories_us, category, kernel_times
+
+    _sync()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        call()
+        _sync()
+        wall = time.perf_counter() - start
+    if dist.get_rank() != 0:
+        return
+    kernels, counts, spans = kernel_times(prof)
+    busy, idle = gaps(spans)
+    compute_busy, _ = gaps([s for s in spans if category(s[2]) != "collectives (NCCL)"])
+    report = {"wall_ms": round(wall * 1e3, 2), "device_ms": round(sum(kernels.values()) / 1e3, 2),
+              # the union of kernel intervals: with collectives beside compute, less than device_ms
+              "busy_ms": round(busy / 1e3, 2),
+              "collectives_exposed_ms": round((busy - compute_busy) / 1e3, 2),
+              "largest_gaps": idle[:12],
+              "categories_ms": {c: round(us / 1e3, 2) for c, us in categories_us(kernels).most_common()},
+              "top_kernels": [{"name": n[:160], "ms": round(us / 1e3, 2), "calls": counts[n]}
+                              for n, us in kernels.most_common(25)]}
+    path.write_text(json.dumps(report, indent=1))
+
+
+def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
+            profile_to: pathlib.Path | None = None) -> dict:
     extra = _extra(pipe)
 
     def call(output_type: str):
@@ -179,6 +231,8 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int) -
         warmup = time.perf_counter() - start
         e2e = statistics.median(_timed_ms(lambda: call("pt")) for _ in range(calls))
         latent = call("latent")
+        if profile_to is not None:
+            profiled(lambda: call("pt"), profile_to)
     return {"status": "ok", "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "patched": patched,
             "image": image.float().cpu(), "latent": latent.float().cpu()}
 
@@ -230,11 +284,17 @@ def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list
             "world": world, **stamp}
     rows = []
     wanted = [v for v in plan(model, world) if not args.variants or v in args.variants]
-    # The Ulysses variants turn context parallelism on for good: after every other variant, the peer first.
-    for variant in sorted(wanted, key=lambda v: (v.startswith("ulysses"), v != "ulysses-peer")):
+    # The context-parallel variants turn it on for good: after every other variant, the peer first; a
+    # process runs one exchange's (its variants after the first exchange's are rows that say so).
+    def order(v: str) -> tuple:
+        exchange = v.split("-")[0]
+        return exchange in ("ulysses", "ring"), exchange, not v.endswith("-peer")
+
+    for variant in sorted(wanted, key=order):
         row = {**base, "variant": variant}
         try:
-            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world))
+            path = args.out / f"profile-{model}-W{world}-{variant}.json" if args.profile else None
+            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world, path))
         except Exception as exc:  # a variant that cannot run here is a row that says why
             row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
         if world == 1 and variant == "stock" and "image" in row:
@@ -260,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--variants", default="", help="a comma-separated subset of the planned variants (default: all)")
+    ap.add_argument("--profile", action="store_true", help="profile one more call of each variant (module docstring)")
     args = ap.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
     if not torch.cuda.is_available() or "RANK" not in os.environ:

@@ -50,6 +50,7 @@ CATEGORIES = (
     ("conv (ours)", r"^_conv_kernel"),
     ("residual / layout (ours)", r"^_(bias_residual|pack8|unpack8)_kernel"),
     ("geglu/gelu (ours)", r"^_(linear_geglu|elementwise)_kernel"),
+    ("collectives (NCCL)", r"^nccl"),
     ("attention (stock)", r"fmha|flash|attention|sdpa"),
     ("conv (cuDNN)", r"conv|implicit|cudnn|xmma|fprop|dgrad|wgrad"),
     ("gemm", r"gemm|cutlass|sm90_|ampere_|sm80_|cublas|nvjet"),

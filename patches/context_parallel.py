@@ -1,4 +1,4 @@
-"""sd_kernels' attention as the local attention of diffusers' context parallelism (Ulysses).
+"""sd_kernels' attention under diffusers' context parallelism: Ulysses' local attention, and ring.
 
 diffusers 0.42.1's context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(
 ulysses_degree=…, ring_degree=…))``) splits the transformer's token sequence over the processes (hooks
@@ -12,18 +12,25 @@ values around, merging the partial outputs with their log-sum-exps.
 
 ``attention`` here calls that template with sd_kernels' attention (``ops.custom_ops.attention``:
 FlashAttention, the partial softmax or SDPA, as the profile says) as the ``forward_op``, for a
-Ulysses-only config (``ring_degree`` 1, ``ulysses_anything`` or not). Ring and Ulysses × ring need the
-log-sum-exp of every row, which sd_kernels' kernels do not return: those configs go to diffusers'
-dispatch as before (``serves``). The backward op is diffusers' native one, which recomputes SDPA from
-what the forward op saved (the native forward op's way), so autograd through it still has gradients.
-The templates are diffusers' own code, called as its backends call them; they are used only where the
-installed diffusers has the very source checked (patches/diffusers_sources.py), else diffusers'
-dispatch runs everything.
+Ulysses-only config (``ring_degree`` 1, ``ulysses_anything`` or not). The backward op is diffusers'
+native one, which recomputes SDPA from what the forward op saved (the native forward op's way), so
+autograd through it still has gradients. The templates are diffusers' own code, called as its backends
+call them; they are used only where the installed diffusers has the very source checked
+(patches/diffusers_sources.py), else diffusers' dispatch runs everything.
+
+A ring-only config (``ulysses_degree`` 1): diffusers' ring template all-gathers every process's keys
+and values (one collective), then calls the local attention once per process's block of them with
+``return_lse`` and merges the partial outputs by their log-sum-exps in fp32 (elementwise ops between
+the calls). ``gathered_attention`` gathers the same keys and values in one collective, laid out so that
+the whole sequence's keys (and values) are one strided view with no copy (``kv_layout``), and runs
+sd_kernels' attention once over all of them: the same exact attention, in one kernel, with no
+log-sum-exp to return and nothing to merge. Ulysses × ring goes to diffusers' dispatch (``serves``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
@@ -66,7 +73,19 @@ def ulysses_degree(parallel_config) -> int | None:
     return cp.ulysses_degree
 
 
+def ring_degree(parallel_config) -> int | None:
+    """The ring degree of a ring-only context-parallel config (Ulysses degree 1), else None."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    if cp is None or cp.ulysses_degree != 1 or cp.ring_degree <= 1:
+        return None
+    return cp.ring_degree
+
+
 def serves(parallel_config) -> bool:
+    """Whether sd_kernels runs the attention under ``parallel_config`` (Ulysses on the verified templates,
+    or ring), rather than diffusers' dispatch."""
+    if ring_degree(parallel_config) is not None:
+        return True
     return ulysses_degree(parallel_config) is not None and verified()
 
 
@@ -106,9 +125,50 @@ def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return sdk_attention(q, k, v, scale=scale).permute(0, 2, 1, 3)
 
 
+def kv_layout(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Keys and values [B, S, H, D] side by side, [B, S, 2, H, D] (one copy): gathered over W processes
+    along dim 0 ([W·B, S, 2, H, D]), a batch of one is [1, W·S, 2, H, D] as it lies, so the whole
+    sequence's keys are the view ``[..., 0, :, :]`` with one token stride (2·H·D), the values likewise."""
+    return torch.stack((key, value), dim=2)
+
+
+def gather_kv(kv: torch.Tensor, parallel_config) -> torch.Tensor:
+    """The all-gather of this process's [B, S_local, 2, H, D] ``kv`` over the ring's processes, started and
+    not waited for (torch.distributed's functional collective, its autograd form where a gradient flows):
+    the caller may queue other work before ``attend_gathered`` waits (the exchange then overlaps it)."""
+    cp = parallel_config.context_parallel_config
+    autograd = torch.is_grad_enabled() and kv.requires_grad
+    gather = funcol.all_gather_tensor_autograd if autograd else funcol.all_gather_tensor
+    return gather(kv, 0, cp._ring_mesh.get_group())
+
+
+def attend_gathered(query: torch.Tensor, gathered: torch.Tensor, parallel_config) -> torch.Tensor:
+    """Exact attention of this process's [B, S_local, H, D] queries over every process's keys and values
+    (``gather_kv``'s result, [W·B, S_local, 2, H, D], waited for here): one call of sd_kernels' attention
+    on strided views. Keys are taken in rank order; attention does not depend on their order, only on
+    each key meeting its value."""
+    world = parallel_config.context_parallel_config.ring_degree
+    kv = gathered.wait() if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
+    bsz, s_local = query.shape[0], kv.shape[1]
+    if bsz == 1:
+        kv = kv.view(1, world * s_local, *kv.shape[2:])
+    else:  # process-major along dim 0: [B, W·S_local, ...] takes a copy
+        kv = kv.unflatten(0, (world, bsz)).transpose(0, 1).flatten(1, 2)
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, kv[:, :, 0], kv[:, :, 1]))
+    return sdk_attention(q, k, v).permute(0, 2, 1, 3)
+
+
+def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parallel_config) -> torch.Tensor:
+    """Ring attention of [B, S_local, H, D] q, k, v in one piece: ``kv_layout``, ``gather_kv``,
+    ``attend_gathered``."""
+    return attend_gathered(query, gather_kv(kv_layout(key, value), parallel_config), parallel_config)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parallel_config) -> torch.Tensor:
-    """diffusers' context-parallel attention of [B, S_local, H, D] q, k, v with sd_kernels' local attention
-    (for a config ``serves`` accepts)."""
+    """diffusers' context-parallel attention of [B, S_local, H, D] q, k, v with sd_kernels' attention (for a
+    config ``serves`` accepts): ring by ``gathered_attention``, Ulysses by diffusers' template."""
+    if ring_degree(parallel_config) is not None:
+        return gathered_attention(query, key, value, parallel_config)
     d = _dispatch_module()
     return d._templated_context_parallel_attention(
         query, key, value, forward_op=_forward_op, backward_op=d._native_attention_backward_op,

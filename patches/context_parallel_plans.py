@@ -219,13 +219,20 @@ def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> N
                          "only?): patch every process alike, before or after enable_context_parallel")
 
 
-def enable_context_parallel(obj, degree: int | None = None):
+EXCHANGES = ("ulysses", "ring")
+
+
+def enable_context_parallel(obj, degree: int | None = None, exchange: str = "ulysses"):
     """One image's tokens over the processes of torch.distributed's default group: diffusers'
     ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))`` on ``obj``'s transformer
     (a pipeline or the transformer), with sd_kernels' plan for SD3 and PixArt-Σ, diffusers' own for
     FLUX. ``degree``: the number of processes (the default); every process calls it alike, before or
-    after ``sd_kernels.patch``. Returns the transformer. Checked first, on every process alike: a
-    process group, a transformer with a plan, the degree, the heads it must divide."""
+    after ``sd_kernels.patch``. ``exchange="ring"`` (FLUX): ``ContextParallelConfig(ring_degree=degree)``
+    instead, whose attention sd_kernels runs as one all-gather of the keys and values and one attention
+    call (patches/context_parallel.py). Returns the transformer. Checked first, on every process alike:
+    a process group, a transformer with a plan, the degree, the heads it must divide."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"enable_context_parallel: exchange must be one of {EXCHANGES}, got {exchange!r}")
     group_or_error("context parallelism")
     transformer = getattr(obj, "transformer", None) if hasattr(obj, "components") else obj
     if transformer is None:
@@ -252,6 +259,12 @@ def enable_context_parallel(obj, degree: int | None = None):
     from diffusers import ContextParallelConfig
     from diffusers.models._modeling_parallel import ParallelConfig
 
+    if exchange == "ring":
+        if plan is not None:
+            raise ValueError(f"enable_context_parallel: exchange='ring' runs under diffusers' own plans (FLUX); "
+                             f"sd_kernels' plan for {name} exchanges by Ulysses (exchange='ulysses')")
+        transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=degree))
+        return transformer
     config = ContextParallelConfig(ulysses_degree=degree)
     if plan is None:  # diffusers' template (FLUX): our processors check their heads as they do under it
         flux = flux_attention.flux_attention_class()

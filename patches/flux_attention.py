@@ -33,9 +33,10 @@ serve goes to diffusers' ``dispatch_attention_fn`` as diffusers calls it: an ``a
 through ``joint_attention_kwargs``; diffusers' native backend reshapes a [B, S] mask, which this leaves
 to it), a backend chosen on the processor (``attn.set_attention_backend``) or for the process
 (``DIFFUSERS_ATTN_BACKEND``, the ``attention_backend`` context manager), and context parallelism that
-sd_kernels' attention does not serve (ring, which needs the log-sum-exp). Under diffusers' Ulysses
-context parallelism (``_parallel_config`` set by ``enable_parallelism``, before or after the patch) the
-local attention of diffusers' Ulysses template is sd_kernels' (patches/context_parallel.py).
+sd_kernels' attention does not serve (Ulysses × ring). Under diffusers' Ulysses context parallelism
+(``_parallel_config`` set by ``enable_parallelism``, before or after the patch) the local attention of
+diffusers' Ulysses template is sd_kernels'; under ring, sd_kernels gathers the keys and values and runs
+one attention over them (patches/context_parallel.py).
 
 patches/attention.py installs it on every ``FluxAttention`` whose processor is exactly
 ``FluxAttnProcessor`` while that ``__call__`` is the verified source (patches/diffusers_sources.py) and no
@@ -45,11 +46,13 @@ left alone and listed in the record.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 
 import torch
 
-from sd_kernels.ops.custom_ops import attention, qk_norm_rope
+from sd_kernels.ops.custom_ops import attention, qk_norm_rope, qk_norm_rope_kv
 from sd_kernels.profiles import scoped
 
 from . import context_parallel, qkv_fusion
@@ -164,6 +167,13 @@ class SDKernelsFluxAttnProcessor:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def _ring(self) -> bool:
+        """Whether this call's attention is the ring exchange ``_attention`` would run (gathered keys and
+        values, patches/context_parallel.py)."""
+        parallel = self._parallel_config
+        return (parallel is not None and self._attention_backend is None and _native_backend()
+                and context_parallel.ring_degree(parallel) is not None)
+
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None) -> torch.Tensor:
         """diffusers' ``dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
@@ -174,7 +184,7 @@ class SDKernelsFluxAttnProcessor:
                 # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
                 query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
                 return attention(query, key, value, precision=self.precision).permute(0, 2, 1, 3)
-            if context_parallel.serves(parallel):  # Ulysses: diffusers' template, our local attention
+            if context_parallel.serves(parallel):  # Ulysses (diffusers' template, our local attention) or ring
                 context_parallel.check_heads(query.shape[2], parallel, "FluxAttention")
                 return context_parallel.attention(query, key, value, parallel)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -199,6 +209,17 @@ class SDKernelsFluxAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        return self._begin(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)()
+
+    @scoped
+    def begin(self, attn, hidden_states: torch.Tensor, image_rotary_emb=None) -> Callable[[], torch.Tensor]:
+        """A single-stream block's call ``attn(hidden_states, image_rotary_emb=...)`` in two halves: this
+        runs the projections and the attention's inputs and, under ring context parallelism, starts the
+        keys' and values' exchange; the call it returns runs the rest and returns the call's result.
+        What the caller queues between overlaps the exchange (FLUX's single blocks: their MLP)."""
+        return self._begin(attn, hidden_states, None, None, image_rotary_emb)
+
+    def _begin(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
         from diffusers.models.embeddings import apply_rotary_emb
 
         # diffusers: _get_qkv_projections(attn, hidden_states, encoder_hidden_states), one GEMM a stream
@@ -206,15 +227,20 @@ class SDKernelsFluxAttnProcessor:
         query, key, value, encoder_query, encoder_key, encoder_value = qkv_fusion.projections(
             self, attn, hidden_states, encoder_hidden_states
         )
-
+        ring = attention_mask is None and self._ring()  # the keys and values go out as one buffer
         text = attn.added_kv_proj_dim is not None
         fused = _fused_inputs(attn, query, encoder_query if text else None, image_rotary_emb)
+        kv = None
         if fused is not None:  # the lines below in one op: sd_kernels.ops.qk_norm_rope
             eps, (q_weight, k_weight, eq_weight, ek_weight), (cos, sin) = fused
             stream = dict(eq=encoder_query, ek=encoder_key, ev=encoder_value, eq_weight=eq_weight,
                           ek_weight=ek_weight) if text else {}
-            query, key, value = qk_norm_rope(query, key, value, attn.head_dim, q_weight=q_weight, k_weight=k_weight,
-                                             eps=eps, cos=cos, sin=sin, **stream)
+            args = (query, key, value, attn.head_dim)
+            norm_rope = dict(q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, **stream)
+            if ring:  # the keys and values written side by side, for the exchange to send as they are
+                query, kv = qk_norm_rope_kv(*args, **norm_rope)
+            else:
+                query, key, value = qk_norm_rope(*args, **norm_rope)
         else:
             query = query.unflatten(-1, (-1, attn.head_dim))
             key = key.unflatten(-1, (-1, attn.head_dim))
@@ -238,10 +264,23 @@ class SDKernelsFluxAttnProcessor:
             if image_rotary_emb is not None:
                 query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
                 key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            if ring:
+                kv = context_parallel.kv_layout(key, value)
 
-        # diffusers: dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=...,
-        # parallel_config=...)
-        hidden_states = self._attention(query, key, value, attention_mask)
+        if ring:
+            pending = context_parallel.gather_kv(kv, self._parallel_config)
+            return functools.partial(self._finish, attn, query, pending, None, None, encoder_hidden_states)
+        return functools.partial(self._finish, attn, query, key, value, attention_mask, encoder_hidden_states)
+
+    @scoped
+    def _finish(self, attn, query, key, value, attention_mask, encoder_hidden_states):
+        """The call from the attention core on (``value`` None: ``key`` is the ring exchange under way)."""
+        if value is None:
+            hidden_states = context_parallel.attend_gathered(query, key, self._parallel_config)
+        else:
+            # diffusers: dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=...,
+            # parallel_config=...)
+            hidden_states = self._attention(query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 

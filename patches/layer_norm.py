@@ -70,6 +70,7 @@ block forward here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -351,9 +352,15 @@ class FluxSingleBlockForward(_FluxForward):
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = _joined(encoder_hidden_states, hidden_states)
         norm_hidden_states, gate = _ada_norm_zero(block.norm, hidden_states, temb)
+        # sd_kernels' FLUX processor in two halves: the MLP runs while a ring exchange of keys and values
+        # (context parallelism) is under way; without one, the same ops in another order
+        finish = _begun(block.attn, norm_hidden_states, image_rotary_emb)
         # torch.cat([attn_output, act_mlp(proj_mlp(norm_hidden_states))], dim=2), the GELU written in its place
         joined = _mlp_beside(block, norm_hidden_states)
-        attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+        if finish is None:
+            attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+        else:
+            attn_output = finish()
         inner = block.attn.inner_dim
         if not isinstance(joined, torch.Tensor):
             joined = torch.cat([attn_output, joined[0]], dim=2)
@@ -367,6 +374,19 @@ class FluxSingleBlockForward(_FluxForward):
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Callable[[], torch.Tensor] | None:
+    """``attn(hidden_states=..., image_rotary_emb=...)`` begun by its processor's ``begin`` (sd_kernels' FLUX
+    processor), the rest to call; None where the processor has no ``begin``, where calling it would pass
+    by the module's hooks (torch's, or diffusers' on its forward), and under autograd (another order of
+    the forward sums the input's gradient in another order: stock's bits kept)."""
+    begin = getattr(attn.processor, "begin", None)
+    if (begin is None or attn._forward_hooks or attn._forward_pre_hooks or "forward" in vars(attn)
+            or getattr(attn, "_diffusers_hook", None) is not None
+            or (torch.is_grad_enabled() and hidden_states.requires_grad)):
+        return None
+    return begin(attn, hidden_states, image_rotary_emb=image_rotary_emb)
 
 
 def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:

@@ -546,7 +546,7 @@ def test_rope_bench_is_a_family_and_its_impls_agree(device):
 
 
 def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance_splits():
-    """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses rows at every W > 1; SD3
+    """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses and ring rows at every W > 1; SD3
     and PixArt-Σ (guidance, sd_kernels' plans) ours at every W > 1 (no peer: diffusers' processors for them
     have no context-parallel path) and the CFG rows at W = 2; SDXL the CFG rows at W = 2 only: one image's
     guidance batch is 2."""
@@ -557,7 +557,7 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
 
     for model in parallel.MODELS:
         assert parallel.plan(model, 1) == parallel.ONE_GPU
-    assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES
+    assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES + parallel.RING
     assert parallel.plan("sdxl", 2) == parallel.CFG and parallel.plan("sdxl", 4) == ()
     ours = ("ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
     for model in ("sd3-medium", "pixart-sigma"):

@@ -23,7 +23,8 @@ file (keys: prompt, negative, seed, size or width/height, steps, guidance), --im
 written as DIR/NNNNN.png with DIR/manifest.jsonl; a rerun skips what is done. Several GPUs: accelerate
 launch --multi_gpu --num_processes N -m sd_kernels generate --prompts FILE --out DIR. One image on several
 processes: torchrun --nproc_per_node 2 -m sd_kernels generate --prompt TEXT --parallel cfg (or --parallel
-ulysses for FLUX, SD3 and PixArt-Σ, N processes). Documentation: docs/generate.md, docs/parallel.md."""
+ulysses for FLUX, SD3 and PixArt-Σ, or ring for FLUX, N processes). Documentation: docs/generate.md,
+docs/parallel.md."""
 
 
 def positive_int(text: str) -> int:
@@ -87,7 +88,8 @@ def add_parser(sub, pipeline_options, compile_option) -> argparse.ArgumentParser
                      "GPUs with FP8 tensor cores: Ada, Hopper; docs/fp8.md)")
     gen.add_argument("--parallel", choices=parallel.MODES, help="with --prompt, under torchrun: one image on all the "
                      "launch's processes; cfg: the guidance batch over 2 (SD1.x/2.x, SDXL, PixArt-Σ, SD3); ulysses: "
-                     "diffusers' context parallelism with our attention (FLUX, SD3, PixArt-Σ); docs/parallel.md")
+                     "diffusers' context parallelism with our attention (FLUX, SD3, PixArt-Σ); ring: the same with "
+                     "the keys and values gathered (FLUX, faster there); docs/parallel.md")
     gen.add_argument("--out", help="the image to write (default image.png); with --prompts, the folder (default "
                      "images)")
     gen.set_defaults(fn=cmd_generate)

@@ -1,7 +1,7 @@
 """``sd-kernels generate --prompt ... --parallel MODE``: one image made by the processes of one launch.
 
     torchrun --nproc_per_node 2 -m sd_kernels generate --prompt "a cat" --parallel cfg --out cat.png
-    torchrun --nproc_per_node 4 -m sd_kernels generate --model flux-dev --prompt "a cat" --parallel ulysses
+    torchrun --nproc_per_node 4 -m sd_kernels generate --model flux-dev --prompt "a cat" --parallel ring
 
 Every process builds the same pipeline (a shipped config's weights are always seed 0's; a checkpoint
 is the same file) and calls it with the same prompt and seed (rank 0's, drawn or given); rank 0 alone
@@ -12,7 +12,10 @@ prints and writes the image, whose records name the split and the process count.
   conditional] of the denoiser's calls split over 2 processes (SD1.x/2.x, SDXL, PixArt-Σ, SD3);
 - ``ulysses``: diffusers' context parallelism over all N processes through
   ``sd_kernels.enable_context_parallel(pipe)`` (diffusers' plan for FLUX, ours for SD3 and PixArt-Σ:
-  patches/context_parallel_plans.py), then ``patch(pipe)``: the attention inside is ours.
+  patches/context_parallel_plans.py), then ``patch(pipe)``: the attention inside is ours;
+- ``ring`` (FLUX: diffusers' plan): the same with ``exchange="ring"``: each attention gathers the keys
+  and values of every process and runs ours once over them (faster than ``ulysses`` for FLUX at 2 and
+  4 processes: docs/parallel.md).
 
 This is not the batch mode's sharding (``--prompts`` under ``accelerate launch``: whole images per
 process). Everything the launch, the model and the options allow is checked before any work; the
@@ -31,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the command line's parsing imports this module: nothing heavy at import
     from sd_kernels.apps.pipeline import Model
 
-MODES = ("cfg", "ulysses")
+MODES = ("cfg", "ulysses", "ring")
+TOKENS = ("ulysses", "ring")  # the modes that split the transformer's tokens (context parallelism)
 CFG_PROCESSES = 2  # one image's guidance batch has two halves
 
 
@@ -75,8 +79,8 @@ def launch(mode: str, *, cuda_graph: str, compile: bool | str) -> Launch:
     if mode == "cfg" and world != CFG_PROCESSES:
         raise ValueError(f"--parallel cfg splits one image's guidance batch [unconditional; conditional] over "
                          f"{CFG_PROCESSES} processes, and this launch has {world}: {_command(mode)}")
-    if mode == "ulysses" and world < 2:
-        raise ValueError(f"--parallel ulysses splits the transformer's tokens over the processes, and this launch has "
+    if mode in TOKENS and world < 2:
+        raise ValueError(f"--parallel {mode} splits the transformer's tokens over the processes, and this launch has "
                          f"{world}: {_command(mode)} with N >= 2")
     if mode == "cfg" and cuda_graph == "step":
         raise ValueError("--cuda-graph step with --parallel cfg: the outputs are exchanged between the processes "
@@ -84,11 +88,11 @@ def launch(mode: str, *, cuda_graph: str, compile: bool | str) -> Launch:
                          "pipeline)")
     from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV, collectives_captured
 
-    if mode == "ulysses" and compile:
-        raise ValueError("--compile with --parallel ulysses: the patch compiles what its CUDA graphs capture, and a "
+    if mode in TOKENS and compile:
+        raise ValueError(f"--compile with --parallel {mode}: the patch compiles what its CUDA graphs capture, and a "
                          "transformer under context parallelism is not captured (its collectives would be baked in)")
-    if mode == "ulysses" and cuda_graph not in ("auto", "off") and not collectives_captured():
-        raise ValueError(f"--cuda-graph {cuda_graph} with --parallel ulysses: a transformer under context parallelism "
+    if mode in TOKENS and cuda_graph not in ("auto", "off") and not collectives_captured():
+        raise ValueError(f"--cuda-graph {cuda_graph} with --parallel {mode}: a transformer under context parallelism "
                          f"is not captured (its collectives would be baked in; {COLLECTIVES_ENV}=1 on every process "
                          "captures them, experimental); use auto or off")
     return Launch(mode, rank, world, local, local_world)
@@ -106,10 +110,13 @@ def check_model(launch: Launch, model: Model, guidance: float) -> None:
             raise ValueError(f"--parallel cfg: a guidance scale of {guidance:g} runs no classifier-free guidance (a "
                              "batch of one image, which 2 processes do not split); give --guidance-scale above 1")
     elif not model.context_parallel:
-        raise ValueError(f"--parallel ulysses runs diffusers' context parallelism, which has no plan for the "
+        raise ValueError(f"--parallel {launch.mode} runs diffusers' context parallelism, which has no plan for the "
                          f"denoiser of a {model.pipeline} (FLUX, SD3 and PixArt-Σ have one); "
                          + ("--parallel cfg splits its guidance batch over 2 processes" if model.guidance_batch
                             else "make its image on one process"))
+    elif launch.mode == "ring" and not model.ring:
+        raise ValueError(f"--parallel ring runs under diffusers' own context-parallel plans (FLUX); sd_kernels' plan "
+                         f"for the denoiser of a {model.pipeline} exchanges by Ulysses: --parallel ulysses")
 
 
 def start(launch: Launch, device: str) -> str:
@@ -147,7 +154,7 @@ def prepare(pipe: Any, launch: Launch) -> dict[str, Any]:
     from sd_kernels.patches.context_parallel_plans import enable_context_parallel
 
     with _cpu_counted_as_one_device() if torch.accelerator.device_count() == 0 else contextlib.nullcontext():
-        enable_context_parallel(pipe, launch.world)
+        enable_context_parallel(pipe, launch.world, exchange=launch.mode)
     return {}
 
 

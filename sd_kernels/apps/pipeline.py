@@ -37,7 +37,9 @@ class Model:
     # whether guidance above 1 runs the denoiser on [unconditional; conditional] (classifier-free guidance);
     # not in guidance-distilled pipelines (FLUX: its scale is an input of one call; true CFG is two calls)
     guidance_batch: bool = True
-    context_parallel: bool = False  # whether diffusers has a context-parallel plan for the denoiser (FLUX)
+    # whether the denoiser has a context-parallel plan: diffusers' own (FLUX) or sd_kernels' (SD3, PixArt-Σ)
+    context_parallel: bool = False
+    ring: bool = False  # whether that plan is diffusers' own (the ring exchange runs under it)
 
     @property
     def weights(self) -> str:
@@ -110,20 +112,20 @@ def inspect(settings: Settings, name: str) -> Model:
         loras=[{"path": x.path, "scale": x.scale, "sha256": _sha256_of(x.path)} for x in settings.loras],
         image={"path": settings.image, "sha256": _sha256_of(settings.image)} if settings.image else None,
         mask={"path": settings.mask, "sha256": _sha256_of(settings.mask)} if settings.mask else None,
-        guidance_batch=guidance_batch, context_parallel=_has_cp_plan(cls))
+        guidance_batch=guidance_batch, context_parallel=_has_cp_plan(cls), ring=_has_cp_plan(cls, own=False))
 
 
-def _has_cp_plan(cls: type) -> bool:
+def _has_cp_plan(cls: type, own: bool = True) -> bool:
     """Whether the denoiser class a pipeline class is built with (its ``__init__``'s annotation) has a
-    context-parallel plan: diffusers' own (FLUX) or sd_kernels' (SD3, PixArt-Σ)."""
+    context-parallel plan: diffusers' own (FLUX) or (``own``) sd_kernels' (SD3, PixArt-Σ)."""
     from sd_kernels.patches.context_parallel_plans import PLANNED
 
     params = pyinspect.signature(cls.__init__).parameters
     denoiser = params.get("transformer") or params.get("unet")
     if denoiser is None:
         return False
-    return getattr(denoiser.annotation, "_cp_plan", None) is not None or getattr(
-        denoiser.annotation, "__name__", None) in PLANNED
+    return getattr(denoiser.annotation, "_cp_plan", None) is not None or (
+        own and getattr(denoiser.annotation, "__name__", None) in PLANNED)
 
 
 def _scheduler(facts: dict[str, Any], name: str | None) -> str:

@@ -12,7 +12,7 @@ from .group_stats import group_norm_given, group_partials, group_stats, mean_rst
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated, layer_norm_modulated_fp8
 from .pack8 import pack8, unpack8
 from .residual import bias_residual
-from .rope import qk_norm_rope
+from .rope import qk_norm_rope, qk_norm_rope_kv
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
 from .upsample import upsample_conv2d
 from .winograd import winograd_conv2d, winograd_weight
@@ -39,6 +39,7 @@ __all__ = [
     "merge_group_stats",
     "pack8",
     "qk_norm_rope",
+    "qk_norm_rope_kv",
     "quantize_rows",
     "partial_softmax_attention",
     "softmax_matmul",

@@ -411,4 +411,14 @@ def qk_norm_rope(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=
                                  ek_weight)
 
 
+def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
+                    ev=None, eq_weight=None, ek_weight=None):
+    """``sd_kernels.ops.qk_norm_rope_kv``: (query, kv [B, S, 2, H, D]); traced, ``qk_norm_rope``'s op and a stack."""
+    args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    if torch.compiler.is_compiling():
+        query, key, value = qk_norm_rope(*args)
+        return query, torch.stack((key, value), dim=2)
+    return rope_ops.qk_norm_rope_kv(*args)
+
+
 OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

@@ -76,16 +76,17 @@ def _norm_rope(src, off, stride_d, w_ptr, dst, out_off, d, mask, D, eps, ce, co,
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr,
-    n_rows, S, H, D, offset, s_total, eps,
+    n_rows, S, H, D, offset, s_total, kv_row, eps,
     stride_qb, stride_qs, stride_qd, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     stride_cs, stride_cd, stride_ss, stride_sd,
     NORM: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROPE: tl.constexpr, HAS_V: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of one stream's B·S·H (token, head) rows: q and k normalized
-    (NORM) and rotated (ROPE), v copied (HAS_V), into contiguous [B, s_total, H, D] outputs at token
-    ``offset``. Rows are loaded whole (contiguous, vector loads) and split into the rotation's pairs
-    in registers."""
+    (NORM) and rotated (ROPE), v copied (HAS_V), into [B, s_total, H, D] outputs at token ``offset``:
+    q's contiguous, k's and v's ``kv_row`` elements a token apart (H·D: contiguous; 2·H·D: the two
+    halves of one [B, s_total, 2, H, D] buffer). Rows are loaded whole (contiguous, vector loads) and
+    split into the rotation's pairs in registers."""
     # int64: (sample·s_total + token)·H·D passes 2³¹ on large batches
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     head = rows % H
@@ -94,6 +95,7 @@ def _qk_norm_rope_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (d < D)[None, :]
     out_off = ((sample * s_total + offset + token) * H + head) * D
+    kv_off = (sample * s_total + offset + token) * kv_row + head * D
     col = head * D  # the head's first element in the H·D projection row
 
     ce, co, se, so = 0.0, 0.0, 0.0, 0.0
@@ -102,12 +104,12 @@ def _qk_norm_rope_kernel(
         se, so = _pairs(_rows(sin_ptr, (offset + token) * stride_ss, d, mask, stride_sd), ROWS, BLOCK_D)
     _norm_rope(q_ptr, sample * stride_qb + token * stride_qs + col * stride_qd, stride_qd, wq_ptr, oq_ptr, out_off,
                d, mask, D, eps, ce, co, se, so, NORM, HAS_WQ, ROPE, ROWS, BLOCK_D)
-    _norm_rope(k_ptr, sample * stride_kb + token * stride_ks + col * stride_kd, stride_kd, wk_ptr, ok_ptr, out_off,
+    _norm_rope(k_ptr, sample * stride_kb + token * stride_ks + col * stride_kd, stride_kd, wk_ptr, ok_ptr, kv_off,
                d, mask, D, eps, ce, co, se, so, NORM, HAS_WK, ROPE, ROWS, BLOCK_D)
     if HAS_V:
         off = sample * stride_vb + token * stride_vs + col * stride_vd
         v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_vd, mask=mask, other=0.0)
-        tl.store(ov_ptr + out_off[:, None] + d[None, :], v, mask=mask)
+        tl.store(ov_ptr + kv_off[:, None] + d[None, :], v, mask=mask)
 
 
 _LAUNCH = Launcher(_qk_norm_rope_kernel)
@@ -134,7 +136,8 @@ def blocks(head_dim: int) -> tuple[int, int, int]:
 
 
 def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offset: int, head_dim: int) -> None:
-    """One stream's rows into ``out`` = (query, key, value or None) at token ``offset``."""
+    """One stream's rows into ``out`` = (query, key, value or None) at token ``offset``: query contiguous,
+    key and value contiguous or the halves of one [B, S, 2, H, D] buffer (``qk_norm_rope_kv``)."""
     bsz, s, n = q.shape
     heads = n // head_dim
     n_rows = bsz * s * heads
@@ -151,7 +154,7 @@ def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offse
         key, (cdiv(n_rows, rows),),
         q, k, vv, q if q_weight is None else q_weight, q if k_weight is None else k_weight, c, sn,
         oq, ok, oq if ov is None else ov,
-        n_rows, s, heads, head_dim, offset, oq.shape[1], 0.0 if eps is None else float(eps),
+        n_rows, s, heads, head_dim, offset, oq.shape[1], ok.stride(1), 0.0 if eps is None else float(eps),
         *q.stride(), *k.stride(), *vv.stride(), *c.stride()[-2:], *sn.stride()[-2:],
         **flags, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
@@ -177,22 +180,52 @@ def qk_norm_rope(
     stream: (query, key, value) [B, S_text + S, H, D], query and key contiguous new tensors in q's
     dtype; value the text and image values joined (a new tensor), or without a text stream the view
     ``v.unflatten(-1, (-1, head_dim))`` (no copy, as stock)."""
+    args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    if not _kernel_runs(*args):
+        return reference.qk_norm_rope(*args)
+    query, key = _alloc(_heads_shape(q, eq, head_dim), q), _alloc(_heads_shape(q, eq, head_dim), q)
+    value = None if eq is None else _alloc(_heads_shape(q, eq, head_dim), q)
+    _launch_streams(*args, out=(query, key, value))
+    return query, key, v.unflatten(-1, (-1, head_dim)) if value is None else value
+
+
+def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
+                    ev=None, eq_weight=None, ek_weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope`` with the key and value side by side: (query [B, S_text + S, H, D], kv [B, S_text + S,
+    2, H, D]), ``kv[:, :, 0]`` the key and ``kv[:, :, 1]`` the value (copied in, also without a text
+    stream): one buffer for a collective to send whole (patches/context_parallel.py), written by the
+    same launches."""
+    args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    if not _kernel_runs(*args):
+        query, key, value = reference.qk_norm_rope(*args)
+        return query, torch.stack((key, value), dim=2)
+    shape = _heads_shape(q, eq, head_dim)
+    query, kv = _alloc(shape, q), _alloc((*shape[:2], 2, *shape[2:]), q)
+    _launch_streams(*args, out=(query, kv[:, :, 0], kv[:, :, 1]))
+    return query, kv
+
+
+def _kernel_runs(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight) -> bool:
+    """The arguments checked (a ValueError for bad ones); whether the kernel takes the call."""
     reference.check_qk_norm_rope_args(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev,
                                       eq_weight, ek_weight)
     activations, weights = (q, k, v, eq, ek, ev), (q_weight, k_weight, eq_weight, ek_weight)
     reason = _kernel_reason(activations, weights, (cos, sin), head_dim)
-    if not use_kernel("qk_norm_rope", *activations, *weights, cos, sin, unsupported=reason):
-        return reference.qk_norm_rope(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev,
-                                      eq_weight, ek_weight)
+    return use_kernel("qk_norm_rope", *activations, *weights, cos, sin, unsupported=reason)
+
+
+def _heads_shape(q: torch.Tensor, eq: torch.Tensor | None, head_dim: int) -> tuple[int, int, int, int]:
     bsz, s, n = q.shape
+    return bsz, s + (0 if eq is None else eq.shape[1]), n // head_dim, head_dim
+
+
+def _launch_streams(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight, *,
+                    out: tuple) -> None:
+    """The text stream's launch (if any) at token 0, the image stream's after it."""
     s_text = 0 if eq is None else eq.shape[1]
-    shape = (bsz, s_text + s, n // head_dim, head_dim)
-    query, key = _alloc(shape, q), _alloc(shape, q)
-    value = None if eq is None else _alloc(shape, q)
     if eq is not None:
-        _launch_stream(eq, ek, ev, eq_weight, ek_weight, eps, cos, sin, (query, key, value), 0, head_dim)
-    _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, (query, key, value), s_text, head_dim)
-    return query, key, v.unflatten(-1, (-1, head_dim)) if value is None else value
+        _launch_stream(eq, ek, ev, eq_weight, ek_weight, eps, cos, sin, out, 0, head_dim)
+    _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out, s_text, head_dim)
 
 
 def _alloc(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

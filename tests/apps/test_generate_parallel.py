@@ -56,6 +56,11 @@ def _read(path):
     (["--parallel", "ulysses", "--model", "tiny-flux", "--compile"], 2, "--compile with --parallel ulysses"),
     (["--parallel", "ulysses", "--model", "tiny-flux", "--cuda-graph", "pipeline"], 2,
      "--cuda-graph pipeline with --parallel ulysses"),
+    (["--parallel", "ring"], 2, "--parallel ring runs diffusers' context parallelism, which has no plan for the "
+     "denoiser of a StableDiffusionPipeline"),
+    (["--parallel", "ring", "--model", "tiny-sd3"], 2, "--parallel ring runs under diffusers' own context-parallel "
+     "plans (FLUX); sd_kernels' plan for the denoiser of a StableDiffusion3Pipeline exchanges by Ulysses"),
+    (["--parallel", "ring", "--model", "tiny-flux", "--compile"], 2, "--compile with --parallel ring"),
 ])
 def test_what_the_split_cannot_take_is_an_error_before_any_work(tmp_path, no_build, monkeypatch, capsys, argv, world,
                                                                 message):
@@ -78,8 +83,9 @@ def test_parallel_with_a_prompts_file_points_to_the_batch_mode(tmp_path, no_buil
         "prompt-level sharding is the batch mode: accelerate launch --multi_gpu --num_processes N -m sd_kernels "
         "generate --prompts FILE --out DIR")
     with pytest.raises(SystemExit):
-        cli.main(["generate", "--prompt", "a cat", "--parallel", "ring"])
-    assert "argument --parallel: invalid choice: 'ring' (choose from 'cfg', 'ulysses')" in capsys.readouterr().err
+        cli.main(["generate", "--prompt", "a cat", "--parallel", "tree"])
+    err = capsys.readouterr().err
+    assert "argument --parallel: invalid choice: 'tree' (choose from 'cfg', 'ulysses', 'ring')" in err
 
 
 @pytest.mark.parametrize("mode,model", [("cfg", "tiny"), ("ulysses", "tiny-flux")])
@@ -110,13 +116,28 @@ def test_two_processes_make_the_one_process_image_and_the_first_writes_it(tmp_pa
 
 
 def test_the_transformers_with_a_plan_take_ulysses_and_the_unets_do_not():
-    """FLUX has diffusers' plan, SD3 and PixArt-Σ sd_kernels' (patches/context_parallel_plans.py); a UNet none."""
+    """FLUX has diffusers' plan (ulysses or ring), SD3 and PixArt-Σ sd_kernels' (patches/context_parallel_plans.py:
+    ulysses); a UNet none."""
     import diffusers
 
     from sd_kernels.apps.pipeline import _has_cp_plan
 
-    planned = {name: _has_cp_plan(getattr(diffusers, name)) for name in (
-        "FluxPipeline", "StableDiffusion3Pipeline", "PixArtSigmaPipeline", "StableDiffusionPipeline",
-        "StableDiffusionXLPipeline")}
+    names = ("FluxPipeline", "StableDiffusion3Pipeline", "PixArtSigmaPipeline", "StableDiffusionPipeline",
+             "StableDiffusionXLPipeline")
+    planned = {name: _has_cp_plan(getattr(diffusers, name)) for name in names}
     assert planned == {"FluxPipeline": True, "StableDiffusion3Pipeline": True, "PixArtSigmaPipeline": True,
                        "StableDiffusionPipeline": False, "StableDiffusionXLPipeline": False}
+    assert [name for name in names if _has_cp_plan(getattr(diffusers, name), own=False)] == ["FluxPipeline"]
+
+
+def test_ring_mode_enables_the_ring_exchange(monkeypatch):
+    """--parallel ring: enable_context_parallel(pipe, N, exchange="ring"); ulysses: exchange="ulysses"."""
+    from sd_kernels.patches import context_parallel_plans
+
+    from sd_kernels.apps import parallel
+
+    calls = []
+    monkeypatch.setattr(context_parallel_plans, "enable_context_parallel", lambda *a, **k: calls.append((a, k)))
+    for mode in ("ring", "ulysses"):
+        assert parallel.prepare("pipe", parallel.Launch(mode, 0, 4, 0, 4)) == {}
+    assert calls == [(("pipe", 4), {"exchange": "ring"}), (("pipe", 4), {"exchange": "ulysses"})]

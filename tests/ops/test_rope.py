@@ -12,7 +12,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from sd_kernels import reference
-from sd_kernels.ops import custom_ops, qk_norm_rope
+from sd_kernels.ops import custom_ops, qk_norm_rope, qk_norm_rope_kv
 from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_
 
@@ -135,6 +135,25 @@ def test_reference_is_stock_bit_for_bit():
     ours = reference.qk_norm_rope(q, k, v, d, wq, wk, eps, cos, sin, eq, ek, ev, ewq, ewk)
     for o, want in zip(ours, (query, key, value)):
         assert torch.equal(o, want)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("case", ["flux-double", "flux-single"])
+def test_keys_and_values_side_by_side_are_qk_norm_ropes(case, backend, monkeypatch, device):
+    """qk_norm_rope_kv (the ring exchange's one buffer): query and kv[:, :, 0] / kv[:, :, 1] equal to the bit
+    qk_norm_rope's query, key and value, every element of the poisoned buffer written (the single stream's
+    values copied in too), kv [B, S, 2, H, D] contiguous; the custom-op wrapper the same."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", backend)
+    alloc = rope_ops._alloc
+    monkeypatch.setattr(rope_ops, "_alloc", lambda *a: poison_(alloc(*a)))
+    args = make_args(b=2, s_text=4, s=6, heads=3, head_dim=24, dtype=torch.bfloat16, device=device, **CASES[case])
+    query, kv = qk_norm_rope_kv(*args)
+    assert kv.shape == (2, 10 if case == "flux-double" else 6, 2, 3, 24) and kv.is_contiguous()
+    assert not kv.isnan().any()
+    for got, want in zip((query, kv[:, :, 0], kv[:, :, 1]), qk_norm_rope(*args)):
+        assert torch.equal(got, want)
+    wrapped = custom_ops.qk_norm_rope_kv(*args)
+    assert torch.equal(wrapped[0], query) and torch.equal(wrapped[1], kv)
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch: its unfused path

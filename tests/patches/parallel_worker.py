@@ -5,7 +5,8 @@ One launch for every case: each process pays its imports once.
 Cases: CFG-parallel SD1.5- and SDXL-shaped pipelines against one process (latents; the reference ops:
 the split is what is tested, the ops have their own tests) and exactly unpatched; FLUX under diffusers'
 Ulysses context parallelism with sd_kernels' attention (the kernels, through the interpreter), patched
-after and before ``enable_parallelism``, against one process, and exactly unpatched; the clear errors
+after and before ``enable_parallelism``, against one process, and exactly unpatched; FLUX under a ring
+config, with the keys and values gathered for one attention call; the clear errors
 (a batch the processes do not divide, a seed per process, mixed profiles under either split, heads the
 Ulysses degree does not divide).
 """
@@ -162,6 +163,46 @@ def ulysses_case():
     return out
 
 
+def ring_case():
+    """FLUX under a ring config (sd_kernels.enable_context_parallel(exchange="ring")), patched before it:
+    every attention call gathers the keys and values once and runs our attention over all of them; the
+    single-stream blocks begin the attention before their MLP (the exchange overlaps it)."""
+    from sd_kernels.patches import flux_attention
+    from sd_kernels.patches.context_parallel_plans import enable_context_parallel
+
+    with sd_kernels.patched(pipe := build("tiny-flux")):
+        one = latents(pipe)
+    shapes, begun = [], []
+    attend, begin = context_parallel.attend_gathered, flux_attention.SDKernelsFluxAttnProcessor.begin
+
+    def counting(query, gathered, parallel_config):
+        out = attend(query, gathered, parallel_config)
+        shapes.append([list(query.shape), list(gathered.shape), list(out.shape)])
+        return out
+
+    def counting_begin(self, *args, **kwargs):
+        begun.append(1)
+        return begin(self, *args, **kwargs)
+
+    context_parallel.attend_gathered = counting
+    flux_attention.SDKernelsFluxAttnProcessor.begin = counting_begin
+    try:
+        ring = build("tiny-flux")
+        sd_kernels.patch(ring)
+        enable_context_parallel(ring, exchange="ring")
+        ours = latents(ring)
+    finally:
+        context_parallel.attend_gathered = attend
+        flux_attention.SDKernelsFluxAttnProcessor.begin = begin
+    out = {"rel": rel(ours, one), "sum": float(ours.double().sum()), "calls": len(shapes),
+           "shapes": shapes[0] if shapes else None, "begun": len(begun),
+           "single_blocks": len(ring.transformer.single_transformer_blocks),
+           "config": vars(ring.transformer._parallel_config.context_parallel_config)["ring_degree"]}
+    sd_kernels.unpatch(ring)
+    out["stock_processors"] = _stock_processors(ring.transformer)
+    return out
+
+
 def ulysses_mixed_profiles_case(rank):
     pipe = build("tiny-flux")
     pipe.transformer.enable_parallelism(config=_cp_config())
@@ -212,7 +253,8 @@ def main(out_dir: pathlib.Path) -> None:
     torch.accelerator.device_count = lambda: 1
     report = {"world": dist.get_world_size()}
     for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
-                       ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("heads", heads_case),
+                       ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("ring", ring_case),
+                       ("heads", heads_case),
                        ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
         try:
             report[name] = case()

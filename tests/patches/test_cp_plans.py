@@ -102,6 +102,19 @@ def test_one_process_is_a_clear_error(one_process_group):  # noqa: F811
 
 
 @needs_gloo
+def test_exchange_is_named_and_ring_is_refused_under_our_plans(one_process_group, monkeypatch):  # noqa: F811
+    """``exchange``: "ulysses" or "ring"; sd_kernels' SD3 / PixArt-Σ plans exchange by Ulysses only (ring runs
+    under diffusers' own plans: FLUX). Refused before any change."""
+    transformer = models.build_model("tiny-sd3", "transformer")
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        sd_kernels.enable_context_parallel(transformer, exchange="tree")
+    monkeypatch.setattr(context_parallel_plans.dist, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="exchange='ring'.*exchanges by Ulysses"):
+        sd_kernels.enable_context_parallel(transformer, exchange="ring")
+    assert transformer._parallel_config is None
+
+
+@needs_gloo
 def test_guidance_split_and_token_split_together_are_refused(one_process_group):  # noqa: F811
     """parallel='cfg' gives each process a different half of the guidance batch, and the token split
     assumes every process holds the same images: together, an exchange of tokens of different images (a

@@ -90,6 +90,24 @@ def test_ulysses_local_attention_is_ours_patched_after_or_before_enable_parallel
 
 
 @needs_gloo
+def test_ring_gathers_keys_and_values_for_one_attention_call(ranks):
+    """FLUX under a ring config of degree 2: each of the 8 attention calls (2 steps × 4 blocks) takes this
+    process's 40 of the 80 tokens as queries against both processes' keys and values (one gathered
+    [2·1, 40, 2, 2, 24] buffer) and answers for its queries; the single-stream blocks' calls are begun
+    before their MLP; the latents are one process's within fp32 rounding, the same on both processes;
+    unpatched, the stock processors are back."""
+    for r in ranks:
+        got = r["ring"]
+        assert "crashed" not in got, got.get("crashed")
+        assert got["config"] == 2 and got["calls"] == 8
+        assert got["shapes"] == [[1, 40, 2, 24], [2, 40, 2, 2, 24], [1, 40, 2, 24]]
+        assert got["single_blocks"] >= 1 and got["begun"] == 2 * got["single_blocks"]
+        assert got["rel"] < RTOL
+        assert got["stock_processors"]
+    assert ranks[0]["ring"]["sum"] == ranks[1]["ring"]["sum"]
+
+
+@needs_gloo
 def test_bad_setups_are_clear_errors_on_every_process(ranks):
     errors = [r["errors"] for r in ranks]
     for e in errors:
@@ -197,12 +215,13 @@ def _cp(ring=1, ulysses=2, anything=False):
 
 
 def test_our_local_attention_serves_ulysses_only_on_the_verified_templates(monkeypatch):
-    """Ring and Ulysses × ring need the log-sum-exp (diffusers' dispatch runs them), and templates other than
-    the checked source are diffusers' to run; a head count the degree does not divide is named (not under
+    """Ring is ours (one gathered attention); Ulysses × ring goes to diffusers' dispatch, and so do templates
+    other than the checked source; a head count the degree does not divide is named (not under
     ulysses_anything, which pads heads)."""
     verified = context_parallel.is_verified
     assert context_parallel.serves(_cp()) and context_parallel.serves(_cp(ulysses=4, anything=True))
-    assert not context_parallel.serves(_cp(ring=2, ulysses=1)) and not context_parallel.serves(_cp(ring=2))
+    assert context_parallel.serves(_cp(ring=2, ulysses=1)) and context_parallel.ring_degree(_cp(ring=4, ulysses=1)) == 4
+    assert not context_parallel.serves(_cp(ring=2)) and context_parallel.ring_degree(_cp(ring=2)) is None
     assert not context_parallel.serves(None) and not context_parallel.serves(types.SimpleNamespace(
         context_parallel_config=None))
     monkeypatch.setitem(verified.__wrapped__.__globals__["VERIFIED"], "TemplatedUlyssesAttention.forward", "0" * 16)
