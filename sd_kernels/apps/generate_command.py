@@ -183,9 +183,17 @@ def _make_one(args: argparse.Namespace, settings: options.Settings, job: options
     if on_gpu:
         torch.cuda.synchronize()
     t = time.perf_counter()
-    [image] = pipeline.render(pipe, [job], model, pipeline.InitImages(model))
-    if on_gpu:
-        torch.cuda.synchronize()
+    try:
+        [image] = pipeline.render(pipe, [job], model, pipeline.InitImages(model))
+        if on_gpu:
+            torch.cuda.synchronize()
+    finally:
+        if launch is not None:
+            # the patch's CUDA graphs released before the caller ends the process group: graphs that hold
+            # captured collectives (SD_KERNELS_GRAPH_COLLECTIVES=1) keep its communicators from shutting down
+            sd_kernels.unpatch(pipe)
+            if on_gpu:
+                torch.cuda.empty_cache()
     say(f"generated in {(time.perf_counter() - t) * 1e3:.1f} ms (patched"
         + ("; the first call includes kernel tuning and compilation)" if on_gpu else ")"))
     if not main:

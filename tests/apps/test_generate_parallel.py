@@ -17,6 +17,7 @@ from PIL import Image
 
 from sd_kernels import models
 from sd_kernels.apps import cli
+from sd_kernels.apps import parallel as parallel_app
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -141,3 +142,41 @@ def test_ring_mode_enables_the_ring_exchange(monkeypatch):
     for mode in ("ring", "ulysses"):
         assert parallel.prepare("pipe", parallel.Launch(mode, 0, 4, 0, 4)) == {}
     assert calls == [(("pipe", 4), {"exchange": "ring"}), (("pipe", 4), {"exchange": "ulysses"})]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, tmp_path, fails):
+    """Under --parallel the patch (its CUDA graphs, which may hold captured collectives) is undone after the
+    image is made, or fails, and before the caller ends the process group."""
+    import argparse
+    import types
+
+    import sd_kernels
+    from sd_kernels.apps import generate_command, options, pipeline
+
+    calls = []
+
+    def render(*_):
+        calls.append("render")
+        if fails:
+            raise RuntimeError("render failed")
+        return [None]
+
+    monkeypatch.setattr(pipeline, "load", lambda *a: "pipe")
+    monkeypatch.setattr(pipeline, "render", render)
+    monkeypatch.setattr(parallel_app, "prepare", lambda pipe, launch: {})
+    monkeypatch.setattr(sd_kernels, "patch", lambda pipe, **k: calls.append("patch") or types.SimpleNamespace(
+        summary=lambda: ""))
+    monkeypatch.setattr(sd_kernels, "unpatch", lambda pipe: calls.append(f"unpatch {pipe}"))
+    args = argparse.Namespace(cuda_graph="auto", profile=None, compile=False)
+    settings = types.SimpleNamespace(precision="fp16")
+    job = options.Job(index=0, prompt="a cat", negative=None, seed=0, width=64, height=64, steps=2, guidance=1.0)
+    model = types.SimpleNamespace(name="tiny", shipped=True)
+    launch = parallel_app.Launch("ring", 1, 2, 1, 2)  # not the first process: it writes nothing
+    if fails:
+        with pytest.raises(RuntimeError, match="render failed"):
+            generate_command._make_one(args, settings, job, False, model, "cpu", "fp32", tmp_path / "a.png", launch)
+    else:
+        assert generate_command._make_one(args, settings, job, False, model, "cpu", "fp32", tmp_path / "a.png",
+                                          launch) == 0
+    assert calls == ["patch", "render", "unpatch pipe"]
