@@ -31,7 +31,7 @@ degree; at the first call of each argument signature, every process's tensor arg
 sums: a seed per process would put tokens of different noises side by side); else a clear error before
 any work. Like ``enable_parallelism``, it cannot be undone; ``unpatch``
 gives the stock processors back, and the check then refuses to run them. FLUX goes to diffusers' own
-plan and template (patches/context_parallel.py).
+plan and template (patches/context_parallel.py), with the same check of the processes' arguments.
 """
 
 from __future__ import annotations
@@ -150,14 +150,47 @@ def _exchanging(model) -> list[tuple[str, torch.nn.Module]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, Attention) and not m.is_cross_attention]
 
 
-class _Check(ModelHook):
+class _Agree(ModelHook):
+    """Before a transformer's call under context parallelism (any plan), at the first call of each argument
+    signature: the processes' inputs agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agreed: set = set()  # the argument signatures whose inputs the processes were seen to agree on
+
+    def pre_forward(self, module, *args, **kwargs):
+        self._agree(module, args, kwargs)
+        return args, kwargs
+
+    def _agree(self, module, args: tuple, kwargs: dict) -> None:
+        """Every process holds the same tensor arguments (float64 sums; a collective): each splits the same
+        image, and a seed per process would put tokens of different noises side by side, a wrong image."""
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+        named = [(params[k] if isinstance(k, int) and k < len(params) else str(k), v)
+                 for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)]
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in named)
+        if key in self.agreed:
+            return
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [(k, tuple(v.shape), float(v.detach().sum(dtype=torch.float64)))
+                                          for k, v in named])
+        differ = ([] if any(len(g) != len(named) for g in gathered) else
+                  [k for i, (k, _) in enumerate(named) if any(g[i][:2] != gathered[0][i][:2] for g in gathered)
+                   or not _close([g[i][2] for g in gathered], [gathered[0][i][2]] * len(gathered))])
+        if differ or any(len(g) != len(named) for g in gathered):
+            raise ValueError(f"{type(module).__name__} under context parallelism: the processes call it with different "
+                             f"{', '.join(differ) or 'arguments'}: every process must run the same pipeline call (same "
+                             "prompt, seed or generator, size and settings); only the image's tokens are split")
+        self.agreed.add(key)
+
+
+class _Check(_Agree):
     """Before each call of a transformer under sd_kernels' plan: the processors exchange, the tokens divide;
     at the first call of each argument signature, the processes' inputs agree."""
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], degree: int) -> None:
         super().__init__()
         self.modules, self.degree = modules, degree
-        self.agreed: set = set()  # the argument signatures whose inputs the processes were seen to agree on
 
     def pre_forward(self, module, *args, **kwargs):
         name = type(module).__name__
@@ -182,27 +215,6 @@ class _Check(ModelHook):
                              f"patch grid has a multiple of {self.degree} tokens")
         self._agree(module, args, kwargs)
         return args, kwargs
-
-    def _agree(self, module, args: tuple, kwargs: dict) -> None:
-        """Every process holds the same tensor arguments (float64 sums; a collective): each splits the same
-        image, and a seed per process would put tokens of different noises side by side, a wrong image."""
-        params = list(inspect.signature(type(module).forward).parameters)[1:]
-        named = [(params[k] if isinstance(k, int) and k < len(params) else str(k), v)
-                 for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)]
-        key = tuple((k, tuple(v.shape), v.dtype) for k, v in named)
-        if key in self.agreed:
-            return
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [(k, tuple(v.shape), float(v.detach().sum(dtype=torch.float64)))
-                                          for k, v in named])
-        differ = ([] if any(len(g) != len(named) for g in gathered) else
-                  [k for i, (k, _) in enumerate(named) if any(g[i][:2] != gathered[0][i][:2] for g in gathered)
-                   or not _close([g[i][2] for g in gathered], [gathered[0][i][2]] * len(gathered))])
-        if differ or any(len(g) != len(named) for g in gathered):
-            raise ValueError(f"{type(module).__name__} under context parallelism: the processes call it with different "
-                             f"{', '.join(differ) or 'arguments'}: every process must run the same pipeline call (same "
-                             "prompt, seed or generator, size and settings); only the image's tokens are split")
-        self.agreed.add(key)
 
 
 def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> None:
@@ -264,6 +276,7 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
             raise ValueError(f"enable_context_parallel: exchange='ring' runs under diffusers' own plans (FLUX); "
                              f"sd_kernels' plan for {name} exchanges by Ulysses (exchange='ulysses')")
         transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=degree))
+        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(_Agree(), _GUARD)
         return transformer
     config = ContextParallelConfig(ulysses_degree=degree)
     if plan is None:  # diffusers' template (FLUX): our processors check their heads as they do under it
@@ -272,6 +285,7 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
             if isinstance(m, flux):
                 context_parallel.check_heads(m.heads, ParallelConfig(context_parallel_config=config), name)
         transformer.enable_parallelism(config=config)
+        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(_Agree(), _GUARD)
         return transformer
     modules = _exchanging(transformer)
     for path, attn in modules:

@@ -194,7 +194,11 @@ def ring_case():
     finally:
         context_parallel.attend_gathered = attend
         flux_attention.SDKernelsFluxAttnProcessor.begin = begin
+    bad = build("tiny-flux")  # its first call: the processes' arguments are compared at each signature's first
+    enable_context_parallel(bad, exchange="ring")
+    seed_per_process = error_of(lambda: latents(bad, seed=dist.get_rank()))
     out = {"rel": rel(ours, one), "sum": float(ours.double().sum()), "calls": len(shapes),
+           "seed_per_process": seed_per_process,
            "shapes": shapes[0] if shapes else None, "begun": len(begun),
            "single_blocks": len(ring.transformer.single_transformer_blocks),
            "config": vars(ring.transformer._parallel_config.context_parallel_config)["ring_degree"]}
