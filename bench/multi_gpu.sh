@@ -6,7 +6,8 @@
 # PAR_MODELS   models, in order (default "flux-dev,sdxl,sd3-medium,pixart-sigma"; "" for none);
 # PAR_WORLDS   GPU counts above one (default: 2, and 4 where the host has 4);
 # PAR_ONE_GPU  the one-GPU variants (default "stock,ours": the reference image and our time);
-# PAR_MULTI    the variants on W GPUs (default: every one bench.parallel plans);
+# PAR_MULTI    the variants on W GPUs (default: every one bench.parallel plans, FLUX's ring ones in a launch of
+#              their own);
 # PAR_ARGS     more bench.parallel options (e.g. "--calls 2");
 # THROUGHPUT   1 (default) or 0.
 # Needs ./.whl carried along (../shared/gpu/wheels.sh).
@@ -37,6 +38,9 @@ for model in ${models//,/ }; do
   run 1 --models "$model" --variants "${PAR_ONE_GPU:-stock,ours}"
   for w in $worlds; do
     (( w <= gpus )) && run "$w" --models "$model" ${PAR_MULTI:+--variants "$PAR_MULTI"}
+    # the ring exchange in a launch of its own (enable_parallelism cannot be undone): FLUX, by default
+    [[ -z ${PAR_MULTI:-} && $model == flux-dev ]] && (( w <= gpus )) \
+      && run "$w" --models "$model" --variants ring-peer,ring-ours,ring-ours+graphs
   done
 done
 

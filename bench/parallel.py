@@ -32,7 +32,9 @@ Variants (``plan`` says which apply to a model at W):
 - ``ring-peer``, ``ring-ours``, ``ring-ours+graphs`` (FLUX): the same three with
   ``ContextParallelConfig(ring_degree=W)`` (``enable_context_parallel(pipe, exchange="ring")``): diffusers'
   ring template over its cuDNN backend; ours, one all-gather of the keys and values and one attention
-  call (patches/context_parallel.py).
+  call (patches/context_parallel.py). diffusers' ``enable_parallelism`` cannot be undone, so a launch runs
+  one exchange's variants: the ring ones only when ``--variants`` names them (bench/multi_gpu.sh runs
+  them in a launch of their own), and rows of a second exchange in one launch say they were skipped.
 - ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
   the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
 
@@ -129,11 +131,6 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
     exchange = variant.split("-")[0]
     with contextlib.ExitStack() as stack:
         transformer = getattr(pipe, "transformer", None)
-        if exchange in ("ulysses", "ring") and transformer._parallel_config is not None:
-            # enable_parallelism cannot be undone: a process runs one exchange's variants
-            cp = transformer._parallel_config.context_parallel_config
-            if (cp.ring_degree > 1) != (exchange == "ring"):
-                raise RuntimeError(f"{variant}: this process's transformer is already under another exchange")
         if variant.endswith("-peer"):
             from diffusers import ContextParallelConfig
             from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
@@ -248,13 +245,16 @@ def _fidelity(row: dict, ref: dict | None) -> None:
 
 
 def _ratios(rows: list[dict], one_gpu: dict) -> None:
-    ulysses_peer = next((r["e2e_ms"] for r in rows if r["variant"] == "ulysses-peer" and r["status"] == "ok"), None)
-    peer = ulysses_peer or one_gpu.get("peer")
+    """vs_one_gpu over ``ours`` on one GPU; vs_peer over the row's exchange's peer where it ran (ulysses-peer,
+    ring-peer), else over the one-GPU peer."""
+    peers = {r["variant"].split("-")[0]: r["e2e_ms"] for r in rows if r["variant"].endswith("-peer")
+             and r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
             continue
         if one_gpu.get("ours"):
             r["vs_one_gpu"] = round(r["e2e_ms"] / one_gpu["ours"], 3)
+        peer = peers.get(r["variant"].split("-")[0]) or one_gpu.get("peer")
         if peer:
             r["vs_peer"] = round(r["e2e_ms"] / peer, 3)
 
@@ -283,15 +283,25 @@ def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list
     base = {"model": model, "size": args.size, "steps": args.steps, "dtype": str(dtype).removeprefix("torch."),
             "world": world, **stamp}
     rows = []
-    wanted = [v for v in plan(model, world) if not args.variants or v in args.variants]
+    wanted = [v for v in plan(model, world) if (v in args.variants if args.variants else v not in RING)]
     # The context-parallel variants turn it on for good: after every other variant, the peer first; a
-    # process runs one exchange's (its variants after the first exchange's are rows that say so).
+    # process runs one exchange's (Ulysses' before ring's: rows of the second say they were skipped).
     def order(v: str) -> tuple:
         exchange = v.split("-")[0]
-        return exchange in ("ulysses", "ring"), exchange, not v.endswith("-peer")
+        return exchange in ("ulysses", "ring"), exchange == "ring", not v.endswith("-peer")
 
+    first_exchange = None
     for variant in sorted(wanted, key=order):
         row = {**base, "variant": variant}
+        exchange = variant.split("-")[0]
+        if exchange in ("ulysses", "ring"):
+            first_exchange = first_exchange or exchange
+            if exchange != first_exchange:
+                row["status"] = (f"skipped: this launch put the transformer under {first_exchange} (enable_parallelism "
+                                 f"cannot be undone); run --variants {variant} in a launch of its own")
+                rows.append(row)
+                log(f"{model} W={world} {variant}: {row['status']}")
+                continue
         try:
             path = args.out / f"profile-{model}-W{world}-{variant}.json" if args.profile else None
             row.update(measure(pipe, variant, args.size, args.steps, args.calls, world, path))

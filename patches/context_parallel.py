@@ -22,9 +22,15 @@ A ring-only config (``ulysses_degree`` 1): diffusers' ring template all-gathers 
 and values (one collective), then calls the local attention once per process's block of them with
 ``return_lse`` and merges the partial outputs by their log-sum-exps in fp32 (elementwise ops between
 the calls). ``gathered_attention`` gathers the same keys and values in one collective, laid out so that
-the whole sequence's keys (and values) are one strided view with no copy (``kv_layout``), and runs
-sd_kernels' attention once over all of them: the same exact attention, in one kernel, with no
-log-sum-exp to return and nothing to merge. Ulysses × ring goes to diffusers' dispatch (``serves``).
+the whole sequence's keys (and values) are one strided view, with no copy at a batch of one
+(``kv_layout``; FLUX's ``qk_norm_rope_kv`` writes them so in the first place), and runs sd_kernels'
+attention once over all of them: the same exact attention, in one kernel, with no log-sum-exp to
+return and nothing to merge. Its two halves (``gather_kv``, ``attend_gathered``) let a caller queue
+independent work while the exchange runs: FLUX's single-stream blocks run their MLP there
+(patches/layer_norm.py). Ulysses × ring and ``ring_anything`` go to diffusers' dispatch (``serves``).
+The buffer's layout is not diffusers' (its ring sends ``cat(k.flatten(), v.flatten())``): every process
+must run this path, which ``enable_context_parallel`` checks (the same processors on every process), as
+does a patch of a model already split (the same patch on every process).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def verified() -> bool:
 
 def ulysses_degree(parallel_config) -> int | None:
     """The Ulysses degree of a context-parallel config whose local attention sd_kernels runs (ring
-    degree 1), else None (no context parallelism, or a ring: diffusers' dispatch runs it)."""
+    degree 1), else None (no context parallelism, or a ring: ``ring_degree``)."""
     cp = getattr(parallel_config, "context_parallel_config", None)
     if cp is None or cp.ring_degree != 1 or cp.ulysses_degree <= 1:
         return None
@@ -74,9 +80,11 @@ def ulysses_degree(parallel_config) -> int | None:
 
 
 def ring_degree(parallel_config) -> int | None:
-    """The ring degree of a ring-only context-parallel config (Ulysses degree 1), else None."""
+    """The ring degree of a ring-only context-parallel config (Ulysses degree 1) that ``gathered_attention``
+    serves, else None. ``ring_anything`` (shards of different lengths, which diffusers pads before its
+    gather) is left to diffusers' dispatch: the gather here takes shards of one length."""
     cp = getattr(parallel_config, "context_parallel_config", None)
-    if cp is None or cp.ulysses_degree != 1 or cp.ring_degree <= 1:
+    if cp is None or cp.ulysses_degree != 1 or cp.ring_degree <= 1 or getattr(cp, "ring_anything", False):
         return None
     return cp.ring_degree
 
@@ -132,14 +140,21 @@ def kv_layout(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.stack((key, value), dim=2)
 
 
+# torch's newer functional all-gather (differentiable); where it is missing, all_gather_tensor and its
+# autograd form (deprecated where the newer one exists)
+_ALL_GATHER = getattr(funcol, "all_gather_single", None)
+
+
 def gather_kv(kv: torch.Tensor, parallel_config) -> torch.Tensor:
     """The all-gather of this process's [B, S_local, 2, H, D] ``kv`` over the ring's processes, started and
     not waited for (torch.distributed's functional collective, its autograd form where a gradient flows):
     the caller may queue other work before ``attend_gathered`` waits (the exchange then overlaps it)."""
-    cp = parallel_config.context_parallel_config
+    group = parallel_config.context_parallel_config._ring_mesh.get_group()
+    if _ALL_GATHER is not None:
+        return _ALL_GATHER(kv, 0, group)
     autograd = torch.is_grad_enabled() and kv.requires_grad
     gather = funcol.all_gather_tensor_autograd if autograd else funcol.all_gather_tensor
-    return gather(kv, 0, cp._ring_mesh.get_group())
+    return gather(kv, 0, group)
 
 
 def attend_gathered(query: torch.Tensor, gathered: torch.Tensor, parallel_config) -> torch.Tensor:

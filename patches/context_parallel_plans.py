@@ -234,6 +234,25 @@ def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> N
 EXCHANGES = ("ulysses", "ring")
 
 
+def _enable_diffusers_plan(transformer, name: str, degree: int, exchange: str):
+    """diffusers' ``enable_parallelism`` with its own plan (FLUX) at ``degree``, by ``exchange``; checked first,
+    on every process alike: the heads Ulysses splits, the same attention processors on every process (the
+    ring's exchange of sd_kernels' processors and that of diffusers' lay the keys out differently). Then
+    the check of the processes' arguments (``_Agree``)."""
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    config = ContextParallelConfig(**{f"{exchange}_degree": degree})
+    flux = flux_attention.flux_attention_class()
+    attention = [(path, m) for path, m in transformer.named_modules() if flux is not None and isinstance(m, flux)]
+    for _, m in attention:
+        context_parallel.check_heads(m.heads, ParallelConfig(context_parallel_config=config), name)
+    _same_processors(attention, name)
+    transformer.enable_parallelism(config=config)
+    HookRegistry.check_if_exists_or_initialize(transformer).register_hook(_Agree(), _GUARD)
+    return transformer
+
+
 def enable_context_parallel(obj, degree: int | None = None, exchange: str = "ulysses"):
     """One image's tokens over the processes of torch.distributed's default group: diffusers'
     ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))`` on ``obj``'s transformer
@@ -259,8 +278,8 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
     world = dist.get_world_size()
     degree = world if degree is None else degree
     if degree != world or degree < 2:
-        raise ValueError(f"enable_context_parallel: degree={degree}: Ulysses over all {world} processes of the default "
-                         "group needs degree equal to their number, and at least 2 (start more processes)")
+        raise ValueError(f"enable_context_parallel: degree={degree}: {exchange} over all {world} processes of the "
+                         "default group needs degree equal to their number, and at least 2 (start more processes)")
     if getattr(transformer, "_parallel_config", None) is not None:
         raise ValueError(f"enable_context_parallel: this {name} is already under diffusers' parallelism (it cannot be "
                          "applied twice)")
@@ -269,24 +288,12 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
         raise ValueError(f"enable_context_parallel: no context-parallel plan for {name} (sd_kernels': "
                          f"{', '.join(PLANNED)}; or diffusers' own, e.g. FLUX)")
     from diffusers import ContextParallelConfig
-    from diffusers.models._modeling_parallel import ParallelConfig
 
-    if exchange == "ring":
-        if plan is not None:
-            raise ValueError(f"enable_context_parallel: exchange='ring' runs under diffusers' own plans (FLUX); "
-                             f"sd_kernels' plan for {name} exchanges by Ulysses (exchange='ulysses')")
-        transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=degree))
-        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(_Agree(), _GUARD)
-        return transformer
-    config = ContextParallelConfig(ulysses_degree=degree)
-    if plan is None:  # diffusers' template (FLUX): our processors check their heads as they do under it
-        flux = flux_attention.flux_attention_class()
-        for m in transformer.modules() if flux is not None else ():
-            if isinstance(m, flux):
-                context_parallel.check_heads(m.heads, ParallelConfig(context_parallel_config=config), name)
-        transformer.enable_parallelism(config=config)
-        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(_Agree(), _GUARD)
-        return transformer
+    if exchange == "ring" and plan is not None:
+        raise ValueError(f"enable_context_parallel: exchange='ring' runs under diffusers' own plans (FLUX); "
+                         f"sd_kernels' plan for {name} exchanges by Ulysses (exchange='ulysses')")
+    if plan is None:  # diffusers' plan (FLUX): our processors check their heads as they do under it
+        return _enable_diffusers_plan(transformer, name, degree, exchange)
     modules = _exchanging(transformer)
     for path, attn in modules:
         if attn.heads % degree:
@@ -294,7 +301,7 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
                              f"heads, and {degree} does not divide {path}'s {attn.heads} heads: run a number of "
                              f"processes that divides {attn.heads}")
     _same_processors(modules, name)
-    transformer.enable_parallelism(config=config, cp_plan=plan)
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree), cp_plan=plan)
     cp = transformer._parallel_config.context_parallel_config
     ulysses = Ulysses(cp._ulysses_mesh.get_group(), degree, cp._ulysses_local_rank)
     for _, attn in modules:

@@ -154,8 +154,8 @@ class SDKernelsFluxAttnProcessor:
     _attention_backend = _delegated("_attention_backend")
     _parallel_config = _delegated("_parallel_config")
     profile_scoped = True
-    # The attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py). Ulysses'
-    # local attention (patches/context_parallel.py) stays exact.
+    # The attention op's; patch(precision="fp8") sets "fp8" on the instance (patches/fp8.py). Under
+    # context parallelism (Ulysses' local attention, ring's gathered one: patches/context_parallel.py) exact.
     precision = "exact"
     # Each stream's q, k, v as one GEMM on the buffer the three weights share (patches/qkv_fusion.py);
     # None: diffusers' projections.

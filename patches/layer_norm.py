@@ -379,14 +379,23 @@ class FluxSingleBlockForward(_FluxForward):
 def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Callable[[], torch.Tensor] | None:
     """``attn(hidden_states=..., image_rotary_emb=...)`` begun by its processor's ``begin`` (sd_kernels' FLUX
     processor), the rest to call; None where the processor has no ``begin``, where calling it would pass
-    by the module's hooks (torch's, or diffusers' on its forward), and under autograd (another order of
+    by the module's hooks (torch's, global or its own, or diffusers' on its forward) or its
+    ``Module.compile()``, and under autograd (another order of
     the forward sums the input's gradient in another order: stock's bits kept)."""
     begin = getattr(attn.processor, "begin", None)
     if (begin is None or attn._forward_hooks or attn._forward_pre_hooks or "forward" in vars(attn)
-            or getattr(attn, "_diffusers_hook", None) is not None
+            or getattr(attn, "_diffusers_hook", None) is not None or _global_module_hooks()
+            or getattr(attn, "_compiled_call_impl", None) is not None
             or (torch.is_grad_enabled() and hidden_states.requires_grad)):
         return None
     return begin(attn, hidden_states, image_rotary_emb=image_rotary_emb)
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks for every module's forward are registered (``register_module_forward_(pre_)hook``)."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:

@@ -568,6 +568,20 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
     assert {m for m, cls in classes.items() if plan_for(cls)} == set(parallel.OUR_CP_PLANS)
 
 
+def test_parallel_bench_divides_each_exchange_by_its_own_peer():
+    """vs_peer: a ring row over ring-peer, a Ulysses row over ulysses-peer, a row whose exchange has no peer row
+    (or a one-GPU row) over the one-GPU peer; skipped and failed rows get no ratio."""
+    from bench import parallel
+
+    rows = [{"variant": v, "status": st, "e2e_ms": ms} for v, st, ms in (
+        ("ulysses-peer", "ok", 3000.0), ("ulysses-ours+graphs", "ok", 1500.0), ("ring-peer", "ok", 2000.0),
+        ("ring-ours+graphs", "ok", 1000.0), ("cfg-ours", "ok", 800.0), ("ring-ours", "skipped: ...", None))]
+    parallel._ratios(rows, {"ours": 4000.0, "peer": 1600.0})
+    got = {r["variant"]: (r.get("vs_one_gpu"), r.get("vs_peer")) for r in rows}
+    assert got == {"ulysses-peer": (0.75, 1.0), "ulysses-ours+graphs": (0.375, 0.5), "ring-peer": (0.5, 1.0),
+                   "ring-ours+graphs": (0.25, 0.5), "cfg-ours": (0.2, 0.5), "ring-ours": (None, None)}
+
+
 def test_parallel_bench_says_it_needs_gpus_under_torchrun(tmp_path, capsys):
     from bench import parallel
 

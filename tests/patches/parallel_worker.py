@@ -207,6 +207,34 @@ def ring_case():
     return out
 
 
+def ring_anything_case():
+    """``ring_anything`` (shards of different lengths: 15 T5 tokens, 8 and 7 a process): diffusers' dispatch, not
+    the gathered attention (which takes shards of one length): one process's latents or diffusers' refusal."""
+    from diffusers import ContextParallelConfig
+
+    with sd_kernels.patched(pipe := build("tiny-flux")):
+        one = latents(pipe, max_sequence_length=15)
+    ring = build("tiny-flux")
+    sd_kernels.patch(ring)
+    ring.transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=2, ring_anything=True))
+    try:
+        return {"rel": rel(latents(ring, max_sequence_length=15), one)}
+    except ValueError as exc:  # diffusers' native backend returns no log-sum-exp for its ring
+        return {"error": str(exc)}
+
+
+def ring_mixed_processors_case(rank):
+    """Patched on the first process only, then split by ring: the processes would exchange keys and values in two
+    layouts (ours, diffusers'): refused on both before the split."""
+    from sd_kernels.patches.context_parallel_plans import enable_context_parallel
+
+    pipe = build("tiny-flux")
+    if rank == 0:
+        sd_kernels.patch(pipe)
+    return {"error": error_of(lambda: enable_context_parallel(pipe, exchange="ring")),
+            "split": pipe.transformer._parallel_config is not None}
+
+
 def ulysses_mixed_profiles_case(rank):
     pipe = build("tiny-flux")
     pipe.transformer.enable_parallelism(config=_cp_config())
@@ -258,6 +286,8 @@ def main(out_dir: pathlib.Path) -> None:
     report = {"world": dist.get_world_size()}
     for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
                        ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("ring", ring_case),
+                       ("ring_anything", ring_anything_case),
+                       ("ring_mixed_processors", lambda: ring_mixed_processors_case(rank)),
                        ("heads", heads_case),
                        ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
         try:

@@ -111,6 +111,23 @@ def test_ring_gathers_keys_and_values_for_one_attention_call(ranks):
 
 
 @needs_gloo
+def test_ring_anything_with_uneven_shards_is_one_process_image_or_a_clear_error(ranks):
+    """ring_anything (40 and 39 tokens a process) is diffusers' to run: the gathered attention takes shards of one
+    length (an uneven gather aborts the process under gloo)."""
+    for r in ranks:
+        got = r["ring_anything"]
+        assert got.get("rel", 1.0) < RTOL or "return_lse" in got.get("error", ""), got
+
+
+@needs_gloo
+def test_ring_on_processes_with_different_processors_is_refused(ranks):
+    for r in ranks:
+        got = r["ring_mixed_processors"]
+        assert "hold different attention processors" in (got["error"] or ""), got
+        assert not got["split"]
+
+
+@needs_gloo
 def test_bad_setups_are_clear_errors_on_every_process(ranks):
     errors = [r["errors"] for r in ranks]
     for e in errors:
@@ -224,6 +241,9 @@ def test_our_local_attention_serves_ulysses_only_on_the_verified_templates(monke
     verified = context_parallel.is_verified
     assert context_parallel.serves(_cp()) and context_parallel.serves(_cp(ulysses=4, anything=True))
     assert context_parallel.serves(_cp(ring=2, ulysses=1)) and context_parallel.ring_degree(_cp(ring=4, ulysses=1)) == 4
+    uneven = _cp(ring=2, ulysses=1)
+    uneven.context_parallel_config.ring_anything = True
+    assert context_parallel.ring_degree(uneven) is None and not context_parallel.serves(uneven)
     assert not context_parallel.serves(_cp(ring=2)) and context_parallel.ring_degree(_cp(ring=2)) is None
     assert not context_parallel.serves(None) and not context_parallel.serves(types.SimpleNamespace(
         context_parallel_config=None))
