@@ -140,9 +140,9 @@ def kv_layout(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.stack((key, value), dim=2)
 
 
-# torch's newer functional all-gather (differentiable); where it is missing, all_gather_tensor and its
-# autograd form (deprecated where the newer one exists)
-_ALL_GATHER = getattr(funcol, "all_gather_single", None)
+# torch's functional all-gather (all_gather_tensor's newer name, which warns of its deprecation where the new
+# one exists); under autograd its autograd form where torch has one (the newer one is differentiable)
+_ALL_GATHER = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 def gather_kv(kv: torch.Tensor, parallel_config) -> torch.Tensor:
@@ -150,11 +150,9 @@ def gather_kv(kv: torch.Tensor, parallel_config) -> torch.Tensor:
     not waited for (torch.distributed's functional collective, its autograd form where a gradient flows):
     the caller may queue other work before ``attend_gathered`` waits (the exchange then overlaps it)."""
     group = parallel_config.context_parallel_config._ring_mesh.get_group()
-    if _ALL_GATHER is not None:
-        return _ALL_GATHER(kv, 0, group)
-    autograd = torch.is_grad_enabled() and kv.requires_grad
-    gather = funcol.all_gather_tensor_autograd if autograd else funcol.all_gather_tensor
-    return gather(kv, 0, group)
+    if torch.is_grad_enabled() and kv.requires_grad:
+        return getattr(funcol, "all_gather_tensor_autograd", _ALL_GATHER)(kv, 0, group)
+    return _ALL_GATHER(kv, 0, group)
 
 
 def attend_gathered(query: torch.Tensor, gathered: torch.Tensor, parallel_config) -> torch.Tensor:
