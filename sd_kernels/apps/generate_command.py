@@ -180,6 +180,8 @@ def _make_one(args: argparse.Namespace, settings: options.Settings, job: options
     record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile,
                               precision=settings.precision, **split_arguments)
     say(record.summary())
+    if launch is not None and (note := parallel.eager_note(launch, on_gpu)):
+        say(note)
     if on_gpu:
         torch.cuda.synchronize()
     t = time.perf_counter()

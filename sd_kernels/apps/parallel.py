@@ -145,6 +145,18 @@ def shared(value: Any) -> Any:
     return box[0]
 
 
+def eager_note(launch: Launch, on_gpu: bool) -> str | None:
+    """What the first process prints under a token split on GPUs whose transformer runs eagerly (its
+    collectives not captured: the default), else None."""
+    from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV, collectives_captured
+
+    if launch.mode not in TOKENS or not on_gpu or collectives_captured():
+        return None
+    return (f"note: under --parallel {launch.mode} the transformer runs eagerly (outside CUDA graphs), which on "
+            f"several GPUs can be slower than one; {COLLECTIVES_ENV}=1 on every process captures it with its "
+            "collectives (experimental: docs/parallel.md)")
+
+
 def prepare(pipe: Any, launch: Launch) -> dict[str, Any]:
     """``pipe`` set up for the split before the patch; returns what ``patch`` takes for it."""
     if launch.mode == "cfg":

@@ -131,6 +131,19 @@ def test_the_transformers_with_a_plan_take_ulysses_and_the_unets_do_not():
     assert [name for name in names if _has_cp_plan(getattr(diffusers, name), own=False)] == ["FluxPipeline"]
 
 
+def test_an_eager_token_split_on_gpus_says_so(monkeypatch):
+    """Under --parallel ulysses|ring on GPUs, without the switch that captures the collectives, the transformer
+    runs eagerly: the first process says so and names the switch; not with it, not for cfg, not on the CPU."""
+    from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV
+
+    monkeypatch.delenv(COLLECTIVES_ENV, raising=False)
+    ring, cfg = parallel_app.Launch("ring", 0, 2, 0, 2), parallel_app.Launch("cfg", 0, 2, 0, 2)
+    assert COLLECTIVES_ENV in parallel_app.eager_note(ring, on_gpu=True)
+    assert parallel_app.eager_note(ring, on_gpu=False) is None and parallel_app.eager_note(cfg, on_gpu=True) is None
+    monkeypatch.setenv(COLLECTIVES_ENV, "1")
+    assert parallel_app.eager_note(ring, on_gpu=True) is None
+
+
 def test_ring_mode_enables_the_ring_exchange(monkeypatch):
     """--parallel ring: enable_context_parallel(pipe, N, exchange="ring"); ulysses: exchange="ulysses"."""
     from sd_kernels.patches import context_parallel_plans
