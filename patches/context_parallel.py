@@ -23,7 +23,7 @@ and values (one collective), then calls the local attention once per process's b
 ``return_lse`` and merges the partial outputs by their log-sum-exps in fp32 (elementwise ops between
 the calls). ``gathered_attention`` gathers the same keys and values in one collective, laid out so that
 the whole sequence's keys (and values) are one strided view, with no copy at a batch of one
-(``kv_layout``; FLUX's ``qk_norm_rope_kv`` writes them so in the first place), and runs sd_kernels'
+(``ops.rope.kv_layout``; FLUX's ``qk_norm_rope_kv`` writes them so in the first place), and runs sd_kernels'
 attention once over all of them: the same exact attention, in one kernel, with no log-sum-exp to
 return and nothing to merge. Its two halves (``gather_kv``, ``attend_gathered``) let a caller queue
 independent work while the exchange runs: FLUX's single-stream blocks run their MLP there
@@ -39,6 +39,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from sd_kernels.ops.custom_ops import attention as sdk_attention
+from sd_kernels.ops.rope import kv_layout
 
 from .cfg_parallel import same_patch
 from .cuda_graph import context_parallel as under_context_parallel
@@ -131,13 +132,6 @@ def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         ctx.attn_mask, ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.enable_gqa = None, 0.0, False, scale, False
     q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
     return sdk_attention(q, k, v, scale=scale).permute(0, 2, 1, 3)
-
-
-def kv_layout(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Keys and values [B, S, H, D] side by side, [B, S, 2, H, D] (one copy): gathered over W processes
-    along dim 0 ([W·B, S, 2, H, D]), a batch of one is [1, W·S, 2, H, D] as it lies, so the whole
-    sequence's keys are the view ``[..., 0, :, :]`` with one token stride (2·H·D), the values likewise."""
-    return torch.stack((key, value), dim=2)
 
 
 # torch's functional all-gather (all_gather_tensor's newer name, which warns of its deprecation where the new

@@ -53,6 +53,7 @@ from collections.abc import Callable
 import torch
 
 from sd_kernels.ops.custom_ops import attention, qk_norm_rope, qk_norm_rope_kv
+from sd_kernels.ops.rope import kv_layout
 from sd_kernels.profiles import scoped
 
 from . import context_parallel, qkv_fusion
@@ -167,19 +168,22 @@ class SDKernelsFluxAttnProcessor:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def _native(self) -> bool:
+        """Whether diffusers' dispatch would run its native backend for this processor: no backend chosen for
+        it or for the process (then the attention is ours, where its mask and parallel config allow)."""
+        return self._attention_backend is None and _native_backend()
+
     def _ring(self) -> bool:
         """Whether this call's attention is the ring exchange ``_attention`` would run (gathered keys and
         values, patches/context_parallel.py)."""
-        parallel = self._parallel_config
-        return (parallel is not None and self._attention_backend is None and _native_backend()
-                and context_parallel.ring_degree(parallel) is not None)
+        return context_parallel.ring_degree(self._parallel_config) is not None and self._native()
 
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None) -> torch.Tensor:
         """diffusers' ``dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
         backend=self._attention_backend, parallel_config=self._parallel_config)`` on [B, S, H, D]."""
         parallel = self._parallel_config
-        if attention_mask is None and self._attention_backend is None and _native_backend():
+        if attention_mask is None and self._native():
             if parallel is None:
                 # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
                 query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
@@ -265,7 +269,7 @@ class SDKernelsFluxAttnProcessor:
                 query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
                 key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
             if ring:
-                kv = context_parallel.kv_layout(key, value)
+                kv = kv_layout(key, value)
 
         if ring:
             pending = context_parallel.gather_kv(kv, self._parallel_config)

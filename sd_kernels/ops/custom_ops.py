@@ -417,7 +417,7 @@ def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, c
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
     if torch.compiler.is_compiling():
         query, key, value = qk_norm_rope(*args)
-        return query, torch.stack((key, value), dim=2)
+        return query, rope_ops.kv_layout(key, value)
     return rope_ops.qk_norm_rope_kv(*args)
 
 

@@ -183,8 +183,9 @@ def qk_norm_rope(
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
     if not _kernel_runs(*args):
         return reference.qk_norm_rope(*args)
-    query, key = _alloc(_heads_shape(q, eq, head_dim), q), _alloc(_heads_shape(q, eq, head_dim), q)
-    value = None if eq is None else _alloc(_heads_shape(q, eq, head_dim), q)
+    shape = _heads_shape(q, eq, head_dim)
+    query, key = _alloc(shape, q), _alloc(shape, q)
+    value = None if eq is None else _alloc(shape, q)
     _launch_streams(*args, out=(query, key, value))
     return query, key, v.unflatten(-1, (-1, head_dim)) if value is None else value
 
@@ -198,11 +199,19 @@ def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, c
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
     if not _kernel_runs(*args):
         query, key, value = reference.qk_norm_rope(*args)
-        return query, torch.stack((key, value), dim=2)
+        return query, kv_layout(key, value)
     shape = _heads_shape(q, eq, head_dim)
     query, kv = _alloc(shape, q), _alloc((*shape[:2], 2, *shape[2:]), q)
     _launch_streams(*args, out=(query, kv[:, :, 0], kv[:, :, 1]))
     return query, kv
+
+
+def kv_layout(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Keys and values [B, S, H, D] side by side, [B, S, 2, H, D] (one copy): ``qk_norm_rope_kv``'s layout.
+    Gathered over W processes along dim 0 ([W·B, S, 2, H, D]), a batch of one is [1, W·S, 2, H, D] as it
+    lies, so the whole sequence's keys are the view ``[..., 0, :, :]`` with one token stride (2·H·D), the
+    values likewise."""
+    return torch.stack((key, value), dim=2)
 
 
 def _kernel_runs(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight) -> bool:
