@@ -48,8 +48,9 @@ row did not run), device and versions.
 ``--profile``: after a variant's timed calls, one more call under torch.profiler on the first process:
 ``DIR/profile-<model>-W<W>-<variant>.json`` holds its device time per kernel category
 (bench/unet_kernels.py's categories; the collectives are NCCL's kernels, their time including the wait
-for the other processes), the GPU's busy time (the union of kernel intervals), the collectives' time
-with no other kernel running beside them (``collectives_exposed_ms``), the largest idle gaps and the
+for the other processes; the ring's copy-engine exchange is its peer copies and barriers), the GPU's
+busy time (the union of kernel and copy intervals), the exchanges' time with no other kernel running
+beside them (``collectives_exposed_ms``), the largest idle gaps and the
 largest kernels.
 """
 
@@ -187,7 +188,7 @@ def profiled(call, path: pathlib.Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.timeline import gaps
-    from bench.unet_kernels import categories_us, category, kernel_times
+    from bench.unet_kernels import EXCHANGE, categories_us, category, kernel_times
 
     _sync()
     dist.barrier()
@@ -200,7 +201,7 @@ def profiled(call, path: pathlib.Path) -> None:
         return
     kernels, counts, spans = kernel_times(prof)
     busy, idle = gaps(spans)
-    compute_busy, _ = gaps([s for s in spans if category(s[2]) != "collectives (NCCL)"])
+    compute_busy, _ = gaps([s for s in spans if category(s[2]) not in EXCHANGE])
     report = {"wall_ms": round(wall * 1e3, 2), "device_ms": round(sum(kernels.values()) / 1e3, 2),
               # the union of kernel intervals: with collectives beside compute, less than device_ms
               "busy_ms": round(busy / 1e3, 2),
@@ -230,6 +231,10 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
         latent = call("latent")
         if profile_to is not None:
             profiled(lambda: call("pt"), profile_to)
+    from sd_kernels.patches import peer_gather
+
+    if peer_gather.in_use():  # the ring's keys and values went over the copy engines, not NCCL
+        patched = f"{patched} ring_exchange=copy-engine".strip()
     return {"status": "ok", "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "patched": patched,
             "image": image.float().cpu(), "latent": latent.float().cpu()}
 
@@ -357,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_model(args, model, world, rank, stamp, log)
         if rank == 0:
             common.append_csv(path, rows, COLUMNS)
+    from sd_kernels.patches import peer_gather
+
+    peer_gather.release_all()  # symmetric buffers made over the process group, dropped before it ends
     dist.destroy_process_group()
     return 0
 

@@ -51,6 +51,9 @@ CATEGORIES = (
     ("residual / layout (ours)", r"^_(bias_residual|pack8|unpack8)_kernel"),
     ("geglu/gelu (ours)", r"^_(linear_geglu|elementwise)_kernel"),
     ("collectives (NCCL)", r"^nccl"),
+    # the ring exchange on the copy engines (patches/peer_gather.py): peer copies and the symmetric-memory
+    # barriers that order them
+    ("exchange (copy engine)", r"^Memcpy PtoP|barrier_kernel"),
     ("attention (stock)", r"fmha|flash|attention|sdpa"),
     ("conv (cuDNN)", r"conv|implicit|cudnn|xmma|fprop|dgrad|wgrad"),
     ("gemm", r"gemm|cutlass|sm90_|ampere_|sm80_|cublas|nvjet"),
@@ -62,6 +65,10 @@ CATEGORIES = (
 
 # Setups that graph diffusers' own UNet: the torch.compile mode (None: not compiled).
 STOCK_SETUPS = {"stock": None, "peer": None, "peer-max-autotune": "max-autotune-no-cudagraphs"}
+
+
+# The categories that move data between GPUs (bench/parallel.py's exposed time: these with nothing beside them).
+EXCHANGE = ("collectives (NCCL)", "exchange (copy engine)")
 
 
 def category(name: str) -> str:

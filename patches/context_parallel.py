@@ -23,10 +23,13 @@ and values (one collective), then calls the local attention once per process's b
 ``return_lse`` and merges the partial outputs by their log-sum-exps in fp32 (elementwise ops between
 the calls). ``gathered_attention`` gathers the same keys and values in one collective, laid out so that
 the whole sequence's keys (and values) are one strided view, with no copy at a batch of one
-(``ops.rope.kv_layout``; FLUX's ``qk_norm_rope_kv`` writes them so in the first place), and runs sd_kernels'
-attention once over all of them: the same exact attention, in one kernel, with no log-sum-exp to
-return and nothing to merge. Its two halves (``gather_kv``, ``attend_gathered``) let a caller queue
-independent work while the exchange runs: FLUX's single-stream blocks run their MLP there
+(``ops.rope.kv_layout``; FLUX's ``qk_norm_rope_kv`` writes them so in the first place, into the
+exchange's buffer where it has one: ``kv_buffer``), and runs sd_kernels' attention once over all of
+them: the same exact attention, in one kernel, with no log-sum-exp to return and nothing to merge. On
+GPUs the gather runs on the copy engines over symmetric memory where torch can set that up
+(patches/peer_gather.py), taking no SMs from the work beside it; else NCCL runs it. Its two halves
+(``gather_kv``, ``attend_gathered``) let a caller queue independent work while the exchange runs:
+FLUX's single-stream blocks run their MLP there
 (patches/layer_norm.py). Ulysses × ring and ``ring_anything`` go to diffusers' dispatch (``serves``).
 The buffer's layout is not diffusers' (its ring sends ``cat(k.flatten(), v.flatten())``): every process
 must run this path, which ``enable_context_parallel`` checks (the same processors on every process), as
@@ -41,6 +44,7 @@ import torch.distributed._functional_collectives as funcol
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 from sd_kernels.ops.rope import kv_layout
 
+from . import peer_gather
 from .cfg_parallel import same_patch
 from .cuda_graph import context_parallel as under_context_parallel
 from .diffusers_sources import is_verified
@@ -139,30 +143,46 @@ def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 _ALL_GATHER = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
-def gather_kv(kv: torch.Tensor, parallel_config) -> torch.Tensor:
+def _ring_group(parallel_config):
+    return parallel_config.context_parallel_config._ring_mesh.get_group()
+
+
+def kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, parallel_config) -> torch.Tensor | None:
+    """Where this process's [B, S_local, 2, H, D] keys and values may be written for ``gather_kv`` to send
+    with no copy (its slice of the copy-engine exchange's buffer, patches/peer_gather.py), or None."""
+    return peer_gather.buffer(_ring_group(parallel_config), shape, dtype, device)
+
+
+def gather_kv(kv: torch.Tensor, parallel_config):
     """The all-gather of this process's [B, S_local, 2, H, D] ``kv`` over the ring's processes, started and
-    not waited for (torch.distributed's functional collective, its autograd form where a gradient flows):
-    the caller may queue other work before ``attend_gathered`` waits (the exchange then overlaps it)."""
-    group = parallel_config.context_parallel_config._ring_mesh.get_group()
+    not waited for: on the copy engines over symmetric memory (patches/peer_gather.py) where that serves,
+    else torch.distributed's functional collective (NCCL; its autograd form where a gradient flows). The
+    caller may queue other work before ``attend_gathered`` waits (the exchange then overlaps it)."""
+    group = _ring_group(parallel_config)
+    if (pending := peer_gather.start(kv, group)) is not None:
+        return pending
     if torch.is_grad_enabled() and kv.requires_grad:
         return getattr(funcol, "all_gather_tensor_autograd", _ALL_GATHER)(kv, 0, group)
     return _ALL_GATHER(kv, 0, group)
 
 
-def attend_gathered(query: torch.Tensor, gathered: torch.Tensor, parallel_config) -> torch.Tensor:
+def attend_gathered(query: torch.Tensor, gathered, parallel_config) -> torch.Tensor:
     """Exact attention of this process's [B, S_local, H, D] queries over every process's keys and values
     (``gather_kv``'s result, [W·B, S_local, 2, H, D], waited for here): one call of sd_kernels' attention
     on strided views. Keys are taken in rank order; attention does not depend on their order, only on
     each key meeting its value."""
     world = parallel_config.context_parallel_config.ring_degree
-    kv = gathered.wait() if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
+    kv = gathered.wait() if isinstance(gathered, (peer_gather.Gathered, funcol.AsyncCollectiveTensor)) else gathered
     bsz, s_local = query.shape[0], kv.shape[1]
     if bsz == 1:
         kv = kv.view(1, world * s_local, *kv.shape[2:])
     else:  # process-major along dim 0: [B, W·S_local, ...] takes a copy
         kv = kv.unflatten(0, (world, bsz)).transpose(0, 1).flatten(1, 2)
     q, k, v = (x.permute(0, 2, 1, 3) for x in (query, kv[:, :, 0], kv[:, :, 1]))
-    return sdk_attention(q, k, v).permute(0, 2, 1, 3)
+    out = sdk_attention(q, k, v).permute(0, 2, 1, 3)
+    if isinstance(gathered, peer_gather.Gathered):
+        gathered.release()  # the buffer's next writer waits for every process's reads of it
+    return out
 
 
 def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parallel_config) -> torch.Tensor:

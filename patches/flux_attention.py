@@ -241,8 +241,12 @@ class SDKernelsFluxAttnProcessor:
                           ek_weight=ek_weight) if text else {}
             args = (query, key, value, attn.head_dim)
             norm_rope = dict(q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, **stream)
-            if ring:  # the keys and values written side by side, for the exchange to send as they are
-                query, kv = qk_norm_rope_kv(*args, **norm_rope)
+            if ring:  # the keys and values written side by side (into the exchange's buffer where it has one)
+                heads = query.shape[-1] // attn.head_dim
+                tokens = query.shape[1] + (encoder_query.shape[1] if text else 0)
+                out = context_parallel.kv_buffer((query.shape[0], tokens, 2, heads, attn.head_dim), query.dtype,
+                                                 query.device, self._parallel_config)
+                query, kv = qk_norm_rope_kv(*args, **norm_rope, kv_out=out)
             else:
                 query, key, value = qk_norm_rope(*args, **norm_rope)
         else:

@@ -192,8 +192,12 @@ def _make_one(args: argparse.Namespace, settings: options.Settings, job: options
     finally:
         if launch is not None:
             # the patch's CUDA graphs released before the caller ends the process group: graphs that hold
-            # captured collectives (SD_KERNELS_GRAPH_COLLECTIVES=1) keep its communicators from shutting down
+            # captured collectives (SD_KERNELS_GRAPH_COLLECTIVES=1) keep its communicators from shutting down;
+            # the ring exchange's symmetric buffers, made over it, with them
+            from sd_kernels.patches import peer_gather
+
             sd_kernels.unpatch(pipe)
+            peer_gather.release_all()
             if on_gpu:
                 torch.cuda.empty_cache()
     say(f"generated in {(time.perf_counter() - t) * 1e3:.1f} ms (patched"

@@ -412,13 +412,16 @@ def qk_norm_rope(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=
 
 
 def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
-                    ev=None, eq_weight=None, ek_weight=None):
-    """``sd_kernels.ops.qk_norm_rope_kv``: (query, kv [B, S, 2, H, D]); traced, ``qk_norm_rope``'s op and a stack."""
+                    ev=None, eq_weight=None, ek_weight=None, kv_out=None):
+    """``sd_kernels.ops.qk_norm_rope_kv``: (query, kv [B, S, 2, H, D]), into ``kv_out`` where given; traced,
+    ``qk_norm_rope``'s op and a stack (``kv_out`` not taken)."""
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
     if torch.compiler.is_compiling():
+        if kv_out is not None:
+            raise ValueError("qk_norm_rope_kv: kv_out is not taken under torch.compile")
         query, key, value = qk_norm_rope(*args)
         return query, rope_ops.kv_layout(key, value)
-    return rope_ops.qk_norm_rope_kv(*args)
+    return rope_ops.qk_norm_rope_kv(*args, kv_out=kv_out)
 
 
 OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

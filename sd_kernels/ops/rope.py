@@ -191,17 +191,24 @@ def qk_norm_rope(
 
 
 def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
-                    ev=None, eq_weight=None, ek_weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    ev=None, eq_weight=None, ek_weight=None, kv_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope`` with the key and value side by side: (query [B, S_text + S, H, D], kv [B, S_text + S,
     2, H, D]), ``kv[:, :, 0]`` the key and ``kv[:, :, 1]`` the value (copied in, also without a text
     stream): one buffer for a collective to send whole (patches/context_parallel.py), written by the
-    same launches."""
+    same launches; into ``kv_out`` (contiguous, of that shape and q's dtype) where given, which is then
+    the ``kv`` returned."""
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    shape = _heads_shape(q, eq, head_dim)
+    kv_shape = (*shape[:2], 2, *shape[2:])
+    if kv_out is not None and (tuple(kv_out.shape) != kv_shape or kv_out.dtype != q.dtype
+                               or kv_out.device != q.device or not kv_out.is_contiguous()):
+        raise ValueError(f"qk_norm_rope_kv: kv_out must be a contiguous {list(kv_shape)} {q.dtype} tensor on "
+                         f"{q.device}, not {list(kv_out.shape)} {kv_out.dtype} on {kv_out.device}")
     if not _kernel_runs(*args):
         query, key, value = reference.qk_norm_rope(*args)
-        return query, kv_layout(key, value)
-    shape = _heads_shape(q, eq, head_dim)
-    query, kv = _alloc(shape, q), _alloc((*shape[:2], 2, *shape[2:]), q)
+        kv = kv_layout(key, value)
+        return query, kv if kv_out is None else kv_out.copy_(kv)
+    query, kv = _alloc(shape, q), (_alloc(kv_shape, q) if kv_out is None else kv_out)
     _launch_streams(*args, out=(query, kv[:, :, 0], kv[:, :, 1]))
     return query, kv
 

@@ -142,7 +142,8 @@ def test_reference_is_stock_bit_for_bit():
 def test_keys_and_values_side_by_side_are_qk_norm_ropes(case, backend, monkeypatch, device):
     """qk_norm_rope_kv (the ring exchange's one buffer): query and kv[:, :, 0] / kv[:, :, 1] equal to the bit
     qk_norm_rope's query, key and value, every element of the poisoned buffer written (the single stream's
-    values copied in too), kv [B, S, 2, H, D] contiguous; the custom-op wrapper the same."""
+    values copied in too), kv [B, S, 2, H, D] contiguous; the custom-op wrapper the same; written into a given
+    buffer alike, a buffer of another shape or layout a clear error."""
     monkeypatch.setenv("SD_KERNELS_BACKEND", backend)
     alloc = rope_ops._alloc
     monkeypatch.setattr(rope_ops, "_alloc", lambda *a: poison_(alloc(*a)))
@@ -154,6 +155,12 @@ def test_keys_and_values_side_by_side_are_qk_norm_ropes(case, backend, monkeypat
         assert torch.equal(got, want)
     wrapped = custom_ops.qk_norm_rope_kv(*args)
     assert torch.equal(wrapped[0], query) and torch.equal(wrapped[1], kv)
+    # into a given buffer (the exchange's slice of its symmetric buffer): that buffer returned, the same bits
+    into = poison_(torch.empty_like(kv))
+    given = custom_ops.qk_norm_rope_kv(*args, kv_out=into)
+    assert given[1] is into and torch.equal(given[0], query) and torch.equal(into, kv)
+    with pytest.raises(ValueError, match="kv_out must be a contiguous"):
+        qk_norm_rope_kv(*args, kv_out=torch.empty_like(kv).transpose(0, 1))
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch: its unfused path

@@ -1,0 +1,157 @@
+"""The ring's all-gather of keys and values on the GPUs' copy engines, over symmetric memory.
+
+NCCL's all-gather is a kernel: it takes SMs for as long as it runs, so the work queued beside it (FLUX's
+single-stream MLP, patches/layer_norm.py) slows down by about what the exchange would have cost alone
+(bench/results/2026-11-28-h200x4-flux-ring: a 137 µs gather and a 231 µs GEMM take 306 µs together).
+A copy between GPUs by ``cudaMemcpyAsync`` runs on a copy engine and takes no SM. Here every process
+keeps one buffer of the whole gathered tensor, [W·B, S_local, 2, H, D], allocated in symmetric memory
+(``torch.distributed._symmetric_memory``: each process maps the others' buffers into its address
+space); a process writes its own shard into its slice of its buffer, and then, on high-priority streams
+of its own:
+
+1. ``barrier`` (channel 0): every process's shard is written;
+2. pulls each other process's slice from that process's buffer into the same slice of its own, one
+   copy-engine copy per peer, each on a stream of its own (so that they run at once, on several copy
+   engines), the i-th from rank + i (so that no two processes read one peer's memory at once);
+3. records ``ready``, which the attention waits for;
+4. ``barrier`` (channel 1): every process has finished reading this process's slice, which the next
+   exchange may then overwrite; recorded as ``done``, which the caller's stream waits for after it
+   has queued the attention (so the wait delays nothing already queued, and a CUDA graph's capture
+   sees the side stream joined).
+
+One buffer per (group, shape, dtype, device), made at first use by a collective ``rendezvous`` (every
+process runs the same calls in the same order, as its model's forward does); never made while a CUDA
+graph is being captured (the capture's warm-up call makes it). Where symmetric memory cannot be set up
+(no peer access, an old torch), or under autograd or ``torch.compile``, ``start`` returns None and the
+caller uses torch's functional all-gather, which NCCL runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "SD_KERNELS_RING_EXCHANGE"  # "copy" (the default where it works) or "nccl"
+
+
+class Gathered:
+    """An exchange under way: ``wait()`` makes the caller's stream wait for the gathered tensor and returns
+    it; ``release()``, called once the caller has queued its reads of it, joins the exchange's stream."""
+
+    def __init__(self, full: torch.Tensor, ready: torch.cuda.Event, done: torch.cuda.Event) -> None:
+        self.full, self.ready, self.done = full, ready, done
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream().wait_event(self.ready)
+        return self.full
+
+    def release(self) -> None:
+        torch.cuda.current_stream().wait_event(self.done)
+
+
+class _Exchange:
+    """One symmetric buffer and the streams its barriers and copies run on."""
+
+    def __init__(self, group, shard_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.world, self.rank = group.size(), group.rank()
+        self.batch = shard_shape[0]
+        shape = (self.world * self.batch, *shard_shape[1:])
+        with warnings.catch_warnings():  # needed by older torch, deprecated (a no-op) by newer
+            warnings.simplefilter("ignore", FutureWarning)
+            getattr(symm_mem, "enable_symm_mem_for_group", lambda name: None)(group.group_name)
+        self.full = symm_mem.empty(shape, dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.full, group.group_name)
+        self.peers = [self.handle.get_buffer(p, shape, dtype) for p in range(self.world)]
+        # high priority: the barriers' small kernels start ahead of the blocks of work queued beside them;
+        # one stream per peer, so that the pulls from several peers run on several copy engines at once
+        self.streams = [torch.cuda.Stream(device, priority=-1) for _ in range(max(1, self.world - 1))]
+
+    def slot(self, rank: int, full: torch.Tensor) -> torch.Tensor:
+        return full[rank * self.batch:(rank + 1) * self.batch]
+
+    def start(self, shard: torch.Tensor) -> Gathered:
+        mine = self.slot(self.rank, self.full)
+        if shard.data_ptr() != mine.data_ptr():
+            mine.copy_(shard)
+        lead = self.streams[0]
+        lead.wait_stream(torch.cuda.current_stream())
+        ready, done = torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(lead):
+            self.handle.barrier(channel=0)
+        for step, stream in enumerate(self.streams, start=1):
+            peer = (self.rank + step) % self.world
+            stream.wait_stream(lead)
+            with torch.cuda.stream(stream):
+                self.slot(peer, self.full).copy_(self.slot(peer, self.peers[peer]))
+        for stream in self.streams[1:]:
+            lead.wait_stream(stream)
+        with torch.cuda.stream(lead):
+            ready.record()
+            self.handle.barrier(channel=1)
+            done.record()
+        return Gathered(self.full, ready, done)
+
+
+_EXCHANGES: dict[tuple, _Exchange | None] = {}
+
+
+def _key(group, shard: torch.Tensor) -> tuple:
+    return group.group_name, tuple(shard.shape), shard.dtype, shard.device
+
+
+def _usable(shard: torch.Tensor) -> bool:
+    return (os.environ.get(ENV, "copy") == "copy" and shard.is_cuda and shard.is_contiguous()
+            and not (torch.is_grad_enabled() and shard.requires_grad) and not torch.compiler.is_compiling())
+
+
+def _make(group, shard: torch.Tensor) -> _Exchange | None:
+    """The exchange for ``shard``'s shape, set up by every process together; None (on every process) where
+    any process could not set it up."""
+    try:
+        exchange = _Exchange(group, tuple(shard.shape), shard.dtype, shard.device)
+        ok = 1
+    except (RuntimeError, ImportError, AttributeError) as e:  # no peer access, no symmetric memory in this torch
+        log.warning("sd_kernels: the ring's exchange runs on NCCL (symmetric memory could not be set up: %s)", e)
+        exchange, ok = None, 0
+    flag = torch.tensor([ok], device=shard.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return exchange if int(flag.item()) else None
+
+
+def buffer(group, shard_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """This process's slice of the exchange's buffer for a shard of ``shard_shape``, for a producer to write
+    its shard straight into (then ``start`` sends it with no copy); None where there is no such buffer
+    yet (``start`` makes it) or none at all."""
+    exchange = _EXCHANGES.get((group.group_name, tuple(shard_shape), dtype, torch.device(device)))
+    return None if exchange is None else exchange.slot(exchange.rank, exchange.full)
+
+
+def start(shard: torch.Tensor, group) -> Gathered | None:
+    """The all-gather along dim 0 of every process's ``shard`` over ``group``, started on the copy engines;
+    None where this path does not serve the call (the caller then runs NCCL's)."""
+    if not _usable(shard):
+        return None
+    key = _key(group, shard)
+    if key not in _EXCHANGES:
+        if shard.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a capture's warm-up call makes the buffer; none is made inside a capture
+        _EXCHANGES[key] = _make(group, shard)
+    exchange = _EXCHANGES[key]
+    return None if exchange is None else exchange.start(shard)
+
+
+def in_use() -> bool:
+    """Whether any exchange runs on the copy engines in this process."""
+    return any(e is not None for e in _EXCHANGES.values())
+
+
+def release_all() -> None:
+    """Drop every buffer (before the process group they were made over is destroyed)."""
+    _EXCHANGES.clear()

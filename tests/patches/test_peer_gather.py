@@ -1,0 +1,67 @@
+"""patches/peer_gather.py: the ring's key/value all-gather on the copy engines over symmetric memory.
+
+On two and on four GPUs (a ``torchrun`` launch of peer_gather_worker.py each, NCCL): equal to NCCL's all-gather to the
+bit, in place from ``buffer()``, many in a row, and replayed from a CUDA graph. Here, on the CPU: the
+calls it does not serve return None (the caller then runs NCCL's collective), and a process group on
+which symmetric memory cannot be set up gets no exchange, on every process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from sd_kernels.patches import peer_gather
+
+WORKER = os.path.join(os.path.dirname(__file__), "peer_gather_worker.py")
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    peer_gather.release_all()
+    dist.destroy_process_group()
+
+
+def test_calls_it_does_not_serve_go_to_nccl(monkeypatch):
+    """CPU tensors, autograd, a non-contiguous shard, the switch set to nccl: None before any set-up."""
+    x = torch.randn(1, 4, 2, 3, 8)
+    assert peer_gather.start(x, group=None) is None
+    assert peer_gather.start(x.transpose(1, 3), group=None) is None
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert peer_gather.start(x.requires_grad_(), group=None) is None
+    monkeypatch.setenv(peer_gather.ENV, "nccl")
+    with torch.no_grad():
+        assert peer_gather.start(x, group=None) is None
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_a_group_without_symmetric_memory_gets_no_exchange(one_process_group, monkeypatch, caplog):
+    """Set-up fails (here: CPU memory, which symmetric memory does not take): a warning, None, and the
+    failure remembered (no second attempt); the shape has no buffer to write into."""
+    monkeypatch.setattr(peer_gather, "_usable", lambda shard: True)
+    x = torch.randn(1, 4, 2, 3, 8)
+    assert peer_gather.start(x, one_process_group) is None
+    assert "runs on NCCL" in caplog.text
+    assert peer_gather._EXCHANGES == {peer_gather._key(one_process_group, x): None}
+    assert peer_gather.buffer(one_process_group, x.shape, x.dtype, x.device) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_copy_engine_gather_equals_nccl_on_several_gpus(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs (one process each)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                          WORKER, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for r in range(world):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "crashed" not in seen, seen.get("crashed")
+        assert seen == {"equal_b1": True, "in_place_b1": True, "equal_b2": True, "in_place_b2": True,
+                        "in_a_row": True, "graph_replays": True}, seen
