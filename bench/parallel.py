@@ -50,7 +50,7 @@ row did not run), device and versions.
 (bench/unet_kernels.py's categories; the collectives are NCCL's kernels, their time including the wait
 for the other processes; the ring's copy-engine exchange is its peer copies and barriers), the GPU's
 busy time (the union of kernel and copy intervals), the exchanges' time with no other kernel running
-beside them (``collectives_exposed_ms``), the largest idle gaps and the
+beside them (``collectives_exposed_ms``), the idle time by the gaps' size, the largest gaps and the
 largest kernels.
 """
 
@@ -206,6 +206,11 @@ def profiled(call, path: pathlib.Path) -> None:
               # the union of kernel intervals: with collectives beside compute, less than device_ms
               "busy_ms": round(busy / 1e3, 2),
               "collectives_exposed_ms": round((busy - compute_busy) / 1e3, 2),
+              # where the GPU sat idle: the gaps' total by size (launch gaps inside the graphs are the small
+              # ones; the pipeline's host work between its calls the large)
+              "idle_ms_by_gap": {f"{lo}-{hi} us" if hi else f">{lo} us": round(sum(
+                  g["us"] for g in idle if lo <= g["us"] < (hi or float("inf"))) / 1e3, 2)
+                  for lo, hi in ((0, 10), (10, 100), (100, 1000), (1000, None))},
               "largest_gaps": idle[:12],
               "categories_ms": {c: round(us / 1e3, 2) for c, us in categories_us(kernels).most_common()},
               "top_kernels": [{"name": n[:160], "ms": round(us / 1e3, 2), "calls": counts[n]}

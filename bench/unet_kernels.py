@@ -41,7 +41,7 @@ CATEGORIES = (
     # ours: Triton kernels named after the function (a leading underscore), before the stock patterns
     # their names would match ("norm", "attention", "conv"); tests/test_bench.py checks every kernel
     ("winograd", r"^_(input_transform|batched_gemm|output_transform|fused_gemm_output)"),
-    ("attention (ours)", r"^_(flash|attn|attention_fp8|softmax_matmul|row_stats|partial)"),
+    ("attention (ours)", r"^_(flash|attn|attention_fp8|softmax_matmul|row_stats|partial|merge)"),
     ("group_norm (ours)", r"^_(group_norm|group_stats|given_norm|pixel_(stats|merge|norm))"),
     ("layer_norm (ours)", r"^_layer_norm_kernel"),
     ("rope (ours)", r"^_qk_norm_rope_kernel"),

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from sd_kernels.ops.attention_parts import attention_lse, merge_attention
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 from sd_kernels.ops.rope import kv_layout
 
@@ -166,23 +167,42 @@ def gather_kv(kv: torch.Tensor, parallel_config):
     return _ALL_GATHER(kv, 0, group)
 
 
-def attend_gathered(query: torch.Tensor, gathered, parallel_config) -> torch.Tensor:
+def attend_gathered(query: torch.Tensor, gathered, parallel_config, in_parts: bool = False) -> torch.Tensor:
     """Exact attention of this process's [B, S_local, H, D] queries over every process's keys and values
     (``gather_kv``'s result, [W·B, S_local, 2, H, D], waited for here): one call of sd_kernels' attention
     on strided views. Keys are taken in rank order; attention does not depend on their order, only on
-    each key meeting its value."""
+    each key meeting its value.
+
+    ``in_parts`` (where nothing else is queued to run beside the exchange: FLUX's double-stream blocks),
+    for an exchange on the copy engines: attention to this process's own keys at once, then to each other
+    process's as they arrive, each part with its log-sum-exp, merged (``ops.attention_parts``: exact up
+    to the parts' rounding before the merge), so the copies run under the attention instead of before it."""
     world = parallel_config.context_parallel_config.ring_degree
-    kv = gathered.wait() if isinstance(gathered, (peer_gather.Gathered, funcol.AsyncCollectiveTensor)) else gathered
-    bsz, s_local = query.shape[0], kv.shape[1]
-    if bsz == 1:
-        kv = kv.view(1, world * s_local, *kv.shape[2:])
-    else:  # process-major along dim 0: [B, W·S_local, ...] takes a copy
-        kv = kv.unflatten(0, (world, bsz)).transpose(0, 1).flatten(1, 2)
-    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, kv[:, :, 0], kv[:, :, 1]))
-    out = sdk_attention(q, k, v).permute(0, 2, 1, 3)
+    if in_parts and isinstance(gathered, peer_gather.Gathered):
+        out = _attend_arrivals(query, gathered, world)
+    else:
+        kv = gathered.wait() if isinstance(gathered, (peer_gather.Gathered, funcol.AsyncCollectiveTensor)) else gathered
+        bsz, s_local = query.shape[0], kv.shape[1]
+        if bsz == 1:
+            kv = kv.view(1, world * s_local, *kv.shape[2:])
+        else:  # process-major along dim 0: [B, W·S_local, ...] takes a copy
+            kv = kv.unflatten(0, (world, bsz)).transpose(0, 1).flatten(1, 2)
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, kv[:, :, 0], kv[:, :, 1]))
+        out = sdk_attention(q, k, v).permute(0, 2, 1, 3)
     if isinstance(gathered, peer_gather.Gathered):
         gathered.release()  # the buffer's next writer waits for every process's reads of it
     return out
+
+
+def _attend_arrivals(query: torch.Tensor, gathered: peer_gather.Gathered, world: int) -> torch.Tensor:
+    """Attention over each process's slot of keys and values as it arrives, the parts merged in fp32 and
+    rounded to the queries' dtype at the last merge: [B, S_local, H, D]."""
+    q = query.permute(0, 2, 1, 3)
+    acc = None
+    for i, (_, slot) in enumerate(gathered.arrivals()):
+        part = attention_lse(q, slot[:, :, 0].permute(0, 2, 1, 3), slot[:, :, 1].permute(0, 2, 1, 3))
+        acc = part if acc is None else merge_attention(acc, part, query.dtype if i == world - 1 else torch.float32)
+    return acc[0].permute(0, 2, 1, 3)
 
 
 def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parallel_config) -> torch.Tensor:

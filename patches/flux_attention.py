@@ -213,7 +213,9 @@ class SDKernelsFluxAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._begin(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)()
+        # called whole, nothing runs beside a ring exchange: the attention takes the keys in parts as they arrive
+        return self._begin(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                           in_parts=True)()
 
     @scoped
     def begin(self, attn, hidden_states: torch.Tensor, image_rotary_emb=None) -> Callable[[], torch.Tensor]:
@@ -223,7 +225,7 @@ class SDKernelsFluxAttnProcessor:
         What the caller queues between overlaps the exchange (FLUX's single blocks: their MLP)."""
         return self._begin(attn, hidden_states, None, None, image_rotary_emb)
 
-    def _begin(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+    def _begin(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, in_parts=False):
         from diffusers.models.embeddings import apply_rotary_emb
 
         # diffusers: _get_qkv_projections(attn, hidden_states, encoder_hidden_states), one GEMM a stream
@@ -277,14 +279,15 @@ class SDKernelsFluxAttnProcessor:
 
         if ring:
             pending = context_parallel.gather_kv(kv, self._parallel_config)
-            return functools.partial(self._finish, attn, query, pending, None, None, encoder_hidden_states)
+            return functools.partial(self._finish, attn, query, pending, None, None, encoder_hidden_states, in_parts)
         return functools.partial(self._finish, attn, query, key, value, attention_mask, encoder_hidden_states)
 
     @scoped
-    def _finish(self, attn, query, key, value, attention_mask, encoder_hidden_states):
-        """The call from the attention core on (``value`` None: ``key`` is the ring exchange under way)."""
+    def _finish(self, attn, query, key, value, attention_mask, encoder_hidden_states, in_parts=False):
+        """The call from the attention core on (``value`` None: ``key`` is the ring exchange under way, attended
+        in parts as it arrives where ``in_parts``: patches/context_parallel.py)."""
         if value is None:
-            hidden_states = context_parallel.attend_gathered(query, key, self._parallel_config)
+            hidden_states = context_parallel.attend_gathered(query, key, self._parallel_config, in_parts)
         else:
             # diffusers: dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=...,
             # parallel_config=...)

@@ -264,6 +264,30 @@ def sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(scale · q kᵀ) v in q's dtype, the rows' log-sum-exp of scale · q kᵀ in float32) on
+    [B, H, S, D], computed in float32 (float64 stays float64)."""
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(wide)
+    return out.to(q.dtype), lse.to(torch.float32 if wide == torch.float32 else wide)
+
+
+def merge_attention(a: tuple[torch.Tensor, torch.Tensor],
+                    b: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention over two parts' keys from each part's (out [B, H, S, D], lse [B, H, S]):
+    lse = logaddexp(lse_a, lse_b), out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b, in float32 (float64
+    stays float64)."""
+    (oa, la), (ob, lb) = a, b
+    wide = torch.float64 if torch.float64 in (oa.dtype, la.dtype) else torch.float32
+    la, lb = la.to(wide), lb.to(wide)
+    lse = torch.logaddexp(la, lb)
+    out = torch.exp(la - lse).unsqueeze(-1) * oa.to(wide) + torch.exp(lb - lse).unsqueeze(-1) * ob.to(wide)
+    return out, lse
+
+
 def softmax_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``softmax(x, -1) @ w`` for x [..., a, b] and w [..., b, c]; softmax(x) is materialised here."""
     return torch.softmax(x, dim=-1) @ w

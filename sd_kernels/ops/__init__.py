@@ -4,6 +4,7 @@ runs its Triton kernel or the reference accordingly."""
 
 from .attention import flash_attention
 from .attention_fp8 import attention_fp8
+from .attention_parts import attention_lse, merge_attention
 from .conv import conv2d
 from .fp8_linear import fp8_gemm, fp8_linear, quantize_rows
 from .gelu import geglu, gelu, linear_geglu, linear_gelu
@@ -19,6 +20,7 @@ from .winograd import winograd_conv2d, winograd_weight
 
 __all__ = [
     "attention_fp8",
+    "attention_lse",
     "bias_residual",
     "conv2d",
     "flash_attention",
@@ -36,6 +38,7 @@ __all__ = [
     "linear_geglu",
     "linear_gelu",
     "mean_rstd",
+    "merge_attention",
     "merge_group_stats",
     "pack8",
     "qk_norm_rope",

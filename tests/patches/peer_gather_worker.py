@@ -3,8 +3,10 @@ process) gathers shards through patches/peer_gather.py and writes what it saw to
 
 Cases: the gather equals NCCL's ``all_gather_into_tensor`` to the bit (bf16, a batch of one and of two,
 FLUX's [B, S_local, 2, H, D] layout at a small size); a shard written straight into ``buffer()`` is
-sent with no copy; twenty gathers in a row, each read before the next overwrites the buffer (the
-barrier that guards reuse); the same calls captured in one CUDA graph and replayed on new shards.
+sent with no copy; the ring's attention over the gathered keys taken in parts as they arrive is within
+three times the error of one attention call over all of them (float64 reference); twenty gathers in a
+row, each read before the next overwrites the buffer (the barrier that guards reuse); the same calls
+captured in one CUDA graph and replayed on new shards.
 """
 
 import json
@@ -12,10 +14,13 @@ import os
 import pathlib
 import sys
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
-from sd_kernels.patches import peer_gather
+from sd_kernels.patches import context_parallel, peer_gather
+
+from sd_kernels import reference
 
 
 def shard(rank: int, step: int, shape) -> torch.Tensor:
@@ -49,6 +54,17 @@ def cases(rank: int, group) -> dict:
         seen[f"in_place_b{b}"] = bool(torch.equal(pending.wait(), nccl_gather(into.clone())))
         pending.release()
     shape = (1, 40, 2, 3, 64)
+    # the ring's attention over the gathered keys: whole, and in parts as they arrive, against float64
+    config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ring_degree=dist.get_world_size()))
+    query, kv = shard(rank, 40, (1, 40, 3, 64)), shard(rank, 41, shape)
+    keys = nccl_gather(kv).view(1, -1, 2, 3, 64).double()
+    want = reference.sdpa(*(x.permute(0, 2, 1, 3) for x in (query.double(), keys[:, :, 0], keys[:, :, 1])))
+    want = want.permute(0, 2, 1, 3)
+    errors = {}
+    for in_parts in (False, True):
+        got = context_parallel.attend_gathered(query, peer_gather.start(kv, group), config, in_parts)
+        errors[in_parts] = (got.double() - want).abs().max().item()
+    seen["in_parts_error"] = errors[True] <= 3 * errors[False] + 2.0 ** -9
     seen["in_a_row"] = all(torch.equal(gather(shard(rank, s, shape), group), nccl_gather(shard(rank, s, shape)))
                            for s in range(2, 22))
     # captured: five gathers of one static input per replay, their results summed into one static output
