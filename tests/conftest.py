@@ -88,3 +88,10 @@ def _process_attention_backend():
 def device() -> str:
     """Where kernels run in this session: the GPU if there is one, else the CPU interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _graph_collectives_unset(monkeypatch):
+    """Every test starts without SD_KERNELS_GRAPH_COLLECTIVES, and whatever a test's command line sets for its
+    process (``generate --parallel ulysses|ring`` sets it) is undone after the test."""
+    monkeypatch.delenv("SD_KERNELS_GRAPH_COLLECTIVES", raising=False)

@@ -88,9 +88,14 @@ def launch(mode: str, *, cuda_graph: str, compile: bool | str) -> Launch:
                          "pipeline)")
     from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV, collectives_captured
 
+    if mode in TOKENS:
+        # the command line captures the transformer with its exchanges (its teardown releases the graphs before
+        # the process group ends); SD_KERNELS_GRAPH_COLLECTIVES=0, set alike on every process, runs it eagerly
+        os.environ.setdefault(COLLECTIVES_ENV, "1")
     if mode in TOKENS and compile:
         raise ValueError(f"--compile with --parallel {mode}: the patch compiles what its CUDA graphs capture, and a "
-                         "transformer under context parallelism is not captured (its collectives would be baked in)")
+                         "transformer under context parallelism is captured with its exchanges inside, which "
+                         "torch.compile is not run on")
     if mode in TOKENS and cuda_graph not in ("auto", "off") and not collectives_captured():
         raise ValueError(f"--cuda-graph {cuda_graph} with --parallel {mode}: a transformer under context parallelism "
                          f"is not captured (its collectives would be baked in; {COLLECTIVES_ENV}=1 on every process "
@@ -147,14 +152,14 @@ def shared(value: Any) -> Any:
 
 def eager_note(launch: Launch, on_gpu: bool) -> str | None:
     """What the first process prints under a token split on GPUs whose transformer runs eagerly (its
-    collectives not captured: the default), else None."""
+    collectives not captured: ``SD_KERNELS_GRAPH_COLLECTIVES=0``), else None."""
     from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV, collectives_captured
 
     if launch.mode not in TOKENS or not on_gpu or collectives_captured():
         return None
-    return (f"note: under --parallel {launch.mode} the transformer runs eagerly (outside CUDA graphs), which on "
-            f"several GPUs can be slower than one; {COLLECTIVES_ENV}=1 on every process captures it with its "
-            "collectives (experimental: docs/parallel.md)")
+    return (f"note: with {COLLECTIVES_ENV}={os.environ.get(COLLECTIVES_ENV, '')} the transformer runs eagerly under "
+            f"--parallel {launch.mode} (outside CUDA graphs), which on several GPUs can be slower than one; unset, "
+            "the command line captures it with its collectives (docs/parallel.md)")
 
 
 def prepare(pipe: Any, launch: Launch) -> dict[str, Any]:

@@ -55,8 +55,6 @@ def _read(path):
     (["--parallel", "ulysses", "--model", "tiny-flux"], 1, "--parallel ulysses splits the transformer's tokens over "
      "the processes, and this launch has 1"),
     (["--parallel", "ulysses", "--model", "tiny-flux", "--compile"], 2, "--compile with --parallel ulysses"),
-    (["--parallel", "ulysses", "--model", "tiny-flux", "--cuda-graph", "pipeline"], 2,
-     "--cuda-graph pipeline with --parallel ulysses"),
     (["--parallel", "ring"], 2, "--parallel ring runs diffusers' context parallelism, which has no plan for the "
      "denoiser of a StableDiffusionPipeline"),
     (["--parallel", "ring", "--model", "tiny-sd3"], 2, "--parallel ring runs under diffusers' own context-parallel "
@@ -142,6 +140,24 @@ def test_an_eager_token_split_on_gpus_says_so(monkeypatch):
     assert parallel_app.eager_note(ring, on_gpu=False) is None and parallel_app.eager_note(cfg, on_gpu=True) is None
     monkeypatch.setenv(COLLECTIVES_ENV, "1")
     assert parallel_app.eager_note(ring, on_gpu=True) is None
+
+
+def test_the_command_line_captures_a_token_split_unless_told_not_to(monkeypatch):
+    """--parallel ulysses|ring sets SD_KERNELS_GRAPH_COLLECTIVES=1 where it is unset (so --cuda-graph pipeline
+    is taken); set to 0 it stays eager and a --cuda-graph that would capture is refused; cfg leaves it alone."""
+    from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv(COLLECTIVES_ENV, raising=False)
+    parallel_app.launch("cfg", cuda_graph="auto", compile=False)
+    assert COLLECTIVES_ENV not in os.environ
+    assert parallel_app.launch("ring", cuda_graph="pipeline", compile=False).world == 2
+    assert os.environ[COLLECTIVES_ENV] == "1"
+    monkeypatch.setenv(COLLECTIVES_ENV, "0")
+    with pytest.raises(ValueError, match="--cuda-graph pipeline with --parallel ulysses"):
+        parallel_app.launch("ulysses", cuda_graph="pipeline", compile=False)
+    assert os.environ[COLLECTIVES_ENV] == "0"
 
 
 def test_ring_mode_enables_the_ring_exchange(monkeypatch):

@@ -56,7 +56,7 @@ def test_parts_merged_are_attention_over_all_keys(dtype, splits, device):
     q, k, v = _inputs(1, 4, 77, sk, 64, dtype, device, seed=1)
     bounds = [0, *splits, sk]
     acc = None
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+    for lo, hi in zip(bounds, bounds[1:]):
         part = attention_lse(q, k[:, :, lo:hi], v[:, :, lo:hi])
         acc = part if acc is None else merge_attention(acc, part, dtype if hi == sk else torch.float32)
     out, lse = acc

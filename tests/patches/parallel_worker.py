@@ -172,12 +172,13 @@ def ring_case():
 
     with sd_kernels.patched(pipe := build("tiny-flux")):
         one = latents(pipe)
-    shapes, begun = [], []
+    shapes, begun, in_parts_calls = [], [], []
     attend, begin = context_parallel.attend_gathered, flux_attention.SDKernelsFluxAttnProcessor.begin
 
-    def counting(query, gathered, parallel_config):
-        out = attend(query, gathered, parallel_config)
+    def counting(query, gathered, parallel_config, in_parts=False):
+        out = attend(query, gathered, parallel_config, in_parts)
         shapes.append([list(query.shape), list(gathered.shape), list(out.shape)])
+        in_parts_calls.append(in_parts)
         return out
 
     def counting_begin(self, *args, **kwargs):
@@ -199,7 +200,7 @@ def ring_case():
     seed_per_process = error_of(lambda: latents(bad, seed=dist.get_rank()))
     out = {"rel": rel(ours, one), "sum": float(ours.double().sum()), "calls": len(shapes),
            "seed_per_process": seed_per_process,
-           "shapes": shapes[0] if shapes else None, "begun": len(begun),
+           "shapes": shapes[0] if shapes else None, "begun": len(begun), "in_parts": sum(in_parts_calls),
            "single_blocks": len(ring.transformer.single_transformer_blocks),
            "config": vars(ring.transformer._parallel_config.context_parallel_config)["ring_degree"]}
     sd_kernels.unpatch(ring)

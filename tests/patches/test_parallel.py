@@ -94,14 +94,17 @@ def test_ring_gathers_keys_and_values_for_one_attention_call(ranks):
     """FLUX under a ring config of degree 2: each of the 8 attention calls (2 steps × 4 blocks) takes this
     process's 40 of the 80 tokens as queries against both processes' keys and values (one gathered
     [2·1, 40, 2, 2, 24] buffer) and answers for its queries; the single-stream blocks' calls are begun
-    before their MLP; the latents are one process's within fp32 rounding, the same on both processes; a
-    seed per process is a clear error; unpatched, the stock processors are back."""
+    before their MLP, the double-stream blocks' calls ask for the keys in parts (taken where the exchange
+    runs on the copy engines: on GPUs); the latents are one process's within fp32 rounding, the same on
+    both processes; a seed per process is a clear error; unpatched, the stock processors are back."""
     for r in ranks:
         got = r["ring"]
         assert "crashed" not in got, got.get("crashed")
         assert got["config"] == 2 and got["calls"] == 8
         assert got["shapes"] == [[1, 40, 2, 24], [2, 40, 2, 2, 24], [1, 40, 2, 24]]
         assert got["single_blocks"] >= 1 and got["begun"] == 2 * got["single_blocks"]
+        # the double-stream blocks (called whole, nothing beside their exchange) ask for the keys in parts
+        assert got["in_parts"] == got["calls"] - got["begun"]
         # a seed per process: different noise side by side, refused before the first step on every process
         assert "under context parallelism: the processes call it with different hidden_states" in (
             got["seed_per_process"] or "")
