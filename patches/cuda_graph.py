@@ -59,12 +59,14 @@ and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), the attention pr
 ``set_ip_adapter_scale``, ``set_attention_backend``, the ``attention_backend`` context manager: FLUX's
 processors read them); offloading hooks added after the patch make the calls eager.
 
-A model under diffusers' context parallelism (``enable_parallelism``) is not graphed: its forward runs
-collectives (Ulysses' all-to-alls, the output's all-gather) that a capture would bake into the graph,
-which is not checked safe here. ``cuda_graph="auto"`` then captures nothing, ``cuda_graph=True`` is
-refused, and a model graphed before ``enable_parallelism`` runs eagerly from then on. Experimental,
-``SD_KERNELS_GRAPH_COLLECTIVES=1`` (set alike on every process) lifts that: the calls are captured
-with their NCCL collectives inside the graphs (``collectives_captured``). diffusers'
+A model under diffusers' context parallelism (``enable_parallelism``) is not graphed by default: its
+forward runs collectives (Ulysses' all-to-alls, the ring's exchange, the output's all-gather) that a
+capture bakes into the graph, and a process that then ends its process group while such graphs are alive
+does not exit. ``cuda_graph="auto"`` then captures nothing, ``cuda_graph=True`` is refused, and a model
+graphed before ``enable_parallelism`` runs eagerly from then on. ``SD_KERNELS_GRAPH_COLLECTIVES=1`` (set
+alike on every process; the command line's ``generate --parallel ulysses|ring`` sets it) lifts that: the
+calls are captured with their collectives inside the graphs (``collectives_captured``), and the caller
+unpatches (releasing the graphs) before ``destroy_process_group()``. diffusers'
 hooks wrap the ``GraphedCall`` they find as the model's ``forward``; unpatch hands them the
 original method in its place (``_release``), so the model is left as ``enable_parallelism`` would have
 left a model never patched.
@@ -153,13 +155,15 @@ def context_parallel(model: Any) -> bool:
 COLLECTIVES_ENV = "SD_KERNELS_GRAPH_COLLECTIVES"
 # Why a model under context parallelism runs eagerly (module docstring).
 CONTEXT_PARALLEL = ("it runs under diffusers' context parallelism (enable_parallelism), whose collectives a capture "
-                    f"would bake into the graph ({COLLECTIVES_ENV}=1 captures them, experimental)")
+                    f"would bake into the graph ({COLLECTIVES_ENV}=1 on every process captures them; unpatch before "
+                    "the process group ends)")
 
 
 def collectives_captured() -> bool:
     """Whether calls under context parallelism are captured too, their NCCL collectives inside the graphs
-    (``SD_KERNELS_GRAPH_COLLECTIVES=1``; experimental, and every process must set it alike: a process that
-    replays a graph waits in its collectives for the others'). Off by default."""
+    (``SD_KERNELS_GRAPH_COLLECTIVES=1``; every process must set it alike: a process that replays a graph
+    waits in its collectives for the others'). Off by default in the library; the command line's
+    ``generate --parallel ulysses|ring`` sets it."""
     return os.environ.get(COLLECTIVES_ENV, "0") == "1"
 
 

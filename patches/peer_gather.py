@@ -24,8 +24,13 @@ of its own:
 One buffer per (group, shape, dtype, device), made at first use by a collective ``rendezvous`` (every
 process runs the same calls in the same order, as its model's forward does); never made while a CUDA
 graph is being captured (the capture's warm-up call makes it). Where symmetric memory cannot be set up
-(no peer access, an old torch), or under autograd or ``torch.compile``, ``start`` returns None and the
-caller uses torch's functional all-gather, which NCCL runs.
+on some process (no peer access, an old torch), or some process sets ``SD_KERNELS_RING_EXCHANGE=nccl``,
+every process takes NCCL for that shape (the set-up agrees by two all-reduces); under autograd or
+``torch.compile`` ``start`` returns None too, and the caller uses torch's functional all-gather, which
+NCCL runs. A barrier that waits more than ``BARRIER_TIMEOUT_MS`` for the others stops the process with an
+error. The buffers live until ``release_all()``, which must come after every CUDA graph that captured an
+exchange is released (``unpatch``) and before the process group ends: the command line and
+bench.parallel do so.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ log = logging.getLogger(__name__)
 
 ENV = "SD_KERNELS_RING_EXCHANGE"  # "copy" (the default where it works) or "nccl"
 STREAM_PRIORITY = -1  # the exchange's stream: high (CUDA's lower number), see _Exchange
+# A barrier waits this long for the other processes (a first call may compile for a minute on one of them),
+# then stops the process with an error instead of spinning forever behind one that died
+BARRIER_TIMEOUT_MS = 10 * 60 * 1000
 
 
 class Gathered:
@@ -73,6 +81,7 @@ class _Exchange:
     def __init__(self, group, shard_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        self.group = group  # held: the key's id(group) stays this group's
         self.world, self.rank = group.size(), group.rank()
         self.batch = shard_shape[0]
         shape = (self.world * self.batch, *shard_shape[1:])
@@ -81,6 +90,8 @@ class _Exchange:
             getattr(symm_mem, "enable_symm_mem_for_group", lambda name: None)(group.group_name)
         self.full = symm_mem.empty(shape, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.full, group.group_name)
+        if getattr(self.handle, "offset", 0) != 0:  # get_buffer counts from the allocation's start
+            raise RuntimeError(f"the buffer lies {self.handle.offset} bytes into its symmetric allocation")
         self.peers = [self.handle.get_buffer(p, shape, dtype) for p in range(self.world)]
         # high priority: the barriers' small kernels start ahead of the blocks of work queued beside them (the
         # attention to this process's own keys, which starts when they do)
@@ -96,13 +107,13 @@ class _Exchange:
         self.stream.wait_stream(torch.cuda.current_stream())
         arrived, done = {}, torch.cuda.Event()
         with torch.cuda.stream(self.stream):
-            self.handle.barrier(channel=0)
+            self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             for step in range(1, self.world):
                 peer = (self.rank + step) % self.world
                 self.slot(peer, self.full).copy_(self.slot(peer, self.peers[peer]))
                 arrived[peer] = torch.cuda.Event()
                 arrived[peer].record()
-            self.handle.barrier(channel=1)
+            self.handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
             done.record()
         return Gathered(self, arrived, done)
 
@@ -110,34 +121,50 @@ class _Exchange:
 _EXCHANGES: dict[tuple, _Exchange | None] = {}
 
 
-def _key(group, shard: torch.Tensor) -> tuple:
-    return group.group_name, tuple(shard.shape), shard.dtype, shard.device
+def _key(group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
+    # the group object itself, not only its name: torch reuses names for groups made after others ended
+    return id(group), group.group_name, tuple(shape), dtype, torch.device(device)
 
 
 def _usable(shard: torch.Tensor) -> bool:
-    return (os.environ.get(ENV, "copy") == "copy" and shard.is_cuda and shard.is_contiguous()
-            and not (torch.is_grad_enabled() and shard.requires_grad) and not torch.compiler.is_compiling())
+    """Whether this call may take the exchange: a contiguous CUDA shard, outside autograd (a gradient
+    through the queries alone would meet a buffer the next exchange overwrites) and torch.compile."""
+    return (shard.is_cuda and shard.is_contiguous() and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+def _agree(group, flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every process of ``group`` (a collective)."""
+    t = torch.tensor([int(flag)], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(t.item())
 
 
 def _make(group, shard: torch.Tensor) -> _Exchange | None:
     """The exchange for ``shard``'s shape, set up by every process together; None (on every process) where
-    any process could not set it up."""
+    any process asks for NCCL (``SD_KERNELS_RING_EXCHANGE=nccl``) or could not set it up."""
+    wanted = os.environ.get(ENV, "copy")
+    if wanted not in ("copy", "nccl"):
+        raise ValueError(f"{ENV}={wanted!r}: 'copy' (the default) or 'nccl'")
+    if not _agree(group, wanted == "copy", shard.device):
+        if wanted == "copy":
+            log.warning("sd_kernels: the ring's exchange runs on NCCL: another process set %s=nccl", ENV)
+        return None
     try:
-        exchange = _Exchange(group, tuple(shard.shape), shard.dtype, shard.device)
-        ok = 1
+        exchange, ok = _Exchange(group, tuple(shard.shape), shard.dtype, shard.device), True
     except (RuntimeError, ImportError, AttributeError) as e:  # no peer access, no symmetric memory in this torch
         log.warning("sd_kernels: the ring's exchange runs on NCCL (symmetric memory could not be set up: %s)", e)
-        exchange, ok = None, 0
-    flag = torch.tensor([ok], device=shard.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return exchange if int(flag.item()) else None
+        exchange, ok = None, False
+    return exchange if _agree(group, ok, shard.device) else None
 
 
 def buffer(group, shard_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """This process's slice of the exchange's buffer for a shard of ``shard_shape``, for a producer to write
-    its shard straight into (then ``start`` sends it with no copy); None where there is no such buffer
-    yet (``start`` makes it) or none at all."""
-    exchange = _EXCHANGES.get((group.group_name, tuple(shard_shape), dtype, torch.device(device)))
+    its shard straight into (then ``start`` sends it with no copy); None where the call would not take the
+    exchange (autograd, torch.compile), where there is no buffer yet (``start`` makes it) or none at all."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    exchange = _EXCHANGES.get(_key(group, shard_shape, dtype, device))
     return None if exchange is None else exchange.slot(exchange.rank, exchange.full)
 
 
@@ -146,7 +173,7 @@ def start(shard: torch.Tensor, group) -> Gathered | None:
     None where this path does not serve the call (the caller then runs NCCL's)."""
     if not _usable(shard):
         return None
-    key = _key(group, shard)
+    key = _key(group, shard.shape, shard.dtype, shard.device)
     if key not in _EXCHANGES:
         if shard.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # a capture's warm-up call makes the buffer; none is made inside a capture

@@ -279,12 +279,13 @@ def merge_attention(a: tuple[torch.Tensor, torch.Tensor],
                     b: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of attention over two parts' keys from each part's (out [B, H, S, D], lse [B, H, S]):
     lse = logaddexp(lse_a, lse_b), out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b, in float32 (float64
-    stays float64)."""
+    stays float64); a row with no key in either part (both −∞) gives 0 and −∞."""
     (oa, la), (ob, lb) = a, b
     wide = torch.float64 if torch.float64 in (oa.dtype, la.dtype) else torch.float32
     la, lb = la.to(wide), lb.to(wide)
     lse = torch.logaddexp(la, lb)
-    out = torch.exp(la - lse).unsqueeze(-1) * oa.to(wide) + torch.exp(lb - lse).unsqueeze(-1) * ob.to(wide)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # no key in either part: the output 0
+    out = torch.exp(la - finite).unsqueeze(-1) * oa.to(wide) + torch.exp(lb - finite).unsqueeze(-1) * ob.to(wide)
     return out, lse
 
 

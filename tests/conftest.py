@@ -93,5 +93,8 @@ def device() -> str:
 @pytest.fixture(autouse=True)
 def _graph_collectives_unset(monkeypatch):
     """Every test starts without SD_KERNELS_GRAPH_COLLECTIVES, and whatever a test's command line sets for its
-    process (``generate --parallel ulysses|ring`` sets it) is undone after the test."""
-    monkeypatch.delenv("SD_KERNELS_GRAPH_COLLECTIVES", raising=False)
+    process (``generate --parallel ulysses|ring`` sets it) is undone after the test: set, then deleted, so
+    that monkeypatch records the variable's state before the test (which a bare ``delenv`` of an unset
+    variable does not) and restores it at the end."""
+    monkeypatch.setenv("SD_KERNELS_GRAPH_COLLECTIVES", "")
+    monkeypatch.delenv("SD_KERNELS_GRAPH_COLLECTIVES")

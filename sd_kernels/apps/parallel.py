@@ -88,18 +88,20 @@ def launch(mode: str, *, cuda_graph: str, compile: bool | str) -> Launch:
                          "pipeline)")
     from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV, collectives_captured
 
-    if mode in TOKENS:
-        # the command line captures the transformer with its exchanges (its teardown releases the graphs before
-        # the process group ends); SD_KERNELS_GRAPH_COLLECTIVES=0, set alike on every process, runs it eagerly
-        os.environ.setdefault(COLLECTIVES_ENV, "1")
+    # the command line captures the transformer with its exchanges (its teardown releases the graphs before
+    # the process group ends); SD_KERNELS_GRAPH_COLLECTIVES=0, set alike on every process, runs it eagerly
+    captured = collectives_captured() or (mode in TOKENS and COLLECTIVES_ENV not in os.environ)
     if mode in TOKENS and compile:
         raise ValueError(f"--compile with --parallel {mode}: the patch compiles what its CUDA graphs capture, and a "
                          "transformer under context parallelism is captured with its exchanges inside, which "
                          "torch.compile is not run on")
-    if mode in TOKENS and cuda_graph not in ("auto", "off") and not collectives_captured():
-        raise ValueError(f"--cuda-graph {cuda_graph} with --parallel {mode}: a transformer under context parallelism "
-                         f"is not captured (its collectives would be baked in; {COLLECTIVES_ENV}=1 on every process "
-                         "captures them, experimental); use auto or off")
+    if mode in TOKENS and cuda_graph not in ("auto", "off") and not captured:
+        raise ValueError(f"--cuda-graph {cuda_graph} with --parallel {mode}: with {COLLECTIVES_ENV}="
+                         f"{os.environ.get(COLLECTIVES_ENV)} the transformer under context parallelism is not "
+                         f"captured; use auto or off, or leave {COLLECTIVES_ENV} unset (the command line then "
+                         "captures it with its exchanges)")
+    if mode in TOKENS:
+        os.environ.setdefault(COLLECTIVES_ENV, "1")
     return Launch(mode, rank, world, local, local_world)
 
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.runtime.dispatch import declined, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
 
@@ -53,21 +53,22 @@ def _merge_kernel(
     la = tl.load(la_ptr + b * sla_b + h * sla_h + s * sla_s, mask=sm, other=0.0).to(tl.float32)
     lb = tl.load(lb_ptr + b * slb_b + h * slb_h + s * slb_s, mask=sm, other=0.0).to(tl.float32)
     m = tl.maximum(la, lb)
-    m = tl.where(m == float("-inf"), 0.0, m)  # rows with no key in either part stay finite
+    empty = m == float("-inf")  # no key in either part: the output 0, the log-sum-exp -inf (not NaN)
+    m = tl.where(empty, 0.0, m)
     wa, wb = tl.exp(la - m), tl.exp(lb - m)
-    den = wa + wb
+    den = tl.where(empty, 1.0, wa + wb)
     oa = tl.load(oa_ptr + b * sa_b + h * sa_h + s[:, None] * sa_s + d[None, :] * sa_d, mask=mask, other=0.0)
     ob = tl.load(ob_ptr + b * sb_b + h * sb_h + s[:, None] * sb_s + d[None, :] * sb_d, mask=mask, other=0.0)
     o = (oa.to(tl.float32) * (wa / den)[:, None] + ob.to(tl.float32) * (wb / den)[:, None])
     tl.store(o_ptr + b * so_b + h * so_h + s[:, None] * so_s + d[None, :] * so_d, o.to(o_ptr.dtype.element_ty),
              mask=mask)
-    tl.store(l_ptr + b * slo_b + h * slo_h + s * slo_s, m + tl.log(den), mask=sm)
+    tl.store(l_ptr + b * slo_b + h * slo_h + s * slo_s, tl.where(empty, float("-inf"), m + tl.log(den)), mask=sm)
 
 
 _LAUNCH = Launcher(_merge_kernel)
 
-# (dtype, head dim) pairs that cuDNN's / FlashAttention's ATen op refused once: not asked again
-_REFUSED: dict[str, set] = {"cudnn": set(), "flash": set()}
+# (op, dtype, head dims, device) that cuDNN's / FlashAttention's ATen op refused once: not asked again
+_REFUSED: set[tuple] = set()
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,20 +92,24 @@ def _aten(which: str, q, k, v, scale):
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, Sq, Dv] in q's dtype, lse [B, H, Sq] float32) of softmax(scale · q kᵀ) v on [B, H, S, D]
-    inputs (any strides with D contiguous): cuDNN's fused attention on CUDA fp16/bf16, else FlashAttention-2's,
-    else the float32 reference."""
+    inputs: cuDNN's fused attention on CUDA fp16/bf16 with D contiguous, else FlashAttention-2's, else the
+    float32 reference (also under autograd, and what an op refused, logged once as declined)."""
     _check(q, k, v)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled():
-        for which in ("cudnn", "flash"):
-            key = (q.dtype, q.shape[-1], v.shape[-1])
-            if key in _REFUSED[which]:
-                continue
-            try:
-                return _aten(which, q, k, v, scale)
-            except RuntimeError:  # this torch / GPU has no such kernel for these inputs
-                if torch.cuda.is_current_stream_capturing():
-                    raise
-                _REFUSED[which].add(key)
+    fused = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled()
+             and all(x.stride(-1) == 1 for x in (q, k, v)))
+    for which in ("cudnn", "flash") if fused else ():
+        key = (which, q.dtype, q.shape[-1], v.shape[-1], q.device)
+        if key in _REFUSED:
+            continue
+        try:
+            return _aten(which, q, k, v, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:  # this torch / GPU has no such kernel for these inputs
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _REFUSED.add(key)
+            declined("attention_lse", f"{which} refused {q.dtype} head dim {q.shape[-1]}: {str(e)[:200]}")
     return reference.attention_lse(q, k, v, scale)
 
 
@@ -116,7 +121,7 @@ def _heads_inner(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
-          dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (out, lse) of attention over two parts' keys from each part's (out [B, H, S, D], lse [B, H, S]), the
     output in ``dtype`` (default: a's output's) with the heads inner in memory (``_heads_inner``), the
     log-sum-exp in float32."""

@@ -155,9 +155,15 @@ def test_the_command_line_captures_a_token_split_unless_told_not_to(monkeypatch)
     assert parallel_app.launch("ring", cuda_graph="pipeline", compile=False).world == 2
     assert os.environ[COLLECTIVES_ENV] == "1"
     monkeypatch.setenv(COLLECTIVES_ENV, "0")
-    with pytest.raises(ValueError, match="--cuda-graph pipeline with --parallel ulysses"):
+    with pytest.raises(ValueError, match="--cuda-graph pipeline with --parallel ulysses: with "
+                                         f"{COLLECTIVES_ENV}=0 the transformer"):
         parallel_app.launch("ulysses", cuda_graph="pipeline", compile=False)
     assert os.environ[COLLECTIVES_ENV] == "0"
+    # a launch refused for another reason leaves the environment as it was
+    monkeypatch.delenv(COLLECTIVES_ENV)
+    with pytest.raises(ValueError, match="--compile with --parallel ring"):
+        parallel_app.launch("ring", cuda_graph="auto", compile=True)
+    assert COLLECTIVES_ENV not in os.environ
 
 
 def test_ring_mode_enables_the_ring_exchange(monkeypatch):

@@ -159,8 +159,10 @@ def test_keys_and_values_side_by_side_are_qk_norm_ropes(case, backend, monkeypat
     into = poison_(torch.empty_like(kv))
     given = custom_ops.qk_norm_rope_kv(*args, kv_out=into)
     assert given[1] is into and torch.equal(given[0], query) and torch.equal(into, kv)
-    with pytest.raises(ValueError, match="kv_out must be a contiguous"):
-        qk_norm_rope_kv(*args, kv_out=torch.empty_like(kv).transpose(0, 1))
+    strided = torch.empty(kv.shape[::-1], dtype=kv.dtype, device=kv.device).permute(4, 3, 2, 1, 0)
+    for bad in (strided, torch.empty_like(kv)[:1], torch.empty_like(kv, dtype=torch.float32)):  # layout, shape, dtype
+        with pytest.raises(ValueError, match="kv_out must be a contiguous"):
+            qk_norm_rope_kv(*args, kv_out=bad)
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch: its unfused path

@@ -5,8 +5,9 @@ Cases: the gather equals NCCL's ``all_gather_into_tensor`` to the bit (bf16, a b
 FLUX's [B, S_local, 2, H, D] layout at a small size); a shard written straight into ``buffer()`` is
 sent with no copy; the ring's attention over the gathered keys taken in parts as they arrive is within
 three times the error of one attention call over all of them (float64 reference); twenty gathers in a
-row, each read before the next overwrites the buffer (the barrier that guards reuse); the same calls
-captured in one CUDA graph and replayed on new shards.
+row; six back to back with no host sync while process 1 reads each late (the barrier that guards the
+buffer's reuse: without it process 1 would read the next exchange's values); the same calls captured in
+one CUDA graph and replayed on new shards.
 """
 
 import json
@@ -42,6 +43,41 @@ def gather(x: torch.Tensor, group) -> torch.Tensor:
     return got
 
 
+class _SlowAfterFirstBarrier:
+    """A symmetric-memory handle whose process 1 sleeps on the exchange's stream between the first barrier
+    and its copies: the other processes run ahead into their next exchange meanwhile."""
+
+    def __init__(self, handle, rank: int) -> None:
+        self.handle, self.rank = handle, rank
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        self.handle.barrier(channel=channel, timeout_ms=timeout_ms)
+        if channel == 0 and self.rank == 1:
+            torch.cuda._sleep(20_000_000)  # about 10 ms
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def delayed_reader(rank: int, group) -> bool:
+    """Six exchanges back to back with no host sync between them while process 1 reads late: each result
+    equals NCCL's gather of that exchange's shards (a slot overwritten before every process read it would
+    show the next exchange's values)."""
+    shape = (1, 48, 2, 3, 64)
+    gather(shard(rank, 50, shape), group)  # makes the exchange for this shape
+    exchange = peer_gather._EXCHANGES[peer_gather._key(group, shape, torch.bfloat16, torch.device("cuda", rank))]
+    exchange.handle = _SlowAfterFirstBarrier(exchange.handle, rank)
+    try:
+        got = []
+        for s in range(51, 57):
+            pending = peer_gather.start(shard(rank, s, shape), group)
+            got.append(pending.wait().clone())
+            pending.release()
+    finally:
+        exchange.handle = exchange.handle.handle
+    return all(torch.equal(g, nccl_gather(shard(rank, s, shape))) for g, s in zip(got, range(51, 57)))
+
+
 def cases(rank: int, group) -> dict:
     seen = {}
     for b in (1, 2):
@@ -56,17 +92,21 @@ def cases(rank: int, group) -> dict:
     shape = (1, 40, 2, 3, 64)
     # the ring's attention over the gathered keys: whole, and in parts as they arrive, against float64
     config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ring_degree=dist.get_world_size()))
-    query, kv = shard(rank, 40, (1, 40, 3, 64)), shard(rank, 41, shape)
-    keys = nccl_gather(kv).view(1, -1, 2, 3, 64).double()
-    want = reference.sdpa(*(x.permute(0, 2, 1, 3) for x in (query.double(), keys[:, :, 0], keys[:, :, 1])))
-    want = want.permute(0, 2, 1, 3)
-    errors = {}
-    for in_parts in (False, True):
-        got = context_parallel.attend_gathered(query, peer_gather.start(kv, group), config, in_parts)
-        errors[in_parts] = (got.double() - want).abs().max().item()
-    seen["in_parts_error"] = errors[True] <= 3 * errors[False] + 2.0 ** -9
+    ok = True
+    for b in (1, 2):  # a batch of two: each process's slot is [2, 40, 2, 3, 64], the keys batch-major after
+        query, kv = shard(rank, 40, (b, 40, 3, 64)), shard(rank, 41, (b, *shape[1:]))
+        keys = nccl_gather(kv).unflatten(0, (-1, b)).transpose(0, 1).flatten(1, 2).double()
+        want = reference.sdpa(*(x.permute(0, 2, 1, 3) for x in (query.double(), keys[:, :, 0], keys[:, :, 1])))
+        want = want.permute(0, 2, 1, 3)
+        errors = {}
+        for in_parts in (False, True):
+            got = context_parallel.attend_gathered(query, peer_gather.start(kv, group), config, in_parts)
+            errors[in_parts] = (got.double() - want).abs().max().item()
+        ok &= errors[True] <= 3 * errors[False] + 2.0 ** -9
+    seen["in_parts_error"] = ok
     seen["in_a_row"] = all(torch.equal(gather(shard(rank, s, shape), group), nccl_gather(shard(rank, s, shape)))
                            for s in range(2, 22))
+    seen["delayed_reader"] = delayed_reader(rank, group)
     # captured: five gathers of one static input per replay, their results summed into one static output
     static_in = shard(rank, 0, shape)
     side = torch.cuda.Stream()

@@ -31,15 +31,16 @@ def one_process_group():
 
 
 def test_calls_it_does_not_serve_go_to_nccl(monkeypatch):
-    """CPU tensors, autograd, a non-contiguous shard, the switch set to nccl: None before any set-up."""
+    """CPU tensors, autograd enabled (even with no gradient through the shard: one through the queries
+    would meet a buffer the next exchange overwrites), a non-contiguous shard: None before any set-up."""
     x = torch.randn(1, 4, 2, 3, 8)
-    assert peer_gather.start(x, group=None) is None
-    assert peer_gather.start(x.transpose(1, 3), group=None) is None
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert peer_gather.start(x.requires_grad_(), group=None) is None
-    monkeypatch.setenv(peer_gather.ENV, "nccl")
     with torch.no_grad():
-        assert peer_gather.start(x, group=None) is None
+        assert peer_gather.start(x, group=None) is None  # on the CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert peer_gather.start(x, group=None) is None  # grad enabled
+    with torch.no_grad():
+        assert peer_gather.start(x.transpose(1, 3), group=None) is None
+    assert peer_gather.buffer(None, x.shape, x.dtype, x.device) is None  # grad enabled: nothing to write into
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
@@ -49,9 +50,26 @@ def test_a_group_without_symmetric_memory_gets_no_exchange(one_process_group, mo
     monkeypatch.setattr(peer_gather, "_usable", lambda shard: True)
     x = torch.randn(1, 4, 2, 3, 8)
     assert peer_gather.start(x, one_process_group) is None
-    assert "runs on NCCL" in caplog.text
-    assert peer_gather._EXCHANGES == {peer_gather._key(one_process_group, x): None}
-    assert peer_gather.buffer(one_process_group, x.shape, x.dtype, x.device) is None
+    assert "symmetric memory could not be set up" in caplog.text
+    key = peer_gather._key(one_process_group, x.shape, x.dtype, x.device)
+    assert peer_gather._EXCHANGES == {key: None}
+    with torch.no_grad():
+        assert peer_gather.buffer(one_process_group, x.shape, x.dtype, x.device) is None
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_the_switch_to_nccl_is_read_once_per_shape_and_checked(one_process_group, monkeypatch, caplog):
+    """SD_KERNELS_RING_EXCHANGE=nccl: no set-up is tried (every process agrees first); another value is a
+    clear error."""
+    monkeypatch.setattr(peer_gather, "_usable", lambda shard: True)
+    monkeypatch.setattr(peer_gather, "_Exchange", lambda *a: pytest.fail("set-up tried under nccl"))
+    monkeypatch.setenv(peer_gather.ENV, "nccl")
+    x = torch.randn(1, 4, 2, 3, 8)
+    assert peer_gather.start(x, one_process_group) is None
+    assert not peer_gather.in_use()
+    monkeypatch.setenv(peer_gather.ENV, "nvlink")
+    with pytest.raises(ValueError, match="'copy' \\(the default\\) or 'nccl'"):
+        peer_gather.start(torch.randn(2, 4, 2, 3, 8), one_process_group)
 
 
 class _Arrived:
@@ -92,4 +110,4 @@ def test_copy_engine_gather_equals_nccl_on_several_gpus(tmp_path, world):
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "crashed" not in seen, seen.get("crashed")
         assert seen == {"equal_b1": True, "in_place_b1": True, "equal_b2": True, "in_place_b2": True,
-                        "in_parts_error": True, "in_a_row": True, "graph_replays": True}, seen
+                        "in_parts_error": True, "in_a_row": True, "delayed_reader": True, "graph_replays": True}, seen
