@@ -90,9 +90,12 @@ class _Exchange:
             getattr(symm_mem, "enable_symm_mem_for_group", lambda name: None)(group.group_name)
         self.full = symm_mem.empty(shape, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.full, group.group_name)
-        if getattr(self.handle, "offset", 0) != 0:  # get_buffer counts from the allocation's start
-            raise RuntimeError(f"the buffer lies {self.handle.offset} bytes into its symmetric allocation")
-        self.peers = [self.handle.get_buffer(p, shape, dtype) for p in range(self.world)]
+        # get_buffer counts from the start of the symmetric allocation, where this buffer lies ``offset`` bytes in
+        offset = getattr(self.handle, "offset", 0)
+        if offset % self.full.element_size():
+            raise RuntimeError(f"the buffer lies {offset} bytes into its symmetric allocation, not a whole element")
+        self.peers = [self.handle.get_buffer(p, shape, dtype, offset // self.full.element_size())
+                      for p in range(self.world)]
         # high priority: the barriers' small kernels start ahead of the blocks of work queued beside them (the
         # attention to this process's own keys, which starts when they do)
         self.stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
