@@ -42,8 +42,9 @@ One row of ``DIR/parallel.csv`` per (model, W, variant), appended by the first p
 model: ``warmup_s`` (set-up and the first call), ``e2e_ms`` (median of ``--calls`` pipeline calls, each
 from a barrier to the last process's end), ``vs_one_gpu`` (over ``ours`` on one GPU), ``vs_peer`` (over
 the one-GPU ``peer``, or at W > 1 over ``ulysses-peer`` where it ran), ``latent_rel_err`` and ``psnr_db``
-against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``status`` (ok, or why the
-row did not run), device and versions.
+against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``patched`` (the patch record's
+counts, and ``ring_exchange=copy-engine`` where the ring's keys went over the copy engines rather than
+NCCL: patches/peer_gather.py), ``status`` (ok, or why the row did not run), device and versions.
 
 ``--profile``: after a variant's timed calls, one more call under torch.profiler on the first process:
 ``DIR/profile-<model>-W<W>-<variant>.json`` holds its device time per kernel category
