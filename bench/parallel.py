@@ -44,7 +44,8 @@ from a barrier to the last process's end), ``vs_one_gpu`` (over ``ours`` on one 
 the one-GPU ``peer``, or at W > 1 over ``ulysses-peer`` where it ran), ``latent_rel_err`` and ``psnr_db``
 against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``patched`` (the patch record's
 counts, and ``ring_exchange=copy-engine`` where the ring's keys went over the copy engines rather than
-NCCL: patches/peer_gather.py), ``status`` (ok, or why the row did not run), device and versions.
+NCCL: patches/peer_gather.py; ``split_modulation`` with ``--split-modulation``: patches/modulation_split.py),
+``status`` (ok, or why the row did not run), device and versions.
 
 ``--profile``: after a variant's timed calls, one more call under torch.profiler on the first process:
 ``DIR/profile-<model>-W<W>-<variant>.json`` holds its device time per kernel category
@@ -121,7 +122,7 @@ def _compiled_forward(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def set_up(pipe, variant: str, world: int) -> Iterator[str]:
+def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> Iterator[str]:
     """``pipe`` set up as ``variant``; yields what the patch replaced (for the row)."""
     import sd_kernels
     from bench.setups import PEER, VARIANTS, applied
@@ -147,7 +148,8 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
                 transformer.enable_parallelism(config=ContextParallelConfig(**{f"{exchange}_degree": world}))
         elif exchange in ("ulysses", "ring") and transformer._parallel_config is None:
             # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
-            sd_kernels.enable_context_parallel(pipe, world, exchange=exchange)
+            sd_kernels.enable_context_parallel(pipe, world, exchange=exchange,
+                                               split_modulation=split_modulation and "Flux" in type(pipe).__name__)
         if variant.endswith("+graphs"):
             from sd_kernels.patches import cuda_graph
 
@@ -220,7 +222,7 @@ def profiled(call, path: pathlib.Path) -> None:
 
 
 def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
-            profile_to: pathlib.Path | None = None) -> dict:
+            profile_to: pathlib.Path | None = None, split_modulation: bool = False) -> dict:
     extra = _extra(pipe)
 
     def call(output_type: str):
@@ -229,7 +231,7 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
                     output_type=output_type, return_dict=False, **extra)[0]
 
     start = time.perf_counter()
-    with torch.no_grad(), set_up(pipe, variant, world) as patched:
+    with torch.no_grad(), set_up(pipe, variant, world, split_modulation) as patched:
         image = call("pt")
         _sync()
         warmup = time.perf_counter() - start
@@ -237,10 +239,12 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
         latent = call("latent")
         if profile_to is not None:
             profiled(lambda: call("pt"), profile_to)
-    from sd_kernels.patches import peer_gather
+    from sd_kernels.patches import modulation_split, peer_gather
 
     if peer_gather.in_use():  # the ring's keys and values went over the copy engines, not NCCL
         patched = f"{patched} ring_exchange=copy-engine".strip()
+    if modulation_split.enabled():
+        patched = f"{patched} split_modulation".strip()
     return {"status": "ok", "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "patched": patched,
             "image": image.float().cpu(), "latent": latent.float().cpu()}
 
@@ -315,7 +319,7 @@ def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list
                 continue
         try:
             path = args.out / f"profile-{model}-W{world}-{variant}.json" if args.profile else None
-            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world, path))
+            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world, path, args.split_modulation))
         except Exception as exc:  # a variant that cannot run here is a row that says why
             row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
         if world == 1 and variant == "stock" and "image" in row:
@@ -342,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--variants", default="", help="a comma-separated subset of the planned variants (default: all)")
     ap.add_argument("--profile", action="store_true", help="profile one more call of each variant (module docstring)")
+    ap.add_argument("--split-modulation", action="store_true",
+                    help="FLUX's ulysses-ours*, ring-ours* with enable_context_parallel(split_modulation=True)")
     args = ap.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
     if not torch.cuda.is_available() or "RANK" not in os.environ:

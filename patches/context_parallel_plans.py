@@ -46,7 +46,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
-from . import cfg_parallel, context_parallel, flux_attention
+from . import cfg_parallel, context_parallel, flux_attention, modulation_split
 from .cfg_parallel import _close, group_or_error
 from .cuda_graph import context_parallel as under_context_parallel
 
@@ -234,6 +234,18 @@ def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> N
 EXCHANGES = ("ulysses", "ring")
 
 
+def _block_norms(transformer, name: str, degree: int) -> list:
+    """FLUX's adaLN-Zero block norms, whose modulation products ``split_modulation`` splits over ``degree``
+    processes (patches/modulation_split.py); a ValueError where it cannot."""
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    norms = [m for m in transformer.modules() if type(m) in (AdaLayerNormZero, AdaLayerNormZeroSingle)]
+    why = modulation_split.reason(norms, degree) if norms else f"this {name} has no adaLN-Zero block norms"
+    if why is not None:
+        raise ValueError(f"enable_context_parallel: split_modulation: {why}")
+    return norms
+
+
 def _enable_diffusers_plan(transformer, name: str, degree: int, exchange: str):
     """diffusers' ``enable_parallelism`` with its own plan (FLUX) at ``degree``, by ``exchange``; checked first,
     on every process alike: the heads Ulysses splits, the same attention processors on every process (the
@@ -253,14 +265,16 @@ def _enable_diffusers_plan(transformer, name: str, degree: int, exchange: str):
     return transformer
 
 
-def enable_context_parallel(obj, degree: int | None = None, exchange: str = "ulysses"):
+def enable_context_parallel(obj, degree: int | None = None, exchange: str = "ulysses", split_modulation: bool = False):
     """One image's tokens over the processes of torch.distributed's default group: diffusers'
     ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))`` on ``obj``'s transformer
     (a pipeline or the transformer), with sd_kernels' plan for SD3 and PixArt-Σ, diffusers' own for
     FLUX. ``degree``: the number of processes (the default); every process calls it alike, before or
     after ``sd_kernels.patch``. ``exchange="ring"`` (FLUX): ``ContextParallelConfig(ring_degree=degree)``
     instead, whose attention sd_kernels runs as one all-gather of the keys and values and one attention
-    call (patches/context_parallel.py). Returns the transformer. Checked first, on every process alike:
+    call (patches/context_parallel.py). ``split_modulation`` (FLUX): each process computes 1/W of the
+    blocks' adaLN modulations and one all-gather shares them (patches/modulation_split.py; taken by the
+    blocks ``sd_kernels.patch`` fuses). Returns the transformer. Checked first, on every process alike:
     a process group, a transformer with a plan, the degree, the heads it must divide."""
     if exchange not in EXCHANGES:
         raise ValueError(f"enable_context_parallel: exchange must be one of {EXCHANGES}, got {exchange!r}")
@@ -292,8 +306,16 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
     if exchange == "ring" and plan is not None:
         raise ValueError(f"enable_context_parallel: exchange='ring' runs under diffusers' own plans (FLUX); "
                          f"sd_kernels' plan for {name} exchanges by Ulysses (exchange='ulysses')")
+    if split_modulation and plan is not None:
+        raise ValueError(f"enable_context_parallel: split_modulation splits FLUX's adaLN modulations; {name} has "
+                         "sd_kernels' plan, which does not take it")
     if plan is None:  # diffusers' plan (FLUX): our processors check their heads as they do under it
-        return _enable_diffusers_plan(transformer, name, degree, exchange)
+        norms = _block_norms(transformer, name, degree) if split_modulation else []
+        _enable_diffusers_plan(transformer, name, degree, exchange)
+        if norms:
+            group = transformer._parallel_config.context_parallel_config._flattened_mesh.get_group()
+            modulation_split.enable(norms, group)
+        return transformer
     modules = _exchanging(transformer)
     for path, attn in modules:
         if attn.heads % degree:

@@ -79,6 +79,7 @@ from sd_kernels.ops.custom_ops import gated_residual_layer_norm, layer_norm_modu
 from sd_kernels.ops.gelu import gelu_into
 from sd_kernels.profiles import scoped
 
+from . import modulation_split
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .flux_attention import flux_module
 from .record import PatchRecord
@@ -230,7 +231,10 @@ def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor) -> tuple
     chunks = {AdaLayerNormZero: 6, AdaLayerNormZeroSingle: 3}.get(type(norm))
     if chunks is None:
         return norm(x, emb=emb)
-    shift_msa, scale_msa, *rest = norm.linear(norm.silu(emb)).chunk(chunks, dim=1)
+    modulation = modulation_split.product(norm, emb)  # 1/W of it a process under context parallelism, if enabled
+    if modulation is None:
+        modulation = norm.linear(norm.silu(emb))
+    shift_msa, scale_msa, *rest = modulation.chunk(chunks, dim=1)
     return _modulated(norm.norm, x, scale_msa[:, None], shift_msa[:, None]), *rest
 
 

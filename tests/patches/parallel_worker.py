@@ -278,6 +278,49 @@ def heads_case():
     return out
 
 
+def split_modulation_case():
+    """FLUX under ring and under Ulysses with ``split_modulation``: each process computes half of every block
+    norm's modulation product, one all-gather a transformer call; the latents one process's within fp32
+    rounding; every patched block norm takes its product from the split."""
+    from sd_kernels.patches import modulation_split
+    from sd_kernels.patches.context_parallel_plans import enable_context_parallel
+
+    with sd_kernels.patched(pipe := build("tiny-flux")):
+        one = latents(pipe)
+    out = {}
+    computed, taken = [], []
+    compute, product = modulation_split._Split._compute, modulation_split.product
+
+    def counting_compute(self, emb):
+        computed.append(1)
+        return compute(self, emb)
+
+    def counting_product(norm, emb):
+        got = product(norm, emb)
+        taken.append(got is not None)
+        return got
+
+    modulation_split._Split._compute = counting_compute
+    modulation_split.product = counting_product
+    try:
+        for exchange in ("ring", "ulysses"):
+            computed.clear()
+            taken.clear()
+            split = build("tiny-flux")
+            enable_context_parallel(split, exchange=exchange, split_modulation=True)
+            sd_kernels.patch(split)
+            got = latents(split)
+            norms = sum(1 for b in split.transformer.transformer_blocks) * 2 + len(
+                split.transformer.single_transformer_blocks)
+            out[exchange] = {"rel": rel(got, one), "computed": len(computed), "taken": sum(taken),
+                             "asked": len(taken), "norms": norms}
+            sd_kernels.unpatch(split)
+    finally:
+        modulation_split._Split._compute = compute
+        modulation_split.product = product
+    return out
+
+
 def main(out_dir: pathlib.Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -287,7 +330,7 @@ def main(out_dir: pathlib.Path) -> None:
     report = {"world": dist.get_world_size()}
     for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
                        ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("ring", ring_case),
-                       ("ring_anything", ring_anything_case),
+                       ("ring_anything", ring_anything_case), ("split_modulation", split_modulation_case),
                        ("ring_mixed_processors", lambda: ring_mixed_processors_case(rank)),
                        ("heads", heads_case),
                        ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
