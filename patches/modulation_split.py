@@ -4,8 +4,8 @@ Every FLUX block turns the step's embedding into its shifts, scales and gates wi
 ``norm.linear(silu(temb))``: 3,072 → 18,432 for each stream of a double-stream block, 3,072 → 9,216 for a
 single-stream block, 3.2 billion weights (6.5 GB in bf16) read every step. Under context parallelism every
 process holds the same ``temb`` and computes all of them: W processes read the weights W times, and that
-time does not shrink with W (57 ms an image on every process at 1024², 28 steps, on one H200 as on four:
-the ``…x8…`` GEMMs of bench/results/2026-11-28-h200x4-flux-ring-copy-engine).
+time does not shrink with W (at 1024², 28 steps, the ``…x8…`` GEMMs: 56 ms an image on each of four H200,
+bench/results/2026-11-28-h200x4-flux-ring-copy-engine; 62 ms on one, 2026-11-28-h200x2-flux-ring-nccl).
 
 ``enable`` (``enable_context_parallel(pipe, split_modulation=True)``) lets each process compute its 1/W
 share of every block's output columns, all of them at the first block's call (one SiLU, one product per
