@@ -146,10 +146,14 @@ def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> It
             stack.callback(transformer.reset_attention_backend)
             if transformer._parallel_config is None:
                 transformer.enable_parallelism(config=ContextParallelConfig(**{f"{exchange}_degree": world}))
-        elif exchange in ("ulysses", "ring") and transformer._parallel_config is None:
-            # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
-            sd_kernels.enable_context_parallel(pipe, world, exchange=exchange,
-                                               split_modulation=split_modulation and "Flux" in type(pipe).__name__)
+        elif exchange in ("ulysses", "ring"):
+            flux_split = split_modulation and "Flux" in type(pipe).__name__
+            if transformer._parallel_config is None:  # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
+                sd_kernels.enable_context_parallel(pipe, world, exchange=exchange, split_modulation=flux_split)
+            elif flux_split:  # the peer's row enabled the parallelism first
+                from sd_kernels.patches.context_parallel_plans import enable_split_modulation
+
+                enable_split_modulation(transformer)
         if variant.endswith("+graphs"):
             from sd_kernels.patches import cuda_graph
 
@@ -230,6 +234,9 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
         return pipe(PROMPT, num_inference_steps=steps, height=size, width=size, generator=gen,
                     output_type=output_type, return_dict=False, **extra)[0]
 
+    from sd_kernels.patches import modulation_split, peer_gather
+
+    splits_before = modulation_split.computed()
     start = time.perf_counter()
     with torch.no_grad(), set_up(pipe, variant, world, split_modulation) as patched:
         image = call("pt")
@@ -239,11 +246,9 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
         latent = call("latent")
         if profile_to is not None:
             profiled(lambda: call("pt"), profile_to)
-    from sd_kernels.patches import modulation_split, peer_gather
-
     if peer_gather.in_use():  # the ring's keys and values went over the copy engines, not NCCL
         patched = f"{patched} ring_exchange=copy-engine".strip()
-    if modulation_split.enabled():
+    if modulation_split.computed() > splits_before:  # this row's calls took the split modulations
         patched = f"{patched} split_modulation".strip()
     return {"status": "ok", "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "patched": patched,
             "image": image.float().cpu(), "latent": latent.float().cpu()}

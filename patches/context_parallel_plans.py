@@ -240,10 +240,24 @@ def _block_norms(transformer, name: str, degree: int) -> list:
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
     norms = [m for m in transformer.modules() if type(m) in (AdaLayerNormZero, AdaLayerNormZeroSingle)]
-    why = modulation_split.reason(norms, degree) if norms else f"this {name} has no adaLN-Zero block norms"
+    why = modulation_split.reason(norms, degree) if norms else (
+        f"this {name} has no adaLN-Zero block norms of diffusers' (the FP8 tier, patch(pipe, precision='fp8'), "
+        "replaces them with its own, which compute their products themselves)")
     if why is not None:
         raise ValueError(f"enable_context_parallel: split_modulation: {why}")
     return norms
+
+
+def enable_split_modulation(transformer) -> None:
+    """``enable_context_parallel``'s ``split_modulation`` for a FLUX transformer already under diffusers' context
+    parallelism (a no-op where its norms are split already); called alike on every process."""
+    cp = getattr(getattr(transformer, "_parallel_config", None), "context_parallel_config", None)
+    if cp is None:
+        raise ValueError("split_modulation: the transformer is not under context parallelism (enable_context_parallel)")
+    group = cp._flattened_mesh.get_group()
+    norms = _block_norms(transformer, type(transformer).__name__, group.size())
+    if not all(modulation_split.covers(n) for n in norms):
+        modulation_split.enable(norms, group)
 
 
 def _enable_diffusers_plan(transformer, name: str, degree: int, exchange: str):
@@ -310,11 +324,11 @@ def enable_context_parallel(obj, degree: int | None = None, exchange: str = "uly
         raise ValueError(f"enable_context_parallel: split_modulation splits FLUX's adaLN modulations; {name} has "
                          "sd_kernels' plan, which does not take it")
     if plan is None:  # diffusers' plan (FLUX): our processors check their heads as they do under it
-        norms = _block_norms(transformer, name, degree) if split_modulation else []
+        if split_modulation:
+            _block_norms(transformer, name, degree)  # its refusal before any change
         _enable_diffusers_plan(transformer, name, degree, exchange)
-        if norms:
-            group = transformer._parallel_config.context_parallel_config._flattened_mesh.get_group()
-            modulation_split.enable(norms, group)
+        if split_modulation:
+            enable_split_modulation(transformer)
         return transformer
     modules = _exchanging(transformer)
     for path, attn in modules:

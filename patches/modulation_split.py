@@ -10,13 +10,15 @@ bench/results/2026-11-28-h200x4-flux-ring-copy-engine; 62 ms on one, 2026-11-28-
 ``enable`` (``enable_context_parallel(pipe, split_modulation=True)``) lets each process compute its 1/W
 share of every block's output columns, all of them at the first block's call (one SiLU, one product per
 block on a contiguous slice of its weight's rows, one concatenation), then exchanges the shares in one
-all-gather of [B, N/W] (N = 1.05 million for FLUX.1-dev: 2 MB) and puts the columns back in order (one
-gather of indices). The patched blocks (patches/layer_norm.py, ``_ada_norm_zero``) take their chunk of
-the result instead of their own product. Exact up to rounding: a product over a slice of the rows may be
-reduced in another order than over all of them, within one unit in the last place of bf16.
+all-gather ([B, N/W] from each process; N = 1.05 million for FLUX.1-dev, 2 MB gathered in bf16) and puts
+the columns back in order (one gather of indices). The patched blocks (patches/layer_norm.py,
+``_ada_norm_zero``) take their chunk of the result instead of their own product. Equal up to rounding: a
+product over a slice of the rows may be reduced in another order than over all of them (two CPU processes:
+the image within fp32 rounding of one process's; not yet measured on GPUs).
 
-The result is remembered for the ``temb`` object it came from (and its version), so every block of one
-call finds it and the next call computes anew; nothing is kept across calls but that one result. Outside
+The result is remembered with the ``temb`` object it came from (and its version, where it has one), so
+every block of one call finds it and the next call computes anew; that result and that ``temb`` are all
+that is kept between calls. Outside
 ``torch.no_grad()`` (autograd), under ``torch.compile``, for a block norm this does not know (the FP8
 tier's, a module replaced after ``enable``) or whose ``linear`` was replaced since, the block computes its
 own product as before. Every process
@@ -34,6 +36,9 @@ from torch import nn
 
 # each block norm enabled -> its transformer's split
 _SPLITS: weakref.WeakKeyDictionary[nn.Module, _Split] = weakref.WeakKeyDictionary()
+_COMPUTED = 0  # splits computed in this process (``computed``)
+# torch's functional all-gather (all_gather_tensor's newer name where torch has it)
+_ALL_GATHER = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 class _Split:
@@ -53,26 +58,29 @@ class _Split:
         for o, share, start in zip(outs, self.shares, local_starts):
             j = torch.arange(o)
             order.append(torch.div(j, share, rounding_mode="floor") * self.local + start + j % share)
-        self.order = torch.cat(order)
+        self.order = torch.cat(order).to(self.linears[0].weight.device)  # on the device before any capture
         self._source: tuple | None = None  # (temb, its version) the result is of
         self._result: torch.Tensor | None = None
 
     def product(self, norm: nn.Module, emb: torch.Tensor) -> torch.Tensor:
         """``norm.linear(silu(emb))`` for the norm at ``self.index``: its columns of this call's result."""
-        if self._source is None or self._source[0] is not emb or self._source[1] != emb._version:
+        version = None if emb.is_inference() else emb._version  # inference tensors keep no version counter
+        if self._source is None or self._source[0] is not emb or self._source[1] != version:
             self._result = self._compute(emb)
-            self._source = (emb, emb._version)
+            self._source = (emb, version)
         i = self.index[id(norm)]
         return self._result[:, self.starts[i]:self.starts[i] + self.linears[i].out_features]
 
     def _compute(self, emb: torch.Tensor) -> torch.Tensor:
+        global _COMPUTED
+        _COMPUTED += 1
         x = F.silu(emb)
         parts = []
         for lin, share in zip(self.linears, self.shares):
             rows = slice(self.rank * share, (self.rank + 1) * share)
             parts.append(F.linear(x, lin.weight[rows], None if lin.bias is None else lin.bias[rows]))
         mine = torch.cat(parts, dim=1)  # [B, N/W]
-        every = funcol.all_gather_tensor(mine, 0, self.group)
+        every = _ALL_GATHER(mine, 0, self.group)
         every = every.wait() if isinstance(every, funcol.AsyncCollectiveTensor) else every  # [W·B, N/W]
         bsz = emb.shape[0]
         flat = every.view(self.world, bsz, self.local).transpose(0, 1).reshape(bsz, self.world * self.local)
@@ -103,8 +111,9 @@ def enable(norms: list[nn.Module], group) -> None:
 
 
 def product(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
-    """``norm.linear(norm.silu(emb))`` from the split where ``enable`` covered ``norm`` and the call may take
-    it (no autograd, not compiling), else None (the caller computes it)."""
+    """``norm.linear(silu(emb))`` from the split where ``enable`` covered ``norm`` and the call may take it (no
+    autograd, not compiling, ``norm.linear`` the one enabled), else None (the caller computes it). Every
+    process of the group must take it alike: the first block's call runs a collective."""
     split = _SPLITS.get(norm)
     if split is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
@@ -113,6 +122,11 @@ def product(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
     return split.product(norm, emb)
 
 
-def enabled() -> bool:
-    """Whether any block norm in this process takes its modulation from a split."""
-    return len(_SPLITS) > 0
+def covers(norm: nn.Module) -> bool:
+    """Whether ``enable`` covered ``norm``."""
+    return norm in _SPLITS
+
+
+def computed() -> int:
+    """How many times this process has computed a split (each a transformer call that took it)."""
+    return _COMPUTED

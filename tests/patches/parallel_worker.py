@@ -287,6 +287,7 @@ def split_modulation_case():
 
     with sd_kernels.patched(pipe := build("tiny-flux")):
         one = latents(pipe)
+        two = latents(pipe, num_images_per_prompt=2)
     out = {}
     computed, taken = [], []
     compute, product = modulation_split._Split._compute, modulation_split.product
@@ -314,6 +315,8 @@ def split_modulation_case():
                 split.transformer.single_transformer_blocks)
             out[exchange] = {"rel": rel(got, one), "computed": len(computed), "taken": sum(taken),
                              "asked": len(taken), "norms": norms}
+            if exchange == "ring":  # a batch of two: each process's shares of both samples' columns
+                out["ring_batch2"] = rel(latents(split, num_images_per_prompt=2), two)
             sd_kernels.unpatch(split)
     finally:
         modulation_split._Split._compute = compute

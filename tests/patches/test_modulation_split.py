@@ -52,6 +52,26 @@ def test_each_norm_gets_its_own_product_computed_once_per_embedding(group, monke
         assert modulation_split.product(norms[1], emb) is None  # its linear replaced since
         norms[1].linear = replaced
     assert modulation_split.product(norms[0], emb) is None  # autograd on
+    with torch.inference_mode():  # inference tensors keep no version counter: the object alone decides
+        emb = torch.randn(1, norms[0].linear.in_features)
+        torch.testing.assert_close(modulation_split.product(norms[0], emb), norms[0].linear(F.silu(emb)),
+                                   rtol=1e-6, atol=1e-6)
+        modulation_split.product(norms[1], emb)
+    assert len(calls) == 4
+
+
+def test_the_fp8_tiers_norms_are_named_when_split_modulation_is_asked_for():
+    """After patch(precision="fp8") FLUX's block norms are the FP8 tier's own: the split names why it cannot
+    take them (rather than finding no norms)."""
+    from sd_kernels.patches import context_parallel_plans
+
+    import sd_kernels
+
+    transformer = models.build_model("tiny-flux", "transformer")
+    assert len(context_parallel_plans._block_norms(transformer, "FluxTransformer2DModel", 2)) > 0
+    with sd_kernels.patched(transformer, precision="fp8", cuda_graph=False):
+        with pytest.raises(ValueError, match="the FP8 tier, patch\\(pipe, precision='fp8'\\), replaces them"):
+            context_parallel_plans._block_norms(transformer, "FluxTransformer2DModel", 2)
 
 
 def test_a_split_the_processes_do_not_divide_is_named():

@@ -116,8 +116,9 @@ def test_ring_gathers_keys_and_values_for_one_attention_call(ranks):
 @needs_gloo
 def test_split_modulation_is_one_process_image_with_one_product_a_call(ranks):
     """split_modulation under ring and Ulysses (2 processes, each computing half of every block norm's
-    modulation columns): the latents one process's within fp32 rounding; the shares computed once per
-    transformer call (2 steps: 2) and every patched block norm's product taken from them."""
+    modulation columns): the latents one process's within fp32 rounding, also for a batch of two; the
+    shares computed once per transformer call (2 steps: 2) and every patched block norm's product taken
+    from them."""
     for r in ranks:
         got = r["split_modulation"]
         assert "crashed" not in got, got.get("crashed")
@@ -125,6 +126,7 @@ def test_split_modulation_is_one_process_image_with_one_product_a_call(ranks):
             seen = got[exchange]
             assert seen["rel"] < RTOL, (exchange, seen)
             assert seen["computed"] == 2 and seen["asked"] == seen["taken"] == 2 * seen["norms"], (exchange, seen)
+        assert got["ring_batch2"] < RTOL
 
 
 @needs_gloo
