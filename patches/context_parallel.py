@@ -29,8 +29,8 @@ them: the same exact attention, in one kernel, with no log-sum-exp to return and
 GPUs the gather runs on the copy engines over symmetric memory where torch can set that up
 (patches/peer_gather.py), taking no SMs from the work beside it; else NCCL runs it. Its two halves
 (``gather_kv``, ``attend_gathered``) let a caller queue independent work while the exchange runs:
-FLUX's single-stream blocks run their MLP there
-(patches/layer_norm.py). Ulysses × ring and ``ring_anything`` go to diffusers' dispatch (``serves``).
+FLUX's single-stream blocks run their MLP there (patches/layer_norm.py). Ulysses × ring and
+``ring_anything`` go to diffusers' dispatch (``serves``).
 The buffer's layout is not diffusers' (its ring sends ``cat(k.flatten(), v.flatten())``): every process
 must run this path, which ``enable_context_parallel`` checks (the same processors on every process), as
 does a patch of a model already split (the same patch on every process).
@@ -140,8 +140,13 @@ def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 # torch's functional all-gather (all_gather_tensor's newer name, which warns of its deprecation where the new
-# one exists); under autograd its autograd form where torch has one (the newer one is differentiable)
-_ALL_GATHER = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+# one exists; the newer one is differentiable): every all-gather of sd_kernels' context parallelism
+all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+
+
+def waited(x: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for (a plain tensor as it is)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
 def _ring_group(parallel_config):
@@ -163,8 +168,8 @@ def gather_kv(kv: torch.Tensor, parallel_config):
     if (pending := peer_gather.start(kv, group)) is not None:
         return pending
     if torch.is_grad_enabled() and kv.requires_grad:
-        return getattr(funcol, "all_gather_tensor_autograd", _ALL_GATHER)(kv, 0, group)
-    return _ALL_GATHER(kv, 0, group)
+        return getattr(funcol, "all_gather_tensor_autograd", all_gather)(kv, 0, group)
+    return all_gather(kv, 0, group)
 
 
 def attend_gathered(query: torch.Tensor, gathered, parallel_config, in_parts: bool = False) -> torch.Tensor:
@@ -181,7 +186,7 @@ def attend_gathered(query: torch.Tensor, gathered, parallel_config, in_parts: bo
     if in_parts and isinstance(gathered, peer_gather.Gathered):
         out = _attend_arrivals(query, gathered, world)
     else:
-        kv = gathered.wait() if isinstance(gathered, (peer_gather.Gathered, funcol.AsyncCollectiveTensor)) else gathered
+        kv = gathered.wait() if isinstance(gathered, peer_gather.Gathered) else waited(gathered)
         bsz, s_local = query.shape[0], kv.shape[1]
         if bsz == 1:
             kv = kv.view(1, world * s_local, *kv.shape[2:])

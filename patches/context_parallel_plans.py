@@ -53,8 +53,6 @@ from .cuda_graph import context_parallel as under_context_parallel
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
 PLANNED = ("SD3Transformer2DModel", "PixArtTransformer2DModel")
 _GUARD = "sd_kernels_context_parallel_check"
-# all_gather_tensor's newer name; the old one warns of its deprecation where the new one exists
-_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 def plan_for(model) -> dict | None:
@@ -70,10 +68,6 @@ def plan_for(model) -> dict | None:
     }
 
 
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Ulysses:
     """The exchange of one transformer under context parallelism: the Ulysses group, its size, this
@@ -85,7 +79,7 @@ class Ulysses:
 
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """[W, ...] contiguous: chunk j goes to process j, and chunk j of the result came from it."""
-        return _wait(funcol.all_to_all_single(x.flatten(), None, None, self.group)).view(x.shape)
+        return context_parallel.waited(funcol.all_to_all_single(x.flatten(), None, None, self.group)).view(x.shape)
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, n, D] (this process's n tokens, all heads) -> [B, H/W, W·n, D] (every process's tokens in
@@ -114,7 +108,8 @@ class Ulysses:
         image = self._to_tokens(out[:, :, : self.degree * split])
         text = out[:, :, self.degree * split:]
         if text.shape[2]:
-            text = _wait(_all_gather(text.transpose(1, 2).contiguous(), 2, self.group))
+            text = text.transpose(1, 2).contiguous()
+            text = context_parallel.waited(context_parallel.all_gather(text, 2, self.group))
             image = torch.cat([image, text], dim=1)
         return image.transpose(1, 2)
 

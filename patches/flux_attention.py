@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 
 from sd_kernels.ops.custom_ops import attention, qk_norm_rope, qk_norm_rope_kv
-from sd_kernels.ops.rope import kv_layout
+from sd_kernels.ops.rope import kv_layout, kv_shape_of
 from sd_kernels.profiles import scoped
 
 from . import context_parallel, qkv_fusion
@@ -244,10 +244,8 @@ class SDKernelsFluxAttnProcessor:
             args = (query, key, value, attn.head_dim)
             norm_rope = dict(q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, **stream)
             if ring:  # the keys and values written side by side (into the exchange's buffer where it has one)
-                heads = query.shape[-1] // attn.head_dim
-                tokens = query.shape[1] + (encoder_query.shape[1] if text else 0)
-                out = context_parallel.kv_buffer((query.shape[0], tokens, 2, heads, attn.head_dim), query.dtype,
-                                                 query.device, self._parallel_config)
+                shape = kv_shape_of(query, encoder_query if text else None, attn.head_dim)
+                out = context_parallel.kv_buffer(shape, query.dtype, query.device, self._parallel_config)
                 query, kv = qk_norm_rope_kv(*args, **norm_rope, kv_out=out)
             else:
                 query, key, value = qk_norm_rope(*args, **norm_rope)

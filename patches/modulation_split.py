@@ -18,11 +18,10 @@ the image within fp32 rounding of one process's; not yet measured on GPUs).
 
 The result is remembered with the ``temb`` object it came from (and its version, where it has one), so
 every block of one call finds it and the next call computes anew; that result and that ``temb`` are all
-that is kept between calls. Outside
-``torch.no_grad()`` (autograd), under ``torch.compile``, for a block norm this does not know (the FP8
-tier's, a module replaced after ``enable``) or whose ``linear`` was replaced since, the block computes its
-own product as before. Every process
-must take this path alike (``enable_context_parallel`` is called alike on every process).
+that is kept between calls. Outside ``torch.no_grad()`` (autograd), under ``torch.compile``, for a block
+norm this does not know (the FP8 tier's, a module replaced after ``enable``) or whose ``linear`` was
+replaced since, the block computes its own product as before. Every process must take this path alike
+(``enable_context_parallel`` is called alike on every process).
 """
 
 from __future__ import annotations
@@ -30,15 +29,14 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+
+from . import context_parallel
 
 # each block norm enabled -> its transformer's split
 _SPLITS: weakref.WeakKeyDictionary[nn.Module, _Split] = weakref.WeakKeyDictionary()
 _COMPUTED = 0  # splits computed in this process (``computed``)
-# torch's functional all-gather (all_gather_tensor's newer name where torch has it)
-_ALL_GATHER = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 class _Split:
@@ -80,8 +78,7 @@ class _Split:
             rows = slice(self.rank * share, (self.rank + 1) * share)
             parts.append(F.linear(x, lin.weight[rows], None if lin.bias is None else lin.bias[rows]))
         mine = torch.cat(parts, dim=1)  # [B, N/W]
-        every = _ALL_GATHER(mine, 0, self.group)
-        every = every.wait() if isinstance(every, funcol.AsyncCollectiveTensor) else every  # [W·B, N/W]
+        every = context_parallel.waited(context_parallel.all_gather(mine, 0, self.group))  # [W·B, N/W]
         bsz = emb.shape[0]
         flat = every.view(self.world, bsz, self.local).transpose(0, 1).reshape(bsz, self.world * self.local)
         if self.order.device != flat.device:

@@ -129,11 +129,15 @@ def _key(group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return id(group), group.group_name, tuple(shape), dtype, torch.device(device)
 
 
+def _eager_inference() -> bool:
+    """Outside autograd (a gradient through the queries alone would meet a buffer the next exchange
+    overwrites) and torch.compile: where the exchange may run."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def _usable(shard: torch.Tensor) -> bool:
-    """Whether this call may take the exchange: a contiguous CUDA shard, outside autograd (a gradient
-    through the queries alone would meet a buffer the next exchange overwrites) and torch.compile."""
-    return (shard.is_cuda and shard.is_contiguous() and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    """Whether this call may take the exchange: a contiguous CUDA shard, ``_eager_inference``."""
+    return shard.is_cuda and shard.is_contiguous() and _eager_inference()
 
 
 def _agree(group, flag: bool, device: torch.device) -> bool:
@@ -165,7 +169,7 @@ def buffer(group, shard_shape: tuple[int, ...], dtype: torch.dtype, device: torc
     """This process's slice of the exchange's buffer for a shard of ``shard_shape``, for a producer to write
     its shard straight into (then ``start`` sends it with no copy); None where the call would not take the
     exchange (autograd, torch.compile), where there is no buffer yet (``start`` makes it) or none at all."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not _eager_inference():
         return None
     exchange = _EXCHANGES.get(_key(group, shard_shape, dtype, device))
     return None if exchange is None else exchange.slot(exchange.rank, exchange.full)

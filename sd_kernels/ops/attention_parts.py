@@ -9,20 +9,20 @@ softmax's denominator:
 
     lse = log Σ_p exp(lse_p),    o = Σ_p exp(lse_p − lse) o_p.
 
-``merge_attention`` applies this to two parts at a time (max-shifted, so no exp overflows), in fp32, writing the merged
-output in the dtype asked for and the merged log-sum-exp in fp32: a chain of merges over P parts keeps its
-running output in fp32 and rounds once at the last. Against one attention call over all keys, the result
-differs by the rounding of each part's output to the input dtype before the merge (cuDNN's, like every
-fused attention's, is in q's dtype): within a unit or two in the last place.
+``merge_attention`` applies this to two parts at a time (max-shifted, so no exp overflows), in fp32,
+writing the merged output in the dtype asked for and the merged log-sum-exp in fp32: a chain of merges
+over P parts keeps its running output in fp32 and rounds once at the last. Against one attention call
+over all keys, the result differs by the rounding of each part's output to the input dtype before the
+merge (cuDNN's, like every fused attention's, is in q's dtype): within a unit or two in the last place.
 
 What it is for: the ring exchange (patches/context_parallel.py) attends to this process's own keys while the
 other processes' keys are still being copied, then to each process's keys as they arrive, so the copies
 hide behind the attention instead of waiting before it.
 
 ``attention_lse`` is stock PyTorch's fused attention that also returns the log-sum-exp (cuDNN's, else
-FlashAttention-2's, through their ATen ops; the float32 reference elsewhere). ``merge_attention`` is one Triton kernel:
-a program owns BLOCK_S query rows of one (sample, head), reads both parts' rows and log-sum-exps once and
-writes the merged ones; memory-bound (two outputs read, one written).
+FlashAttention-2's, through their ATen ops; the float32 reference elsewhere). ``merge_attention`` is one
+Triton kernel: a program owns BLOCK_S query rows of one (sample, head), reads both parts' rows and
+log-sum-exps once and writes the merged ones; memory-bound (two outputs read, one written).
 """
 
 from __future__ import annotations

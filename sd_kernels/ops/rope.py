@@ -198,8 +198,7 @@ def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, c
     same launches; into ``kv_out`` (contiguous, of that shape and q's dtype) where given, which is then
     the ``kv`` returned."""
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
-    shape = _heads_shape(q, eq, head_dim)
-    kv_shape = (*shape[:2], 2, *shape[2:])
+    shape, kv_shape = _heads_shape(q, eq, head_dim), kv_shape_of(q, eq, head_dim)
     if kv_out is not None and (tuple(kv_out.shape) != kv_shape or kv_out.dtype != q.dtype
                                or kv_out.device != q.device or not kv_out.is_contiguous()):
         raise ValueError(f"qk_norm_rope_kv: kv_out must be a contiguous {list(kv_shape)} {q.dtype} tensor on "
@@ -211,6 +210,13 @@ def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, c
     query, kv = _alloc(shape, q), (_alloc(kv_shape, q) if kv_out is None else kv_out)
     _launch_streams(*args, out=(query, kv[:, :, 0], kv[:, :, 1]))
     return query, kv
+
+
+def kv_shape_of(q: torch.Tensor, eq: torch.Tensor | None, head_dim: int) -> tuple[int, ...]:
+    """The [B, S_text + S, 2, H, D] shape of ``qk_norm_rope_kv``'s kv for projections q [B, S, H·D] and eq
+    [B, S_text, H·D] (or None): what a caller allocates to pass as ``kv_out``."""
+    bsz, tokens, heads, _ = _heads_shape(q, eq, head_dim)
+    return bsz, tokens, 2, heads, head_dim
 
 
 def kv_layout(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
