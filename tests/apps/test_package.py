@@ -84,6 +84,19 @@ def test_the_sdist_carries_its_tests_and_the_wheel_its_data(dists):
         assert line in meta, line
 
 
+def _pip_install(python: pathlib.Path, *requirements: str) -> None:
+    """pip install into the given environment; a failed attempt is tried once more (a registry's transient
+    refusal is not the package's fault), and a second failure shows pip's own last words."""
+    for _ in range(2):
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], capture_output=True,
+                              text=True, timeout=1800)
+        if done.returncode == 0:
+            return
+    errors = [line for line in done.stderr.splitlines() if "is ignored: it is neither" not in line]
+    pytest.fail(f"pip install {' '.join(requirements)} failed twice (exit {done.returncode}):\n"
+                + "\n".join(errors[-40:]) + "\n" + done.stdout[-2000:])
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_in_a_fresh_venv_and_runs_outside_the_source_tree(dists, tmp_path):
     """The wheel (built from the sdist) and its declared dependencies into a new virtual environment
@@ -97,8 +110,7 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_outside_the_source_tree(dis
     venv.create(env_dir, with_pip=True)
     bin_dir = env_dir / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", f"{wheel}[test]", f"torch=={torch.__version__}"],
-                   check=True, capture_output=True, timeout=1800)
+    _pip_install(python, f"{wheel}[test]", f"torch=={torch.__version__}")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET", "SD_KERNELS_BACKEND")}
