@@ -37,6 +37,9 @@ Variants (``plan`` says which apply to a model at W):
   them in a launch of their own), and rows of a second exchange in one launch say they were skipped.
 - ``cfg-ours`` (W = 2, pipelines with guidance: SDXL, SD3, PixArt-Σ): ``patch(pipe, parallel="cfg")``,
   the guidance batch's halves on the two GPUs, CUDA graphs; ``cfg-ours+compile``: with ``compile=True``.
+- ``cfg-ours+split-decode``, ``ulysses-ours+graphs+split-decode``, ``ring-ours+graphs+split-decode``: the
+  same with ``sd_kernels.enable_split_decode(pipe)`` after the patch: each process decodes 1/W of the
+  image's rows (patches/split_decode.py) instead of the whole image.
 
 One row of ``DIR/parallel.csv`` per (model, W, variant), appended by the first process after each
 model: ``warmup_s`` (set-up and the first call), ``e2e_ms`` (median of ``--calls`` pipeline calls, each
@@ -79,6 +82,8 @@ ONE_GPU = ("stock", "peer", "ours", "ours+compile")
 ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
 RING = ("ring-peer", "ring-ours", "ring-ours+graphs")  # under diffusers' plans only (FLUX)
 CFG = ("cfg-ours", "cfg-ours+compile")
+SPLIT_DECODE = "+split-decode"  # a variant with enable_split_decode after its patch
+SPLIT = ("cfg-ours", "ulysses-ours+graphs", "ring-ours+graphs")  # the variants measured with it too
 CP_PLANS = ("flux-dev",)  # diffusers 0.42.1 ships a context-parallel plan for these transformers
 OUR_CP_PLANS = ("sd3-medium", "pixart-sigma")  # sd_kernels' plans (patches/context_parallel_plans.py): no peer
 NO_GUIDANCE = ("flux-dev",)  # guidance-distilled: a batch of one image, nothing for CFG to split
@@ -93,7 +98,7 @@ def plan(model: str, world: int) -> tuple[str, ...]:
     out = ULYSSES + RING if model in CP_PLANS else ULYSSES[1:] if model in OUR_CP_PLANS else ()
     if model not in NO_GUIDANCE and 2 % world == 0:  # one image: a guidance batch of 2
         out += CFG
-    return out
+    return out + tuple(v + SPLIT_DECODE for v in out if v in SPLIT)
 
 
 def _dtype(model: str) -> torch.dtype:
@@ -127,6 +132,8 @@ def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> It
     import sd_kernels
     from bench.setups import PEER, VARIANTS, applied
 
+    split_decode = variant.endswith(SPLIT_DECODE)
+    variant = variant.removesuffix(SPLIT_DECODE)
     if variant in ("stock", "peer"):
         with applied(pipe, VARIANTS["stock" if variant == "stock" else PEER]) as info:
             yield info["patched"]
@@ -166,6 +173,8 @@ def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> It
             record = sd_kernels.patch(pipe, parallel=parallel, compile=compile,
                                       cuda_graph=True if compile else "auto")
             stack.callback(sd_kernels.unpatch, pipe)
+            if split_decode:
+                sd_kernels.enable_split_decode(pipe)
         if variant.endswith("-peer") or variant == "ulysses-ours+compile":
             stack.enter_context(_compiled_forward(transformer))
         yield "" if record is None else " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
@@ -303,7 +312,7 @@ def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list
     base = {"model": model, "size": args.size, "steps": args.steps, "dtype": str(dtype).removeprefix("torch."),
             "world": world, **stamp}
     rows = []
-    wanted = [v for v in plan(model, world) if (v in args.variants if args.variants else v not in RING)]
+    wanted = [v for v in plan(model, world) if (v in args.variants if args.variants else not v.startswith("ring-"))]
     # The context-parallel variants turn it on for good: after every other variant, the peer first; a
     # process runs one exchange's (Ulysses' before ring's: rows of the second say they were skipped).
     def order(v: str) -> tuple:

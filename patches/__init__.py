@@ -7,7 +7,8 @@ patched object (patches/record.py), and ``unpatch`` replays it backwards, so out
 bit-identical to a never-patched model. ``cuda_graph=`` also replays the model calls from CUDA graphs
 (patches/cuda_graph.py); ``parallel="cfg"`` splits one image's guidance batch over processes
 (patches/cfg_parallel.py); ``enable_context_parallel`` splits one image's tokens (Ulysses), with plans
-for SD3 and PixArt-Σ (patches/context_parallel_plans.py). Patch and unpatch wait for calls in flight on
+for SD3 and PixArt-Σ (patches/context_parallel_plans.py); ``enable_split_decode`` splits the VAE decode's
+rows over them (patches/split_decode.py). Patch and unpatch wait for calls in flight on
 other threads and hold new ones off (patches/call_gate.py). docs/patch.md has the whole story.
 """
 
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile
 
-from . import call_gate, cfg_parallel, context_parallel, families, fp8, memory_budget, text_padding
+from . import call_gate, cfg_parallel, context_parallel, families, fp8, memory_budget, split_decode, text_padding
 from . import cuda_graph as cuda_graph_mod
 from .context_parallel_plans import check_split, enable_context_parallel
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
@@ -29,8 +30,8 @@ from .memory_budget import memory_plan
 from .record import PatchRecord
 from .registry import PATCHERS, patch_order
 
-__all__ = ["GRAPH_PARTS", "PARTS", "PATCHERS", "SUPPORTED_MODELS", "enable_context_parallel", "memory_plan", "patch",
-           "patch_record", "patched", "report", "unpatch"]
+__all__ = ["GRAPH_PARTS", "PARTS", "PATCHERS", "SUPPORTED_MODELS", "enable_context_parallel", "enable_split_decode",
+           "memory_plan", "patch", "patch_record", "patched", "report", "unpatch"]
 log = logging.getLogger(__name__)
 
 # Components that hold a pipeline's denoiser: left unpatched, they are warned about, not only recorded.
@@ -165,6 +166,22 @@ def _unpatch_replaced(model: object) -> bool:
     with call_gate.exclusive(model, owner.models, "unpatch"):  # the pipeline is gone: the record alone
         owner.undo()
     return True
+
+
+def enable_split_decode(obj: object) -> PatchRecord:
+    """Split the VAE decode of the patched pipeline ``obj`` over the processes of torch.distributed's
+    default group: each decodes 1/W of the image's rows and every process ends with the whole image
+    (patches/split_decode.py). For one image over several processes (``patch(pipe, parallel="cfg")``,
+    ``enable_context_parallel``), where every process holds the same latents; called alike on every
+    process, after ``patch``; ``unpatch`` undoes it (a later ``patch`` with other arguments too). Returns
+    the patch's record."""
+    record = patch_record(obj)
+    if record is None:
+        raise ValueError(f"enable_split_decode: patch this {type(obj).__name__} first (the split is part of the "
+                         "patch, and unpatch undoes it)")
+    with call_gate.exclusive(obj, record.models, "enable_split_decode"):
+        split_decode.enable(obj, record)
+    return record
 
 
 def patch_record(obj: object) -> PatchRecord | None:

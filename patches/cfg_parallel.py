@@ -74,18 +74,18 @@ def group_or_error(what: str):
     return dist.group.WORLD
 
 
-def _weights_sum(model: nn.Module) -> float:
+def weights_sum(model: nn.Module) -> float:
     sums = [p.detach().sum(dtype=torch.float64) for p in model.parameters()]
     return float(torch.stack(sums).sum()) if sums else 0.0
 
 
-def _config(model: nn.Module) -> str:
+def config_text(model: nn.Module) -> str:
     """The model's config as text, the same on every process (diffusers' private keys, some built from
     sets whose order changes between processes, left out)."""
     return repr(sorted((k, v) for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")))
 
 
-def _close(a: list[float], b: list[float]) -> bool:
+def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=SUM_RTOL, abs_tol=1e-12) for x, y in zip(a, b))
 
 
@@ -125,15 +125,15 @@ def same_patch(group, denoisers: list[tuple[str, nn.Module]], profile: Any, ops:
     parallelism one left on some process only would have the others wait in its exchange) and weights
     (float64 sums). A collective."""
     mine = (repr(profile), ops, graph_mode, compile, collectives_captured(),
-            tuple((part, type(m).__name__, _config(m)) for part, m in denoisers),
+            tuple((part, type(m).__name__, config_text(m)) for part, m in denoisers),
             tuple((part, path, type(x.processor).__name__) for part, m in denoisers
                   for path, x in m.named_modules() if hasattr(x, "processor")))
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (mine, [_weights_sum(m) for _, m in denoisers], profile.name), group=group)
+    dist.all_gather_object(gathered, (mine, [weights_sum(m) for _, m in denoisers], profile.name), group=group)
     differ = _differing([g[0] for g in gathered], ("profile", "ops", "cuda_graph", "compile",
                                                    COLLECTIVES_ENV, "denoiser class or config",
                                                    "attention processors"))
-    if not differ and not all(_close(g[1], gathered[0][1]) for g in gathered):
+    if not differ and not all(close(g[1], gathered[0][1]) for g in gathered):
         differ = ["denoiser weights"]
     if differ:
         profiles = [g[2] for g in gathered]
@@ -198,7 +198,7 @@ class CfgParallelCall:
                     problems.append(names[i])
             for j, i in enumerate(tensors):
                 vals = [g[3][j] for g in gathered]
-                if names[i] not in problems and not _close(vals, [vals[0]] * len(vals)):
+                if names[i] not in problems and not close(vals, [vals[0]] * len(vals)):
                     problems.append(f"{names[i]} (sums {', '.join(f'{v:.6g}' for v in vals)})")
         if problems:
             raise ValueError(f"parallel='cfg': the processes call the {self.label} with different "

@@ -47,7 +47,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from sd_kernels.ops.custom_ops import attention as sdk_attention
 
 from . import cfg_parallel, context_parallel, flux_attention, modulation_split
-from .cfg_parallel import _close, group_or_error
+from .cfg_parallel import close, group_or_error
 from .cuda_graph import context_parallel as under_context_parallel
 
 MARK = "_sd_kernels_ulysses"  # on each attention module that exchanges its tokens: its Ulysses
@@ -171,7 +171,7 @@ class _Agree(ModelHook):
                                           for k, v in named])
         differ = ([] if any(len(g) != len(named) for g in gathered) else
                   [k for i, (k, _) in enumerate(named) if any(g[i][:2] != gathered[0][i][:2] for g in gathered)
-                   or not _close([g[i][2] for g in gathered], [gathered[0][i][2]] * len(gathered))])
+                   or not close([g[i][2] for g in gathered], [gathered[0][i][2]] * len(gathered))])
         if differ or any(len(g) != len(named) for g in gathered):
             raise ValueError(f"{type(module).__name__} under context parallelism: the processes call it with different "
                              f"{', '.join(differ) or 'arguments'}: every process must run the same pipeline call (same "

@@ -167,14 +167,27 @@ def collectives_captured() -> bool:
     return os.environ.get(COLLECTIVES_ENV, "0") == "1"
 
 
-def _parallel_blocks_capture(model: Any) -> bool:
-    return context_parallel(model) and not collectives_captured()
+# On a VAE whose decode is split over processes (patches/split_decode.py): its calls run collectives too.
+SPLIT_DECODE = "_sd_kernels_split_decode"
+SPLIT = (f"its decode is split over processes (enable_split_decode), whose collectives a capture would bake into "
+         f"the graph ({COLLECTIVES_ENV}=1 on every process captures them; unpatch before the process group ends)")
+
+
+def runs_collectives(model: Any) -> str | None:
+    """Why ``model``'s calls run collectives (context parallelism, a split decode), or None."""
+    if context_parallel(model):
+        return CONTEXT_PARALLEL
+    return SPLIT if getattr(model, SPLIT_DECODE, False) else None
+
+
+def _parallel_blocks_capture(model: Any) -> str | None:
+    return None if collectives_captured() else runs_collectives(model)
 
 
 def graphable_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot be run from CUDA graphs, or None if it can."""
-    if _parallel_blocks_capture(model):
-        return f"cannot capture the {type(model).__name__}: {CONTEXT_PARALLEL}"
+    if why := _parallel_blocks_capture(model):
+        return f"cannot capture the {type(model).__name__}: {why}"
     devices = sorted({str(p.device) for p in model.parameters()})
     if len(devices) != 1 or not devices[0].startswith("cuda"):
         return (f"needs the {type(model).__name__} on one CUDA device; its parameters are on "
@@ -289,10 +302,11 @@ def _model_state(model: nn.Module, watch: _Watch) -> tuple:
     """What invalidates captured graphs: peft adapters added or removed (the module tree changes with
     them), the weights moved (``.to(device or dtype)``, offloading: the graphs read every parameter and
     buffer by address), what ``watch`` reads (adapter switches and scales, fused LoRA, swapped
-    processors), and context parallelism turned on (a graph captured before it holds no collectives)."""
+    processors), and context parallelism or a split decode turned on (a graph captured before holds no
+    collectives)."""
     cfg = getattr(model, "peft_config", None)
     tree = tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
-    return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree), context_parallel(model)
+    return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree), runs_collectives(model)
 
 
 class _Graph:
@@ -383,8 +397,8 @@ class GraphedCall:
         every graph (``reset``) when the model changed since the last call (see ``_model_state``)."""
         if torch.is_grad_enabled():
             return "autograd is enabled (capture only runs under torch.no_grad / inference_mode)", logging.WARNING
-        if _parallel_blocks_capture(self.model_ref):
-            return CONTEXT_PARALLEL, logging.INFO
+        if why := _parallel_blocks_capture(self.model_ref):
+            return why, logging.INFO
         state = _model_state(self.model_ref, self.watch)
         if state != self.state:  # the captured kernels would run stale modules or read freed weights
             moved = state[0] == self.state[0] and state[1] != self.state[1]  # same modules, new places

@@ -240,7 +240,11 @@ _PHASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class _Pass:
     """One pass over bands: the statistics known so far, and the norm it measures (None: the final
-    pass), whose band partials it gathers."""
+    pass), whose band partials it gathers. A ``live`` pass (patches/split_decode.py) measures each
+    norm's statistics as the norm runs, from the band's ``own`` rows: the band functions then add
+    conv1's bias before norm2 instead of handing it over as a shift."""
+
+    live = False
 
     def __init__(self, stats: dict[nn.Module, torch.Tensor], target: nn.Module | None = None) -> None:
         self.stats, self.target, self.parts = stats, target, []
@@ -253,8 +257,9 @@ class _Pass:
         return True
 
     def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None,
-             shift: torch.Tensor | None = None) -> torch.Tensor:
-        """norm + SiLU of x (+ ``shift``, a [C] bias not yet added) with the whole image's statistics."""
+             shift: torch.Tensor | None = None, own: torch.Tensor | None = None) -> torch.Tensor:
+        """norm + SiLU of x (+ ``shift``, a [C] bias not yet added) with the whole image's statistics
+        (``own``: x's rows that this band owns, which a live pass measures)."""
         stats = self.stats.get(norm)
         if stats is None:
             raise RuntimeError("sd_kernels: a norm without statistics ran in a streamed decode (a bug)")
@@ -276,16 +281,18 @@ def _resnet_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, heigh
     own = x[:, :, c - a:d - a]
     if p.measured(r.norm1, own):
         return None
-    t = p.norm(r.norm1, x)
+    t = p.norm(r.norm1, x, own=own)
     c1, d1 = max(c - 1, 0), min(d + 1, height)
     h = _conv_rows(t, r.conv1.weight, a, b, c1, d1, height, 1, 1)
     del t
-    if p.target is r.norm2:  # a statistics pass: of conv1's output with its bias
+    if p.target is r.norm2 or p.live:  # norm2's statistics measured here: of conv1's output with its bias
         if r.conv1.bias is not None:
             h = h.add_(r.conv1.bias.view(1, -1, 1, 1))
-        p.measured(r.norm2, h[:, :, c - c1:d - c1])
-        return None
-    h = p.norm(r.norm2, h, out=h, shift=r.conv1.bias)
+        if p.measured(r.norm2, h[:, :, c - c1:d - c1]):
+            return None
+        h = p.norm(r.norm2, h, out=h, own=h[:, :, c - c1:d - c1])
+    else:
+        h = p.norm(r.norm2, h, out=h, shift=r.conv1.bias)
     o = _conv_rows(h, r.conv2.weight, c1, d1, c, d, height, 1, 1)
     del h
     skip, bias2 = own, None
@@ -321,9 +328,10 @@ def _head_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height:
                p: _Pass, dst: torch.Tensor | None = None) -> torch.Tensor | None:
     """conv_out(SiLU(conv_norm_out(x))) on input rows [a, b), output rows [c, d) (into ``dst``)."""
     norm, conv = u.module.conv_norm_out, u.module.conv_out
-    if p.measured(norm, x[:, :, c - a:d - a]):
+    own = x[:, :, c - a:d - a]
+    if p.measured(norm, own):
         return None
-    y = _conv_rows(p.norm(norm, x), conv.weight, a, b, c, d, height, 1, 1)
+    y = _conv_rows(p.norm(norm, x, own=own), conv.weight, a, b, c, d, height, 1, 1)
     if conv.bias is None:
         return y if dst is None else dst.copy_(y)
     return bias_residual(y, conv.bias, out=dst if dst is not None else y)

@@ -25,14 +25,15 @@ from typing import Any
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched", "enable_context_parallel", "get_profile", "list_profiles", "generate_images",
-           "ops", "reference", "models"]
+__all__ = ["patch", "unpatch", "patched", "enable_context_parallel", "enable_split_decode", "get_profile",
+           "list_profiles", "generate_images", "ops", "reference", "models"]
 
 _LAZY = {
     "patch": ("sd_kernels.patches", "patch"),
     "unpatch": ("sd_kernels.patches", "unpatch"),
     "patched": ("sd_kernels.patches", "patched"),
     "enable_context_parallel": ("sd_kernels.patches", "enable_context_parallel"),
+    "enable_split_decode": ("sd_kernels.patches", "enable_split_decode"),
     "get_profile": ("sd_kernels.profiles", "get_profile"),
     "list_profiles": ("sd_kernels.profiles", "list_profiles"),
     "generate_images": ("sd_kernels.apps.generate", "generate_images"),

@@ -549,7 +549,7 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
     """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses and ring rows at every W > 1; SD3
     and PixArt-Σ (guidance, sd_kernels' plans) ours at every W > 1 (no peer: diffusers' processors for them
     have no context-parallel path) and the CFG rows at W = 2; SDXL the CFG rows at W = 2 only: one image's
-    guidance batch is 2."""
+    guidance batch is 2. cfg-ours, ulysses-ours+graphs and ring-ours+graphs again with the split decode."""
     import diffusers
     from sd_kernels.patches.context_parallel_plans import plan_for
 
@@ -557,11 +557,14 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
 
     for model in parallel.MODELS:
         assert parallel.plan(model, 1) == parallel.ONE_GPU
-    assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES + parallel.RING
-    assert parallel.plan("sdxl", 2) == parallel.CFG and parallel.plan("sdxl", 4) == ()
+    split = parallel.SPLIT_DECODE
+    assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES + parallel.RING + (
+        "ulysses-ours+graphs" + split, "ring-ours+graphs" + split)
+    assert parallel.plan("sdxl", 2) == parallel.CFG + ("cfg-ours" + split,) and parallel.plan("sdxl", 4) == ()
     ours = ("ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
     for model in ("sd3-medium", "pixart-sigma"):
-        assert parallel.plan(model, 2) == ours + parallel.CFG and parallel.plan(model, 4) == ours
+        assert parallel.plan(model, 2) == ours + parallel.CFG + ("ulysses-ours+graphs" + split, "cfg-ours" + split)
+        assert parallel.plan(model, 4) == ours + ("ulysses-ours+graphs" + split,)
     classes = {"flux-dev": diffusers.FluxTransformer2DModel, "sd3-medium": diffusers.SD3Transformer2DModel,
                "pixart-sigma": diffusers.PixArtTransformer2DModel}
     assert {m for m, cls in classes.items() if getattr(cls, "_cp_plan", None)} == set(parallel.CP_PLANS)
@@ -580,6 +583,25 @@ def test_parallel_bench_divides_each_exchange_by_its_own_peer():
     got = {r["variant"]: (r.get("vs_one_gpu"), r.get("vs_peer")) for r in rows}
     assert got == {"ulysses-peer": (0.75, 1.0), "ulysses-ours+graphs": (0.375, 0.5), "ring-peer": (0.5, 1.0),
                    "ring-ours+graphs": (0.25, 0.5), "cfg-ours": (0.2, 0.5), "ring-ours": (None, None)}
+
+
+def test_split_decode_bench_rows_on_one_cpu_process(monkeypatch):
+    """bench.split_decode's rows on a one-process gloo group (the tiny VAE, fp32, CPU: no graph row): the split
+    image is the whole one's (one process owns every row), each row stamped; needs GPUs under torchrun."""
+    import torch.distributed as dist
+
+    from bench import split_decode
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = split_decode.rows_of("tiny", ("float32",), 64, 1, 1, {"device": "cpu"}, device="cpu")
+    finally:
+        dist.destroy_process_group()
+    assert [r["variant"] for r in rows] == ["whole", "split"]
+    assert all(r["device"] == "cpu" and r["ms"] > 0 for r in rows)
+    assert float(rows[1]["max_abs_diff"]) < 2e-5 and rows[1]["psnr_db"] > 90
+    assert split_decode.main(["--out", "unused"]) == 2
 
 
 def test_parallel_bench_says_it_needs_gpus_under_torchrun(tmp_path, capsys):

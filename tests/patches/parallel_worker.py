@@ -8,7 +8,7 @@ Ulysses context parallelism with sd_kernels' attention (the kernels, through the
 after and before ``enable_parallelism``, against one process, and exactly unpatched; FLUX under a ring
 config, with the keys and values gathered for one attention call; the clear errors
 (a batch the processes do not divide, a seed per process, mixed profiles under either split, heads the
-Ulysses degree does not divide).
+Ulysses degree does not divide); the VAE decode split by rows (``enable_split_decode``).
 """
 
 import contextlib
@@ -324,6 +324,37 @@ def split_modulation_case():
     return out
 
 
+def split_decode_case():
+    """The VAE decode split by rows over the two processes (``enable_split_decode``), the norms' kernels through
+    the interpreter: a decode equal to one process's, then one image end to end under ``parallel="cfg"``;
+    processes decoding different latents both raise; unpatched, the decoder's own forward."""
+    from sd_kernels.patches import split_decode
+
+    pipe = build("tiny-xl")
+    z = torch.randn(1, 4, SIDE // 4, SIDE // 4, generator=torch.Generator().manual_seed(1))  # alike on both
+    with torch.no_grad(), sd_kernels.patched(pipe):
+        whole = pipe.vae.decode(z, return_dict=False)[0]
+        one = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
+                   width=SIDE, output_type="pt").images
+    bands = []
+    decode_band = split_decode.decode_band
+    split_decode.decode_band = lambda *a: bands.append(1) or decode_band(*a)
+    try:
+        with torch.no_grad():
+            sd_kernels.patch(pipe, parallel="cfg")
+            record = sd_kernels.enable_split_decode(pipe)
+            split = pipe.vae.decode(z, return_dict=False)[0]
+            image = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
+                         width=SIDE, output_type="pt").images
+            differ = error_of(lambda: pipe.vae.decode(z + dist.get_rank(), return_dict=False))
+            summary = record.summary()
+            sd_kernels.unpatch(pipe)
+    finally:
+        split_decode.decode_band = decode_band
+    return {"rel": rel(split, whole), "image_rel": rel(image, one), "bands": len(bands), "summary": summary,
+            "differ": differ, "sum": float(split.double().sum()), "restored": "forward" not in vars(pipe.vae.decoder)}
+
+
 def main(out_dir: pathlib.Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -334,6 +365,7 @@ def main(out_dir: pathlib.Path) -> None:
     for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
                        ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("ring", ring_case),
                        ("ring_anything", ring_anything_case), ("split_modulation", split_modulation_case),
+                       ("split_decode", split_decode_case),
                        ("ring_mixed_processors", lambda: ring_mixed_processors_case(rank)),
                        ("heads", heads_case),
                        ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:

@@ -130,6 +130,23 @@ def test_split_modulation_is_one_process_image_with_one_product_a_call(ranks):
 
 
 @needs_gloo
+def test_split_decode_is_one_process_decode_and_image(ranks):
+    """The VAE decode split by rows over two processes (each decoding 8 of the 16 latent rows, the norms'
+    kernels through the interpreter): one process's decode within fp32 rounding, the same on both; one
+    image end to end under parallel="cfg" equal to one process's; processes decoding different latents
+    both raise; unpatched, the decoder's own forward is back."""
+    for r in ranks:
+        got = r["split_decode"]
+        assert "crashed" not in got, got.get("crashed")
+        assert got["rel"] < RTOL and got["image_rel"] < RTOL
+        assert got["bands"] == 2  # the decode and the image's; the refused call stops at its check
+        assert "split_decode: 1" in got["summary"]
+        assert "decode different latents" in (got["differ"] or "")
+        assert got["restored"]
+    assert ranks[0]["split_decode"]["sum"] == ranks[1]["split_decode"]["sum"]
+
+
+@needs_gloo
 def test_ring_anything_with_uneven_shards_is_one_process_image_or_a_clear_error(ranks):
     """ring_anything (40 and 39 tokens a process) is diffusers' to run: the gathered attention takes shards of one
     length (an uneven gather aborts the process under gloo)."""

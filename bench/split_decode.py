@@ -1,0 +1,109 @@
+"""The VAE decode split by rows over W GPUs (patches/split_decode.py) against the whole decode on each.
+
+    torchrun --nproc_per_node W -m bench.split_decode --out DIR [--models sdxl,flux-dev] [--size 1024]
+
+Per model's VAE (random weights from the shipped config, ``patch(vae)``), batch 1 at ``--size``, in
+the dtypes its pipelines decode in (SDXL's fp32 too: its pipeline upcasts the VAE, ``force_upcast``):
+``whole`` (every process decodes the whole image, eagerly, as under ``parallel="cfg"`` today),
+``whole+graph`` (the same replayed from a CUDA graph, as SD3's, PixArt-Σ's and FLUX's pipelines
+replay it on one GPU) and ``split`` (``enable_split_decode``: each process its 1/W of the rows, the
+image all-gathered; eager). ``ms``: the median of ``--calls`` calls, each from a barrier to the
+slowest process's end; ``vs_whole``: over ``whole+graph``; ``max_abs_diff`` and ``psnr_db`` of the
+split image against the whole one (images in [-1, 1]). Appends DIR/split-decode.csv (first process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from bench import common
+
+COLUMNS = ["model", "size", "dtype", "world", "variant", "ms", "vs_whole", "max_abs_diff", "psnr_db", "device",
+           "torch", "triton", "diffusers", "date"]
+DTYPES = {"sd15": ("float16",), "sdxl": ("float16", "float32"), "flux-dev": ("bfloat16",),
+          "sd3-medium": ("float16",), "pixart-sigma": ("float16",)}
+
+
+def rows_of(model: str, dtypes: tuple[str, ...], size: int, calls: int, world: int, stamp: dict,
+            device: str = "cuda") -> list[dict]:
+    """The rows of ``model``'s VAE in each of ``dtypes`` (module docstring; off CUDA no ``whole+graph``)."""
+    rows = []
+    for name in dtypes:
+        base = {"model": model, "size": size, "dtype": name, "world": world, **stamp}
+        rows += _rows(model, getattr(torch, name), size, calls, base, device)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _rows(model: str, dtype: torch.dtype, size: int, calls: int, base: dict, device: str) -> list[dict]:
+    import sd_kernels
+    from bench.parallel import _timed_ms
+    from sd_kernels import models
+    from sd_kernels.testing import psnr
+
+    vae = models.build_model(model, "vae", device, dtype).eval()
+    sd_kernels.patch(vae, cuda_graph=False)
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    z = torch.randn(1, vae.config.latent_channels, size // factor, size // factor,
+                    generator=torch.Generator().manual_seed(0)).to(device, dtype)  # alike on every process
+
+    def decode():
+        return vae.decode(z, return_dict=False)[0]
+
+    with torch.no_grad():
+        whole = decode().float()
+        times = {"whole": statistics.median(_timed_ms(decode) for _ in range(calls))}
+        if device == "cuda":
+            replay = common.graphed(decode)
+            times["whole+graph"] = statistics.median(_timed_ms(replay) for _ in range(calls))
+            del replay
+        sd_kernels.enable_split_decode(vae)
+        split = decode().float()
+        times["split"] = statistics.median(_timed_ms(decode) for _ in range(calls))
+    sd_kernels.unpatch(vae)
+    reference = times.get("whole+graph", times["whole"])
+    rows = []
+    for variant, ms in times.items():
+        row = {**base, "variant": variant, "ms": round(ms, 2), "vs_whole": round(ms / reference, 3)}
+        if variant == "split":
+            row.update(max_abs_diff=f"{float((split - whole).abs().max()):.2e}",
+                       psnr_db=round(float(psnr(split.clamp(-1, 1) / 2 + 0.5, whole.clamp(-1, 1) / 2 + 0.5)), 2))
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--models", default="sdxl,flux-dev")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or "RANK" not in os.environ:
+        print("bench.split_decode runs on CUDA GPUs under torchrun (torchrun --nproc_per_node W -m bench.split_decode "
+              "...)", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    env = common.environment()
+    stamp = {k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for model in args.models.split(","):
+        rows = rows_of(model, DTYPES[model], args.size, args.calls, dist.get_world_size(), stamp)
+        if dist.get_rank() == 0:
+            common.append_csv(args.out / "split-decode.csv", rows, COLUMNS)
+            print(common.format_table(rows, COLUMNS[:9]), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

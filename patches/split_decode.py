@@ -1,0 +1,214 @@
+"""One VAE decode split over processes by rows (``enable_split_decode``): each decodes 1/W of the image, exact.
+
+Under ``patch(pipe, parallel="cfg")`` or context parallelism every process ends the denoising loop with the
+same latents, and each then runs the whole VAE decode: the same work W times. Here process r of the W of
+torch.distributed's default group decodes its own band of rows, and one all-gather hands every process the
+whole image, which the pipeline then post-processes as before.
+
+A band cannot be decoded alone: a 3×3 convolution reads one row beyond each edge of its output, and a
+GroupNorm normalizes with the statistics of the whole image. So the decode runs the up-stack unit by unit
+(patches/stream_decode.py's units and band functions: ResNet blocks, upsamplers, the output head), every
+process alike:
+
+- the head (``conv_in`` and the mid-block, whose attention is global) runs whole on every process, at
+  the latent's resolution;
+- process r owns latent rows [r·h/W, (r+1)·h/W) and the same rows, scaled, at every later resolution. Each
+  unit's output is written between margins as deep as the next unit reads past a band's edge (2 rows for
+  a ResNet block's two convolutions, 1 for an upsampler or the head); one all-gather of every process's
+  first and last rows fills them from the neighbours (zeros stand in nowhere: at the image's edges the
+  band functions pad as the convolution does);
+- each GroupNorm's statistics are the whole image's: every process's (count, mean, M2) of the rows it
+  owns, all-gathered and merged by Chan's formula in float64 (``ops.group_stats``), so every process
+  applies the same numbers (a ResNet block's norm2 measures conv1's output after its bias is added);
+- the image's bands are all-gathered at the end.
+
+The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
+statistics are those of the streamed decode (tested against the untiled decode there); here the
+statistics' parts are per process. Collectives per sample: one to check that every process decodes the
+same latents, and then per unit one for the margins and one per GroupNorm, and one for the image (for
+an SD VAE at 1024², 15 ResNet blocks, 3 upsamplers and the head: about 55, each of a few kB up to the
+margins' 2 rows × width × channels). The statistics and margins wait for every process, so the decode
+runs at the pace of the slowest.
+
+What stays whole: the head at latent resolution, on every process. Where the latent has fewer rows than
+2 per process, where autograd is on, or for ``latent_embeds`` (a decoder with spatial norms) the
+decoder's own forward runs, on every process alike. A decoder the band functions do not know
+(``stream_decode.units`` says why) is refused by ``enable_split_decode``. Its collectives keep the VAE's
+decode out of CUDA graphs (patches/cuda_graph.py), unless ``SD_KERNELS_GRAPH_COLLECTIVES=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sd_kernels.ops.group_stats import group_partials, mean_rstd, merge_group_stats
+
+from . import cfg_parallel
+from .cuda_graph import SPLIT_DECODE as MARK
+from .record import PatchRecord
+from .stream_decode import _BAND, Unit, Unsupported, _Pass, units
+
+log = logging.getLogger(__name__)
+KIND = "split_decode"
+MIN_ROWS = 2  # latent rows a process must own: a ResNet block reads 2 rows past its band's edges
+
+
+class Exchange:
+    """The decode's collectives over ``group``: an all-gather along a new first axis, in rank order."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.contiguous().view(-1)  # gloo takes the gathered tensors end to end along one dimension
+        out = flat.new_empty(self.world * flat.numel())
+        dist.all_gather_into_tensor(out, flat, group=self.group)
+        return out.view(self.world, *x.shape)
+
+
+class _LivePass(_Pass):
+    """Each norm's statistics measured as it runs: this process's own rows, merged with every other's."""
+
+    live = True
+
+    def __init__(self, exchange: Exchange) -> None:
+        super().__init__({})
+        self.exchange = exchange
+
+    def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None,
+             shift: torch.Tensor | None = None, own: torch.Tensor | None = None) -> torch.Tensor:
+        if norm not in self.stats:
+            if own is None or shift is not None:
+                raise RuntimeError("sd_kernels: a split decode's norm ran without its own rows (a bug)")
+            mine = merge_group_stats(group_partials(own, norm.num_groups))  # [3, N, G] float64
+            every = self.exchange.gather(mine).movedim(0, -1)  # [3, N, G, W]
+            self.stats[norm] = mean_rstd(merge_group_stats(every), norm.eps)
+        return super().norm(norm, x, out, shift)
+
+
+def _rows(n: int, c: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
+    """An [n, c, h, w] tensor in channels_last memory (a band of rows is then one contiguous block)."""
+    return torch.empty(n, h, w, c, dtype=like.dtype, device=like.device).permute(0, 3, 1, 2)
+
+
+def _fill_margins(buf: torch.Tensor, top: int, rows: int, bottom: int, k: int, ex: Exchange) -> None:
+    """The margins of ``buf`` (``top`` rows above this process's ``rows``, ``bottom`` below) from the
+    neighbours' edge rows: one all-gather of every process's first and last ``k`` rows."""
+    own = buf[:, :, top:top + rows]
+    edges = ex.gather(torch.cat([own[:, :, :k], own[:, :, rows - k:]], dim=2))  # [W, n, C, 2k, w]
+    if top:
+        buf[:, :, :top].copy_(edges[ex.rank - 1][:, :, 2 * k - top:])
+    if bottom:
+        buf[:, :, top + rows:].copy_(edges[ex.rank + 1][:, :, :bottom])
+
+
+def _band_of(rank: int, world: int, height: int) -> tuple[int, int]:
+    return rank * height // world, (rank + 1) * height // world
+
+
+def decode_band(decoder: nn.Module, us: list[Unit], z: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """``decoder(z)`` for one sample (module docstring): this process's band of the up-stack, and the
+    whole image from every process's band."""
+    head = decoder.mid_block(decoder.conv_in(z), None)
+    n, _, h0, w0 = head.shape
+    lo0, hi0 = _band_of(ex.rank, ex.world, h0)
+    p = _LivePass(ex)
+    # per unit: the input rows its owned output rows [lo, hi) need [a, b), the input's height, the scale after it
+    spans, scale = [], 1
+    for u in us:
+        h_in = h0 * scale
+        scale *= u.scale
+        spans.append((*u.need(lo0 * scale, hi0 * scale, h_in), lo0 * scale, hi0 * scale, h_in, scale))
+    x, x_lo = head, 0  # the input and the absolute row of its first row
+    for j, (u, (a, b, lo, hi, h_in, s)) in enumerate(zip(us, spans)):
+        rows = hi - lo
+        last = j + 1 == len(us)
+        # margins as deep as the next unit reads past the band's edges (none at the image's)
+        top, bottom = (0, 0) if last else (lo - spans[j + 1][0], spans[j + 1][1] - hi)
+        buf = _rows(n, u.c_out, top + rows + bottom, w0 * s, x)
+        dst = buf[:, :, top:top + rows]
+        y = _BAND[u.kind](u, x[:, :, a - x_lo:b - x_lo], a, b, lo, hi, h_in, p, dst)
+        if y.data_ptr() != dst.data_ptr():
+            dst.copy_(y)
+        del y
+        if not last:
+            _fill_margins(buf, top, rows, bottom, us[j + 1].radius, ex)
+        x, x_lo = buf, lo - top
+    return _whole(x, ex, h0, scale)
+
+
+def _whole(band: torch.Tensor, ex: Exchange, h0: int, scale: int) -> torch.Tensor:
+    """The image from every process's band of rows (bands of unequal height padded to the tallest)."""
+    bands = [_band_of(r, ex.world, h0) for r in range(ex.world)]
+    n, c, _, w = band.shape
+    padded = band.new_zeros(n, c, max(hi - lo for lo, hi in bands) * scale, w)
+    padded[:, :, :band.shape[2]] = band
+    every = ex.gather(padded)
+    return torch.cat([every[r][:, :, :(hi - lo) * scale] for r, (lo, hi) in enumerate(bands)], dim=2)
+
+
+class SplitForward:
+    """A VAE ``Decoder``'s ``forward`` that decodes its band of rows on each process of ``group``."""
+
+    def __init__(self, decoder: nn.Module, us: list[Unit], group) -> None:
+        self.original = decoder.forward
+        self.decoder, self.units, self.exchange = decoder, us, Exchange(group)
+        self.warned = False
+
+    def __repr__(self) -> str:
+        return f"SplitForward(process {self.exchange.rank} of {self.exchange.world})"
+
+    def _check(self, z: torch.Tensor) -> None:
+        """Every process decodes the same latents (a ValueError on every process alike, otherwise)."""
+        mine = torch.tensor([*z.shape, z.detach().double().sum().item()], dtype=torch.float64, device=z.device)
+        every = self.exchange.gather(mine).tolist()
+        if not all(e[:-1] == every[0][:-1] and cfg_parallel.close(e[-1:], every[0][-1:]) for e in every):
+            raise ValueError("the split VAE decode: the processes decode different latents (shape and sum by "
+                             f"process: {every}): every process must run the same pipeline call (same prompt, seed "
+                             "and settings)")
+
+    def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if latent_embeds is not None or torch.is_grad_enabled():
+            return self.original(sample, latent_embeds)
+        self._check(sample)
+        if sample.shape[2] < MIN_ROWS * self.exchange.world:
+            if not self.warned:
+                log.warning("sd_kernels: the split VAE decode runs whole on every process: %d latent rows are fewer "
+                            "than %d per process", sample.shape[2], MIN_ROWS)
+                self.warned = True
+            return self.original(sample, latent_embeds)
+        return torch.cat([decode_band(self.decoder, self.units, sample[i:i + 1], self.exchange)
+                          for i in range(sample.shape[0])])
+
+
+def enable(obj: object, record: PatchRecord) -> None:
+    """``enable_split_decode`` on ``obj``'s VAE, through ``record`` (unpatch undoes it)."""
+    group = cfg_parallel.group_or_error("enable_split_decode")
+    vae = getattr(obj, "vae", None) if hasattr(obj, "components") else obj
+    decoder = getattr(vae, "decoder", None)
+    if decoder is None:
+        raise ValueError(f"enable_split_decode: this {type(obj).__name__} has no VAE with a decoder to split")
+    current = vars(decoder).get("forward")
+    if isinstance(current, SplitForward):
+        return
+    if current is not None:
+        raise ValueError("enable_split_decode: the VAE decoder's forward is replaced already (a memory budget's "
+                         "streamed decode, or another wrapper): the split decode runs the decoder's own")
+    try:
+        us = units(decoder)
+    except Unsupported as exc:
+        raise ValueError(f"enable_split_decode: this VAE's decoder cannot be split ({exc})") from None
+    mine = (type(vae).__name__, cfg_parallel.config_text(vae), cfg_parallel.weights_sum(decoder))
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any(e[:2] != mine[:2] for e in every) or not cfg_parallel.close([e[2] for e in every], [mine[2]] * len(every)):
+        raise ValueError("enable_split_decode: the processes hold different VAEs (class, config or weights): every "
+                         "process must load the same pipeline")
+    record.set_attr(decoder, "forward", SplitForward(decoder, us, group), KIND)
+    record.set_attr(vae, MARK, True, None)

@@ -1,0 +1,174 @@
+"""patches/split_decode.py: one VAE decode split over processes by rows, every process ending with the image.
+
+Here, in one process: W "processes" as threads whose collectives meet in memory (``Threads``), each
+decoding its band, against the decoder's own forward (W = 1 to 4, even and uneven bands, odd widths;
+the norms on the PyTorch reference: the interpreter is not thread-safe, and the kernels' own tests
+are in tests/ops/test_group_norm.py); processes holding different latents all raise; the public
+``enable_split_decode`` on a one-process group (its refusals, the record, exact unpatch); the split
+VAE kept out of CUDA graphs. Two real processes (gloo), with the kernels through the interpreter:
+test_parallel.py."""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from sd_kernels.patches import cuda_graph, split_decode, stream_decode
+
+import sd_kernels
+from sd_kernels import models
+
+# fp32 on the CPU: a band's convolutions block differently from the whole image's (measured ≤ 3e-6 of an
+# output whose largest value is about 2)
+ATOL = 2e-5
+
+
+class Threads(split_decode.Exchange):
+    """Process ``rank`` of ``world`` threads: an all-gather is every thread's tensor stacked, in rank order."""
+
+    def __init__(self, rank: int, world: int, shared: dict) -> None:
+        self.rank, self.world, self.shared = rank, world, shared
+
+    def gather(self, x):
+        slots, barrier = self.shared["slots"], self.shared["barrier"]
+        slots[self.rank] = x.contiguous().clone()
+        barrier.wait()
+        out = torch.stack(slots)
+        barrier.wait()
+        return out
+
+
+def on_threads(world: int, fn) -> list:
+    """``fn(exchange)`` on ``world`` threads; what each returned (an exception, where it raised)."""
+    shared = {"slots": [None] * world, "barrier": threading.Barrier(world, timeout=60)}
+    out: list = [None] * world
+
+    def run(rank):
+        try:
+            out[rank] = fn(Threads(rank, world, shared))
+        except Exception as exc:  # noqa: BLE001  (reported to the test; a thread left waiting times out)
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def vae():
+    torch.manual_seed(0)
+    return models.build_model("tiny-xl", "vae").eval()
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(1, 4, 16, 12), (1, 4, 13, 7)])
+def test_every_process_ends_with_the_whole_decode(vae, reference_ops, world, shape):
+    """Each band with its neighbours' margins and the whole image's statistics: the image is the decoder's
+    own to fp32 rounding, on every process (13 rows over 3 or 4 processes: bands of unequal height)."""
+    z = torch.randn(shape)
+    us = stream_decode.units(vae.decoder)
+    with torch.no_grad():
+        want = vae.decoder(z)
+        got = on_threads(world, lambda ex: split_decode.decode_band(vae.decoder, us, z, ex))
+    for image in got:
+        assert not isinstance(image, Exception), image
+        assert image.shape == want.shape
+        torch.testing.assert_close(image, want, rtol=0, atol=ATOL)
+
+
+def test_a_channels_last_decoder_in_its_band_kernels(vae):
+    """One process, the norms' kernels through the interpreter, a channels_last decoder (as the patch
+    leaves it on a GPU): the decoder's own image."""
+    import copy
+
+    cl = copy.deepcopy(vae).to(memory_format=torch.channels_last)
+    z = torch.randn(1, 4, 6, 5).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        got = on_threads(1, lambda ex: split_decode.decode_band(cl.decoder, stream_decode.units(cl.decoder), z, ex))
+        torch.testing.assert_close(got[0], cl.decoder(z), rtol=0, atol=ATOL)
+
+
+def _check(ex, z):
+    """``SplitForward._check`` of ``z`` by process ``ex.rank`` (a forward of its own: the check reads only
+    its exchange)."""
+    forward = split_decode.SplitForward.__new__(split_decode.SplitForward)
+    forward.exchange = ex
+    return forward._check(z)
+
+
+def test_processes_with_different_latents_all_raise():
+    for outcome in on_threads(2, lambda ex: _check(ex, torch.zeros(1, 4, 8, 8) + ex.rank)):  # a seed per process
+        assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
+    assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8))) == [None, None]
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _decode(pipe, z):
+    with torch.no_grad():
+        return pipe.vae.decode(z, return_dict=False)[0]
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_enable_on_a_patched_pipeline_and_unpatch(group, reference_ops):
+    pipe = models.build_pipeline("tiny-xl")
+    z = torch.randn(1, 4, 8, 8)
+    stock = _decode(pipe, z)
+    with pytest.raises(ValueError, match="patch this StableDiffusionXLPipeline first"):
+        sd_kernels.enable_split_decode(pipe)
+    sd_kernels.patch(pipe, cuda_graph=False)
+    record = sd_kernels.enable_split_decode(pipe)
+    assert sd_kernels.enable_split_decode(pipe) is record  # again: nothing more
+    assert record.counts["split_decode"] == 1
+    assert isinstance(vars(pipe.vae.decoder)["forward"], split_decode.SplitForward)
+    assert cuda_graph.runs_collectives(pipe.vae) == cuda_graph.SPLIT
+    torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
+    sd_kernels.unpatch(pipe)
+    assert "forward" not in vars(pipe.vae.decoder) and cuda_graph.SPLIT_DECODE not in vars(pipe.vae)
+    assert torch.equal(_decode(pipe, z), stock)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_refusals(group):
+    pipe = models.build_pipeline("tiny")
+    sd_kernels.patch(pipe, cuda_graph=False)
+    pipe.vae.decoder.up_blocks[0].resnets[0].conv1.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="cannot be split .*conv1 is not a plain same-padded nn.Conv2d"):
+        sd_kernels.enable_split_decode(pipe)
+    pipe.vae.decoder.up_blocks[0].resnets[0].conv1._forward_hooks.clear()
+    pipe.vae.decoder.forward = pipe.vae.decoder.forward
+    with pytest.raises(ValueError, match="forward is replaced already"):
+        sd_kernels.enable_split_decode(pipe)
+    del pipe.vae.decoder.forward
+    sd_kernels.unpatch(pipe)
+
+
+def test_no_process_group_is_a_clear_error():
+    pipe = models.build_pipeline("tiny")
+    sd_kernels.patch(pipe, cuda_graph=False)
+    with pytest.raises(ValueError, match="no(ne)? .*initialized"):
+        sd_kernels.enable_split_decode(pipe)
+    sd_kernels.unpatch(pipe)
+
+
+def test_a_split_vae_is_not_captured_unless_collectives_are(monkeypatch):
+    vae = models.build_model("tiny", "vae")
+    assert cuda_graph.runs_collectives(vae) is None
+    setattr(vae, cuda_graph.SPLIT_DECODE, True)
+    monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "0")
+    assert "enable_split_decode" in cuda_graph.graphable_reason(vae)
+    monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "1")
+    assert cuda_graph._parallel_blocks_capture(vae) is None
