@@ -172,3 +172,29 @@ def test_a_split_vae_is_not_captured_unless_collectives_are(monkeypatch):
     assert "enable_split_decode" in cuda_graph.graphable_reason(vae)
     monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "1")
     assert cuda_graph._parallel_blocks_capture(vae) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_split_decode_errs_as_little_as_the_whole_decode(dtype):
+    """SD1.5's VAE on the GPU at 512² (fp16, and fp32 as the SDXL pipeline decodes), patched: two processes
+    (threads, after one warm-up decode compiled the kernels) each decode their band; against the float64
+    decode, the split image errs within a small multiple of stock diffusers' decode's own error."""
+    import copy
+
+    vae = models.build_model("sd15", "vae", device="cuda", dtype=dtype).eval()
+    z = torch.randn(1, 4, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        exact = copy.deepcopy(vae).double().decoder(z.double())
+        stock = vae.decoder(z.to(dtype))
+        sd_kernels.patch(vae, cuda_graph=False)
+        us = stream_decode.units(vae.decoder)
+        on_threads(1, lambda ex: split_decode.decode_band(vae.decoder, us, z.to(dtype), ex))
+        got = on_threads(2, lambda ex: split_decode.decode_band(vae.decoder, us, z.to(dtype), ex))
+        torch.cuda.synchronize()
+        sd_kernels.unpatch(vae)
+    err_stock = float((stock.double() - exact).abs().max())
+    for image in got:
+        assert not isinstance(image, Exception), image
+        assert float((image.double() - exact).abs().max()) <= 4 * err_stock + 1e-6, err_stock
