@@ -25,9 +25,10 @@ process alike:
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
 statistics' parts are per process. Collectives per sample: one to check that every process decodes the
-same latents, and then per unit one for the margins and one per GroupNorm, and one for the image (for
-an SD VAE at 1024², 15 ResNet blocks, 3 upsamplers and the head: about 55, each of a few kB up to the
-margins' 2 rows × width × channels). The statistics and margins wait for every process, so the decode
+same latents (skipped while a CUDA graph captures the decode: it reads values back), then one for the
+margins after every unit but the last, one per GroupNorm, and one for the image (an SD VAE's up-stack,
+12 ResNet blocks, 3 upsamplers and the head: 15 + 25 + 2 = 42, each of a few kB up to the margins'
+2 rows × width × channels). The statistics and margins wait for every process, so the decode
 runs at the pace of the slowest.
 
 What stays whole: the head at latent resolution, on every process. Where the latent has fewer rows than
@@ -176,7 +177,8 @@ class SplitForward:
     def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if latent_embeds is not None or torch.is_grad_enabled():
             return self.original(sample, latent_embeds)
-        self._check(sample)
+        if not (sample.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph cannot read values back
+            self._check(sample)
         if sample.shape[2] < MIN_ROWS * self.exchange.world:
             if not self.warned:
                 log.warning("sd_kernels: the split VAE decode runs whole on every process: %d latent rows are fewer "
