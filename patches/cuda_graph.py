@@ -370,6 +370,8 @@ class GraphedCall:
 
     def _eager(self, reason: str, args, kwargs, level: int = logging.WARNING) -> Any:
         self._eager_note(reason, level)
+        if reason is SPLIT:  # a split decode reads values back and runs collectives: not for torch.compile to trace
+            return self.eager_fn(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
     def _eager_note(self, reason: str, level: int = logging.WARNING) -> None:

@@ -24,12 +24,14 @@ process alike:
 
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
-statistics' parts are per process. Collectives per sample: one to check that every process decodes the
-same latents (skipped while a CUDA graph captures the decode: it reads values back), then one for the
-margins after every unit but the last, one per GroupNorm, and one for the image (an SD VAE's up-stack,
-12 ResNet blocks, 3 upsamplers and the head: 15 + 25 + 2 = 42, each of a few kB up to the margins'
-2 rows × width × channels). The statistics and margins wait for every process, so the decode
-runs at the pace of the slowest.
+statistics' parts are per process. Collectives per sample: one to check that every process decodes
+latents of the same shape, dtype and sum (a host sync; skipped while a CUDA graph captures the decode,
+so that graph's replays go unchecked), then one for the margins after every unit but the last, one per
+GroupNorm, and one for the image: for an SD VAE's up-stack (12 ResNet blocks, 3 upsamplers, the head)
+15 + 25 + 2 = 42. The statistics are a few kB; a margin exchange sends a process's first and last k
+rows (k = 2 before a ResNet block, else 1), up to 4 rows × width × channels (SDXL at 1024² in fp32:
+4 MiB), and every process receives all W processes'. The statistics and margins wait for every
+process, so the decode runs at the pace of the slowest.
 
 What stays whole: the head at latent resolution, on every process. Where the latent has fewer rows than
 2 per process, where autograd is on, or for ``latent_embeds`` (a decoder with spatial norms) the
@@ -41,6 +43,8 @@ decode out of CUDA graphs (patches/cuda_graph.py), unless ``SD_KERNELS_GRAPH_COL
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -50,6 +54,7 @@ from sd_kernels.ops.group_stats import group_partials, mean_rstd, merge_group_st
 
 from . import cfg_parallel
 from .cuda_graph import SPLIT_DECODE as MARK
+from .cuda_graph import GraphedCall
 from .record import PatchRecord
 from .stream_decode import _BAND, Unit, Unsupported, _Pass, units
 
@@ -166,12 +171,20 @@ class SplitForward:
         return f"SplitForward(process {self.exchange.rank} of {self.exchange.world})"
 
     def _check(self, z: torch.Tensor) -> None:
-        """Every process decodes the same latents (a ValueError on every process alike, otherwise)."""
-        mine = torch.tensor([*z.shape, z.detach().double().sum().item()], dtype=torch.float64, device=z.device)
+        """Every process decodes latents of the same shape, dtype and sum (a ValueError on every process
+        alike, otherwise; NaN sums agree with NaN). One host sync: shapes and dtypes must agree before
+        the first exchange, whose sizes they set."""
+        dtype = float(zlib.crc32(str(z.dtype).encode()))
+        mine = torch.tensor([*z.shape, dtype, z.detach().double().sum().item()], dtype=torch.float64, device=z.device)
         every = self.exchange.gather(mine).tolist()
-        if not all(e[:-1] == every[0][:-1] and cfg_parallel.close(e[-1:], every[0][-1:]) for e in every):
-            raise ValueError("the split VAE decode: the processes decode different latents (shape and sum by "
-                             f"process: {every}): every process must run the same pipeline call (same prompt, seed "
+
+        def same(e: list[float]) -> bool:
+            a, b = e[-1], every[0][-1]
+            return e[:-1] == every[0][:-1] and ((math.isnan(a) and math.isnan(b)) or cfg_parallel.close([a], [b]))
+
+        if not all(map(same, every)):
+            raise ValueError("the split VAE decode: the processes decode different latents (shape, dtype code and sum "
+                             f"by process: {every}): every process must run the same pipeline call (same prompt, seed "
                              "and settings)")
 
     def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,28 +202,47 @@ class SplitForward:
                           for i in range(sample.shape[0])])
 
 
-def enable(obj: object, record: PatchRecord) -> None:
-    """``enable_split_decode`` on ``obj``'s VAE, through ``record`` (unpatch undoes it)."""
-    group = cfg_parallel.group_or_error("enable_split_decode")
+def _local(obj: object) -> tuple[nn.Module | None, list[Unit] | None, str | None, bool]:
+    """(the VAE, its units, why it cannot be split here, whether it is split already), on this process."""
     vae = getattr(obj, "vae", None) if hasattr(obj, "components") else obj
     decoder = getattr(vae, "decoder", None)
     if decoder is None:
-        raise ValueError(f"enable_split_decode: this {type(obj).__name__} has no VAE with a decoder to split")
+        return vae, None, f"this {type(obj).__name__} has no VAE with a decoder to split", False
     current = vars(decoder).get("forward")
     if isinstance(current, SplitForward):
-        return
+        return vae, None, None, True
     if current is not None:
-        raise ValueError("enable_split_decode: the VAE decoder's forward is replaced already (a memory budget's "
-                         "streamed decode, or another wrapper): the split decode runs the decoder's own")
+        return vae, None, ("the VAE decoder's forward is replaced already (a memory budget's streamed decode, or "
+                           "another wrapper): the split decode runs the decoder's own"), False
     try:
-        us = units(decoder)
+        return vae, units(decoder), None, False
     except Unsupported as exc:
-        raise ValueError(f"enable_split_decode: this VAE's decoder cannot be split ({exc})") from None
-    mine = (type(vae).__name__, cfg_parallel.config_text(vae), cfg_parallel.weights_sum(decoder))
+        return vae, None, f"this VAE's decoder cannot be split ({exc})", False
+
+
+def enable(obj: object, record: PatchRecord) -> None:
+    """``enable_split_decode`` on ``obj``'s VAE, through ``record`` (unpatch undoes it). Every process
+    says what it found before any raises, so that all raise alike."""
+    group = cfg_parallel.group_or_error("enable_split_decode")
+    vae, us, why, done = _local(obj)
+    decoder = getattr(vae, "decoder", None)
+    mine = (why, done, type(vae).__name__, cfg_parallel.config_text(vae) if decoder is not None else "",
+            cfg_parallel.weights_sum(decoder) if decoder is not None else 0.0)
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    if any(e[:2] != mine[:2] for e in every) or not cfg_parallel.close([e[2] for e in every], [mine[2]] * len(every)):
+    if whys := [(r, e[0]) for r, e in enumerate(every) if e[0]]:
+        some = "" if len(whys) == len(every) else f" (on process {', '.join(str(r) for r, _ in whys)} only)"
+        raise ValueError(f"enable_split_decode: {whys[0][1]}{some}")
+    if any(e[1] != done for e in every):
+        raise ValueError("enable_split_decode: the VAE decode is split on some processes already and not on others: "
+                         "call it alike on every process")
+    if done:
+        return
+    if any(e[2:4] != mine[2:4] for e in every) or not cfg_parallel.close([e[4] for e in every], [mine[4]] * len(every)):
         raise ValueError("enable_split_decode: the processes hold different VAEs (class, config or weights): every "
                          "process must load the same pipeline")
+    graphed = vars(vae).get("decode")
+    if isinstance(graphed, GraphedCall):  # graphs captured before hold no collectives: dropped now, not at unpatch
+        graphed.reset()
     record.set_attr(decoder, "forward", SplitForward(decoder, us, group), KIND)
     record.set_attr(vae, MARK, True, None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from sd_kernels.patches import cuda_graph, split_decode, stream_decode
+from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
 
 import sd_kernels
 from sd_kernels import models
@@ -105,9 +106,14 @@ def _check(ex, z):
 
 
 def test_processes_with_different_latents_all_raise():
+    """A seed per process, or another dtype, raises on every process; the same latents pass, NaN ones too."""
     for outcome in on_threads(2, lambda ex: _check(ex, torch.zeros(1, 4, 8, 8) + ex.rank)):  # a seed per process
         assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
+    for outcome in on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8, dtype=(torch.float32, torch.float64)[
+            ex.rank]))):
+        assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
     assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8))) == [None, None]
+    assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("nan")))) == [None, None]
 
 
 @pytest.fixture
@@ -153,6 +159,30 @@ def test_refusals(group):
     with pytest.raises(ValueError, match="forward is replaced already"):
         sd_kernels.enable_split_decode(pipe)
     del pipe.vae.decoder.forward
+    sd_kernels.unpatch(pipe)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_graphs_captured_before_are_dropped_and_a_compiled_decode_steps_aside(group, fake_cuda):  # noqa: F811
+    """A VAE decode captured before the split loses its graphs at ``enable_split_decode`` (they hold no
+    collectives and would be kept, unreplayed, until unpatch); then it runs eagerly, and under
+    ``compile=True`` through its uncompiled method (torch.compile cannot trace the split's read-back)."""
+    pipe = models.build_pipeline("tiny")
+    z = torch.randn(1, 4, 8, 8)
+    stock = _decode(pipe, z)
+    sd_kernels.patch(pipe, cuda_graph=True)
+    graphed = vars(pipe.vae)["decode"]
+    torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
+    assert graphed.graphs and len(fake_cuda) == 1
+    sd_kernels.enable_split_decode(pipe)
+    assert not graphed.graphs
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("the compiled decode ran a split decode")
+
+    graphed.forward = compiled  # as compile=True leaves it; eager_fn stays the plain method
+    torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
+    assert not graphed.graphs and len(fake_cuda) == 1
     sd_kernels.unpatch(pipe)
 
 
