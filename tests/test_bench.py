@@ -604,6 +604,26 @@ def test_split_decode_bench_rows_on_one_cpu_process(monkeypatch):
     assert split_decode.main(["--out", "unused"]) == 2
 
 
+def test_parallel_bench_sets_up_a_split_decode_variant_and_undoes_it(monkeypatch):
+    """cfg-ours+split-decode on a one-process gloo group (the tiny pipeline, CPU): the guidance split and the
+    split decode in the row's record, both gone after the row."""
+    import torch.distributed as dist
+
+    from bench import parallel
+    from sd_kernels import models
+
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    pipe = models.build_pipeline("tiny")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with parallel.set_up(pipe, "cfg-ours" + parallel.SPLIT_DECODE, 1) as patched:
+            assert "cfg_parallel=1" in patched and "split_decode=1" in patched
+            assert "forward" in vars(pipe.vae.decoder)
+    finally:
+        dist.destroy_process_group()
+    assert "forward" not in vars(pipe.vae.decoder) and "forward" not in vars(pipe.unet)
+
+
 def test_parallel_bench_says_it_needs_gpus_under_torchrun(tmp_path, capsys):
     from bench import parallel
 
