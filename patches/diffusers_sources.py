@@ -45,6 +45,7 @@ VERIFIED = {
     "UniPCMultistepScheduler._sigma_to_alpha_sigma_t": "3c6872414f3ab42b",
     "Decoder.forward": "be96bf1aec1d895a",
     "UpDecoderBlock2D.forward": "a4a83c23b787086a",
+    "UNetMidBlock2D.forward": "4e74348d59aa87c1",
     "Upsample2D.forward": "3c0e13df5e4ac796",
     "PixArtSigmaPipeline.encode_prompt": "720b88e8b5a3892a",
     "PixArtAlphaPipeline.encode_prompt": "dca0bf45d71bad9f",

@@ -5,39 +5,48 @@ same latents, and each then runs the whole VAE decode: the same work W times. He
 torch.distributed's default group decodes its own band of rows, and one all-gather hands every process the
 whole image, which the pipeline then post-processes as before.
 
-A band cannot be decoded alone: a 3×3 convolution reads one row beyond each edge of its output, and a
-GroupNorm normalizes with the statistics of the whole image. So the decode runs the up-stack unit by unit
-(patches/stream_decode.py's units and band functions: ResNet blocks, upsamplers, the output head), every
-process alike:
+A band cannot be decoded alone: a 3×3 convolution reads one row beyond each edge of its output, a
+GroupNorm normalizes with the statistics of the whole image, and the mid-block's attention lets every
+pixel attend to every other. So the decode runs unit by unit (``conv_in``, the mid-block's two ResNet
+blocks and its attention, then the up-stack: ResNet blocks, upsamplers, the output head; the band
+functions of patches/stream_decode.py and two of this module's), every process alike:
 
-- the head (``conv_in`` and the mid-block, whose attention is global) runs whole on every process, at
-  the latent's resolution;
-- process r owns latent rows [r·h/W, (r+1)·h/W) and the same rows, scaled, at every later resolution. Each
-  unit's output is written between margins as deep as the next unit reads past a band's edge (2 rows for
-  a ResNet block's two convolutions, 1 for an upsampler or the head); one all-gather of every process's
-  first and last rows fills them from the neighbours (zeros stand in nowhere: at the image's edges the
-  band functions pad as the convolution does);
+- process r owns latent rows [r·h/W, (r+1)·h/W) and the same rows, scaled, at every later resolution.
+  ``conv_in`` reads the latent, which every process holds; each unit's output is written between margins
+  as deep as the next unit reads past a band's edge (2 rows for a ResNet block's two convolutions, 1 for
+  an upsampler or the output head, none for the attention), and one all-gather of every process's first
+  and last rows fills them from the neighbours (at the image's edges the band functions pad as the
+  convolution does);
 - each GroupNorm's statistics are the whole image's: every process's (count, mean, M2) of the rows it
   owns, all-gathered and merged by Chan's formula in float64 (``ops.group_stats``), so every process
   applies the same numbers (a ResNet block's norm2 measures conv1's output after its bias is added);
+- the attention's queries are the process's own pixels; its keys and values, projected from the own
+  rows, are all-gathered (bands of unequal height padded to the tallest), so each query sees every
+  pixel, through the op the patched processor calls (AttnProcessor2_0's steps,
+  patches/attention_processor_steps.py);
 - the image's bands are all-gathered at the end.
 
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
 statistics' parts are per process. Collectives per sample: one to check that every process decodes
 latents of the same shape, dtype and sum (a host sync; skipped while a CUDA graph captures the decode,
-so that graph's replays go unchecked), then one for the margins after every unit but the last, one per
-GroupNorm, and one for the image: for an SD VAE's up-stack (12 ResNet blocks, 3 upsamplers, the head)
-15 + 25 + 2 = 42. The statistics are a few kB; a margin exchange sends a process's first and last k
-rows (k = 2 before a ResNet block, else 1), up to 4 rows × width × channels (SDXL at 1024² in fp32:
-4 MiB), and every process receives all W processes'. The statistics and margins wait for every
-process, so the decode runs at the pace of the slowest.
+so that graph's replays go unchecked), then one for the margins after every unit the next one reads
+past its edges, one per GroupNorm, one for the attention's keys and values and one for the image: for
+an SD VAE (conv_in, the mid-block, 12 ResNet blocks, 3 upsamplers, the output head) 1 + 18 + 30 + 1 + 1
+= 51. The statistics are a few kB; a margin exchange sends a process's first and last k rows, up to 4
+rows × width × channels (SDXL at 1024² in fp32: 4 MiB), and every process receives all W processes';
+the keys and values are 2 × the latent's pixels × 512 channels (SDXL at 1024² in fp32: 64 MiB
+gathered). The statistics, margins and keys wait for every process, so the decode runs at the pace of
+the slowest.
 
-What stays whole: the head at latent resolution, on every process. Where the latent has fewer rows than
-2 per process, where autograd is on, or for ``latent_embeds`` (a decoder with spatial norms) the
-decoder's own forward runs, on every process alike. A decoder the band functions do not know
-(``stream_decode.units`` says why) is refused by ``enable_split_decode``. Its collectives keep the VAE's
-decode out of CUDA graphs (patches/cuda_graph.py), unless ``SD_KERNELS_GRAPH_COLLECTIVES=1``.
+Where the mid-block is not the one re-stated here (another structure, an attention processor other
+than ours or the stock ones ours mirrors) the head (``conv_in`` and the mid-block) runs whole on every
+process, and the split starts at the up-stack (``SplitForward.head`` says which). Where the latent has
+fewer rows than 2 per process, where autograd is on, or for ``latent_embeds`` (a decoder with spatial
+norms) the decoder's own forward runs, on every process alike. A decoder whose up-stack the band
+functions do not know (``stream_decode.units`` says why) is refused by ``enable_split_decode``. Its
+collectives keep the VAE's decode out of CUDA graphs (patches/cuda_graph.py), unless
+``SD_KERNELS_GRAPH_COLLECTIVES=1``.
 """
 
 from __future__ import annotations
@@ -51,12 +60,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sd_kernels.ops.group_stats import group_partials, mean_rstd, merge_group_stats
+from sd_kernels.ops.residual import bias_residual
 
+from . import attention_processor_steps as steps
 from . import cfg_parallel
 from .cuda_graph import SPLIT_DECODE as MARK
 from .cuda_graph import GraphedCall
+from .diffusers_sources import is_verified
 from .record import PatchRecord
-from .stream_decode import _BAND, Unit, Unsupported, _Pass, units
+from .stream_decode import _BAND, Unit, Unsupported, _conv_rows, _Pass, _plain_conv, _resnet, units
 
 log = logging.getLogger(__name__)
 KIND = "split_decode"
@@ -88,14 +100,95 @@ class _LivePass(_Pass):
         self.exchange = exchange
 
     def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None,
-             shift: torch.Tensor | None = None, own: torch.Tensor | None = None) -> torch.Tensor:
+             shift: torch.Tensor | None = None, own: torch.Tensor | None = None,
+             activation: str | None = "silu") -> torch.Tensor:
         if norm not in self.stats:
             if own is None or shift is not None:
                 raise RuntimeError("sd_kernels: a split decode's norm ran without its own rows (a bug)")
             mine = merge_group_stats(group_partials(own, norm.num_groups))  # [3, N, G] float64
             every = self.exchange.gather(mine).movedim(0, -1)  # [3, N, G, W]
             self.stats[norm] = mean_rstd(merge_group_stats(every), norm.eps)
-        return super().norm(norm, x, out, shift)
+        return super().norm(norm, x, out, shift, activation=activation)
+
+
+def _attention_flags(attn: nn.Module) -> tuple[bool, bool, str]:
+    """(legacy, fused, precision) of the processor the mid-block's attention runs: ours, or the stock
+    ones ours mirrors (``Unsupported`` for any other: its code is not what a band re-states)."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    from .attention import SDKernelsAttnProcessor
+
+    proc = attn.processor
+    if type(proc) is SDKernelsAttnProcessor:
+        return proc.legacy, proc.fused, proc.precision
+    if type(proc) in (AttnProcessor2_0, AttnProcessor) and is_verified(type(proc).__call__):
+        return type(proc) is AttnProcessor, False, "exact"
+    raise Unsupported(f"mid_block.attentions.0 runs a {type(proc).__name__}")
+
+
+def head_units(decoder: nn.Module) -> list[Unit]:
+    """The decoder's head as units a band runs: ``conv_in``, the mid-block's first ResNet block, its
+    attention (over every process's keys), its second ResNet block; ``Unsupported`` says why not."""
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+
+    mid = decoder.mid_block
+    if type(mid) is not UNetMidBlock2D or not is_verified(UNetMidBlock2D.forward):
+        raise Unsupported("the mid-block is not diffusers 0.42.1's UNetMidBlock2D")
+    if len(mid.resnets) != 2 or len(mid.attentions) != 1 or mid.attentions[0] is None:
+        raise Unsupported("the mid-block is not two ResNet blocks around one attention")
+    _plain_conv(decoder.conv_in, "conv_in", 3)
+    attn = mid.attentions[0]
+    norm = attn.group_norm
+    if (type(attn) is not Attention or attn._forward_hooks or attn._forward_pre_hooks or attn.spatial_norm is not None
+            or attn.norm_q is not None or attn.norm_k is not None or attn.is_cross_attention
+            or not isinstance(norm, nn.GroupNorm) or getattr(norm, "activation", None) is not None
+            or norm._forward_hooks or norm._forward_pre_hooks):
+        raise Unsupported("mid_block.attentions.0 is not a self-attention with a plain GroupNorm")
+    _attention_flags(attn)
+    conv = decoder.conv_in
+    return [Unit("conv_in", "conv", conv, 1, 1, conv.in_channels, conv.out_channels),
+            _resnet("mid_block.resnets.0", mid.resnets[0]),
+            Unit("mid_block.attentions.0", "attention", attn, 0, 1, norm.num_channels, norm.num_channels, (norm,)),
+            _resnet("mid_block.resnets.1", mid.resnets[1])]
+
+
+def _conv_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int, p: _Pass,
+               dst: torch.Tensor | None = None) -> torch.Tensor:
+    """A 3×3 convolution (``conv_in``): output rows [c, d) from input rows [a, b), its bias added."""
+    conv = u.module
+    y = _conv_rows(x, conv.weight, a, b, c, d, height, 1, 1)
+    return y if conv.bias is None else bias_residual(y, conv.bias, out=y)
+
+
+def _attention_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int, p: _LivePass,
+                    dst: torch.Tensor | None = None) -> torch.Tensor:
+    """The mid-block's attention (AttnProcessor2_0's steps, patches/attention_processor_steps.py) for this
+    process's rows [c, d) = [a, b) as queries, over every process's keys and values: the GroupNorm on the
+    whole image's statistics, q, k, v of the own rows, one all-gather of the keys and values (bands of
+    unequal height padded to the tallest), the attention, the output projection and the residual."""
+    attn, ex = u.module, p.exchange
+    legacy, fused, precision = _attention_flags(attn)
+    n, ch, rows, w = x.shape
+    t = p.norm(attn.group_norm, x, own=x, activation=None)
+    tokens = t.permute(0, 2, 3, 1).reshape(n, rows * w, ch)
+    if fused:
+        query, key, value = attn.to_qkv(tokens).chunk(3, dim=-1)
+    else:
+        query, key, value = attn.to_q(tokens), attn.to_k(tokens), attn.to_v(tokens)
+    bands = [_band_of(r, ex.world, height) for r in range(ex.world)]
+    kv = key.new_zeros(2, n, max(hi - lo for lo, hi in bands) * w, key.shape[-1])
+    kv[0, :, :rows * w], kv[1, :, :rows * w] = key, value
+    every = ex.gather(kv)  # [W, 2, n, tallest · w, C]
+    key, value = (torch.cat([every[r, i, :, :(hi - lo) * w] for r, (lo, hi) in enumerate(bands)], dim=1)
+                  for i in (0, 1))
+    head_dim = key.shape[-1] // attn.heads
+    query, key, value = (steps.heads(z, n, attn.heads, head_dim) for z in (query, key, value))
+    out = steps.attend(attn, query, key, value, None, legacy, precision)
+    return steps.finish(attn, out, x, (n, ch, rows, w))
+
+
+BANDS = {**_BAND, "conv": _conv_band, "attention": _attention_band}
 
 
 def _rows(n: int, c: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
@@ -118,11 +211,13 @@ def _band_of(rank: int, world: int, height: int) -> tuple[int, int]:
     return rank * height // world, (rank + 1) * height // world
 
 
-def decode_band(decoder: nn.Module, us: list[Unit], z: torch.Tensor, ex: Exchange) -> torch.Tensor:
-    """``decoder(z)`` for one sample (module docstring): this process's band of the up-stack, and the
-    whole image from every process's band."""
-    head = decoder.mid_block(decoder.conv_in(z), None)
-    n, _, h0, w0 = head.shape
+def decode_band(decoder: nn.Module, us: list[Unit], z: torch.Tensor, ex: Exchange,
+                head: bool = True) -> torch.Tensor:
+    """``decoder(z)`` for one sample (module docstring): this process's band of ``us`` (``head``: the
+    head's units first, from the latent; else the up-stack's, after the head ran whole), and the whole
+    image from every process's band."""
+    x = z if head else decoder.mid_block(decoder.conv_in(z), None)
+    n, _, h0, w0 = x.shape
     lo0, hi0 = _band_of(ex.rank, ex.world, h0)
     p = _LivePass(ex)
     # per unit: the input rows its owned output rows [lo, hi) need [a, b), the input's height, the scale after it
@@ -131,7 +226,7 @@ def decode_band(decoder: nn.Module, us: list[Unit], z: torch.Tensor, ex: Exchang
         h_in = h0 * scale
         scale *= u.scale
         spans.append((*u.need(lo0 * scale, hi0 * scale, h_in), lo0 * scale, hi0 * scale, h_in, scale))
-    x, x_lo = head, 0  # the input and the absolute row of its first row
+    x_lo = 0  # the absolute row of the input's first row
     for j, (u, (a, b, lo, hi, h_in, s)) in enumerate(zip(us, spans)):
         rows = hi - lo
         last = j + 1 == len(us)
@@ -139,11 +234,11 @@ def decode_band(decoder: nn.Module, us: list[Unit], z: torch.Tensor, ex: Exchang
         top, bottom = (0, 0) if last else (lo - spans[j + 1][0], spans[j + 1][1] - hi)
         buf = _rows(n, u.c_out, top + rows + bottom, w0 * s, x)
         dst = buf[:, :, top:top + rows]
-        y = _BAND[u.kind](u, x[:, :, a - x_lo:b - x_lo], a, b, lo, hi, h_in, p, dst)
+        y = BANDS[u.kind](u, x[:, :, a - x_lo:b - x_lo], a, b, lo, hi, h_in, p, dst)
         if y.data_ptr() != dst.data_ptr():
             dst.copy_(y)
         del y
-        if not last:
+        if not last and us[j + 1].radius:
             _fill_margins(buf, top, rows, bottom, us[j + 1].radius, ex)
         x, x_lo = buf, lo - top
     return _whole(x, ex, h0, scale)
@@ -164,7 +259,12 @@ class SplitForward:
 
     def __init__(self, decoder: nn.Module, us: list[Unit], group) -> None:
         self.original = decoder.forward
-        self.decoder, self.units, self.exchange = decoder, us, Exchange(group)
+        self.decoder, self.exchange = decoder, Exchange(group)
+        try:  # the head in bands too, where its structure is known; else whole on every process
+            self.units, self.head = head_units(decoder) + us, True
+        except Unsupported as exc:
+            log.info("sd_kernels: the split VAE decode runs the decoder's head whole on every process (%s)", exc)
+            self.units, self.head = us, False
         self.warned = False
 
     def __repr__(self) -> str:
@@ -198,7 +298,7 @@ class SplitForward:
                             "than %d per process", sample.shape[2], MIN_ROWS)
                 self.warned = True
             return self.original(sample, latent_embeds)
-        return torch.cat([decode_band(self.decoder, self.units, sample[i:i + 1], self.exchange)
+        return torch.cat([decode_band(self.decoder, self.units, sample[i:i + 1], self.exchange, self.head)
                           for i in range(sample.shape[0])])
 
 

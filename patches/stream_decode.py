@@ -257,13 +257,14 @@ class _Pass:
         return True
 
     def norm(self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None,
-             shift: torch.Tensor | None = None, own: torch.Tensor | None = None) -> torch.Tensor:
-        """norm + SiLU of x (+ ``shift``, a [C] bias not yet added) with the whole image's statistics
-        (``own``: x's rows that this band owns, which a live pass measures)."""
+             shift: torch.Tensor | None = None, own: torch.Tensor | None = None,
+             activation: str | None = "silu") -> torch.Tensor:
+        """norm + SiLU (or ``activation``) of x (+ ``shift``, a [C] bias not yet added) with the whole
+        image's statistics (``own``: x's rows that this band owns, which a live pass measures)."""
         stats = self.stats.get(norm)
         if stats is None:
             raise RuntimeError("sd_kernels: a norm without statistics ran in a streamed decode (a bug)")
-        return group_norm_given(x, stats, norm.weight, norm.bias, "silu", out=out,
+        return group_norm_given(x, stats, norm.weight, norm.bias, activation, out=out,
                                 shift=None if shift is None else shift.view(1, -1))
 
     def result(self) -> torch.Tensor:

@@ -69,16 +69,23 @@ def reference_ops(monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
 
 
+def split(decoder, z, world: int, head: bool = True) -> list:
+    """Every process's image of ``decoder(z)`` split over ``world`` threads (``head``: the head in bands too)."""
+    us = (split_decode.head_units(decoder) if head else []) + stream_decode.units(decoder)
+    return on_threads(world, lambda ex: split_decode.decode_band(decoder, us, z, ex, head))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", [(1, 4, 16, 12), (1, 4, 13, 7)])
-def test_every_process_ends_with_the_whole_decode(vae, reference_ops, world, shape):
-    """Each band with its neighbours' margins and the whole image's statistics: the image is the decoder's
-    own to fp32 rounding, on every process (13 rows over 3 or 4 processes: bands of unequal height)."""
+@pytest.mark.parametrize("head", [True, False])
+def test_every_process_ends_with_the_whole_decode(vae, reference_ops, world, shape, head):
+    """Each band with its neighbours' margins and the whole image's statistics (the mid-block's attention
+    over every process's keys, or the head whole on every process): the image is the decoder's own to
+    fp32 rounding, on every process (13 rows over 3 or 4 processes: bands of unequal height)."""
     z = torch.randn(shape)
-    us = stream_decode.units(vae.decoder)
     with torch.no_grad():
         want = vae.decoder(z)
-        got = on_threads(world, lambda ex: split_decode.decode_band(vae.decoder, us, z, ex))
+        got = split(vae.decoder, z, world, head)
     for image in got:
         assert not isinstance(image, Exception), image
         assert image.shape == want.shape
@@ -93,8 +100,7 @@ def test_a_channels_last_decoder_in_its_band_kernels(vae):
     cl = copy.deepcopy(vae).to(memory_format=torch.channels_last)
     z = torch.randn(1, 4, 6, 5).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
-        got = on_threads(1, lambda ex: split_decode.decode_band(cl.decoder, stream_decode.units(cl.decoder), z, ex))
-        torch.testing.assert_close(got[0], cl.decoder(z), rtol=0, atol=ATOL)
+        torch.testing.assert_close(split(cl.decoder, z, 1)[0], cl.decoder(z), rtol=0, atol=ATOL)
 
 
 def _check(ex, z):
@@ -139,7 +145,8 @@ def test_enable_on_a_patched_pipeline_and_unpatch(group, reference_ops):
     record = sd_kernels.enable_split_decode(pipe)
     assert sd_kernels.enable_split_decode(pipe) is record  # again: nothing more
     assert record.counts["split_decode"] == 1
-    assert isinstance(vars(pipe.vae.decoder)["forward"], split_decode.SplitForward)
+    forward = vars(pipe.vae.decoder)["forward"]
+    assert isinstance(forward, split_decode.SplitForward) and forward.head  # our processor: the head in bands
     assert cuda_graph.runs_collectives(pipe.vae) == cuda_graph.SPLIT
     torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
     sd_kernels.unpatch(pipe)
@@ -186,6 +193,29 @@ def test_graphs_captured_before_are_dropped_and_a_compiled_decode_steps_aside(gr
     sd_kernels.unpatch(pipe)
 
 
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_a_head_it_does_not_know_runs_whole(vae, group):
+    """A mid-block attention with a processor of its own: the split runs the head whole on every process
+    (test_every_process_ends_with_the_whole_decode: the decoder's own image then too); a head of another
+    structure is named."""
+    import copy
+
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class Custom(AttnProcessor2_0):
+        pass
+
+    other = copy.deepcopy(vae)
+    other.decoder.mid_block.attentions[0].set_processor(Custom())
+    with pytest.raises(stream_decode.Unsupported, match="runs a Custom"):
+        split_decode.head_units(other.decoder)
+    forward = split_decode.SplitForward(other.decoder, stream_decode.units(other.decoder), group)
+    assert not forward.head and len(forward.units) == len(stream_decode.units(other.decoder))
+    other.decoder.mid_block.attentions = torch.nn.ModuleList([])
+    with pytest.raises(stream_decode.Unsupported, match="two ResNet blocks around one attention"):
+        split_decode.head_units(other.decoder)
+
+
 def test_no_process_group_is_a_clear_error():
     pipe = models.build_pipeline("tiny")
     sd_kernels.patch(pipe, cuda_graph=False)
@@ -219,9 +249,8 @@ def test_gpu_split_decode_errs_as_little_as_the_whole_decode(dtype):
         exact = copy.deepcopy(vae).double().decoder(z.double())
         stock = vae.decoder(z.to(dtype))
         sd_kernels.patch(vae, cuda_graph=False)
-        us = stream_decode.units(vae.decoder)
-        on_threads(1, lambda ex: split_decode.decode_band(vae.decoder, us, z.to(dtype), ex))
-        got = on_threads(2, lambda ex: split_decode.decode_band(vae.decoder, us, z.to(dtype), ex))
+        split(vae.decoder, z.to(dtype), 1)  # compiles the kernels (threads must not compile at once)
+        got = split(vae.decoder, z.to(dtype), 2)
         torch.cuda.synchronize()
         sd_kernels.unpatch(vae)
     err_stock = float((stock.double() - exact).abs().max())
