@@ -40,10 +40,10 @@ gathered). The statistics, margins and keys wait for every process, so the decod
 the slowest.
 
 Where the mid-block is not the one re-stated here (another structure, an attention processor other
-than ours or the stock ones ours mirrors) the head (``conv_in`` and the mid-block) runs whole on every
-process, and the split starts at the up-stack (``SplitForward.head`` says which). Where the latent has
-fewer rows than 2 per process, where autograd is on, or for ``latent_embeds`` (a decoder with spatial
-norms) the decoder's own forward runs, on every process alike. A decoder whose up-stack the band
+than ours or the stock ones ours mirrors) on any process, the head (``conv_in`` and the mid-block) runs
+whole on every process and the split starts at the up-stack (decided at every call, by the latents'
+check). Where the latent has fewer rows than 2 per process, where autograd is on, or for
+``latent_embeds`` (a decoder with spatial norms) the decoder's own forward runs, on every process alike. A decoder whose up-stack the band
 functions do not know (``stream_decode.units`` says why) is refused by ``enable_split_decode``. Its
 collectives keep the VAE's decode out of CUDA graphs (patches/cuda_graph.py), unless
 ``SD_KERNELS_GRAPH_COLLECTIVES=1``.
@@ -255,50 +255,63 @@ def _whole(band: torch.Tensor, ex: Exchange, h0: int, scale: int) -> torch.Tenso
 
 
 class SplitForward:
-    """A VAE ``Decoder``'s ``forward`` that decodes its band of rows on each process of ``group``."""
+    """A VAE ``Decoder``'s ``forward`` that decodes its band of rows on each process of ``group``: the
+    head in bands too (``head_units``) where every process can, else whole on each (decided again at
+    every call, alike on every process: a processor set on the attention since may not be one a band
+    re-states)."""
 
     def __init__(self, decoder: nn.Module, us: list[Unit], group) -> None:
         self.original = decoder.forward
-        self.decoder, self.exchange = decoder, Exchange(group)
-        try:  # the head in bands too, where its structure is known; else whole on every process
-            self.units, self.head = head_units(decoder) + us, True
-        except Unsupported as exc:
-            log.info("sd_kernels: the split VAE decode runs the decoder's head whole on every process (%s)", exc)
-            self.units, self.head = us, False
-        self.warned = False
+        self.decoder, self.units, self.exchange = decoder, us, Exchange(group)
+        self.warned = self.short = False  # logged once: the head runs whole; a latent too short to split
 
     def __repr__(self) -> str:
         return f"SplitForward(process {self.exchange.rank} of {self.exchange.world})"
 
-    def _check(self, z: torch.Tensor) -> None:
+    def head(self) -> list[Unit] | None:
+        """The head's units, where this process can run them in bands (else None, the reason logged once)."""
+        try:
+            return head_units(self.decoder)
+        except Unsupported as exc:
+            if not self.warned:
+                log.info("sd_kernels: the split VAE decode runs the decoder's head whole on every process (%s)", exc)
+                self.warned = True
+            return None
+
+    def _check(self, z: torch.Tensor, head: bool) -> bool:
         """Every process decodes latents of the same shape, dtype and sum (a ValueError on every process
-        alike, otherwise; NaN sums agree with NaN). One host sync: shapes and dtypes must agree before
-        the first exchange, whose sizes they set."""
+        alike, otherwise; NaN sums agree with NaN); returns whether every process can run the head in
+        bands. One host sync: shapes and dtypes must agree before the first exchange, whose sizes they
+        set."""
         dtype = float(zlib.crc32(str(z.dtype).encode()))
-        mine = torch.tensor([*z.shape, dtype, z.detach().double().sum().item()], dtype=torch.float64, device=z.device)
+        mine = torch.tensor([float(head), *z.shape, dtype, z.detach().double().sum().item()], dtype=torch.float64,
+                            device=z.device)
         every = self.exchange.gather(mine).tolist()
 
         def same(e: list[float]) -> bool:
             a, b = e[-1], every[0][-1]
-            return e[:-1] == every[0][:-1] and ((math.isnan(a) and math.isnan(b)) or cfg_parallel.close([a], [b]))
+            return e[1:-1] == every[0][1:-1] and ((math.isnan(a) and math.isnan(b)) or cfg_parallel.close([a], [b]))
 
         if not all(map(same, every)):
-            raise ValueError("the split VAE decode: the processes decode different latents (shape, dtype code and sum "
-                             f"by process: {every}): every process must run the same pipeline call (same prompt, seed "
-                             "and settings)")
+            raise ValueError("the split VAE decode: the processes decode different latents (head in bands, shape, "
+                             f"dtype code and sum by process: {every}): every process must run the same pipeline call "
+                             "(same prompt, seed and settings)")
+        return all(e[0] for e in every)
 
     def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if latent_embeds is not None or torch.is_grad_enabled():
             return self.original(sample, latent_embeds)
+        head = self.head()
         if not (sample.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph cannot read values back
-            self._check(sample)
+            head = head if self._check(sample, head is not None) else None
         if sample.shape[2] < MIN_ROWS * self.exchange.world:
-            if not self.warned:
+            if not self.short:
                 log.warning("sd_kernels: the split VAE decode runs whole on every process: %d latent rows are fewer "
                             "than %d per process", sample.shape[2], MIN_ROWS)
-                self.warned = True
+                self.short = True
             return self.original(sample, latent_embeds)
-        return torch.cat([decode_band(self.decoder, self.units, sample[i:i + 1], self.exchange, self.head)
+        us = self.units if head is None else head + self.units
+        return torch.cat([decode_band(self.decoder, us, sample[i:i + 1], self.exchange, head is not None)
                           for i in range(sample.shape[0])])
 
 

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from diffusers.models.attention_processor import AttnProcessor2_0
 from sd_kernels.patches import cuda_graph, split_decode, stream_decode
 from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in for CUDA graphs)
 
@@ -22,6 +23,10 @@ from sd_kernels import models
 # fp32 on the CPU: a band's convolutions block differently from the whole image's (measured ≤ 3e-6 of an
 # output whose largest value is about 2)
 ATOL = 2e-5
+
+
+class Custom(AttnProcessor2_0):
+    """A processor of the user's own (the band re-states only ours and the stock ones)."""
 
 
 class Threads(split_decode.Exchange):
@@ -103,23 +108,25 @@ def test_a_channels_last_decoder_in_its_band_kernels(vae):
         torch.testing.assert_close(split(cl.decoder, z, 1)[0], cl.decoder(z), rtol=0, atol=ATOL)
 
 
-def _check(ex, z):
+def _check(ex, z, head=True):
     """``SplitForward._check`` of ``z`` by process ``ex.rank`` (a forward of its own: the check reads only
     its exchange)."""
     forward = split_decode.SplitForward.__new__(split_decode.SplitForward)
     forward.exchange = ex
-    return forward._check(z)
+    return forward._check(z, head)
 
 
 def test_processes_with_different_latents_all_raise():
-    """A seed per process, or another dtype, raises on every process; the same latents pass, NaN ones too."""
+    """A seed per process, or another dtype, raises on every process; the same latents pass, NaN ones too;
+    the head runs in bands only where every process can."""
     for outcome in on_threads(2, lambda ex: _check(ex, torch.zeros(1, 4, 8, 8) + ex.rank)):  # a seed per process
         assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
     for outcome in on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8, dtype=(torch.float32, torch.float64)[
             ex.rank]))):
         assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
-    assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8))) == [None, None]
-    assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("nan")))) == [None, None]
+    assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8))) == [True, True]
+    assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("nan")))) == [True, True]
+    assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8), head=ex.rank == 0)) == [False, False]
 
 
 @pytest.fixture
@@ -146,9 +153,15 @@ def test_enable_on_a_patched_pipeline_and_unpatch(group, reference_ops):
     assert sd_kernels.enable_split_decode(pipe) is record  # again: nothing more
     assert record.counts["split_decode"] == 1
     forward = vars(pipe.vae.decoder)["forward"]
-    assert isinstance(forward, split_decode.SplitForward) and forward.head  # our processor: the head in bands
+    assert isinstance(forward, split_decode.SplitForward) and forward.head()  # our processor: the head in bands
     assert cuda_graph.runs_collectives(pipe.vae) == cuda_graph.SPLIT
     torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
+    mid = pipe.vae.decoder.mid_block.attentions[0]
+    ours = mid.processor
+    mid.set_processor(Custom())  # set since: not one a band re-states, so the head runs whole
+    assert forward.head() is None
+    torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
+    mid.set_processor(ours)
     sd_kernels.unpatch(pipe)
     assert "forward" not in vars(pipe.vae.decoder) and cuda_graph.SPLIT_DECODE not in vars(pipe.vae)
     assert torch.equal(_decode(pipe, z), stock)
@@ -200,17 +213,12 @@ def test_a_head_it_does_not_know_runs_whole(vae, group):
     structure is named."""
     import copy
 
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    class Custom(AttnProcessor2_0):
-        pass
-
     other = copy.deepcopy(vae)
     other.decoder.mid_block.attentions[0].set_processor(Custom())
     with pytest.raises(stream_decode.Unsupported, match="runs a Custom"):
         split_decode.head_units(other.decoder)
     forward = split_decode.SplitForward(other.decoder, stream_decode.units(other.decoder), group)
-    assert not forward.head and len(forward.units) == len(stream_decode.units(other.decoder))
+    assert forward.head() is None and len(forward.units) == len(stream_decode.units(other.decoder))
     other.decoder.mid_block.attentions = torch.nn.ModuleList([])
     with pytest.raises(stream_decode.Unsupported, match="two ResNet blocks around one attention"):
         split_decode.head_units(other.decoder)
