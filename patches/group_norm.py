@@ -41,6 +41,7 @@ from sd_kernels.runtime.dispatch import backend
 
 from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
+from .hooks import global_hooks
 from .record import PatchRecord
 
 
@@ -105,13 +106,6 @@ def _reference_backend() -> bool:
     """SD_KERNELS_BACKEND=reference promises stock's arithmetic exactly (no kernels, no fusions): the
     fold, which rounds differently, stays off then (a constant for torch.compile, read when tracing)."""
     return backend() == "reference"
-
-
-def global_hooks() -> bool:
-    """Whether forward (pre-)hooks registered for every module are set: any module's call runs them."""
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:

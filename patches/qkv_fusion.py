@@ -36,19 +36,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .group_norm import global_hooks
+from .hooks import hooked
 from .record import PatchRecord
 
 KIND = "qkv_fusion"
 STREAMS = (("qkv", ("to_q", "to_k", "to_v")), ("added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
-
-
-def _hooked(m: nn.Module) -> bool:
-    """Whether calling ``m`` runs more than ``nn.Linear.forward``: its own or global forward (pre-)hooks,
-    diffusers' hook registry, accelerate's hook, a ``forward`` set on the instance. The fused GEMM would
-    skip them."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) or hasattr(m, "_diffusers_hook")
-                or hasattr(m, "_hf_hook") or global_hooks())
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -61,7 +53,7 @@ def _unfit(linears: list) -> str | None:
     """Why these Linears cannot share one buffer, or None."""
     if any(type(m) is not nn.Linear for m in linears):
         return "not exactly nn.Linear (a LoRA layer, a quantized one, ...)"
-    if any(map(_hooked, linears)):
+    if any(map(hooked, linears)):
         return "hooks on a projection (the fused GEMM would skip them)"
     first = linears[0].weight
     if not all(_plain(m.weight) and (m.bias is None or _plain(m.bias)) for m in linears):
@@ -117,7 +109,7 @@ class FusedProjections:
         if torch.is_grad_enabled():
             return None
         for linear, name in zip(self.linears, names):
-            if module._modules.get(name) is not linear or type(linear) is not nn.Linear or _hooked(linear):
+            if module._modules.get(name) is not linear or type(linear) is not nn.Linear or hooked(linear):
                 return None
         weight = _stacked([m.weight for m in self.linears])
         if weight is None or tuple(m.bias is None for m in self.linears) != (not self.has_bias,) * 3:

@@ -28,25 +28,26 @@ functions of patches/stream_decode.py and two of this module's), every process a
 
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
-statistics' parts are per process. Collectives per sample: one to check that every process decodes
-latents of the same shape, dtype and sum (a host sync; skipped while a CUDA graph captures the decode,
-so that graph's replays go unchecked), then one for the margins after every unit the next one reads
-past its edges, one per GroupNorm, one for the attention's keys and values and one for the image: for
-an SD VAE (conv_in, the mid-block, 12 ResNet blocks, 3 upsamplers, the output head) 1 + 18 + 30 + 1 + 1
-= 51. The statistics are a few kB; a margin exchange sends a process's first and last k rows, up to 4
-rows × width × channels (SDXL at 1024² in fp32: 4 MiB), and every process receives all W processes';
-the keys and values are 2 × the latent's pixels × 512 channels (SDXL at 1024² in fp32: 64 MiB
-gathered). The statistics, margins and keys wait for every process, so the decode runs at the pace of
-the slowest.
+statistics' parts are per process. Collectives per call: one to check that every process decodes latents
+of the same shape, dtype and sum (a host sync; skipped while a CUDA graph captures the decode, so that
+graph's replays go unchecked), then one for the margins after every unit the next one reads past its
+edges, one per GroupNorm, one for the attention's keys and values and one for the image, per sample: for
+one sample of an SD VAE (conv_in, the mid-block, 12 ResNet blocks, 3 upsamplers, the output head) 1 + 18
++ 30 + 1 + 1 = 51. The statistics are a few kB; a margin exchange sends a process's first and last k
+rows, up to 4 rows × width × channels (SDXL at 1024² in fp32: 4 MiB), and every process receives all W
+processes'; the keys and values are 2 × the latent's pixels × 512 channels (SDXL at 1024² in fp32: 64
+MiB gathered). The statistics, margins and keys wait for every process, so the decode runs at the pace
+of the slowest.
 
 Where the mid-block is not the one re-stated here (another structure, an attention processor other
-than ours or the stock ones ours mirrors) on any process, the head (``conv_in`` and the mid-block) runs
-whole on every process and the split starts at the up-stack (decided at every call, by the latents'
-check). Where the latent has fewer rows than 2 per process, where autograd is on, or for
-``latent_embeds`` (a decoder with spatial norms) the decoder's own forward runs, on every process alike. A decoder whose up-stack the band
-functions do not know (``stream_decode.units`` says why) is refused by ``enable_split_decode``. Its
-collectives keep the VAE's decode out of CUDA graphs (patches/cuda_graph.py), unless
-``SD_KERNELS_GRAPH_COLLECTIVES=1``.
+than ours or the stock ones ours mirrors, hooks on its modules) on any process, the head (``conv_in``
+and the mid-block) runs whole on every process and the split starts at the up-stack: decided at every
+call, agreed by the latents' check (while a CUDA graph captures, where nothing can be agreed, the head
+runs whole). Where the latent has fewer rows than 2 per process, where autograd is on, or for
+``latent_embeds`` (a decoder with spatial norms) the decoder's own forward runs, on every process
+alike. A decoder whose up-stack the band functions do not know (``stream_decode.units`` says why:
+another structure, hooks on its modules) is refused by ``enable_split_decode``. Its collectives keep
+the VAE's decode out of CUDA graphs (patches/cuda_graph.py), unless ``SD_KERNELS_GRAPH_COLLECTIVES=1``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from . import cfg_parallel
 from .cuda_graph import SPLIT_DECODE as MARK
 from .cuda_graph import GraphedCall
 from .diffusers_sources import is_verified
+from .hooks import hooked
 from .record import PatchRecord
 from .stream_decode import _BAND, Unit, Unsupported, _conv_rows, _Pass, _plain_conv, _resnet, units
 
@@ -114,15 +116,16 @@ class _LivePass(_Pass):
 def _attention_flags(attn: nn.Module) -> tuple[bool, bool, str]:
     """(legacy, fused, precision) of the processor the mid-block's attention runs: ours, or the stock
     ones ours mirrors (``Unsupported`` for any other: its code is not what a band re-states)."""
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, FusedAttnProcessor2_0
 
     from .attention import SDKernelsAttnProcessor
 
     proc = attn.processor
     if type(proc) is SDKernelsAttnProcessor:
         return proc.legacy, proc.fused, proc.precision
-    if type(proc) in (AttnProcessor2_0, AttnProcessor) and is_verified(type(proc).__call__):
-        return type(proc) is AttnProcessor, False, "exact"
+    stock = {AttnProcessor2_0: (False, False), AttnProcessor: (True, False), FusedAttnProcessor2_0: (False, True)}
+    if type(proc) in stock and is_verified(type(proc).__call__):
+        return (*stock[type(proc)], "exact")
     raise Unsupported(f"mid_block.attentions.0 runs a {type(proc).__name__}")
 
 
@@ -137,13 +140,14 @@ def head_units(decoder: nn.Module) -> list[Unit]:
         raise Unsupported("the mid-block is not diffusers 0.42.1's UNetMidBlock2D")
     if len(mid.resnets) != 2 or len(mid.attentions) != 1 or mid.attentions[0] is None:
         raise Unsupported("the mid-block is not two ResNet blocks around one attention")
-    _plain_conv(decoder.conv_in, "conv_in", 3)
     attn = mid.attentions[0]
     norm = attn.group_norm
-    if (type(attn) is not Attention or attn._forward_hooks or attn._forward_pre_hooks or attn.spatial_norm is not None
-            or attn.norm_q is not None or attn.norm_k is not None or attn.is_cross_attention
-            or not isinstance(norm, nn.GroupNorm) or getattr(norm, "activation", None) is not None
-            or norm._forward_hooks or norm._forward_pre_hooks):
+    if hooked(mid) or hooked(attn) or hooked(norm):  # the ResNet blocks and conv_in: checked as units are made
+        raise Unsupported("the mid-block, its attention or the attention's norm has hooks (a band would skip them)")
+    _plain_conv(decoder.conv_in, "conv_in", 3)
+    if (type(attn) is not Attention or attn.spatial_norm is not None or attn.norm_q is not None
+            or attn.norm_k is not None or attn.is_cross_attention or not isinstance(norm, nn.GroupNorm)
+            or getattr(norm, "activation", None) is not None):
         raise Unsupported("mid_block.attentions.0 is not a self-attention with a plain GroupNorm")
     _attention_flags(attn)
     conv = decoder.conv_in
@@ -301,8 +305,10 @@ class SplitForward:
     def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if latent_embeds is not None or torch.is_grad_enabled():
             return self.original(sample, latent_embeds)
-        head = self.head()
-        if not (sample.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph cannot read values back
+        if sample.is_cuda and torch.cuda.is_current_stream_capturing():
+            head = None  # a graph cannot read values back: nothing to agree on, so the head whole on every process
+        else:
+            head = self.head()
             head = head if self._check(sample, head is not None) else None
         if sample.shape[2] < MIN_ROWS * self.exchange.world:
             if not self.short:

@@ -67,6 +67,8 @@ from sd_kernels.ops.residual import bias_residual
 from sd_kernels.ops.upsample import PhaseCache, interleave_phases
 
 from .diffusers_sources import is_verified
+from .group_norm import _resnet_forward
+from .hooks import hooked
 from .stream_plan import (  # noqa: F401  (_SLACK, _working: the planner's, named here for tests and bench)
     _PROBES,
     _SLACK,
@@ -101,15 +103,14 @@ def _plain_conv(conv: nn.Module, where: str, kernel: int | None = None) -> None:
     k = conv.kernel_size if isinstance(conv, nn.Conv2d) else None
     if (type(conv) is not nn.Conv2d or k[0] != k[1] or k[0] % 2 == 0 or (kernel is not None and k[0] != kernel)
             or conv.padding != (k[0] // 2,) * 2 or conv.stride != (1, 1) or conv.dilation != (1, 1)
-            or conv.groups != 1 or conv.padding_mode != "zeros" or conv._forward_hooks or conv._forward_pre_hooks):
+            or conv.groups != 1 or conv.padding_mode != "zeros" or hooked(conv)):
         raise Unsupported(f"{where} is not a plain same-padded nn.Conv2d without hooks ({conv})")
 
 
 def _norm(norm: nn.Module, where: str) -> None:
     """A GroupNorm a band applies with given statistics and a SiLU: nn.GroupNorm (ours included)
     that applies no activation of its own, or SiLU (ours fused, ``activation == "silu"``)."""
-    if not isinstance(norm, nn.GroupNorm) or getattr(norm, "activation", "silu") not in (None, "silu") \
-            or norm._forward_hooks or norm._forward_pre_hooks:
+    if not isinstance(norm, nn.GroupNorm) or getattr(norm, "activation", "silu") not in (None, "silu") or hooked(norm):
         raise Unsupported(f"{where} is a {type(norm).__name__} (not a plain GroupNorm)")
 
 
@@ -118,6 +119,8 @@ def _resnet(name: str, r: nn.Module) -> Unit:
 
     if type(r) is not ResnetBlock2D or not is_verified(ResnetBlock2D.forward):
         raise Unsupported(f"{name} is a {type(r).__name__}, not diffusers 0.42.1's ResnetBlock2D")
+    if hooked(r, (_resnet_forward,)):  # the GroupNorm patch's forward re-states the class's: a band may too
+        raise Unsupported(f"{name} has hooks (a band would skip them)")
     if r.up or r.down or r.time_emb_proj is not None or type(r.nonlinearity) is not nn.SiLU \
             or (r.dropout.p and r.training):
         raise Unsupported(f"{name} samples up/down, takes a time embedding, or applies no plain SiLU")
@@ -131,6 +134,8 @@ def _resnet(name: str, r: nn.Module) -> Unit:
 
 
 def _upsampler(name: str, u: nn.Module) -> Unit:
+    if hooked(u):
+        raise Unsupported(f"{name} has hooks (a band would skip them)")
     if (type(u).__name__ not in ("Upsample2D", "PolyphaseUpsample2D")  # the upsample family's class: same module
             or not u.use_conv or u.use_conv_transpose or not u.interpolate or u.norm is not None
             or u.name != "conv" or getattr(u, "interpolate_mode", "nearest") != "nearest"):
@@ -150,6 +155,8 @@ def units(decoder: nn.Module) -> list[Unit]:
     for i, block in enumerate(decoder.up_blocks):
         if type(block) is not UpDecoderBlock2D:
             raise Unsupported(f"up_blocks.{i} is a {type(block).__name__}")
+        if hooked(block):
+            raise Unsupported(f"up_blocks.{i} has hooks (a band would skip them)")
         out += [_resnet(f"up_blocks.{i}.resnets.{j}", r) for j, r in enumerate(block.resnets)]
         out += [_upsampler(f"up_blocks.{i}.upsamplers.{j}", u) for j, u in enumerate(block.upsamplers or ())]
     norm, act, conv = decoder.conv_norm_out, decoder.conv_act, decoder.conv_out

@@ -20,8 +20,8 @@ from test_cuda_graph import fake_cuda  # noqa: F401  (a fixture: the stand-in fo
 import sd_kernels
 from sd_kernels import models
 
-# fp32 on the CPU: a band's convolutions block differently from the whole image's (measured ≤ 3e-6 of an
-# output whose largest value is about 2)
+# fp32 on the CPU: a band's convolutions and attention block differently from the whole image's (measured
+# ≤ 6e-6 of an output whose largest value is about 2)
 ATOL = 2e-5
 
 
@@ -51,7 +51,8 @@ def on_threads(world: int, fn) -> list:
 
     def run(rank):
         try:
-            out[rank] = fn(Threads(rank, world, shared))
+            with torch.no_grad():  # grad mode is per thread: the decode runs outside autograd, as SplitForward's
+                out[rank] = fn(Threads(rank, world, shared))
         except Exception as exc:  # noqa: BLE001  (reported to the test; a thread left waiting times out)
             out[rank] = exc
 
@@ -95,6 +96,27 @@ def test_every_process_ends_with_the_whole_decode(vae, reference_ops, world, sha
         assert not isinstance(image, Exception), image
         assert image.shape == want.shape
         torch.testing.assert_close(image, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("processor", ["legacy", "fused"])
+def test_the_attention_band_under_each_stock_processor(vae, reference_ops, processor):
+    """The mid-block's attention in bands under diffusers' AttnProcessor (its scale) and FusedAttnProcessor2_0
+    (fuse_qkv_projections: one q/k/v GEMM) too: the decoder's own image, over 3 processes."""
+    import copy
+
+    from diffusers.models.attention_processor import AttnProcessor
+
+    other = copy.deepcopy(vae)
+    if processor == "legacy":
+        other.decoder.mid_block.attentions[0].set_processor(AttnProcessor())
+    else:
+        other.fuse_qkv_projections()
+    assert split_decode.head_units(other.decoder)
+    z = torch.randn(1, 4, 9, 7)
+    with torch.no_grad():
+        want = other.decoder(z)
+        for image in split(other.decoder, z, 3):
+            torch.testing.assert_close(image, want, rtol=0, atol=ATOL)
 
 
 def test_a_channels_last_decoder_in_its_band_kernels(vae):
@@ -222,6 +244,27 @@ def test_a_head_it_does_not_know_runs_whole(vae, group):
     other.decoder.mid_block.attentions = torch.nn.ModuleList([])
     with pytest.raises(stream_decode.Unsupported, match="two ResNet blocks around one attention"):
         split_decode.head_units(other.decoder)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_hooks_are_run_not_skipped(group, reference_ops):
+    """A hook on the mid-block: the split runs the head whole, the hook with it (the hooked decode's image);
+    a hook inside the up-stack: the split is refused (a band would skip it)."""
+    pipe = models.build_pipeline("tiny-xl")
+    sd_kernels.patch(pipe, cuda_graph=False)
+    handle = pipe.vae.decoder.mid_block.register_forward_hook(lambda module, args, out: out * 0.5)
+    z = torch.randn(1, 4, 8, 8)
+    hooked = _decode(pipe, z)
+    sd_kernels.enable_split_decode(pipe)
+    assert vars(pipe.vae.decoder)["forward"].head() is None
+    torch.testing.assert_close(_decode(pipe, z), hooked, rtol=0, atol=ATOL)
+    handle.remove()
+    sd_kernels.unpatch(pipe)
+    sd_kernels.patch(pipe, cuda_graph=False)
+    pipe.vae.decoder.up_blocks[1].resnets[0].register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match="up_blocks.1.resnets.0 has hooks"):
+        sd_kernels.enable_split_decode(pipe)
+    sd_kernels.unpatch(pipe)
 
 
 def test_no_process_group_is_a_clear_error():
