@@ -181,7 +181,7 @@ def _attention_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, he
     else:
         query, key, value = attn.to_q(tokens), attn.to_k(tokens), attn.to_v(tokens)
     bands = [_band_of(r, ex.world, height) for r in range(ex.world)]
-    kv = key.new_zeros(2, n, max(hi - lo for lo, hi in bands) * w, key.shape[-1])
+    kv = key.new_empty(2, n, max(hi - lo for lo, hi in bands) * w, key.shape[-1])  # padding: gathered, never read
     kv[0, :, :rows * w], kv[1, :, :rows * w] = key, value
     every = ex.gather(kv)  # [W, 2, n, tallest · w, C]
     key, value = (torch.cat([every[r, i, :, :(hi - lo) * w] for r, (lo, hi) in enumerate(bands)], dim=1)
