@@ -40,6 +40,9 @@ Variants (``plan`` says which apply to a model at W):
 - ``cfg-ours+split-decode``, ``ulysses-ours+graphs+split-decode``, ``ring-ours+graphs+split-decode``: the
   same with ``sd_kernels.enable_split_decode(pipe)`` after the patch: each process decodes 1/W of the
   image's rows (patches/split_decode.py) instead of the whole image.
+- ``ring-ours+graphs+split-modulation`` (FLUX), and with ``+split-decode`` too: FLUX's adaLN modulations
+  split over the processes for the row (``enable_split_modulation``, undone after it;
+  patches/modulation_split.py).
 
 One row of ``DIR/parallel.csv`` per (model, W, variant), appended by the first process after each
 model: ``warmup_s`` (set-up and the first call), ``e2e_ms`` (median of ``--calls`` pipeline calls, each
@@ -47,7 +50,8 @@ from a barrier to the last process's end), ``vs_one_gpu`` (over ``ours`` on one 
 the one-GPU ``peer``, or at W > 1 over ``ulysses-peer`` where it ran), ``latent_rel_err`` and ``psnr_db``
 against stock on one GPU (the targets: PSNR ≥ 40 dB, latents within 1e-2), ``patched`` (the patch record's
 counts, and ``ring_exchange=copy-engine`` where the ring's keys went over the copy engines rather than
-NCCL: patches/peer_gather.py; ``split_modulation`` with ``--split-modulation``: patches/modulation_split.py),
+NCCL: patches/peer_gather.py; ``split_modulation`` where the row's calls took FLUX's split modulations:
+patches/modulation_split.py),
 ``status`` (ok, or why the row did not run), device and versions.
 
 ``--profile``: after a variant's timed calls, one more call under torch.profiler on the first process:
@@ -82,8 +86,10 @@ ONE_GPU = ("stock", "peer", "ours", "ours+compile")
 ULYSSES = ("ulysses-peer", "ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
 RING = ("ring-peer", "ring-ours", "ring-ours+graphs")  # under diffusers' plans only (FLUX)
 CFG = ("cfg-ours", "cfg-ours+compile")
-SPLIT_DECODE = "+split-decode"  # a variant with enable_split_decode after its patch
-SPLIT = ("cfg-ours", "ulysses-ours+graphs", "ring-ours+graphs")  # the variants measured with it too
+# Modifiers a variant's name may end with, in this order: FLUX's modulations split over the processes
+# (enable_split_modulation, undone after the row), the VAE decode split (enable_split_decode after the patch)
+SPLIT_MODULATION, SPLIT_DECODE = "+split-modulation", "+split-decode"
+SPLIT = ("cfg-ours", "ulysses-ours+graphs", "ring-ours+graphs")  # the variants measured with the split decode too
 CP_PLANS = ("flux-dev",)  # diffusers 0.42.1 ships a context-parallel plan for these transformers
 OUR_CP_PLANS = ("sd3-medium", "pixart-sigma")  # sd_kernels' plans (patches/context_parallel_plans.py): no peer
 NO_GUIDANCE = ("flux-dev",)  # guidance-distilled: a batch of one image, nothing for CFG to split
@@ -98,7 +104,19 @@ def plan(model: str, world: int) -> tuple[str, ...]:
     out = ULYSSES + RING if model in CP_PLANS else ULYSSES[1:] if model in OUR_CP_PLANS else ()
     if model not in NO_GUIDANCE and 2 % world == 0:  # one image: a guidance batch of 2
         out += CFG
-    return out + tuple(v + SPLIT_DECODE for v in out if v in SPLIT)
+    out += tuple(v + SPLIT_DECODE for v in out if v in SPLIT)
+    if model in CP_PLANS:  # FLUX: its ring rows with the modulations split, with and without the split decode
+        out += tuple("ring-ours+graphs" + SPLIT_MODULATION + tail for tail in ("", SPLIT_DECODE))
+    return out
+
+
+def modifiers(variant: str) -> tuple[str, set[str]]:
+    """(the variant without its modifiers, the modifiers it ends with)."""
+    found = set()
+    for mod in (SPLIT_DECODE, SPLIT_MODULATION):
+        if variant.endswith(mod):
+            variant, _ = variant.removesuffix(mod), found.add(mod)
+    return variant, found
 
 
 def _dtype(model: str) -> torch.dtype:
@@ -127,13 +145,12 @@ def _compiled_forward(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> Iterator[str]:
+def set_up(pipe, variant: str, world: int) -> Iterator[str]:
     """``pipe`` set up as ``variant``; yields what the patch replaced (for the row)."""
     import sd_kernels
     from bench.setups import PEER, VARIANTS, applied
 
-    split_decode = variant.endswith(SPLIT_DECODE)
-    variant = variant.removesuffix(SPLIT_DECODE)
+    variant, mods = modifiers(variant)
     if variant in ("stock", "peer"):
         with applied(pipe, VARIANTS["stock" if variant == "stock" else PEER]) as info:
             yield info["patched"]
@@ -154,13 +171,13 @@ def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> It
             if transformer._parallel_config is None:
                 transformer.enable_parallelism(config=ContextParallelConfig(**{f"{exchange}_degree": world}))
         elif exchange in ("ulysses", "ring"):
-            flux_split = split_modulation and "Flux" in type(pipe).__name__
             if transformer._parallel_config is None:  # FLUX: diffusers' plan; SD3, PixArt-Σ: ours
-                sd_kernels.enable_context_parallel(pipe, world, exchange=exchange, split_modulation=flux_split)
-            elif flux_split:  # the peer's row enabled the parallelism first
+                sd_kernels.enable_context_parallel(pipe, world, exchange=exchange)
+            if SPLIT_MODULATION in mods:
+                from sd_kernels.patches import modulation_split
                 from sd_kernels.patches.context_parallel_plans import enable_split_modulation
 
-                enable_split_modulation(transformer)
+                stack.callback(modulation_split.disable, enable_split_modulation(transformer))
         if variant.endswith("+graphs"):
             from sd_kernels.patches import cuda_graph
 
@@ -173,7 +190,7 @@ def set_up(pipe, variant: str, world: int, split_modulation: bool = False) -> It
             record = sd_kernels.patch(pipe, parallel=parallel, compile=compile,
                                       cuda_graph=True if compile else "auto")
             stack.callback(sd_kernels.unpatch, pipe)
-            if split_decode:
+            if SPLIT_DECODE in mods:
                 sd_kernels.enable_split_decode(pipe)
         if variant.endswith("-peer") or variant == "ulysses-ours+compile":
             stack.enter_context(_compiled_forward(transformer))
@@ -235,7 +252,7 @@ def profiled(call, path: pathlib.Path) -> None:
 
 
 def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
-            profile_to: pathlib.Path | None = None, split_modulation: bool = False) -> dict:
+            profile_to: pathlib.Path | None = None) -> dict:
     extra = _extra(pipe)
 
     def call(output_type: str):
@@ -247,7 +264,7 @@ def measure(pipe, variant: str, size: int, steps: int, calls: int, world: int,
 
     splits_before = modulation_split.computed()
     start = time.perf_counter()
-    with torch.no_grad(), set_up(pipe, variant, world, split_modulation) as patched:
+    with torch.no_grad(), set_up(pipe, variant, world) as patched:
         image = call("pt")
         _sync()
         warmup = time.perf_counter() - start
@@ -333,7 +350,7 @@ def run_model(args, model: str, world: int, rank: int, stamp: dict, log) -> list
                 continue
         try:
             path = args.out / f"profile-{model}-W{world}-{variant}.json" if args.profile else None
-            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world, path, args.split_modulation))
+            row.update(measure(pipe, variant, args.size, args.steps, args.calls, world, path))
         except Exception as exc:  # a variant that cannot run here is a row that says why
             row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
         if world == 1 and variant == "stock" and "image" in row:
@@ -360,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--variants", default="", help="a comma-separated subset of the planned variants (default: all)")
     ap.add_argument("--profile", action="store_true", help="profile one more call of each variant (module docstring)")
-    ap.add_argument("--split-modulation", action="store_true",
-                    help="FLUX's ulysses-ours*, ring-ours* with enable_context_parallel(split_modulation=True)")
     args = ap.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
     if not torch.cuda.is_available() or "RANK" not in os.environ:

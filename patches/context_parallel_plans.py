@@ -243,9 +243,10 @@ def _block_norms(transformer, name: str, degree: int) -> list:
     return norms
 
 
-def enable_split_modulation(transformer) -> None:
+def enable_split_modulation(transformer) -> list:
     """``enable_context_parallel``'s ``split_modulation`` for a FLUX transformer already under diffusers' context
-    parallelism (a no-op where its norms are split already); called alike on every process."""
+    parallelism (a no-op where its norms are split already); called alike on every process. Returns the block
+    norms split (``modulation_split.disable`` of them undoes it)."""
     cp = getattr(getattr(transformer, "_parallel_config", None), "context_parallel_config", None)
     if cp is None:
         raise ValueError("split_modulation: the transformer is not under context parallelism (enable_context_parallel)")
@@ -253,6 +254,7 @@ def enable_split_modulation(transformer) -> None:
     norms = _block_norms(transformer, type(transformer).__name__, group.size())
     if not all(modulation_split.covers(n) for n in norms):
         modulation_split.enable(norms, group)
+    return norms
 
 
 def _enable_diffusers_plan(transformer, name: str, degree: int, exchange: str):

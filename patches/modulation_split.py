@@ -107,6 +107,12 @@ def enable(norms: list[nn.Module], group) -> None:
         _SPLITS[n] = split
 
 
+def disable(norms: list[nn.Module]) -> None:
+    """Undo ``enable`` for ``norms``: each computes its own product again (every process alike)."""
+    for n in norms:
+        _SPLITS.pop(n, None)
+
+
 def product(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
     """``norm.linear(silu(emb))`` from the split where ``enable`` covered ``norm`` and the call may take it (no
     autograd, not compiling, ``norm.linear`` the one enabled), else None (the caller computes it). Every

@@ -549,7 +549,8 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
     """FLUX (guidance-distilled, a diffusers context-parallel plan) gets the Ulysses and ring rows at every W > 1; SD3
     and PixArt-Σ (guidance, sd_kernels' plans) ours at every W > 1 (no peer: diffusers' processors for them
     have no context-parallel path) and the CFG rows at W = 2; SDXL the CFG rows at W = 2 only: one image's
-    guidance batch is 2. cfg-ours, ulysses-ours+graphs and ring-ours+graphs again with the split decode."""
+    guidance batch is 2. cfg-ours, ulysses-ours+graphs and ring-ours+graphs again with the split decode; FLUX's
+    ring-ours+graphs with its modulations split, with and without the split decode."""
     import diffusers
     from sd_kernels.patches.context_parallel_plans import plan_for
 
@@ -557,9 +558,12 @@ def test_parallel_bench_plans_ulysses_where_a_plan_exists_and_cfg_where_guidance
 
     for model in parallel.MODELS:
         assert parallel.plan(model, 1) == parallel.ONE_GPU
-    split = parallel.SPLIT_DECODE
+    split, modulation = parallel.SPLIT_DECODE, parallel.SPLIT_MODULATION
     assert parallel.plan("flux-dev", 2) == parallel.plan("flux-dev", 4) == parallel.ULYSSES + parallel.RING + (
-        "ulysses-ours+graphs" + split, "ring-ours+graphs" + split)
+        "ulysses-ours+graphs" + split, "ring-ours+graphs" + split, "ring-ours+graphs" + modulation,
+        "ring-ours+graphs" + modulation + split)
+    assert parallel.modifiers("ring-ours+graphs" + modulation + split) == ("ring-ours+graphs", {modulation, split})
+    assert parallel.modifiers("cfg-ours") == ("cfg-ours", set())
     assert parallel.plan("sdxl", 2) == parallel.CFG + ("cfg-ours" + split,) and parallel.plan("sdxl", 4) == ()
     ours = ("ulysses-ours", "ulysses-ours+compile", "ulysses-ours+graphs")
     for model in ("sd3-medium", "pixart-sigma"):

@@ -57,7 +57,9 @@ def test_each_norm_gets_its_own_product_computed_once_per_embedding(group, monke
         torch.testing.assert_close(modulation_split.product(norms[0], emb), norms[0].linear(F.silu(emb)),
                                    rtol=1e-6, atol=1e-6)
         modulation_split.product(norms[1], emb)
-    assert len(calls) == 4
+        assert len(calls) == 4
+        modulation_split.disable(norms)  # each computes its own again
+        assert modulation_split.product(norms[0], emb) is None and not modulation_split.covers(norms[0])
 
 
 def test_the_fp8_tiers_norms_are_named_when_split_modulation_is_asked_for():
