@@ -39,15 +39,16 @@ processes'; the keys and values are 2 × the latent's pixels × 512 channels (SD
 MiB gathered). The statistics, margins and keys wait for every process, so the decode runs at the pace
 of the slowest.
 
-Where the mid-block is not the one re-stated here (another structure, an attention processor other
-than ours or the stock ones ours mirrors, hooks on its modules) on any process, the head (``conv_in``
-and the mid-block) runs whole on every process and the split starts at the up-stack: decided at every
-call, agreed by the latents' check (while a CUDA graph captures, where nothing can be agreed, the head
-runs whole). Where the latent has fewer rows than 2 per process, where autograd is on, or for
-``latent_embeds`` (a decoder with spatial norms) the decoder's own forward runs, on every process
-alike. A decoder whose up-stack the band functions do not know (``stream_decode.units`` says why:
-another structure, hooks on its modules) is refused by ``enable_split_decode``. Its collectives keep
-the VAE's decode out of CUDA graphs (patches/cuda_graph.py), unless ``SD_KERNELS_GRAPH_COLLECTIVES=1``.
+Where the mid-block is not the one re-stated here (another structure, an attention processor other than
+ours or the stock ones ours mirrors, hooks on its modules) on any process, the head (``conv_in`` and the
+mid-block) runs whole on every process and the split starts at the up-stack: decided at every call,
+agreed by the latents' check (while a CUDA graph captures, where nothing can be read back, the last
+agreement holds: the capture's warm-up call made one). Where the latent has fewer rows than 2 per
+process, where autograd is on, or for ``latent_embeds`` (a decoder with spatial norms) the decoder's own
+forward runs, on every process alike. A decoder whose up-stack the band functions do not know
+(``stream_decode.units`` says why: another structure, hooks on its modules) is refused by
+``enable_split_decode``. Its collectives keep the VAE's decode out of CUDA graphs
+(patches/cuda_graph.py), unless ``SD_KERNELS_GRAPH_COLLECTIVES=1``.
 """
 
 from __future__ import annotations
@@ -258,6 +259,11 @@ def _whole(band: torch.Tensor, ex: Exchange, h0: int, scale: int) -> torch.Tenso
     return torch.cat([every[r][:, :, :(hi - lo) * scale] for r, (lo, hi) in enumerate(bands)], dim=2)
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph captures the work on ``x`` (nothing can be read back then)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class SplitForward:
     """A VAE ``Decoder``'s ``forward`` that decodes its band of rows on each process of ``group``: the
     head in bands too (``head_units``) where every process can, else whole on each (decided again at
@@ -268,6 +274,7 @@ class SplitForward:
         self.original = decoder.forward
         self.decoder, self.units, self.exchange = decoder, us, Exchange(group)
         self.warned = self.short = False  # logged once: the head runs whole; a latent too short to split
+        self.agreed = False  # the last check: every process could run the head in bands
 
     def __repr__(self) -> str:
         return f"SplitForward(process {self.exchange.rank} of {self.exchange.world})"
@@ -305,11 +312,17 @@ class SplitForward:
     def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if latent_embeds is not None or torch.is_grad_enabled():
             return self.original(sample, latent_embeds)
-        if sample.is_cuda and torch.cuda.is_current_stream_capturing():
-            head = None  # a graph cannot read values back: nothing to agree on, so the head whole on every process
+        head = self.head()
+        if _capturing(sample):
+            # a graph cannot read values back: the last agreement holds (the capture's warm-up call made one)
+            if self.agreed and head is None:
+                raise RuntimeError("the split VAE decode: every process agreed to run the decoder's head in bands, "
+                                   "and this one no longer can while a CUDA graph captures the decode (its mid-block "
+                                   "changed since): capture again on every process")
+            head = head if self.agreed else None
         else:
-            head = self.head()
-            head = head if self._check(sample, head is not None) else None
+            self.agreed = self._check(sample, head is not None)
+            head = head if self.agreed else None
         if sample.shape[2] < MIN_ROWS * self.exchange.world:
             if not self.short:
                 log.warning("sd_kernels: the split VAE decode runs whole on every process: %d latent rows are fewer "

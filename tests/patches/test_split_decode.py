@@ -267,6 +267,35 @@ def test_hooks_are_run_not_skipped(group, reference_ops):
     sd_kernels.unpatch(pipe)
 
 
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_while_a_graph_captures_the_last_agreement_holds(group, reference_ops, monkeypatch):
+    """During a capture (nothing read back, no check) the head runs as the last check agreed (the capture's
+    warm-up call makes one): in bands after an agreement, whole before any; a process that can no longer
+    run it in bands after agreeing raises instead of leaving the others in different collectives."""
+    pipe = models.build_pipeline("tiny-xl")
+    sd_kernels.patch(pipe, cuda_graph=False)
+    sd_kernels.enable_split_decode(pipe)
+    forward = vars(pipe.vae.decoder)["forward"]
+    z = torch.randn(1, 4, 8, 8)
+    heads, capturing = [], [True]
+    decode_band, check = split_decode.decode_band, split_decode.SplitForward._check
+    monkeypatch.setattr(split_decode, "decode_band", lambda *a: heads.append(a[-1]) or decode_band(*a))
+    monkeypatch.setattr(split_decode, "_capturing", lambda x: capturing[0])
+    monkeypatch.setattr(split_decode.SplitForward, "_check",
+                        lambda *a: pytest.fail("checked while capturing") if capturing[0] else check(*a))
+    _decode(pipe, z)  # never agreed: whole
+    capturing[0] = False
+    _decode(pipe, z)  # a call outside a capture: checked, agreed
+    assert forward.agreed
+    capturing[0] = True
+    _decode(pipe, z)
+    assert heads == [False, True, True]
+    pipe.vae.decoder.mid_block.attentions[0].set_processor(Custom())
+    with pytest.raises(RuntimeError, match="no longer can while a CUDA graph captures"):
+        _decode(pipe, z)
+    sd_kernels.unpatch(pipe)
+
+
 def test_no_process_group_is_a_clear_error():
     pipe = models.build_pipeline("tiny")
     sd_kernels.patch(pipe, cuda_graph=False)
