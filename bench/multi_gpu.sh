@@ -40,7 +40,7 @@ for model in ${models//,/ }; do
     (( w <= gpus )) && run "$w" --models "$model" ${PAR_MULTI:+--variants "$PAR_MULTI"}
     # the ring exchange in a launch of its own (enable_parallelism cannot be undone): FLUX, by default
     [[ -z ${PAR_MULTI:-} && $model == flux-dev ]] && (( w <= gpus )) \
-      && run "$w" --models "$model" --variants ring-peer,ring-ours,ring-ours+graphs,ring-ours+graphs+split-decode
+      && run "$w" --models "$model" --variants ring-peer,ring-ours,ring-ours+graphs,ring-ours+graphs+split-decode,ring-ours+graphs+split-modulation,ring-ours+graphs+split-modulation+split-decode
   done
 done
 

@@ -4,12 +4,14 @@
 
 Per model's VAE (random weights from the shipped config, ``patch(vae)``), batch 1 at ``--size``, in
 the dtypes its pipelines decode in (SDXL's fp32 too: its pipeline upcasts the VAE, ``force_upcast``):
-``whole`` (every process decodes the whole image, eagerly, as under ``parallel="cfg"`` today),
-``whole+graph`` (the same replayed from a CUDA graph, as SD3's, PixArt-Σ's and FLUX's pipelines
-replay it on one GPU) and ``split`` (``enable_split_decode``: each process its 1/W of the rows, the
-image all-gathered; eager). ``ms``: the median of ``--calls`` calls, each from a barrier to the
-slowest process's end; ``vs_whole``: over ``whole+graph``; ``max_abs_diff`` and ``psnr_db`` of the
-split image against the whole one (images in [-1, 1]). Appends DIR/split-decode.csv (first process).
+``whole`` (every process decodes the whole image, eagerly: as the SDXL pipeline decodes, its weights
+moved every call), ``whole+graph`` (the same replayed from a CUDA graph: as the patched SD3, PixArt-Σ and
+FLUX pipelines decode), ``split`` (``enable_split_decode``: each process its 1/W of the rows, the image
+all-gathered; eager, as under ``parallel="cfg"``) and ``split+graph`` (the split decode captured with
+its collectives, as under ``SD_KERNELS_GRAPH_COLLECTIVES=1``). ``ms``: the median of ``--calls`` calls,
+each from a barrier to the slowest process's end; ``vs_whole``: over ``whole+graph`` (for SDXL's
+pipeline compare ``split`` with ``whole``); ``max_abs_diff`` and ``psnr_db`` of the split image against
+the whole one (images in [-1, 1]). Appends DIR/split-decode.csv (first process).
 """
 
 from __future__ import annotations
@@ -68,12 +70,17 @@ def _rows(model: str, dtype: torch.dtype, size: int, calls: int, base: dict, dev
         sd_kernels.enable_split_decode(vae)
         split = decode().float()
         times["split"] = statistics.median(_timed_ms(decode) for _ in range(calls))
+        if device == "cuda":  # its warm-up calls agree on the split's form; the replays run its collectives
+            replay = common.graphed(decode)
+            times["split+graph"] = statistics.median(_timed_ms(replay) for _ in range(calls))
+            del replay
+            torch.cuda.synchronize()
     sd_kernels.unpatch(vae)
     reference = times.get("whole+graph", times["whole"])
     rows = []
     for variant, ms in times.items():
         row = {**base, "variant": variant, "ms": round(ms, 2), "vs_whole": round(ms / reference, 3)}
-        if variant == "split":
+        if variant == "split":  # the replayed split runs the same kernels
             row.update(max_abs_diff=f"{float((split - whole).abs().max()):.2e}",
                        psnr_db=round(float(psnr(split.clamp(-1, 1) / 2 + 0.5, whole.clamp(-1, 1) / 2 + 0.5)), 2))
         rows.append(row)
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.split_decode runs on CUDA GPUs under torchrun (torchrun --nproc_per_node W -m bench.split_decode "
               "...)", file=sys.stderr)
         return 2
+    if unknown := [m for m in args.models.split(",") if m not in DTYPES]:
+        ap.error(f"--models: no VAE decode dtypes known for {unknown}; choose from {', '.join(DTYPES)}")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("cpu:gloo,cuda:nccl")
     env = common.environment()

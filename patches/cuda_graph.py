@@ -370,7 +370,7 @@ class GraphedCall:
 
     def _eager(self, reason: str, args, kwargs, level: int = logging.WARNING) -> Any:
         self._eager_note(reason, level)
-        if reason is SPLIT:  # a split decode reads values back and runs collectives: not for torch.compile to trace
+        if runs_collectives(self.model_ref) is SPLIT:  # a split decode reads values back: not for torch.compile
             return self.eager_fn(*args, **kwargs)
         return self.forward(*args, **kwargs)
 

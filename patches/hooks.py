@@ -15,9 +15,12 @@ def global_hooks() -> bool:
 
 def hooked(m: nn.Module, own: tuple = ()) -> bool:
     """Whether calling ``m`` runs more than its class's ``forward``: its own or global forward (pre-)hooks,
-    diffusers' hook registry, accelerate's hook, a ``forward`` set on the instance (other than a method
-    bound from one of ``own``: a patch's re-statement of the class's forward)."""
+    diffusers' hook registry holding hooks, accelerate's hook, a ``forward`` set on the instance. Not a
+    ``forward`` that is the class's own bound to ``m`` (what accelerate's hook removal leaves behind) or one
+    of ``own`` bound to it (a patch's re-statement of the class's forward), nor a registry emptied."""
     forward = vars(m).get("forward")
-    replaced = forward is not None and getattr(forward, "__func__", None) not in own
-    return bool(m._forward_hooks or m._forward_pre_hooks or replaced or hasattr(m, "_diffusers_hook")
+    replaced = forward is not None and not (getattr(forward, "__self__", None) is m
+                                            and getattr(forward, "__func__", None) in (type(m).forward, *own))
+    registry = getattr(m, "_diffusers_hook", None)
+    return bool(m._forward_hooks or m._forward_pre_hooks or replaced or getattr(registry, "hooks", registry)
                 or hasattr(m, "_hf_hook") or global_hooks())

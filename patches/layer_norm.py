@@ -82,6 +82,7 @@ from sd_kernels.profiles import scoped
 from . import modulation_split
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .flux_attention import flux_module
+from .hooks import hooked
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -387,19 +388,10 @@ def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Ca
     ``Module.compile()``, and under autograd (another order of
     the forward sums the input's gradient in another order: stock's bits kept)."""
     begin = getattr(attn.processor, "begin", None)
-    if (begin is None or attn._forward_hooks or attn._forward_pre_hooks or "forward" in vars(attn)
-            or getattr(attn, "_diffusers_hook", None) is not None or _global_module_hooks()
-            or getattr(attn, "_compiled_call_impl", None) is not None
+    if (begin is None or hooked(attn) or getattr(attn, "_compiled_call_impl", None) is not None
             or (torch.is_grad_enabled() and hidden_states.requires_grad)):
         return None
     return begin(attn, hidden_states, image_rotary_emb=image_rotary_emb)
-
-
-def _global_module_hooks() -> bool:
-    """Whether hooks for every module's forward are registered (``register_module_forward_(pre_)hook``)."""
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 def _joined(text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:

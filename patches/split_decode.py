@@ -343,7 +343,8 @@ def _local(obj: object) -> tuple[nn.Module | None, list[Unit] | None, str | None
     current = vars(decoder).get("forward")
     if isinstance(current, SplitForward):
         return vae, None, None, True
-    if current is not None:
+    if current is not None and not (getattr(current, "__self__", None) is decoder
+                                    and getattr(current, "__func__", None) is type(decoder).forward):
         return vae, None, ("the VAE decoder's forward is replaced already (a memory budget's streamed decode, or "
                            "another wrapper): the split decode runs the decoder's own"), False
     try:

@@ -84,12 +84,19 @@ def test_the_sdist_carries_its_tests_and_the_wheel_its_data(dists):
         assert line in meta, line
 
 
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def _pip_install(python: pathlib.Path, *requirements: str) -> None:
     """pip install into the given environment; a failed attempt is tried once more (a registry's transient
     refusal is not the package's fault), and a second failure shows pip's own last words."""
     for _ in range(2):
-        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], capture_output=True,
-                              text=True, timeout=1800)
+        try:
+            done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], capture_output=True,
+                                  text=True, timeout=1200)
+        except subprocess.TimeoutExpired as exc:  # its output so far, as a failed attempt's
+            done = subprocess.CompletedProcess(exc.cmd, "timed out after 1200 s", _text(exc.stdout), _text(exc.stderr))
         if done.returncode == 0:
             return
     errors = [line for line in done.stderr.splitlines() if "is ignored: it is neither" not in line]

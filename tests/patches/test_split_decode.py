@@ -197,15 +197,19 @@ def test_refusals(group):
     with pytest.raises(ValueError, match="cannot be split .*conv1 is not a plain same-padded nn.Conv2d"):
         sd_kernels.enable_split_decode(pipe)
     pipe.vae.decoder.up_blocks[0].resnets[0].conv1._forward_hooks.clear()
-    pipe.vae.decoder.forward = pipe.vae.decoder.forward
+    own = pipe.vae.decoder.forward
+    pipe.vae.decoder.forward = lambda *args, **kwargs: own(*args, **kwargs)
     with pytest.raises(ValueError, match="forward is replaced already"):
         sd_kernels.enable_split_decode(pipe)
-    del pipe.vae.decoder.forward
+    pipe.vae.decoder.forward = own  # the class's own, bound: what accelerate's hook removal leaves behind
+    sd_kernels.enable_split_decode(pipe)
     sd_kernels.unpatch(pipe)
+    assert vars(pipe.vae.decoder)["forward"] == own
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
-def test_graphs_captured_before_are_dropped_and_a_compiled_decode_steps_aside(group, fake_cuda):  # noqa: F811
+def test_graphs_captured_before_are_dropped_and_a_compiled_decode_steps_aside(group, fake_cuda,  # noqa: F811
+                                                                              monkeypatch):
     """A VAE decode captured before the split loses its graphs at ``enable_split_decode`` (they hold no
     collectives and would be kept, unreplayed, until unpatch); then it runs eagerly, and under
     ``compile=True`` through its uncompiled method (torch.compile cannot trace the split's read-back)."""
@@ -225,6 +229,10 @@ def test_graphs_captured_before_are_dropped_and_a_compiled_decode_steps_aside(gr
     graphed.forward = compiled  # as compile=True leaves it; eager_fn stays the plain method
     torch.testing.assert_close(_decode(pipe, z), stock, rtol=0, atol=ATOL)
     assert not graphed.graphs and len(fake_cuda) == 1
+    # with collectives captured, a call eager for another reason (SDXL's weights, moved every call) too
+    monkeypatch.setenv(cuda_graph.COLLECTIVES_ENV, "1")
+    pipe.vae.to(torch.float64)
+    torch.testing.assert_close(_decode(pipe, z.double()), stock.double(), rtol=0, atol=ATOL)
     sd_kernels.unpatch(pipe)
 
 
