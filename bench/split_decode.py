@@ -11,7 +11,8 @@ all-gathered; eager, as under ``parallel="cfg"``) and ``split+graph`` (the split
 its collectives, as under ``SD_KERNELS_GRAPH_COLLECTIVES=1``). ``ms``: the median of ``--calls`` calls,
 each from a barrier to the slowest process's end; ``vs_whole``: over ``whole+graph`` (for SDXL's
 pipeline compare ``split`` with ``whole``); ``max_abs_diff`` and ``psnr_db`` of the split image against
-the whole one (images in [-1, 1]). Appends DIR/split-decode.csv (first process).
+the whole one (images in [-1, 1]). Appends DIR/split-decode.csv (first process); ``--profile`` also
+writes each eager variant's device time per kernel category (bench.parallel's ``profiled``).
 """
 
 from __future__ import annotations
@@ -34,20 +35,23 @@ DTYPES = {"sd15": ("float16",), "sdxl": ("float16", "float32"), "flux-dev": ("bf
 
 
 def rows_of(model: str, dtypes: tuple[str, ...], size: int, calls: int, world: int, stamp: dict,
-            device: str = "cuda") -> list[dict]:
-    """The rows of ``model``'s VAE in each of ``dtypes`` (module docstring; off CUDA no ``whole+graph``)."""
+            device: str = "cuda", profile_dir: pathlib.Path | None = None) -> list[dict]:
+    """The rows of ``model``'s VAE in each of ``dtypes`` (module docstring; off CUDA no ``whole+graph``).
+    ``profile_dir``: each eager variant profiled once more (bench.parallel's ``profiled``)."""
     rows = []
     for name in dtypes:
         base = {"model": model, "size": size, "dtype": name, "world": world, **stamp}
-        rows += _rows(model, getattr(torch, name), size, calls, base, device)
+        prefix = None if profile_dir is None else profile_dir / f"profile-split-decode-{model}-{name}-W{world}"
+        rows += _rows(model, getattr(torch, name), size, calls, base, device, prefix)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _rows(model: str, dtype: torch.dtype, size: int, calls: int, base: dict, device: str) -> list[dict]:
+def _rows(model: str, dtype: torch.dtype, size: int, calls: int, base: dict, device: str,
+          profile_prefix: pathlib.Path | None = None) -> list[dict]:
     import sd_kernels
-    from bench.parallel import _timed_ms
+    from bench.parallel import _timed_ms, profiled
     from sd_kernels import models
     from sd_kernels.testing import psnr
 
@@ -60,19 +64,25 @@ def _rows(model: str, dtype: torch.dtype, size: int, calls: int, base: dict, dev
     def decode():
         return vae.decode(z, return_dict=False)[0]
 
+    def timed(variant: str, fn) -> float:
+        ms = statistics.median(_timed_ms(fn) for _ in range(calls))
+        if profile_prefix is not None and not variant.endswith("+graph"):
+            profiled(fn, profile_prefix.with_name(f"{profile_prefix.name}-{variant}.json"))
+        return ms
+
     with torch.no_grad():
         whole = decode().float()
-        times = {"whole": statistics.median(_timed_ms(decode) for _ in range(calls))}
+        times = {"whole": timed("whole", decode)}
         if device == "cuda":
             replay = common.graphed(decode)
-            times["whole+graph"] = statistics.median(_timed_ms(replay) for _ in range(calls))
+            times["whole+graph"] = timed("whole+graph", replay)
             del replay
         sd_kernels.enable_split_decode(vae)
         split = decode().float()
-        times["split"] = statistics.median(_timed_ms(decode) for _ in range(calls))
+        times["split"] = timed("split", decode)
         if device == "cuda":  # its warm-up calls agree on the split's form; the replays run its collectives
             replay = common.graphed(decode)
-            times["split+graph"] = statistics.median(_timed_ms(replay) for _ in range(calls))
+            times["split+graph"] = timed("split+graph", replay)
             del replay
             torch.cuda.synchronize()
     sd_kernels.unpatch(vae)
@@ -93,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="sdxl,flux-dev")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="profile the eager variants once more each "
+                    "(DIR/profile-split-decode-<model>-<dtype>-W<W>-<variant>.json: device time per kernel category)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or "RANK" not in os.environ:
         print("bench.split_decode runs on CUDA GPUs under torchrun (torchrun --nproc_per_node W -m bench.split_decode "
@@ -106,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {k: env.get(k, "") for k in ("device", "torch", "triton", "diffusers", "date")}
     args.out.mkdir(parents=True, exist_ok=True)
     for model in args.models.split(","):
-        rows = rows_of(model, DTYPES[model], args.size, args.calls, dist.get_world_size(), stamp)
+        rows = rows_of(model, DTYPES[model], args.size, args.calls, dist.get_world_size(), stamp,
+                       profile_dir=args.out if args.profile else None)
         if dist.get_rank() == 0:
             common.append_csv(args.out / "split-decode.csv", rows, COLUMNS)
             print(common.format_table(rows, COLUMNS[:9]), flush=True)
