@@ -65,7 +65,7 @@ from sd_kernels.ops.group_stats import group_partials, mean_rstd, merge_group_st
 from sd_kernels.ops.residual import bias_residual
 
 from . import attention_processor_steps as steps
-from . import cfg_parallel
+from . import cfg_parallel, context_parallel
 from .cuda_graph import SPLIT_DECODE as MARK
 from .cuda_graph import GraphedCall
 from .diffusers_sources import is_verified
@@ -87,10 +87,8 @@ class Exchange:
         self.rank = dist.get_rank(group)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.contiguous().view(-1)  # gloo takes the gathered tensors end to end along one dimension
-        out = flat.new_empty(self.world * flat.numel())
-        dist.all_gather_into_tensor(out, flat, group=self.group)
-        return out.view(self.world, *x.shape)
+        every = context_parallel.waited(context_parallel.all_gather(x.contiguous(), 0, self.group))
+        return every.view(self.world, *x.shape)
 
 
 class _LivePass(_Pass):
@@ -181,12 +179,7 @@ def _attention_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, he
         query, key, value = attn.to_qkv(tokens).chunk(3, dim=-1)
     else:
         query, key, value = attn.to_q(tokens), attn.to_k(tokens), attn.to_v(tokens)
-    bands = [_band_of(r, ex.world, height) for r in range(ex.world)]
-    kv = key.new_empty(2, n, max(hi - lo for lo, hi in bands) * w, key.shape[-1])  # padding: gathered, never read
-    kv[0, :, :rows * w], kv[1, :, :rows * w] = key, value
-    every = ex.gather(kv)  # [W, 2, n, tallest · w, C]
-    key, value = (torch.cat([every[r, i, :, :(hi - lo) * w] for r, (lo, hi) in enumerate(bands)], dim=1)
-                  for i in (0, 1))
+    key, value = _joined(torch.stack((key, value)), ex, height, w, dim=2)  # [2, n, rows · w, C] from each process
     head_dim = key.shape[-1] // attn.heads
     query, key, value = (steps.heads(z, n, attn.heads, head_dim) for z in (query, key, value))
     out = steps.attend(attn, query, key, value, None, legacy, precision)
@@ -246,17 +239,20 @@ def decode_band(decoder: nn.Module, us: list[Unit], z: torch.Tensor, ex: Exchang
         if not last and us[j + 1].radius:
             _fill_margins(buf, top, rows, bottom, us[j + 1].radius, ex)
         x, x_lo = buf, lo - top
-    return _whole(x, ex, h0, scale)
+    return _joined(x, ex, h0, scale, dim=2)  # the image
 
 
-def _whole(band: torch.Tensor, ex: Exchange, h0: int, scale: int) -> torch.Tensor:
-    """The image from every process's band of rows (bands of unequal height padded to the tallest)."""
-    bands = [_band_of(r, ex.world, h0) for r in range(ex.world)]
-    n, c, _, w = band.shape
-    padded = band.new_zeros(n, c, max(hi - lo for lo, hi in bands) * scale, w)
-    padded[:, :, :band.shape[2]] = band
+def _joined(x: torch.Tensor, ex: Exchange, height: int, per_row: int, dim: int) -> torch.Tensor:
+    """Every process's ``x``, its band of the ``height`` latent rows laid along ``dim`` (``per_row`` entries a
+    row), joined in rank order along ``dim``: bands of unequal height padded to the tallest for the
+    all-gather (the padding gathered, never read)."""
+    bands = [_band_of(r, ex.world, height) for r in range(ex.world)]
+    shape = list(x.shape)
+    shape[dim] = max(hi - lo for lo, hi in bands) * per_row
+    padded = x.new_empty(shape)
+    padded.narrow(dim, 0, x.shape[dim]).copy_(x)
     every = ex.gather(padded)
-    return torch.cat([every[r][:, :, :(hi - lo) * scale] for r, (lo, hi) in enumerate(bands)], dim=2)
+    return torch.cat([every[r].narrow(dim, 0, (hi - lo) * per_row) for r, (lo, hi) in enumerate(bands)], dim=dim)
 
 
 def _capturing(x: torch.Tensor) -> bool:

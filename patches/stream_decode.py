@@ -296,9 +296,10 @@ def _resnet_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, heigh
     if p.target is r.norm2 or p.live:  # norm2's statistics measured here: of conv1's output with its bias
         if r.conv1.bias is not None:
             h = h.add_(r.conv1.bias.view(1, -1, 1, 1))
-        if p.measured(r.norm2, h[:, :, c - c1:d - c1]):
+        own_h = h[:, :, c - c1:d - c1]
+        if p.measured(r.norm2, own_h):
             return None
-        h = p.norm(r.norm2, h, out=h, own=h[:, :, c - c1:d - c1])
+        h = p.norm(r.norm2, h, out=h, own=own_h)
     else:
         h = p.norm(r.norm2, h, out=h, shift=r.conv1.bias)
     o = _conv_rows(h, r.conv2.weight, c1, d1, c, d, height, 1, 1)
