@@ -55,6 +55,7 @@ def _rows(model: str, dtype: torch.dtype, size: int, calls: int, base: dict, dev
     from sd_kernels import models
     from sd_kernels.testing import psnr
 
+    torch.manual_seed(0)  # the same random weights on every process
     vae = models.build_model(model, "vae", device, dtype).eval()
     sd_kernels.patch(vae, cuda_graph=False)
     factor = 2 ** (len(vae.config.block_out_channels) - 1)

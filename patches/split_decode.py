@@ -28,12 +28,15 @@ functions of patches/stream_decode.py and two of this module's), every process a
 
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
-statistics' parts are per process. Collectives per call: one to check that every process decodes latents
-of the same shape, dtype and sum (a host sync; skipped while a CUDA graph captures the decode, so that
-graph's replays go unchecked), then one for the margins after every unit the next one reads past its
-edges, one per GroupNorm, one for the attention's keys and values and one for the image, per sample: for
-one sample of an SD VAE (conv_in, the mid-block, 12 ResNet blocks, 3 upsamplers, the output head) 1 + 18
-+ 30 + 1 + 1 = 51. The statistics are a few kB; a margin exchange sends a process's first and last k
+statistics' parts are per process. Collectives per call: first a check that every process decodes latents
+of the same shape and dtype (host numbers, over a gloo twin of the group: the host does not wait for the
+work queued on the GPU, so the decode's launches still overlap the denoising loop's last steps) and the
+same sum (gathered on the device, compared once the decode is queued: a ValueError then, on every process,
+instead of the image); both skipped while a CUDA graph captures the decode, so that graph's replays go
+unchecked. Then one for the margins after every unit the next one reads past its edges, one per
+GroupNorm, one for the attention's keys and values and one for the image, per sample: for one sample of
+an SD VAE (conv_in, the mid-block, 12 ResNet blocks, 3 upsamplers, the output head) 1 + 18 + 30 + 1 + 1
+= 51 on the device. The statistics are a few kB; a margin exchange sends a process's first and last k
 rows, up to 4 rows × width × channels (SDXL at 1024² in fp32: 4 MiB), and every process receives all W
 processes'; the keys and values are 2 × the latent's pixels × 512 channels (SDXL at 1024² in fp32: 64
 MiB gathered). The statistics, margins and keys wait for every process, so the decode runs at the pace
@@ -54,7 +57,6 @@ forward runs, on every process alike. A decoder whose up-stack the band function
 from __future__ import annotations
 
 import logging
-import math
 import zlib
 
 import torch
@@ -79,16 +81,45 @@ MIN_ROWS = 2  # latent rows a process must own: a ResNet block reads 2 rows past
 
 
 class Exchange:
-    """The decode's collectives over ``group``: an all-gather along a new first axis, in rank order."""
+    """The decode's collectives over ``group``: an all-gather along a new first axis, in rank order;
+    ``agree`` gathers host numbers, over ``host_group`` (gloo) where there is one."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    host_group = None
+
+    def __init__(self, group, host_group=None) -> None:
+        self.group, self.host_group = group, host_group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         every = context_parallel.waited(context_parallel.all_gather(x.contiguous(), 0, self.group))
         return every.view(self.world, *x.shape)
+
+    def agree(self, values: list[float], device: torch.device) -> list[list[float]]:
+        """Every process's ``values`` (numbers the host knows), in rank order. Over the host group the
+        host waits for the other processes only; through the device's all-gather it would wait for all
+        the work queued on the GPU before it (the whole denoising loop, at a decode's start)."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        if self.host_group is None:
+            return self.gather(mine.to(device)).tolist()
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.host_group)
+        return [e.tolist() for e in every]
+
+
+_HOST_GROUPS: dict = {}  # a device group -> its gloo twin (made once, by every process alike)
+
+
+def host_group(group):
+    """A gloo group over ``group``'s processes for host numbers (``group`` itself when it is gloo; None
+    where this torch has no gloo). Made on first use: a collective call, which ``enable`` makes on every
+    process alike."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    if group not in _HOST_GROUPS:
+        _HOST_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo") \
+            if dist.is_gloo_available() else None
+    return _HOST_GROUPS[group]
 
 
 class _LivePass(_Pass):
@@ -266,9 +297,9 @@ class SplitForward:
     every call, alike on every process: a processor set on the attention since may not be one a band
     re-states)."""
 
-    def __init__(self, decoder: nn.Module, us: list[Unit], group) -> None:
+    def __init__(self, decoder: nn.Module, us: list[Unit], group, host=None) -> None:
         self.original = decoder.forward
-        self.decoder, self.units, self.exchange = decoder, us, Exchange(group)
+        self.decoder, self.units, self.exchange = decoder, us, Exchange(group, host)
         self.warned = self.short = False  # logged once: the head runs whole; a latent too short to split
         self.agreed = False  # the last check: every process could run the head in bands
 
@@ -285,25 +316,31 @@ class SplitForward:
                 self.warned = True
             return None
 
-    def _check(self, z: torch.Tensor, head: bool) -> bool:
-        """Every process decodes latents of the same shape, dtype and sum (a ValueError on every process
-        alike, otherwise; NaN sums agree with NaN); returns whether every process can run the head in
-        bands. One host sync: shapes and dtypes must agree before the first exchange, whose sizes they
-        set."""
+    def _check(self, z: torch.Tensor, head: bool) -> tuple[bool, torch.Tensor]:
+        """Every process decodes latents of the same shape and dtype (a ValueError on every process alike,
+        otherwise: they set the exchanges' sizes), agreed on the host; returns whether every process can
+        run the head in bands, and every process's latents' sum, gathered on the device for ``_verify``
+        to compare once the decode is queued (no wait here for the GPU's queued work)."""
         dtype = float(zlib.crc32(str(z.dtype).encode()))
-        mine = torch.tensor([float(head), *z.shape, dtype, z.detach().double().sum().item()], dtype=torch.float64,
-                            device=z.device)
-        every = self.exchange.gather(mine).tolist()
+        every = self.exchange.agree([float(head), *z.shape, dtype], z.device)
+        if any(e[1:] != every[0][1:] for e in every):
+            raise ValueError("the split VAE decode: the processes decode latents of different shapes or dtypes (head "
+                             f"in bands, shape and dtype code by process: {every}): every process must run the same "
+                             "pipeline call (same prompt, seed and settings)")
+        sums = self.exchange.gather(z.detach().double().sum().reshape(1)).view(-1)
+        return all(e[0] for e in every), sums
 
-        def same(e: list[float]) -> bool:
-            a, b = e[-1], every[0][-1]
-            return e[1:-1] == every[0][1:-1] and ((math.isnan(a) and math.isnan(b)) or cfg_parallel.close([a], [b]))
-
-        if not all(map(same, every)):
-            raise ValueError("the split VAE decode: the processes decode different latents (head in bands, shape, "
-                             f"dtype code and sum by process: {every}): every process must run the same pipeline call "
-                             "(same prompt, seed and settings)")
-        return all(e[0] for e in every)
+    @staticmethod
+    def _verify(sums: torch.Tensor) -> None:
+        """Every process's latents' sum the same (NaN as NaN), else a ValueError on every process alike:
+        the image of different latents is no process's."""
+        a, b = sums, sums[:1]
+        same = (a == b) | (a.isnan() & b.isnan()) | ((a - b).abs() <= (cfg_parallel.SUM_RTOL * torch.maximum(
+            a.abs(), b.abs())).clamp_min(1e-12))
+        if not bool(same.all()):
+            raise ValueError("the split VAE decode: the processes decode different latents (their sums by process: "
+                             f"{sums.tolist()}): every process must run the same pipeline call (same prompt, seed and "
+                             "settings)")
 
     def __call__(self, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if latent_embeds is not None or torch.is_grad_enabled():
@@ -316,18 +353,23 @@ class SplitForward:
                                    "and this one no longer can while a CUDA graph captures the decode (its mid-block "
                                    "changed since): capture again on every process")
             head = head if self.agreed else None
+            sums = None
         else:
-            self.agreed = self._check(sample, head is not None)
+            self.agreed, sums = self._check(sample, head is not None)
             head = head if self.agreed else None
         if sample.shape[2] < MIN_ROWS * self.exchange.world:
             if not self.short:
                 log.warning("sd_kernels: the split VAE decode runs whole on every process: %d latent rows are fewer "
                             "than %d per process", sample.shape[2], MIN_ROWS)
                 self.short = True
-            return self.original(sample, latent_embeds)
-        us = self.units if head is None else head + self.units
-        return torch.cat([decode_band(self.decoder, us, sample[i:i + 1], self.exchange, head is not None)
-                          for i in range(sample.shape[0])])
+            image = self.original(sample, latent_embeds)
+        else:
+            us = self.units if head is None else head + self.units
+            image = torch.cat([decode_band(self.decoder, us, sample[i:i + 1], self.exchange, head is not None)
+                               for i in range(sample.shape[0])])
+        if sums is not None:
+            self._verify(sums)
+        return image
 
 
 def _local(obj: object) -> tuple[nn.Module | None, list[Unit] | None, str | None, bool]:
@@ -373,5 +415,5 @@ def enable(obj: object, record: PatchRecord) -> None:
     graphed = vars(vae).get("decode")
     if isinstance(graphed, GraphedCall):  # graphs captured before hold no collectives: dropped now, not at unpatch
         graphed.reset()
-    record.set_attr(decoder, "forward", SplitForward(decoder, us, group), KIND)
+    record.set_attr(decoder, "forward", SplitForward(decoder, us, group, host_group(group)), KIND)
     record.set_attr(vae, MARK, True, None)

@@ -62,6 +62,14 @@ def test_dry_run_records_on_its_thread_and_the_pool_compiles(available):
     assert not _launch(jit, "d")  # no hook left behind
 
 
+def test_a_model_on_the_cpu_is_dry_run_without_a_cuda_device(available):
+    """A CUDA-graph wrapper of a model on the CPU (the graph tests' stand-in) passes its CPU device: the dry
+    run and the compiles go on with no device to synchronize or set, as on a machine with no GPU."""
+    jit = FakeJit()
+    report = precompile.precompile(lambda: _launch(jit, "a"), torch.device("cpu"))
+    assert [d for d, _ in jit.loaded] == ["a"] and report.compiled == 1
+
+
 def test_failures_are_left_to_the_real_call_and_the_hook_is_restored_after_an_error(available, caplog):
     from triton import knobs
 

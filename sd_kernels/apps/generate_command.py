@@ -175,11 +175,13 @@ def _make_one(args: argparse.Namespace, settings: options.Settings, job: options
     t0 = time.perf_counter()
     pipe = pipeline.load(model, device, getattr(torch, options.DTYPES[dtype]))
     say(f"built the pipeline in {time.perf_counter() - t0:.1f} s")
-    split_arguments = parallel.prepare(pipe, launch) if launch else {}
+    split_arguments = parallel.prepare(pipe, launch, settings.precision) if launch else {}
     graph = {"off": False}.get(args.cuda_graph, args.cuda_graph)
     record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile,
                               precision=settings.precision, **split_arguments)
     say(record.summary())
+    if launch is not None and (note := parallel.finish(pipe)):
+        say(note)
     if launch is not None and (note := parallel.eager_note(launch, on_gpu)):
         say(note)
     if on_gpu:

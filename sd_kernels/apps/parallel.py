@@ -164,17 +164,41 @@ def eager_note(launch: Launch, on_gpu: bool) -> str | None:
             "the command line captures it with its collectives (docs/parallel.md)")
 
 
-def prepare(pipe: Any, launch: Launch) -> dict[str, Any]:
-    """``pipe`` set up for the split before the patch; returns what ``patch`` takes for it."""
+def prepare(pipe: Any, launch: Launch, precision: str = "fp16") -> dict[str, Any]:
+    """``pipe`` set up for the split before the patch; returns what ``patch`` takes for it. Under ``ring``
+    a transformer with FLUX's adaLN-Zero block norms also splits their modulations over the processes
+    (``split_modulation``; not under the FP8 tier, whose norms compute their own)."""
     if launch.mode == "cfg":
         return {"parallel": "cfg"}
     import torch
 
     from sd_kernels.patches.context_parallel_plans import enable_context_parallel
 
+    more = {"split_modulation": True} if launch.mode == "ring" and _modulated(pipe, precision) else {}
     with _cpu_counted_as_one_device() if torch.accelerator.device_count() == 0 else contextlib.nullcontext():
-        enable_context_parallel(pipe, launch.world, exchange=launch.mode)
+        enable_context_parallel(pipe, launch.world, exchange=launch.mode, **more)
     return {}
+
+
+def _modulated(pipe: Any, precision: str) -> bool:
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    transformer = getattr(pipe, "transformer", None)
+    return precision != "fp8" and transformer is not None and any(
+        isinstance(m, AdaLayerNormZero) for m in transformer.modules())
+
+
+def finish(pipe: Any) -> str | None:
+    """After the patch, on every process alike: the VAE decode split by rows over the processes
+    (``enable_split_decode``). Where this VAE cannot be split, a note saying why (every process decodes
+    the whole image, as without it), else None."""
+    import sd_kernels
+
+    try:
+        sd_kernels.enable_split_decode(pipe)
+    except ValueError as exc:  # raised alike on every process (their findings are gathered first)
+        return f"note: every process decodes the whole image ({exc})"
+    return None
 
 
 @contextlib.contextmanager

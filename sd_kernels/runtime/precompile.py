@@ -116,6 +116,9 @@ def precompile(run: Callable[[], Any], device: Any = None) -> Report | None:
         return None
     from triton import knobs
 
+    if device is not None and str(device).startswith("cpu"):  # a model on the CPU: no CUDA device to sync or set
+        device = None
+
     start = time.perf_counter()
     _local.todo = {}
     knobs.runtime.jit_cache_hook = _hook

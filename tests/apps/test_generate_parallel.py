@@ -179,6 +179,42 @@ def test_ring_mode_enables_the_ring_exchange(monkeypatch):
     assert calls == [(("pipe", 4), {"exchange": "ring"}), (("pipe", 4), {"exchange": "ulysses"})]
 
 
+def test_ring_splits_flux_modulations_except_under_fp8(monkeypatch):
+    """--parallel ring on a transformer with FLUX's adaLN-Zero block norms also asks for split_modulation;
+    not under --precision fp8 (its norms are its own), not under ulysses, not for transformers without."""
+    from sd_kernels.patches import context_parallel_plans
+
+    from sd_kernels.apps import parallel
+
+    flux, sd3 = models.build_pipeline("tiny-flux"), models.build_pipeline("tiny-sd3")
+    calls = []
+    monkeypatch.setattr(context_parallel_plans, "enable_context_parallel", lambda *a, **k: calls.append(k))
+    ring, ulysses = parallel.Launch("ring", 0, 2, 0, 2), parallel.Launch("ulysses", 0, 2, 0, 2)
+    parallel.prepare(flux, ring)
+    parallel.prepare(flux, ring, "fp8")
+    parallel.prepare(flux, ulysses)
+    parallel.prepare(sd3, ulysses)
+    assert calls == [{"exchange": "ring", "split_modulation": True}, {"exchange": "ring"}, {"exchange": "ulysses"},
+                     {"exchange": "ulysses"}]
+
+
+def test_finish_splits_the_decode_or_says_why_not(monkeypatch):
+    """After the patch every process splits the VAE decode; a VAE it cannot split is a note, not an error."""
+    import sd_kernels
+    from sd_kernels.apps import parallel
+
+    calls = []
+    monkeypatch.setattr(sd_kernels, "enable_split_decode", lambda pipe: calls.append(pipe))
+    assert parallel.finish("pipe") is None and calls == ["pipe"]
+
+    def refuse(pipe):
+        raise ValueError("enable_split_decode: this VAE's decoder cannot be split (hooks)")
+
+    monkeypatch.setattr(sd_kernels, "enable_split_decode", refuse)
+    assert parallel.finish("pipe") == ("note: every process decodes the whole image (enable_split_decode: this VAE's "
+                                       "decoder cannot be split (hooks))")
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, tmp_path, fails):
     """Under --parallel the patch (its CUDA graphs, which may hold captured collectives) is undone after the
@@ -199,7 +235,8 @@ def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, 
 
     monkeypatch.setattr(pipeline, "load", lambda *a: "pipe")
     monkeypatch.setattr(pipeline, "render", render)
-    monkeypatch.setattr(parallel_app, "prepare", lambda pipe, launch: {})
+    monkeypatch.setattr(parallel_app, "prepare", lambda pipe, launch, precision: {})
+    monkeypatch.setattr(parallel_app, "finish", lambda pipe: calls.append("split decode"))
     monkeypatch.setattr(sd_kernels, "patch", lambda pipe, **k: calls.append("patch") or types.SimpleNamespace(
         summary=lambda: ""))
     monkeypatch.setattr(sd_kernels, "unpatch", lambda pipe: calls.append(f"unpatch {pipe}"))
@@ -214,4 +251,4 @@ def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, 
     else:
         assert generate_command._make_one(args, settings, job, False, model, "cpu", "fp32", tmp_path / "a.png",
                                           launch) == 0
-    assert calls == ["patch", "render", "unpatch pipe"]
+    assert calls == ["patch", "split decode", "render", "unpatch pipe"]

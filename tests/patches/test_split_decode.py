@@ -131,20 +131,27 @@ def test_a_channels_last_decoder_in_its_band_kernels(vae):
 
 
 def _check(ex, z, head=True):
-    """``SplitForward._check`` of ``z`` by process ``ex.rank`` (a forward of its own: the check reads only
-    its exchange)."""
+    """``SplitForward._check`` of ``z`` by process ``ex.rank``, then its ``_verify`` of the sums (a forward
+    of its own: the check reads only its exchange)."""
     forward = split_decode.SplitForward.__new__(split_decode.SplitForward)
     forward.exchange = ex
-    return forward._check(z, head)
+    agreed, sums = forward._check(z, head)
+    forward._verify(sums)
+    return agreed
 
 
 def test_processes_with_different_latents_all_raise():
-    """A seed per process, or another dtype, raises on every process; the same latents pass, NaN ones too;
-    the head runs in bands only where every process can."""
+    """A seed per process, or another dtype or shape, raises on every process; the same latents pass, NaN
+    and infinite ones too; the head runs in bands only where every process can."""
     for outcome in on_threads(2, lambda ex: _check(ex, torch.zeros(1, 4, 8, 8) + ex.rank)):  # a seed per process
         assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
     for outcome in on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8, dtype=(torch.float32, torch.float64)[
             ex.rank]))):
+        assert isinstance(outcome, ValueError) and "of different shapes or dtypes" in str(outcome)
+    for outcome in on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8 + ex.rank, 8))):
+        assert isinstance(outcome, ValueError) and "of different shapes or dtypes" in str(outcome)
+    assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("inf")))) == [True, True]
+    for outcome in on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), (1.0, float("nan"))[ex.rank]))):
         assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
     assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8))) == [True, True]
     assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("nan")))) == [True, True]
