@@ -188,17 +188,31 @@ def _modulated(pipe: Any, precision: str) -> bool:
         isinstance(m, AdaLayerNormZero) for m in transformer.modules())
 
 
-def finish(pipe: Any) -> str | None:
+def finish(pipe: Any, launch: Launch) -> str | None:
     """After the patch, on every process alike: the VAE decode split by rows over the processes
-    (``enable_split_decode``). Where this VAE cannot be split, a note saying why (every process decodes
-    the whole image, as without it), else None."""
+    (``enable_split_decode``) where it pays (docs/parallel.md): under ``ulysses`` and ``ring``, whose
+    decode the command line replays from a CUDA graph with its exchanges inside; under ``cfg`` only for
+    a pipeline that upcasts its fp16 VAE to fp32 for each decode (SDXL's ``force_upcast``), which runs it
+    eagerly anyway. A decode replayed whole (SD1.x/2.x under ``cfg``) stays whole: split, it would run
+    eagerly and slower. Where this VAE cannot be split, a note saying why, else None."""
     import sd_kernels
 
+    if launch.mode == "cfg" and not _upcasts(pipe):
+        return None
     try:
         sd_kernels.enable_split_decode(pipe)
     except ValueError as exc:  # raised alike on every process (their findings are gathered first)
         return f"note: every process decodes the whole image ({exc})"
     return None
+
+
+def _upcasts(pipe: Any) -> bool:
+    """Whether ``pipe``'s call moves its fp16 VAE to fp32 for the decode (diffusers' ``upcast_vae``)."""
+    import torch
+
+    vae = getattr(pipe, "vae", None)
+    return (hasattr(pipe, "upcast_vae") and vae is not None and vae.dtype == torch.float16
+            and bool(getattr(vae.config, "force_upcast", False)))
 
 
 @contextlib.contextmanager
