@@ -18,7 +18,7 @@ functions of patches/stream_decode.py and two of this module's), every process a
   and last rows fills them from the neighbours (at the image's edges the band functions pad as the
   convolution does);
 - each GroupNorm's statistics are the whole image's: every process's (count, mean, M2) of the rows it
-  owns, all-gathered and merged by Chan's formula in float64 (``ops.merge_stats``), so every process
+  owns, all-gathered and merged by Chan's formula in float64 (``ops.group_stats``), so every process
   applies the same numbers (a ResNet block's norm2 measures conv1's output after its bias is added);
 - the attention's queries are the process's own pixels; its keys and values, projected from the own
   rows, are all-gathered (bands of unequal height padded to the tallest), so each query sees every
@@ -28,15 +28,14 @@ functions of patches/stream_decode.py and two of this module's), every process a
 
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
-statistics' parts are per process (each merge one kernel, ``ops.merge_stats``). Collectives per call:
-first a check that every process decodes latents of the same shape and dtype (host numbers, over a gloo
-twin of the group: the host does not wait for the work queued on the GPU, so the decode's launches
-still overlap the denoising loop's last steps) and the same sum (gathered on the device, compared once
-the decode is queued: a ValueError then, on every process, instead of the image); both skipped while a
-CUDA graph captures the decode, so that graph's replays go unchecked. Then one for the margins after
-every unit the next one reads past its edges, one per GroupNorm, one for the attention's keys and values
-and one for the image, per sample: for one sample of an SD VAE (conv_in, the mid-block, 12 ResNet
-blocks, 3 upsamplers, the output head) 1 + 18 + 30 + 1 + 1
+statistics' parts are per process. Collectives per call: first a check that every process decodes latents
+of the same shape and dtype (host numbers, over a gloo twin of the group: the host does not wait for the
+work queued on the GPU, so the decode's launches still overlap the denoising loop's last steps) and the
+same sum (gathered on the device, compared once the decode is queued: a ValueError then, on every process,
+instead of the image); both skipped while a CUDA graph captures the decode, so that graph's replays go
+unchecked. Then one for the margins after every unit the next one reads past its edges, one per
+GroupNorm, one for the attention's keys and values and one for the image, per sample: for one sample of
+an SD VAE (conv_in, the mid-block, 12 ResNet blocks, 3 upsamplers, the output head) 1 + 18 + 30 + 1 + 1
 = 51 on the device. The statistics are a few kB; a margin exchange sends a process's first and last k
 rows, up to 4 rows × width × channels (SDXL at 1024² in fp32: 4 MiB), and every process receives all W
 processes'; the keys and values are 2 × the latent's pixels × 512 channels (SDXL at 1024² in fp32: 64
@@ -64,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sd_kernels.ops.group_stats import group_partials, merge_stats
+from sd_kernels.ops.group_stats import group_partials, mean_rstd, merge_group_stats
 from sd_kernels.ops.residual import bias_residual
 
 from . import attention_processor_steps as steps
@@ -138,9 +137,9 @@ class _LivePass(_Pass):
         if norm not in self.stats:
             if own is None or shift is not None:
                 raise RuntimeError("sd_kernels: a split decode's norm ran without its own rows (a bug)")
-            mine = merge_stats(group_partials(own, norm.num_groups))  # [3, N, G] float64
+            mine = merge_group_stats(group_partials(own, norm.num_groups))  # [3, N, G] float64
             every = self.exchange.gather(mine).movedim(0, -1)  # [3, N, G, W]
-            self.stats[norm] = merge_stats(every, norm.eps)  # [2, N, G] (mean, rstd)
+            self.stats[norm] = mean_rstd(merge_group_stats(every), norm.eps)
         return super().norm(norm, x, out, shift, activation=activation)
 
 

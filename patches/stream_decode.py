@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sd_kernels.ops.group_stats import group_norm_given, group_partials, merge_stats
+from sd_kernels.ops.group_stats import group_norm_given, group_partials, mean_rstd, merge_group_stats
 from sd_kernels.ops.pack8 import pack8, unpack8
 from sd_kernels.ops.residual import bias_residual
 from sd_kernels.ops.upsample import PhaseCache, interleave_phases
@@ -275,7 +275,7 @@ class _Pass:
                                 shift=None if shift is None else shift.view(1, -1))
 
     def result(self) -> torch.Tensor:
-        return merge_stats(torch.cat(self.parts, -1), self.target.eps)
+        return mean_rstd(merge_group_stats(torch.cat(self.parts, -1)), self.target.eps)
 
 
 def _resnet_band(u: Unit, x: torch.Tensor, a: int, b: int, c: int, d: int, height: int,

@@ -396,7 +396,7 @@ def test_a_measured_norm_sees_each_row_once(tiny_vae, pack, monkeypatch):
     merged = []
     result = sd._Pass.result
     monkeypatch.setattr(sd._Pass, "result", lambda self: merged.append(
-        (self.target, sd.merge_stats(torch.cat(self.parts, -1))[0])) or result(self))
+        (self.target, sd.merge_group_stats(torch.cat(self.parts, -1))[0])) or result(self))
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     z = torch.randn(1, 4, 20, 11)
     us, p = _plan(tiny_vae.decoder, z, 400_000, pack)

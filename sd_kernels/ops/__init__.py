@@ -9,7 +9,7 @@ from .conv import conv2d
 from .fp8_linear import fp8_gemm, fp8_linear, quantize_rows
 from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
-from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats, merge_stats
+from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated, layer_norm_modulated_fp8
 from .pack8 import pack8, unpack8
 from .residual import bias_residual
@@ -40,7 +40,6 @@ __all__ = [
     "mean_rstd",
     "merge_attention",
     "merge_group_stats",
-    "merge_stats",
     "pack8",
     "qk_norm_rope",
     "qk_norm_rope_kv",

@@ -78,46 +78,9 @@ def _given_norm_kernel(
             tl.store(y_grp + c[:, None] * stride_yc + s[None, :] * stride_ys, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _merge_kernel(p_ptr, out_ptr, R, K, stride_q, stride_r, stride_k, eps,
-                  FINAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Chan's merge of K partial (count, mean, M2) per row, in float64: part k of row r's quantity q
-    (0 count, 1 mean, 2 M2) at p[q·stride_q + r·stride_r + k·stride_k]. Out: [3, R] float64 (count,
-    mean, M2), or with FINAL [2, R] float32 (mean, 1/√(M2/count + eps)). Two sweeps over the parts: the
-    count and mean first, then M2 about that mean."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows = r < R
-    n = tl.zeros([BLOCK_R], dtype=tl.float64)
-    total = tl.zeros([BLOCK_R], dtype=tl.float64)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = rows[:, None] & (k < K)[None, :]
-        at = p_ptr + r[:, None].to(tl.int64) * stride_r + k[None, :] * stride_k
-        count = tl.load(at, mask=mask, other=0.0).to(tl.float64)
-        n += tl.sum(count, 1)
-        total += tl.sum(count * tl.load(at + stride_q, mask=mask, other=0.0).to(tl.float64), 1)
-    mean = total / tl.maximum(n, 1.0)
-    m2 = tl.zeros([BLOCK_R], dtype=tl.float64)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = rows[:, None] & (k < K)[None, :]
-        at = p_ptr + r[:, None].to(tl.int64) * stride_r + k[None, :] * stride_k
-        count = tl.load(at, mask=mask, other=0.0).to(tl.float64)
-        d = tl.load(at + stride_q, mask=mask, other=0.0).to(tl.float64) - mean[:, None]
-        m2 += tl.sum(tl.load(at + 2 * stride_q, mask=mask, other=0.0).to(tl.float64) + count * d * d, 1)
-    if FINAL:
-        tl.store(out_ptr + r, mean.to(tl.float32), mask=rows)
-        tl.store(out_ptr + R + r, (1.0 / tl.sqrt(m2 / n + eps)).to(tl.float32), mask=rows)
-    else:
-        tl.store(out_ptr + r, n, mask=rows)
-        tl.store(out_ptr + R + r, mean, mask=rows)
-        tl.store(out_ptr + 2 * R + r, m2, mask=rows)
-
-
 # The statistics kernel is ops/group_norm.py's, run bare: a Launcher of the same JIT function would
 # share the autotuned one's name (and its shipped tables), without its autotuner.
-_BAND_STATS, _GIVEN_NORM, _MERGE = _group_stats_kernel.fn, Launcher(_given_norm_kernel), Launcher(_merge_kernel)
-MERGE_BLOCK_R, MERGE_BLOCK_K = 64, 16  # rows a program (a VAE norm has N·32), parts a sweep step
+_BAND_STATS, _GIVEN_NORM = _group_stats_kernel.fn, Launcher(_given_norm_kernel)
 # Its launch options as the autotuned launches pass them (all of the config, in its order): Triton keys
 # its in-memory cache on the options' string, so a bare launch with num_warps alone would compile again
 # a specialization the autotuned path has (sd_kernels/runtime/launch.py).
@@ -187,27 +150,6 @@ def merge_group_stats(parts: torch.Tensor) -> torch.Tensor:
     n = count.sum(-1)
     mu = (count * mean).sum(-1) / n.clamp_min(1)
     return torch.stack([n, mu, (m2 + count * (mean - mu[..., None]) ** 2).sum(-1)])
-
-
-def merge_stats(parts: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """``merge_group_stats(parts)`` ([3, ..., K] partial (count, mean, M2), any strides, fp32 or float64)
-    in one kernel; with ``eps``, ``mean_rstd`` of the merged too ([2, ...] float32), still one kernel.
-    For a decode split over processes, which merges each norm's statistics twice (its own parts, then
-    every process's) where the torch ops would take some thirty launches."""
-    if parts.dim() < 2 or parts.shape[0] != 3:
-        raise ValueError(f"parts must be [3, ..., K] (count, mean, M2), got {list(parts.shape)}")
-    if not use_kernel("group_norm", parts, unsupported=None if parts.dtype in (torch.float32, torch.float64)
-                      else f"{parts.dtype} parts (float32 or float64)"):
-        stats = merge_group_stats(parts)
-        return stats if eps is None else mean_rstd(stats, eps)
-    lead = parts.shape[1:-1]
-    flat = parts.reshape(3, -1, parts.shape[-1])  # a view where the lead dims share a stride (as gathered)
-    rows, k = flat.shape[1:]
-    final = eps is not None
-    out = torch.empty(2 if final else 3, rows, dtype=torch.float32 if final else torch.float64, device=parts.device)
-    _MERGE(("merge", final, parts.dtype), (triton.cdiv(rows, MERGE_BLOCK_R),), flat, out, rows, k, *flat.stride(),
-           0.0 if eps is None else float(eps), FINAL=final, BLOCK_R=MERGE_BLOCK_R, BLOCK_K=MERGE_BLOCK_K, num_warps=4)
-    return out.view(out.shape[0], *lead)
 
 
 def mean_rstd(stats: torch.Tensor, eps: float) -> torch.Tensor:

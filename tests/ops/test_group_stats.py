@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sd_kernels import reference
-from sd_kernels.ops import group_norm_given, group_stats, mean_rstd, merge_group_stats, merge_stats
+from sd_kernels.ops import group_norm_given, group_stats, mean_rstd, merge_group_stats
 from sd_kernels.testing import channels_last, non_contiguous, poison_
 
 gs = importlib.import_module("sd_kernels.ops.group_stats")
@@ -65,31 +65,6 @@ def test_merge_has_no_cancellation():
     parts = torch.stack([reference.group_stats(t.view(1, 1, -1, 1), 1) for t in (a, b)], -1)
     whole = reference.group_stats(torch.cat([a, b], -1).view(1, 1, -1, 1), 1)
     torch.testing.assert_close(merge_group_stats(parts), whole, rtol=1e-12, atol=1e-6)
-
-
-@pytest.mark.parametrize("k", [1, 5, 37])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("layout", ["contiguous", "gathered"])
-def test_merge_stats_is_the_torch_merge_and_mean_rstd_in_one_kernel(k, dtype, layout, device):
-    """The one-kernel merge against merge_group_stats (and mean_rstd after it): k parts of chunks of real
-    data, fp32 as group_partials gives them or float64 as an all-gather of merged statistics does, laid out
-    contiguously or as [W, 3, N, G] moved to [3, N, G, W] (strided); a (sample, group) with no elements
-    (count 0) gives NaN as the torch ops do."""
-    x = torch.randn(2, 12, 4 * k, 3).double() * 3 + 5
-    parts = torch.stack([reference.group_stats(x[:, :, 4 * i:4 * i + 4], 6) for i in range(k)], -1)  # [3, 2, 6, k]
-    parts[:, 1, 2] = 0.0  # sample 1, group 2: no elements in any part
-    parts = parts.to(dtype)
-    if layout == "gathered":
-        parts = parts.movedim(-1, 0).contiguous().movedim(0, -1)
-    parts = parts.to(device)
-    want = merge_group_stats(parts.cpu())
-    got = merge_stats(parts)
-    assert got.dtype == torch.float64 and got.shape == (3, 2, 6)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12, equal_nan=True)
-    final = merge_stats(parts, 1e-6)
-    assert final.dtype == torch.float32 and final.shape == (2, 2, 6)
-    torch.testing.assert_close(final.cpu(), mean_rstd(want, 1e-6), rtol=2e-7, atol=0, equal_nan=True)
-    assert final[1, 1, 2].isnan()
 
 
 @pytest.mark.parametrize("kind", ["nchw", "nhwc"])
