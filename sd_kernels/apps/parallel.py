@@ -188,16 +188,20 @@ def _modulated(pipe: Any, precision: str) -> bool:
         isinstance(m, AdaLayerNormZero) for m in transformer.modules())
 
 
-def finish(pipe: Any, launch: Launch) -> str | None:
+SPLIT_DECODE_PIXELS = 1024 * 1024  # under cfg, the image size from which the split decode was measured to pay
+
+
+def finish(pipe: Any, launch: Launch, pixels: int) -> str | None:
     """After the patch, on every process alike: the VAE decode split by rows over the processes
     (``enable_split_decode``) where it pays (docs/parallel.md): under ``ulysses`` and ``ring``, whose
-    decode the command line replays from a CUDA graph with its exchanges inside; under ``cfg`` only for
-    a pipeline that upcasts its fp16 VAE to fp32 for each decode (SDXL's ``force_upcast``), which runs it
-    eagerly anyway. A decode replayed whole (SD1.x/2.x under ``cfg``) stays whole: split, it would run
-    eagerly and slower. Where this VAE cannot be split, a note saying why, else None."""
+    decode the command line replays from a CUDA graph with its exchanges inside; under ``cfg``, where the
+    split decode runs eagerly and the whole one is replayed, for images of ``SPLIT_DECODE_PIXELS`` or more
+    (``pixels``: the job's width × height) and for a pipeline that upcasts its fp16 VAE to fp32 for each
+    decode (SDXL's ``force_upcast``: never replayed). Where this VAE cannot be split, a note saying why,
+    else None."""
     import sd_kernels
 
-    if launch.mode == "cfg" and not _upcasts(pipe):
+    if launch.mode == "cfg" and pixels < SPLIT_DECODE_PIXELS and not _upcasts(pipe):
         return None
     try:
         sd_kernels.enable_split_decode(pipe)

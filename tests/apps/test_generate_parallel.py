@@ -199,8 +199,9 @@ def test_ring_splits_flux_modulations_except_under_fp8(monkeypatch):
 
 
 def test_finish_splits_the_decode_where_it_pays_or_says_why_not(monkeypatch):
-    """After the patch every process splits the VAE decode under a token split, and under cfg only where the
-    pipeline upcasts its fp16 VAE for each decode (SDXL); a VAE it cannot split is a note, not an error."""
+    """After the patch every process splits the VAE decode under a token split; under cfg from 1024² pixels
+    up, or where the pipeline upcasts its fp16 VAE for each decode (SDXL); a VAE it cannot split is a note,
+    not an error."""
     import torch
 
     import sd_kernels
@@ -211,16 +212,18 @@ def test_finish_splits_the_decode_where_it_pays_or_says_why_not(monkeypatch):
     ring, cfg = parallel.Launch("ring", 0, 2, 0, 2), parallel.Launch("cfg", 0, 2, 0, 2)
     sd, xl = models.build_pipeline("tiny"), models.build_pipeline("tiny-xl", dtype=torch.float16)
     xl.vae.register_to_config(force_upcast=True)
-    assert parallel.finish("pipe", ring) is None and calls == ["pipe"]
-    assert parallel.finish(sd, cfg) is None and calls == ["pipe"]  # its decode, replayed whole, stays whole
-    assert parallel.finish(xl, cfg) is None and calls == ["pipe", xl]
+    assert parallel.finish("pipe", ring, 64 * 64) is None and calls == ["pipe"]
+    assert parallel.finish(sd, cfg, 512 * 512) is None and calls == ["pipe"]  # replayed whole, it stays whole
+    assert parallel.finish(sd, cfg, 1024 * 1024) is None and calls == ["pipe", sd]
+    assert parallel.finish(xl, cfg, 512 * 512) is None and calls == ["pipe", sd, xl]
 
     def refuse(pipe):
         raise ValueError("enable_split_decode: this VAE's decoder cannot be split (hooks)")
 
     monkeypatch.setattr(sd_kernels, "enable_split_decode", refuse)
-    assert parallel.finish("pipe", ring) == ("note: every process decodes the whole image (enable_split_decode: this "
-                                             "VAE's decoder cannot be split (hooks))")
+    assert parallel.finish("pipe", ring, 64 * 64) == ("note: every process decodes the whole image "
+                                                      "(enable_split_decode: this VAE's decoder cannot be split "
+                                                      "(hooks))")
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -244,7 +247,7 @@ def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, 
     monkeypatch.setattr(pipeline, "load", lambda *a: "pipe")
     monkeypatch.setattr(pipeline, "render", render)
     monkeypatch.setattr(parallel_app, "prepare", lambda pipe, launch, precision: {})
-    monkeypatch.setattr(parallel_app, "finish", lambda pipe, launch: calls.append("split decode"))
+    monkeypatch.setattr(parallel_app, "finish", lambda pipe, launch, pixels: calls.append("split decode"))
     monkeypatch.setattr(sd_kernels, "patch", lambda pipe, **k: calls.append("patch") or types.SimpleNamespace(
         summary=lambda: ""))
     monkeypatch.setattr(sd_kernels, "unpatch", lambda pipe: calls.append(f"unpatch {pipe}"))
