@@ -180,14 +180,14 @@ def _make_one(args: argparse.Namespace, settings: options.Settings, job: options
     record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile,
                               precision=settings.precision, **split_arguments)
     say(record.summary())
-    if launch is not None and (note := parallel.finish(pipe, launch, job.width * job.height)):
-        say(note)
     if launch is not None and (note := parallel.eager_note(launch, on_gpu)):
         say(note)
-    if on_gpu:
-        torch.cuda.synchronize()
-    t = time.perf_counter()
     try:
+        if launch is not None and (note := parallel.finish(pipe, launch, job.width * job.height)):
+            say(note)
+        if on_gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
         [image] = pipeline.render(pipe, [job], model, pipeline.InitImages(model))
         if on_gpu:
             torch.cuda.synchronize()

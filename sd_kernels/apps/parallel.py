@@ -193,30 +193,31 @@ SPLIT_DECODE_PIXELS = 1024 * 1024  # under cfg, the image size from which the sp
 
 def finish(pipe: Any, launch: Launch, pixels: int) -> str | None:
     """After the patch, on every process alike: the VAE decode split by rows over the processes
-    (``enable_split_decode``) where it pays (docs/parallel.md): under ``ulysses`` and ``ring``, whose
-    decode the command line replays from a CUDA graph with its exchanges inside; under ``cfg``, where the
-    split decode runs eagerly and the whole one is replayed, for images of ``SPLIT_DECODE_PIXELS`` or more
-    (``pixels``: the job's width × height) and for a pipeline that upcasts its fp16 VAE to fp32 for each
-    decode (SDXL's ``force_upcast``: never replayed). Where this VAE cannot be split, a note saying why,
-    else None."""
+    (``enable_split_decode``) where it was measured to pay (docs/parallel.md), with the patch's CUDA
+    graphs on the VAE: under ``ulysses`` and ``ring`` when the collectives are captured too (the split
+    decode replayed from a graph, its exchanges inside); under ``cfg``, where the split decode runs
+    eagerly and the whole one is replayed, for images of ``SPLIT_DECODE_PIXELS`` or more (``pixels``: the
+    job's width × height). Returns the line to print: the split, or why this VAE could not be split."""
     import sd_kernels
+    from sd_kernels.patches.cuda_graph import collectives_captured
 
-    if launch.mode == "cfg" and pixels < SPLIT_DECODE_PIXELS and not _upcasts(pipe):
+    graphed = _graphed_decode(pipe)
+    wanted = graphed and (collectives_captured() if launch.mode in TOKENS else pixels >= SPLIT_DECODE_PIXELS)
+    if not wanted:
         return None
     try:
         sd_kernels.enable_split_decode(pipe)
     except ValueError as exc:  # raised alike on every process (their findings are gathered first)
         return f"note: every process decodes the whole image ({exc})"
-    return None
+    return f"the VAE decode split by rows over the {launch.world} processes"
 
 
-def _upcasts(pipe: Any) -> bool:
-    """Whether ``pipe``'s call moves its fp16 VAE to fp32 for the decode (diffusers' ``upcast_vae``)."""
-    import torch
+def _graphed_decode(pipe: Any) -> bool:
+    """Whether the patch put the VAE's decode under its CUDA graphs."""
+    from sd_kernels.patches.cuda_graph import GraphedCall
 
     vae = getattr(pipe, "vae", None)
-    return (hasattr(pipe, "upcast_vae") and vae is not None and vae.dtype == torch.float16
-            and bool(getattr(vae.config, "force_upcast", False)))
+    return vae is not None and isinstance(vars(vae).get("decode"), GraphedCall)
 
 
 @contextlib.contextmanager

@@ -199,31 +199,51 @@ def test_ring_splits_flux_modulations_except_under_fp8(monkeypatch):
 
 
 def test_finish_splits_the_decode_where_it_pays_or_says_why_not(monkeypatch):
-    """After the patch every process splits the VAE decode under a token split; under cfg from 1024² pixels
-    up, or where the pipeline upcasts its fp16 VAE for each decode (SDXL); a VAE it cannot split is a note,
-    not an error."""
-    import torch
+    """After the patch, with the VAE's decode under the patch's CUDA graphs: every process splits the decode
+    under a token split whose collectives are captured (replayed split), and under cfg from 1024² pixels up
+    (eager split against the replayed whole); not where the decode has no graphs or a token split runs
+    eagerly. A VAE it cannot split is a note, not an error."""
+    from sd_kernels.patches.cuda_graph import COLLECTIVES_ENV
 
     import sd_kernels
     from sd_kernels.apps import parallel
 
-    calls = []
+    calls, graphed = [], [True]
     monkeypatch.setattr(sd_kernels, "enable_split_decode", lambda pipe: calls.append(pipe))
+    monkeypatch.setattr(parallel, "_graphed_decode", lambda pipe: graphed[0])
     ring, cfg = parallel.Launch("ring", 0, 2, 0, 2), parallel.Launch("cfg", 0, 2, 0, 2)
-    sd, xl = models.build_pipeline("tiny"), models.build_pipeline("tiny-xl", dtype=torch.float16)
-    xl.vae.register_to_config(force_upcast=True)
-    assert parallel.finish("pipe", ring, 64 * 64) is None and calls == ["pipe"]
-    assert parallel.finish(sd, cfg, 512 * 512) is None and calls == ["pipe"]  # replayed whole, it stays whole
-    assert parallel.finish(sd, cfg, 1024 * 1024) is None and calls == ["pipe", sd]
-    assert parallel.finish(xl, cfg, 512 * 512) is None and calls == ["pipe", sd, xl]
+    monkeypatch.setenv(COLLECTIVES_ENV, "1")
+    assert parallel.finish("flux", ring, 64 * 64) == "the VAE decode split by rows over the 2 processes"
+    assert parallel.finish("sd", cfg, 512 * 512) is None  # replayed whole, it stays whole
+    assert parallel.finish("xl", cfg, 1024 * 1024) is not None and calls == ["flux", "xl"]
+    monkeypatch.setenv(COLLECTIVES_ENV, "0")  # the transformer and the split decode eager
+    assert parallel.finish("flux", ring, 64 * 64) is None
+    graphed[0] = False  # --cuda-graph off
+    monkeypatch.setenv(COLLECTIVES_ENV, "1")
+    assert parallel.finish("flux", ring, 64 * 64) is None and parallel.finish("xl", cfg, 1024 * 1024) is None
+    assert calls == ["flux", "xl"]
+    graphed[0] = True
 
     def refuse(pipe):
         raise ValueError("enable_split_decode: this VAE's decoder cannot be split (hooks)")
 
     monkeypatch.setattr(sd_kernels, "enable_split_decode", refuse)
-    assert parallel.finish("pipe", ring, 64 * 64) == ("note: every process decodes the whole image "
+    assert parallel.finish("flux", ring, 64 * 64) == ("note: every process decodes the whole image "
                                                       "(enable_split_decode: this VAE's decoder cannot be split "
                                                       "(hooks))")
+
+
+def test_the_decode_counts_as_graphed_where_the_patch_put_it_under_graphs():
+    """``_graphed_decode``: the VAE's decode is the patch's GraphedCall (an instance attribute, as
+    patches/cuda_graph.py installs it); a plain pipeline or one without a VAE is not."""
+    from sd_kernels.patches.cuda_graph import GraphedCall
+
+    from sd_kernels.apps import parallel
+
+    pipe = models.build_pipeline("tiny")
+    assert not parallel._graphed_decode(pipe) and not parallel._graphed_decode(object())
+    pipe.vae.decode = GraphedCall.__new__(GraphedCall)
+    assert parallel._graphed_decode(pipe)
 
 
 @pytest.mark.parametrize("fails", [False, True])

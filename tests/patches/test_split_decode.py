@@ -151,8 +151,11 @@ def test_processes_with_different_latents_all_raise():
     for outcome in on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8 + ex.rank, 8))):
         assert isinstance(outcome, ValueError) and "of different shapes or dtypes" in str(outcome)
     assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("inf")))) == [True, True]
-    for outcome in on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), (1.0, float("nan"))[ex.rank]))):
-        assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome)
+    inf = float("inf")
+    for pair in [(1.0, float("nan")), (1.0, inf), (inf, -inf), (1e300, inf)]:  # overflowed on one process only
+        for outcome in on_threads(2, lambda ex, pair=pair: _check(ex, torch.full((1, 4, 8, 8), pair[ex.rank],
+                                                                      dtype=torch.float64))):
+            assert isinstance(outcome, ValueError) and "decode different latents" in str(outcome), pair
     assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8))) == [True, True]
     assert on_threads(2, lambda ex: _check(ex, torch.full((1, 4, 8, 8), float("nan")))) == [True, True]
     assert on_threads(2, lambda ex: _check(ex, torch.ones(1, 4, 8, 8), head=ex.rank == 0)) == [False, False]
@@ -163,6 +166,23 @@ def group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_host_numbers_go_over_gloo_not_the_device_exchange(group, monkeypatch):
+    """The agreement's host numbers travel over a gloo group: the group itself where it has gloo (alone or
+    beside NCCL), else a gloo twin; never through the device's all-gather, whose read-back would wait for
+    the GPU's queued work."""
+    assert split_decode.host_group(group) is group
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "cpu:gloo,cuda:nccl")
+    assert split_decode.host_group(group) is group
+    made = []
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend: made.append((ranks, backend)) or "twin")
+    assert split_decode.host_group(group) == "twin" and made == [([0], "gloo")]
+    ex = split_decode.Exchange(group, group)
+    monkeypatch.setattr(ex, "gather", lambda x: pytest.fail("host numbers went through the device exchange"))
+    assert ex.agree([1.0, 2.0], torch.device("cpu")) == [[1.0, 2.0]]
 
 
 def _decode(pipe, z):
