@@ -29,7 +29,7 @@ functions of patches/stream_decode.py and two of this module's), every process a
 The image is the unsplit decode's up to rounding: the band functions' convolutions and the two-step
 statistics are those of the streamed decode (tested against the untiled decode there); here the
 statistics' parts are per process. Collectives per call: first a check that every process decodes latents
-of the same shape and dtype (host numbers, over a gloo twin of the group: the host does not wait for the
+of the same shape and dtype (host numbers, over gloo, the group's or one beside it: the host does not wait for the
 work queued on the GPU, so the decode's launches still overlap the denoising loop's last steps) and the
 same sum (gathered on the device, compared once the decode is queued: a ValueError then, on every process,
 instead of the image); both skipped while a CUDA graph captures the decode, so that graph's replays go
