@@ -14,8 +14,9 @@ all-gather ([B, N/W] from each process; N = 1.05 million for FLUX.1-dev, 2 MB ga
 the columns back in order (one gather of indices). The patched blocks (patches/layer_norm.py,
 ``_ada_norm_zero``) take their chunk of the result instead of their own product. Equal up to rounding: a
 product over a slice of the rows may be reduced in another order than over all of them (two CPU processes:
-the image within fp32 rounding of one process's; FLUX.1-dev under ring on H200s: PSNR 47.8 dB against one
-GPU's stock image, 26 ms an image faster on 2 GPUs and 39 on 4, bench/results/2026-11-28-h200x4-split-decode).
+the image within fp32 rounding of one process's; FLUX.1-dev under ring on H200s, torch 2.11, Triton 3.6: the
+image as without the split (PSNR 47.87 dB against one GPU's stock image), 26 ms an image faster on 2 GPUs and
+39 on 4, bench/results/2026-11-28-h200x4-split-decode/before-host-agreement).
 
 The result is remembered with the ``temb`` object it came from (and its version, where it has one), so
 every block of one call finds it and the next call computes anew; that result and that ``temb`` are all

@@ -406,11 +406,16 @@ def enable(obj: object, record: PatchRecord) -> None:
                          "call it alike on every process")
     if done:
         return
-    if any(e[2:4] != mine[2:4] for e in every) or not cfg_parallel.close([e[4] for e in every], [mine[4]] * len(every)):
+    first = every[0]  # every process compares with the first: one verdict everywhere (closeness is not transitive)
+    if any(e[2:4] != first[2:4] for e in every) or not cfg_parallel.close([e[4] for e in every],
+                                                                           [first[4]] * len(every)):
         raise ValueError("enable_split_decode: the processes hold different VAEs (class, config or weights): every "
                          "process must load the same pipeline")
     graphed = vars(vae).get("decode")
     if isinstance(graphed, GraphedCall):  # graphs captured before hold no collectives: dropped now, not at unpatch
         graphed.reset()
-    record.set_attr(decoder, "forward", SplitForward(decoder, us, group, host_group(group)), KIND)
+    host = host_group(group)
+    record.set_attr(decoder, "forward", SplitForward(decoder, us, group, host), KIND)
     record.set_attr(vae, MARK, True, None)
+    if host is not None and host is not group:  # the gloo group made here ends with the split
+        record.on_undo(lambda: dist.destroy_process_group(host) if dist.is_initialized() else None, KIND, count=0)

@@ -233,23 +233,35 @@ def test_finish_splits_the_decode_where_it_pays_or_says_why_not(monkeypatch):
                                                       "(hooks))")
 
 
-def test_the_decode_counts_as_graphed_where_the_patch_put_it_under_graphs():
-    """``_graphed_decode``: the VAE's decode is the patch's GraphedCall (an instance attribute, as
-    patches/cuda_graph.py installs it); a plain pipeline or one without a VAE is not."""
-    from sd_kernels.patches.cuda_graph import GraphedCall
+def test_the_decode_counts_as_graphed_where_the_patch_put_it_under_graphs(monkeypatch):
+    """``_graphed_decode`` finds the graphs where ``patch(pipe, cuda_graph="pipeline")`` installs them on the
+    VAE (CUDA graphs stood in for on the CPU: nothing is captured here), and not after unpatch, nor on a
+    pipeline without a VAE."""
+    import torch
+    from sd_kernels.patches import cuda_graph
 
+    import sd_kernels
     from sd_kernels.apps import parallel
 
+    monkeypatch.setattr(cuda_graph, "check_graphable", lambda model: None)
+    monkeypatch.setattr(cuda_graph, "graphable_reason", lambda model: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")
     pipe = models.build_pipeline("tiny")
     assert not parallel._graphed_decode(pipe) and not parallel._graphed_decode(object())
-    pipe.vae.decode = GraphedCall.__new__(GraphedCall)
-    assert parallel._graphed_decode(pipe)
+    sd_kernels.patch(pipe, cuda_graph="pipeline")
+    try:
+        assert parallel._graphed_decode(pipe)
+    finally:
+        sd_kernels.unpatch(pipe)
+    assert not parallel._graphed_decode(pipe)
 
 
-@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("fails", [None, "render", "finish"])
 def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, tmp_path, fails):
     """Under --parallel the patch (its CUDA graphs, which may hold captured collectives) is undone after the
-    image is made, or fails, and before the caller ends the process group."""
+    image is made, or when the split decode's set-up or the image fails, and before the caller ends the
+    process group."""
     import argparse
     import types
 
@@ -260,14 +272,19 @@ def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, 
 
     def render(*_):
         calls.append("render")
-        if fails:
+        if fails == "render":
             raise RuntimeError("render failed")
         return [None]
+
+    def finish(*_):
+        calls.append("split decode")
+        if fails == "finish":
+            raise RuntimeError("finish failed")
 
     monkeypatch.setattr(pipeline, "load", lambda *a: "pipe")
     monkeypatch.setattr(pipeline, "render", render)
     monkeypatch.setattr(parallel_app, "prepare", lambda pipe, launch, precision: {})
-    monkeypatch.setattr(parallel_app, "finish", lambda pipe, launch, pixels: calls.append("split decode"))
+    monkeypatch.setattr(parallel_app, "finish", finish)
     monkeypatch.setattr(sd_kernels, "patch", lambda pipe, **k: calls.append("patch") or types.SimpleNamespace(
         summary=lambda: ""))
     monkeypatch.setattr(sd_kernels, "unpatch", lambda pipe: calls.append(f"unpatch {pipe}"))
@@ -277,9 +294,10 @@ def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, 
     model = types.SimpleNamespace(name="tiny", shipped=True)
     launch = parallel_app.Launch("ring", 1, 2, 1, 2)  # not the first process: it writes nothing
     if fails:
-        with pytest.raises(RuntimeError, match="render failed"):
+        with pytest.raises(RuntimeError, match=f"{fails} failed"):
             generate_command._make_one(args, settings, job, False, model, "cpu", "fp32", tmp_path / "a.png", launch)
     else:
         assert generate_command._make_one(args, settings, job, False, model, "cpu", "fp32", tmp_path / "a.png",
                                           launch) == 0
-    assert calls == ["patch", "split decode", "render", "unpatch pipe"]
+    made = [] if fails == "finish" else ["render"]
+    assert calls == ["patch", "split decode", *made, "unpatch pipe"]

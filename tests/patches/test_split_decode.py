@@ -185,6 +185,32 @@ def test_host_numbers_go_over_gloo_not_the_device_exchange(group, monkeypatch):
     assert ex.agree([1.0, 2.0], torch.device("cpu")) == [[1.0, 2.0]]
 
 
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_a_gloo_group_made_for_the_split_ends_with_it(group, reference_ops, monkeypatch):
+    """On a process group without gloo the split makes a gloo group for its host numbers; unpatch ends it
+    (a library user who splits and unpatches again and again keeps no groups); the group itself, where it
+    has gloo, is never ended by the split."""
+    def alive(g) -> bool:
+        try:
+            return dist.get_process_group_ranks(g) == [0]
+        except KeyError:  # torch's answer for a group that was ended
+            return False
+
+    twin = dist.new_group([0], backend="gloo")
+    pipe = models.build_pipeline("tiny-xl")
+    sd_kernels.patch(pipe, cuda_graph=False)
+    monkeypatch.setattr(split_decode, "host_group", lambda g: twin)
+    sd_kernels.enable_split_decode(pipe)
+    assert vars(pipe.vae.decoder)["forward"].exchange.host_group is twin and alive(twin)
+    sd_kernels.unpatch(pipe)
+    assert not alive(twin)
+    monkeypatch.setattr(split_decode, "host_group", lambda g: g)
+    sd_kernels.patch(pipe, cuda_graph=False)
+    sd_kernels.enable_split_decode(pipe)
+    sd_kernels.unpatch(pipe)
+    assert alive(group)
+
+
 def _decode(pipe, z):
     with torch.no_grad():
         return pipe.vae.decode(z, return_dict=False)[0]
