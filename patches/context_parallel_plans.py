@@ -229,12 +229,18 @@ def _same_processors(modules: list[tuple[str, torch.nn.Module]], name: str) -> N
 EXCHANGES = ("ulysses", "ring")
 
 
-def _block_norms(transformer, name: str, degree: int) -> list:
-    """FLUX's adaLN-Zero block norms, whose modulation products ``split_modulation`` splits over ``degree``
-    processes (patches/modulation_split.py); a ValueError where it cannot."""
+def block_norms(transformer) -> list:
+    """The transformer's adaLN-Zero block norms of diffusers' (FLUX's), whose modulation products
+    ``split_modulation`` splits (patches/modulation_split.py)."""
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
-    norms = [m for m in transformer.modules() if type(m) in (AdaLayerNormZero, AdaLayerNormZeroSingle)]
+    return [m for m in transformer.modules() if type(m) in (AdaLayerNormZero, AdaLayerNormZeroSingle)]
+
+
+def _block_norms(transformer, name: str, degree: int) -> list:
+    """``block_norms`` where ``split_modulation`` can split them over ``degree`` processes; a ValueError
+    where it cannot."""
+    norms = block_norms(transformer)
     why = modulation_split.reason(norms, degree) if norms else (
         f"this {name} has no adaLN-Zero block norms of diffusers' (the FP8 tier, patch(pipe, precision='fp8'), "
         "replaces them with its own, which compute their products themselves)")

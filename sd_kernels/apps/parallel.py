@@ -181,11 +181,10 @@ def prepare(pipe: Any, launch: Launch, precision: str = "fp16") -> dict[str, Any
 
 
 def _modulated(pipe: Any, precision: str) -> bool:
-    from diffusers.models.normalization import AdaLayerNormZero
+    from sd_kernels.patches.context_parallel_plans import block_norms
 
     transformer = getattr(pipe, "transformer", None)
-    return precision != "fp8" and transformer is not None and any(
-        isinstance(m, AdaLayerNormZero) for m in transformer.modules())
+    return precision != "fp8" and transformer is not None and bool(block_norms(transformer))
 
 
 SPLIT_DECODE_PIXELS = 1024 * 1024  # under cfg, the image size from which the split decode was measured to pay
