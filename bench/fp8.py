@@ -1,7 +1,7 @@
 """The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
-                        [--rows stock,compile,patched,fp8,fp8+compile,torchao] [--steps 20] [--calls 2]
+                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+compile,torchao] [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
 
@@ -20,7 +20,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   compiled where diffusers names no repeated blocks: SD3, PixArt-Σ; ``--compile-mode``: torch.compile's
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
   label); ours lossless
-  (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, and with ``compile=True``
+  (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
+  too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -199,11 +200,29 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
-    if row in ("fp8", "fp8+compile"):
-        setup = Setup("patched+graph+fp8" if row == "fp8" else "patched+graph+compile+fp8", patched=True,
-                      graph=True, precision="fp8", patch_compile=row == "fp8+compile")
+    if row in ("fp8", "fp8+compile", "fp8+attention"):
+        names = {"fp8": "patched+graph+fp8", "fp8+compile": "patched+graph+compile+fp8",
+                 "fp8+attention": "patched+graph+fp8+attention"}
+        setup = Setup(names[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
+        if row == "fp8+attention":
+            return setup.name, lambda p: _with_fp8_attention(p, setup)
         return setup.name, lambda p: applied(p, setup)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
+
+
+@contextlib.contextmanager
+def _with_fp8_attention(pipe, setup):
+    """``applied(pipe, setup)`` with ``patches.fp8.FP8_ATTENTION`` set: the tier's attention in FP8 too."""
+    from sd_kernels.patches import fp8 as fp8_patch
+
+    from bench.setups import applied
+
+    old, fp8_patch.FP8_ATTENTION = fp8_patch.FP8_ATTENTION, True
+    try:
+        with applied(pipe, setup) as info:
+            yield info
+    finally:
+        fp8_patch.FP8_ATTENTION = old
 
 
 def peer_columns(rows: list[dict]) -> dict[str, float]:
