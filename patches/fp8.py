@@ -48,7 +48,7 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated,
     layer_norm_modulated_fp8,
 )
-from sd_kernels.ops.fp8_linear import E4M3, FP8_CAPABILITY, attach_quantized, quantize_weight
+from sd_kernels.ops.fp8_linear import E4M3, FP8_CAPABILITY, attach_quantized, quantize_rows, quantize_weight
 from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting
@@ -155,10 +155,20 @@ class Fp8Linear(nn.Module):
         self.fresh()
         return fp8_linear(x, self.w_q, self.s_w, self.bias)
 
-    def from_codes(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM on an input already quantized (codes q, row scales s), output in ``dtype``."""
+    def from_codes(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The GEMM on an input already quantized (codes q, row scales s), output in ``dtype``; with
+        ``gate`` ([B, N], per sample) and ``residual`` the epilogue makes it ``residual + gate · y``."""
         self.fresh()
-        return fp8_gemm(q, s, self.w_q, self.s_w, self.bias, out_dtype=dtype)
+        return fp8_gemm(q, s, self.w_q, self.s_w, self.bias, gate=gate, residual=residual, out_dtype=dtype)
+
+    def joined(self, prefix: torch.Tensor, x: torch.Tensor, act: str, gate: torch.Tensor,
+               residual: torch.Tensor) -> torch.Tensor:
+        """``residual + gate · self(torch.cat([prefix, gelu(x)], -1))`` (``act``: the GELU's
+        approximation) with nothing but the codes written between: one kernel applies the GELU and
+        quantizes both parts, the GEMM's epilogue gates and adds. Eager calls only (the caller checks)."""
+        q, s = quantize_rows(x, act, prefix=prefix)
+        return self.from_codes(q, s, x.dtype, gate, residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
@@ -179,14 +189,26 @@ class Fp8FeedForward(nn.Module):
         self._ff = [ff]  # a list: not a submodule
         self.train(ff.training)
 
+    def _fused(self) -> bool:
+        return not self.training and isinstance(self.net[0].proj, Fp8Linear) and isinstance(self.net[2], Fp8Linear)
+
     @scoped
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or not self._fused():  # LoRA-wrapped since, training, or arguments of its own
+            return self._original(self._ff[0], hidden_states, *args, **kwargs)
+        return self.gated_residual(hidden_states)
+
+    def gated_residual(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The feed-forward of ``hidden_states``; with ``gate`` ([B, N], per sample) and ``residual``,
+        ``residual + gate · ff(hidden_states)``, the gate and the add in the second GEMM's epilogue (a
+        DiT block's gated residual; the blocks' fused forwards call it, patches/layer_norm.py)."""
+        if not self._fused():
+            out = self._original(self._ff[0], hidden_states)
+            return out if gate is None else residual + gate.unsqueeze(1) * out
         first, second = self.net[0].proj, self.net[2]
-        if self.training or not (isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear)):
-            return self._original(self._ff[0], hidden_states, *args, **kwargs)  # LoRA-wrapped since, or training
-        h = first(hidden_states)
-        q, s = fp8_quantize_rows(h, self.act, self.gated)
-        return second.from_codes(q, s, hidden_states.dtype)
+        q, s = fp8_quantize_rows(first(hidden_states), self.act, self.gated)
+        return second.from_codes(q, s, hidden_states.dtype, gate, residual)
 
     def extra_repr(self) -> str:
         return f"{'GEGLU' if self.gated else 'GELU'}(approximate={self.act!r}) fused with the FP8 quantization"

@@ -246,6 +246,9 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
     and ``norm2`` of it modulated with scale/shift_mlp in one kernel, then ``x + gate_mlp.unsqueeze(1) *
     ff(normed)`` as stock."""
     x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None])
+    gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
+    if gated is not None and getattr(block, "_chunk_size", None) is None:
+        return gated(normed, gate_mlp, x)  # the gate and the add in its second GEMM's epilogue
     return x + gate_mlp.unsqueeze(1) * _feed_forward(block, ff, normed)
 
 
@@ -360,25 +363,53 @@ class FluxSingleBlockForward(_FluxForward):
         # sd_kernels' FLUX processor in two halves: the MLP runs while a ring exchange of keys and values
         # (context parallelism) is under way; without one, the same ops in another order
         finish = _begun(block.attn, norm_hidden_states, image_rotary_emb)
-        # torch.cat([attn_output, act_mlp(proj_mlp(norm_hidden_states))], dim=2), the GELU written in its place
-        joined = _mlp_beside(block, norm_hidden_states)
-        if finish is None:
-            attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
-        else:
-            attn_output = finish()
         inner = block.attn.inner_dim
-        if not isinstance(joined, torch.Tensor):
-            joined = torch.cat([attn_output, joined[0]], dim=2)
-        elif attn_output.shape == (*joined.shape[:-1], inner):
-            joined[..., :inner].copy_(attn_output)
-        else:  # another attention output than the width planned for: stock's concatenation (and its errors)
-            joined = torch.cat([attn_output, joined[..., inner:]], dim=2)
-        # the gated residual: the next block's norm follows (a fusion across blocks, not done)
-        projected = block.proj_out(joined)
-        hidden_states = hidden_states + gate.unsqueeze(1) * projected
+        fp8_joined = _fp8_joined(block, norm_hidden_states)
+        if fp8_joined is not None:  # the FP8 tier: the GELU, the join and the quantization in one kernel
+            mlp = block.proj_mlp(norm_hidden_states)
+            attn_output = _attention_output(block, norm_hidden_states, image_rotary_emb, finish)
+            if attn_output.shape == (*mlp.shape[:-1], inner):
+                hidden_states = fp8_joined(attn_output, mlp, block.act_mlp.approximate, gate, hidden_states)
+            else:  # another attention output than the width planned for: stock's concatenation (and its errors)
+                joined = torch.cat([attn_output, block.act_mlp(mlp)], dim=2)
+                hidden_states = hidden_states + gate.unsqueeze(1) * block.proj_out(joined)
+        else:
+            # torch.cat([attn_output, act_mlp(proj_mlp(norm_hidden_states))], dim=2), the GELU written in its place
+            joined = _mlp_beside(block, norm_hidden_states)
+            attn_output = _attention_output(block, norm_hidden_states, image_rotary_emb, finish)
+            if not isinstance(joined, torch.Tensor):
+                joined = torch.cat([attn_output, joined[0]], dim=2)
+            elif attn_output.shape == (*joined.shape[:-1], inner):
+                joined[..., :inner].copy_(attn_output)
+            else:  # another attention output than the width planned for: stock's concatenation (and its errors)
+                joined = torch.cat([attn_output, joined[..., inner:]], dim=2)
+            # the gated residual: the next block's norm follows (a fusion across blocks, not done)
+            projected = block.proj_out(joined)
+            hidden_states = hidden_states + gate.unsqueeze(1) * projected
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def _attention_output(block: nn.Module, norm_hidden_states: torch.Tensor, image_rotary_emb,
+                      finish: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    """The single block's attention output: the rest of a call ``_begun`` began, or the whole call."""
+    if finish is None:
+        return block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+    return finish()
+
+
+def _fp8_joined(block: nn.Module, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The FP8 tier's ``proj_out.joined`` (patches/fp8.py: ``residual + gate · proj_out(cat([attention,
+    gelu(mlp)]))`` from the two parts, the concatenation never written) where this call can take it:
+    torch's GELU, FLUX's widths, eager, no autograd; else None."""
+    joined = getattr(block.proj_out, "joined", None)
+    if (joined is None or type(block.act_mlp) is not nn.GELU or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and x.requires_grad)
+            or getattr(block.proj_out, "in_features", None)
+            != block.attn.inner_dim + getattr(block.proj_mlp, "out_features", -1)):
+        return None
+    return joined
 
 
 def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Callable[[], torch.Tensor] | None:

@@ -334,10 +334,12 @@ def _activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return x if act == "" else F.gelu(x, approximate=act)
 
 
-def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
+                      prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per row of x [..., N]: v = act(x) (gated: a · act(g) with a, g = x.chunk(2, -1)),
-    computed in float32; scale = max|v| / 448; q = e4m3(v · (448 / max|v|)). Returns (q [..., n]
-    float8_e4m3fn, scale [...] float32); a row of zeros gets scale 0 and codes 0."""
+    computed in float32, with ``prefix`` [..., P] (as it is, no activation) in front of it where given;
+    scale = max|v| / 448; q = e4m3(v · (448 / max|v|)). Returns (q [..., P + n] float8_e4m3fn, scale
+    [...] float32); a row of zeros gets scale 0 and codes 0."""
     check_fp8_activation(act)
     v = x.float()
     if gated:
@@ -345,6 +347,8 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False) -> tu
         v = a * _activation(g, act)
     else:
         v = _activation(v, act)
+    if prefix is not None:
+        v = torch.cat([prefix.float(), v], dim=-1)
     amax = v.abs().amax(dim=-1, keepdim=True) if v.shape[-1] else v.new_zeros((*v.shape[:-1], 1))
     # a tensor divided, not ``448 / amax`` (a reciprocal times 448: two roundings)
     inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))

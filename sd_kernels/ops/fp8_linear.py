@@ -41,7 +41,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = reference.E4M3_MAX
 _E4M3_MAX = tl.constexpr(448.0)
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
-_ELEMS = 8192  # elements of a row chunk per program in the quantizer
+_ELEMS = 16384  # elements of a row chunk per program in the quantizer (FLUX's widest rows, 15,360, in one pass)
 
 
 @triton.jit
@@ -104,40 +104,60 @@ def row_quantize(v, amax, q_ptrs, s_ptrs, mask, row_mask, GRID: tl.constexpr):
 
 
 @triton.jit
-def _row_values(x_ptrs, mask, stride_xc, n_cols, ACT: tl.constexpr, GATED: tl.constexpr):
-    if GATED:
-        a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(x_ptrs + n_cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        return a * _activate(g, ACT)
+def _row_values(x_rows, p_rows, cols, mask, stride_xc, stride_pc, n_cols, n_prefix, ACT: tl.constexpr,
+                GATED: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """Output columns ``cols`` [1, C] of the rows at x_rows (p_rows) [R, 1], fp32: the prefix's columns
+    as they are, then act(x) (gated: a · act(g), g n_cols - n_prefix columns after a)."""
+    if HAS_PREFIX:
+        in_prefix = cols < n_prefix
+        p = tl.load(p_rows + cols * stride_pc, mask=mask & in_prefix, other=0.0).to(tl.float32)
+        x_ptrs = x_rows + (cols - n_prefix) * stride_xc  # masked where negative
+        x_mask = mask & (cols >= n_prefix)
     else:
-        return _activate(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32), ACT)
+        x_ptrs = x_rows + cols * stride_xc
+        x_mask = mask
+    if GATED:
+        a = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptrs + (n_cols - n_prefix) * stride_xc, mask=x_mask, other=0.0).to(tl.float32)
+        v = a * _activate(g, ACT)
+    else:
+        v = _activate(tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32), ACT)
+    if HAS_PREFIX:
+        v = tl.where(in_prefix, p, v)
+    return v
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_xr, stride_xc, ACT: tl.constexpr,
-                     GATED: tl.constexpr, GRID: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows [pid·ROWS, (pid + 1)·ROWS) of q [n_rows, n_cols] (contiguous) and s [n_rows]. A row wider
-    than BLOCK_C is read twice (its maximum first, then the codes): from L2, a row is at most 64 KB."""
+def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, stride_xr, stride_xc, stride_pr,
+                     stride_pc, ACT: tl.constexpr, GATED: tl.constexpr, HAS_PREFIX: tl.constexpr, GRID: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of q [n_rows, n_cols] (contiguous) and s [n_rows]; with a prefix,
+    q's first n_prefix columns come from it. A row wider than BLOCK_C is read twice (its maximum
+    first, then the codes): from L2, a row is at most 64 KB."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_C)
     x_rows = x_ptr + rows[:, None] * stride_xr
+    p_rows = p_ptr + rows[:, None] * stride_pr
     q_rows = q_ptr + rows[:, None] * n_cols
     if BLOCK_C >= n_cols:
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
-        v = _row_values(x_rows + cols[None, :] * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
+        v = _row_values(x_rows, p_rows, cols[None, :], mask, stride_xc, stride_pc, n_cols, n_prefix, ACT, GATED,
+                        HAS_PREFIX)
         amax = row_amax(v, mask)
         row_quantize(v, amax, q_rows + cols[None, :], s_ptr + rows, mask, row_mask, GRID)
     else:
         amax = tl.zeros((ROWS,), dtype=tl.float32)
         for c in range(0, n_cols, BLOCK_C):
             mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
-            v = _row_values(x_rows + (c + cols[None, :]) * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
+            v = _row_values(x_rows, p_rows, c + cols[None, :], mask, stride_xc, stride_pc, n_cols, n_prefix, ACT,
+                            GATED, HAS_PREFIX)
             amax = _max_nan(amax, row_amax(v, mask))
         inv = _inverse(amax)
         for c in range(0, n_cols, BLOCK_C):
             mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
-            v = _row_values(x_rows + (c + cols[None, :]) * stride_xc, mask, stride_xc, n_cols, ACT, GATED)
+            v = _row_values(x_rows, p_rows, c + cols[None, :], mask, stride_xc, stride_pc, n_cols, n_prefix, ACT,
+                            GATED, HAS_PREFIX)
             tl.store(q_rows + c + cols[None, :], _codes(v, inv, GRID), mask=mask)
         tl.store(s_ptr + rows, amax / _E4M3_MAX, mask=row_mask)
 
@@ -174,31 +194,41 @@ def fp8_reason(*tensors: torch.Tensor | None) -> str | None:
     return None
 
 
-def _check_quantize(x: torch.Tensor, act: str, gated: bool) -> None:
+def _check_quantize(x: torch.Tensor, act: str, gated: bool, prefix: torch.Tensor | None) -> None:
     reference.check_fp8_activation(act)
     if x.dim() == 0:
         raise ValueError("quantize_rows needs a tensor of at least one dimension (rows of the last one)")
     if gated:
         reference.check_geglu_input(x)
+    if prefix is not None and (prefix.shape[:-1] != x.shape[:-1] or prefix.dtype != x.dtype
+                               or prefix.device != x.device):
+        raise ValueError(f"quantize_rows: the prefix [..., P] must have x's rows, dtype and device: got "
+                         f"{tuple(prefix.shape)} {prefix.dtype} {prefix.device} for x {tuple(x.shape)} {x.dtype} "
+                         f"{x.device}")
 
 
-def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.fp8_quantize_rows`` in one kernel: x [..., N] (any strides) → (q [..., n] e4m3,
-    contiguous; scales [...] fp32), n = N (N/2 with ``gated``)."""
-    _check_quantize(x, act, gated)
-    if not use_kernel("fp8_quant", x, unsupported=fp8_reason(x)):
-        return reference.fp8_quantize_rows(x, act, gated)
+def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
+                  prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.fp8_quantize_rows`` in one kernel: x [..., N] (any strides) → (q [..., P + n] e4m3,
+    contiguous; scales [...] fp32), n = N (N/2 with ``gated``). ``prefix`` [..., P]: columns put in
+    front of act(x) as they are (``torch.cat([prefix, act(x)], -1)`` quantized, the concatenation never
+    written)."""
+    _check_quantize(x, act, gated, prefix)
+    if not use_kernel("fp8_quant", x, prefix, unsupported=fp8_reason(x, prefix)):
+        return reference.fp8_quantize_rows(x, act, gated, prefix)
     x2 = _rows_view(x)
-    n_rows, n = x2.shape[0], x2.shape[1] // (2 if gated else 1)
+    p2 = x2 if prefix is None else _rows_view(prefix)
+    n_prefix = 0 if prefix is None else p2.shape[1]
+    n_rows, n = x2.shape[0], x2.shape[1] // (2 if gated else 1) + n_prefix
     q = torch.empty((*x.shape[:-1], n), dtype=E4M3, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if q.numel() == 0:
         return q, s.zero_()
     rows, block_c, warps = quantize_blocks(n_rows, n)
-    grid = interpreting()
-    _QUANTIZE((act, gated, grid, rows, block_c, warps), (cdiv(n_rows, rows),), x2, q, s, n_rows, n,
-              x2.stride(0), x2.stride(1), ACT=act, GATED=gated, GRID=grid, ROWS=rows, BLOCK_C=block_c,
-              num_warps=warps)
+    grid, has_prefix = interpreting(), prefix is not None
+    _QUANTIZE((act, gated, has_prefix, grid, rows, block_c, warps), (cdiv(n_rows, rows),), x2, p2, q, s, n_rows, n,
+              n_prefix, x2.stride(0), x2.stride(1), p2.stride(0), p2.stride(1), ACT=act, GATED=gated,
+              HAS_PREFIX=has_prefix, GRID=grid, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
     return q, s
 
 

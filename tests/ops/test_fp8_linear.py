@@ -47,6 +47,32 @@ def test_a_zero_row_gets_scale_zero(device):
     assert s[1] == 0 and not _codes(q[1]).any() and torch.isfinite(_codes(q)).all()
 
 
+@pytest.mark.parametrize("act,chunk", [("", None), ("tanh", None), ("tanh", 16)])
+def test_quantize_with_a_prefix(device, act, chunk, monkeypatch):
+    """``prefix``: the concatenation [prefix, act(x)] quantized without being written: FLUX's single
+    blocks' attention output beside their MLP's GELU. The row max may lie in either part; a chunk of
+    16 columns makes the two-pass loop cross the seam (a strided prefix, read in place)."""
+    if chunk is not None:
+        blocks = fp8.quantize_blocks
+        monkeypatch.setattr(fp8, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
+    x = torch.randn(2, 9, 40, device=device)
+    prefix = non_contiguous(torch.randn(2, 9, 24, device=device))
+    prefix[0, :4] *= 20  # these rows' max in the prefix
+    q, s = fp8.quantize_rows(x, act, prefix=prefix)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, act, prefix=prefix)
+    q_cat, s_cat = reference.fp8_quantize_rows(torch.cat([prefix, F.gelu(x, approximate=act) if act else x], -1))
+    assert q.shape == (2, 9, 64) and torch.equal(s_ref, s_cat) and torch.equal(_codes(q_ref), _codes(q_cat))
+    assert torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99  # the GELU's last bit, as below
+    same = s == s_ref  # rows whose scale the GELU's rounding did not move: the prefix's codes exact
+    assert same.any() and torch.equal(_codes(q[..., :24])[same], _codes(q_ref[..., :24])[same])
+
+
+def test_quantize_refuses_a_prefix_of_other_rows(device):
+    with pytest.raises(ValueError, match="prefix"):
+        fp8.quantize_rows(torch.randn(3, 8, device=device), prefix=torch.randn(2, 8, device=device))
+
+
 @pytest.mark.parametrize("act,gated", [("tanh", False), ("none", True), ("tanh", True)])
 def test_quantize_with_activation(device, act, gated):
     """GELU (GEGLU) then the quantization, in one kernel: the codes of the reference up to the last

@@ -63,9 +63,12 @@ def test_gpu_fp8_flux_in_bfloat16():
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, images=True)
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
                                    images=True)
+    # with every op family: the blocks' fused forwards take the tier's join and gated residuals
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
+                                   images=True, ops=None)
 
 
-def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False, images=False):
+def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False, images=False, ops=()):
     """The tier's latents close to stock's (and its images, with ``images``: on CPU the latents alone,
     since the tier changes nothing outside the transformer blocks and the VAE decodes as stock), the
     record, and an exact unpatch."""
@@ -77,7 +80,7 @@ def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False, images=Fals
     params = dict(model.named_parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    record = sd_kernels.patch(pipe, precision="fp8", ops=[], cuda_graph=cuda_graph)
+    record = sd_kernels.patch(pipe, precision="fp8", ops=None if ops is None else list(ops), cuda_graph=cuda_graph)
     assert families <= set(record.counts), record.counts
     assert record.precision == "fp8" and "fp8:" in record.format() and "exact unpatch" in record.format()
     assert model.state_dict().keys() == state.keys()  # the same keys (and Parameters) while patched
@@ -332,3 +335,67 @@ def test_the_vae_attention_stays_exact(monkeypatch):
         assert unet and all(p.precision == "fp8" for p in unet)
     finally:
         sd_kernels.unpatch(pipe)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DiT blocks' fusions of the FP8 tier: the single block's join, the gated residuals
+
+
+def _half(*shape):
+    return torch.randn(*shape).half()
+
+
+def test_fp8_joined_is_the_gated_projection_of_the_concatenation():
+    """``Fp8Linear.joined``: ``residual + gate · proj_out(cat([attention, gelu(mlp)]))`` with the join,
+    the GELU and the quantization in one kernel and the gate and add in the GEMM's epilogue, against the
+    same written out: apart only in where the GELU and the epilogue round (a code a step off here and there)."""
+    torch.manual_seed(0)
+    lin = fp8.Fp8Linear(nn.Linear(24 + 40, 16).half())
+    prefix, x, gate, residual = _half(2, 5, 24), _half(2, 5, 40) * 2, _half(2, 16), _half(2, 5, 16)
+    ours = lin.joined(prefix, x, "tanh", gate, residual)
+    written = residual + gate[:, None] * lin(torch.cat([prefix, torch.nn.functional.gelu(x, approximate="tanh")], -1))
+    assert ours.dtype == torch.float16 and ours.shape == residual.shape
+    assert rel_err(ours, written) < 1e-2, rel_err(ours, written)
+
+
+def test_fp8_feed_forward_gated_residual():
+    """``Fp8FeedForward.gated_residual``: the gate and the residual in its second GEMM's epilogue."""
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    ff = FeedForward(32, activation_fn="gelu-approximate").half().eval()
+    fused = fp8.Fp8FeedForward(ff, "tanh", False)
+    ff.net[0].proj, ff.net[2] = fp8.Fp8Linear(ff.net[0].proj), fp8.Fp8Linear(ff.net[2])
+    h, gate, residual = _half(2, 6, 32), _half(2, 32), _half(2, 6, 32)
+    ours = fused.gated_residual(h, gate, residual)
+    assert rel_err(ours, residual + gate[:, None] * fused(h)) < 1e-2
+    fused.train()  # training: the original forward, the same sum written out
+    assert torch.equal(fused.gated_residual(h, gate, residual), residual + gate[:, None] * ff(h))
+
+
+@cpu_only
+def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(monkeypatch):
+    """With the blocks' fused forwards (``layer_norm``), the FP8 tier's single blocks run ``joined`` and
+    the double blocks' feed-forwards their gated residual; the output stays close to stock's."""
+    model = _model("tiny-flux")
+    stock = _call(model, "tiny-flux")
+    calls = {"joined": 0, "gated": 0}
+    joined, gated = fp8.Fp8Linear.joined, fp8.Fp8FeedForward.gated_residual
+
+    def spy_joined(self, *args, **kwargs):
+        calls["joined"] += 1
+        return joined(self, *args, **kwargs)
+
+    def spy_gated(self, h, gate=None, residual=None):
+        calls["gated"] += gate is not None
+        return gated(self, h, gate, residual)
+
+    monkeypatch.setattr(fp8.Fp8Linear, "joined", spy_joined)
+    monkeypatch.setattr(fp8.Fp8FeedForward, "gated_residual", spy_gated)
+    sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
+    out = _call(model, "tiny-flux")
+    singles, doubles = len(model.single_transformer_blocks), len(model.transformer_blocks)
+    assert calls == {"joined": singles, "gated": 2 * doubles}, calls
+    assert rel_err(out, stock) < 0.1, rel_err(out, stock)
+    assert sd_kernels.unpatch(model)
+    assert torch.equal(_call(model, "tiny-flux"), stock)
