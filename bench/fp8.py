@@ -148,24 +148,26 @@ def run_ops(models: list[str], out: pathlib.Path) -> list[dict]:
 def _regional_compile(pipe, quantize: bool, mode: str = "default"):
     """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks in
     torch.compile's ``mode``. The compile row is undone on exit (blocks uncompiled, QKV unfused, dynamo
-    reset), so that a row after it measures its own setup and not the compiled blocks under it;
-    torchao's is not: quantize_ replaces the weights in place (its row runs last)."""
+    reset), also where its set-up fails after the fusion, so that a row after it measures its own setup
+    and not the fused projections or compiled blocks under it (the lossless patch serves fused
+    projections too, in another layout); torchao's is not: quantize_ replaces the weights in place (its
+    row runs last)."""
     transformer = pipe.transformer
     dtype = next(transformer.parameters()).dtype
     if quantize and dtype != torch.bfloat16:  # torchao asserts it deep inside quantize_
         raise ValueError(f"torchao's row-wise float8 takes bfloat16 models; this one is {dtype} (--dtype bf16)")
     transformer.fuse_qkv_projections()
-    if quantize:
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-        quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks(fullgraph=True, mode=mode)
-        how = "regional-compile"
-    else:  # SD3's and PixArt's transformers name no repeated blocks (diffusers 0.42.1): the whole forward
-        transformer.compile(fullgraph=True, mode=mode)
-        how = "whole-transformer-compile"
     try:
+        if quantize:
+            from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+            quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        if getattr(transformer, "_repeated_blocks", None):
+            transformer.compile_repeated_blocks(fullgraph=True, mode=mode)
+            how = "regional-compile"
+        else:  # SD3's and PixArt's transformers name no repeated blocks (diffusers 0.42.1): the whole forward
+            transformer.compile(fullgraph=True, mode=mode)
+            how = "whole-transformer-compile"
         yield {"e2e_mode": f"{how} mode={mode}", "patched": "torchao float8 row-wise" if quantize else ""}
     finally:
         if not quantize:

@@ -65,6 +65,9 @@ VARIANTS = {s.name: s for s in (
     # Our best without Winograd (every other family): what the Winograd routes are worth end to end.
     Setup("patched+graph+compile-no-winograd", patched=True, graph=True, patch_compile=True,
           ops=tuple(sorted(set(PATCHERS) - {"winograd"}))),
+    # The lossless patch after fuse_qkv_projections() (our processor serves the fused projections): set
+    # beside patched+graph, what the fusion is worth without compile.
+    Setup("patched+graph+fused-qkv", patched=True, graph=True, fuse_qkv=True),
     # Our best after the recipe's fuse_qkv_projections() (our processor serves the fused projections).
     Setup("patched+graph+compile+fused-qkv", patched=True, graph=True, patch_compile=True, fuse_qkv=True),
     # Each denoising step (guidance batch, UNet, combine, scheduler.step) from one graph, without and with compile.
@@ -78,7 +81,7 @@ VARIANTS = {s.name: s for s in (
 # the Winograd-less row is an ablation, asked for by name).
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune", PEER_UNFUSED,
                                                           "patched+graph+compile-no-winograd",
-                                                          "patched+graph+compile+fused-qkv",
+                                                          "patched+graph+fused-qkv", "patched+graph+compile+fused-qkv",
                                                           "patched+step-graph", "patched+step-graph+compile+fused-qkv",
                                                           "patched+graph+compile-max-autotune+fused-qkv"))
 NO_COMPILE = tuple(n for n in DEFAULT_VARIANTS if not VARIANTS[n].slow_start)

@@ -4,7 +4,8 @@ It is diffusers' ``JointAttnProcessor2_0.__call__`` (diffusers 0.42.1, models/at
 line for line: the image stream's q/k/v projections viewed as [B, heads, S, D], ``norm_q`` /
 ``norm_k`` where the module has them (SD3.5's RMSNorm), the context stream's ``add_q_proj`` /
 ``add_k_proj`` / ``add_v_proj`` with ``norm_added_q`` / ``norm_added_k``, the two streams concatenated
-along the sequence, then split back after the attention, ``to_add_out`` on the context's part unless
+along the sequence (the same values, laid out with the heads inner in memory: ``_joined``), then split
+back after the attention, ``to_add_out`` on the context's part unless
 the module is ``context_pre_only``, ``to_out`` on the image's. The one
 ``F.scaled_dot_product_attention`` call (no mask, the default 1/√D scale, no dropout) goes to
 ``sd_kernels.ops.custom_ops.attention``, which picks FlashAttention, the partially fused softmax or stock
@@ -97,9 +98,8 @@ class SDKernelsJointAttnProcessor:
             if attn.norm_added_k is not None:
                 context_key = attn.norm_added_k(context_key)
 
-            query = torch.cat([query, context_query], dim=2)
-            key = torch.cat([key, context_key], dim=2)
-            value = torch.cat([value, context_value], dim=2)
+            query, key, value = (_joined(a, b) for a, b in ((query, context_query), (key, context_key),
+                                                             (value, context_value)))
 
         hidden_states, context = _attend(attn, query, key, value, batch_size, head_dim, residual.shape[1],
                                          encoder_hidden_states is not None, self.precision)
@@ -132,6 +132,16 @@ class SDKernelsJointAttnProcessor:
         query, key, value = (t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
         outputs = _attend(attn, query, key, value, batch_size, head_dim, image_len, True, self.precision)
         return tuple(t if shape is None else t.transpose(-1, -2).reshape(shape) for t, shape in zip(outputs, shapes))
+
+
+def _joined(image: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``torch.cat([image, context], dim=2)`` of two [B, heads, S, D] streams: the same values,
+    laid out as [B, S, heads, D] memory (heads inner), the projections' own layout and the one the fused
+    processor's join gives. The concatenation then reads contiguous inputs, and the attention writes its
+    output heads inner, so the ``transpose(1, 2).reshape`` after it is a view, not a copy of the whole
+    output (at SD3-medium 1024², 27 MB per block). The attention kernels read any strides: the same
+    kernels, the same bits (tests/patches/test_sd3_patch.py compares them)."""
+    return torch.cat([image.transpose(1, 2), context.transpose(1, 2)], dim=1).transpose(1, 2)
 
 
 def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: int, joint: bool, precision: str):

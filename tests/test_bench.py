@@ -644,11 +644,10 @@ def test_parallel_bench_keeps_one_gpu_times_across_runs_of_some_variants():
     assert parallel.one_gpu_times(ref, rows) == {"stock": 9.0, "ours": 4.0, "ours+compile": 3.0}
 
 
-def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch):
-    """A row after the compile row must measure its own setup, not the compiled blocks left under it."""
+def _fp8_bench_pipe(compiles: bool = True):
+    """A pipeline stand-in for bench.fp8's regional compile row: a transformer with one repeated block whose
+    ``compile_repeated_blocks`` compiles it (as diffusers': nn.Module.compile per block) or raises."""
     import torch.nn as nn
-
-    from bench import fp8
 
     class Transformer(nn.Module):
         _repeated_blocks = ["Linear"]
@@ -663,12 +662,22 @@ def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch)
         def unfuse_qkv_projections(self):
             self.fused = False
 
-        def compile_repeated_blocks(self, **kwargs):  # as diffusers': nn.Module.compile per block
+        def compile_repeated_blocks(self, **kwargs):
+            if not compiles:
+                raise ValueError("`_repeated_blocks` attribute is empty")
             self.block._compiled_call_impl = self.block._call_impl
 
     class Pipe:
         transformer = Transformer().to(torch.bfloat16)
 
+    return Pipe
+
+
+def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch):
+    """A row after the compile row must measure its own setup, not the compiled blocks left under it."""
+    from bench import fp8
+
+    Pipe = _fp8_bench_pipe()
     t = Pipe.transformer
     with fp8._regional_compile(Pipe, quantize=False):
         assert t.fused and t.block._compiled_call_impl is not None
@@ -678,6 +687,17 @@ def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch)
     with fp8._regional_compile(Pipe, quantize=True):
         pass
     assert t.fused and t.block._compiled_call_impl is not None  # quantize_ cannot be undone: its row runs last
+
+
+def test_fp8_bench_undoes_the_fusion_of_a_compile_row_whose_set_up_fails():
+    """A compile row that fails after fusing the projections (diffusers refusing a model's repeated blocks)
+    leaves them unfused: the rows after it measure their own setup, not our processor's fused path."""
+    from bench import fp8
+
+    Pipe = _fp8_bench_pipe(compiles=False)
+    with pytest.raises(ValueError, match="_repeated_blocks"), fp8._regional_compile(Pipe, quantize=False):
+        pass
+    assert not Pipe.transformer.fused
 
 
 def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
