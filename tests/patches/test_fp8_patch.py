@@ -399,3 +399,41 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(monkeypatch):
     assert rel_err(out, stock) < 0.1, rel_err(out, stock)
     assert sd_kernels.unpatch(model)
     assert torch.equal(_call(model, "tiny-flux"), stock)
+
+
+@cpu_only
+@pytest.mark.parametrize("name,path,fused", [
+    ("tiny-flux", "single_transformer_blocks.0.proj_out", "joined"),
+    ("tiny-flux", "transformer_blocks.0.ff", "gated"),
+    ("tiny-sd3", "transformer_blocks.0.ff_context", "gated"),
+])
+def test_fp8_fused_blocks_call_a_hooked_module_as_itself(name, path, fused, monkeypatch):
+    """The join and the gated residuals call methods of ``proj_out`` / the feed-forward, not the module:
+    a module with a forward hook (a user's, accelerate's, bench.fp8's per-layer error hooks) is called
+    as itself, so that its hooks run, as they do in stock's forward and in the unfused tier."""
+    model = _model(name)
+    calls = {"joined": 0, "gated": 0}
+    joined, gated = fp8.Fp8Linear.joined, fp8.Fp8FeedForward.gated_residual
+
+    def spy_joined(self, *args):
+        calls["joined"] += 1
+        return joined(self, *args)
+
+    def spy_gated(self, h, gate=None, residual=None):
+        calls["gated"] += gate is not None
+        return gated(self, h, gate, residual)
+
+    monkeypatch.setattr(fp8.Fp8Linear, "joined", spy_joined)
+    monkeypatch.setattr(fp8.Fp8FeedForward, "gated_residual", spy_gated)
+    sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
+    try:
+        _call(model, name)
+        assert calls[fused] > 0, calls  # unhooked: the fused path
+        module, seen = model.get_submodule(path), []
+        handle = module.register_forward_hook(lambda m, args, out: seen.append(type(m).__name__) or out * 0)
+        hooked = _call(model, name)
+        handle.remove()
+        assert seen and seen[0].startswith("Fp8"), seen
+        assert not torch.equal(hooked, _call(model, name))  # the hook's zeros reached the output
+    finally:
+        sd_kernels.unpatch(model)
