@@ -68,6 +68,16 @@ def test_quantize_with_a_prefix(device, act, chunk, monkeypatch):
     assert same.any() and torch.equal(_codes(q[..., :24])[same], _codes(q_ref[..., :24])[same])
 
 
+@pytest.mark.parametrize("x_cols,p_cols", [(40, 0), (0, 24), (0, 0)])
+def test_quantize_with_an_empty_part(device, x_cols, p_cols):
+    """An empty prefix (or nothing after it): the quantization of what there is, as the reference's."""
+    x, prefix = torch.randn(2, 3, x_cols, device=device), torch.randn(2, 3, p_cols, device=device)
+    q, s = fp8.quantize_rows(x, "tanh", prefix=prefix)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, "tanh", prefix=prefix)
+    assert q.shape == (2, 3, x_cols + p_cols) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99 if q.numel() else not s.any()
+
+
 def test_quantize_refuses_a_prefix_of_other_rows(device):
     with pytest.raises(ValueError, match="prefix"):
         fp8.quantize_rows(torch.randn(3, 8, device=device), prefix=torch.randn(2, 8, device=device))
