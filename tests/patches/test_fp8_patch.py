@@ -371,6 +371,11 @@ def test_fp8_feed_forward_gated_residual():
     assert rel_err(ours, residual + gate[:, None] * fused(h)) < 1e-2
     fused.train()  # training: the original forward, the same sum written out
     assert torch.equal(fused.gated_residual(h, gate, residual), residual + gate[:, None] * ff(h))
+    # the gate or the residual alone, as the fused path takes them
+    assert torch.equal(fused.gated_residual(h, gate), gate[:, None] * ff(h))
+    assert torch.equal(fused.gated_residual(h, None, residual), residual + ff(h))
+    fused.eval()
+    assert rel_err(fused.gated_residual(h, None, residual), residual + fused(h)) < 1e-2
 
 
 @pytest.fixture
