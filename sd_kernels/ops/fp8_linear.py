@@ -204,7 +204,7 @@ def _check_quantize(x: torch.Tensor, act: str, gated: bool, prefix: torch.Tensor
         raise ValueError("quantize_rows needs a tensor of at least one dimension (rows of the last one)")
     if gated:
         reference.check_geglu_input(x)
-    if prefix is not None and (prefix.shape[:-1] != x.shape[:-1] or prefix.dtype != x.dtype
+    if prefix is not None and (prefix.dim() != x.dim() or prefix.shape[:-1] != x.shape[:-1] or prefix.dtype != x.dtype
                                or prefix.device != x.device):
         raise ValueError(f"quantize_rows: the prefix [..., P] must have x's rows, dtype and device: got "
                          f"{tuple(prefix.shape)} {prefix.dtype} {prefix.device} for x {tuple(x.shape)} {x.dtype} "

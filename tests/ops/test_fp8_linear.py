@@ -78,9 +78,10 @@ def test_quantize_with_an_empty_part(device, x_cols, p_cols):
     assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99 if q.numel() else not s.any()
 
 
-def test_quantize_refuses_a_prefix_of_other_rows(device):
+@pytest.mark.parametrize("x_shape,p_shape", [((3, 8), (2, 8)), ((8,), ())])
+def test_quantize_refuses_a_prefix_of_other_rows(device, x_shape, p_shape):
     with pytest.raises(ValueError, match="prefix"):
-        fp8.quantize_rows(torch.randn(3, 8, device=device), prefix=torch.randn(2, 8, device=device))
+        fp8.quantize_rows(torch.randn(x_shape, device=device), prefix=torch.randn(p_shape, device=device))
 
 
 @pytest.mark.parametrize("act,gated", [("tanh", False), ("none", True), ("tanh", True)])
