@@ -13,6 +13,11 @@ known, the quantization moves into the op that produces the input:
 |                                       | and attention's q, k, v projections read them                |
 | any other ``nn.Linear`` in a block    | quantize the input (once per input tensor) → GEMM             |
 
+The block forwards of patches/layer_norm.py (FLUX's, SD3's) go further where they call these: a
+single block's attention output and GELU(``proj_mlp``) are quantized together for ``proj_out``
+(``Fp8Linear.joined``: the concatenation never written), and its gated residual and the
+feed-forwards' (``Fp8FeedForward.gated_residual``) are the GEMM's epilogue.
+
 The projections of one input (q, k and v of the same hidden states; k and v of the same text
 context, block after block) share one quantization: the first one leaves it on the tensor
 (``ops.fp8_linear.attach_quantized``). Outside the blocks (embedders, the final norm and projection,

@@ -59,7 +59,9 @@ fp16, as in diffusers' forward. The single-stream ``FluxSingleTransformerBlock``
 concatenated) has one ``AdaLayerNormZeroSingle`` (``linear(silu(temb))`` in three chunks):
 ``norm(x) * (1 + scale) + shift`` is ``layer_norm_modulated`` (``FluxSingleBlockForward``, counted as
 ``layer_norm.FluxSingleTransformerBlock``); its gated ``proj_out`` residual is followed by the next
-block's norm, a fusion across blocks, left to stock's ops. Both call the original forward for
+block's norm, a fusion across blocks, left to stock's ops (the FP8 tier puts it, with the join, in
+``proj_out``'s GEMM: ``_fp8_joined``; and every stream's feed-forward residual in the feed-forward's
+second GEMM: ``_after_attention``). Both call the original forward for
 ``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, a mask) and for
 streams not [B, T, D]; blocks are left alone where the block's forward or its adaLN's is not the
 verified source or a norm is not the plain module assumed. A norm module swapped in after the patch
