@@ -13,6 +13,11 @@ known, the quantization moves into the op that produces the input:
 |                                       | and attention's q, k, v projections read them                |
 | any other ``nn.Linear`` in a block    | quantize the input (once per input tensor) → GEMM             |
 
+The block forwards of patches/layer_norm.py (FLUX's, SD3's) go further where they call these: a
+single block's attention output and GELU(``proj_mlp``) are quantized together for ``proj_out``
+(``Fp8Linear.joined``: the concatenation never written), and its gated residual and the
+feed-forwards' (``Fp8FeedForward.gated_residual``) are the GEMM's epilogue.
+
 The projections of one input (q, k and v of the same hidden states; k and v of the same text
 context, block after block) share one quantization: the first one leaves it on the tensor
 (``ops.fp8_linear.attach_quantized``). Outside the blocks (embedders, the final norm and projection,
@@ -201,11 +206,13 @@ class Fp8FeedForward(nn.Module):
     def gated_residual(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The feed-forward of ``hidden_states``; with ``gate`` ([B, N], per sample) and ``residual``,
-        ``residual + gate · ff(hidden_states)``, the gate and the add in the second GEMM's epilogue (a
-        DiT block's gated residual; the blocks' fused forwards call it, patches/layer_norm.py)."""
+        ``residual + gate · ff(hidden_states)`` (either may be None), the gate and the add in the second
+        GEMM's epilogue (a DiT block's gated residual; the blocks' fused forwards call it,
+        patches/layer_norm.py)."""
         if not self._fused():
             out = self._original(self._ff[0], hidden_states)
-            return out if gate is None else residual + gate.unsqueeze(1) * out
+            out = out if gate is None else gate.unsqueeze(1) * out
+            return out if residual is None else residual + out
         first, second = self.net[0].proj, self.net[2]
         q, s = fp8_quantize_rows(first(hidden_states), self.act, self.gated)
         return second.from_codes(q, s, hidden_states.dtype, gate, residual)

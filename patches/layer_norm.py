@@ -59,7 +59,9 @@ fp16, as in diffusers' forward. The single-stream ``FluxSingleTransformerBlock``
 concatenated) has one ``AdaLayerNormZeroSingle`` (``linear(silu(temb))`` in three chunks):
 ``norm(x) * (1 + scale) + shift`` is ``layer_norm_modulated`` (``FluxSingleBlockForward``, counted as
 ``layer_norm.FluxSingleTransformerBlock``); its gated ``proj_out`` residual is followed by the next
-block's norm, a fusion across blocks, left to stock's ops. Both call the original forward for
+block's norm, a fusion across blocks, left to stock's ops (the FP8 tier puts it, with the join, in
+``proj_out``'s GEMM: ``_fp8_joined``; and every stream's feed-forward residual in the feed-forward's
+second GEMM: ``_after_attention``). Both call the original forward for
 ``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, a mask) and for
 streams not [B, T, D]; blocks are left alone where the block's forward or its adaLN's is not the
 verified source or a norm is not the plain module assumed. A norm module swapped in after the patch
@@ -244,10 +246,11 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
                      gate_mlp: torch.Tensor) -> torch.Tensor:
     """One stream of an adaLN-Zero block after its attention: ``x + gate_msa.unsqueeze(1) * attn_output``
     and ``norm2`` of it modulated with scale/shift_mlp in one kernel, then ``x + gate_mlp.unsqueeze(1) *
-    ff(normed)`` as stock."""
+    ff(normed)``: as stock, or in the GEMM's epilogue of the FP8 tier's feed-forward where ``ff`` is
+    one, unchunked and called as nothing but its forward."""
     x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None])
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
-    if gated is not None and getattr(block, "_chunk_size", None) is None:
+    if gated is not None and getattr(block, "_chunk_size", None) is None and not _called_beside(ff):
         return gated(normed, gate_mlp, x)  # the gate and the add in its second GEMM's epilogue
     return x + gate_mlp.unsqueeze(1) * _feed_forward(block, ff, normed)
 
@@ -402,14 +405,22 @@ def _attention_output(block: nn.Module, norm_hidden_states: torch.Tensor, image_
 def _fp8_joined(block: nn.Module, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """The FP8 tier's ``proj_out.joined`` (patches/fp8.py: ``residual + gate · proj_out(cat([attention,
     gelu(mlp)]))`` from the two parts, the concatenation never written) where this call can take it:
-    torch's GELU, FLUX's widths, eager, no autograd; else None."""
+    torch's GELU, FLUX's widths, eager, no autograd, nothing on ``proj_out`` that its call runs besides
+    its forward; else None."""
     joined = getattr(block.proj_out, "joined", None)
     if (joined is None or type(block.act_mlp) is not nn.GELU or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and x.requires_grad)
+            or _called_beside(block.proj_out) or (torch.is_grad_enabled() and x.requires_grad)
             or getattr(block.proj_out, "in_features", None)
             != block.attn.inner_dim + getattr(block.proj_mlp, "out_features", -1)):
         return None
     return joined
+
+
+def _called_beside(m: nn.Module) -> bool:
+    """Whether a fused path must call ``m`` itself rather than a method of it or its processor: what
+    calling it runs besides its class's ``forward`` (hooks: a user's, accelerate's, bench.fp8's per-layer
+    ones) or instead of it (``Module.compile()``) would be passed by."""
+    return hooked(m) or getattr(m, "_compiled_call_impl", None) is not None
 
 
 def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Callable[[], torch.Tensor] | None:
@@ -419,8 +430,7 @@ def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Ca
     ``Module.compile()``, and under autograd (another order of
     the forward sums the input's gradient in another order: stock's bits kept)."""
     begin = getattr(attn.processor, "begin", None)
-    if (begin is None or hooked(attn) or getattr(attn, "_compiled_call_impl", None) is not None
-            or (torch.is_grad_enabled() and hidden_states.requires_grad)):
+    if begin is None or _called_beside(attn) or (torch.is_grad_enabled() and hidden_states.requires_grad):
         return None
     return begin(attn, hidden_states, image_rotary_emb=image_rotary_emb)
 

@@ -27,6 +27,8 @@ FP8 tensor cores need sm_89 or later; the interpreter runs the same kernels on t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -174,11 +176,13 @@ def quantize_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS) -> tuple[int,
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, last] with any row and column stride; a copy only where no view exists."""
+    """x as [rows, last] with any row and column stride; a copy only where no view exists. The rows
+    counted, not -1: a last dimension of 0 (an empty prefix) leaves -1 undetermined."""
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
     try:
-        return x.view(-1, x.shape[-1])
+        return x.view(shape)
     except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
+        return x.reshape(shape)
 
 
 def fp8_reason(*tensors: torch.Tensor | None) -> str | None:
@@ -200,7 +204,7 @@ def _check_quantize(x: torch.Tensor, act: str, gated: bool, prefix: torch.Tensor
         raise ValueError("quantize_rows needs a tensor of at least one dimension (rows of the last one)")
     if gated:
         reference.check_geglu_input(x)
-    if prefix is not None and (prefix.shape[:-1] != x.shape[:-1] or prefix.dtype != x.dtype
+    if prefix is not None and (prefix.dim() != x.dim() or prefix.shape[:-1] != x.shape[:-1] or prefix.dtype != x.dtype
                                or prefix.device != x.device):
         raise ValueError(f"quantize_rows: the prefix [..., P] must have x's rows, dtype and device: got "
                          f"{tuple(prefix.shape)} {prefix.dtype} {prefix.device} for x {tuple(x.shape)} {x.dtype} "

@@ -68,9 +68,20 @@ def test_quantize_with_a_prefix(device, act, chunk, monkeypatch):
     assert same.any() and torch.equal(_codes(q[..., :24])[same], _codes(q_ref[..., :24])[same])
 
 
-def test_quantize_refuses_a_prefix_of_other_rows(device):
+@pytest.mark.parametrize("x_cols,p_cols", [(40, 0), (0, 24), (0, 0)])
+def test_quantize_with_an_empty_part(device, x_cols, p_cols):
+    """An empty prefix (or nothing after it): the quantization of what there is, as the reference's."""
+    x, prefix = torch.randn(2, 3, x_cols, device=device), torch.randn(2, 3, p_cols, device=device)
+    q, s = fp8.quantize_rows(x, "tanh", prefix=prefix)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, "tanh", prefix=prefix)
+    assert q.shape == (2, 3, x_cols + p_cols) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99 if q.numel() else not s.any()
+
+
+@pytest.mark.parametrize("x_shape,p_shape", [((3, 8), (2, 8)), ((8,), ())])
+def test_quantize_refuses_a_prefix_of_other_rows(device, x_shape, p_shape):
     with pytest.raises(ValueError, match="prefix"):
-        fp8.quantize_rows(torch.randn(3, 8, device=device), prefix=torch.randn(2, 8, device=device))
+        fp8.quantize_rows(torch.randn(x_shape, device=device), prefix=torch.randn(p_shape, device=device))
 
 
 @pytest.mark.parametrize("act,gated", [("tanh", False), ("none", True), ("tanh", True)])

@@ -371,14 +371,17 @@ def test_fp8_feed_forward_gated_residual():
     assert rel_err(ours, residual + gate[:, None] * fused(h)) < 1e-2
     fused.train()  # training: the original forward, the same sum written out
     assert torch.equal(fused.gated_residual(h, gate, residual), residual + gate[:, None] * ff(h))
+    # the gate or the residual alone, as the fused path takes them
+    assert torch.equal(fused.gated_residual(h, gate), gate[:, None] * ff(h))
+    assert torch.equal(fused.gated_residual(h, None, residual), residual + ff(h))
+    fused.eval()
+    assert rel_err(fused.gated_residual(h, None, residual), residual + fused(h)) < 1e-2
 
 
-@cpu_only
-def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(monkeypatch):
-    """With the blocks' fused forwards (``layer_norm``), the FP8 tier's single blocks run ``joined`` and
-    the double blocks' feed-forwards their gated residual; the output stays close to stock's."""
-    model = _model("tiny-flux")
-    stock = _call(model, "tiny-flux")
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts of the tier's fused block calls: ``Fp8Linear.joined`` and ``Fp8FeedForward.gated_residual``
+    with a gate (a traced call counts once, when traced)."""
     calls = {"joined": 0, "gated": 0}
     joined, gated = fp8.Fp8Linear.joined, fp8.Fp8FeedForward.gated_residual
 
@@ -392,6 +395,16 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(monkeypatch):
 
     monkeypatch.setattr(fp8.Fp8Linear, "joined", spy_joined)
     monkeypatch.setattr(fp8.Fp8FeedForward, "gated_residual", spy_gated)
+    return calls
+
+
+@cpu_only
+def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls):
+    """With the blocks' fused forwards (``layer_norm``), the FP8 tier's single blocks run ``joined`` and
+    the double blocks' feed-forwards their gated residual; the output stays close to stock's."""
+    model = _model("tiny-flux")
+    stock = _call(model, "tiny-flux")
+    calls = fused_calls
     sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
     out = _call(model, "tiny-flux")
     singles, doubles = len(model.single_transformer_blocks), len(model.transformer_blocks)
@@ -399,3 +412,49 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(monkeypatch):
     assert rel_err(out, stock) < 0.1, rel_err(out, stock)
     assert sd_kernels.unpatch(model)
     assert torch.equal(_call(model, "tiny-flux"), stock)
+
+
+@cpu_only
+@pytest.mark.parametrize("name,path,fused", [
+    ("tiny-flux", "single_transformer_blocks.0.proj_out", "joined"),
+    ("tiny-flux", "transformer_blocks.0.ff", "gated"),
+    ("tiny-sd3", "transformer_blocks.0.ff_context", "gated"),
+])
+def test_fp8_fused_blocks_call_a_hooked_module_as_itself(name, path, fused, fused_calls):
+    """The join and the gated residuals call methods of ``proj_out`` / the feed-forward, not the module:
+    a module with a forward hook (a user's, accelerate's, bench.fp8's per-layer error hooks) is called
+    as itself, so that its hooks run, as they do in stock's forward and in the unfused tier."""
+    model, calls = _model(name), fused_calls
+    sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
+    try:
+        _call(model, name)
+        assert calls[fused] > 0, calls  # unhooked: the fused path
+        module, seen = model.get_submodule(path), []
+        handle = module.register_forward_hook(lambda m, args, out: seen.append(type(m).__name__) or out * 0)
+        hooked = _call(model, name)
+        handle.remove()
+        assert seen and seen[0].startswith("Fp8"), seen
+        assert not torch.equal(hooked, _call(model, name))  # the hook's zeros reached the output
+    finally:
+        sd_kernels.unpatch(model)
+
+
+@cpu_only
+def test_fp8_compiled_blocks_take_the_gated_residuals_not_the_join(fused_calls):
+    """Traced (aot_eager: the custom ops' fakes), the double blocks' gated residuals still go to the
+    GEMM's epilogue and the single blocks' join is written out (``joined`` is eager only), as
+    docs/fp8.md says; the output is the eager call's up to the epilogue's rounding."""
+    model, calls = _model("tiny-flux"), fused_calls
+    sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
+    try:
+        eager = _call(model, "tiny-flux")
+        calls.update(joined=0, gated=0)
+        torch._dynamo.reset()
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.compile(backend="aot_eager", fullgraph=True)
+        compiled = _call(model, "tiny-flux")
+        assert calls["joined"] == 0 and calls["gated"] > 0, calls
+        assert rel_err(compiled, eager) < 1e-2, rel_err(compiled, eager)
+    finally:
+        sd_kernels.unpatch(model)
+        torch._dynamo.reset()
