@@ -62,6 +62,7 @@ from . import families
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
+from .hooks import called_beside
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,12 @@ class Fp8FeedForward(nn.Module):
         self.train(ff.training)
 
     def _fused(self) -> bool:
-        return not self.training and isinstance(self.net[0].proj, Fp8Linear) and isinstance(self.net[2], Fp8Linear)
+        """Whether calls take the fused path: in eval mode, both GEMMs still FP8, nothing on the activation
+        module or the second GEMM that calling them would run (hooks: a user's, accelerate's offload) and
+        the fused path would pass by (the first GEMM is called as a module)."""
+        act, second = self.net[0], self.net[2]
+        return (not self.training and isinstance(act.proj, Fp8Linear) and isinstance(second, Fp8Linear)
+                and not called_beside(act) and not called_beside(second))
 
     @scoped
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

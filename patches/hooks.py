@@ -24,3 +24,10 @@ def hooked(m: nn.Module, own: tuple = ()) -> bool:
     registry = getattr(m, "_diffusers_hook", None)
     return bool(m._forward_hooks or m._forward_pre_hooks or replaced or getattr(registry, "hooks", registry)
                 or hasattr(m, "_hf_hook") or global_hooks())
+
+
+def called_beside(m: nn.Module) -> bool:
+    """Whether a fused path must call ``m`` itself rather than a method of it, its parts or its processor:
+    what calling it runs besides its class's ``forward`` (hooks: a user's, accelerate's, bench.fp8's
+    per-layer ones) or instead of it (``Module.compile()``) would be passed by."""
+    return hooked(m) or getattr(m, "_compiled_call_impl", None) is not None

@@ -84,7 +84,7 @@ from sd_kernels.profiles import scoped
 from . import modulation_split
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .flux_attention import flux_module
-from .hooks import hooked
+from .hooks import called_beside
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
     one, unchunked and called as nothing but its forward."""
     x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None])
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
-    if gated is not None and getattr(block, "_chunk_size", None) is None and not _called_beside(ff):
+    if gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff):
         return gated(normed, gate_mlp, x)  # the gate and the add in its second GEMM's epilogue
     return x + gate_mlp.unsqueeze(1) * _feed_forward(block, ff, normed)
 
@@ -405,22 +405,16 @@ def _attention_output(block: nn.Module, norm_hidden_states: torch.Tensor, image_
 def _fp8_joined(block: nn.Module, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """The FP8 tier's ``proj_out.joined`` (patches/fp8.py: ``residual + gate · proj_out(cat([attention,
     gelu(mlp)]))`` from the two parts, the concatenation never written) where this call can take it:
-    torch's GELU, FLUX's widths, eager, no autograd, nothing on ``proj_out`` that its call runs besides
-    its forward; else None."""
+    torch's GELU, FLUX's widths, eager, no autograd, nothing on ``proj_out`` or ``act_mlp`` that their
+    calls run besides their forwards; else None."""
     joined = getattr(block.proj_out, "joined", None)
     if (joined is None or type(block.act_mlp) is not nn.GELU or torch.compiler.is_compiling()
-            or _called_beside(block.proj_out) or (torch.is_grad_enabled() and x.requires_grad)
+            or called_beside(block.proj_out) or called_beside(block.act_mlp)
+            or (torch.is_grad_enabled() and x.requires_grad)
             or getattr(block.proj_out, "in_features", None)
             != block.attn.inner_dim + getattr(block.proj_mlp, "out_features", -1)):
         return None
     return joined
-
-
-def _called_beside(m: nn.Module) -> bool:
-    """Whether a fused path must call ``m`` itself rather than a method of it or its processor: what
-    calling it runs besides its class's ``forward`` (hooks: a user's, accelerate's, bench.fp8's per-layer
-    ones) or instead of it (``Module.compile()``) would be passed by."""
-    return hooked(m) or getattr(m, "_compiled_call_impl", None) is not None
 
 
 def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Callable[[], torch.Tensor] | None:
@@ -430,7 +424,7 @@ def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Ca
     ``Module.compile()``, and under autograd (another order of
     the forward sums the input's gradient in another order: stock's bits kept)."""
     begin = getattr(attn.processor, "begin", None)
-    if begin is None or _called_beside(attn) or (torch.is_grad_enabled() and hidden_states.requires_grad):
+    if begin is None or called_beside(attn) or (torch.is_grad_enabled() and hidden_states.requires_grad):
         return None
     return begin(attn, hidden_states, image_rotary_emb=image_rotary_emb)
 
@@ -457,12 +451,12 @@ def _mlp_beside(block: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple[torch
     GELU kernel writing it there (``ops.gelu_into``: rows at the buffer's stride, at full vector width;
     torch's GELU into such a slice measured slower than the copy it saves), for the attention output to
     be copied in front: stock's concatenation less one copy of its wider part. (The MLP's output,)
-    where ``act_mlp`` is not torch's GELU, the widths are not FLUX's or the call is traced (the caller
-    concatenates)."""
+    where ``act_mlp`` is not torch's GELU or has hooks, the widths are not FLUX's or the call is traced
+    (the caller concatenates)."""
     hidden = block.proj_mlp(x)
     act = block.act_mlp
     width = getattr(block.proj_out, "in_features", None)
-    if (type(act) is not nn.GELU or width != block.attn.inner_dim + hidden.shape[-1]
+    if (type(act) is not nn.GELU or width != block.attn.inner_dim + hidden.shape[-1] or called_beside(act)
             or torch.compiler.is_compiling() or (torch.is_grad_enabled() and hidden.requires_grad)):
         return (act(hidden),)
     joined = hidden.new_empty(*hidden.shape[:-1], width)

@@ -419,11 +419,15 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls):
     ("tiny-flux", "single_transformer_blocks.0.proj_out", "joined"),
     ("tiny-flux", "transformer_blocks.0.ff", "gated"),
     ("tiny-sd3", "transformer_blocks.0.ff_context", "gated"),
+    ("tiny-flux", "single_transformer_blocks.0.act_mlp", "joined"),
+    ("tiny-flux", "transformer_blocks.0.ff.net.0", "gated"),
+    ("tiny-flux", "transformer_blocks.0.ff.net.2", "gated"),
 ])
 def test_fp8_fused_blocks_call_a_hooked_module_as_itself(name, path, fused, fused_calls):
-    """The join and the gated residuals call methods of ``proj_out`` / the feed-forward, not the module:
-    a module with a forward hook (a user's, accelerate's, bench.fp8's per-layer error hooks) is called
-    as itself, so that its hooks run, as they do in stock's forward and in the unfused tier."""
+    """The join and the gated residuals call methods of ``proj_out`` / the feed-forward, and apply the
+    single blocks' GELU and the feed-forward's activation and second GEMM without calling those modules:
+    a module with a forward hook (a user's, accelerate's offload, bench.fp8's per-layer error hooks) is
+    called as itself, so that its hooks run, as they do in stock's forward and in the unfused tier."""
     model, calls = _model(name), fused_calls
     sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
     try:
@@ -433,8 +437,25 @@ def test_fp8_fused_blocks_call_a_hooked_module_as_itself(name, path, fused, fuse
         handle = module.register_forward_hook(lambda m, args, out: seen.append(type(m).__name__) or out * 0)
         hooked = _call(model, name)
         handle.remove()
-        assert seen and seen[0].startswith("Fp8"), seen
+        assert seen, f"the hook on {path} did not run"
         assert not torch.equal(hooked, _call(model, name))  # the hook's zeros reached the output
+    finally:
+        sd_kernels.unpatch(model)
+
+
+@cpu_only
+def test_lossless_single_blocks_call_a_hooked_gelu_as_itself():
+    """The lossless single-block forward writes the MLP's GELU with our kernel (``_mlp_beside``): a hook on
+    ``act_mlp`` makes it call the module, so that the hook runs."""
+    model = _model("tiny-flux")
+    sd_kernels.patch(model, ops=["layer_norm"], cuda_graph=False)
+    try:
+        plain, seen = _call(model, "tiny-flux"), []
+        handle = model.single_transformer_blocks[0].act_mlp.register_forward_hook(
+            lambda m, args, out: seen.append(1) or out * 0)
+        hooked = _call(model, "tiny-flux")
+        handle.remove()
+        assert seen and not torch.equal(hooked, plain)
     finally:
         sd_kernels.unpatch(model)
 
