@@ -1,7 +1,8 @@
 """The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
-                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+compile,torchao] [--steps 20] [--calls 2]
+                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+scaled-mm,fp8+compile,torchao]
+                        [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
 
@@ -21,7 +22,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
   label); ours lossless
   (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
-  too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), and with ``compile=True``
+  too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with its GEMMs that need no epilogue but a
+  bias on cuBLASLt's row-wise ``torch._scaled_mm`` (``fp8+scaled-mm``, an experiment), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+scaled-mm", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -202,29 +204,58 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
-    if row in ("fp8", "fp8+compile", "fp8+attention"):
-        names = {"fp8": "patched+graph+fp8", "fp8+compile": "patched+graph+compile+fp8",
-                 "fp8+attention": "patched+graph+fp8+attention"}
-        setup = Setup(names[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
-        if row == "fp8+attention":
-            return setup.name, lambda p: _with_fp8_attention(p, setup)
-        return setup.name, lambda p: applied(p, setup)
+    if row in FP8_ROWS:
+        setup = Setup(FP8_ROWS[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
+        from sd_kernels.patches import fp8 as fp8_patch
+
+        fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
+
+        changed = {"fp8+attention": (fp8_patch, "FP8_ATTENTION", True),
+                   "fp8+scaled-mm": (fp8_ops, "fp8_gemm", scaled_mm_gemm(fp8_ops.fp8_gemm))}.get(row)
+        return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
 
-@contextlib.contextmanager
-def _with_fp8_attention(pipe, setup):
-    """``applied(pipe, setup)`` with ``patches.fp8.FP8_ATTENTION`` set: the tier's attention in FP8 too."""
-    from sd_kernels.patches import fp8 as fp8_patch
+# the tier's rows: the patch as shipped, with its attention in FP8 too (patches.fp8.FP8_ATTENTION), with the
+# GEMMs that need no epilogue beyond a bias on cuBLASLt's row-wise torch._scaled_mm instead of ours (an
+# experiment: which is faster inside the step), and with compile=True
+FP8_ROWS = {"fp8": "patched+graph+fp8", "fp8+attention": "patched+graph+fp8+attention",
+            "fp8+scaled-mm": "patched+graph+fp8+scaled-mm", "fp8+compile": "patched+graph+compile+fp8"}
 
+
+@contextlib.contextmanager
+def _applied_with(pipe, setup, changed: tuple | None):
+    """``applied(pipe, setup)`` with ``changed`` = (module, attribute, value) set for the row's time."""
     from bench.setups import applied
 
-    old, fp8_patch.FP8_ATTENTION = fp8_patch.FP8_ATTENTION, True
+    if changed is None:
+        with applied(pipe, setup) as info:
+            yield info
+        return
+    module, name, value = changed
+    old = getattr(module, name)
+    setattr(module, name, value)
     try:
         with applied(pipe, setup) as info:
             yield info
     finally:
-        fp8_patch.FP8_ATTENTION = old
+        setattr(module, name, old)
+
+
+def scaled_mm_gemm(ours):
+    """``ops.fp8_gemm`` on cuBLASLt's row-wise ``torch._scaled_mm`` where a call needs no epilogue beyond a
+    bias and asks for bf16 (what row-wise scaling writes); every other call goes to ``ours``."""
+
+    def gemm(a_q, s_a, w_q, s_w, bias=None, act="", gate=None, residual=None, out_dtype=torch.bfloat16):
+        if act or gate is not None or residual is not None or out_dtype != torch.bfloat16 or a_q.dim() == 0:
+            return ours(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+        a2 = a_q.reshape(-1, a_q.shape[-1]).contiguous()
+        y = torch._scaled_mm(a2, w_q.t(), scale_a=s_a.reshape(-1, 1).float().contiguous(),
+                             scale_b=s_w.reshape(1, -1).float().contiguous(),
+                             bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+        return y.reshape(*a_q.shape[:-1], w_q.shape[0])
+
+    return gemm
 
 
 def peer_columns(rows: list[dict]) -> dict[str, float]:
