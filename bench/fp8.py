@@ -228,18 +228,12 @@ def _applied_with(pipe, setup, changed: tuple | None):
     """``applied(pipe, setup)`` with ``changed`` = (module, attribute, value) set for the row's time."""
     from bench.setups import applied
 
-    if changed is None:
-        with applied(pipe, setup) as info:
-            yield info
-        return
-    module, name, value = changed
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        with applied(pipe, setup) as info:
-            yield info
-    finally:
-        setattr(module, name, old)
+    with contextlib.ExitStack() as stack:
+        if changed is not None:
+            module, name, value = changed
+            stack.callback(setattr, module, name, getattr(module, name))
+            setattr(module, name, value)
+        yield stack.enter_context(applied(pipe, setup))
 
 
 def scaled_mm_gemm(ours):

@@ -371,15 +371,14 @@ class FluxSingleBlockForward(_FluxForward):
         if fp8_joined is not None:  # the FP8 tier: the GELU, the join and the quantization in one kernel
             mlp = block.proj_mlp(norm_hidden_states)
             attn_output = _attention_output(block, norm_hidden_states, image_rotary_emb, finish)
-            if attn_output.shape == (*mlp.shape[:-1], inner):
-                hidden_states = fp8_joined(attn_output, mlp, block.act_mlp.approximate, gate, hidden_states)
-            else:  # another attention output than the width planned for: stock's concatenation (and its errors)
-                joined = torch.cat([attn_output, block.act_mlp(mlp)], dim=2)
-                hidden_states = hidden_states + gate.unsqueeze(1) * block.proj_out(joined)
+            joined = None if attn_output.shape == (*mlp.shape[:-1], inner) else (block.act_mlp(mlp),)
         else:
             # torch.cat([attn_output, act_mlp(proj_mlp(norm_hidden_states))], dim=2), the GELU written in its place
             joined = _mlp_beside(block, norm_hidden_states)
             attn_output = _attention_output(block, norm_hidden_states, image_rotary_emb, finish)
+        if joined is None:
+            hidden_states = fp8_joined(attn_output, mlp, block.act_mlp.approximate, gate, hidden_states)
+        else:
             if not isinstance(joined, torch.Tensor):
                 joined = torch.cat([attn_output, joined[0]], dim=2)
             elif attn_output.shape == (*joined.shape[:-1], inner):
@@ -408,13 +407,21 @@ def _fp8_joined(block: nn.Module, x: torch.Tensor) -> Callable[..., torch.Tensor
     torch's GELU, FLUX's widths, eager, no autograd, nothing on ``proj_out`` or ``act_mlp`` that their
     calls run besides their forwards; else None."""
     joined = getattr(block.proj_out, "joined", None)
-    if (joined is None or type(block.act_mlp) is not nn.GELU or torch.compiler.is_compiling()
-            or called_beside(block.proj_out) or called_beside(block.act_mlp)
-            or (torch.is_grad_enabled() and x.requires_grad)
-            or getattr(block.proj_out, "in_features", None)
-            != block.attn.inner_dim + getattr(block.proj_mlp, "out_features", -1)):
+    if (joined is None or called_beside(block.proj_out)
+            or not _gelu_joinable(block, x, getattr(block.proj_mlp, "out_features", -1))):
         return None
     return joined
+
+
+def _gelu_joinable(block: nn.Module, x: torch.Tensor, mlp_width: int) -> bool:
+    """Whether a single block's ``act_mlp`` may be applied beside the attention output without calling
+    it (our GELU kernels, ``_mlp_beside`` and ``_fp8_joined``): torch's GELU with nothing that its call
+    runs besides its forward, ``proj_out`` reading FLUX's attention width + ``mlp_width``, eager, and
+    ``x`` not tracked by autograd."""
+    act = block.act_mlp
+    return (type(act) is nn.GELU and not called_beside(act) and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and getattr(block.proj_out, "in_features", None) == block.attn.inner_dim + mlp_width)
 
 
 def _begun(attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb) -> Callable[[], torch.Tensor] | None:
@@ -455,10 +462,9 @@ def _mlp_beside(block: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple[torch
     (the caller concatenates)."""
     hidden = block.proj_mlp(x)
     act = block.act_mlp
-    width = getattr(block.proj_out, "in_features", None)
-    if (type(act) is not nn.GELU or width != block.attn.inner_dim + hidden.shape[-1] or called_beside(act)
-            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and hidden.requires_grad)):
+    if not _gelu_joinable(block, hidden, hidden.shape[-1]):
         return (act(hidden),)
+    width = block.proj_out.in_features
     joined = hidden.new_empty(*hidden.shape[:-1], width)
     gelu_into(hidden, joined[..., width - hidden.shape[-1]:], act.approximate)
     return joined
