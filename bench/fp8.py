@@ -1,7 +1,8 @@
 """The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
-                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+scaled-mm,fp8+compile,torchao]
+                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+scaled-mm,fp8+pointer-gemm,
+                                fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -23,7 +24,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   label); ours lossless
   (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
   too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with its GEMMs that need no epilogue but a
-  bias on cuBLASLt's row-wise ``torch._scaled_mm`` (``fp8+scaled-mm``, an experiment), and with ``compile=True``
+  bias on cuBLASLt's row-wise ``torch._scaled_mm`` (``fp8+scaled-mm``, an experiment), with every GEMM on the
+  pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -49,7 +51,8 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+scaled-mm", "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+scaled-mm", "fp8+pointer-gemm", "fp8+compile",
+        "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -211,16 +214,19 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
 
         changed = {"fp8+attention": (fp8_patch, "FP8_ATTENTION", True),
-                   "fp8+scaled-mm": (fp8_ops, "fp8_gemm", scaled_mm_gemm(fp8_ops.fp8_gemm))}.get(row)
+                   "fp8+scaled-mm": (fp8_ops, "fp8_gemm", scaled_mm_gemm(fp8_ops.fp8_gemm)),
+                   "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False)}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
 
 # the tier's rows: the patch as shipped, with its attention in FP8 too (patches.fp8.FP8_ATTENTION), with the
 # GEMMs that need no epilogue beyond a bias on cuBLASLt's row-wise torch._scaled_mm instead of ours (an
-# experiment: which is faster inside the step), and with compile=True
+# experiment: which is faster inside the step), with every GEMM on the pointer-load kernel instead of the
+# TMA one (fp8_linear.TMA_GEMM), and with compile=True
 FP8_ROWS = {"fp8": "patched+graph+fp8", "fp8+attention": "patched+graph+fp8+attention",
-            "fp8+scaled-mm": "patched+graph+fp8+scaled-mm", "fp8+compile": "patched+graph+compile+fp8"}
+            "fp8+scaled-mm": "patched+graph+fp8+scaled-mm", "fp8+pointer-gemm": "patched+graph+fp8+pointer-gemm",
+            "fp8+compile": "patched+graph+compile+fp8"}
 
 
 @contextlib.contextmanager

@@ -716,7 +716,8 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
 
 
 @pytest.mark.parametrize("row,module,name", [("fp8+attention", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
-                                             ("fp8+scaled-mm", "sd_kernels.ops.fp8_linear", "fp8_gemm")])
+                                             ("fp8+scaled-mm", "sd_kernels.ops.fp8_linear", "fp8_gemm"),
+                                             ("fp8+pointer-gemm", "sd_kernels.ops.fp8_linear", "TMA_GEMM")])
 def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypatch, row, module, name):
     """The tier's experiment rows set the switch the patch reads (``sd_kernels.patches.fp8``, not the
     repository's top-level copy of the package) while the row runs, and put it back after."""

@@ -6,9 +6,12 @@ a weight the same way per output channel, once. Then
 
     y = (a_q · w_qᵀ) · s_a[:, None] · s_w[None, :]  (+ bias) (GELU) (· gate) (+ residual)
 
-accumulated in fp32 on the tensor cores (Hopper's QGMMA) and stored in the caller's dtype. The epilogue
-runs on the accumulator tile while it sits in registers: the bias, a tanh (or erf) GELU, a DiT
-block's per-sample gate and its residual add never cost a pass over memory of their own.
+accumulated on the tensor cores (Hopper's QGMMA: fp32, its FP8 products added in fewer mantissa bits)
+and stored in the caller's dtype. The epilogue runs on the accumulator tile while it sits in registers:
+the bias, a tanh (or erf) GELU, a DiT block's per-sample gate and its residual add never cost a pass
+over memory of their own. Two kernels share it: on Hopper the operands come in through the Tensor
+Memory Accelerator, in persistent programs where that is faster (the shipped tables choose per
+shape); elsewhere, and for rows TMA cannot read, through pointers (docs/fp8.md, "The GEMM").
 
 ``quantize_rows`` is one pass over its input: each program owns whole rows, finds their absolute
 maximum and writes codes and scales; it may apply a GELU (or a GEGLU's ``a · gelu(g)``) first, so
@@ -27,11 +30,13 @@ FP8 tensor cores need sm_89 or later; the interpreter runs the same kernels on t
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from sd_kernels import reference
 from sd_kernels.ops.gelu import _act
@@ -249,8 +254,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # The scaled GEMM with its epilogue
 
 
-def _config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=warps,
+def _config(m: int, n: int, k: int, warps: int, stages: int, **extra) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, **extra}, num_warps=warps,
                          num_stages=stages)
 
 
@@ -259,6 +264,16 @@ def _config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
 # Smaller tiles serve the few-row GEMMs (adaLN modulation: one row per sample).
 CONFIGS = [_config(128, 256, 128, 8, 3), _config(128, 128, 128, 8, 4), _config(128, 128, 128, 4, 4),
            _config(64, 128, 128, 4, 4), _config(64, 64, 128, 4, 4)]
+# The TMA kernel's, best first at the DiTs' shapes (H200, bench/results/2026-11-29-h200-fp8-gemm-tma):
+# persistent programs (one per SM) walking the tiles with the next tile's loads issued under this one's
+# epilogue (FLATTEN), then one tile per program.
+TMA_CONFIGS = [_config(128, 256, 128, 8, 3, PERSISTENT=True, FLATTEN=True),
+               _config(128, 256, 128, 8, 3, PERSISTENT=True, FLATTEN=False),
+               _config(128, 256, 128, 8, 3, PERSISTENT=False, FLATTEN=False),
+               _config(128, 128, 128, 8, 4, PERSISTENT=False, FLATTEN=False),
+               _config(128, 128, 128, 8, 4, PERSISTENT=True, FLATTEN=True),
+               _config(64, 128, 128, 4, 4, PERSISTENT=False, FLATTEN=False),
+               _config(64, 64, 128, 4, 4, PERSISTENT=False, FLATTEN=False)]
 
 
 def _by_rows(configs, named_args, **kwargs):
@@ -268,16 +283,39 @@ def _by_rows(configs, named_args, **kwargs):
     return configs
 
 
-def _gemm_autotune():
-    keys = ["M", "N", "K", "HAS_BIAS", "ACT", "HAS_GATE", "HAS_RES"]
+_GEMM_KEY = ["M", "N", "K", "HAS_BIAS", "ACT", "HAS_GATE", "HAS_RES"]
+
+
+def _gemm_autotune(configs, interpreted):
     if interpreting():  # every config would run through the interpreter: one, small enough that the tests'
         # odd shapes (77 × 50 × 37) take two row tiles and two K steps, large enough that the tiny
         # pipelines' GEMMs are few programs (32 × 32 tiles made the FP8 pipeline tests 3x slower)
-        return triton.autotune([_config(64, 64, 32, 4, 1)], key=keys)
-    return triton.autotune(CONFIGS, key=keys, prune_configs_by={"early_config_prune": _by_rows})
+        return triton.autotune([interpreted], key=_GEMM_KEY)
+    return triton.autotune(configs, key=_GEMM_KEY, prune_configs_by={"early_config_prune": _by_rows})
 
 
-@_gemm_autotune()
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
+              stride_rm, stride_rn, stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr,
+              HAS_RES: tl.constexpr):
+    """Store the tile (offs_m, offs_n) of y from its fp32 accumulator: the scales, then bias, act, gate
+    (sample of row m: m // T) and residual. Edge rows and columns read wrapped (% M, % N) and are not
+    stored."""
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    y = acc * tl.load(sa_ptr + rows)[:, None] * tl.load(sw_ptr + cols)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    y = _activate(y, ACT)
+    if HAS_GATE:
+        y *= tl.load(g_ptr + (rows // T)[:, None] * stride_gb + cols[None, :] * stride_gn).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn).to(tl.float32)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@_gemm_autotune(CONFIGS, _config(64, 64, 32, 4, 1))
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T,
@@ -286,7 +324,8 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y [M, N] from a_q [M, K] and w_q [N, K] (e4m3, nn.Linear layout:
-    each operand K-major, as FP8 wgmma reads both). The gate's sample of row m is m // T."""
+    each operand K-major, as FP8 wgmma reads both), loaded through pointers: any strides, any GPU with
+    FP8 tensor cores."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -305,21 +344,47 @@ def _fp8_gemm_kernel(
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
+              stride_rm, stride_rn, stride_ym, HAS_BIAS, ACT, HAS_GATE, HAS_RES)
 
-    n_mask = offs_n < N
-    y = acc * tl.load(sa_ptr + rows)[:, None] * tl.load(sw_ptr + cols)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    y = _activate(y, ACT)
-    if HAS_GATE:
-        y *= tl.load(g_ptr + (rows // T)[:, None] * stride_gb + cols[None, :] * stride_gn).to(tl.float32)
-    if HAS_RES:
-        y += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn).to(tl.float32)
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_mask[None, :])
+
+@_gemm_autotune(TMA_CONFIGS, _config(64, 64, 32, 4, 1, PERSISTENT=True, FLATTEN=True))
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T,
+    stride_am, stride_wn, stride_gb, stride_gn, stride_rm, stride_rn, stride_ym,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """The same tiles with both operands read by the Tensor Memory Accelerator (Hopper and later; rows
+    16-byte aligned, unit column stride): the TMA unit fills the pipeline's shared-memory stages,
+    zero-filling past M, N and K, so no thread computes an address or a mask in the K loop. Persistent
+    programs (``PERSISTENT``: the grid is one program per SM) each take every grid-th tile;
+    ``FLATTEN`` lets the software pipeliner run across tile boundaries, so the next tile's first loads
+    are in flight during this tile's epilogue. The descriptors are made in the kernel (Triton's
+    allocator gives each program the global memory they live in)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_steps):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, w.T, acc)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
+                  stride_rm, stride_rn, stride_ym, HAS_BIAS, ACT, HAS_GATE, HAS_RES)
 
 
 _GEMM = Launcher(_fp8_gemm_kernel)
+_GEMM_TMA = Launcher(_fp8_gemm_tma_kernel)
+TMA_CAPABILITY = (9, 0)  # the Tensor Memory Accelerator: Hopper and later
+TMA_GEMM = True  # False: every GEMM on the pointer-load kernel (bench.fp8's fp8+pointer-gemm row compares the two)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -353,6 +418,44 @@ def _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype) -> Non
         raise TypeError(f"fp8_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
+def _tma_ready(a2: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read both operands: Hopper or later (or the interpreter), unit column
+    strides, rows and bases 16-byte aligned (e4m3: a row stride that is a multiple of 16)."""
+    if not TMA_GEMM or not (interpreting() or torch.cuda.get_device_capability(a2.device) >= TMA_CAPABILITY):
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a2, w_q))
+
+
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _programs(device: torch.device) -> int:
+    """The persistent grid: one program per SM (one program under the interpreter, so that its tests walk
+    every tile in the persistent loop)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+@contextlib.contextmanager
+def _scratch_allocator(device: torch.device):
+    """Triton's allocator, around a launch of the TMA kernel: global memory for its descriptors (128
+    bytes each, two a program) from torch's caching allocator on ``device`` (inside a CUDA graph
+    capture: the graph's pool). A caller's own allocator is left in place; the caller's context is
+    left as it was."""
+    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        yield
+        return
+    token = _allocation._allocator.set(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                                    device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", gate: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -372,11 +475,18 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
     sa = s_a.reshape(-1).float()
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
-    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _GEMM((m, n, k, *flags.values(), out_dtype), grid,
-          a2, w_q, sa, s_w, y if bias is None else bias, y if g2 is None else g2, y if r2 is None else r2, y,
-          m, n, k, tokens, a2.stride(0), a2.stride(1), w_q.stride(0), w_q.stride(1),
-          *(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)), n, **flags)
+    tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
+    key = (m, n, k, *flags.values(), out_dtype)
+    extras = (y if bias is None else bias, y if g2 is None else g2, y if r2 is None else r2, y, m, n, k, tokens)
+    epilogue_strides = (*(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)), n)
+    if _tma_ready(a2, w_q):
+        programs = _programs(y.device)
+        grid = lambda meta: (min(programs, tiles(meta)) if meta["PERSISTENT"] else tiles(meta),)  # noqa: E731
+        with _scratch_allocator(y.device):
+            _GEMM_TMA(key, grid, a2, w_q, sa, s_w, *extras, a2.stride(0), w_q.stride(0), *epilogue_strides, **flags)
+    else:
+        _GEMM(key, lambda meta: (tiles(meta),), a2, w_q, sa, s_w, *extras, a2.stride(0), a2.stride(1), w_q.stride(0),
+              w_q.stride(1), *epilogue_strides, **flags)
     return y
 
 

@@ -21,6 +21,15 @@ def _codes(q):
     return q.float()
 
 
+def _fp32_floor(device) -> float:
+    """The least relative error an fp32 output of the GEMM is held to: fp32's rounding on the CPU; on a
+    GPU, the FP8 tensor cores' accumulation, which adds the products into fewer mantissa bits than
+    fp32 has (about 14 on Hopper: DeepSeek-V3 technical report, section 3.3.2). cuBLASLt's
+    ``torch._scaled_mm(..., use_fast_accum=True)`` accumulates the same way; the error is ~1e-4 of the
+    output, far under the e4m3 codes' own (~3e-2)."""
+    return 8 * UNIT_ROUNDOFF[torch.float32] if device == "cpu" else 2.0**-12
+
+
 @pytest.mark.parametrize("shape", [(77, 50), (2, 5, 33)])
 def test_quantize_rows_matches_the_reference_exactly(device, shape):
     x = torch.randn(shape, device=device) * torch.rand(shape[:-1] + (1,), device=device) * 10
@@ -98,6 +107,15 @@ def test_quantize_with_activation(device, act, gated):
     assert torch.allclose(ours, ref, rtol=2**-3, atol=1e-6)  # one e4m3 step at most
 
 
+def _launches(monkeypatch) -> list[str]:
+    """The GEMM kernels fp8_gemm launches from now on, by name: "tma" or "pointer"."""
+    seen: list[str] = []
+    for name, attr in (("tma", "_GEMM_TMA"), ("pointer", "_GEMM")):
+        launcher = getattr(fp8, attr)
+        monkeypatch.setattr(fp8, attr, lambda *a, _l=launcher, _n=name, **kw: (seen.append(_n), _l(*a, **kw)))
+    return seen
+
+
 def _operands(device, m=77, k=50, n=37, batch=7):
     x = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device) / k**0.5
@@ -114,19 +132,26 @@ EPILOGUES = [{}, {"bias"}, {"bias", "act"}, {"gate"}, {"residual"}, {"bias", "ga
 
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "+".join(sorted(e)) or "plain")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gemm_is_the_quantized_math(device, epilogue, out_dtype):
-    """Odd shapes (M = 77, K = 50 not a multiple of the block, N = 37): the kernel's output against a
-    float64 evaluation of the same quantized math, within the output dtype's own rounding."""
-    _, _, a_q, s_a, w_q, s_w, extras = _operands(device)
+@pytest.mark.parametrize("k,kernel", [(50, "pointer"), (80, "tma")])
+def test_gemm_is_the_quantized_math(device, epilogue, out_dtype, k, kernel, monkeypatch):
+    """Odd shapes (M = 77, N = 37, K not a multiple of the block): the kernel's output against a float64
+    evaluation of the same quantized math, within the output dtype's own rounding. K = 50 gives rows the
+    Tensor Memory Accelerator cannot read (not 16-byte aligned): the pointer kernel; K = 80 the TMA
+    kernel (on Hopper and under the interpreter), its K tail zero-filled by the TMA unit."""
+    if kernel == "tma" and device == "cuda" and torch.cuda.get_device_capability() < fp8.TMA_CAPABILITY:
+        kernel = "pointer"
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device, k=k)
     kw = {k: v for k, v in extras.items() if k in epilogue}
     act = "tanh" if "act" in epilogue else ""
+    launched = _launches(monkeypatch)
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, act=act, out_dtype=out_dtype, **kw)
+    assert launched == [kernel]
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, act=act, out_dtype=torch.float64, compute=torch.float64, **kw)
     assert y.dtype == out_dtype and y.shape == ref.shape
     rounding = rel_err(ref.to(out_dtype), ref)
     # The interpreter rounds fp32 to bf16 by truncation (twice nearest's error); the GPU to nearest.
     factor = 4 if out_dtype == torch.bfloat16 and device == "cpu" else 2
-    assert rel_err(y, ref) <= max(factor * rounding, 8 * UNIT_ROUNDOFF[torch.float32]), (rel_err(y, ref), rounding)
+    assert rel_err(y, ref) <= max(factor * rounding, _fp32_floor(device)), (rel_err(y, ref), rounding)
 
 
 def test_gate_per_sample_of_3d_input(device):
@@ -137,7 +162,7 @@ def test_gate_per_sample_of_3d_input(device):
     a_q, s_a = fp8.quantize_rows(x)
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, gate=gate, out_dtype=torch.float32)
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, gate=gate, out_dtype=torch.float64, compute=torch.float64)
-    assert y.shape == (2, 9, 24) and rel_err(y, ref) < 1e-6
+    assert y.shape == (2, 9, 24) and rel_err(y, ref) < _fp32_floor(device)
 
 
 def test_quantization_error_is_bounded_by_torchs_e4m3_round_trip(device):
@@ -169,10 +194,10 @@ def test_fp8_linear_non_contiguous_input_and_reuse(device, count_calls):
     assert seen["quantize"] == 1 and torch.equal(y1, y2)
     ref = reference.fp8_gemm(*reference.fp8_quantize_rows(x), w_q, s_w, out_dtype=torch.float64,
                              compute=torch.float64)
-    assert rel_err(y1, ref) < 1e-6
+    assert rel_err(y1, ref) < _fp32_floor(device)
     x.mul_(2)
     y3 = fp8.fp8_linear(x, w_q, s_w)
-    assert seen["quantize"] == 2 and rel_err(y3, 2 * ref) < 1e-6
+    assert seen["quantize"] == 2 and rel_err(y3, 2 * ref) < _fp32_floor(device)
 
 
 def test_layer_norm_modulated_fp8(device):
@@ -211,7 +236,7 @@ def test_reference_backend_computes_the_same_quantized_math(device, monkeypatch)
     _, _, a_q, s_a, w_q, s_w, extras = _operands(device)
     kernel = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32, **extras)
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
-    assert rel_err(fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32, **extras), kernel) < 1e-6
+    assert rel_err(fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32, **extras), kernel) < _fp32_floor(device)
 
 
 def test_custom_ops_fake_and_schema(device):
@@ -245,6 +270,25 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(m, k, n):
         cublas = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :], bias=bias,
                                   out_dtype=torch.bfloat16)
         assert rel_err(cublas, ref) <= 2 * rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,x_cols,p_cols", [(4608, 12288, 3072), (666, 6144, 1536)])
+def test_gpu_prefix_quantizer_at_the_single_blocks_shapes(rows, x_cols, p_cols):
+    """FLUX's single block (the attention output [4608, 3072] beside the MLP's 12,288 pre-GELU columns:
+    one pass over 15,360) and a narrower join, compiled: the codes and scales against the reference's
+    fp32 math, and the dequantized rows against float64's ``cat([prefix, gelu(x)])`` within the error
+    the reference's own codes make."""
+    x = torch.randn(rows, x_cols, device="cuda", dtype=torch.bfloat16)
+    prefix = torch.randn(rows, p_cols, device="cuda", dtype=torch.bfloat16)
+    prefix[: rows // 3] *= 20  # a third of the rows take their max from the prefix
+    q, s = fp8.quantize_rows(x, "tanh", prefix=prefix)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, "tanh", prefix=prefix)
+    assert q.shape == (rows, p_cols + x_cols) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99  # the GELU's last bit moves a code now and then
+    exact = torch.cat([prefix.double(), F.gelu(x.double(), approximate="tanh")], -1)
+    ours, theirs = _codes(q).double() * s[:, None], _codes(q_ref).double() * s_ref[:, None]
+    assert rel_err(ours, exact) <= 1.01 * rel_err(theirs, exact)
 
 
 def test_inference_mode_inputs_are_quantized_each_call(device, count_calls):
@@ -289,3 +333,25 @@ def test_layer_norm_modulated_fp8_mixed_dtypes_promote_as_stock(device):
     y, q, s = layer_norm.layer_norm_modulated_fp8(x, None, None, 1e-6, scale, None)
     assert y.dtype == layer_norm.layer_norm_modulated(x, None, None, 1e-6, scale, None).dtype == torch.float32
     assert q.dtype == E4M3 and s.dtype == torch.float32
+
+
+def test_the_tma_kernels_allocator_is_set_for_the_launch_only():
+    """The TMA kernel's descriptors need Triton's allocator: set around its launch where the caller has
+    none, then put back; a caller's own allocator is used as it is."""
+    from triton.runtime import _allocation
+
+    before = _allocation._allocator.get()
+    with fp8._scratch_allocator(torch.device("cpu")):
+        buffer = _allocation._allocator.get()(256, 128, None)
+    assert _allocation._allocator.get() is before and buffer.numel() == 256 and buffer.device.type == "cpu"
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    token = _allocation._allocator.set(mine)
+    try:
+        with fp8._scratch_allocator(torch.device("cpu")):
+            assert _allocation._allocator.get() is mine
+        assert _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.reset(token)
