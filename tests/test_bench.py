@@ -306,6 +306,22 @@ def test_tune_merges_into_tables_of_the_same_kernel_version(tmp_path):
     assert json.loads(dest.read_text()) == {"format": 1, "fingerprint": "bbbb", "entries": {"k3": {"BLOCK": 64}}}
 
 
+def test_tune_at_fp8_times_both_gemm_kernels_and_puts_the_switch_back():
+    """``bench.tune --precision fp8`` runs each pipeline once per FP8 GEMM kernel (TMA, then pointer),
+    and leaves ``fp8_linear.TMA_GEMM`` as it found it; other precisions leave the switch alone."""
+    from bench import tune
+
+    fp8_linear = importlib.import_module("sd_kernels.ops.fp8_linear")
+    assert tune.fp8_gemm_kernels("fp8") == [True, False] and tune.fp8_gemm_kernels(None) == [None]
+    before, seen = fp8_linear.TMA_GEMM, []
+    for value in tune.fp8_gemm_kernels("fp8") + [None]:
+        with tune._tma_gemm(value):
+            seen.append(fp8_linear.TMA_GEMM)
+    assert seen == [True, False, before] and fp8_linear.TMA_GEMM is before
+    with pytest.raises(SystemExit):
+        tune.main(["--precision", "int4"])
+
+
 def test_tune_and_cold_need_a_gpu_or_say_what_is_missing(capsys):
     from bench import cold, tune
 
