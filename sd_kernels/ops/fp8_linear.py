@@ -420,10 +420,12 @@ def _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype) -> Non
 
 def _tma_ready(a2: torch.Tensor, w_q: torch.Tensor) -> bool:
     """Whether the TMA kernel can read both operands: Hopper or later (or the interpreter), unit column
-    strides, rows and bases 16-byte aligned (e4m3: a row stride that is a multiple of 16)."""
+    strides, rows and bases 16-byte aligned (e4m3: a row stride that is a multiple of 16), and rows that
+    do not overlap (an expanded operand's row stride 0 is left to the pointer kernel)."""
     if not TMA_GEMM or not (interpreting() or torch.cuda.get_device_capability(a2.device) >= TMA_CAPABILITY):
         return False
-    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a2, w_q))
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+               and (t.shape[0] == 1 or t.stride(0) >= t.shape[1]) for t in (a2, w_q))
 
 
 _SM_COUNT: dict[torch.device, int] = {}
@@ -473,7 +475,8 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     if y.numel() == 0:
         return y
     a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
-    sa = s_a.reshape(-1).float()
+    # the epilogue reads the scales and the bias as contiguous vectors (a no-op for the tier's own)
+    sa, s_w, bias = s_a.reshape(-1).float().contiguous(), s_w.contiguous(), None if bias is None else bias.contiguous()
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
     tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
     key = (m, n, k, *flags.values(), out_dtype)

@@ -154,6 +154,29 @@ def test_gemm_is_the_quantized_math(device, epilogue, out_dtype, k, kernel, monk
     assert rel_err(y, ref) <= max(factor * rounding, _fp32_floor(device)), (rel_err(y, ref), rounding)
 
 
+def test_strided_scales_bias_and_operands_take_a_kernel_that_reads_them(device, monkeypatch):
+    """Scales and a bias given as strided views, an expanded input (row stride 0) and a view whose rows
+    start off the 16-byte grid: the result is the reference's; the last two go to the pointer kernel
+    (the TMA kernel takes 16-byte-aligned rows that do not overlap)."""
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device, k=64)
+    wide_s = torch.stack([s_w, s_w], -1).flatten()  # s_w at stride 2
+    wide_b = torch.stack([extras["bias"], extras["bias"]], -1).flatten()
+    y = fp8.fp8_gemm(a_q, s_a, w_q, wide_s[::2], wide_b[::2], out_dtype=torch.float32)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, extras["bias"], out_dtype=torch.float64, compute=torch.float64)
+    assert rel_err(y, ref) < _fp32_floor(device)
+    launched = _launches(monkeypatch)
+    expanded, one_scale = a_q[:1].expand(5, -1), s_a[:1].expand(5)
+    y = fp8.fp8_gemm(expanded, one_scale, w_q, s_w, out_dtype=torch.float32)
+    ref = reference.fp8_gemm(expanded, one_scale, w_q, s_w, out_dtype=torch.float64, compute=torch.float64)
+    assert rel_err(y, ref) < _fp32_floor(device)
+    wider = torch.zeros(a_q.shape[0], 80, dtype=torch.float32, device=device)
+    wider[:, 1:65] = a_q.float()
+    offset = wider.to(fp8.E4M3)[:, 1:65]  # rows 80 bytes apart, starting one byte off the grid
+    y = fp8.fp8_gemm(offset, s_a, w_q, s_w, out_dtype=torch.float32)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float64, compute=torch.float64)
+    assert rel_err(y, ref) < _fp32_floor(device) and launched == ["pointer", "pointer"]
+
+
 def test_gate_per_sample_of_3d_input(device):
     """A [B, T, K] input with a [B, 1, N] gate (a DiT block's gate_mlp.unsqueeze(1))."""
     x = torch.randn(2, 9, 32, device=device)
