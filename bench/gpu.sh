@@ -6,7 +6,9 @@
 # Needs ./.whl with the wheels the GPU image lacks (../shared/gpu/wheels.sh), carried along.
 # GPU_STEPS (default "tests,bench,e2e,demo") picks steps, to split the work over several calls (one
 # call may run 10 minutes: "e2e" alone takes them, see docs/benchmarks.md);
-# GPU_TEST_FILES picks test files (default: every file with gpu-marked tests);
+# GPU_TEST_FILES picks test files (default: every file with gpu-marked tests); GPU_TEST_ALL=1 runs every
+# test of those files (default files: all of tests/), the tiny-shape tests that take the `device` fixture
+# included: they run compiled on the GPU only so (long: pick files);
 # E2E_ARGS: bench.e2e options (default "--selection quick --max-minutes 8").
 set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT_DIR [--quick] [--only FAMILIES]}
@@ -22,8 +24,13 @@ tests_rc=0 bench_rc=0 e2e_rc=0 demo_rc=0
 if [[ $steps == *,tests,* ]]; then
   # One process per test file: a kernel fault poisons its CUDA context, and must not hide the rest.
   : > "$out/gpu-tests.log"
-  for f in ${GPU_TEST_FILES:-$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)}; do
-    python3 -m pytest -m gpu -q -rf -p no:cacheprovider "$f" > /tmp/gpu-test.log 2>&1
+  if [[ ${GPU_TEST_ALL:-0} == 1 ]]; then
+    marker=() default_files=$(find tests -name 'test_*.py' | sort)
+  else
+    marker=(-m gpu) default_files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
+  fi
+  for f in ${GPU_TEST_FILES:-$default_files}; do
+    python3 -m pytest "${marker[@]}" -q -rf -p no:cacheprovider "$f" > /tmp/gpu-test.log 2>&1
     rc=$?
     (( rc == 5 )) && rc=0  # no gpu test selected in that file
     tests_rc=$(( tests_rc || rc ))
