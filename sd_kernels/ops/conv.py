@@ -28,6 +28,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.attention_common import _aligned, alignment
+from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
@@ -188,6 +189,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check(x, weight, bias, stride, padding)
     if not use_kernel("conv2d", x, weight, bias, unsupported=_kernel_reason(x, weight, bias, stride, padding)):
         return reference.conv2d(x, weight, bias, stride, padding)
+    (bias,) = vectors(bias)
     N, C, H, W = x.shape
     K, _, R, S = weight.shape
     P = (H + 2 * padding[0] - R) // stride[0] + 1

@@ -40,6 +40,7 @@ from triton.runtime import _allocation
 
 from sd_kernels import reference
 from sd_kernels.ops.gelu import _act
+from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.tiles import grouped_tile
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
@@ -475,8 +476,7 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     if y.numel() == 0:
         return y
     a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
-    # the epilogue reads the scales and the bias as contiguous vectors (a no-op for the tier's own)
-    sa, s_w, bias = s_a.reshape(-1).float().contiguous(), s_w.contiguous(), None if bias is None else bias.contiguous()
+    sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
     tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
     key = (m, n, k, *flags.values(), out_dtype)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import profiles, reference
-from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.ops.layout import contiguous_strides, is_dense, vectors
 from sd_kernels.runtime.dispatch import backend, interpreting, keep_plan, plan_context, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
@@ -365,6 +365,7 @@ def linear_geglu(
     empty = "no input features (K = 0)" if weight.shape[1] == 0 else None
     if not use_kernel("linear_geglu", x, weight, bias, unsupported=empty or tensor_reason(x, weight, bias)):
         return reference_linear_geglu(x, weight, bias, approximate)
+    (bias,) = vectors(bias)
     K, n = weight.shape[1], weight.shape[0] // 2
     x2 = _as_rows(x)
     M = x2.shape[0]

@@ -65,7 +65,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.attention_common import _aligned
-from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.ops.layout import contiguous_strides, is_dense, vectors
 from sd_kernels.profiles import active_profile
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, device_properties, next_pow2
@@ -629,7 +629,7 @@ def group_norm(
     reason = _kernel_reason(x, weight, bias, shift) or _span_reason(x, cpg, hw, stride_s)
     if not use_kernel("group_norm", x, weight, bias, shift, unsupported=reason):
         return reference.group_norm(x, num_groups, weight, bias, eps, activation, shift=shift)
-
+    weight, bias = vectors(weight, bias)
     if stride_s is None:  # spatial dims with no common stride (e.g. H and W swapped): one copy
         x = x.contiguous()
         stride_s = _spatial_stride(x)

@@ -43,7 +43,7 @@ from sd_kernels.ops.group_norm import (
     plan,
     sm_count,
 )
-from sd_kernels.ops.layout import contiguous_strides, is_dense
+from sd_kernels.ops.layout import contiguous_strides, is_dense, vectors
 from sd_kernels.runtime.dispatch import use_kernel
 from sd_kernels.runtime.launch import Launcher
 
@@ -190,6 +190,7 @@ def group_norm_given(
     if not use_kernel("group_norm", x, weight, bias, unsupported=unsupported):
         y = reference.group_norm_given(x, stats, weight, bias, activation, shift=shift)
         return y if out is None else out.copy_(y)
+    weight, bias = vectors(weight, bias)
     n, c = x.shape[:2]
     hw = math.prod(x.shape[2:])
     p, stride_s = _band_plan(x, num_groups)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.fp8_linear import E4M3, fp8_reason, row_amax, row_quantize
+from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
@@ -147,6 +148,7 @@ def _alloc(like: torch.Tensor) -> torch.Tensor:
 def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | None = None):
     """y (and h when ``branch`` is given) for inputs that passed the checks and dispatch; with
     ``quant`` = (codes, row scales), y's FP8 quantization is written there too."""
+    weight, bias = vectors(weight, bias)
     bsz, t, d = x.shape
     y = _alloc(x)
     h = None if branch is None else _alloc(x)

@@ -14,6 +14,13 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def vectors(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The per-channel vectors a kernel reads as ``ptr + index`` (biases, norm weights, row scales), each
+    made contiguous: a strided or expanded view passes the ops' shape checks and would otherwise be read
+    as the wrong elements. A no-op (the same tensor) for a module's own parameters; None stays None."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
 def is_dense(x: torch.Tensor) -> bool:
     """True if x's elements fill a block of storage with no gaps or overlaps, in some dim order."""
     if x.is_contiguous():

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.group_norm import _spatial_stride
+from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
@@ -87,6 +88,7 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
     if not use_kernel("residual", y, bias, skip, bias2, out, unsupported=_reason(y, bias, skip, bias2, out)):
         r = reference.bias_residual(y, bias, skip, bias2, divisor)
         return r if out is None else out.copy_(r)
+    bias, bias2 = vectors(bias, bias2)
     if out is None:
         out = torch.empty_like(y)  # preserves a dense layout (channels_last included)
     n, c = y.shape[:2]

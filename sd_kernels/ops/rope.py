@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
+from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
@@ -143,6 +144,7 @@ def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offse
     n_rows = bsz * s * heads
     if n_rows == 0:
         return
+    q_weight, k_weight = vectors(q_weight, k_weight)
     rows, block_d, num_warps = blocks(head_dim)
     oq, ok, ov = out
     flags = dict(NORM=eps is not None, HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None,

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.conv import check_operands
-from sd_kernels.ops.layout import is_channels_last
+from sd_kernels.ops.layout import is_channels_last, vectors
 from sd_kernels.ops.weight_cache import DerivedWeights, find
 from sd_kernels.runtime.dispatch import KERNEL_DTYPES, interpreting, use_kernel
 from sd_kernels.runtime.launch import AUTOTUNE, Launcher, cdiv, next_pow2
@@ -463,6 +463,7 @@ def _winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None, tile:
     ``gemm="fused"`` runs steps 2 and 3 as one kernel (tiles 2 and 4; no M at all)."""
     if gemm == "fused" and tile not in FUSED_TILES:
         raise ValueError(f"the fused GEMM + output transform takes tiles {FUSED_TILES}, got {tile}")
+    (bias,) = vectors(bias)
     N, C, H, W = x.shape
     K = u.shape[2]
     mats = _kernel_mats(tile, x.device)
