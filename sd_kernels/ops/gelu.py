@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import profiles, reference
-from sd_kernels.ops.layout import contiguous_strides, is_dense, vectors
+from sd_kernels.ops.layout import check_writable, contiguous_strides, is_dense, vectors
 from sd_kernels.runtime.dispatch import backend, interpreting, keep_plan, plan_context, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
@@ -156,6 +156,7 @@ def gelu_into(x: torch.Tensor, out: torch.Tensor, approximate: str = "none") -> 
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"gelu_into: out {tuple(out.shape)} {out.dtype} on {out.device} must match x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    check_writable("gelu_into", out=out)
     try:
         rows = out.view(-1, out.shape[-1]) if x.dim() else None
     except RuntimeError:

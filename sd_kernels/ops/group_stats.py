@@ -43,7 +43,7 @@ from sd_kernels.ops.group_norm import (
     plan,
     sm_count,
 )
-from sd_kernels.ops.layout import contiguous_strides, is_dense, vectors
+from sd_kernels.ops.layout import check_writable, contiguous_strides, is_dense, vectors
 from sd_kernels.runtime.dispatch import use_kernel
 from sd_kernels.runtime.launch import Launcher
 
@@ -185,6 +185,7 @@ def group_norm_given(
                          f"got {list(out.shape)}, {out.dtype}, {out.device}")
     num_groups = stats.shape[2]
     _check(x, num_groups, weight, bias)
+    check_writable("group_norm_given", out=out)
     unsupported = _band_reason(x, num_groups, weight, bias) or (
         None if out is None or _spatial_stride(out) is not None else "out's spatial dims have no common stride")
     if not use_kernel("group_norm", x, weight, bias, unsupported=unsupported):

@@ -21,6 +21,16 @@ def vectors(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
+def check_writable(op: str, **outputs: torch.Tensor | None) -> None:
+    """Raise where an output given by the caller has elements that share memory (a dimension of size
+    above 1 with stride 0: an expanded view), as torch's own ops refuse such outputs; a kernel would
+    write each of those elements several times, the last write winning."""
+    for name, t in outputs.items():
+        if t is not None and any(step == 0 and size > 1 for size, step in zip(t.shape, t.stride())):
+            raise ValueError(f"{op}: {name} has elements that share memory (an expanded view, shape "
+                             f"{list(t.shape)}, strides {list(t.stride())}); give it memory of its own")
+
+
 def is_dense(x: torch.Tensor) -> bool:
     """True if x's elements fill a block of storage with no gaps or overlaps, in some dim order."""
     if x.is_contiguous():

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
+from sd_kernels.ops.layout import check_writable
 from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
@@ -132,6 +133,7 @@ def pack8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
     """x [N, C, H, W] (any strides) into ``values`` (int8 [N, H, W, C]) and ``scales`` (float32
     [N, H, W, C / pack_group(C)]), both with their last dim dense (the module docstring)."""
     _check("pack8", x, values, scales)
+    check_writable("pack8", values=values, scales=scales)
     if not use_kernel("pack8", x, unsupported=_reason(x)):
         reference.pack8(x, values, scales)
         return
@@ -144,6 +146,7 @@ def pack8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
 def unpack8(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """codes · scales (what ``pack8`` wrote) into ``out`` [N, C, H, W] (any strides, a float dtype); returns out."""
     _check("unpack8", out, values, scales)
+    check_writable("unpack8", out=out)
     if not use_kernel("pack8", out, unsupported=_reason(out)):
         return reference.unpack8(values, scales, out)
     grid, block_p, block_c = _grid(out)

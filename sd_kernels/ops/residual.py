@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.group_norm import _spatial_stride
-from sd_kernels.ops.layout import vectors
+from sd_kernels.ops.layout import check_writable, vectors
 from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
@@ -85,6 +85,7 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
     to y's dtype, into ``out`` (y's shape and dtype; ``out=y`` in place) or a new tensor of y's
     layout."""
     _check(y, bias, skip, bias2, out)
+    check_writable("bias_residual", out=out)
     if not use_kernel("residual", y, bias, skip, bias2, out, unsupported=_reason(y, bias, skip, bias2, out)):
         r = reference.bias_residual(y, bias, skip, bias2, divisor)
         return r if out is None else out.copy_(r)

@@ -1,8 +1,9 @@
-"""The ops' per-channel vector arguments (biases, norm weights, row scales) given as strided or expanded
-views. Each op's shape checks accept such views, and each kernel reads the vector as ``ptr + index``:
-the op must hand the kernel a contiguous vector (``ops.layout.vectors``), so that the result equals the
-result for a contiguous copy of the same values, bit for bit. The kernels are required
-(``SD_KERNELS_BACKEND=triton``), so a fallback to the PyTorch reference cannot pass for them."""
+"""Arguments given as views that pass the ops' shape checks but that a kernel could read or write
+wrongly. Per-channel vectors (biases, norm weights, row scales) as strided or expanded views: each
+kernel reads a vector as ``ptr + index``, so the op must hand it a contiguous one (``ops.layout.vectors``)
+and give the bits it gives for a contiguous copy. The kernels are required (``SD_KERNELS_BACKEND=triton``),
+so a fallback to the PyTorch reference cannot pass for them. Outputs the caller gives whose elements
+share memory (expanded views) are refused, as torch refuses them (``ops.layout.check_writable``)."""
 
 import importlib
 
@@ -59,3 +60,37 @@ def test_a_strided_or_expanded_vector_gives_the_contiguous_vectors_result(device
         v = torch.randn(1, device=device).expand(C)  # stride 0: one element of storage
     got, want = op(v), op(v.contiguous())
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+def _outputs(device):
+    """(name, op taking its caller-given output tensors made by ``make(shape, dtype)``) pairs."""
+    y = torch.randn(2, C, 4, 4, device=device)
+    stats = ops.mean_rstd(ops.group_stats(y, 2), 1e-5)
+    x = torch.randn(2, 64, 3, 3, device=device)
+    values = torch.empty(2, 3, 3, 64, dtype=torch.int8, device=device)
+    scales = torch.empty(2, 3, 3, 2, device=device)
+    ops.pack8(x, values, scales)
+    gelu_ops = importlib.import_module("sd_kernels.ops.gelu")
+    g = torch.randn(2, 3, 16, device=device)
+    return {
+        "bias_residual out": lambda make: ops.bias_residual(y, y[0, :, 0, 0], out=make(y.shape, y.dtype)),
+        "group_norm_given out": lambda make: ops.group_norm_given(y, stats, out=make(y.shape, y.dtype)),
+        "pack8 values": lambda make: ops.pack8(x, make(values.shape, torch.int8), scales.clone()),
+        "pack8 scales": lambda make: ops.pack8(x, values.clone(), make(scales.shape, torch.float32)),
+        "unpack8 out": lambda make: ops.unpack8(values, scales, make(x.shape, x.dtype)),
+        "gelu_into out": lambda make: gelu_ops.gelu_into(g, make(g.shape, g.dtype)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_outputs("cpu")))
+def test_an_output_whose_elements_share_memory_is_refused(device, name):
+    """An expanded output would have each of its shared elements written several times (the last write
+    winning); the ops refuse it as torch's do, and take the same output with memory of its own."""
+    op = _outputs(device)[name]
+
+    def expanded(shape, dtype):
+        return torch.zeros((1, *shape[1:]), dtype=dtype, device=device).expand(shape)
+
+    with pytest.raises(ValueError, match="share memory"):
+        op(expanded)
+    op(lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
