@@ -36,7 +36,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from sd_kernels import reference
 from sd_kernels.ops.gelu import _act
@@ -386,6 +385,10 @@ _GEMM = Launcher(_fp8_gemm_kernel)
 _GEMM_TMA = Launcher(_fp8_gemm_tma_kernel)
 TMA_CAPABILITY = (9, 0)  # the Tensor Memory Accelerator: Hopper and later
 TMA_GEMM = True  # False: every GEMM on the pointer-load kernel (bench.fp8's fp8+pointer-gemm row compares the two)
+try:  # the allocator the TMA kernel's descriptors need (Triton 3.6-3.9); a Triton without it: the pointer kernel
+    from triton.runtime import _allocation
+except ImportError:
+    _allocation = None
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -423,7 +426,9 @@ def _tma_ready(a2: torch.Tensor, w_q: torch.Tensor) -> bool:
     """Whether the TMA kernel can read both operands: Hopper or later (or the interpreter), unit column
     strides, rows and bases 16-byte aligned (e4m3: a row stride that is a multiple of 16), and rows that
     do not overlap (an expanded operand's row stride 0 is left to the pointer kernel)."""
-    if not TMA_GEMM or not (interpreting() or torch.cuda.get_device_capability(a2.device) >= TMA_CAPABILITY):
+    if not TMA_GEMM or _allocation is None:
+        return False
+    if not (interpreting() or torch.cuda.get_device_capability(a2.device) >= TMA_CAPABILITY):
         return False
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
                and (t.shape[0] == 1 or t.stride(0) >= t.shape[1]) for t in (a2, w_q))

@@ -378,3 +378,14 @@ def test_the_tma_kernels_allocator_is_set_for_the_launch_only():
         assert _allocation._allocator.get() is mine
     finally:
         _allocation._allocator.reset(token)
+
+
+def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch):
+    """The TMA kernel needs Triton's (private) allocator module; where a Triton lacks it, every GEMM takes
+    the pointer kernel rather than failing."""
+    _, _, a_q, s_a, w_q, s_w, _ = _operands(device, k=64)
+    want = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32)
+    monkeypatch.setattr(fp8, "_allocation", None)
+    launched = _launches(monkeypatch)
+    got = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32)
+    assert launched == ["pointer"] and rel_err(got, want) <= (0.0 if device == "cpu" else _fp32_floor(device))
