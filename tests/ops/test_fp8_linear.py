@@ -389,3 +389,19 @@ def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, m
     launched = _launches(monkeypatch)
     got = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32)
     assert launched == ["pointer"] and rel_err(got, want) <= (0.0 if device == "cpu" else _fp32_floor(device))
+
+
+@pytest.mark.parametrize("programs", [1, 3, 1000])
+def test_the_tma_kernel_walks_every_tile_whatever_its_grid(device, monkeypatch, programs):
+    """The TMA kernel's programs take every grid-th tile: one program for all of them, a grid that does not
+    divide the tiles, and one tile a program (the grid of its non-persistent configs), each giving the
+    quantized math with the whole epilogue."""
+    if device == "cuda" and torch.cuda.get_device_capability() < fp8.TMA_CAPABILITY:
+        pytest.skip("the TMA kernel needs Hopper or later")
+    monkeypatch.setattr(fp8, "_programs", lambda _device: programs)
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device, m=200, k=64, n=150, batch=8)
+    launched = _launches(monkeypatch)
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, act="tanh", out_dtype=torch.float32, **extras)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, act="tanh", out_dtype=torch.float64, compute=torch.float64,
+                             **extras)
+    assert launched == ["tma"] and rel_err(y, ref) <= _fp32_floor(device)
