@@ -107,15 +107,6 @@ def test_quantize_with_activation(device, act, gated):
     assert torch.allclose(ours, ref, rtol=2**-3, atol=1e-6)  # one e4m3 step at most
 
 
-def _launches(monkeypatch) -> list[str]:
-    """The GEMM kernels fp8_gemm launches from now on, by name: "tma" or "pointer"."""
-    seen: list[str] = []
-    for name, attr in (("tma", "_GEMM_TMA"), ("pointer", "_GEMM")):
-        launcher = getattr(fp8, attr)
-        monkeypatch.setattr(fp8, attr, lambda *a, _l=launcher, _n=name, **kw: (seen.append(_n), _l(*a, **kw)))
-    return seen
-
-
 def _operands(device, m=77, k=50, n=37, batch=7):
     x = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device) / k**0.5
@@ -133,7 +124,7 @@ EPILOGUES = [{}, {"bias"}, {"bias", "act"}, {"gate"}, {"residual"}, {"bias", "ga
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: "+".join(sorted(e)) or "plain")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k,kernel", [(50, "pointer"), (80, "tma")])
-def test_gemm_is_the_quantized_math(device, epilogue, out_dtype, k, kernel, monkeypatch):
+def test_gemm_is_the_quantized_math(device, epilogue, out_dtype, k, kernel, count_calls):
     """Odd shapes (M = 77, N = 37, K not a multiple of the block): the kernel's output against a float64
     evaluation of the same quantized math, within the output dtype's own rounding. K = 50 gives rows the
     Tensor Memory Accelerator cannot read (not 16-byte aligned): the pointer kernel; K = 80 the TMA
@@ -143,9 +134,9 @@ def test_gemm_is_the_quantized_math(device, epilogue, out_dtype, k, kernel, monk
     _, _, a_q, s_a, w_q, s_w, extras = _operands(device, k=k)
     kw = {k: v for k, v in extras.items() if k in epilogue}
     act = "tanh" if "act" in epilogue else ""
-    launched = _launches(monkeypatch)
+    launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, act=act, out_dtype=out_dtype, **kw)
-    assert launched == [kernel]
+    assert launched == {"tma": 0, "pointer": 0, kernel: 1}
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, act=act, out_dtype=torch.float64, compute=torch.float64, **kw)
     assert y.dtype == out_dtype and y.shape == ref.shape
     rounding = rel_err(ref.to(out_dtype), ref)
@@ -154,7 +145,7 @@ def test_gemm_is_the_quantized_math(device, epilogue, out_dtype, k, kernel, monk
     assert rel_err(y, ref) <= max(factor * rounding, _fp32_floor(device)), (rel_err(y, ref), rounding)
 
 
-def test_strided_scales_bias_and_operands_take_a_kernel_that_reads_them(device, monkeypatch):
+def test_strided_scales_bias_and_operands_take_a_kernel_that_reads_them(device, count_calls):
     """Scales and a bias given as strided views, an expanded input (row stride 0) and a view whose rows
     start off the 16-byte grid: the result is the reference's; the last two go to the pointer kernel
     (the TMA kernel takes 16-byte-aligned rows that do not overlap)."""
@@ -164,7 +155,7 @@ def test_strided_scales_bias_and_operands_take_a_kernel_that_reads_them(device, 
     y = fp8.fp8_gemm(a_q, s_a, w_q, wide_s[::2], wide_b[::2], out_dtype=torch.float32)
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, extras["bias"], out_dtype=torch.float64, compute=torch.float64)
     assert rel_err(y, ref) < _fp32_floor(device)
-    launched = _launches(monkeypatch)
+    launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM")
     expanded, one_scale = a_q[:1].expand(5, -1), s_a[:1].expand(5)
     y = fp8.fp8_gemm(expanded, one_scale, w_q, s_w, out_dtype=torch.float32)
     ref = reference.fp8_gemm(expanded, one_scale, w_q, s_w, out_dtype=torch.float64, compute=torch.float64)
@@ -174,7 +165,7 @@ def test_strided_scales_bias_and_operands_take_a_kernel_that_reads_them(device, 
     offset = wider.to(fp8.E4M3)[:, 1:65]  # rows 80 bytes apart, starting one byte off the grid
     y = fp8.fp8_gemm(offset, s_a, w_q, s_w, out_dtype=torch.float32)
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float64, compute=torch.float64)
-    assert rel_err(y, ref) < _fp32_floor(device) and launched == ["pointer", "pointer"]
+    assert rel_err(y, ref) < _fp32_floor(device) and launched == {"tma": 0, "pointer": 2}
 
 
 def test_gate_per_sample_of_3d_input(device):
@@ -380,19 +371,20 @@ def test_the_tma_kernels_allocator_is_set_for_the_launch_only():
         _allocation._allocator.reset(token)
 
 
-def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch):
+def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch, count_calls):
     """The TMA kernel needs Triton's (private) allocator module; where a Triton lacks it, every GEMM takes
     the pointer kernel rather than failing."""
     _, _, a_q, s_a, w_q, s_w, _ = _operands(device, k=64)
     want = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32)
     monkeypatch.setattr(fp8, "_allocation", None)
-    launched = _launches(monkeypatch)
+    launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM")
     got = fp8.fp8_gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float32)
-    assert launched == ["pointer"] and rel_err(got, want) <= (0.0 if device == "cpu" else _fp32_floor(device))
+    assert launched == {"tma": 0, "pointer": 1}
+    assert rel_err(got, want) <= (0.0 if device == "cpu" else _fp32_floor(device))
 
 
 @pytest.mark.parametrize("programs", [1, 3, 1000])
-def test_the_tma_kernel_walks_every_tile_whatever_its_grid(device, monkeypatch, programs):
+def test_the_tma_kernel_walks_every_tile_whatever_its_grid(device, monkeypatch, count_calls, programs):
     """The TMA kernel's programs take every grid-th tile: one program for all of them, a grid that does not
     divide the tiles, and one tile a program (the grid of its non-persistent configs), each giving the
     quantized math with the whole epilogue."""
@@ -400,8 +392,8 @@ def test_the_tma_kernel_walks_every_tile_whatever_its_grid(device, monkeypatch, 
         pytest.skip("the TMA kernel needs Hopper or later")
     monkeypatch.setattr(fp8, "_programs", lambda _device: programs)
     _, _, a_q, s_a, w_q, s_w, extras = _operands(device, m=200, k=64, n=150, batch=8)
-    launched = _launches(monkeypatch)
+    launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, act="tanh", out_dtype=torch.float32, **extras)
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, act="tanh", out_dtype=torch.float64, compute=torch.float64,
                              **extras)
-    assert launched == ["tma"] and rel_err(y, ref) <= _fp32_floor(device)
+    assert launched == {"tma": 1, "pointer": 0} and rel_err(y, ref) <= _fp32_floor(device)
