@@ -42,7 +42,7 @@ from sd_kernels.ops.gelu import _act
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.tiles import grouped_tile
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
-from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
+from sd_kernels.runtime.launch import Launcher, cdiv, device_properties, next_pow2
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = reference.E4M3_MAX
@@ -428,23 +428,18 @@ def _tma_ready(a2: torch.Tensor, w_q: torch.Tensor) -> bool:
     do not overlap (an expanded operand's row stride 0 is left to the pointer kernel)."""
     if not TMA_GEMM or _allocation is None:
         return False
-    if not (interpreting() or torch.cuda.get_device_capability(a2.device) >= TMA_CAPABILITY):
-        return False
+    if not interpreting():
+        props = device_properties(a2.device.index)  # cached: this runs at every GEMM call
+        if (props.major, props.minor) < TMA_CAPABILITY:
+            return False
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
                and (t.shape[0] == 1 or t.stride(0) >= t.shape[1]) for t in (a2, w_q))
-
-
-_SM_COUNT: dict[torch.device, int] = {}
 
 
 def _programs(device: torch.device) -> int:
     """The persistent grid: one program per SM (one program under the interpreter, so that its tests walk
     every tile in the persistent loop)."""
-    if device.type != "cuda":
-        return 1
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
+    return device_properties(device.index).multi_processor_count if device.type == "cuda" else 1
 
 
 @contextlib.contextmanager
