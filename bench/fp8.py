@@ -44,6 +44,7 @@ import pathlib
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -234,12 +235,9 @@ def _applied_with(pipe, setup, changed: tuple | None):
     """``applied(pipe, setup)`` with ``changed`` = (module, attribute, value) set for the row's time."""
     from bench.setups import applied
 
-    with contextlib.ExitStack() as stack:
-        if changed is not None:
-            module, name, value = changed
-            stack.callback(setattr, module, name, getattr(module, name))
-            setattr(module, name, value)
-        yield stack.enter_context(applied(pipe, setup))
+    switch = mock.patch.object(*changed) if changed is not None else contextlib.nullcontext()
+    with switch, applied(pipe, setup) as record:
+        yield record
 
 
 def scaled_mm_gemm(ours):

@@ -27,6 +27,7 @@ import pathlib
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 
@@ -40,19 +41,12 @@ def fp8_gemm_kernels(precision: str | None) -> list[bool | None]:
     return [True, False] if precision == "fp8" else [None]
 
 
-@contextlib.contextmanager
 def _tma_gemm(value: bool | None):
-    """``fp8_linear.TMA_GEMM`` set to ``value`` for the block (None: left alone)."""
+    """``fp8_linear.TMA_GEMM`` set to ``value`` for a block (None: left alone)."""
     import importlib
 
     fp8_linear = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
-    before = fp8_linear.TMA_GEMM
-    if value is not None:
-        fp8_linear.TMA_GEMM = value
-    try:
-        yield
-    finally:
-        fp8_linear.TMA_GEMM = before
+    return contextlib.nullcontext() if value is None else mock.patch.object(fp8_linear, "TMA_GEMM", value)
 
 
 def tune(models: str, batches: list[int], out: pathlib.Path, precision: str | None = None) -> list[pathlib.Path]:
