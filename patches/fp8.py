@@ -20,7 +20,9 @@ feed-forwards' (``Fp8FeedForward.gated_residual``) are the GEMM's epilogue.
 
 The projections of one input (q, k and v of the same hidden states; k and v of the same text
 context, block after block) share one quantization: the first one leaves it on the tensor
-(``ops.fp8_linear.attach_quantized``). Outside the blocks (embedders, the final norm and projection,
+(``ops.fp8_linear.attach_quantized``). Where the attention patcher laid a FLUX attention's q, k and v
+weights out in one buffer (patches/qkv_fusion.py), their codes and scales are laid out alike and the
+three are one GEMM (``Fp8Projections``). Outside the blocks (embedders, the final norm and projection,
 1×1 convolutions: their GEMMs are a small share of a step) nothing changes.
 
 Attention stays exact unless ``FP8_ATTENTION`` is set: the FP8 attention kernel (docs/kernels/attention_fp8.md)
@@ -62,7 +64,8 @@ from . import families
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
-from .hooks import called_beside
+from .hooks import called_beside, hooked
+from .qkv_fusion import STREAMS, FusedProjections, stacked
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -257,6 +260,51 @@ class Fp8AdaLayerNormZero(nn.Module):
         return (y, *chunks[2:])
 
 
+class Fp8Projections:
+    """One stream's q, k and v ``Fp8Linear``s as one FP8 GEMM: their codes and scales laid out in one
+    buffer each (their own buffers become views of it), the biases read from the layout qkv_fusion gave
+    the Parameters. Serves ``FusedProjections.project`` while the module still holds these layers,
+    unhooked, outside autograd and compilation, their codes still laid out (a weight changed since is
+    quantized again into a buffer of its own: the call goes back to three GEMMs); None otherwise."""
+
+    def __init__(self, layers: list[Fp8Linear]) -> None:
+        self.layers = tuple(layers)
+        rows = layers[0].out_features
+        codes, scales = torch.cat([m.w_q for m in layers]), torch.cat([m.s_w for m in layers])
+        for i, m in enumerate(layers):
+            m.w_q, m.s_w = codes[i * rows:(i + 1) * rows], scales[i * rows:(i + 1) * rows]
+            m._source = m._source[0], m.w_q.data_ptr()
+
+    def __call__(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        for layer, name in zip(self.layers, names):
+            if module._modules.get(name) is not layer or hooked(layer):
+                return None
+            layer.fresh()
+        codes, scales = stacked([m.w_q for m in self.layers]), stacked([m.s_w for m in self.layers])
+        biases = [m.bias for m in self.layers]
+        bias = None if all(b is None for b in biases) else stacked(biases)
+        if codes is None or scales is None or (bias is None and any(b is not None for b in biases)):
+            return None
+        return fp8_linear(x, codes, scales, bias)
+
+
+def _fuse_projections(block: nn.Module, record: PatchRecord) -> None:
+    """``Fp8Projections`` for each stream of the block's attentions whose Linears qkv_fusion laid out and
+    this patch made ``Fp8Linear``s (the same Parameters)."""
+    for module in block.modules():
+        processor = getattr(module, "processor", None)
+        for attr in ("qkv", "added_qkv"):
+            fused = getattr(processor, attr, None)
+            if not isinstance(fused, FusedProjections):
+                continue
+            names = dict(STREAMS)[attr]
+            layers = [module._modules.get(n) for n in names]
+            if all(isinstance(m, Fp8Linear) and m.weight is linear.weight for m, linear in zip(layers, fused.linears)):
+                record.set_attr(fused, "quantized", Fp8Projections(layers), "fp8.qkv")
+
+
 def _feed_forward_kind(ff: nn.Module) -> tuple[str, bool] | str:
     """(activation, gated) of a FeedForward the fused forward serves, or why it does not."""
     from diffusers.models.activations import GEGLU, GELU
@@ -364,6 +412,7 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
     blocks = [(path, m) for path, m in model.named_modules() if type(m).__name__ in BLOCKS]
     for path, block in blocks:
         _patch_block(block, path, record, summary)
+        _fuse_projections(block, record)
     if not blocks and families.is_denoiser(model):
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
     if FP8_ATTENTION:

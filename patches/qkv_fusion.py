@@ -18,9 +18,13 @@ call that wants gradients for them takes the separate projections (autograd woul
 Parameters through those views): fusion serves calls under ``torch.no_grad`` or inference mode, as
 diffusers' pipelines make them.
 
+Under ``precision="fp8"`` the three Linears become FP8 GEMMs after this layout (patches/fp8.py): that patch
+lays their codes and scales out the same way and sets ``FusedProjections.quantized``, which serves the
+call as one FP8 GEMM (the biases read from this layout) while those layers hold.
+
 Installed by the attention patcher on every FluxAttention it gives our processor, for the image stream
 (``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), in the
-lossless patch without a memory budget and without ``compile=True``; a call torch.compile traces takes
+lossless patch and the FP8 tier, without a memory budget and without ``compile=True``; a call torch.compile traces takes
 diffusers' projections (the guard reads data pointers, which the compiler does not trace); not where
 ``fuse_qkv_projections()`` already fused the module (diffusers' ``to_qkv`` then serves). Unpatch lays
 each Parameter still a view of the buffer back into storage of its own (the same values, bit for bit)
@@ -66,7 +70,7 @@ def _unfit(linears: list) -> str | None:
     return None
 
 
-def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The three tensors as one, where they are plain, consecutive contiguous blocks of one storage (as
     ``FusedProjections`` laid them out): a view made now, no reference kept; None otherwise."""
     if not all(map(_plain, tensors)):
@@ -99,6 +103,9 @@ class FusedProjections:
                 if bias is not None:
                     m.bias.data = bias[i * rows:(i + 1) * rows]
         self.has_bias = bias is not None
+        # (module, names, x) -> the three projections of x as one tensor, or None where it cannot serve: set
+        # by the FP8 tier (patches/fp8.py) once the Linears are FP8 GEMMs; None: ``operands`` and F.linear
+        self.quantized = None
         self.storages = [StorageWeakRef(t.untyped_storage()) for t in (weight, bias) if t is not None]
 
     def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -111,13 +118,20 @@ class FusedProjections:
         for linear, name in zip(self.linears, names):
             if module._modules.get(name) is not linear or type(linear) is not nn.Linear or hooked(linear):
                 return None
-        weight = _stacked([m.weight for m in self.linears])
+        weight = stacked([m.weight for m in self.linears])
         if weight is None or tuple(m.bias is None for m in self.linears) != (not self.has_bias,) * 3:
             return None
         if not self.has_bias:
             return weight, None
-        bias = _stacked([m.bias for m in self.linears])
+        bias = stacked([m.bias for m in self.linears])
         return None if bias is None else (weight, bias)
+
+    def project(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+        """The three projections of ``x`` as one [..., 3·out] tensor while the layout holds, else None."""
+        if self.quantized is not None:
+            return self.quantized(module, names, x)
+        fused = self.operands(module, names)
+        return None if fused is None else F.linear(x, *fused)
 
     def release(self) -> None:
         """Each Parameter of the Linears (theirs, and any a parametrization added) still in the storage laid
@@ -133,8 +147,6 @@ class FusedProjections:
 
 def wanted(record: PatchRecord) -> str | None:
     """Why this patch fuses no projections, or None."""
-    if record.precision is not None:
-        return f"precision={record.precision!r} quantizes the projections themselves"
     if record.compile:
         return "compile=True (the fused call's guard reads data pointers)"
     if record.memory_plan is not None:
@@ -160,23 +172,29 @@ def install(attn: nn.Module, processor, path: str, record: PatchRecord) -> None:
         record.on_undo(fused.release, KIND)
 
 
+def _project(fused: FusedProjections | None, attn: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Stream ``index`` (of STREAMS) of ``x`` as one GEMM where ``fused`` serves the call, else None. A call
+    torch.compile traces is not served (the guard reads storages the compiler does not trace)."""
+    if fused is None or getattr(attn, "fused_projections", False) or torch.compiler.is_compiling():
+        return None
+    return fused.project(attn, STREAMS[index][1], x)
+
+
+def stream(fused: FusedProjections | None, attn: nn.Module, index: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The q, k, v projections of ``x`` by stream ``index`` (of STREAMS): one GEMM where ``fused`` serves
+    the call, else the module's three Linears called as diffusers' processors call them."""
+    y = _project(fused, attn, index, x)
+    return tuple(getattr(attn, n)(x) for n in STREAMS[index][1]) if y is None else y.chunk(3, dim=-1)
+
+
 def projections(processor, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
-    """diffusers' ``_get_qkv_projections(attn, hidden_states, encoder_hidden_states)``, each stream through
-    its ``FusedProjections`` where the layout holds (``operands``)."""
+    """diffusers' ``_get_qkv_projections(attn, hidden_states, encoder_hidden_states)`` (FLUX), each stream
+    through its ``FusedProjections`` where the layout holds (``project``)."""
     from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
-    qkv, added = processor.qkv, processor.added_qkv
-    # (traced by torch.compile: diffusers' lines, the guard reads storages the compiler does not trace)
-    fused = None if qkv is None or attn.fused_projections or torch.compiler.is_compiling() else qkv.operands(
-        attn, STREAMS[0][1])
-    if fused is None:
+    if attn.fused_projections or torch.compiler.is_compiling():  # diffusers' lines (its own to_qkv, fused by it)
         return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-    query, key, value = F.linear(hidden_states, *fused).chunk(3, dim=-1)
-    encoder_query = encoder_key = encoder_value = None
+    encoder = (None, None, None)  # diffusers' _get_projections, a stream at a time
     if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-        fused = None if added is None else added.operands(attn, STREAMS[1][1])
-        if fused is not None:
-            encoder_query, encoder_key, encoder_value = F.linear(encoder_hidden_states, *fused).chunk(3, dim=-1)
-        else:
-            encoder_query, encoder_key, encoder_value = (getattr(attn, n)(encoder_hidden_states) for n in STREAMS[1][1])
-    return query, key, value, encoder_query, encoder_key, encoder_value
+        encoder = stream(processor.added_qkv, attn, 1, encoder_hidden_states)
+    return *stream(processor.qkv, attn, 0, hidden_states), *encoder

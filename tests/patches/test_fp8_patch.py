@@ -414,6 +414,45 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls):
     assert torch.equal(_call(model, "tiny-flux"), stock)
 
 
+@cpu_only
+def test_fp8_flux_q_k_v_are_one_gemm_a_stream(monkeypatch):
+    """Where the attention patcher laid a FLUX attention's q, k, v weights out in one buffer, the FP8 tier
+    lays their codes out alike and runs one GEMM a stream: the same output as three GEMMs on the same
+    codes; a weight changed while patched sends that stream back to three GEMMs (the block's other stream
+    stays one GEMM); unpatch is exact."""
+    name = "tiny-flux"
+    model = _model(name)
+    stock = _call(model, name)
+    served = {"fused": 0, "declined": 0}
+    call = fp8.Fp8Projections.__call__
+
+    def spy(self, *args):
+        y = call(self, *args)
+        served["fused" if y is not None else "declined"] += 1
+        return y
+
+    monkeypatch.setattr(fp8.Fp8Projections, "__call__", spy)
+    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
+        streams = len(model.single_transformer_blocks) + 2 * len(model.transformer_blocks)
+        assert record.counts["fp8.qkv"] == record.counts["qkv_fusion"] == streams
+        fused = _call(model, name)
+        assert served == {"fused": streams, "declined": 0}
+        monkeypatch.setattr(fp8.Fp8Projections, "__call__", lambda self, *args: None)
+        separate = _call(model, name)
+        torch.testing.assert_close(fused, separate, rtol=0, atol=2e-3)  # fp16 outputs, GEMM tiles alike
+        monkeypatch.setattr(fp8.Fp8Projections, "__call__", spy)
+        attn = model.transformer_blocks[0].attn
+        with torch.no_grad():
+            attn.to_k.weight.mul_(2)  # in place through the Parameter: its codes are made again
+        served.update(fused=0, declined=0)
+        changed = _call(model, name)
+        assert served == {"fused": streams - 1, "declined": 1}
+        assert not torch.equal(changed, fused)
+        with torch.no_grad():
+            attn.to_k.weight.div_(2)
+    assert torch.equal(_call(model, name), stock)
+
+
 HOOKED = {  # modules a fused block path applies without calling them, and the fused call that would pass them by
     "tiny-flux": [("single_transformer_blocks.0.proj_out", "joined"), ("single_transformer_blocks.0.act_mlp", "joined"),
                   ("transformer_blocks.0.ff", "gated"), ("transformer_blocks.0.ff.net.0", "gated"),

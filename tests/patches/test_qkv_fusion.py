@@ -116,7 +116,6 @@ def test_fused_and_separate_calls_agree_on_the_kernels(transformer):  # noqa: F8
 
 
 @pytest.mark.parametrize("setting, reason", [
-    ({"precision": "fp8"}, "quantizes the projections"),
     ({"compile": "default"}, "compile=True"),
     ({"memory_plan": object()}, "memory budget"),
 ])
@@ -174,6 +173,11 @@ def test_a_patch_under_inference_mode_leaves_normal_parameters(transformer):  # 
     assert x.grad is not None
 
 
-def test_the_fp8_tier_fuses_nothing(transformer):  # noqa: F811
+def test_the_fp8_tier_fuses_the_quantized_projections(transformer):  # noqa: F811
+    """The FP8 tier keeps the layout and serves each stream from its codes laid out alike (patches/fp8.py,
+    tests/patches/test_fp8_patch.py); unpatch gives each Parameter storage of its own again."""
     with sd_kernels.patched(transformer, cuda_graph=False, precision="fp8") as record:
-        assert record.counts["flux_attention_processor"] == 4 and "qkv_fusion" not in record.counts
+        assert record.counts["flux_attention_processor"] == 4
+        assert record.counts["qkv_fusion"] == record.counts["fp8.qkv"] == 6
+    weights = [a.to_q.weight for a in transformer.modules() if hasattr(a, "to_q")]
+    assert all(w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights)
