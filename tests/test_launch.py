@@ -666,6 +666,23 @@ def test_the_users_own_choice_wins_over_the_shipped_one(tuning, device):
     assert launcher.memo[("scale", 48)]["BLOCK"] == 32
 
 
+def test_tuned_ms_is_the_fastest_time_of_the_table_that_serves_the_key(tuning, device):
+    """``Launcher.tuned_ms``: the fastest config's time at the key's tuning, from the user's file where it
+    holds the key, else the shipped table; None for a key no table times."""
+    configs = [c.all_kwargs() for c in _tuned_kernel.configs]
+    path = _ship(device, {repr(("scale", 48)): configs[0], repr(("scale", 80)): configs[0]})
+    data = json.loads(path.read_text())
+    data["timings"] = {repr(("scale", 48)): [[configs[0], 0.5], [configs[1], 0.7]]}
+    path.write_text(json.dumps(data))
+    dev = torch.device(device)
+    assert Launcher(_tuned_kernel).tuned_ms(("scale", 48), dev) == 0.5
+    assert Launcher(_tuned_kernel).tuned_ms(("scale", 80), dev) is None  # chosen there, no timings
+    assert Launcher(_tuned_kernel).tuned_ms(("scale", 64), dev) is None
+    _run(Launcher(_tuned_kernel), 48, device)  # nothing timed: the shipped choice serves it
+    _run(Launcher(_tuned_kernel), 64, device)  # timed (faked: 1.0 and 2.0 ms), kept in the user's file
+    assert Launcher(_tuned_kernel).tuned_ms(("scale", 64), dev) == tuning.times[32]
+
+
 def test_a_relaxed_heuristic_serves_where_its_kernel_is_compiled_and_the_computed_one_is_not(
         tuning, device, monkeypatch):
     """Launcher(relax=...): a heuristic's value correct for the call (EVEN=False: the masked path), as

@@ -11,7 +11,8 @@ and stored in the caller's dtype. The epilogue runs on the accumulator tile whil
 the bias, a tanh (or erf) GELU, a DiT block's per-sample gate and its residual add never cost a pass
 over memory of their own. Two kernels share it: on Hopper the operands come in through the Tensor
 Memory Accelerator, in persistent programs where that is faster (the shipped tables choose per
-shape); elsewhere, and for rows TMA cannot read, through pointers (docs/fp8.md, "The GEMM").
+shape); elsewhere, for rows TMA cannot read, and for the shapes where the tables time the pointer
+kernel faster, through pointers (docs/fp8.md, "The GEMM").
 
 ``quantize_rows`` is one pass over its input: each program owns whole rows, finds their absolute
 maximum and writes codes and scales; it may apply a GELU (or a GEGLU's ``a · gelu(g)``) first, so
@@ -436,6 +437,28 @@ def _tma_ready(a2: torch.Tensor, w_q: torch.Tensor) -> bool:
                and (t.shape[0] == 1 or t.stride(0) >= t.shape[1]) for t in (a2, w_q))
 
 
+_CHOICE: dict[tuple, bool] = {}  # (key, device) -> whether the TMA kernel serves it (_tma_chosen)
+
+
+TIMED_ROWS = 64  # GEMMs of fewer rows (less than one tile) take the TMA kernel whatever the tables time
+
+
+def _tma_chosen(key: tuple, device: torch.device) -> bool:
+    """Whether a GEMM the TMA kernel can read launches it: yes, unless both kernels' tables hold timings
+    for this key on this device and the pointer kernel's best config was the faster there (it wins most
+    gated down-projections and the text streams' GEMMs of a few hundred rows:
+    bench/results/2026-11-29-h200-fp8-gemm-tma). Below ``TIMED_ROWS`` rows (adaLN modulation) the
+    tables' timings, of one weight in a flushed L2, do not say what a step sees, where every weight comes
+    from HBM: there the TMA kernel streamed 2.46 TB/s at one row and the pointer kernel 1.39, though the
+    autotuner timed them even (bench/results/2026-11-29-h200-fp8-fused-qkv). Decided once a key and device."""
+    chosen = _CHOICE.get((key, device))
+    if chosen is None:
+        tma, pointer = _GEMM_TMA.tuned_ms(key, device), _GEMM.tuned_ms(key, device)
+        chosen = key[0] < TIMED_ROWS or tma is None or pointer is None or tma <= pointer
+        _CHOICE[(key, device)] = chosen
+    return chosen
+
+
 def _programs(device: torch.device) -> int:
     """The persistent grid: one program per SM (one program under the interpreter, so that its tests walk
     every tile in the persistent loop)."""
@@ -482,7 +505,7 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     key = (m, n, k, *flags.values(), out_dtype)
     extras = (y if bias is None else bias, y if g2 is None else g2, y if r2 is None else r2, y, m, n, k, tokens)
     epilogue_strides = (*(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)), n)
-    if _tma_ready(a2, w_q):
+    if _tma_ready(a2, w_q) and _tma_chosen(key, y.device):
         programs = _programs(y.device)
         grid = lambda meta: (min(programs, tiles(meta)) if meta["PERSISTENT"] else tiles(meta),)  # noqa: E731
         with _scratch_allocator(y.device):

@@ -274,6 +274,13 @@ class CacheFile:
         name = repr(key)
         return self.entries.get(name) or self.shipped.get(name)
 
+    def best_ms(self, key: Hashable) -> float | None:
+        """The fastest config's time at ``key``'s tuning, from the file whose choice serves it (the user's,
+        else the shipped table); None where that file holds no timings for it."""
+        name = repr(key)
+        timed = self.timings.get(name, []) if name in self.entries else self.shipped_timings.get(name, [])
+        return min((ms for _, ms in timed), default=None)
+
     def ties(self, name: str, choice: dict[str, Any]) -> list[dict[str, Any]]:
         """The configs that timed within TIE + TIE_MS of ``choice`` for the key ``name`` (a key's repr) at
         its tuning, fastest first, from the first file that holds the key: this device's, else another

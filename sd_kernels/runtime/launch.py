@@ -149,7 +149,17 @@ class Launcher:
                 meta = self._smaller(meta, args, kwargs, exc)
 
     def _cache_file(self, args: tuple) -> CacheFile | None:
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        return self._cache_for(next((a.device for a in args if isinstance(a, torch.Tensor)), None))
+
+    def tuned_ms(self, key: Hashable, device: torch.device) -> float | None:
+        """The fastest time of any config at ``key``'s tuning, from the table that holds its choice on
+        ``device`` (the user's autotune cache, else the shipped table); None where none holds timings for
+        it (or the kernel has one config). Comparable between kernels tuned on the same GPU (ops that
+        choose between kernels per shape: ops/fp8_linear.py)."""
+        cache = self._cache_for(device) if self.tunable else None
+        return None if cache is None else cache.best_ms(key)
+
+    def _cache_for(self, device: torch.device | None) -> CacheFile | None:
         directory, shipped = cache_dir(device), shipped_device_dirs(device)
         if directory is None and not shipped:
             return None

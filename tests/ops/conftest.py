@@ -25,18 +25,24 @@ def one_attention_config(monkeypatch):
 @pytest.fixture
 def count_calls(monkeypatch):
     """``count_calls(module, label=attribute, ...)``: each named module attribute replaced by a wrapper
-    that counts its calls under ``label``; returns the counts (a dict, updated as calls happen)."""
+    that counts its calls under ``label`` (and reads any other attribute from the original: a launcher's
+    methods); returns the counts (a dict, updated as calls happen)."""
+
+    class Spy:
+        def __init__(self, real, label, seen):
+            self.real, self.label, self.seen = real, label, seen
+
+        def __call__(self, *a, **kw):
+            self.seen[self.label] += 1
+            return self.real(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
 
     def install(module, **attributes):
         seen = dict.fromkeys(attributes, 0)
         for label, name in attributes.items():
-            real = getattr(module, name)
-
-            def spy(*a, _real=real, _label=label, **kw):
-                seen[_label] += 1
-                return _real(*a, **kw)
-
-            monkeypatch.setattr(module, name, spy)
+            monkeypatch.setattr(module, name, Spy(getattr(module, name), label, seen))
         return seen
 
     return install

@@ -371,6 +371,31 @@ def test_the_tma_kernels_allocator_is_set_for_the_launch_only():
         _allocation._allocator.reset(token)
 
 
+@pytest.mark.parametrize("tma_ms,pointer_ms,kernel", [(2.0, 1.0, "pointer"), (1.0, 2.0, "tma"), (1.0, 1.0, "tma"),
+                                                      (None, 1.0, "tma"), (2.0, None, "tma")])
+def test_the_kernel_the_tables_time_faster_serves_its_key(device, monkeypatch, count_calls, tma_ms, pointer_ms,
+                                                          kernel):
+    """Where both kernels' tables hold timings for a key, the faster one at tuning serves it; where either
+    lacks them, or the GEMM has fewer rows than a tile, the TMA kernel (where it can read the operands).
+    Decided once a key: the choice is kept."""
+    if device == "cuda" and torch.cuda.get_device_capability() < fp8.TMA_CAPABILITY:
+        pytest.skip("the TMA kernel needs Hopper or later")
+    monkeypatch.setattr(fp8, "_CHOICE", {})
+    monkeypatch.setattr(fp8._GEMM_TMA, "tuned_ms", lambda key, dev: tma_ms)
+    monkeypatch.setattr(fp8._GEMM, "tuned_ms", lambda key, dev: pointer_ms)
+    _, _, a_q, s_a, w_q, s_w, extras = _operands(device, k=64)
+    launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM")
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, extras["bias"], out_dtype=torch.float32)
+    monkeypatch.setattr(fp8._GEMM, "tuned_ms", lambda key, dev: 0.0)  # not asked again
+    fp8.fp8_gemm(a_q, s_a, w_q, s_w, extras["bias"], out_dtype=torch.float32)
+    assert launched == {"tma": 0, "pointer": 0, kernel: 2}
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, extras["bias"], out_dtype=torch.float64, compute=torch.float64)
+    assert rel_err(y, ref) <= _fp32_floor(device)
+    few = fp8.TIMED_ROWS - 1  # fewer rows than a tile: the TMA kernel, whatever the tables time
+    fp8.fp8_gemm(a_q[:few], s_a[:few], w_q, s_w, out_dtype=torch.float32)
+    assert launched["tma"] == (2 if kernel == "tma" else 0) + 1
+
+
 def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch, count_calls):
     """The TMA kernel needs Triton's (private) allocator module; where a Triton lacks it, every GEMM takes
     the pointer kernel rather than failing."""
