@@ -1,7 +1,8 @@
 """The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
-                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+scaled-mm,fp8+pointer-gemm,
+                        [--shapes NAME,...]
+                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+scaled-mm,fp8+pointer-gemm,fp8+tma-gemm,
                                 fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
@@ -25,7 +26,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
   too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with its GEMMs that need no epilogue but a
   bias on cuBLASLt's row-wise ``torch._scaled_mm`` (``fp8+scaled-mm``, an experiment), with every GEMM on the
-  pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), and with ``compile=True``
+  pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
+  read on it rather than the kernel the tables time faster per shape (``fp8+tma-gemm``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -52,17 +54,21 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+scaled-mm", "fp8+pointer-gemm", "fp8+compile",
-        "torchao")
+ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+scaled-mm", "fp8+pointer-gemm", "fp8+tma-gemm",
+        "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
 SHAPES = {
     "flux-dev": [("qkv", 4608, 3072, 3072, ""), ("ff_up", 4096, 3072, 12288, "gelu"),
                  ("ff_down", 4096, 12288, 3072, "gate_res"), ("single_proj_mlp", 4608, 3072, 12288, "gelu"),
-                 ("single_proj_out", 4608, 15360, 3072, "gate_res"), ("modulation", 1, 3072, 18432, "")],
+                 ("single_proj_out", 4608, 15360, 3072, "gate_res"), ("modulation", 1, 3072, 18432, ""),
+                 ("single_modulation", 1, 3072, 9216, ""), ("modulation", 2, 3072, 18432, ""),
+                 ("modulation", 4, 3072, 18432, ""), ("modulation", 8, 3072, 18432, ""),
+                 ("modulation", 16, 3072, 18432, "")],
     "sd3-medium": [("qkv", 8192, 1536, 1536, ""), ("ff_up", 8192, 1536, 6144, "gelu"),
-                   ("ff_down", 8192, 6144, 1536, "gate_res")],
+                   ("ff_down", 8192, 6144, 1536, "gate_res"), ("modulation", 2, 1536, 9216, ""),
+                   ("modulation", 8, 1536, 9216, "")],
     "pixart-sigma": [("qkv", 8192, 1152, 1152, ""), ("ff_up", 8192, 1152, 4608, "gelu"),
                      ("ff_down", 8192, 4608, 1152, "gate_res"), ("cross_kv", 600, 1152, 1152, "")],
     "sdxl": [("qkv_640", 8192, 640, 640, ""), ("geglu_640", 8192, 640, 5120, ""), ("ff_down_640", 8192, 2560, 640, ""),
@@ -130,11 +136,40 @@ def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) ->
     return cases
 
 
-def run_ops(models: list[str], out: pathlib.Path) -> list[dict]:
+def _few_rows_cases(model: str, name: str, m: int, k: int, n: int) -> list[common.Case]:
+    """A GEMM of a few rows (adaLN modulation: one row per sample) streams its weight: each call here runs
+    it on enough distinct weights to exceed L2 three times (as a step reads each block's weight from HBM
+    once), ms and GB/s per call of all of them: ours, cuBLASLt's row-wise ``_scaled_mm``, and torch's bf16
+    ``F.linear`` (on its own bf16 weights: twice the bytes; the GB/s column counts the FP8 codes' bytes
+    for every row)."""
+    f = importlib.import_module("sd_kernels.ops.fp8_linear")
+    dtype = _dtype(model)
+    copies = max(1, -(-3 * common.L2_BYTES // (n * k)))
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    a_q, s_a = f.quantize_rows(x)
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
+    codes = [f.quantize_weight(w) for w in weights]
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+
+    def ours():
+        return [f.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype) for w_q, s_w in codes]
+
+    impls = {"stock": lambda: [F.linear(x, w, bias) for w in weights],
+             "scaled_mm": lambda: [torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :],
+                                                    bias=bias, out_dtype=dtype) for w_q, s_w in codes],
+             "ours": ours}
+    return [common.Case("fp8_gemm", f"{name}:{m}x{k}x{n} x{copies}", dtype, "few_rows", bytes=copies * n * k,
+                        flops=2 * m * k * n * copies, impls=impls)]
+
+
+def run_ops(models: list[str], out: pathlib.Path, only: set[str] | None = None) -> list[dict]:
     rows = []
     for model in models:
         for name, m, k, n, epilogue in SHAPES[model]:
-            for case in _gemm_cases(model, name, m, k, n, epilogue):
+            if only and name not in only:
+                continue
+            few = m <= 16 and not epilogue
+            for case in (_few_rows_cases(model, name, m, k, n) if few else _gemm_cases(model, name, m, k, n, epilogue)):
                 got = [{"model": model, **r} for r in common.measure(case)]
                 for r in got:
                     ours = next(g["ms"] for g in got if g["impl"] == "ours")
@@ -216,7 +251,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 
         changed = {"fp8+attention": (fp8_patch, "FP8_ATTENTION", True),
                    "fp8+scaled-mm": (fp8_ops, "fp8_gemm", scaled_mm_gemm(fp8_ops.fp8_gemm)),
-                   "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False)}.get(row)
+                   "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
+                   "fp8+tma-gemm": (fp8_ops, "_tma_chosen", lambda key, device: True)}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
@@ -224,10 +260,11 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # the tier's rows: the patch as shipped, with its attention in FP8 too (patches.fp8.FP8_ATTENTION), with the
 # GEMMs that need no epilogue beyond a bias on cuBLASLt's row-wise torch._scaled_mm instead of ours (an
 # experiment: which is faster inside the step), with every GEMM on the pointer-load kernel instead of the
-# TMA one (fp8_linear.TMA_GEMM), and with compile=True
+# TMA one (fp8_linear.TMA_GEMM), with every GEMM the TMA kernel can read on it (not the faster kernel of the
+# tables per shape), and with compile=True
 FP8_ROWS = {"fp8": "patched+graph+fp8", "fp8+attention": "patched+graph+fp8+attention",
             "fp8+scaled-mm": "patched+graph+fp8+scaled-mm", "fp8+pointer-gemm": "patched+graph+fp8+pointer-gemm",
-            "fp8+compile": "patched+graph+compile+fp8"}
+            "fp8+tma-gemm": "patched+graph+fp8+tma-gemm", "fp8+compile": "patched+graph+compile+fp8"}
 
 
 @contextlib.contextmanager
@@ -407,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="flux-dev", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"e2e rows, of {', '.join(ROWS)} (stock always runs)")
+    ap.add_argument("--shapes", default="", help="ops: only the GEMM shapes of these names (default: all), e.g. "
+                                                 "modulation,single_modulation")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=2, help="timed pipeline calls per row (median)")
     ap.add_argument("--size", type=int, default=0, help="image side (default: the model's, 1024)")
@@ -433,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"bench.fp8: {common.environment()}; random weights", flush=True)
     if "ops" in modes:
-        run_ops(models, args.out)
+        run_ops(models, args.out, {s for s in args.shapes.split(",") if s})
     for model in models:
         if "layers" in modes:
             run_layers(model, args, args.out)
