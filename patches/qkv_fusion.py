@@ -20,7 +20,10 @@ diffusers' pipelines make them.
 
 Under ``precision="fp8"`` the three Linears become FP8 GEMMs after this layout (patches/fp8.py): that patch
 lays their codes and scales out the same way and sets ``FusedProjections.quantized``, which serves the
-call as one FP8 GEMM (the biases read from this layout) while those layers hold.
+call as one FP8 GEMM (the biases read from this layout) while those layers hold. The GEMM then reads
+codes made from the weights, so an update in place through ``weight.data`` is not seen, as for every FP8
+layer (docs/fp8.md); one through the Parameter itself is (its codes are made again, its stream goes back
+to three GEMMs).
 
 Installed by the attention patcher on every FluxAttention it gives our processor, for the image stream
 (``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), in the
@@ -194,7 +197,8 @@ def projections(processor, attn: nn.Module, hidden_states: torch.Tensor, encoder
 
     if attn.fused_projections or torch.compiler.is_compiling():  # diffusers' lines (its own to_qkv, fused by it)
         return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-    encoder = (None, None, None)  # diffusers' _get_projections, a stream at a time
+    image = stream(processor.qkv, attn, 0, hidden_states)  # diffusers' _get_projections, a stream at a time,
+    encoder = (None, None, None)  # in its order (hooks on the projections see the same calls)
     if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
         encoder = stream(processor.added_qkv, attn, 1, encoder_hidden_states)
-    return *stream(processor.qkv, attn, 0, hidden_states), *encoder
+    return *image, *encoder

@@ -181,3 +181,23 @@ def test_the_fp8_tier_fuses_the_quantized_projections(transformer):  # noqa: F81
         assert record.counts["qkv_fusion"] == record.counts["fp8.qkv"] == 6
     weights = [a.to_q.weight for a in transformer.modules() if hasattr(a, "to_q")]
     assert all(w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights)
+
+
+def test_projections_a_stream_does_not_serve_run_in_diffusers_order(transformer):  # noqa: F811
+    """Where the fusion does not serve (here: forward hooks on the projections), the projections run one by
+    one in diffusers' order, the image stream's before the text stream's: hooks see the calls stock makes."""
+    attn = transformer.transformer_blocks[0].attn
+    names = [*qkv_fusion.STREAMS[0][1], *qkv_fusion.STREAMS[1][1]]
+
+    def calls():
+        seen = []
+        handles = [getattr(attn, n).register_forward_hook(lambda m, a, o, n=n: seen.append(n)) for n in names]
+        _run(transformer, *_inputs(transformer))
+        for h in handles:
+            h.remove()
+        return seen
+
+    stock = calls()
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        patched = calls()
+    assert stock == patched == names
