@@ -265,7 +265,8 @@ class Fp8Projections:
     buffer each (their own buffers become views of it), the biases read from the layout qkv_fusion gave
     the Parameters. Serves ``FusedProjections.project`` while the module still holds these layers,
     unhooked, outside autograd and compilation, their codes still laid out (a weight changed since is
-    quantized again into a buffer of its own: the call goes back to three GEMMs); None otherwise."""
+    quantized again into a buffer of its own: the call goes back to three GEMMs, and the other two layers'
+    views keep the laid-out buffer, a third more codes for that stream, until unpatch); None otherwise."""
 
     def __init__(self, layers: list[Fp8Linear]) -> None:
         self.layers = tuple(layers)

@@ -447,10 +447,12 @@ def _tma_chosen(key: tuple, device: torch.device) -> bool:
     """Whether a GEMM the TMA kernel can read launches it: yes, unless both kernels' tables hold timings
     for this key on this device and the pointer kernel's best config was the faster there (it wins most
     gated down-projections and the text streams' GEMMs of a few hundred rows:
-    bench/results/2026-11-29-h200-fp8-gemm-tma). Below ``TIMED_ROWS`` rows (adaLN modulation) the
-    tables' timings, of one weight in a flushed L2, do not say what a step sees, where every weight comes
-    from HBM: there the TMA kernel streamed 2.46 TB/s at one row and the pointer kernel 1.39, though the
-    autotuner timed them even (bench/results/2026-11-29-h200-fp8-fused-qkv). Decided once a key and device."""
+    bench/results/2026-11-29-h200-fp8-gemm-tma). Below ``TIMED_ROWS`` rows (adaLN modulation) the TMA
+    kernel serves whatever the tables say: their timings, of one weight in a flushed L2, had the two even
+    or the pointer kernel faster, but timed over distinct weights read from HBM, as a step reads them, the
+    TMA kernel streamed 2.46 and 1.90 TB/s at FLUX's two one-row shapes and the pointer kernel 1.39 and
+    1.15 (bench/results/2026-11-29-h200-fp8-fused-qkv). Decided once a key and device; a key tuned in this
+    process (SD_KERNELS_AUTOTUNE=1) has only the TMA kernel's timing, so it stays on the TMA kernel."""
     chosen = _CHOICE.get((key, device))
     if chosen is None:
         tma, pointer = _GEMM_TMA.tuned_ms(key, device), _GEMM.tuned_ms(key, device)

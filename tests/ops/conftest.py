@@ -1,5 +1,6 @@
 """Fixtures shared by the op tests (the attention family; call counting for the plan-cache tests)."""
 
+import functools
 import importlib
 
 import pytest
@@ -38,6 +39,9 @@ def count_calls(monkeypatch):
 
         def __getattr__(self, name):
             return getattr(self.real, name)
+
+        def __get__(self, obj, objtype=None):  # a spied method stays a method
+            return self if obj is None else functools.partial(self, obj)
 
     def install(module, **attributes):
         seen = dict.fromkeys(attributes, 0)

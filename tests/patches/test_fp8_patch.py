@@ -63,9 +63,10 @@ def test_gpu_fp8_flux_in_bfloat16():
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, images=True)
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
                                    images=True)
-    # with every op family: the blocks' fused forwards take the tier's join and gated residuals
-    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
-                                   images=True, ops=None)
+    # with every op family: the blocks' fused forwards take the tier's join and gated residuals, and each
+    # attention's q, k, v are one FP8 GEMM a stream
+    _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16),
+                                   families | {"qkv_fusion", "fp8.qkv"}, cuda_graph=True, images=True, ops=None)
 
 
 def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False, images=False, ops=()):
