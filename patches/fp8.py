@@ -64,8 +64,8 @@ from . import families
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
-from .hooks import called_beside, hooked
-from .qkv_fusion import STREAMS, FusedProjections, stacked
+from .hooks import called_beside
+from .qkv_fusion import STREAMS, FusedProjections, held, stacked
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -277,11 +277,9 @@ class Fp8Projections:
             m._source = m._source[0], m.w_q.data_ptr()
 
     def __call__(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not held(module, names, self.layers):
             return None
-        for layer, name in zip(self.layers, names):
-            if module._modules.get(name) is not layer or hooked(layer):
-                return None
+        for layer in self.layers:
             layer.fresh()
         codes, scales = stacked([m.w_q for m in self.layers]), stacked([m.s_w for m in self.layers])
         biases = [m.bias for m in self.layers]

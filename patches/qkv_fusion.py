@@ -89,6 +89,14 @@ def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(storage, start, shape, strides)
 
 
+def held(module: nn.Module, names: tuple[str, ...], layers: tuple[nn.Module, ...]) -> bool:
+    """Whether a call may take a fused GEMM for ``layers``: ``module`` still holds them under ``names``, none
+    hooked (the fused GEMM would skip the hooks), and autograd is off (the fused operands are views it would
+    not trace to the Parameters, nor run a projection's backward hooks for)."""
+    return not torch.is_grad_enabled() and all(module._modules.get(n) is m and not hooked(m)
+                                               for m, n in zip(layers, names))
+
+
 class FusedProjections:
     """Three Linears whose weights (and biases) are consecutive rows of one storage; called, one GEMM on
     it for all three. Only their Parameters hold that storage: weights moved, offloaded or dropped take
@@ -116,11 +124,8 @@ class FusedProjections:
         unhooked, their weights (and biases) still laid out as one, outside autograd (the fused operands are
         views it would not trace to the Parameters, nor run a projection's backward hooks for); None
         otherwise."""
-        if torch.is_grad_enabled():
+        if not held(module, names, self.linears) or any(type(m) is not nn.Linear for m in self.linears):
             return None
-        for linear, name in zip(self.linears, names):
-            if module._modules.get(name) is not linear or type(linear) is not nn.Linear or hooked(linear):
-                return None
         weight = stacked([m.weight for m in self.linears])
         if weight is None or tuple(m.bias is None for m in self.linears) != (not self.has_bias,) * 3:
             return None
@@ -175,19 +180,13 @@ def install(attn: nn.Module, processor, path: str, record: PatchRecord) -> None:
         record.on_undo(fused.release, KIND)
 
 
-def _project(fused: FusedProjections | None, attn: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor | None:
-    """Stream ``index`` (of STREAMS) of ``x`` as one GEMM where ``fused`` serves the call, else None. A call
-    torch.compile traces is not served (the guard reads storages the compiler does not trace)."""
-    if fused is None or getattr(attn, "fused_projections", False) or torch.compiler.is_compiling():
-        return None
-    return fused.project(attn, STREAMS[index][1], x)
-
-
 def stream(fused: FusedProjections | None, attn: nn.Module, index: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The q, k, v projections of ``x`` by stream ``index`` (of STREAMS): one GEMM where ``fused`` serves
-    the call, else the module's three Linears called as diffusers' processors call them."""
-    y = _project(fused, attn, index, x)
-    return tuple(getattr(attn, n)(x) for n in STREAMS[index][1]) if y is None else y.chunk(3, dim=-1)
+    the call, else the module's three Linears called as diffusers' processors call them. Not for a call
+    torch.compile traces (``projections`` sends those to diffusers' lines)."""
+    names = STREAMS[index][1]
+    y = None if fused is None else fused.project(attn, names, x)
+    return tuple(getattr(attn, n)(x) for n in names) if y is None else y.chunk(3, dim=-1)
 
 
 def projections(processor, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
@@ -195,7 +194,9 @@ def projections(processor, attn: nn.Module, hidden_states: torch.Tensor, encoder
     through its ``FusedProjections`` where the layout holds (``project``)."""
     from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
-    if attn.fused_projections or torch.compiler.is_compiling():  # diffusers' lines (its own to_qkv, fused by it)
+    # diffusers' lines where it fused the module itself (its own to_qkv), and in a call torch.compile traces (the
+    # fused call's guard reads storages the compiler does not trace)
+    if attn.fused_projections or torch.compiler.is_compiling():
         return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
     image = stream(processor.qkv, attn, 0, hidden_states)  # diffusers' _get_projections, a stream at a time,
     encoder = (None, None, None)  # in its order (hooks on the projections see the same calls)
