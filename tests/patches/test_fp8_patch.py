@@ -213,6 +213,22 @@ def test_cuda_graphs_see_an_fp8_weight_changed_in_place():
     assert watch.state(()) != before
 
 
+@cpu_only
+def test_cuda_graphs_see_a_fused_projections_weight_changed_in_place():
+    """FLUX's fused q, k, v GEMM reads the three layers' laid-out codes: a graph captured over it is stale once
+    one of those weights changes in place, and the patched transformer's watch sees it."""
+    from sd_kernels.patches.cuda_graph import _Watch
+
+    model = _model("tiny-flux")
+    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
+        assert record.counts["fp8.qkv"]
+        watch = _Watch(model)
+        before = watch.state(())
+        with torch.no_grad():
+            model.single_transformer_blocks[0].attn.to_v.weight.mul_(2)
+        assert watch.state(()) != before
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention: the processors hand precision="fp8" to the attention op, which runs the FP8 kernel on the
 # calls it takes. The tiny configs' head dim (24) is one the FP8 kernel refuses: these models have the
