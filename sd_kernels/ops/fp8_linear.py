@@ -12,7 +12,9 @@ the bias, a tanh (or erf) GELU, a DiT block's per-sample gate and its residual a
 over memory of their own. Two kernels share it: on Hopper the operands come in through the Tensor
 Memory Accelerator, in persistent programs where that is faster (the shipped tables choose per
 shape); elsewhere, for rows TMA cannot read, and for the shapes where the tables time the pointer
-kernel faster, through pointers (docs/fp8.md, "The GEMM").
+kernel faster, through pointers. On Hopper, bf16 GEMMs of at least 64 rows whose epilogue is a bias (or
+a bias, gate and residual, added after it by one ``torch.addcmul``) go to torch's row-wise
+``torch._scaled_mm`` with fast accumulation, which measured faster in a step (docs/fp8.md, "The GEMM").
 
 ``quantize_rows`` is one pass over its input: each program owns whole rows, finds their absolute
 maximum and writes codes and scales; it may apply a GELU (or a GEGLU's ``a · gelu(g)``) first, so
@@ -461,6 +463,51 @@ def _tma_chosen(key: tuple, device: torch.device) -> bool:
     return chosen
 
 
+# torch's row-wise scaled GEMM (``torch._scaled_mm``) serves the GEMMs whose epilogue it can make, where it
+# measured faster than ours in a step: bench/results/2026-11-29-h200-fp8-torch-gemm, docs/fp8.md "The GEMM".
+TORCH_GEMM = True  # False: every GEMM on our Triton kernels (bench.fp8's fp8+triton-gemm row compares the two)
+TORCH_GEMM_CAPABILITY = (9, 0)  # row-wise scaling in torch._scaled_mm: Hopper and later
+TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_tma_chosen)
+TORCH_GEMM_GATED = True  # also a DiT block's gate and residual, added by one torch.addcmul after the GEMM
+# bf16 only: in fp16 (SD3's step) it measured no faster than our kernels
+TORCH_GEMM_DTYPES = (torch.bfloat16,)
+
+
+def _torch_gemm_ready(a2: torch.Tensor, w_q: torch.Tensor, bias, act: str, gated: bool, out_dtype) -> bool:
+    """Whether ``torch._scaled_mm`` serves this GEMM: on Hopper or later (not the interpreter), at least
+    ``TORCH_GEMM_ROWS`` rows, an output dtype of ``TORCH_GEMM_DTYPES`` with a bias of that dtype or none,
+    no activation (a gate and residual with ``TORCH_GEMM_GATED``), both operands contiguous
+    with 16-byte aligned bases and dimensions that are multiples of 16 (what it requires of FP8 operands)."""
+    if (not TORCH_GEMM or act or (gated and not TORCH_GEMM_GATED) or out_dtype not in TORCH_GEMM_DTYPES
+            or a2.shape[0] < TORCH_GEMM_ROWS or (bias is not None and bias.dtype != out_dtype)
+            or not _torch_gemm_device(a2.device)):
+        return False
+    return a2.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0
+                                                                    for t in (a2, w_q))
+
+
+def _torch_gemm_device(device: torch.device) -> bool:
+    """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    props = device_properties(device.index)  # cached: this runs at every GEMM call
+    return (props.major, props.minor) >= TORCH_GEMM_CAPABILITY
+
+
+def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, out_dtype) -> torch.Tensor:
+    """The GEMM on ``torch._scaled_mm`` with fast accumulation (the tensor cores' FP8 accumulation, as ours
+    runs it), the bias in its epilogue; a gate and residual after it in one ``torch.addcmul`` (the GEMM's
+    output rounded once more than in our fused epilogue)."""
+    y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.float().view(1, -1), bias=bias,
+                         out_dtype=out_dtype, use_fast_accum=True)
+    if g2 is None and residual is None:
+        return y.view(out_shape)
+    n = y.shape[1]
+    g3 = torch.ones((), dtype=y.dtype, device=y.device) if g2 is None else g2.reshape(-1, 1, n)
+    r3 = torch.zeros((), dtype=y.dtype, device=y.device) if residual is None else residual.reshape(-1, tokens, n)
+    return torch.addcmul(r3, g3, y.view(-1, tokens, n)).view(out_shape)
+
+
 def _programs(device: torch.device) -> int:
     """The persistent grid: one program per SM (one program under the interpreter, so that its tests walk
     every tile in the persistent loop)."""
@@ -497,11 +544,13 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     reason = fp8_reason(a_q, s_a, w_q, s_w, bias, gate, residual) or ("no input features (K = 0)" if k == 0 else None)
     if not use_kernel("fp8_linear", a_q, w_q, bias, gate, residual, unsupported=reason):
         return reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+    a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
+    sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
+    if n and _torch_gemm_ready(a2, w_q, bias, act, gate is not None or residual is not None, out_dtype):
+        return _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype)
     y = torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
     if y.numel() == 0:
         return y
-    a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
-    sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
     tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
     key = (m, n, k, *flags.values(), out_dtype)

@@ -266,9 +266,10 @@ def test_custom_ops_fake_and_schema(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 12288, 3072), (2, 3072, 18432),
                                    (8192, 1536, 1536), (4096, 1152, 4608), (77, 1000, 333)])
-def test_gpu_model_shapes_against_the_reference_and_scaled_mm(m, k, n):
-    """FLUX, SD3, PixArt GEMMs on the GPU: the quantized math in float64, and cuBLASLt's row-wise
-    ``torch._scaled_mm`` on the same codes (its error reported beside ours)."""
+def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, m, k, n):
+    """FLUX, SD3, PixArt GEMMs on the GPU: the quantized math in float64, for the GEMM as dispatched (on
+    Hopper, torch's row-wise ``torch._scaled_mm`` where it serves the shape), our Triton kernels alone,
+    and ``_scaled_mm`` called directly on the same codes."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -280,10 +281,44 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(m, k, n):
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
     rounding = rel_err(ref.to(torch.bfloat16), ref)
     assert rel_err(y, ref) <= 2 * rounding
+    monkeypatch.setattr(fp8, "TORCH_GEMM", False)
+    assert rel_err(fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.bfloat16), ref) <= 2 * rounding
     if n % 16 == 0 and k % 16 == 0:
-        cublas = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :], bias=bias,
-                                  out_dtype=torch.bfloat16)
-        assert rel_err(cublas, ref) <= 2 * rounding
+        for fast in (False, True):
+            torchs = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :], bias=bias,
+                                      out_dtype=torch.bfloat16, use_fast_accum=fast)
+            assert rel_err(torchs, ref) <= 2 * rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,k,n,dtype", [(1, 4608, 15360, 3072, torch.bfloat16),
+                                           (1, 4096, 12288, 3072, torch.bfloat16),
+                                           (2, 4096, 6144, 1536, torch.float16), (2, 666, 6144, 1536, torch.float16)])
+def test_gpu_gated_projections_against_the_reference(monkeypatch, b, t, k, n, dtype):
+    """A DiT block's gated down-projection (bias, per-sample gate, residual) at FLUX's (bf16) and SD3's (fp16,
+    its image and text streams) shapes, as dispatched (on Hopper in bf16 ``torch._scaled_mm`` and one
+    addcmul; fp16 stays on our kernels) and on our fused epilogue: the quantized math in float64 within
+    twice the larger of the output's rounding and the error of torch's own FP8 GEMM with fast accumulation
+    + addcmul on the same codes (in fp16, at K = 6,144, the tensor cores' FP8 accumulation, about 1e-3,
+    exceeds fp16's rounding)."""
+    x = torch.randn(b, t, k, device="cuda", dtype=dtype)
+    w_q, s_w = fp8.quantize_weight(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5)
+    bias, gate = torch.randn(n, device="cuda", dtype=dtype), torch.randn(b, 1, n, device="cuda", dtype=dtype)
+    residual = torch.randn(b, t, n, device="cuda", dtype=dtype)
+    a_q, s_a = fp8.quantize_rows(x)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=torch.float64,
+                             compute=torch.float64)
+    torchs = torch._scaled_mm(a_q.view(b * t, k), w_q.t(), scale_a=s_a.view(-1, 1), scale_b=s_w.view(1, -1),
+                              bias=bias, out_dtype=dtype, use_fast_accum=True)
+    peer = torch.addcmul(residual, gate, torchs.view(b, t, n))
+    rounding, peer_err = rel_err(ref.to(dtype), ref), rel_err(peer, ref)
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=dtype)
+    monkeypatch.setattr(fp8, "TORCH_GEMM", False)
+    fused = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=dtype)
+    print(f"gated {b}x{t}x{k}->{n} {dtype}: dispatched {rel_err(y, ref):.2e}, fused {rel_err(fused, ref):.2e}, "
+          f"torch's _scaled_mm + addcmul {peer_err:.2e}, output rounding {rounding:.2e}")
+    assert rel_err(y, ref) <= 2 * max(rounding, peer_err), (rel_err(y, ref), rounding, peer_err)
+    assert rel_err(fused, ref) <= 2 * max(rounding, peer_err), (rel_err(fused, ref), rounding, peer_err)
 
 
 @pytest.mark.gpu
@@ -394,6 +429,60 @@ def test_the_kernel_the_tables_time_faster_serves_its_key(device, monkeypatch, c
     few = fp8.TIMED_ROWS - 1  # fewer rows than a tile: the TMA kernel, whatever the tables time
     fp8.fp8_gemm(a_q[:few], s_a[:few], w_q, s_w, out_dtype=torch.float32)
     assert launched["tma"] == (2 if kernel == "tma" else 0) + 1
+
+
+@pytest.mark.parametrize("epilogue", [{"bias"}, set(), {"bias", "gate", "residual"}, {"residual"}, {"gate"}],
+                         ids=lambda e: "+".join(sorted(e)) or "plain")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torchs_scaled_gemm_serves_the_epilogues_it_can_make(monkeypatch, count_calls, epilogue, dtype):
+    """Where ``torch._scaled_mm`` may run (Hopper: faked here on the CPU, where torch runs it too), a bf16
+    or fp16 GEMM of at least TORCH_GEMM_ROWS rows with a bias, and with a gate and residual (one addcmul after
+    it), goes to it and not to our kernels: the reference's math to the output's rounding (twice for the
+    gate's: the GEMM's output is rounded before the addcmul)."""
+    monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
+    monkeypatch.setattr(fp8, "TORCH_GEMM_DTYPES", (torch.bfloat16, torch.float16))  # fp16: the path is the same
+    _, _, a_q, s_a, w_q, s_w, extras = _operands("cpu", m=96, k=64, n=48, batch=4)
+    kw = {k: (v.to(dtype) if k != "gate" else v.to(dtype)[:, None]) for k, v in extras.items() if k in epilogue}
+    a3, s3 = a_q.view(4, 24, 64), s_a.view(4, 24)
+    if "residual" in kw:
+        kw["residual"] = kw["residual"].view(4, 24, 48)
+    launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM", torch_gemm="_torch_gemm")
+    y = fp8.fp8_gemm(a3, s3, w_q, s_w, out_dtype=dtype, **kw)
+    assert launched == {"tma": 0, "pointer": 0, "torch_gemm": 1}
+    ref = reference.fp8_gemm(a3, s3, w_q, s_w, out_dtype=torch.float64, compute=torch.float64, **kw)
+    assert y.shape == (4, 24, 48) and y.dtype == dtype
+    assert rel_err(y, ref) <= 2 * (2 if "gate" in kw else 1) * rel_err(ref.to(dtype), ref)
+
+
+def _route_case(**change):
+    """(a2, w_q, bias, act, gated, out_dtype) of a GEMM torch's scaled GEMM takes, with ``change`` applied."""
+    case = dict(m=fp8.TORCH_GEMM_ROWS, k=64, n=32, act="", gated=False, out_dtype=torch.bfloat16,
+                bias=torch.bfloat16, contiguous=True)
+    case.update(change)
+    a = torch.zeros(case["m"], case["k"] * (1 if case["contiguous"] else 2), dtype=fp8.E4M3)[:, :case["k"]]
+    w = torch.zeros(case["n"], case["k"], dtype=fp8.E4M3)
+    bias = None if case["bias"] is None else torch.zeros(case["n"], dtype=case["bias"])
+    return a, w, bias, case["act"], case["gated"], case["out_dtype"]
+
+
+@pytest.mark.parametrize("change,switch,taken", [
+    ({}, {}, True), ({"bias": None}, {}, True), ({"gated": True}, {}, True),
+    ({"gated": True}, {"TORCH_GEMM_GATED": False}, False), ({}, {"TORCH_GEMM": False}, False),
+    ({"m": fp8.TORCH_GEMM_ROWS - 1}, {}, False), ({"act": "tanh"}, {}, False),
+    ({"out_dtype": torch.float16, "bias": torch.float16}, {}, False), ({"out_dtype": torch.float16}, {}, False),
+    ({"out_dtype": torch.float32, "bias": None}, {}, False), ({"bias": torch.float32}, {}, False),
+    ({"k": 72}, {}, False), ({"n": 40}, {}, False),
+    ({"contiguous": False}, {}, False)], ids=str)
+def test_torchs_scaled_gemm_takes_only_what_it_can_make(monkeypatch, change, switch, taken):
+    """The rule: bf16 output (fp16 stays on our kernels) with a bf16 bias or none, no activation, at least
+    TORCH_GEMM_ROWS rows, contiguous operands with K and N multiples of 16; gated GEMMs while
+    TORCH_GEMM_GATED; nothing while TORCH_GEMM is off; and only on a device that has it (a CPU tensor
+    never: our kernels run there)."""
+    for name, value in switch.items():
+        monkeypatch.setattr(fp8, name, value)
+    assert not fp8._torch_gemm_ready(*_route_case(**change))  # the CPU: our kernels (or the interpreter)
+    monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
+    assert fp8._torch_gemm_ready(*_route_case(**change)) is taken
 
 
 def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch, count_calls):
