@@ -2,8 +2,8 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+scaled-mm,fp8+pointer-gemm,fp8+tma-gemm,
-                                fp8+compile,torchao]
+                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+triton-gemm,fp8+fused-gate-gemm,
+                                fp8+pointer-gemm,fp8+tma-gemm,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -12,9 +12,11 @@ Random weights from the shipped configs (images are noise-like: the quality colu
 of the same random model, not image quality). Three modes, each writing its CSV to DIR as it goes:
 
 - ``ops`` (fp8_ops.csv): at each model's GEMM shapes (M tokens × K → N), torch's bf16 ``F.linear``
-  (stock), cuBLASLt's row-wise FP8 ``torch._scaled_mm`` and our ``fp8_gemm``, on inputs already
-  quantized and from bf16 input (our quantizer first); the epilogues (bias + GELU-tanh; bias + gate +
-  residual) fused in ours against ``_scaled_mm`` + torch's ops; and the fused producers (GELU +
+  (stock), torch's row-wise FP8 ``torch._scaled_mm`` (fast accumulation, as our kernels accumulate), our
+  ``fp8_gemm`` as dispatched (``ours``: where it hands a GEMM to ``_scaled_mm``, the same kernel) and our
+  Triton kernels alone (``triton``), on inputs already quantized and from bf16 input (our quantizer
+  first); the epilogues (bias + GELU-tanh; bias + gate + residual) fused in ours against ``_scaled_mm``
+  + torch's ops; and the fused producers (GELU +
   quantization, modulated LayerNorm + quantization) against the op, then the quantizer. Device time
   from CUDA graphs (bench/common.py), TFLOP/s and ratios.
 - ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;
@@ -24,9 +26,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
   label); ours lossless
   (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
-  too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with its GEMMs that need no epilogue but a
-  bias on cuBLASLt's row-wise ``torch._scaled_mm`` (``fp8+scaled-mm``, an experiment), with every GEMM on the
-  pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
+  too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our Triton kernels
+  (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
+  our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul`` (``fp8+fused-gate-gemm``), with every GEMM
+  on the pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
   read on it rather than the kernel the tables time faster per shape (``fp8+tma-gemm``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
@@ -54,8 +57,8 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+scaled-mm", "fp8+pointer-gemm", "fp8+tma-gemm",
-        "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm",
+        "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -88,6 +91,12 @@ def _dtype(model: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------- ops
 
 
+def _on_triton(f, *args, **kwargs) -> torch.Tensor:
+    """``fp8_gemm`` on our Triton kernels only (none handed to ``torch._scaled_mm``)."""
+    with mock.patch.object(f, "TORCH_GEMM", False):
+        return f.fp8_gemm(*args, **kwargs)
+
+
 def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) -> list[common.Case]:
     f = importlib.import_module("sd_kernels.ops.fp8_linear")  # sd_kernels.ops.fp8_linear is also a function
 
@@ -98,12 +107,13 @@ def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) ->
     a_q, s_a = f.quantize_rows(x)
     w_q, s_w = f.quantize_weight(w)
     scaled = lambda a, s: torch._scaled_mm(a, w_q.t(), scale_a=s[:, None], scale_b=s_w[None, :],  # noqa: E731
-                                           bias=bias, out_dtype=dtype)
+                                           bias=bias, out_dtype=dtype, use_fast_accum=True)
     flops = 2 * m * k * n
     shape = f"{name}:{m}x{k}x{n}"
     cases = [common.Case("fp8_gemm", shape, dtype, "quantized", flops=flops, impls={
         "stock": lambda: F.linear(x, w, bias), "scaled_mm": lambda: scaled(a_q, s_a),
-        "ours": lambda: f.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype)}),
+        "ours": lambda: f.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype),
+        "triton": lambda: _on_triton(f, a_q, s_a, w_q, s_w, bias, out_dtype=dtype)}),
         common.Case("fp8_linear", shape, dtype, "from_bf16" if dtype == torch.bfloat16 else "from_fp16", flops=flops,
                     impls={"stock": lambda: F.linear(x, w, bias), "scaled_mm": lambda: scaled(*f.quantize_rows(x)),
                            "ours": lambda: f.fp8_linear(x, w_q, s_w, bias, reuse=False)})]
@@ -124,7 +134,8 @@ def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) ->
         cases.append(common.Case("fp8_epilogue", shape, dtype, "bias+gate+residual", flops=flops, impls={
             "stock": lambda: res + gate * F.linear(x.view(batch, -1, k), w, bias),
             "scaled_mm": lambda: res + gate * scaled(a_q, s_a).view(batch, -1, n),
-            "ours": lambda: f.fp8_gemm(a3, s3, w_q, s_w, bias, gate=gate, residual=res, out_dtype=dtype)}))
+            "ours": lambda: f.fp8_gemm(a3, s3, w_q, s_w, bias, gate=gate, residual=res, out_dtype=dtype),
+            "triton": lambda: _on_triton(f, a3, s3, w_q, s_w, bias, gate=gate, residual=res, out_dtype=dtype)}))
     if name == "qkv":  # the producer of the projections' input: adaLN's modulated LayerNorm
         from sd_kernels.ops import layer_norm_modulated, layer_norm_modulated_fp8
 
@@ -156,7 +167,8 @@ def _few_rows_cases(model: str, name: str, m: int, k: int, n: int) -> list[commo
 
     impls = {"stock": lambda: [F.linear(x, w, bias) for w in weights],
              "scaled_mm": lambda: [torch._scaled_mm(a_q, w_q.t(), scale_a=s_a[:, None], scale_b=s_w[None, :],
-                                                    bias=bias, out_dtype=dtype) for w_q, s_w in codes],
+                                                    bias=bias, out_dtype=dtype, use_fast_accum=True)
+                                   for w_q, s_w in codes],
              "ours": ours}
     return [common.Case("fp8_gemm", f"{name}:{m}x{k}x{n} x{copies}", dtype, "few_rows", bytes=copies * n * k,
                         flops=2 * m * k * n * copies, impls=impls)]
@@ -250,21 +262,22 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
 
         changed = {"fp8+attention": (fp8_patch, "FP8_ATTENTION", True),
-                   "fp8+scaled-mm": (fp8_ops, "fp8_gemm", scaled_mm_gemm(fp8_ops.fp8_gemm)),
+                   "fp8+triton-gemm": (fp8_ops, "TORCH_GEMM", False),
+                   "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
                    "fp8+tma-gemm": (fp8_ops, "_tma_chosen", lambda key, device: True)}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
 
-# the tier's rows: the patch as shipped, with its attention in FP8 too (patches.fp8.FP8_ATTENTION), with the
-# GEMMs that need no epilogue beyond a bias on cuBLASLt's row-wise torch._scaled_mm instead of ours (an
-# experiment: which is faster inside the step), with every GEMM on the pointer-load kernel instead of the
+# the tier's rows: the patch as shipped, with its attention in FP8 too (patches.fp8.FP8_ATTENTION), with every
+# GEMM on our Triton kernels (fp8_linear.TORCH_GEMM), with the gated GEMMs' gate and residual in our kernel's
+# epilogue (fp8_linear.TORCH_GEMM_GATED), with every GEMM on the pointer-load kernel instead of the
 # TMA one (fp8_linear.TMA_GEMM), with every GEMM the TMA kernel can read on it (not the faster kernel of the
 # tables per shape), and with compile=True
-FP8_ROWS = {"fp8": "patched+graph+fp8", "fp8+attention": "patched+graph+fp8+attention",
-            "fp8+scaled-mm": "patched+graph+fp8+scaled-mm", "fp8+pointer-gemm": "patched+graph+fp8+pointer-gemm",
-            "fp8+tma-gemm": "patched+graph+fp8+tma-gemm", "fp8+compile": "patched+graph+compile+fp8"}
+FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm",
+                                                    "fp8+pointer-gemm", "fp8+tma-gemm")}
+FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
 @contextlib.contextmanager
@@ -275,22 +288,6 @@ def _applied_with(pipe, setup, changed: tuple | None):
     switch = mock.patch.object(*changed) if changed is not None else contextlib.nullcontext()
     with switch, applied(pipe, setup) as record:
         yield record
-
-
-def scaled_mm_gemm(ours):
-    """``ops.fp8_gemm`` on cuBLASLt's row-wise ``torch._scaled_mm`` where a call needs no epilogue beyond a
-    bias and asks for bf16 (what row-wise scaling writes); every other call goes to ``ours``."""
-
-    def gemm(a_q, s_a, w_q, s_w, bias=None, act="", gate=None, residual=None, out_dtype=torch.bfloat16):
-        if act or gate is not None or residual is not None or out_dtype != torch.bfloat16 or a_q.dim() == 0:
-            return ours(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
-        a2 = a_q.reshape(-1, a_q.shape[-1]).contiguous()
-        y = torch._scaled_mm(a2, w_q.t(), scale_a=s_a.reshape(-1, 1).float().contiguous(),
-                             scale_b=s_w.reshape(1, -1).float().contiguous(),
-                             bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
-        return y.reshape(*a_q.shape[:-1], w_q.shape[0])
-
-    return gemm
 
 
 def peer_columns(rows: list[dict]) -> dict[str, float]:

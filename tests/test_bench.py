@@ -732,7 +732,8 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
 
 
 @pytest.mark.parametrize("row,module,name", [("fp8+attention", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
-                                             ("fp8+scaled-mm", "sd_kernels.ops.fp8_linear", "fp8_gemm"),
+                                             ("fp8+triton-gemm", "sd_kernels.ops.fp8_linear", "TORCH_GEMM"),
+                                             ("fp8+fused-gate-gemm", "sd_kernels.ops.fp8_linear", "TORCH_GEMM_GATED"),
                                              ("fp8+pointer-gemm", "sd_kernels.ops.fp8_linear", "TMA_GEMM")])
 def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypatch, row, module, name):
     """The tier's experiment rows set the switch the patch reads (``sd_kernels.patches.fp8``, not the
@@ -755,25 +756,6 @@ def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypa
         pass
     assert label == fp8.FP8_ROWS[row] and seen[0][0] == "fp8" and seen[0][1] is not before
     assert getattr(mod, name) is before
-
-
-def test_fp8_bench_scaled_mm_gemm_matches_ours_where_it_runs_and_hands_the_rest_on():
-    """``fp8+scaled-mm``'s GEMM (cuBLASLt's row-wise ``_scaled_mm``; torch runs it on the CPU too) against
-    the reference on FP8 codes, with a bias; a call with an epilogue or another dtype goes to ours."""
-    from bench import fp8
-    from sd_kernels import reference
-
-    torch.manual_seed(0)
-    x, w, bias = torch.randn(2, 5, 32), torch.randn(16, 32), torch.randn(16).to(torch.bfloat16)
-    (a_q, s_a), (w_q, s_w) = reference.fp8_quantize_rows(x), reference.fp8_quantize_rows(w)
-    calls = []
-    gemm = fp8.scaled_mm_gemm(lambda *args: calls.append(args) or "ours")
-    y = gemm(a_q, s_a, w_q, s_w, bias)
-    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float32)
-    assert y.shape == (2, 5, 16) and y.dtype == torch.bfloat16 and not calls
-    assert torch.allclose(y.float(), ref, rtol=2**-7, atol=1e-2)
-    assert gemm(a_q, s_a, w_q, s_w, bias, gate=torch.ones(2, 16)) == "ours"
-    assert gemm(a_q, s_a, w_q, s_w, out_dtype=torch.float16) == "ours" and len(calls) == 2
 
 
 def test_rows_appended_to_a_csv_of_other_columns_keep_every_cell_under_its_name(tmp_path):
