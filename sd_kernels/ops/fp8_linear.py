@@ -6,15 +6,16 @@ a weight the same way per output channel, once. Then
 
     y = (a_q · w_qᵀ) · s_a[:, None] · s_w[None, :]  (+ bias) (GELU) (· gate) (+ residual)
 
-accumulated on the tensor cores (Hopper's QGMMA: fp32, its FP8 products added in fewer mantissa bits)
-and stored in the caller's dtype. The epilogue runs on the accumulator tile while it sits in registers:
-the bias, a tanh (or erf) GELU, a DiT block's per-sample gate and its residual add never cost a pass
-over memory of their own. Two kernels share it: on Hopper the operands come in through the Tensor
-Memory Accelerator, in persistent programs where that is faster (the shipped tables choose per
-shape); elsewhere, for rows TMA cannot read, and for the shapes where the tables time the pointer
-kernel faster, through pointers. On Hopper, bf16 GEMMs of at least 64 rows whose epilogue is a bias (or
-a bias, gate and residual, added after it by one ``torch.addcmul``) go to torch's row-wise
-``torch._scaled_mm`` with fast accumulation, which measured faster in a step (docs/fp8.md, "The GEMM").
+accumulated on the tensor cores (Hopper's QGMMA: fp32, its FP8 products added in fewer mantissa bits) and
+stored in the caller's dtype. The epilogue runs on the accumulator tile while it sits in registers: the
+bias, a tanh (or erf) GELU, a DiT block's per-sample gate and its residual add never cost a pass over
+memory of their own (except where torch's GEMM serves a gated call: below). Two kernels share it: on
+Hopper the operands come in through the Tensor Memory Accelerator, in persistent programs where that is
+faster (the shipped tables choose per shape); elsewhere, for rows TMA cannot read, and for the shapes
+where the tables time the pointer kernel faster, through pointers. On Hopper, bf16 GEMMs of at least 64
+rows whose epilogue is a bias (or a bias, gate and residual, added after it by one ``torch.addcmul``) go
+to torch's row-wise ``torch._scaled_mm`` with fast accumulation, which measured faster in a step
+(docs/fp8.md, "The GEMM").
 
 ``quantize_rows`` is one pass over its input: each program owns whole rows, finds their absolute
 maximum and writes codes and scales; it may apply a GELU (or a GEGLU's ``a · gelu(g)``) first, so
@@ -468,22 +469,28 @@ def _tma_chosen(key: tuple, device: torch.device) -> bool:
 TORCH_GEMM = True  # False: every GEMM on our Triton kernels (bench.fp8's fp8+triton-gemm row compares the two)
 TORCH_GEMM_CAPABILITY = (9, 0)  # row-wise scaling in torch._scaled_mm: Hopper and later
 TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_tma_chosen)
-TORCH_GEMM_GATED = True  # also a DiT block's gate and residual, added by one torch.addcmul after the GEMM
+# also a DiT block's gate and residual, added by one torch.addcmul after the GEMM: 0.7-0.9 ms less GEMM time
+# a FLUX step than our fused epilogue, the image 0.5-0.8% faster (within the runs' spread), its error per
+# GEMM 2.7e-3 against 2.4e-3 (bf16)
+TORCH_GEMM_GATED = True
 # bf16 only: in fp16 (SD3) it made no measurable difference to the step (32.4 against 32.3 ms)
 TORCH_GEMM_DTYPES = (torch.bfloat16,)
 
 
-def _torch_gemm_ready(a2: torch.Tensor, w_q: torch.Tensor, bias, act: str, gated: bool, out_dtype) -> bool:
+def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias, act: str,
+                      gated: bool, out_dtype) -> bool:
     """Whether ``torch._scaled_mm`` serves this GEMM: on Hopper or later (not the interpreter), at least
     ``TORCH_GEMM_ROWS`` rows, an output dtype of ``TORCH_GEMM_DTYPES`` with a bias of that dtype or none,
-    no activation (a gate and residual with ``TORCH_GEMM_GATED``), both operands contiguous
-    with 16-byte aligned bases and dimensions that are multiples of 16 (what it requires of FP8 operands)."""
+    no activation (a gate and residual with ``TORCH_GEMM_GATED``), both operands contiguous with dimensions
+    that are multiples of 16, fp32 scales, and operands, scales and bias at 16-byte aligned addresses (what
+    cuBLASLt requires: a scale vector 4 bytes off raised CUBLAS_STATUS_NOT_SUPPORTED on an H200)."""
     if (not TORCH_GEMM or act or (gated and not TORCH_GEMM_GATED) or out_dtype not in TORCH_GEMM_DTYPES
             or a2.shape[0] < TORCH_GEMM_ROWS or (bias is not None and bias.dtype != out_dtype)
             or not _torch_gemm_device(a2.device)):
         return False
-    return a2.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0
-                                                                    for t in (a2, w_q))
+    return (a2.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0 and a2.is_contiguous() and w_q.is_contiguous()
+            and sa.dtype == s_w.dtype == torch.float32
+            and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None))
 
 
 def _torch_gemm_device(device: torch.device) -> bool:
@@ -496,16 +503,24 @@ def _torch_gemm_device(device: torch.device) -> bool:
 
 def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, out_dtype) -> torch.Tensor:
     """The GEMM on ``torch._scaled_mm`` with fast accumulation (the tensor cores' FP8 accumulation, as ours
-    runs it), the bias in its epilogue; a gate and residual after it in one ``torch.addcmul`` (the GEMM's
-    output rounded once more than in our fused epilogue)."""
-    y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.float().view(1, -1), bias=bias,
+    runs it), the bias in its epilogue; a gate and residual after it in one pass (``addcmul``, or ``mul`` /
+    ``add`` with only one of them), computed in fp32 and written into a new contiguous ``out_dtype`` tensor
+    as the kernels' output is, whatever the gate's and residual's dtypes and strides (the GEMM's output is
+    rounded once more than in our fused epilogue)."""
+    y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
                          out_dtype=out_dtype, use_fast_accum=True)
     if g2 is None and residual is None:
         return y.view(out_shape)
     n = y.shape[1]
-    g3 = torch.ones((), dtype=y.dtype, device=y.device) if g2 is None else g2.reshape(-1, 1, n)
-    r3 = torch.zeros((), dtype=y.dtype, device=y.device) if residual is None else residual.reshape(-1, tokens, n)
-    return torch.addcmul(r3, g3, y.view(-1, tokens, n)).view(out_shape)
+    out = torch.empty(out_shape, dtype=out_dtype, device=y.device)
+    o3, y3 = out.view(-1, tokens, n), y.view(-1, tokens, n)
+    if g2 is None:
+        torch.add(residual.reshape(-1, tokens, n), y3, out=o3)
+    elif residual is None:
+        torch.mul(g2.reshape(-1, 1, n), y3, out=o3)
+    else:
+        torch.addcmul(residual.reshape(-1, tokens, n), g2.reshape(-1, 1, n), y3, out=o3)
+    return out
 
 
 def _programs(device: torch.device) -> int:
@@ -534,8 +549,10 @@ def _scratch_allocator(device: torch.device):
 def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", gate: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``reference.fp8_gemm`` in one kernel: a_q [..., K] (any strides), w_q [N, K] → [..., N]
-    contiguous in ``out_dtype``, the epilogue (bias, act, gate, residual) applied on the accumulator."""
+    """``reference.fp8_gemm``: a_q [..., K] (any strides), w_q [N, K] → [..., N], a new contiguous tensor
+    in ``out_dtype``. On our kernels the epilogue (bias, act, gate, residual) is applied on the
+    accumulator; where torch's ``_scaled_mm`` serves the call (``_torch_gemm_ready``), the bias in its
+    epilogue and a gate and residual in one pass after it."""
     reference.check_fp8_activation(act)
     out_shape = (*a_q.shape[:-1], w_q.shape[0]) if a_q.dim() else ()
     _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype)
@@ -544,13 +561,14 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     reason = fp8_reason(a_q, s_a, w_q, s_w, bias, gate, residual) or ("no input features (K = 0)" if k == 0 else None)
     if not use_kernel("fp8_linear", a_q, w_q, bias, gate, residual, unsupported=reason):
         return reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
-    a2, r2 = _rows_view(a_q), None if residual is None else _rows_view(residual)
+    a2 = _rows_view(a_q)
     sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
-    if n and _torch_gemm_ready(a2, w_q, bias, act, gate is not None or residual is not None, out_dtype):
+    if n and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gate is not None or residual is not None, out_dtype):
         return _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype)
     y = torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
     if y.numel() == 0:
         return y
+    r2 = None if residual is None else _rows_view(residual)
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
     tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
     key = (m, n, k, *flags.values(), out_dtype)

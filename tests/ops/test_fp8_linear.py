@@ -3,6 +3,7 @@ output. Exactness against a float64 reference of the quantized math; the quantiz
 against fp32 beside torch's e4m3 round trip. Tiny shapes: the CPU runs them through the interpreter."""
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -21,12 +22,21 @@ def _codes(q):
     return q.float()
 
 
+def _accumulation_floor(k: int) -> float:
+    """The relative error the FP8 tensor cores' accumulation (a few mantissa bits short of fp32: see
+    ``_fp32_floor``) may add over K products: 2⁻¹² at up to 64, growing as √K beyond (the partial sums'
+    rounding errors add like a random walk). Measured on an H200: 7.2e-5 at K ≤ 80 (fp32 output), about
+    1.0e-3 at K = 6,144 (fp16 output, its rounding 2.1e-4 included)."""
+    return 2.0**-12 * math.sqrt(max(1.0, k / 64))
+
+
 def _fp32_floor(device) -> float:
     """The least relative error an fp32 output of the GEMM is held to: fp32's rounding on the CPU; on a
     GPU, the FP8 tensor cores' accumulation, which adds the products into fewer mantissa bits than
     fp32 has (about 14 on Hopper: DeepSeek-V3 technical report, section 3.3.2). cuBLASLt's
     ``torch._scaled_mm(..., use_fast_accum=True)`` accumulates the same way; the error is ~1e-4 of the
-    output, far under the e4m3 codes' own (~3e-2)."""
+    output at the small K of these tests (it grows with K: ``_accumulation_floor``), far under the e4m3
+    codes' own (~3e-2)."""
     return 8 * UNIT_ROUNDOFF[torch.float32] if device == "cpu" else 2.0**-12
 
 
@@ -266,7 +276,7 @@ def test_custom_ops_fake_and_schema(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 12288, 3072), (2, 3072, 18432),
                                    (8192, 1536, 1536), (4096, 1152, 4608), (77, 1000, 333)])
-def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, m, k, n):
+def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, count_calls, m, k, n):
     """FLUX, SD3, PixArt GEMMs on the GPU: the quantized math in float64, for the GEMM as dispatched (on
     Hopper, torch's row-wise ``torch._scaled_mm`` where it serves the shape), our Triton kernels alone,
     and ``_scaled_mm`` called directly on the same codes."""
@@ -277,7 +287,10 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, m, k,
     q_ref, s_ref = reference.fp8_quantize_rows(x)
     assert torch.equal(_codes(a_q), _codes(q_ref)) and torch.allclose(s_a, s_ref, rtol=1e-6)
     w_q, s_w = fp8.quantize_weight(w)
+    launched = count_calls(fp8, torch_gemm="_torch_gemm")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.bfloat16)
+    takes = m >= fp8.TORCH_GEMM_ROWS and k % 16 == 0 and n % 16 == 0  # what torch's GEMM serves on Hopper
+    assert launched == {"torch_gemm": int(takes and torch.cuda.get_device_capability() >= fp8.TORCH_GEMM_CAPABILITY)}
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
     rounding = rel_err(ref.to(torch.bfloat16), ref)
     assert rel_err(y, ref) <= 2 * rounding
@@ -294,13 +307,13 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, m, k,
 @pytest.mark.parametrize("b,t,k,n,dtype", [(1, 4608, 15360, 3072, torch.bfloat16),
                                            (1, 4096, 12288, 3072, torch.bfloat16),
                                            (2, 4096, 6144, 1536, torch.float16), (2, 666, 6144, 1536, torch.float16)])
-def test_gpu_gated_projections_against_the_reference(monkeypatch, b, t, k, n, dtype):
+def test_gpu_gated_projections_against_the_reference(monkeypatch, count_calls, b, t, k, n, dtype):
     """A DiT block's gated down-projection (bias, per-sample gate, residual) at FLUX's (bf16) and SD3's (fp16,
-    its image and text streams) shapes, as dispatched (on Hopper in bf16 ``torch._scaled_mm`` and one
-    addcmul; fp16 stays on our kernels) and on our fused epilogue: the quantized math in float64 within
-    twice the larger of the output's rounding and the error of torch's own FP8 GEMM with fast accumulation
-    + addcmul on the same codes (in fp16, at K = 6,144, the tensor cores' FP8 accumulation, about 1e-3,
-    exceeds fp16's rounding)."""
+    its image and text streams) shapes, as dispatched (on Hopper in bf16: ``torch._scaled_mm`` and one
+    addcmul, the very computation torch's ops make on the same codes; fp16 stays on our kernels) and on our
+    fused epilogue, against the quantized math in float64: within twice the output's rounding or the FP8
+    tensor cores' accumulation error at this K, whichever is larger (``_accumulation_floor``: in fp16 at
+    K = 6,144 the accumulation, about 1e-3, exceeds fp16's rounding)."""
     x = torch.randn(b, t, k, device="cuda", dtype=dtype)
     w_q, s_w = fp8.quantize_weight(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5)
     bias, gate = torch.randn(n, device="cuda", dtype=dtype), torch.randn(b, 1, n, device="cuda", dtype=dtype)
@@ -311,14 +324,18 @@ def test_gpu_gated_projections_against_the_reference(monkeypatch, b, t, k, n, dt
     torchs = torch._scaled_mm(a_q.view(b * t, k), w_q.t(), scale_a=s_a.view(-1, 1), scale_b=s_w.view(1, -1),
                               bias=bias, out_dtype=dtype, use_fast_accum=True)
     peer = torch.addcmul(residual, gate, torchs.view(b, t, n))
-    rounding, peer_err = rel_err(ref.to(dtype), ref), rel_err(peer, ref)
+    bound = max(2 * rel_err(ref.to(dtype), ref), _accumulation_floor(k))
+    launched = count_calls(fp8, torch_gemm="_torch_gemm")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=dtype)
+    on_torch = dtype in fp8.TORCH_GEMM_DTYPES and torch.cuda.get_device_capability() >= fp8.TORCH_GEMM_CAPABILITY
+    assert launched == {"torch_gemm": int(on_torch)}
+    if on_torch:
+        assert torch.equal(y, peer)
     monkeypatch.setattr(fp8, "TORCH_GEMM", False)
     fused = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=dtype)
     print(f"gated {b}x{t}x{k}->{n} {dtype}: dispatched {rel_err(y, ref):.2e}, fused {rel_err(fused, ref):.2e}, "
-          f"torch's _scaled_mm + addcmul {peer_err:.2e}, output rounding {rounding:.2e}")
-    assert rel_err(y, ref) <= 2 * max(rounding, peer_err), (rel_err(y, ref), rounding, peer_err)
-    assert rel_err(fused, ref) <= 2 * max(rounding, peer_err), (rel_err(fused, ref), rounding, peer_err)
+          f"torch's _scaled_mm + addcmul {rel_err(peer, ref):.2e}, bound {bound:.2e}")
+    assert rel_err(y, ref) <= bound and rel_err(fused, ref) <= bound
 
 
 @pytest.mark.gpu
@@ -455,14 +472,22 @@ def test_torchs_scaled_gemm_serves_the_epilogues_it_can_make(monkeypatch, count_
 
 
 def _route_case(**change):
-    """(a2, w_q, bias, act, gated, out_dtype) of a GEMM torch's scaled GEMM takes, with ``change`` applied."""
+    """(a2, sa, w_q, s_w, bias, act, gated, out_dtype) of a GEMM torch's scaled GEMM takes, with ``change``
+    applied (``offset``: the codes' bytes, ``vector_offset``: the scales' and bias's elements off a 16-byte
+    aligned address)."""
     case = dict(m=fp8.TORCH_GEMM_ROWS, k=64, n=32, act="", gated=False, out_dtype=torch.bfloat16,
-                bias=torch.bfloat16, contiguous=True)
+                bias=torch.bfloat16, contiguous=True, offset=0, w_contiguous=True, vector_offset={},
+                scale_dtype=torch.float32)
     case.update(change)
-    a = torch.zeros(case["m"], case["k"] * (1 if case["contiguous"] else 2), dtype=fp8.E4M3)[:, :case["k"]]
-    w = torch.zeros(case["n"], case["k"], dtype=fp8.E4M3)
-    bias = None if case["bias"] is None else torch.zeros(case["n"], dtype=case["bias"])
-    return a, w, bias, case["act"], case["gated"], case["out_dtype"]
+    m, k, n, offset = case["m"], case["k"], case["n"], case["offset"]
+    a = torch.zeros(m * k * (1 if case["contiguous"] else 2) + 16, dtype=fp8.E4M3)[offset:]  # 16-byte aligned base
+    a = a[:m * k].view(m, k) if case["contiguous"] else a[:2 * m * k].view(m, 2 * k)[:, :k]
+    w = torch.zeros(n, k, dtype=fp8.E4M3) if case["w_contiguous"] else torch.zeros(k, n, dtype=fp8.E4M3).t()
+    shift = case["vector_offset"]
+    vector = lambda size, dtype, name: torch.ones(size + 8, dtype=dtype)[shift.get(name, 0):][:size]  # noqa: E731
+    bias = None if case["bias"] is None else vector(n, case["bias"], "bias")
+    sa, s_w = vector(m, case["scale_dtype"], "sa"), vector(n, case["scale_dtype"], "s_w")
+    return a, sa, w, s_w, bias, case["act"], case["gated"], case["out_dtype"]
 
 
 @pytest.mark.parametrize("change,switch,taken", [
@@ -471,11 +496,15 @@ def _route_case(**change):
     ({"m": fp8.TORCH_GEMM_ROWS - 1}, {}, False), ({"act": "tanh"}, {}, False),
     ({"out_dtype": torch.float16, "bias": torch.float16}, {}, False), ({"out_dtype": torch.float16}, {}, False),
     ({"out_dtype": torch.float32, "bias": None}, {}, False), ({"bias": torch.float32}, {}, False),
-    ({"k": 72}, {}, False), ({"n": 40}, {}, False),
-    ({"contiguous": False}, {}, False)], ids=str)
+    ({"k": 72}, {}, False), ({"n": 40}, {}, False), ({"contiguous": False}, {}, False),
+    ({"offset": 1}, {}, False), ({"w_contiguous": False}, {}, False), ({"vector_offset": {"sa": 1}}, {}, False),
+    ({"vector_offset": {"s_w": 1}}, {}, False), ({"vector_offset": {"bias": 1}}, {}, False),
+    ({"vector_offset": {"sa": 4, "s_w": 4, "bias": 8}}, {}, True), ({"scale_dtype": torch.float16}, {}, False)],
+    ids=str)
 def test_torchs_scaled_gemm_takes_only_what_it_can_make(monkeypatch, change, switch, taken):
     """The rule: bf16 output (fp16 stays on our kernels) with a bf16 bias or none, no activation, at least
-    TORCH_GEMM_ROWS rows, contiguous operands with K and N multiples of 16; gated GEMMs while
+    TORCH_GEMM_ROWS rows, contiguous operands with K and N multiples of 16, fp32 scales, operands, scales and
+    bias at 16-byte aligned addresses (cuBLASLt refuses others); gated GEMMs while
     TORCH_GEMM_GATED; nothing while TORCH_GEMM is off; and only on a device that has it (a CPU tensor
     never: our kernels run there)."""
     for name, value in switch.items():
@@ -483,6 +512,43 @@ def test_torchs_scaled_gemm_takes_only_what_it_can_make(monkeypatch, change, swi
     assert not fp8._torch_gemm_ready(*_route_case(**change))  # the CPU: our kernels (or the interpreter)
     monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
     assert fp8._torch_gemm_ready(*_route_case(**change)) is taken
+
+
+@pytest.mark.parametrize("case", ["gate_fp32", "gate_fp16", "residual_fp32", "residual_strided", "residual_2d_strided",
+                                  "gate_only", "residual_only"])
+@pytest.mark.parametrize("route", [False, True], ids=["triton", "torch"])
+def test_the_output_is_contiguous_in_out_dtype_on_either_gemm(monkeypatch, count_calls, case, route):
+    """fp8_gemm's contract whichever GEMM serves it (torch's ``_scaled_mm`` faked as available on the CPU, or our
+    kernel under the interpreter): a new contiguous tensor in ``out_dtype`` (what the custom op's fake says,
+    and torch.compile reads it so), whatever the gate's and residual's dtypes and strides; the reference's
+    math within twice bf16's rounding (twice more on torch's GEMM: its output rounds before the gate)."""
+    monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: route)
+    torch.manual_seed(0)
+    a_q, s_a = reference.fp8_quantize_rows(torch.randn(2, 48, 64))
+    w_q, s_w = fp8.quantize_weight(torch.randn(32, 64) / 8)
+    bias, gate = torch.randn(32, dtype=torch.bfloat16), torch.randn(2, 32, dtype=torch.bfloat16)  # [B, N]
+    residual = torch.randn(2, 48, 32, dtype=torch.bfloat16)
+    if case == "gate_fp32":
+        gate = gate.float()
+    elif case == "gate_fp16":
+        gate = gate.half()
+    elif case == "residual_fp32":
+        residual = residual.float()
+    elif case == "residual_strided":
+        residual = torch.randn(48, 2, 32, dtype=torch.bfloat16).transpose(0, 1)
+    elif case == "residual_2d_strided":  # a 2-D input, its residual a transposed view, no gate
+        a_q, s_a, gate, residual = a_q.view(96, 64), s_a.view(96), None, torch.randn(32, 96, dtype=torch.bfloat16).t()
+    elif case == "gate_only":
+        residual = None
+    elif case == "residual_only":
+        gate = None
+    launched = count_calls(fp8, torch_gemm="_torch_gemm")
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=torch.bfloat16)
+    assert launched == {"torch_gemm": int(route)}
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=torch.float64,
+                             compute=torch.float64)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape and y.is_contiguous(), (y.dtype, y.stride())
+    assert rel_err(y, ref) <= (4 if route else 2) * 2 * rel_err(ref.to(torch.bfloat16), ref)
 
 
 def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch, count_calls):

@@ -57,8 +57,12 @@ def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_flux_in_bfloat16():
-    """The same on the GPU: tiny FLUX in bf16 through the compiled FP8 kernels, eager and graphed."""
+@pytest.mark.parametrize("torch_gemm", [True, False], ids=["as-dispatched", "triton-gemms-only"])
+def test_gpu_fp8_flux_in_bfloat16(monkeypatch, torch_gemm):
+    """The same on the GPU: tiny FLUX in bf16 through the compiled FP8 kernels, eager and graphed; as
+    dispatched (on Hopper its bf16 GEMMs of at least 64 rows on torch's ``_scaled_mm``) and with every GEMM
+    on our Triton kernels (their fused gate and residual epilogue in the blocks)."""
+    monkeypatch.setattr(importlib.import_module("sd_kernels.ops.fp8_linear"), "TORCH_GEMM", torch_gemm)
     families = {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.AdaLayerNormZero"}
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, images=True)
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
