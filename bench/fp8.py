@@ -15,8 +15,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   (stock), torch's row-wise FP8 ``torch._scaled_mm`` (fast accumulation, as our kernels accumulate), our
   ``fp8_gemm`` as dispatched (``ours``: where it hands a GEMM to ``_scaled_mm``, the same kernel) and our
   Triton kernels alone (``triton``), on inputs already quantized and from bf16 input (our quantizer
-  first); the epilogues (bias + GELU-tanh; bias + gate + residual) fused in ours against ``_scaled_mm``
-  + torch's ops; and the fused producers (GELU +
+  first); the epilogues (bias + GELU-tanh; bias + gate + residual) as dispatched (``ours``: on
+  ``_scaled_mm`` + one addcmul where it serves the call) and fused in our kernel (``triton``) against
+  ``_scaled_mm`` + torch's ops; and the fused producers (GELU +
   quantization, modulated LayerNorm + quantization) against the op, then the quantizer. Device time
   from CUDA graphs (bench/common.py), TFLOP/s and ratios.
 - ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;

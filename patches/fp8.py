@@ -16,7 +16,8 @@ known, the quantization moves into the op that produces the input:
 The block forwards of patches/layer_norm.py (FLUX's, SD3's) go further where they call these: a
 single block's attention output and GELU(``proj_mlp``) are quantized together for ``proj_out``
 (``Fp8Linear.joined``: the concatenation never written), and its gated residual and the
-feed-forwards' (``Fp8FeedForward.gated_residual``) are the GEMM's epilogue.
+feed-forwards' (``Fp8FeedForward.gated_residual``) are the GEMM's epilogue (on Hopper in bf16, where
+torch's ``_scaled_mm`` serves the GEMM, one pass after it: ops/fp8_linear.py).
 
 The projections of one input (q, k and v of the same hidden states; k and v of the same text
 context, block after block) share one quantization: the first one leaves it on the tensor
@@ -167,7 +168,8 @@ class Fp8Linear(nn.Module):
     def from_codes(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
         """The GEMM on an input already quantized (codes q, row scales s), output in ``dtype``; with
-        ``gate`` ([B, N], per sample) and ``residual`` the epilogue makes it ``residual + gate · y``."""
+        ``gate`` ([B, N], per sample) and ``residual`` it is ``residual + gate · y`` (``fp8_gemm``: in our
+        kernel's epilogue, or one pass after torch's GEMM)."""
         self.fresh()
         return fp8_gemm(q, s, self.w_q, self.s_w, self.bias, gate=gate, residual=residual, out_dtype=dtype)
 
@@ -175,7 +177,7 @@ class Fp8Linear(nn.Module):
                residual: torch.Tensor) -> torch.Tensor:
         """``residual + gate · self(torch.cat([prefix, gelu(x)], -1))`` (``act``: the GELU's
         approximation) with nothing but the codes written between: one kernel applies the GELU and
-        quantizes both parts, the GEMM's epilogue gates and adds. Eager calls only (the caller checks)."""
+        quantizes both parts, the GEMM (``fp8_gemm``) gates and adds. Eager calls only (the caller checks)."""
         q, s = quantize_rows(x, act, prefix=prefix)
         return self.from_codes(q, s, x.dtype, gate, residual)
 
@@ -215,8 +217,8 @@ class Fp8FeedForward(nn.Module):
     def gated_residual(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The feed-forward of ``hidden_states``; with ``gate`` ([B, N], per sample) and ``residual``,
-        ``residual + gate · ff(hidden_states)`` (either may be None), the gate and the add in the second
-        GEMM's epilogue (a DiT block's gated residual; the blocks' fused forwards call it,
+        ``residual + gate · ff(hidden_states)`` (either may be None), the gate and the add made by the second
+        GEMM (``fp8_gemm``; a DiT block's gated residual; the blocks' fused forwards call it,
         patches/layer_norm.py)."""
         if not self._fused():
             out = self._original(self._ff[0], hidden_states)
