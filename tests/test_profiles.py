@@ -80,6 +80,7 @@ def test_winograd_tiles_match_the_op():
     ({"stock_attention_head_dims": 72}, "stock_attention_head_dims = 72; expected a list of head dims"),
     ({"stock_attention_head_dims": [72, "80"]}, "stock_attention_head_dims"),
     ({"gelu_epilogue": 1}, "gelu_epilogue = 1; expected true or false"),
+    ({"fp8_torch_gemm": "yes"}, "fp8_torch_gemm = 'yes'; expected true or false"),
     ({"stream_pack8": "yes"}, "stream_pack8 = 'yes'; expected true or false"),
     ({"stock_attention_ragged_keys": "4096"}, "stock_attention_ragged_keys"),
 ])

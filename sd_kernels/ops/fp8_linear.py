@@ -41,11 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sd_kernels import reference
+from sd_kernels import profiles, reference
 from sd_kernels.ops.gelu import _act
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.tiles import grouped_tile
-from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
+from sd_kernels.runtime.dispatch import backend, interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, device_properties, next_pow2
 
 E4M3 = torch.float8_e4m3fn
@@ -466,10 +466,11 @@ def _tma_chosen(key: tuple, device: torch.device) -> bool:
 
 # torch's row-wise scaled GEMM (``torch._scaled_mm``) serves the GEMMs whose epilogue it can make, where it
 # measured faster than ours in a step: bench/results/2026-11-29-h200-fp8-torch-gemm, docs/fp8.md "The GEMM".
-TORCH_GEMM = True  # False: every GEMM on our Triton kernels (bench.fp8's fp8+triton-gemm row compares the two)
+TORCH_GEMM = True  # False: every GEMM on our Triton kernels (bench.fp8's fp8+triton-gemm row compares the two),
+# whatever the profile's fp8_torch_gemm says
 TORCH_GEMM_CAPABILITY = (9, 0)  # row-wise scaling in torch._scaled_mm: Hopper and later
 TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_tma_chosen)
-# also a DiT block's gate and residual, added by one torch.addcmul after the GEMM: 0.7-0.9 ms less GEMM time
+# also a DiT block's gate and residual, added by one torch.addcmul after the GEMM: 0.8-1.0 ms less GEMM time
 # a FLUX step than our fused epilogue, the image 0.5-0.8% faster (within the runs' spread), its error per
 # GEMM 2.7e-3 against 2.4e-3 (bf16)
 TORCH_GEMM_GATED = True
@@ -494,8 +495,11 @@ def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w
 
 
 def _torch_gemm_device(device: torch.device) -> bool:
-    """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels)."""
-    if device.type != "cuda" or interpreting():
+    """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels),
+    where the active profile sets ``fp8_torch_gemm`` (``hopper``: measured there) and SD_KERNELS_BACKEND
+    is ``auto`` (``triton``: our kernels only)."""
+    if (device.type != "cuda" or interpreting() or backend() != "auto"
+            or not profiles.active_profile().fp8_torch_gemm):
         return False
     props = device_properties(device.index)  # cached: this runs at every GEMM call
     return (props.major, props.minor) >= TORCH_GEMM_CAPABILITY

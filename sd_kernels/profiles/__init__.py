@@ -135,6 +135,10 @@ class Profile:
     # runs as one cuBLASLt matmul with its bias + GELU epilogue instead of cuBLAS's linear and our
     # gelu kernel (sd_kernels.ops.gelu.linear_gelu; CUDA only; docs/kernels/gelu.md).
     gelu_epilogue: bool = False
+    # The FP8 tier's bf16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate and residual)
+    # run on torch's row-wise torch._scaled_mm (cuBLASLt, fast accumulation) instead of our Triton kernels
+    # (sd_kernels.ops.fp8_linear; CUDA only; docs/fp8.md, "The GEMM").
+    fp8_torch_gemm: bool = False
     # Upsample2D (nearest 2× + 3×3 conv) runs as the polyphase 2×2 conv (ops.upsample_conv2d) when its
     # input has at least this many pixels (H·W), else as diffusers runs it. On the H100 the SD1.5 UNet's
     # 2×1280×8² upsampler lost (0.84x: the GEMM is small, the interleave a pass of its own) and
@@ -310,7 +314,7 @@ def _validate(p: Profile) -> None:
     _check_int(where, "flash_min_keys", p.flash_min_keys, 0, 2**20, optional=False)
     _check_int(where, "linear_geglu_max_k", p.linear_geglu_max_k, 0, 2**20, optional=False)
     _check_int(where, "polyphase_min_pixels", p.polyphase_min_pixels, 0, 2**40, optional=False)
-    for key in ("gelu_epilogue", "stream_pack8"):
+    for key in ("gelu_epilogue", "fp8_torch_gemm", "stream_pack8"):
         if not isinstance(getattr(p, key), bool):
             _fail(where, key, getattr(p, key), "true or false")
     for key in ("stock_attention_head_dims", "wgmma_attention_head_dims"):

@@ -290,7 +290,7 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, count
     launched = count_calls(fp8, torch_gemm="_torch_gemm")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.bfloat16)
     takes = m >= fp8.TORCH_GEMM_ROWS and k % 16 == 0 and n % 16 == 0  # what torch's GEMM serves on Hopper
-    assert launched == {"torch_gemm": int(takes and torch.cuda.get_device_capability() >= fp8.TORCH_GEMM_CAPABILITY)}
+    assert launched == {"torch_gemm": int(takes and fp8._torch_gemm_device(x.device))}
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
     rounding = rel_err(ref.to(torch.bfloat16), ref)
     assert rel_err(y, ref) <= 2 * rounding
@@ -327,7 +327,7 @@ def test_gpu_gated_projections_against_the_reference(monkeypatch, count_calls, b
     bound = max(2 * rel_err(ref.to(dtype), ref), _accumulation_floor(k))
     launched = count_calls(fp8, torch_gemm="_torch_gemm")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=dtype)
-    on_torch = dtype in fp8.TORCH_GEMM_DTYPES and torch.cuda.get_device_capability() >= fp8.TORCH_GEMM_CAPABILITY
+    on_torch = dtype in fp8.TORCH_GEMM_DTYPES and fp8._torch_gemm_device(x.device)  # Hopper: the profile's choice
     assert launched == {"torch_gemm": int(on_torch)}
     if on_torch:
         assert torch.equal(y, peer)
@@ -549,6 +549,32 @@ def test_the_output_is_contiguous_in_out_dtype_on_either_gemm(monkeypatch, count
                              compute=torch.float64)
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape and y.is_contiguous(), (y.dtype, y.stride())
     assert rel_err(y, ref) <= (4 if route else 2) * 2 * rel_err(ref.to(torch.bfloat16), ref)
+
+
+def test_torchs_gemm_runs_where_the_profile_and_the_backend_say(monkeypatch):
+    """A CUDA device (faked: capability and the interpreter) takes torch's GEMM under a profile that sets
+    ``fp8_torch_gemm`` (``hopper`` alone: measured there) with SD_KERNELS_BACKEND=auto; not under another
+    profile, ``triton`` (our kernels only), a capability below Hopper, or on the CPU."""
+    import types
+
+    from sd_kernels import profiles
+
+    monkeypatch.setattr(fp8, "interpreting", lambda: False)
+    props = types.SimpleNamespace(major=9, minor=0)
+    monkeypatch.setattr(fp8, "device_properties", lambda index: props)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "auto")
+    cuda = torch.device("cuda", 0)
+    assert {n for n in profiles.list_profiles() if profiles.get_profile(n).fp8_torch_gemm} == {"hopper"}
+    with profiles.using_profile(profiles.get_profile("hopper")):
+        assert fp8._torch_gemm_device(cuda) and not fp8._torch_gemm_device(torch.device("cpu"))
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "triton")
+        assert not fp8._torch_gemm_device(cuda)
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "auto")
+        props.major, props.minor = 8, 9
+        assert not fp8._torch_gemm_device(cuda)
+        props.major, props.minor = 9, 0
+    with profiles.using_profile(profiles.get_profile("cuda")):
+        assert not fp8._torch_gemm_device(cuda)
 
 
 def test_a_triton_without_the_allocator_module_runs_the_pointer_kernel(device, monkeypatch, count_calls):
