@@ -12,10 +12,10 @@ bias, a tanh (or erf) GELU, a DiT block's per-sample gate and its residual add n
 memory of their own (except where torch's GEMM serves a gated call: below). Two kernels share it: on
 Hopper the operands come in through the Tensor Memory Accelerator, in persistent programs where that is
 faster (the shipped tables choose per shape); elsewhere, for rows TMA cannot read, and for the shapes
-where the tables time the pointer kernel faster, through pointers. On Hopper, bf16 GEMMs of at least 64
-rows whose epilogue is a bias (or a bias, gate and residual, added after it by one ``torch.addcmul``) go
-to torch's row-wise ``torch._scaled_mm`` with fast accumulation, which measured faster in a step
-(docs/fp8.md, "The GEMM").
+where the tables time the pointer kernel faster, through pointers. Where the active profile sets
+``fp8_torch_gemm`` (``hopper``), bf16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate
+and residual, added after it by one ``torch.addcmul``) go to torch's row-wise ``torch._scaled_mm`` with
+fast accumulation, which measured faster in a step (``_torch_gemm_ready``; docs/fp8.md, "The GEMM").
 
 ``quantize_rows`` is one pass over its input: each program owns whole rows, finds their absolute
 maximum and writes codes and scales; it may apply a GELU (or a GEGLU's ``a · gelu(g)``) first, so
@@ -45,7 +45,7 @@ from sd_kernels import profiles, reference
 from sd_kernels.ops.gelu import _act
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.tiles import grouped_tile
-from sd_kernels.runtime.dispatch import backend, interpreting, tensor_reason, use_kernel
+from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, device_properties, next_pow2
 
 E4M3 = torch.float8_e4m3fn
@@ -468,9 +468,9 @@ def _tma_chosen(key: tuple, device: torch.device) -> bool:
 # measured faster than ours in a step: bench/results/2026-11-29-h200-fp8-torch-gemm, docs/fp8.md "The GEMM".
 TORCH_GEMM = True  # False: every GEMM on our Triton kernels (bench.fp8's fp8+triton-gemm row compares the two),
 # whatever the profile's fp8_torch_gemm says
-TORCH_GEMM_CAPABILITY = (9, 0)  # row-wise scaling in torch._scaled_mm: Hopper and later
+TORCH_GEMM_CAPABILITY = (9, 0)  # row-wise scaling in torch._scaled_mm needs Hopper or later (and the profile)
 TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_tma_chosen)
-# also a DiT block's gate and residual, added by one torch.addcmul after the GEMM: 0.8-1.0 ms less GEMM time
+# also a DiT block's gate and residual, added by one torch.addcmul after the GEMM: 0.7-0.9 ms less GEMM time
 # a FLUX step than our fused epilogue, the image 0.5-0.8% faster (within the runs' spread), its error per
 # GEMM 2.7e-3 against 2.4e-3 (bf16)
 TORCH_GEMM_GATED = True
@@ -480,7 +480,8 @@ TORCH_GEMM_DTYPES = (torch.bfloat16,)
 
 def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias, act: str,
                       gated: bool, out_dtype) -> bool:
-    """Whether ``torch._scaled_mm`` serves this GEMM: on Hopper or later (not the interpreter), at least
+    """Whether ``torch._scaled_mm`` serves this GEMM: where ``_torch_gemm_device`` says (a profile that sets
+    ``fp8_torch_gemm``, a GPU of ``TORCH_GEMM_CAPABILITY`` or later, not the interpreter), at least
     ``TORCH_GEMM_ROWS`` rows, an output dtype of ``TORCH_GEMM_DTYPES`` with a bias of that dtype or none,
     no activation (a gate and residual with ``TORCH_GEMM_GATED``), both operands contiguous with dimensions
     that are multiples of 16, fp32 scales, and operands, scales and bias at 16-byte aligned addresses (what
@@ -496,10 +497,9 @@ def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w
 
 def _torch_gemm_device(device: torch.device) -> bool:
     """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels),
-    where the active profile sets ``fp8_torch_gemm`` (``hopper``: measured there) and SD_KERNELS_BACKEND
-    is ``auto`` (``triton``: our kernels only)."""
-    if (device.type != "cuda" or interpreting() or backend() != "auto"
-            or not profiles.active_profile().fp8_torch_gemm):
+    where the active profile sets ``fp8_torch_gemm`` (``hopper``: measured there; a profile decides it as
+    ``gelu_epilogue`` decides cuBLASLt's GELU epilogue)."""
+    if device.type != "cuda" or interpreting() or not profiles.active_profile().fp8_torch_gemm:
         return False
     props = device_properties(device.index)  # cached: this runs at every GEMM call
     return (props.major, props.minor) >= TORCH_GEMM_CAPABILITY

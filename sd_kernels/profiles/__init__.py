@@ -21,6 +21,8 @@ selection table of ``sd-kernels info`` needs no GPU):
   ``attention`` policy; "auto" = flash where the head dim and the on-chip memory allow, else the
   partial softmax; the Hopper wgmma kernel or stock SDPA at the head dims measured for them);
 - ``winograd_tile(n, c, h, w, k, dtype)``: the Winograd F(m, 3) tile for one conv, or None;
+- ``gelu_epilogue``, ``fp8_torch_gemm``: whether cuBLASLt serves a tanh-GELU projection with its GELU
+  epilogue, and the FP8 tier's bf16 GEMMs through torch's ``_scaled_mm`` (ops/gelu.py, ops/fp8_linear.py);
 - ``chunk_bytes()``: how large one chunked intermediate (attention scores, a feed-forward slice) may
   be, from the intermediate budget;
 - ``memory_budget_bytes()``: the whole process's budget (weights + intermediates), enforced by
