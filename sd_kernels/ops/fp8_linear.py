@@ -426,16 +426,19 @@ def _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype) -> Non
         raise TypeError(f"fp8_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
+def _capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether the CUDA ``device`` has compute capability ``capability`` or later (its properties cached:
+    this runs at every GEMM call)."""
+    props = device_properties(device.index)
+    return (props.major, props.minor) >= capability
+
+
 def _tma_ready(a2: torch.Tensor, w_q: torch.Tensor) -> bool:
     """Whether the TMA kernel can read both operands: Hopper or later (or the interpreter), unit column
     strides, rows and bases 16-byte aligned (e4m3: a row stride that is a multiple of 16), and rows that
     do not overlap (an expanded operand's row stride 0 is left to the pointer kernel)."""
-    if not TMA_GEMM or _allocation is None:
+    if not TMA_GEMM or _allocation is None or not (interpreting() or _capability_at_least(a2.device, TMA_CAPABILITY)):
         return False
-    if not interpreting():
-        props = device_properties(a2.device.index)  # cached: this runs at every GEMM call
-        if (props.major, props.minor) < TMA_CAPABILITY:
-            return False
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
                and (t.shape[0] == 1 or t.stride(0) >= t.shape[1]) for t in (a2, w_q))
 
@@ -491,7 +494,7 @@ def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w
             or not _torch_gemm_device(a2.device)):
         return False
     return (a2.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0 and a2.is_contiguous() and w_q.is_contiguous()
-            and sa.dtype == s_w.dtype == torch.float32
+            and s_w.dtype == torch.float32  # sa: always fp32 (fp8_gemm makes it so)
             and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None))
 
 
@@ -499,10 +502,8 @@ def _torch_gemm_device(device: torch.device) -> bool:
     """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels),
     where the active profile sets ``fp8_torch_gemm`` (``hopper``: measured there; a profile decides it as
     ``gelu_epilogue`` decides cuBLASLt's GELU epilogue)."""
-    if device.type != "cuda" or interpreting() or not profiles.active_profile().fp8_torch_gemm:
-        return False
-    props = device_properties(device.index)  # cached: this runs at every GEMM call
-    return (props.major, props.minor) >= TORCH_GEMM_CAPABILITY
+    return (device.type == "cuda" and not interpreting() and profiles.active_profile().fp8_torch_gemm
+            and _capability_at_least(device, TORCH_GEMM_CAPABILITY))
 
 
 def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, out_dtype) -> torch.Tensor:
