@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before any kernel module is imported (triton.jit re
 decorates), so this happens at the top of conftest, before the tests import sd_kernels.ops.
 """
 
+import functools
 import os
 
 import torch
@@ -98,3 +99,32 @@ def _graph_collectives_unset(monkeypatch):
     variable does not) and restores it at the end."""
     monkeypatch.setenv("SD_KERNELS_GRAPH_COLLECTIVES", "")
     monkeypatch.delenv("SD_KERNELS_GRAPH_COLLECTIVES")
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, label=attribute, ...)``: each named module attribute replaced by a wrapper
+    that counts its calls under ``label`` (and reads any other attribute from the original: a launcher's
+    methods); returns the counts (a dict, updated as calls happen)."""
+
+    class Spy:
+        def __init__(self, real, label, seen):
+            self.real, self.label, self.seen = real, label, seen
+
+        def __call__(self, *a, **kw):
+            self.seen[self.label] += 1
+            return self.real(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def __get__(self, obj, objtype=None):  # a spied method stays a method
+            return self if obj is None else functools.partial(self, obj)
+
+    def install(module, **attributes):
+        seen = dict.fromkeys(attributes, 0)
+        for label, name in attributes.items():
+            monkeypatch.setattr(module, name, Spy(getattr(module, name), label, seen))
+        return seen
+
+    return install

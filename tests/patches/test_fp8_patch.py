@@ -58,14 +58,13 @@ def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("torch_gemm", [True, False], ids=["as-dispatched", "triton-gemms-only"])
-def test_gpu_fp8_flux_in_bfloat16(monkeypatch, torch_gemm):
+def test_gpu_fp8_flux_in_bfloat16(monkeypatch, count_calls, torch_gemm):
     """The same on the GPU: tiny FLUX in bf16 through the compiled FP8 kernels, eager and graphed; as
     dispatched (on Hopper its bf16 GEMMs of at least 64 rows on torch's ``_scaled_mm``) and with every GEMM
     on our Triton kernels (their fused gate and residual epilogue in the blocks)."""
     fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")
     monkeypatch.setattr(fp8_ops, "TORCH_GEMM", torch_gemm)
-    served, real = [], fp8_ops._torch_gemm
-    monkeypatch.setattr(fp8_ops, "_torch_gemm", lambda *args: served.append(1) or real(*args))
+    served = count_calls(fp8_ops, torch_gemm="_torch_gemm")
     families = {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.AdaLayerNormZero"}
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, images=True)
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16), families, cuda_graph=True,
@@ -75,7 +74,7 @@ def test_gpu_fp8_flux_in_bfloat16(monkeypatch, torch_gemm):
     _image_close_and_unpatch_exact(build_pipeline("tiny-flux", "cuda", torch.bfloat16),
                                    families | {"qkv_fusion", "fp8.qkv"}, cuda_graph=True, images=True, ops=None)
     # tiny FLUX's projections have 64 image and 512 text rows: torch's GEMM serves them where it runs
-    assert bool(served) == (torch_gemm and fp8_ops._torch_gemm_device(torch.device("cuda")))
+    assert bool(served["torch_gemm"]) == (torch_gemm and fp8_ops._torch_gemm_device(torch.device("cuda")))
 
 
 def _image_close_and_unpatch_exact(pipe, families, cuda_graph=False, images=False, ops=()):
