@@ -42,7 +42,7 @@ from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
-_ELEMS = 4096  # elements per program: rows of small D are batched up to this (2 rows of D = 1152 or 1536)
+_ELEMS = 2048  # elements per program: rows of small D (up to 1,024) are batched up to this
 _MAX_D = 8192  # the widest row one program holds: 16 fp32 registers a thread per tensor at 16 warps
 
 
@@ -103,7 +103,7 @@ def _layer_norm_kernel(
         y = y + _per_sample(shift_ptr, sample, d, mask, stride_tb, stride_td)
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
     if QUANT:
-        row_quantize(y, row_amax(y, mask), q_ptr + out, qs_ptr + rows, mask, rows < n_rows, GRID)
+        row_quantize(y, row_amax(y, mask, GRID), q_ptr + out, qs_ptr + rows, mask, rows < n_rows, GRID)
 
 
 # Not autotuned: the Launcher is here for its direct launch path (sd_kernels.runtime.launch), keyed by
@@ -113,10 +113,12 @@ _LAYER_NORM = Launcher(_layer_norm_kernel)
 
 def blocks(n_rows: int, d: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``_ELEMS``
-    elements a program, and a warp per 512 of them (8 fp32 a thread, per tensor in flight), 4 to 16."""
+    elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor in flight), 4 to 16:
+    small programs, many of them resident on an SM, so that one's loads run under another's reductions
+    (docs/kernels/layer_norm.md, "Speed")."""
     block_d = next_pow2(d)
     rows = max(1, min(_ELEMS // block_d, next_pow2(n_rows)))
-    return rows, block_d, min(16, max(4, rows * block_d // 512))
+    return rows, block_d, min(16, max(4, rows * block_d // 1024))
 
 
 def _modulation(m: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:

@@ -40,7 +40,7 @@ from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
-_ELEMS = 4096  # elements per program and tensor: 32 rows of FLUX's D = 128
+_ELEMS = 1024  # elements per program and tensor: 8 rows of FLUX's D = 128
 _MAX_D = 1024  # a head dim wider than any model's; one program's row tile
 
 
@@ -130,10 +130,11 @@ def _kernel_reason(activations: tuple, weights: tuple, rotary: tuple, head_dim: 
 
 def blocks(head_dim: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the head dim padded to a power of two (at least one pair), rows up to
-    ``_ELEMS`` elements a program, a warp per 512 elements, 4 to 8."""
+    ``_ELEMS`` elements a program, a warp per 512 elements, 2 to 8: small programs, several resident on an
+    SM, so that one's loads run under another's arithmetic (docs/kernels/rope.md)."""
     block_d = max(2, next_pow2(head_dim))
     rows = max(1, _ELEMS // block_d)
-    return rows, block_d, min(8, max(4, rows * block_d // 512))
+    return rows, block_d, min(8, max(2, rows * block_d // 512))
 
 
 def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offset: int, head_dim: int) -> None:

@@ -49,6 +49,46 @@ def test_quantize_rows_matches_the_reference_exactly(device, shape):
     assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
 
 
+@pytest.mark.parametrize("n_prefix,n_x,pieces", [
+    (0, 12288, ((8192, 4096, 0, 0), 0)),  # FLUX's feed-forward: no lane padded
+    (3072, 12288, ((2048, 1024, 8192, 4096), 2)),  # FLUX's single blocks' join
+    (0, 15360, ((8192, 8192, 0, 0), 0)),  # one part's rest padded: 1,024 lanes masked
+    (24, 40, ((16, 8, 32, 8), 2)), (1, 3, ((1, 2, 1, 0), 1)), (24, 0, ((16, 8, 0, 0), 2)), (0, 0, ((0, 0, 0, 0), 0)),
+])
+def test_row_pieces(n_prefix, n_x, pieces):
+    assert fp8.row_pieces(n_prefix, n_x) == pieces
+
+
+def test_quantize_blocks():
+    """A row that fits one program is held whole (BLOCK_C 0: as pieces), narrow rows batched up to 2,048
+    (padded) elements, a warp per 2,048, 2 to 8; a wider row is read in chunks."""
+    assert fp8.quantize_blocks(4608, 3072) == (1, 0, 2)  # FLUX's attention output
+    assert fp8.quantize_blocks(4096, 12288) == (1, 0, 8)  # FLUX's feed-forward (GELU)
+    assert fp8.quantize_blocks(8192, 6144) == (1, 0, 4)  # SD3's
+    assert fp8.quantize_blocks(8192, 1536) == (1, 0, 2)
+    assert fp8.quantize_blocks(77, 50) == (32, 0, 2)
+    assert fp8.quantize_blocks(3, 50) == (4, 0, 2)
+    assert fp8.quantize_blocks(16, 40000) == (1, 16384, 8)
+
+
+@pytest.mark.parametrize("p_cols,x_cols,act", [(16, 40, ""), (24, 32, "tanh"), (0, 50, "tanh"), (40, 0, ""),
+                                               (3, 5, "")])
+def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act):
+    """The row held as one, two, three or four pieces, the prefix's and x's (a masked rest or none): the
+    reference's codes and scales, rows batched several to a program."""
+    x = torch.randn(37, x_cols, device=device) * 3
+    prefix = torch.randn(37, p_cols, device=device) if p_cols else None
+    if prefix is not None:
+        prefix[::4] *= 20  # some rows take their max from the prefix
+    q, s = fp8.quantize_rows(x, act, prefix=prefix)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, act, prefix=prefix)
+    assert q.shape == (37, p_cols + x_cols) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    if act:  # the GELU's last bit moves a code now and then
+        assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99
+    else:
+        assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
+
+
 def test_quantize_rows_non_contiguous_and_wide_rows(device, monkeypatch):
     """Rows wider than one chunk take the two-pass loop; a strided input is read in place."""
     blocks = fp8.quantize_blocks
@@ -456,6 +496,9 @@ def test_torchs_scaled_gemm_serves_the_epilogues_it_can_make(monkeypatch, count_
     or fp16 GEMM of at least TORCH_GEMM_ROWS rows with a bias, and with a gate and residual (one addcmul after
     it), goes to it and not to our kernels: the reference's math to the output's rounding (twice for the
     gate's: the GEMM's output is rounded before the addcmul)."""
+    if not fp8.interpreting():
+        pytest.skip("CPU tensors reach the op's routes only under Triton's interpreter (the CPU run); on a GPU the "
+                    "route runs for real in test_gpu_gated_projections_against_the_reference")
     monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
     monkeypatch.setattr(fp8, "TORCH_GEMM_DTYPES", (torch.bfloat16, torch.float16))  # fp16: the path is the same
     _, _, a_q, s_a, w_q, s_w, extras = _operands("cpu", m=96, k=64, n=48, batch=4)

@@ -201,12 +201,13 @@ def test_empty(shape, device):
 
 
 def test_blocks():
-    """A whole row per program, padded to a power of two; small rows batched up to _ELEMS elements."""
-    assert ln.blocks(8192, 1152) == (2, 2048, 8)  # PixArt-Σ
-    assert ln.blocks(8192, 1536) == (2, 2048, 8)  # SD3-medium
-    assert ln.blocks(8192, 4096) == (1, 4096, 8)
-    assert ln.blocks(8192, 8192) == (1, 8192, 16)
-    assert ln.blocks(8192, 40) == (64, 64, 8)
+    """A whole row per program, padded to a power of two; small rows batched up to _ELEMS elements; a warp
+    per 1,024 of them, at least 4."""
+    assert ln.blocks(8192, 1152) == (1, 2048, 4)  # PixArt-Σ
+    assert ln.blocks(8192, 1536) == (1, 2048, 4)  # SD3-medium
+    assert ln.blocks(4608, 3072) == (1, 4096, 4)  # FLUX
+    assert ln.blocks(8192, 8192) == (1, 8192, 8)
+    assert ln.blocks(8192, 40) == (32, 64, 4)
     assert ln.blocks(3, 40) == (4, 64, 4)
 
 
