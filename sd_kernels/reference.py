@@ -319,7 +319,7 @@ def upcast(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float64) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 (E4M3) row-scaled linear: the quantized math the kernels of ops/fp8_linear.py compute.
+# FP8 (E4M3) row-scaled linear: the quantized math the kernels of ops/fp8_quant.py and ops/fp8_linear.py compute.
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 FP8_ACTIVATIONS = ("", "tanh", "none")  # before quantizing / in the epilogue: identity, tanh GELU, erf GELU

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.ops.fp8_linear import E4M3, fp8_reason, row_amax, row_quantize
+from sd_kernels.ops.fp8_quant import E4M3, fp8_reason, row_amax, row_quantize
 from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
@@ -115,7 +115,7 @@ def blocks(n_rows: int, d: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``_ELEMS``
     elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor in flight), 4 to 16:
     small programs, many of them resident on an SM, so that one's loads run under another's reductions
-    (docs/kernels/layer_norm.md, "Speed")."""
+    (docs/kernels/layer_norm.md, "Benchmark")."""
     block_d = next_pow2(d)
     rows = max(1, min(_ELEMS // block_d, next_pow2(n_rows)))
     return rows, block_d, min(16, max(4, rows * block_d // 1024))

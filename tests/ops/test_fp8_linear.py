@@ -13,6 +13,7 @@ from sd_kernels import reference
 from sd_kernels.testing import UNIT_ROUNDOFF, non_contiguous, rel_err
 
 fp8 = importlib.import_module("sd_kernels.ops.fp8_linear")
+fq = importlib.import_module("sd_kernels.ops.fp8_quant")
 layer_norm = importlib.import_module("sd_kernels.ops.layer_norm")
 importlib.import_module("sd_kernels.ops.custom_ops")  # registers torch.ops.sd_kernels.*
 E4M3 = torch.float8_e4m3fn
@@ -56,19 +57,19 @@ def test_quantize_rows_matches_the_reference_exactly(device, shape):
     (24, 40, ((16, 8, 32, 8), 2)), (1, 3, ((1, 2, 1, 0), 1)), (24, 0, ((16, 8, 0, 0), 2)), (0, 0, ((0, 0, 0, 0), 0)),
 ])
 def test_row_pieces(n_prefix, n_x, pieces):
-    assert fp8.row_pieces(n_prefix, n_x) == pieces
+    assert fq.row_pieces(n_prefix, n_x) == pieces
 
 
 def test_quantize_blocks():
     """A row that fits one program is held whole (BLOCK_C 0: as pieces), narrow rows batched up to 2,048
     (padded) elements, a warp per 2,048, 2 to 8; a wider row is read in chunks."""
-    assert fp8.quantize_blocks(4608, 3072) == (1, 0, 2)  # FLUX's attention output
-    assert fp8.quantize_blocks(4096, 12288) == (1, 0, 8)  # FLUX's feed-forward (GELU)
-    assert fp8.quantize_blocks(8192, 6144) == (1, 0, 4)  # SD3's
-    assert fp8.quantize_blocks(8192, 1536) == (1, 0, 2)
-    assert fp8.quantize_blocks(77, 50) == (32, 0, 2)
-    assert fp8.quantize_blocks(3, 50) == (4, 0, 2)
-    assert fp8.quantize_blocks(16, 40000) == (1, 16384, 8)
+    assert fq.quantize_blocks(4608, 3072) == (1, 0, 2)  # FLUX's attention output
+    assert fq.quantize_blocks(4096, 12288) == (1, 0, 8)  # FLUX's feed-forward (GELU)
+    assert fq.quantize_blocks(8192, 6144) == (1, 0, 4)  # SD3's
+    assert fq.quantize_blocks(8192, 1536) == (1, 0, 2)
+    assert fq.quantize_blocks(77, 50) == (32, 0, 2)
+    assert fq.quantize_blocks(3, 50) == (4, 0, 2)
+    assert fq.quantize_blocks(16, 40000) == (1, 16384, 8)
 
 
 @pytest.mark.parametrize("p_cols,x_cols,act", [(16, 40, ""), (24, 32, "tanh"), (0, 50, "tanh"), (40, 0, ""),
@@ -91,8 +92,8 @@ def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act):
 
 def test_quantize_rows_non_contiguous_and_wide_rows(device, monkeypatch):
     """Rows wider than one chunk take the two-pass loop; a strided input is read in place."""
-    blocks = fp8.quantize_blocks
-    monkeypatch.setattr(fp8, "quantize_blocks", lambda r, c: blocks(r, c, 16))
+    blocks = fq.quantize_blocks
+    monkeypatch.setattr(fq, "quantize_blocks", lambda r, c: blocks(r, c, 16))
     x = non_contiguous(torch.randn(9, 40, device=device))
     q, s = fp8.quantize_rows(x)
     q_ref, s_ref = reference.fp8_quantize_rows(x)
@@ -112,8 +113,8 @@ def test_quantize_with_a_prefix(device, act, chunk, monkeypatch):
     blocks' attention output beside their MLP's GELU. The row max may lie in either part; a chunk of
     16 columns makes the two-pass loop cross the seam (a strided prefix, read in place)."""
     if chunk is not None:
-        blocks = fp8.quantize_blocks
-        monkeypatch.setattr(fp8, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
+        blocks = fq.quantize_blocks
+        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
     x = torch.randn(2, 9, 40, device=device)
     prefix = non_contiguous(torch.randn(2, 9, 24, device=device))
     prefix[0, :4] *= 20  # these rows' max in the prefix
@@ -416,8 +417,8 @@ def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
     value (the kernel's clamp would turn the NaN into ±448); the other rows are unchanged. The
     LayerNorm's FP8 output: a NaN row gets a NaN scale. ``chunk``: rows read in chunks (two passes)."""
     if chunk:
-        blocks = fp8.quantize_blocks
-        monkeypatch.setattr(fp8, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
+        blocks = fq.quantize_blocks
+        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
     x = torch.randn(4, 32, device=device)
     w_q, s_w = fp8.quantize_weight(torch.randn(16, 32, device=device))
     clean = fp8.fp8_linear(x, w_q, s_w, reuse=False)
