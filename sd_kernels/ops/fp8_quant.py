@@ -35,6 +35,9 @@ _E4M3_MAX = tl.constexpr(448.0)
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _ELEMS = 16384  # the widest row the quantizer holds in one program (FLUX's widest, 15,360); wider: two passes
 _ROW_ELEMS = 2048  # narrower rows are batched up to this many (padded) elements a program
+# Under the interpreter, whose cost is per program and not per SM, narrow rows are batched as far as a wide
+# row goes: the same kernel, fewer programs (4x fewer at the tiny pipelines' rows).
+_INTERPRETED_ROW_ELEMS = _ELEMS
 
 
 @triton.jit
@@ -60,18 +63,20 @@ def _e4m3(v, GRID: tl.constexpr):
 
 
 @triton.jit
-def _codes(v, inv, GRID: tl.constexpr):
-    """e4m3(v · inv). On the GPU the cast saturates (cvt.rn.satfinite: |v · inv| ≤ 448 up to the
-    product's rounding, which the cast rounds back to 448), so it needs no clamp; the interpreter's
-    cast does not, so there the value is clamped and rounded first (GRID)."""
-    if GRID:
-        return _e4m3(tl.minimum(tl.maximum(v * inv[:, None], -_E4M3_MAX), _E4M3_MAX), GRID)
-    return (v * inv[:, None]).to(tl.float8e4nv)
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def _codes(v, inv, GRID: tl.constexpr):
+    """e4m3(v · inv). On the GPU the cast saturates (cvt.rn.satfinite: |v · inv| ≤ 448 up to the
+    product's rounding, which the cast rounds back to 448; a NaN stays NaN, as in the reference), so it
+    needs no clamp; the interpreter's cast does not, so there the value is clamped and rounded first
+    (GRID). The interpreter's cast makes no NaN code (a NaN element gets a finite one there; its row's scale
+    is NaN either way)."""
+    if GRID:
+        return _e4m3(tl.minimum(tl.maximum(v * inv[:, None], -_E4M3_MAX), _E4M3_MAX), GRID)
+    return (v * inv[:, None]).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -219,16 +224,16 @@ def row_pieces(n_prefix: int, n_x: int) -> tuple[tuple[int, int, int, int], int]
     return (*prefix, *x, *(0,) * (4 - len(prefix) - len(x))), len(prefix)
 
 
-def quantize_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS) -> tuple[int, int, int]:
+def quantize_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS, batch: int = _ROW_ELEMS) -> tuple[int, int, int]:
     """(ROWS, BLOCK_C, num_warps). A row that fits ``elems`` (padded to a power of two) is one program's
-    (BLOCK_C = 0: held as row_pieces), rows under _ROW_ELEMS batched up to it; a wider row is read in
+    (BLOCK_C = 0: held as row_pieces), narrower rows batched up to ``batch`` elements; a wider row is read in
     chunks of ``elems``. A warp per 2,048 (padded) elements of the program, 2 to 8: small programs, several
     resident on an SM, so that one's loads run under another's reduction and stores (measured:
     docs/fp8.md, "The quantizer")."""
     width = next_pow2(n_cols)
     if width > elems:
         return 1, elems, min(8, max(2, elems // 2048))
-    rows = max(1, min(_ROW_ELEMS // width, next_pow2(n_rows)))
+    rows = max(1, min(batch // width, next_pow2(n_rows)))
     return rows, 0, min(8, max(2, rows * width // 2048))
 
 
@@ -285,9 +290,9 @@ def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if q.numel() == 0:
         return q, s.zero_()
-    rows, block_c, warps = quantize_blocks(n_rows, n)
-    (w0, w1, w2, w3), n_p = row_pieces(n_prefix, n - n_prefix) if block_c == 0 else ((0, 0, 0, 0), 0)
     grid, has_prefix = interpreting(), prefix is not None
+    rows, block_c, warps = quantize_blocks(n_rows, n, batch=_INTERPRETED_ROW_ELEMS if grid else _ROW_ELEMS)
+    (w0, w1, w2, w3), n_p = row_pieces(n_prefix, n - n_prefix) if block_c == 0 else ((0, 0, 0, 0), 0)
     _QUANTIZE((act, gated, has_prefix, grid, rows, block_c, w0, w1, w2, w3, n_p, warps), (cdiv(n_rows, rows),), x2,
               p2, q, s, n_rows, n, n_prefix, x2.stride(0), x2.stride(1), p2.stride(0), p2.stride(1), ACT=act,
               GATED=gated, HAS_PREFIX=has_prefix, GRID=grid, ROWS=rows, BLOCK_C=block_c, W0=w0, W1=w1, W2=w2, W3=w3,

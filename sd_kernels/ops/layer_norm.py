@@ -43,7 +43,8 @@ from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 _ELEMS = 2048  # elements per program: rows of small D (up to 1,024) are batched up to this
-_MAX_D = 8192  # the widest row one program holds: 16 fp32 registers a thread per tensor at 16 warps
+_INTERPRETED_ELEMS = 4096  # ... under the interpreter, whose cost is per program: fewer, larger programs
+_MAX_D = 8192  # the widest row one program holds: 32 fp32 registers a thread per tensor at 8 warps
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _layer_norm_kernel(
     GATED: x is the residual; h = x + gate·branch is stored to h_ptr and normalized. Otherwise x
     is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift. Outputs are contiguous. QUANT:
     y's fp32 rows are also stored as e4m3 codes (q_ptr) with one scale per row (qs_ptr), the input of
-    an FP8 projection (ops/fp8_linear.py; GRID as there).
+    an FP8 projection (ops/fp8_quant.py; GRID as there).
     """
     # int64: row·D and sample·stride pass 2³¹ on large activations.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -111,13 +112,13 @@ def _layer_norm_kernel(
 _LAYER_NORM = Launcher(_layer_norm_kernel)
 
 
-def blocks(n_rows: int, d: int) -> tuple[int, int, int]:
+def blocks(n_rows: int, d: int, elems: int = _ELEMS) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``_ELEMS``
     elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor in flight), 4 to 16:
     small programs, many of them resident on an SM, so that one's loads run under another's reductions
     (docs/kernels/layer_norm.md, "Benchmark")."""
     block_d = next_pow2(d)
-    rows = max(1, min(_ELEMS // block_d, next_pow2(n_rows)))
+    rows = max(1, min(elems // block_d, next_pow2(n_rows)))
     return rows, block_d, min(16, max(4, rows * block_d // 1024))
 
 
@@ -158,7 +159,7 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     if y.numel() == 0:
         return y, h
     (g, sgb, sgd), (sc, ssb, ssd), (sh, stb, std) = map(_modulation, (gate, scale, shift))
-    rows, block_d, num_warps = blocks(n_rows, d)
+    rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
     flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
                  HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None,
                  QUANT=quant is not None, GRID=quant is not None and interpreting())

@@ -37,10 +37,11 @@ import triton.language as tl
 
 from sd_kernels import reference
 from sd_kernels.ops.layout import vectors
-from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
+from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 _ELEMS = 1024  # elements per program and tensor: 8 rows of FLUX's D = 128
+_INTERPRETED_ELEMS = 4096  # ... under the interpreter, whose cost is per program: fewer, larger programs
 _MAX_D = 1024  # a head dim wider than any model's; one program's row tile
 
 
@@ -128,12 +129,12 @@ def _kernel_reason(activations: tuple, weights: tuple, rotary: tuple, head_dim: 
     return None
 
 
-def blocks(head_dim: int) -> tuple[int, int, int]:
+def blocks(head_dim: int, elems: int = _ELEMS) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the head dim padded to a power of two (at least one pair), rows up to
     ``_ELEMS`` elements a program, a warp per 512 elements, 2 to 8: small programs, several resident on an
     SM, so that one's loads run under another's arithmetic (docs/kernels/rope.md, "Benchmark")."""
     block_d = max(2, next_pow2(head_dim))
-    rows = max(1, _ELEMS // block_d)
+    rows = max(1, elems // block_d)
     return rows, block_d, min(8, max(2, rows * block_d // 512))
 
 
@@ -146,7 +147,7 @@ def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offse
     if n_rows == 0:
         return
     q_weight, k_weight = vectors(q_weight, k_weight)
-    rows, block_d, num_warps = blocks(head_dim)
+    rows, block_d, num_warps = blocks(head_dim, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
     oq, ok, ov = out
     flags = dict(NORM=eps is not None, HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None,
                  ROPE=cos is not None, HAS_V=ov is not None)

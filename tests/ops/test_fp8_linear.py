@@ -70,19 +70,29 @@ def test_quantize_blocks():
     assert fq.quantize_blocks(77, 50) == (32, 0, 2)
     assert fq.quantize_blocks(3, 50) == (4, 0, 2)
     assert fq.quantize_blocks(16, 40000) == (1, 16384, 8)
+    assert fq.quantize_blocks(77, 50, batch=fq._INTERPRETED_ROW_ELEMS) == (128, 0, 4)  # the interpreter's
 
 
-@pytest.mark.parametrize("p_cols,x_cols,act", [(16, 40, ""), (24, 32, "tanh"), (0, 50, "tanh"), (40, 0, ""),
-                                               (3, 5, "")])
-def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act):
+@pytest.mark.parametrize("p_cols,x_cols,act,gated", [
+    (16, 40, "", False), (24, 32, "tanh", False), (0, 50, "tanh", False), (40, 0, "", False), (3, 5, "", False),
+    (19, 8, "", False),  # the prefix's rest padded (16 + 4 holding 3), x after it
+    (17, 50, "", False),  # both parts' rests padded: 16 + 1, 32 + 32 holding 18
+    (3, 24, "tanh", True), (0, 20, "none", True),  # GEGLU: the gate n_x columns after a, with a prefix and without
+])
+def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act, gated):
     """The row held as one, two, three or four pieces, the prefix's and x's (a masked rest or none): the
-    reference's codes and scales, rows batched several to a program."""
-    x = torch.randn(37, x_cols, device=device) * 3
+    reference's codes and scales, rows batched several to a program. Some rows' largest values sit in the
+    last column of the prefix, and the next rows' in the first of each part, so that a piece that misses its
+    part's end, or reads past it into the next row, moves a scale."""
+    x = torch.randn(37, x_cols * (2 if gated else 1), device=device) * 3
+    if x_cols:
+        x[1::4, 0] = 500.0
     prefix = torch.randn(37, p_cols, device=device) if p_cols else None
     if prefix is not None:
-        prefix[::4] *= 20  # some rows take their max from the prefix
-    q, s = fp8.quantize_rows(x, act, prefix=prefix)
-    q_ref, s_ref = reference.fp8_quantize_rows(x, act, prefix=prefix)
+        prefix[::4, -1] = 200.0
+        prefix[1::4, 0] = 300.0
+    q, s = fp8.quantize_rows(x, act, gated, prefix=prefix)
+    q_ref, s_ref = reference.fp8_quantize_rows(x, act, gated, prefix=prefix)
     assert q.shape == (37, p_cols + x_cols) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
     if act:  # the GELU's last bit moves a code now and then
         assert (_codes(q) == _codes(q_ref)).float().mean() > 0.99
@@ -93,7 +103,7 @@ def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act):
 def test_quantize_rows_non_contiguous_and_wide_rows(device, monkeypatch):
     """Rows wider than one chunk take the two-pass loop; a strided input is read in place."""
     blocks = fq.quantize_blocks
-    monkeypatch.setattr(fq, "quantize_blocks", lambda r, c: blocks(r, c, 16))
+    monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, 16, **kw))
     x = non_contiguous(torch.randn(9, 40, device=device))
     q, s = fp8.quantize_rows(x)
     q_ref, s_ref = reference.fp8_quantize_rows(x)
@@ -114,7 +124,7 @@ def test_quantize_with_a_prefix(device, act, chunk, monkeypatch):
     16 columns makes the two-pass loop cross the seam (a strided prefix, read in place)."""
     if chunk is not None:
         blocks = fq.quantize_blocks
-        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
+        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
     x = torch.randn(2, 9, 40, device=device)
     prefix = non_contiguous(torch.randn(2, 9, 24, device=device))
     prefix[0, :4] *= 20  # these rows' max in the prefix
@@ -418,7 +428,7 @@ def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
     LayerNorm's FP8 output: a NaN row gets a NaN scale. ``chunk``: rows read in chunks (two passes)."""
     if chunk:
         blocks = fq.quantize_blocks
-        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c: blocks(r, c, chunk))
+        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
     x = torch.randn(4, 32, device=device)
     w_q, s_w = fp8.quantize_weight(torch.randn(16, 32, device=device))
     clean = fp8.fp8_linear(x, w_q, s_w, reuse=False)
@@ -430,6 +440,25 @@ def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
     x[0, 4, 7] = float("nan")
     _, _, s = layer_norm.layer_norm_modulated_fp8(x, None, None, 1e-6, torch.randn(2, 40, device=device))
     assert s[0, 4].isnan() and s.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_non_finite_values_get_the_references_codes(device, monkeypatch, chunk):
+    """A NaN element's row gets a NaN scale, an inf's an inf scale, and the other codes are the reference's
+    (0 in the inf's row); a NaN element's own code is NaN compiled (the saturating cast keeps it, as the
+    reference's clamp does), which the interpreter's cast cannot make."""
+    if chunk:
+        blocks = fq.quantize_blocks
+        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
+    x = torch.randn(3, 40, device=device)
+    x[0, 5], x[1, 7] = float("nan"), float("inf")
+    q, s = fp8.quantize_rows(x)
+    q_ref, s_ref = reference.fp8_quantize_rows(x)
+    assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.isinf(), s_ref.isinf()) and s[0].isnan()
+    finite = ~_codes(q_ref).isnan()
+    assert torch.equal(_codes(q)[finite], _codes(q_ref)[finite])
+    if device == "cuda":
+        assert torch.equal(_codes(q).isnan(), _codes(q_ref).isnan()) and _codes(q)[0, 5].isnan()
 
 
 def test_layer_norm_modulated_fp8_mixed_dtypes_promote_as_stock(device):

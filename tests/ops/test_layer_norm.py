@@ -209,6 +209,7 @@ def test_blocks():
     assert ln.blocks(8192, 8192) == (1, 8192, 8)
     assert ln.blocks(8192, 40) == (32, 64, 4)
     assert ln.blocks(3, 40) == (4, 64, 4)
+    assert ln.blocks(8192, 40, ln._INTERPRETED_ELEMS) == (64, 64, 4)  # the interpreter: fewer, larger programs
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,16 @@ def test_single_stream_values_are_the_projection_view(device):
     assert value.data_ptr() == args[2].data_ptr() and torch.equal(value.flatten(2), args[2])
 
 
+def test_blocks():
+    """Small programs on the GPU (8 rows of FLUX's 128, 2 warps: several resident on an SM); under the
+    interpreter, whose cost is per program, larger ones."""
+    rope = importlib.import_module("sd_kernels.ops.rope")
+    assert rope.blocks(128) == (8, 128, 2)
+    assert rope.blocks(64) == (16, 64, 2)
+    assert rope.blocks(3) == (256, 4, 2)
+    assert rope.blocks(128, rope._INTERPRETED_ELEMS) == (32, 128, 8)
+
+
 def test_reference_is_stock_bit_for_bit():
     """reference.qk_norm_rope is diffusers' processor lines: torch.nn.RMSNorm per stream, torch.cat text first,
     apply_rotary_emb(sequence_dim=1); equal bits at bfloat16."""
