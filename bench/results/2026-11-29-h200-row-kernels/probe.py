@@ -1,6 +1,9 @@
-"""Probe: the FP8 quantizer and the modulated LayerNorm + FP8 at FLUX's shapes, against a copy ceiling.
-Variants: as shipped, other block configs, and persistent programs that load the next row under this
-one's work."""
+"""The row kernels at FLUX's and SD3's shapes against a copy ceiling: the FP8 quantizer (as dispatched, and its
+kernel at other rows and warps a program), the modulated LayerNorm + FP8 output and q/k-norm + RoPE at other
+blocks. Each call timed in one CUDA graph over inputs rotated past L2.
+
+    python probe.py --out DIR [quant] [ln] [rope]     (writes DIR/quant_probe.json)
+"""
 import importlib
 import json
 import os
@@ -8,15 +11,11 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
-f = importlib.import_module("sd_kernels.ops.fp8_linear")
+f = importlib.import_module("sd_kernels.ops.fp8_quant")
 ln = importlib.import_module("sd_kernels.ops.layer_norm")
-from sd_kernels.ops.gelu import _act  # noqa: E402
 
-OUT = os.environ.get("OUT", "/tmp")
 dev = "cuda"
-SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 2
 results = []
 
 
@@ -63,7 +62,6 @@ def ceiling():
     dst = torch.empty_like(src)
     ms = graph_ms([lambda: dst.copy_(src)])
     record("copy", "256MiB", "torch copy_", ms, 2 * src.numel() * 2)
-    del src, dst
 
 
 def quant_new(x, prefix, act, rows, warps):
@@ -174,9 +172,11 @@ def ln_cases():
 
 
 if __name__ == "__main__":
-    print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0), SMS, flush=True)
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0), flush=True)
     ceiling()
-    which = sys.argv[1:] or ["quant", "ln", "rope"]
+    args = sys.argv[1:]
+    out = args[args.index("--out") + 1] if "--out" in args else "."
+    which = [a for a in args if a in ("quant", "ln", "rope")] or ["quant", "ln", "rope"]
     if "quant" in which:
         quant_cases()
     if "ln" in which:
@@ -184,5 +184,5 @@ if __name__ == "__main__":
     if "rope" in which:
         rope_cases()
     ceiling()
-    with open(os.path.join(OUT, "quant_probe.json"), "w") as fh:
+    with open(os.path.join(out, "quant_probe.json"), "w") as fh:
         json.dump(results, fh, indent=1)
