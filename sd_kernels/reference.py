@@ -322,6 +322,10 @@ def upcast(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float64) ->
 # FP8 (E4M3) row-scaled linear: the quantized math the kernels of ops/fp8_quant.py and ops/fp8_linear.py compute.
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+# A row whose largest magnitude is at most this (2⁻¹¹⁹) is quantized as zeros (with its scale): 448 / max|v|
+# would overflow fp32 below 1.32e-36, and 0 · inf make NaN codes of a finite row. Such a row's products are
+# below 1e-35 of the weights' magnitude.
+E4M3_TINY = 2.0**-119
 FP8_ACTIVATIONS = ("", "tanh", "none")  # before quantizing / in the epilogue: identity, tanh GELU, erf GELU
 
 
@@ -339,7 +343,7 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     """One scale per row of x [..., N]: v = act(x) (gated: a · act(g) with a, g = x.chunk(2, -1)),
     computed in float32, with ``prefix`` [..., P] (as it is, no activation) in front of it where given;
     scale = max|v| / 448; q = e4m3(v · (448 / max|v|)). Returns (q [..., P + n] float8_e4m3fn, scale
-    [...] float32); a row of zeros gets scale 0 and codes 0."""
+    [...] float32); a row of zeros gets scale 0 and codes 0, a row no larger than E4M3_TINY codes 0."""
     check_fp8_activation(act)
     v = x.float()
     if gated:
@@ -351,7 +355,7 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
         v = torch.cat([prefix.float(), v], dim=-1)
     amax = v.abs().amax(dim=-1, keepdim=True) if v.shape[-1] else v.new_zeros((*v.shape[:-1], 1))
     # a tensor divided, not ``448 / amax`` (a reciprocal times 448: two roundings)
-    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > E4M3_TINY, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
     q = (v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, (amax / E4M3_MAX).squeeze(-1)
 

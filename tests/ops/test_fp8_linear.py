@@ -442,6 +442,22 @@ def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
     assert s[0, 4].isnan() and s.isnan().sum() == 1
 
 
+def test_a_row_too_small_to_scale_is_quantized_as_zeros(device):
+    """448 / max|v| overflows fp32 below 1.32e-36: such a row (at most E4M3_TINY) gets codes 0 and its scale,
+    as the reference, and its output row is finite, not the NaN that 0 · inf would make; a row just above
+    it is quantized as any other (its largest value 448)."""
+    x = torch.randn(3, 40, device=device)
+    x[0] = 0.0
+    x[0, :2] = torch.tensor([1e-37, -5e-38])
+    x[1] *= 2.0**-118 / x[1].abs().max()
+    q, s = fp8.quantize_rows(x)
+    q_ref, s_ref = reference.fp8_quantize_rows(x)
+    assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
+    assert not _codes(q[0]).any() and s[0] > 0 and _codes(q[1]).abs().max() == 448
+    w_q, s_w = fp8.quantize_weight(torch.randn(16, 40, device=device))
+    assert torch.isfinite(fp8.fp8_linear(x, w_q, s_w, reuse=False)).all()
+
+
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_non_finite_values_get_the_references_codes(device, monkeypatch, chunk):
     """A NaN element's row gets a NaN scale, an inf's an inf scale, and the other codes are the reference's
