@@ -296,6 +296,11 @@ def test_selection_table_is_stable_and_pinned():
     assert attn("mobile-small") == ["partial_softmax"] * 11
     gelus = lambda name: {k for op, _, k in _kernels(name) if op == "gelu tanh"}  # noqa: E731
     assert gelus("hopper") == {"cuBLASLt linear + GELU epilogue"} and gelus("cuda") == {"cuBLAS linear + gelu"}
+    fp8 = lambda name: [k.split()[0] for op, _, k in _kernels(name) if op == "fp8 gemm"]  # noqa: E731
+    # FLUX's q, k, v and gated down-projection (bf16, thousands of rows) on cuBLASLt where the profile measured
+    # it; its one-row modulation and SD3's fp16 GEMMs on ours everywhere
+    assert fp8("hopper") == ["torch._scaled_mm", "torch._scaled_mm", "our", "our"]
+    assert fp8("cuda") == ["our"] * 4
     convs = [k for op, _, k in _kernels("hopper") if op == "conv3x3"]
     # (nchw, nhwc) per shape: 320@64², 640@32², 1280@16², 1280@8², then the VAE's 512@64², 128@512²
     assert convs == (["F.conv2d (stock)"] * 2 + ["winograd F(4,3)", "F.conv2d (stock)"]

@@ -28,6 +28,10 @@ ATTENTION_SHAPES = [
 GROUP_NORM_SHAPES = [(2, 320, 64, 64), (2, 1280, 8, 8), (1, 512, 64, 64), (1, 128, 512, 512)]  # 32 groups
 GEGLU_SHAPES = [(8192, 320, 1280), (2048, 640, 2560), (512, 1280, 5120)]  # rows × k → n (2n projected)
 GELU_SHAPES = [(8192, 1152, 4608), (8192, 1536, 6144)]  # the DiTs' tanh-GELU projections: rows × k → n
+# The FP8 tier's GEMMs (rows × k → n, output dtype, epilogue): FLUX.1-dev's at 1024² (bf16), SD3-medium's (fp16)
+FP8_GEMM_SHAPES = [("flux q,k,v", 4608, 3072, 9216, "bfloat16", ""), ("flux ff down + gate", 4096, 12288, 3072,
+                                                                        "bfloat16", "gated"),
+                   ("flux modulation", 1, 3072, 18432, "bfloat16", ""), ("sd3 q", 8192, 1536, 1536, "float16", "")]
 CONV_SHAPES = [(2, 320, 64, 64, 320), (2, 640, 32, 32, 640), (2, 1280, 16, 16, 1280), (2, 1280, 8, 8, 1280),
                (1, 512, 64, 64, 512), (1, 128, 512, 512, 128)]
 
@@ -94,6 +98,25 @@ def _gelu(p: Profile) -> tuple[str, str]:
     return "cuBLAS linear + gelu", why
 
 
+def _fp8_gemm(p: Profile, rows: int, k: int, n: int, dtype: str, epilogue: str) -> tuple[str, str]:
+    import torch
+
+    from sd_kernels.ops.fp8_linear import TORCH_GEMM_CAPABILITY, torch_gemm_shape_reason
+
+    off = p.disabled_reason("fp8_linear")
+    if off:
+        return "the FP8 math in torch ops (stock)", off
+    ours = "our Triton FP8 GEMM (TMA or pointer kernel, per the tables)"
+    if not p.fp8_torch_gemm:
+        return ours, "the profile does not set fp8_torch_gemm"
+    why = torch_gemm_shape_reason(rows, k, n, getattr(torch, dtype), gated=epilogue == "gated")
+    if why is not None:
+        return ours, why
+    sm = "sm_{}{}".format(*TORCH_GEMM_CAPABILITY)
+    return "torch._scaled_mm (cuBLASLt)", (f"fp8_torch_gemm, {sm} or later: row-wise scales, fast accumulation"
+                                           + ("; gate and residual by one addcmul after it" if epilogue else ""))
+
+
 def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str, cl: bool) -> tuple[str, str]:
     tile = p.winograd_tile(n, c, h, w, k, dtype, "channels_last" if cl else "nchw")
     if tile is None:
@@ -108,6 +131,8 @@ def selection_table(profile: Profile, dtype: str = "float16") -> list[Row]:
              for n, c, h, w in GROUP_NORM_SHAPES for cl in (False, True)]
     rows += [Row("geglu", f"{r}x{k}->{n}", *_geglu(profile, r, k, n)) for r, k, n in GEGLU_SHAPES]
     rows += [Row("gelu tanh", f"{r}x{k}->{n}", *_gelu(profile)) for r, k, n in GELU_SHAPES]
+    rows += [Row("fp8 gemm", f"{label} {r}x{k}->{n} {dtype}", *_fp8_gemm(profile, r, k, n, dtype, e))
+             for label, r, k, n, dtype, e in FP8_GEMM_SHAPES]
     rows += [Row("conv3x3", f"{n}x{c}x{h}x{w}->{k} {'nhwc' if cl else 'nchw'}",
                  *_conv(profile, n, c, h, w, k, dtype, cl)) for n, c, h, w, k in CONV_SHAPES for cl in (False, True)]
     return rows

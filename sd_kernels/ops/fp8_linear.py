@@ -281,20 +281,38 @@ TORCH_GEMM_GATED = True
 TORCH_GEMM_DTYPES = (torch.bfloat16,)
 
 
+def torch_gemm_shape_reason(rows: int, k: int, n: int, out_dtype: torch.dtype, act: str = "",
+                            gated: bool = False) -> str | None:
+    """Why ``torch._scaled_mm`` does not serve a GEMM of this shape and epilogue (None: it may, on a device and
+    profile ``_torch_gemm_device`` accepts, with operands it can read): the rule's shape part, which the
+    selection table of ``sd-kernels info`` shows too."""
+    if not TORCH_GEMM:
+        return "fp8_linear.TORCH_GEMM is off"
+    if act:
+        return f"a fused {act} GELU (our kernel's epilogue)"
+    if gated and not TORCH_GEMM_GATED:
+        return "a gate and residual (fp8_linear.TORCH_GEMM_GATED is off)"
+    if out_dtype not in TORCH_GEMM_DTYPES:
+        return f"{str(out_dtype).removeprefix('torch.')} output (TORCH_GEMM_DTYPES: bf16; fp16 measured no gain)"
+    if rows < TORCH_GEMM_ROWS:
+        return f"{rows} rows < TORCH_GEMM_ROWS {TORCH_GEMM_ROWS}"
+    if k % 16 or n % 16:
+        return f"K {k} or N {n} not a multiple of 16"
+    return None
+
+
 def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias, act: str,
                       gated: bool, out_dtype) -> bool:
     """Whether ``torch._scaled_mm`` serves this GEMM: where ``_torch_gemm_device`` says (a profile that sets
-    ``fp8_torch_gemm``, a GPU of ``TORCH_GEMM_CAPABILITY`` or later, not the interpreter), at least
-    ``TORCH_GEMM_ROWS`` rows, an output dtype of ``TORCH_GEMM_DTYPES`` with a bias of that dtype or none,
-    no activation (a gate and residual with ``TORCH_GEMM_GATED``), both operands contiguous with dimensions
-    that are multiples of 16, fp32 scales, and operands, scales and bias at 16-byte aligned addresses (what
+    ``fp8_torch_gemm``, a GPU of ``TORCH_GEMM_CAPABILITY`` or later, not the interpreter), a shape and epilogue
+    ``torch_gemm_shape_reason`` accepts (at least ``TORCH_GEMM_ROWS`` rows, an output dtype of
+    ``TORCH_GEMM_DTYPES``, no activation, dimensions that are multiples of 16), a bias of the output's dtype or
+    none, both operands contiguous, fp32 scales, and operands, scales and bias at 16-byte aligned addresses (what
     cuBLASLt requires: a scale vector 4 bytes off raised CUBLAS_STATUS_NOT_SUPPORTED on an H200)."""
-    if (not TORCH_GEMM or act or (gated and not TORCH_GEMM_GATED) or out_dtype not in TORCH_GEMM_DTYPES
-            or a2.shape[0] < TORCH_GEMM_ROWS or (bias is not None and bias.dtype != out_dtype)
-            or not _torch_gemm_device(a2.device)):
+    if (torch_gemm_shape_reason(a2.shape[0], a2.shape[1], w_q.shape[0], out_dtype, act, gated) is not None
+            or (bias is not None and bias.dtype != out_dtype) or not _torch_gemm_device(a2.device)):
         return False
-    return (a2.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0 and a2.is_contiguous() and w_q.is_contiguous()
-            and s_w.dtype == torch.float32  # sa: always fp32 (fp8_gemm makes it so)
+    return (a2.is_contiguous() and w_q.is_contiguous() and s_w.dtype == torch.float32  # sa: fp32 (fp8_gemm's)
             and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None))
 
 
