@@ -87,6 +87,13 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
     return (v / divisor).to(y.dtype)
 
 
+# A row or group whose largest magnitude is at most this (2⁻¹¹⁹, 1.5e-36) is quantized as zeros beside its
+# scale, by every 8-bit quantization here and in its kernels: 448 / max|v| overflows fp32 below 1.32e-36 (127 /
+# max|v| below 3.7e-37), and 0 · inf would make NaN codes of a finite row. Its products are below 1e-35 of
+# the other operand's magnitude.
+SCALE_TINY = 2.0**-119
+
+
 def pack8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
     """ops.pack8: x [N, C, H, W] as int8 codes round(x · 127 / max|x|) per pixel and group of
     channels (``values`` [N, H, W, C]) and the group's max|x| / 127 (``scales`` [N, H, W, C / G]); a
@@ -95,7 +102,7 @@ def pack8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
     v = x.permute(0, 2, 3, 1).float().unflatten(-1, (-1, g))
     bad = ~torch.isfinite(v).all(-1)
     amax = v.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > SCALE_TINY, 127.0 / amax, torch.zeros_like(amax))
     q = torch.floor(v * inv.unsqueeze(-1) + 0.5).clamp(-127, 127).masked_fill(bad.unsqueeze(-1), 0)
     values.copy_(q.flatten(-2).to(torch.int8))
     scales.copy_((amax / 127.0).masked_fill(bad, float("nan")))
@@ -322,10 +329,6 @@ def upcast(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float64) ->
 # FP8 (E4M3) row-scaled linear: the quantized math the kernels of ops/fp8_quant.py and ops/fp8_linear.py compute.
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
-# A row whose largest magnitude is at most this (2⁻¹¹⁹) is quantized as zeros (with its scale): 448 / max|v|
-# would overflow fp32 below 1.32e-36, and 0 · inf make NaN codes of a finite row. Such a row's products are
-# below 1e-35 of the weights' magnitude.
-E4M3_TINY = 2.0**-119
 FP8_ACTIVATIONS = ("", "tanh", "none")  # before quantizing / in the epilogue: identity, tanh GELU, erf GELU
 
 
@@ -343,7 +346,7 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     """One scale per row of x [..., N]: v = act(x) (gated: a · act(g) with a, g = x.chunk(2, -1)),
     computed in float32, with ``prefix`` [..., P] (as it is, no activation) in front of it where given;
     scale = max|v| / 448; q = e4m3(v · (448 / max|v|)). Returns (q [..., P + n] float8_e4m3fn, scale
-    [...] float32); a row of zeros gets scale 0 and codes 0, a row no larger than E4M3_TINY codes 0."""
+    [...] float32); a row of zeros gets scale 0 and codes 0, a row no larger than SCALE_TINY codes 0."""
     check_fp8_activation(act)
     v = x.float()
     if gated:
@@ -355,7 +358,7 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
         v = torch.cat([prefix.float(), v], dim=-1)
     amax = v.abs().amax(dim=-1, keepdim=True) if v.shape[-1] else v.new_zeros((*v.shape[:-1], 1))
     # a tensor divided, not ``448 / amax`` (a reciprocal times 448: two roundings)
-    inv = torch.where(amax > E4M3_TINY, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > SCALE_TINY, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
     q = (v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, (amax / E4M3_MAX).squeeze(-1)
 
@@ -383,17 +386,17 @@ FP8_KEY_BLOCK = 128  # keys per K scale in ops.attention_fp8 (and its kernel's k
 
 
 def e4m3_scaled(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """x·(448/amax) rounded to float8_e4m3fn, in fp32 (0 where amax is 0): the kernels' quantization,
+    """x·(448/amax) rounded to float8_e4m3fn, in fp32 (0 where amax is at most SCALE_TINY): the kernels' quantization,
     each step an fp32 operation rounded as theirs is."""
     # a tensor divided, not ``448 / amax``: torch computes a scalar over a tensor as a reciprocal times
     # the scalar, which rounds twice
-    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > SCALE_TINY, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
     return (x * inv).to(torch.float8_e4m3fn)
 
 
 def int8_scaled(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """x·(127/amax) rounded to the nearest integer (ties to even) as int8 (0 where amax is 0)."""
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    """x·(127/amax) rounded to the nearest integer (ties to even) as int8 (0 where amax is at most SCALE_TINY)."""
+    inv = torch.where(amax > SCALE_TINY, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return torch.round(x * inv).to(torch.int8)
 
 

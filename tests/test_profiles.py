@@ -300,7 +300,11 @@ def test_selection_table_is_stable_and_pinned():
     # FLUX's q, k, v and gated down-projection (bf16, thousands of rows) on cuBLASLt where the profile measured
     # it; its one-row modulation and SD3's fp16 GEMMs on ours everywhere
     assert fp8("hopper") == ["torch._scaled_mm", "torch._scaled_mm", "our", "our"]
-    assert fp8("cuda") == ["our"] * 4
+    assert fp8("cuda") == ["our"] * 4 and fp8("consumer") == ["our"] * 4  # on sm_89 or later (Ada), the why says
+    pre_fp8 = dataclasses.replace(profiles.get_profile("ampere"),
+                                  match=dataclasses.replace(profiles.get_profile("ampere").match,
+                                                            capability=((8, 0), (8, 6))))
+    assert {r.kernel for r in selection_table(pre_fp8) if r.op == "fp8 gemm"} == {"none: the tier refuses these GPUs"}
     convs = [k for op, _, k in _kernels("hopper") if op == "conv3x3"]
     # (nchw, nhwc) per shape: 320@64², 640@32², 1280@16², 1280@8², then the VAE's 512@64², 128@512²
     assert convs == (["F.conv2d (stock)"] * 2 + ["winograd F(4,3)", "F.conv2d (stock)"]

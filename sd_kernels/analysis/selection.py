@@ -101,19 +101,25 @@ def _gelu(p: Profile) -> tuple[str, str]:
 def _fp8_gemm(p: Profile, rows: int, k: int, n: int, dtype: str, epilogue: str) -> tuple[str, str]:
     import torch
 
-    from sd_kernels.ops.fp8_linear import TORCH_GEMM_CAPABILITY, torch_gemm_shape_reason
+    from sd_kernels.ops.fp8_linear import FP8_CAPABILITY, TORCH_GEMM_CAPABILITY, torch_gemm_shape_reason
 
     off = p.disabled_reason("fp8_linear")
     if off:
         return "the FP8 math in torch ops (stock)", off
-    ours = "our Triton FP8 GEMM (TMA or pointer kernel, per the tables)"
+    span = p.match.capability if p.match is not None else None
+    sm = "sm_{}{}".format
+    if span is not None and span[1] < FP8_CAPABILITY:
+        return "none: the tier refuses these GPUs", f"{sm(*span[0])}-{sm(*span[1])}: no FP8 tensor cores"
+    older = "" if span is None or span[0] >= FP8_CAPABILITY else f"; on {sm(*FP8_CAPABILITY)} or later (the tier " \
+                                                                   "refuses older GPUs)"
+    ours = "our Triton FP8 GEMM"
     if not p.fp8_torch_gemm:
-        return ours, "the profile does not set fp8_torch_gemm"
+        return ours, "the profile does not set fp8_torch_gemm" + older
     why = torch_gemm_shape_reason(rows, k, n, getattr(torch, dtype), gated=epilogue == "gated")
     if why is not None:
-        return ours, why
-    sm = "sm_{}{}".format(*TORCH_GEMM_CAPABILITY)
-    return "torch._scaled_mm (cuBLASLt)", (f"fp8_torch_gemm, {sm} or later: row-wise scales, fast accumulation"
+        return ours, why + older
+    return "torch._scaled_mm (cuBLASLt)", (f"fp8_torch_gemm, {sm(*TORCH_GEMM_CAPABILITY)} or later: row-wise "
+                                           "scales, fast accumulation"
                                            + ("; gate and residual by one addcmul after it" if epilogue else ""))
 
 

@@ -46,6 +46,7 @@ from . import attention_common as _common
 from .attention_common import LOG2E, as_4d, check_attention_args, default_scale, from_4d, kernel_reason
 
 HEAD_DIMS = (64, 128)
+_SCALE_TINY = tl.constexpr(reference.SCALE_TINY)  # a row or block no larger is quantized as zeros
 QK_MODES = ("int8", "fp8")
 PV_MODES = ("fp8", "input")
 KEY_BLOCK = reference.FP8_KEY_BLOCK  # keys per K scale, and the kernel's key block
@@ -75,8 +76,9 @@ def _e4m3(x, SOFT: tl.constexpr):
 
 @triton.jit
 def _inv_scale(amax, QMAX: tl.constexpr):
-    """QMAX/amax, IEEE-rounded (as torch divides), 0 for amax = 0."""
-    return tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), amax), 0.0)
+    """QMAX/amax, IEEE-rounded (as torch divides), 0 for amax at most reference.SCALE_TINY (0 included)."""
+    big = amax > _SCALE_TINY
+    return tl.where(big, tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), tl.where(big, amax, 1.0)), 0.0)
 
 
 @triton.jit

@@ -32,7 +32,7 @@ from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = reference.E4M3_MAX
 _E4M3_MAX = tl.constexpr(448.0)
-_E4M3_TINY = tl.constexpr(reference.E4M3_TINY)  # a row no larger is quantized as zeros (reference.py says why)
+_SCALE_TINY = tl.constexpr(reference.SCALE_TINY)  # a row no larger is quantized as zeros (reference.py says why)
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _ELEMS = 16384  # the widest row the quantizer holds in one program (FLUX's widest, 15,360); wider: two passes
 _ROW_ELEMS = 2048  # narrower rows are batched up to this many (padded) elements a program
@@ -97,7 +97,7 @@ def row_amax(v, mask, GRID: tl.constexpr):
 def _inverse(amax):
     # IEEE division (div_rn), as torch divides: Triton's ``/`` on fp32 is the approximate one, whose
     # last-bit differences move a code across a rounding boundary now and then
-    big = amax > _E4M3_TINY
+    big = amax > _SCALE_TINY
     safe = tl.where(big, amax, 1.0)
     return tl.where(big, tl.math.div_rn(tl.full(safe.shape, _E4M3_MAX, tl.float32), safe), 0.0)
 

@@ -30,6 +30,7 @@ from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
 GROUP = 32  # channels per scale where C allows it (``pack_group``)
+_SCALE_TINY = tl.constexpr(reference.SCALE_TINY)  # a group no larger is quantized as zeros
 
 
 def pack_group(c: int) -> int:
@@ -65,7 +66,8 @@ def _pack8_kernel(
     xg = tl.reshape(x, (BLOCK_P, BLOCK_C // G, G))
     amax = tl.max(tl.abs(xg), axis=2)
     bad = tl.max(((xg != xg) | (tl.abs(xg) == float("inf"))).to(tl.int32), axis=2) > 0
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # no 1/0 in the masked lanes
+    big = amax > _SCALE_TINY  # a group no larger is quantized as zeros (reference.SCALE_TINY)
+    inv = tl.where(big, 127.0 / tl.where(big, amax, 1.0), 0.0)  # no 1/0 in the masked lanes
     q = tl.floor(xg * inv[:, :, None] + 0.5)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     q = tl.reshape(tl.where(bad[:, :, None], 0.0, q), (BLOCK_P, BLOCK_C))

@@ -88,6 +88,19 @@ def test_matches_the_quantized_reference(case, device):
     assert 3e-3 < rel_err(ref, exact) < 0.06  # quantized, so not exact: what the match above is beyond
 
 
+@pytest.mark.parametrize("qk", fp8.QK_MODES)
+def test_a_query_row_too_small_to_scale(qk, device):
+    """448 (or 127) / max|q_row| overflows fp32 below 1.32e-36 (3.7e-37): a row no larger than
+    reference.SCALE_TINY is quantized as zeros (uniform scores over the keys), in the kernel as in the
+    reference, and the output is finite."""
+    q, k, v = qkv(1, 1, 40, 77, 64, torch.bfloat16, device)  # bf16 holds 1e-37
+    q[0, 0, 3] = 0.0
+    q[0, 0, 3, :2] = torch.tensor([1e-37, -5e-38])
+    out = fp8._attention_fp8(q, k, v, 0.125, qk, "fp8", key_block=32)
+    ref = reference.attention_fp8(*(t.cpu() for t in (q, k, v)), 0.125, qk, "fp8", key_block=32)
+    assert out.isfinite().all() and ref.isfinite().all() and rel_err(out, ref) <= MATCH[torch.bfloat16]
+
+
 def _outliers(q, k):
     """Two of Q's channels 10x the others and a K offset of 8 on every 8th channel: activations as
     large models have them (the offset leaves exact attention unchanged)."""

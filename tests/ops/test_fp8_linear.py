@@ -443,7 +443,7 @@ def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
 
 
 def test_a_row_too_small_to_scale_is_quantized_as_zeros(device):
-    """448 / max|v| overflows fp32 below 1.32e-36: such a row (at most E4M3_TINY) gets codes 0 and its scale,
+    """448 / max|v| overflows fp32 below 1.32e-36: such a row (at most reference.SCALE_TINY) gets codes 0 and its scale,
     as the reference, and its output row is finite, not the NaN that 0 · inf would make; a row just above
     it is quantized as any other (its largest value 448)."""
     x = torch.randn(3, 40, device=device)

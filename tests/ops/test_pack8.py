@@ -96,6 +96,20 @@ def test_zeros_pack_to_zero(device):
     assert scales[0, 1, 1, 0] > 0 and ((y[0, :, 1, 1] - 1e-3).abs() <= 1e-3 * 2**-11).all()
 
 
+def test_a_group_too_small_to_scale_packs_to_zero(device):
+    """127 / max|x| overflows fp32 below 3.7e-37: a group no larger than reference.SCALE_TINY gets codes 0 (and its
+    scale), in the kernel as in the reference, not the 0 · inf of before (NaN codes, and the two apart)."""
+    x = torch.zeros(1, 32, 1, 2, device=device)
+    x[0, :3, 0, 0] = torch.tensor([1e-37, 5e-38, -2e-38])
+    x[0, :3, 0, 1] = torch.tensor([2.0**-118, 1.0e-36, 0.0])  # just above: quantized as any group
+    values, scales = _buffers(x)
+    pack8(x, values, scales)
+    want_v, want_s = _buffers(x)
+    reference.pack8(x, want_v, want_s)
+    assert torch.equal(values, want_v) and torch.equal(scales, want_s)
+    assert not values[0, 0, 0].any() and values[0, 0, 1, 0] == 127
+
+
 @pytest.mark.parametrize("what", ["values_dtype", "values_shape", "scales_shape", "scales_dtype", "dims"])
 def test_bad_operands_are_refused(what):
     x = torch.randn(1, 64, 2, 3)
