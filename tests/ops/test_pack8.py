@@ -106,7 +106,8 @@ def test_a_group_too_small_to_scale_packs_to_zero(device):
     pack8(x, values, scales)
     want_v, want_s = _buffers(x)
     reference.pack8(x, want_v, want_s)
-    assert torch.equal(values, want_v) and torch.equal(scales, want_s)
+    # such groups' scales are subnormal: the GPU's division may flush them to 0 (codes 0 either way)
+    assert torch.equal(values, want_v) and torch.allclose(scales, want_s, rtol=1e-6, atol=2.0**-126)
     assert not values[0, 0, 0].any() and values[0, 0, 1, 0] == 127
 
 
