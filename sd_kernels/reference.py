@@ -94,6 +94,13 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
 SCALE_TINY = 2.0**-119
 
 
+def inverse_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """qmax / amax in fp32, 0 where amax is at most SCALE_TINY: a tensor divided, not ``qmax / amax`` (torch
+    computes a scalar over a tensor as a reciprocal times the scalar, which rounds twice), as the kernels'
+    IEEE division rounds it."""
+    return torch.where(amax > SCALE_TINY, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+
+
 def pack8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
     """ops.pack8: x [N, C, H, W] as int8 codes round(x · 127 / max|x|) per pixel and group of
     channels (``values`` [N, H, W, C]) and the group's max|x| / 127 (``scales`` [N, H, W, C / G]); a
@@ -357,9 +364,7 @@ def fp8_quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     if prefix is not None:
         v = torch.cat([prefix.float(), v], dim=-1)
     amax = v.abs().amax(dim=-1, keepdim=True) if v.shape[-1] else v.new_zeros((*v.shape[:-1], 1))
-    # a tensor divided, not ``448 / amax`` (a reciprocal times 448: two roundings)
-    inv = torch.where(amax > SCALE_TINY, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
-    q = (v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (v * inverse_scale(amax, E4M3_MAX)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, (amax / E4M3_MAX).squeeze(-1)
 
 
@@ -388,16 +393,12 @@ FP8_KEY_BLOCK = 128  # keys per K scale in ops.attention_fp8 (and its kernel's k
 def e4m3_scaled(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """x·(448/amax) rounded to float8_e4m3fn, in fp32 (0 where amax is at most SCALE_TINY): the kernels' quantization,
     each step an fp32 operation rounded as theirs is."""
-    # a tensor divided, not ``448 / amax``: torch computes a scalar over a tensor as a reciprocal times
-    # the scalar, which rounds twice
-    inv = torch.where(amax > SCALE_TINY, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
-    return (x * inv).to(torch.float8_e4m3fn)
+    return (x * inverse_scale(amax, E4M3_MAX)).to(torch.float8_e4m3fn)
 
 
 def int8_scaled(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """x·(127/amax) rounded to the nearest integer (ties to even) as int8 (0 where amax is at most SCALE_TINY)."""
-    inv = torch.where(amax > SCALE_TINY, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return torch.round(x * inv).to(torch.int8)
+    return torch.round(x * inverse_scale(amax, 127.0)).to(torch.int8)
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

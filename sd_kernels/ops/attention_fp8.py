@@ -44,9 +44,9 @@ from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
 from .attention_common import LOG2E, as_4d, check_attention_args, default_scale, from_4d, kernel_reason
+from .fp8_quant import inv_scale
 
 HEAD_DIMS = (64, 128)
-_SCALE_TINY = tl.constexpr(reference.SCALE_TINY)  # a row or block no larger is quantized as zeros
 QK_MODES = ("int8", "fp8")
 PV_MODES = ("fp8", "input")
 KEY_BLOCK = reference.FP8_KEY_BLOCK  # keys per K scale, and the kernel's key block
@@ -72,13 +72,6 @@ def _e4m3(x, SOFT: tl.constexpr):
         subnormal = (x + 24576.0) - 24576.0  # multiples of 2^-9 (fp32's spacing at 1.5·2^14)
         x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
     return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def _inv_scale(amax, QMAX: tl.constexpr):
-    """QMAX/amax, IEEE-rounded (as torch divides), 0 for amax at most reference.SCALE_TINY (0 included)."""
-    big = amax > _SCALE_TINY
-    return tl.where(big, tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), tl.where(big, amax, 1.0)), 0.0)
 
 
 @triton.jit
@@ -140,7 +133,7 @@ def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride
     kc = tl.where(ok, k.to(tl.float32) - mean[None, :], 0.0)  # padded keys: zeros, outside the block's max
     amax = tl.max(tl.max(tl.abs(kc), 1), 0)
     k_max: tl.constexpr = INT8_MAX if K_INT8 else E4M3_MAX
-    k8 = _quantize(kc * _inv_scale(amax, k_max), K_INT8, SOFT)
+    k8 = _quantize(kc * inv_scale(amax, k_max), K_INT8, SOFT)
     base = bh.to(tl.int64) * S_PAD * D
     tl.store(K8 + base + rows[:, None] * D + cols[None, :], k8)
     tl.store(KScale + bh * tl.num_programs(1) + blk, amax / k_max)
@@ -148,7 +141,7 @@ def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride
         vmax = tl.max(tl.load(VMax + part_ptrs, mask=part_ok, other=0.0), 0)
         v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
                     mask=ok, other=0.0)
-        v8 = _e4m3(v.to(tl.float32) * _inv_scale(vmax, E4M3_MAX)[None, :], SOFT)
+        v8 = _e4m3(v.to(tl.float32) * inv_scale(vmax, E4M3_MAX)[None, :], SOFT)
         tl.store(V8 + base + cols[None, :] * S_PAD + rows[:, None], v8)
         if blk == 0:
             tl.store(VScale + bh * D + cols, vmax / E4M3_MAX)
@@ -218,7 +211,7 @@ def _attention_fp8_kernel(
     q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd).to(tl.float32)
     q_amax = tl.max(tl.abs(q), 1)
     q_max: tl.constexpr = INT8_MAX if QK_INT8 else E4M3_MAX
-    q8 = _quantize(q * _inv_scale(q_amax, q_max)[:, None], QK_INT8, SOFT)
+    q8 = _quantize(q * inv_scale(q_amax, q_max)[:, None], QK_INT8, SOFT)
     row_scale = q_amax / q_max * qk_scale  # with the key block's scale: the scores' factor, base 2
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

@@ -94,19 +94,19 @@ def row_amax(v, mask, GRID: tl.constexpr):
 
 
 @triton.jit
-def _inverse(amax):
-    # IEEE division (div_rn), as torch divides: Triton's ``/`` on fp32 is the approximate one, whose
-    # last-bit differences move a code across a rounding boundary now and then
+def inv_scale(amax, QMAX: tl.constexpr):
+    """QMAX / amax, 0 for amax at most reference.SCALE_TINY (0 included): ``reference.inverse_scale``. An IEEE
+    division (div_rn), as torch divides: Triton's ``/`` on fp32 is the approximate one, whose last-bit
+    differences move a code across a rounding boundary now and then."""
     big = amax > _SCALE_TINY
-    safe = tl.where(big, amax, 1.0)
-    return tl.where(big, tl.math.div_rn(tl.full(safe.shape, _E4M3_MAX, tl.float32), safe), 0.0)
+    return tl.where(big, tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), tl.where(big, amax, 1.0)), 0.0)
 
 
 @triton.jit
 def row_quantize(v, amax, q_ptrs, s_ptrs, mask, row_mask, GRID: tl.constexpr):
     """Store e4m3(v · 448 / amax) to ``q_ptrs`` and amax / 448 to ``s_ptrs``: v [ROWS, C] fp32 and its
     rows' absolute maxima amax [ROWS]; a zero row gets codes 0 and scale 0."""
-    tl.store(q_ptrs, _codes(v, _inverse(amax), GRID), mask=mask)
+    tl.store(q_ptrs, _codes(v, inv_scale(amax, _E4M3_MAX), GRID), mask=mask)
     tl.store(s_ptrs, amax / _E4M3_MAX, mask=row_mask)
 
 
@@ -180,7 +180,7 @@ def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, strid
             v3, m3, c3 = _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc,
                                 W2 if NP == 2 else 0, W3, False, ACT, GATED)
             amax = _max_nan(amax, row_amax(v3, m3, GRID))
-        inv = _inverse(amax)
+        inv = inv_scale(amax, _E4M3_MAX)
         tl.store(q_rows + c0, _codes(v0, inv, GRID), mask=m0)
         if W1 > 0:
             tl.store(q_rows + c1, _codes(v1, inv, GRID), mask=m1)
@@ -197,7 +197,7 @@ def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, strid
             v = _row_values(x_rows, p_rows, c + cols[None, :], mask, stride_xc, stride_pc, n_cols, n_prefix, ACT,
                             GATED, HAS_PREFIX)
             amax = _max_nan(amax, row_amax(v, mask, GRID))
-        inv = _inverse(amax)
+        inv = inv_scale(amax, _E4M3_MAX)
         for c in range(0, n_cols, BLOCK_C):
             mask = row_mask[:, None] & (c + cols[None, :] < n_cols)
             v = _row_values(x_rows, p_rows, c + cols[None, :], mask, stride_xc, stride_pc, n_cols, n_prefix, ACT,
