@@ -113,10 +113,10 @@ _LAYER_NORM = Launcher(_layer_norm_kernel)
 
 
 def blocks(n_rows: int, d: int, elems: int = _ELEMS) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``_ELEMS``
-    elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor in flight), 4 to 16:
-    small programs, many of them resident on an SM, so that one's loads run under another's reductions
-    (docs/kernels/layer_norm.md, "Benchmark")."""
+    """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``elems``
+    (``_ELEMS`` on a GPU) elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor
+    in flight), 4 to 16: small programs, many of them resident on an SM, so that one's loads run under
+    another's reductions (docs/kernels/layer_norm.md, "Benchmark")."""
     block_d = next_pow2(d)
     rows = max(1, min(elems // block_d, next_pow2(n_rows)))
     return rows, block_d, min(16, max(4, rows * block_d // 1024))

@@ -131,8 +131,9 @@ def _kernel_reason(activations: tuple, weights: tuple, rotary: tuple, head_dim: 
 
 def blocks(head_dim: int, elems: int = _ELEMS) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the head dim padded to a power of two (at least one pair), rows up to
-    ``_ELEMS`` elements a program, a warp per 512 elements, 2 to 8: small programs, several resident on an
-    SM, so that one's loads run under another's arithmetic (docs/kernels/rope.md, "Benchmark")."""
+    ``elems`` elements a program (``_ELEMS`` on a GPU), a warp per 512 elements, 2 to 8: small programs,
+    several resident on an SM, so that one's loads run under another's arithmetic (docs/kernels/rope.md,
+    "Benchmark")."""
     block_d = max(2, next_pow2(head_dim))
     rows = max(1, elems // block_d)
     return rows, block_d, min(8, max(2, rows * block_d // 512))
