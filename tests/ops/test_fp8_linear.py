@@ -100,10 +100,17 @@ def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act, gated):
         assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
 
 
+def _read_in_chunks(monkeypatch, chunk: int | None) -> None:
+    """Rows wider than ``chunk`` columns read in chunks, in two passes (the maximum, then the codes): the
+    path of rows wider than one program holds (None: the rule as shipped)."""
+    if chunk:
+        blocks = fq.quantize_blocks
+        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
+
+
 def test_quantize_rows_non_contiguous_and_wide_rows(device, monkeypatch):
     """Rows wider than one chunk take the two-pass loop; a strided input is read in place."""
-    blocks = fq.quantize_blocks
-    monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, 16, **kw))
+    _read_in_chunks(monkeypatch, 16)
     x = non_contiguous(torch.randn(9, 40, device=device))
     q, s = fp8.quantize_rows(x)
     q_ref, s_ref = reference.fp8_quantize_rows(x)
@@ -122,9 +129,7 @@ def test_quantize_with_a_prefix(device, act, chunk, monkeypatch):
     """``prefix``: the concatenation [prefix, act(x)] quantized without being written: FLUX's single
     blocks' attention output beside their MLP's GELU. The row max may lie in either part; a chunk of
     16 columns makes the two-pass loop cross the seam (a strided prefix, read in place)."""
-    if chunk is not None:
-        blocks = fq.quantize_blocks
-        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
+    _read_in_chunks(monkeypatch, chunk)
     x = torch.randn(2, 9, 40, device=device)
     prefix = non_contiguous(torch.randn(2, 9, 24, device=device))
     prefix[0, :4] *= 20  # these rows' max in the prefix
@@ -426,9 +431,7 @@ def test_a_nan_poisons_its_own_row_only(device, monkeypatch, chunk):
     """A NaN in an activation row gives that output row NaN, as torch's linear does, not a finite
     value (the kernel's clamp would turn the NaN into ±448); the other rows are unchanged. The
     LayerNorm's FP8 output: a NaN row gets a NaN scale. ``chunk``: rows read in chunks (two passes)."""
-    if chunk:
-        blocks = fq.quantize_blocks
-        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
+    _read_in_chunks(monkeypatch, chunk)
     x = torch.randn(4, 32, device=device)
     w_q, s_w = fp8.quantize_weight(torch.randn(16, 32, device=device))
     clean = fp8.fp8_linear(x, w_q, s_w, reuse=False)
@@ -464,9 +467,7 @@ def test_non_finite_values_get_the_references_codes(device, monkeypatch, chunk):
     """A NaN element's row gets a NaN scale, an inf's an inf scale, and the other codes are the reference's
     (0 in the inf's row); a NaN element's own code is NaN compiled (the saturating cast keeps it, as the
     reference's clamp does), which the interpreter's cast cannot make."""
-    if chunk:
-        blocks = fq.quantize_blocks
-        monkeypatch.setattr(fq, "quantize_blocks", lambda r, c, **kw: blocks(r, c, chunk, **kw))
+    _read_in_chunks(monkeypatch, chunk)
     x = torch.randn(3, 40, device=device)
     x[0, 5], x[1, 7] = float("nan"), float("inf")
     q, s = fp8.quantize_rows(x)
