@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from sd_kernels.patches import context_parallel_plans, patch_record
-from test_parallel import RTOL, launch, needs_gloo, one_process_group  # noqa: F401  (a fixture)
+from test_parallel import RTOL, launch_once, needs_gloo, one_process_group  # noqa: F401  (a fixture)
 
 import sd_kernels
 from sd_kernels import models
@@ -27,8 +27,8 @@ FIRST_CALL = {"sd3": [[2, 2, 32 + 93, 24], 32], "pixart": [[2, 2, 32, 24], 32]}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch(WORKER, tmp_path_factory.mktemp("cp_plans"))
+def ranks(tmp_path_factory, worker_id):
+    return launch_once(WORKER, tmp_path_factory, worker_id)
 
 
 @needs_gloo

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
+from filelock import FileLock
 from sd_kernels.patches import cfg_parallel, context_parallel, cuda_graph, patch_record
 from test_cuda_graph import _args, fake_cuda  # noqa: F401  (fake_cuda: a fixture, the stand-in for CUDA graphs)
 
@@ -51,10 +52,24 @@ def launch(worker: pathlib.Path, out: pathlib.Path) -> list[dict]:
     return reports
 
 
+def launch_once(worker: pathlib.Path, tmp_path_factory, worker_id: str) -> list[dict]:
+    """``launch``, once per test session: under pytest-xdist every worker that runs a test of the module builds
+    its module fixture, and the first launch's reports serve the others (who wait for them, their core free
+    for the launch's two processes) through the session's shared temporary folder."""
+    if worker_id == "master":  # not under xdist
+        return launch(worker, tmp_path_factory.mktemp(worker.stem))
+    shared = tmp_path_factory.getbasetemp().parent / worker.stem  # this session's, all workers'
+    with FileLock(str(shared) + ".lock"):
+        if not (shared / "rank1.json").exists():
+            shared.mkdir(exist_ok=True)
+            return launch(worker, shared)
+    return [json.loads((shared / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, worker_id):
     """What each of the two processes of one torchrun launch of parallel_worker.py saw."""
-    return launch(WORKER, tmp_path_factory.mktemp("parallel"))
+    return launch_once(WORKER, tmp_path_factory, worker_id)
 
 
 @needs_gloo
