@@ -57,6 +57,7 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated_fp8,
 )
 from sd_kernels.ops.fp8_linear import E4M3, FP8_CAPABILITY, attach_quantized, quantize_rows, quantize_weight
+from sd_kernels.ops.fp8_linear import fp8_linear as fp8_linear_into  # eager, with out= (custom_ops' has none)
 from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting
@@ -164,6 +165,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.fresh()
         return fp8_linear(x, self.w_q, self.s_w, self.bias)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out.copy_(self(x))`` with no copy: the GEMM writes ``out`` where it lies (a token slice of a
+        batch: ``fp8_gemm``'s ``out``). Eager calls, the caller having checked for hooks (``called_beside``)."""
+        self.fresh()
+        return fp8_linear_into(x, self.w_q, self.s_w, self.bias, out=out)
 
     def from_codes(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None) -> torch.Tensor:

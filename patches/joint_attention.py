@@ -6,7 +6,9 @@ line for line: the image stream's q/k/v projections viewed as [B, heads, S, D], 
 ``add_k_proj`` / ``add_v_proj`` with ``norm_added_q`` / ``norm_added_k``, the two streams concatenated
 along the sequence (the same values, laid out with the heads inner in memory: ``_joined``), then split
 back after the attention, ``to_add_out`` on the context's part unless
-the module is ``context_pre_only``, ``to_out`` on the image's. The one
+the module is ``context_pre_only``, ``to_out`` on the image's. Under the FP8 tier (patches/fp8.py) the six
+projections write their outputs into the concatenation where it lies, the same values without the copies
+(``_projected_in_place``). The one
 ``F.scaled_dot_product_attention`` call (no mask, the default 1/√D scale, no dropout) goes to
 ``sd_kernels.ops.custom_ops.attention``, which picks FlashAttention, the partially fused softmax or stock
 SDPA per call as the profile says. Like diffusers' processor it ignores ``attention_mask`` and any
@@ -65,6 +67,23 @@ class SDKernelsJointAttnProcessor:
         residual = hidden_states
 
         batch_size = hidden_states.shape[0]
+        joined = _projected_in_place(attn, hidden_states, encoder_hidden_states)
+        if joined is not None:  # the FP8 tier's projections wrote both streams into the join
+            query, key, value = joined
+            head_dim = query.shape[-1]
+        else:
+            query, key, value, head_dim = self._projected(attn, hidden_states, encoder_hidden_states)
+
+        hidden_states, context = _attend(attn, query, key, value, batch_size, head_dim, residual.shape[1],
+                                         encoder_hidden_states is not None, self.precision)
+        if encoder_hidden_states is not None:
+            return hidden_states, context
+        return hidden_states
+
+    @staticmethod
+    def _projected(attn, hidden_states, encoder_hidden_states):
+        """diffusers' q, k, v ([B, heads, S, D] views; both streams joined, ``_joined``) and the head dim."""
+        batch_size = hidden_states.shape[0]
 
         # `sample` projections.
         query = attn.to_q(hidden_states)
@@ -100,12 +119,7 @@ class SDKernelsJointAttnProcessor:
 
             query, key, value = (_joined(a, b) for a, b in ((query, context_query), (key, context_key),
                                                              (value, context_value)))
-
-        hidden_states, context = _attend(attn, query, key, value, batch_size, head_dim, residual.shape[1],
-                                         encoder_hidden_states is not None, self.precision)
-        if encoder_hidden_states is not None:
-            return hidden_states, context
-        return hidden_states
+        return query, key, value, head_dim
 
     def _fused(self, attn, hidden_states, encoder_hidden_states):
         """diffusers' FusedJointAttnProcessor2_0.__call__: one to_qkv GEMM per stream (to_added_qkv for
@@ -142,6 +156,43 @@ def _joined(image: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     output (at SD3-medium 1024², 27 MB per block). The attention kernels read any strides: the same
     kernels, the same bits (tests/patches/test_sd3_patch.py compares them)."""
     return torch.cat([image.transpose(1, 2), context.transpose(1, 2)], dim=1).transpose(1, 2)
+
+
+# The FP8 tier's projections write the join in place (``_projected_in_place``); False: they write their own
+# outputs and torch.cat joins them, as in the lossless patch (the same bits: tests/patches/test_sd3_patch.py)
+JOIN_IN_PLACE = True
+_IMAGE, _CONTEXT = ("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def _projected_in_place(attn, hidden_states, encoder_hidden_states):
+    """q, k and v of both streams, joined as ``_joined`` lays them out, each projection writing its rows of
+    the join where they lie (``Fp8Linear.into``: the FP8 GEMM's epilogue takes the token slice of the batch),
+    so no concatenation copies them (at SD3-medium 1024² with guidance, 27 MB read and written three times
+    in each of 24 blocks). None where that path does not serve the call: no context, a norm between the
+    projections and the join (SD3.5's), a projection that is not an unhooked ``Fp8Linear``, streams of
+    different batch or dtype, or a compiled graph (which runs the ops as diffusers' code calls them)."""
+    from .fp8 import Fp8Linear  # patches/fp8.py imports the attention patches
+    from .hooks import called_beside
+
+    if (not JOIN_IN_PLACE or encoder_hidden_states is None or torch.compiler.is_compiling()
+            or hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3
+            or hidden_states.shape[0] != encoder_hidden_states.shape[0]
+            or hidden_states.dtype != encoder_hidden_states.dtype
+            or any(getattr(attn, n, None) is not None for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))):
+        return None
+    layers = [attn._modules.get(n) for n in _IMAGE + _CONTEXT]
+    if not all(type(m) is Fp8Linear and not called_beside(m) for m in layers):
+        return None
+    batch, n_image, n_text = hidden_states.shape[0], hidden_states.shape[1], encoder_hidden_states.shape[1]
+    joined = []
+    for image, context in zip(layers[:3], layers[3:]):
+        if image.out_features != context.out_features or image.out_features % attn.heads:
+            return None
+        buffer = hidden_states.new_empty(batch, n_image + n_text, image.out_features)
+        image.into(hidden_states, buffer[:, :n_image])
+        context.into(encoder_hidden_states, buffer[:, n_image:])
+        joined.append(buffer.view(batch, n_image + n_text, attn.heads, -1).transpose(1, 2))
+    return joined
 
 
 def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: int, joint: bool, precision: str):

@@ -48,6 +48,7 @@ from sd_kernels.ops.fp8_quant import (  # noqa: F401 (the quantizer's public nam
     fp8_reason,
     quantize_rows,
     quantize_weight,
+    segments,
 )
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.tiles import grouped_tile
@@ -99,12 +100,12 @@ def _gemm_autotune(configs, interpreted):
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
-              stride_rm, stride_rn, stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr,
-              HAS_RES: tl.constexpr):
+def _epilogue(acc, offs_m, offs_n, M, N, T, T_y, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
+              stride_rm, stride_rn, stride_yb, stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+              HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr):
     """Store the tile (offs_m, offs_n) of y from its fp32 accumulator: the scales, then bias, act, gate
-    (sample of row m: m // T) and residual. Edge rows and columns read wrapped (% M, % N) and are not
-    stored."""
+    (sample of row m: m // T) and residual. y's rows are in segments of T_y, stride_yb apart (a token slice
+    of a batch: ``fp8_gemm``'s ``out``). Edge rows and columns read wrapped (% M, % N) and are not stored."""
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
     y = acc * tl.load(sa_ptr + rows)[:, None] * tl.load(sw_ptr + cols)[None, :]
@@ -115,15 +116,16 @@ def _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr,
         y *= tl.load(g_ptr + (rows // T)[:, None] * stride_gb + cols[None, :] * stride_gn).to(tl.float32)
     if HAS_RES:
         y += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn).to(tl.float32)
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    y_rows = offs_m.to(tl.int64)
+    y_ptrs = y_ptr + ((y_rows // T_y) * stride_yb + (y_rows % T_y) * stride_ym)[:, None] + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @_gemm_autotune(CONFIGS, _config(64, 64, 32, 4, 1))
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_gb, stride_gn, stride_rm, stride_rn, stride_ym,
+    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T, T_y,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_gb, stride_gn, stride_rm, stride_rn, stride_yb, stride_ym,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -148,15 +150,15 @@ def _fp8_gemm_kernel(
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
-              stride_rm, stride_rn, stride_ym, HAS_BIAS, ACT, HAS_GATE, HAS_RES)
+    _epilogue(acc, offs_m, offs_n, M, N, T, T_y, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
+              stride_rm, stride_rn, stride_yb, stride_ym, HAS_BIAS, ACT, HAS_GATE, HAS_RES)
 
 
 @_gemm_autotune(TMA_CONFIGS, _config(64, 64, 32, 4, 1, PERSISTENT=True, FLATTEN=True))
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T,
-    stride_am, stride_wn, stride_gb, stride_gn, stride_rm, stride_rn, stride_ym,
+    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T, T_y,
+    stride_am, stride_wn, stride_gb, stride_gn, stride_rm, stride_rn, stride_yb, stride_ym,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
@@ -181,8 +183,8 @@ def _fp8_gemm_tma_kernel(
             acc = tl.dot(a, w.T, acc)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _epilogue(acc, offs_m, offs_n, M, N, T, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb, stride_gn,
-                  stride_rm, stride_rn, stride_ym, HAS_BIAS, ACT, HAS_GATE, HAS_RES)
+        _epilogue(acc, offs_m, offs_n, M, N, T, T_y, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, stride_gb,
+                  stride_gn, stride_rm, stride_rn, stride_yb, stride_ym, HAS_BIAS, ACT, HAS_GATE, HAS_RES)
 
 
 _GEMM = Launcher(_fp8_gemm_kernel)
@@ -369,34 +371,59 @@ def _scratch_allocator(device: torch.device):
         _allocation._allocator.reset(token)
 
 
+def _out_rows(out: torch.Tensor | None, out_shape: tuple, out_dtype: torch.dtype, device: torch.device):
+    """``fp8_gemm``'s ``out`` checked against the output it takes (a ValueError otherwise), and its rows as the
+    epilogue writes them (``segments``): None where the kernels cannot write it in place (no out, or rows no
+    two-level stride reaches, or columns not unit-strided: the result is copied in)."""
+    if out is None:
+        return None
+    if tuple(out.shape) != tuple(out_shape) or out.dtype != out_dtype or out.device != device:
+        raise ValueError(f"fp8_gemm: out must be {tuple(out_shape)} {out_dtype} on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    rows = segments(out)
+    in_place = rows.base.data_ptr() == out.data_ptr() and rows.stride_c == 1
+    return rows if in_place and out.numel() else None
+
+
 def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", gate: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``reference.fp8_gemm``: a_q [..., K] (any strides), w_q [N, K] → [..., N], a new contiguous tensor
-    in ``out_dtype``. On our kernels the epilogue (bias, act, gate, residual) is applied on the
-    accumulator; where torch's ``_scaled_mm`` serves the call (``_torch_gemm_ready``), the bias in its
-    epilogue and a gate and residual in one pass after it."""
+             residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.fp8_gemm``: a_q [..., K] (any strides), w_q [N, K] → [..., N] in ``out_dtype``: a new
+    contiguous tensor, or ``out`` (that shape and dtype, any strides; returned), which our kernels write where
+    it lies, a token slice of a batch (``buffer[:, :n]``) included: SD3's joined q, k and v are written by
+    their projections (patches/joint_attention.py). On our kernels the epilogue (bias, act, gate, residual)
+    is applied on the accumulator; where torch's ``_scaled_mm`` serves the call (``_torch_gemm_ready``), the
+    bias in its epilogue and a gate and residual in one pass after it."""
     reference.check_fp8_activation(act)
     out_shape = (*a_q.shape[:-1], w_q.shape[0]) if a_q.dim() else ()
     _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype)
+    y_rows = _out_rows(out, out_shape, out_dtype, a_q.device)
     m, n, k = s_a.numel(), w_q.shape[0], w_q.shape[1]
     g2, tokens = _gate_2d(gate, m, n)
     reason = fp8_reason(a_q, s_a, w_q, s_w, bias, gate, residual) or ("no input features (K = 0)" if k == 0 else None)
+    copied_in = lambda y: y if out is None else out.copy_(y)  # noqa: E731
     if not use_kernel("fp8_linear", a_q, w_q, bias, gate, residual, unsupported=reason):
-        return reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+        return copied_in(reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype))
     a2 = _rows_view(a_q)
     sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
     if n and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gate is not None or residual is not None, out_dtype):
-        return _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype)
-    y = torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
+        return copied_in(_torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype))
+    if out is not None and y_rows is None:
+        return copied_in(fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype))
+    y = torch.empty(out_shape, dtype=out_dtype, device=a_q.device) if out is None else out
     if y.numel() == 0:
         return y
+    y_rows = y_rows or segments(y)
     r2 = None if residual is None else _rows_view(residual)
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
     tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
     key = (m, n, k, *flags.values(), out_dtype)
-    extras = (y if bias is None else bias, y if g2 is None else g2, y if r2 is None else r2, y, m, n, k, tokens)
-    epilogue_strides = (*(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)), n)
+    y_ptr = y_rows.base
+    extras = (y_ptr if bias is None else bias, y_ptr if g2 is None else g2, y_ptr if r2 is None else r2, y_ptr, m, n, k,
+              tokens, y_rows.seg)
+    epilogue_strides = (*(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)),
+                        y_rows.stride_s, y_rows.stride_r)
     if _tma_ready(a2, w_q) and _tma_chosen(key, y.device):
         programs = _programs(y.device)
         grid = lambda meta: (min(programs, tiles(meta)) if meta["PERSISTENT"] else tiles(meta),)  # noqa: E731
@@ -433,9 +460,10 @@ def attached_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None = None,
                act: str = "", gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-               reuse: bool = True) -> torch.Tensor:
+               reuse: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """``act(x · Wᵀ + bias) · gate + residual`` with x quantized per row (or its attached quantization,
-    ``reuse``) and W given as ``quantize_weight``'s codes and scales; output in x's dtype."""
+    ``reuse``) and W given as ``quantize_weight``'s codes and scales; output in x's dtype (into ``out``, as
+    ``fp8_gemm`` takes it)."""
     if x.dim() == 0 or x.shape[-1] != w_q.shape[1]:
         raise RuntimeError(f"fp8_linear: x [..., {w_q.shape[1]}] expected, got shape {tuple(x.shape)}")
     if x.dtype not in OUT_DTYPES:
@@ -445,4 +473,4 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias: torc
         held = quantize_rows(x)
         if reuse and not torch.compiler.is_compiling():
             attach_quantized(x, *held)
-    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype)
+    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype, out=out)

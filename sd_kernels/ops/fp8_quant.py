@@ -19,6 +19,7 @@ inputs autograd tracks) the op runs the reference's fp32 math of the same quanti
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -146,13 +147,14 @@ def _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, START:
     return _act_values(x_rows + cols * stride_xc, mask, n_x * stride_xc, ACT, GATED), mask, n_prefix + cols
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, stride_xr, stride_xc, stride_pr,
-                     stride_pc, ACT: tl.constexpr, GATED: tl.constexpr, HAS_PREFIX: tl.constexpr, GRID: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_C: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+@triton.jit(do_not_specialize=["n_rows", "seg_rows"])
+def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, seg_rows, stride_xs, stride_xr, stride_xc,
+                     stride_pr, stride_pc, ACT: tl.constexpr, GATED: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                     GRID: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                      W2: tl.constexpr, W3: tl.constexpr, NP: tl.constexpr):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of q [n_rows, n_cols] (contiguous) and s [n_rows]; with a prefix,
-    q's first n_prefix columns come from it.
+    q's first n_prefix columns come from it. x's rows are in segments of seg_rows, stride_xs apart
+    (``segments``: a token slice of a batch, x[:, :n], read where it lies).
 
     A row that fits one program (W0 > 0) is held in registers as up to four power-of-two pieces,
     each part's (the prefix's, then act(x)'s) columns split as the largest power of two below its width
@@ -161,7 +163,7 @@ def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, strid
     chunks of BLOCK_C: its maximum first, then the codes (from L2: a row is at most 64 KB)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
-    x_rows = x_ptr + rows[:, None] * stride_xr
+    x_rows = x_ptr + ((rows // seg_rows) * stride_xs + (rows % seg_rows) * stride_xr)[:, None]
     p_rows = p_ptr + rows[:, None] * stride_pr
     q_rows = q_ptr + rows[:, None] * n_cols
     if W0 > 0:
@@ -249,6 +251,39 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(shape)
 
 
+class Segments(NamedTuple):
+    """Rows of x [..., C] as a kernel reads them: row r at (r // seg) · stride_s + (r % seg) · stride_r from
+    ``base``'s first element, column c at c · stride_c."""
+
+    base: torch.Tensor
+    rows: int
+    cols: int
+    seg: int
+    stride_s: int
+    stride_r: int
+    stride_c: int
+
+
+def segments(x: torch.Tensor) -> Segments:
+    """x [..., C]'s rows, read where they lie: in one segment where they are one stride apart, or in segments
+    of x.shape[-2] rows where only the dimensions before the last two merge (x[:, :n] of a batch of token
+    rows: a segment a sample). A copy (``_rows_view``) only where neither is so."""
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
+    try:
+        flat = x.view(rows, cols)
+    except RuntimeError:
+        flat = None
+    if flat is None and x.dim() >= 3 and rows:
+        try:
+            seg = x.view(-1, x.shape[-2], cols)
+            return Segments(seg, rows, cols, x.shape[-2], seg.stride(0), seg.stride(1), seg.stride(2))
+        except RuntimeError:
+            pass
+    flat = _rows_view(x) if flat is None else flat
+    one = max(rows, 1)  # one segment; its stride keeps the row stride's divisibility (a kernel specializes on it)
+    return Segments(flat, rows, cols, one, flat.stride(0) * one, flat.stride(0), flat.stride(1))
+
+
 def fp8_reason(*tensors: torch.Tensor | None) -> str | None:
     """Why the FP8 kernels cannot take these tensors (None: they can): besides the shared reasons,
     a CUDA device without FP8 tensor cores."""
@@ -284,10 +319,10 @@ def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     _check_quantize(x, act, gated, prefix)
     if not use_kernel("fp8_quant", x, prefix, unsupported=fp8_reason(x, prefix)):
         return reference.fp8_quantize_rows(x, act, gated, prefix)
-    x2 = _rows_view(x)
-    p2 = x2 if prefix is None else _rows_view(prefix)
+    xs = segments(x)
+    p2 = xs.base if prefix is None else _rows_view(prefix)
     n_prefix = 0 if prefix is None else p2.shape[1]
-    n_rows, n = x2.shape[0], x2.shape[1] // (2 if gated else 1) + n_prefix
+    n_rows, n = xs.rows, xs.cols // (2 if gated else 1) + n_prefix
     q = torch.empty((*x.shape[:-1], n), dtype=E4M3, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if q.numel() == 0:
@@ -295,10 +330,10 @@ def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     grid, has_prefix = interpreting(), prefix is not None
     rows, block_c, warps = quantize_blocks(n_rows, n, batch=_INTERPRETED_ROW_ELEMS if grid else _ROW_ELEMS)
     (w0, w1, w2, w3), n_p = row_pieces(n_prefix, n - n_prefix) if block_c == 0 else ((0, 0, 0, 0), 0)
-    _QUANTIZE((act, gated, has_prefix, grid, rows, block_c, w0, w1, w2, w3, n_p, warps), (cdiv(n_rows, rows),), x2,
-              p2, q, s, n_rows, n, n_prefix, x2.stride(0), x2.stride(1), p2.stride(0), p2.stride(1), ACT=act,
-              GATED=gated, HAS_PREFIX=has_prefix, GRID=grid, ROWS=rows, BLOCK_C=block_c, W0=w0, W1=w1, W2=w2, W3=w3,
-              NP=n_p, num_warps=warps)
+    _QUANTIZE((act, gated, has_prefix, grid, rows, block_c, w0, w1, w2, w3, n_p, warps), (cdiv(n_rows, rows),),
+              xs.base, p2, q, s, n_rows, n, n_prefix, xs.seg, xs.stride_s, xs.stride_r, xs.stride_c, p2.stride(0),
+              p2.stride(1), ACT=act, GATED=gated, HAS_PREFIX=has_prefix, GRID=grid, ROWS=rows, BLOCK_C=block_c,
+              W0=w0, W1=w1, W2=w2, W3=w3, NP=n_p, num_warps=warps)
     return q, s
 
 

@@ -228,11 +228,7 @@ def test_joint_attention_joins_the_streams_heads_inner(transformer, monkeypatch)
 def test_heads_inner_join_gives_the_same_bits(monkeypatch, dtype, head_dim):
     """Through the kernels (the interpreter on CPU), the patched transformer's output is bit for bit what it
     is with the streams joined as diffusers joins them ([B, heads, S, D] memory): the kernels read any strides."""
-    torch.manual_seed(0)
-    model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=16, num_layers=2,
-                                  attention_head_dim=head_dim, num_attention_heads=2, joint_attention_dim=64,
-                                  caption_projection_dim=2 * head_dim, pooled_projection_dim=64, out_channels=16,
-                                  pos_embed_max_size=16).to(dtype).eval()
+    model = _tiny_sd3(dtype, head_dim)
     x, kw = _inputs(model)
     with sd_kernels.patched(model, cuda_graph=False):
         dispatch.reset_fallbacks()
@@ -241,6 +237,37 @@ def test_heads_inner_join_gives_the_same_bits(monkeypatch, dtype, head_dim):
         diffusers_layout = _run(model, x, kw, dtype)
         assert not dispatch.fallbacks()
     assert torch.equal(ours, diffusers_layout)
+
+
+def _tiny_sd3(dtype, head_dim):
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=16, num_layers=2,
+                                 attention_head_dim=head_dim, num_attention_heads=2, joint_attention_dim=64,
+                                 caption_projection_dim=2 * head_dim, pooled_projection_dim=64, out_channels=16,
+                                 pos_embed_max_size=16).to(dtype).eval()
+
+
+def test_fp8_projections_write_the_join_in_place_with_the_same_bits(monkeypatch):
+    """Under the FP8 tier the six projections of a joint attention write their rows of the join where they lie
+    (every block; the last, context_pre_only, too): no concatenation runs, and the output is bit for bit the
+    one the projections' own outputs joined by torch.cat give."""
+    from sd_kernels.patches.fp8 import Fp8Linear
+
+    model = _tiny_sd3(torch.float16, 64)
+    x, kw = _inputs(model)
+    writes = []
+    into = Fp8Linear.into
+    monkeypatch.setattr(Fp8Linear, "into", lambda self, x, out: writes.append(out.shape) or into(self, x, out))
+    with sd_kernels.patched(model, cuda_graph=False, precision="fp8"):
+        dispatch.reset_fallbacks()
+        with _Copies() as mode:
+            in_place = _run(model, x, kw, torch.float16)
+        monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)
+        joined_by_cat = _run(model, x, kw, torch.float16)
+        assert not dispatch.fallbacks()
+    joins = writes[0].numel() + writes[1].numel()  # q's image and text rows
+    assert len(writes) == 6 * 2 and not [n for n, _ in mode.cats if n == joins]
+    assert torch.equal(in_place, joined_by_cat)
 
 
 @pytest.mark.parametrize("ops", [["layer_norm"], ["attention"], None])
