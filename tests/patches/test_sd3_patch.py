@@ -247,14 +247,15 @@ def _tiny_sd3(dtype, head_dim):
                                  pos_embed_max_size=16).to(dtype).eval()
 
 
-def test_fp8_projections_write_the_join_in_place_with_the_same_bits(monkeypatch):
+def test_fp8_projections_write_the_join_in_place_with_the_same_bits(monkeypatch, device):
     """Under the FP8 tier the six projections of a joint attention write their rows of the join where they lie
     (every block; the last, context_pre_only, too): no concatenation runs, and the output is bit for bit the
-    one the projections' own outputs joined by torch.cat give."""
+    one the projections' own outputs joined by torch.cat give (the interpreter on CPU, compiled on a GPU)."""
     from sd_kernels.patches.fp8 import Fp8Linear
 
-    model = _tiny_sd3(torch.float16, 64)
+    model = _tiny_sd3(torch.float16, 64).to(device)
     x, kw = _inputs(model)
+    x, kw = x.to(device), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     writes = []
     into = Fp8Linear.into
     monkeypatch.setattr(Fp8Linear, "into", lambda self, x, out: writes.append(out.shape) or into(self, x, out))
