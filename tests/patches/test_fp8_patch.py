@@ -3,12 +3,12 @@ tiny pipelines, and an unpatch that gives back the very modules and Parameters. 
 the tiny pipelines on the CPU through the interpreter (the patch refuses the CPU otherwise)."""
 
 import importlib
-import os
 import types
 
 import pytest
 import torch
 import torch.nn as nn
+from dit_checks import cpu_only
 from sd_kernels.patches import fp8
 from sd_kernels.patches.attention import PRECISION_PROCESSORS
 from test_flux_patch import _inputs as flux_inputs
@@ -33,8 +33,6 @@ def _run(pipe, output_type="pt"):
                 return_dict=False, **kwargs)[0]
 
 
-cpu_only = pytest.mark.skipif(torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
-                              reason="CPU pipelines through the interpreter; the GPU runs the gpu-marked test")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from dit_checks import (
     check_pipeline_exact_with_reference_ops,
     check_pipeline_mode_graphs,
     check_transformer_kernels_close_to_stock,
+    cpu_only,
     tiny_pipeline,
 )
 from sd_kernels.patches import cuda_graph
@@ -224,6 +225,7 @@ def test_joint_attention_joins_the_streams_heads_inner(transformer, monkeypatch)
     assert len(joins) == 3 * len(seen) and all(joins)
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 24), (torch.float16, 64)])
 def test_heads_inner_join_gives_the_same_bits(monkeypatch, dtype, head_dim):
     """Through the kernels (the interpreter on CPU), the patched transformer's output is bit for bit what it
