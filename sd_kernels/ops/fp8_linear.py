@@ -43,6 +43,7 @@ from sd_kernels.ops.fp8_quant import (  # noqa: F401 (the quantizer's public nam
     E4M3,
     E4M3_MAX,
     FP8_CAPABILITY,
+    Segments,
     _activate,
     _rows_view,
     fp8_reason,
@@ -378,18 +379,40 @@ def _scratch_allocator(device: torch.device):
         _allocation._allocator.reset(token)
 
 
-def _out_rows(out: torch.Tensor | None, out_shape: tuple, out_dtype: torch.dtype, device: torch.device):
-    """``fp8_gemm``'s ``out`` checked against the output it takes (a ValueError otherwise), and its rows as the
-    epilogue writes them (``segments``): None where the kernels cannot write it in place (no out, or rows no
-    two-level stride reaches, or columns not unit-strided: the result is copied in)."""
+def _out_rows(out: torch.Tensor | None, out_shape: tuple, out_dtype: torch.dtype, device: torch.device,
+              inputs: tuple) -> Segments | None:
+    """``fp8_gemm``'s ``out`` checked against the output it takes (a ValueError otherwise, a RuntimeError for an
+    ``out`` autograd would have to track), and its rows as the epilogue writes them (``segments``): None where
+    the kernels cannot write it in place, so that the result is made apart and copied in (no out; rows no
+    two-level stride reaches; columns not unit-strided; elements that overlap each other, which ``copy_`` then
+    refuses; memory shared with an input, unless it is the residual itself, each element of which the tile that
+    writes it has read)."""
     if out is None:
         return None
     if tuple(out.shape) != tuple(out_shape) or out.dtype != out_dtype or out.device != device:
         raise ValueError(f"fp8_gemm: out must be {tuple(out_shape)} {out_dtype} on {device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("fp8_gemm: out= takes no tensor that requires grad (the op has no backward)")
+    if not out.numel() or torch._debug_has_internal_overlap(out) != 0:
+        return None
+    storage = out.untyped_storage().data_ptr()
+    residual, others = inputs[0], inputs[1:]
+    same_as_residual = residual is not None and (residual.data_ptr(), residual.shape, residual.stride()) == (
+        out.data_ptr(), out.shape, out.stride())
+    for t in (residual, *others):
+        if t is not None and t.untyped_storage().data_ptr() == storage and not (t is residual and same_as_residual):
+            return None
     rows = segments(out)
-    in_place = rows.base.data_ptr() == out.data_ptr() and rows.stride_c == 1
-    return rows if in_place and out.numel() else None
+    return rows if rows.base.data_ptr() == out.data_ptr() and rows.stride_c == 1 else None
+
+
+def _written(out: torch.Tensor) -> torch.Tensor:
+    """``out`` after a kernel wrote it: its version counter moved, as an in-place op moves it (a quantization
+    attached to it, ``attach_quantized``, is stale from then on)."""
+    if not out.is_inference():
+        torch.autograd.graph.increment_version(out)
+    return out
 
 
 def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
@@ -405,7 +428,7 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     reference.check_fp8_activation(act)
     out_shape = (*a_q.shape[:-1], w_q.shape[0]) if a_q.dim() else ()
     _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype)
-    y_rows = _out_rows(out, out_shape, out_dtype, a_q.device)
+    y_rows = _out_rows(out, out_shape, out_dtype, a_q.device, (residual, a_q, s_a, w_q, s_w, bias, gate))
     m, n, k = s_a.numel(), w_q.shape[0], w_q.shape[1]
     g2, tokens = _gate_2d(gate, m, n)
     reason = fp8_reason(a_q, s_a, w_q, s_w, bias, gate, residual) or ("no input features (K = 0)" if k == 0 else None)
@@ -441,7 +464,7 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     else:
         _GEMM(key, lambda meta: (tiles(meta),), a2, w_q, sa, s_w, *extras, a2.stride(0), a2.stride(1), w_q.stride(0),
               w_q.stride(1), *epilogue_strides, SEGMENTED=segmented, **flags)
-    return y
+    return y if out is None else _written(out)
 
 
 # ---------------------------------------------------------------------------------------------

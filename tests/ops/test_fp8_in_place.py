@@ -86,3 +86,39 @@ def test_an_out_the_kernels_cannot_write_in_place_gets_the_result_copied_in(monk
     for wrong in (torch.empty(3, 21, 31, dtype=torch.bfloat16), torch.empty(3, 21, 32)):
         with pytest.raises(ValueError, match="out must be"):
             fp8.fp8_gemm(a, s, w_q, s_w, out_dtype=torch.bfloat16, out=wrong, **extras)
+
+
+def test_an_out_sharing_memory_with_an_input_gets_the_result_of_the_inputs_as_they_were(device):
+    """``out`` one token past its own residual (the tiles would overwrite rows the next tile reads): made apart and
+    copied in, the result of the inputs before the call; ``out`` that is the residual itself is added to in place;
+    an ``out`` whose elements overlap (expanded) is refused as ``copy_`` refuses it."""
+    ((a, s), _), w_q, s_w, extras = _streams(device, 64, n=32, batch=1, image=199)
+    buffer = torch.randn(1, 200, 32, device=device, dtype=torch.float16)
+    want = fp8.fp8_gemm(a, s, w_q, s_w, residual=buffer[:, :199].clone(), out_dtype=torch.float16)
+    fp8.fp8_gemm(a, s, w_q, s_w, residual=buffer[:, :199], out_dtype=torch.float16, out=buffer[:, 1:])
+    assert torch.equal(buffer[:, 1:], want)
+    residual = torch.randn(1, 199, 32, device=device, dtype=torch.float16)
+    want = fp8.fp8_gemm(a, s, w_q, s_w, residual=residual.clone(), out_dtype=torch.float16, **extras)
+    assert fp8.fp8_gemm(a, s, w_q, s_w, residual=residual, out_dtype=torch.float16, out=residual, **extras) is residual
+    assert torch.equal(residual, want)
+    expanded = torch.zeros(1, 1, 32, device=device, dtype=torch.float16).expand(1, 199, 32)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        fp8.fp8_gemm(a, s, w_q, s_w, out_dtype=torch.float16, out=expanded)
+
+
+def test_writing_out_moves_its_version_so_its_attached_quantization_is_not_reused(device):
+    """A kernel's write into ``out`` counts as an in-place change: the quantization ``fp8_linear`` left on the tensor
+    is dropped, and the next ``fp8_linear`` of it quantizes the new values. An ``out`` that requires grad is refused."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 21, 64, device=device, dtype=torch.float16)
+    w_q, s_w = fp8.quantize_weight(torch.randn(64, 64, device=device) / 8)
+    first = fp8.fp8_linear(x, w_q, s_w)
+    assert fp8.attached_quantization(x) is not None
+    version = x._version
+    other = torch.randn(2, 21, 64, device=device, dtype=torch.float16)
+    fp8.fp8_linear(other, w_q, s_w, out=x)
+    assert x._version > version and fp8.attached_quantization(x) is None
+    assert not torch.equal(fp8.fp8_linear(x, w_q, s_w), first)
+    assert torch.equal(fp8.fp8_linear(x, w_q, s_w, reuse=False), fp8.fp8_linear(x.clone(), w_q, s_w))
+    with pytest.raises(RuntimeError, match="requires grad"):
+        fp8.fp8_linear(other, w_q, s_w, out=torch.zeros_like(x, requires_grad=True))
