@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -326,16 +327,19 @@ def split_modulation_case():
 
 def split_decode_case():
     """The VAE decode split by rows over the two processes (``enable_split_decode``), the norms' kernels through
-    the interpreter: a decode equal to one process's, then one image end to end under ``parallel="cfg"``;
-    processes decoding different latents both raise; unpatched, the decoder's own forward."""
+    the interpreter: a decode equal to one process's, then one image end to end under ``parallel="cfg"`` (its
+    pipeline calls on the reference ops, as in ``cfg_case``: the UNet's kernels in the interpreter took most of
+    this launch's time and test nothing of the split); processes decoding different latents both raise;
+    unpatched, the decoder's own forward."""
     from sd_kernels.patches import split_decode
 
     pipe = build("tiny-xl")
     z = torch.randn(1, 4, SIDE // 4, SIDE // 4, generator=torch.Generator().manual_seed(1))  # alike on both
     with torch.no_grad(), sd_kernels.patched(pipe):
         whole = pipe.vae.decode(z, return_dict=False)[0]
-        one = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
-                   width=SIDE, output_type="pt").images
+        with env("SD_KERNELS_BACKEND", "reference"):
+            one = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
+                       width=SIDE, output_type="pt").images
     bands = []
     decode_band = split_decode.decode_band
     split_decode.decode_band = lambda *a: bands.append(1) or decode_band(*a)
@@ -344,8 +348,9 @@ def split_decode_case():
             sd_kernels.patch(pipe, parallel="cfg")
             record = sd_kernels.enable_split_decode(pipe)
             split = pipe.vae.decode(z, return_dict=False)[0]
-            image = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
-                         width=SIDE, output_type="pt").images
+            with env("SD_KERNELS_BACKEND", "reference"):
+                image = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
+                             width=SIDE, output_type="pt").images
             differ = error_of(lambda: pipe.vae.decode(z + dist.get_rank(), return_dict=False))
             summary = record.summary()
             sd_kernels.unpatch(pipe)
@@ -369,10 +374,12 @@ def main(out_dir: pathlib.Path) -> None:
                        ("ring_mixed_processors", lambda: ring_mixed_processors_case(rank)),
                        ("heads", heads_case),
                        ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
+        start = time.perf_counter()
         try:
             report[name] = case()
         except Exception:
             report[name] = {"crashed": traceback.format_exc()}
+        report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
     report["no_group_after_destroy"] = None
     dist.destroy_process_group()
     report["no_group_after_destroy"] = error_of(lambda: cfg_parallel.check_setup([], None, (), None, None))

@@ -27,8 +27,8 @@ FIRST_CALL = {"sd3": [[2, 2, 32 + 93, 24], 32], "pixart": [[2, 2, 32, 24], 32]}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, worker_id):
-    return launch_once(WORKER, tmp_path_factory, worker_id)
+def ranks(tmp_path_factory, pytestconfig):
+    return launch_once(WORKER, tmp_path_factory, pytestconfig)
 
 
 @needs_gloo

@@ -52,24 +52,34 @@ def launch(worker: pathlib.Path, out: pathlib.Path) -> list[dict]:
     return reports
 
 
-def launch_once(worker: pathlib.Path, tmp_path_factory, worker_id: str) -> list[dict]:
+def launch_once(worker: pathlib.Path, tmp_path_factory, config) -> list[dict]:
     """``launch``, once per test session: under pytest-xdist every worker that runs a test of the module builds
-    its module fixture, and the first launch's reports serve the others (who wait for them, their core free
-    for the launch's two processes) through the session's shared temporary folder."""
-    if worker_id == "master":  # not under xdist
+    its module fixture; the first launches (the others wait, their core free for the launch's two processes) and
+    leaves its outcome in the session's shared temporary folder: the reports ``launch`` checked, or its failure,
+    which each later worker raises again."""
+    worker_id = getattr(config, "workerinput", {}).get("workerid")
+    if worker_id is None:  # not under xdist
         return launch(worker, tmp_path_factory.mktemp(worker.stem))
-    shared = tmp_path_factory.getbasetemp().parent / worker.stem  # this session's, all workers'
-    with FileLock(str(shared) + ".lock"):
-        if not (shared / "rank1.json").exists():
-            shared.mkdir(exist_ok=True)
-            return launch(worker, shared)
-    return [json.loads((shared / f"rank{r}.json").read_text()) for r in range(2)]
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, all workers'
+    outcome = shared / f"{worker.stem}.json"
+    with FileLock(str(outcome) + ".lock"):
+        if not outcome.exists():
+            try:
+                reports = launch(worker, tmp_path_factory.mktemp(worker.stem))
+            except BaseException as exc:
+                outcome.write_text(json.dumps({"failed": f"{type(exc).__name__}: {str(exc)[-4000:]}"}))
+                raise
+            outcome.write_text(json.dumps({"reports": reports}))
+    done = json.loads(outcome.read_text())
+    if "failed" in done:
+        pytest.fail(f"the launch of {worker.name} (by another xdist worker) failed: {done['failed']}")
+    return done["reports"]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, worker_id):
+def ranks(tmp_path_factory, pytestconfig):
     """What each of the two processes of one torchrun launch of parallel_worker.py saw."""
-    return launch_once(WORKER, tmp_path_factory, worker_id)
+    return launch_once(WORKER, tmp_path_factory, pytestconfig)
 
 
 @needs_gloo
@@ -148,8 +158,8 @@ def test_split_modulation_is_one_process_image_with_one_product_a_call(ranks):
 def test_split_decode_is_one_process_decode_and_image(ranks):
     """The VAE decode split by rows over two processes (each decoding 8 of the 16 latent rows, the norms'
     kernels through the interpreter): one process's decode within fp32 rounding, the same on both; one
-    image end to end under parallel="cfg" equal to one process's; processes decoding different latents
-    both raise; unpatched, the decoder's own forward is back."""
+    image end to end under parallel="cfg" (on the reference ops) equal to one process's; processes decoding
+    different latents both raise; unpatched, the decoder's own forward is back."""
     for r in ranks:
         got = r["split_decode"]
         assert "crashed" not in got, got.get("crashed")
