@@ -7,8 +7,8 @@ line for line: the image stream's q/k/v projections viewed as [B, heads, S, D], 
 along the sequence (the same values, laid out with the heads inner in memory: ``_joined``), then split
 back after the attention, ``to_add_out`` on the context's part unless
 the module is ``context_pre_only``, ``to_out`` on the image's. Under the FP8 tier (patches/fp8.py) the six
-projections write their outputs into the concatenation where it lies, the same values without the copies
-(``_projected_in_place``). The one
+projections write their outputs into the concatenation where it lies, the same values without the copies,
+where they can (``_projected_in_place``: no q/k norm between, not compiling, ``JOIN_IN_PLACE`` on). The one
 ``F.scaled_dot_product_attention`` call (no mask, the default 1/√D scale, no dropout) goes to
 ``sd_kernels.ops.custom_ops.attention``, which picks FlashAttention, the partially fused softmax or stock
 SDPA per call as the profile says. Like diffusers' processor it ignores ``attention_mask`` and any
