@@ -35,6 +35,7 @@ from sd_kernels.ops.custom_ops import attention
 from sd_kernels.profiles import scoped
 
 from .context_parallel_plans import ulysses_of
+from .hooks import called_beside
 
 
 class SDKernelsJointAttnProcessor:
@@ -172,7 +173,6 @@ def _projected_in_place(attn, hidden_states, encoder_hidden_states):
     projections and the join (SD3.5's), a projection that is not an unhooked ``Fp8Linear``, streams of
     different batch or dtype, or a compiled graph (which runs the ops as diffusers' code calls them)."""
     from .fp8 import Fp8Linear  # patches/fp8.py imports the attention patches
-    from .hooks import called_beside
 
     if (not JOIN_IN_PLACE or encoder_hidden_states is None or torch.compiler.is_compiling()
             or hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3

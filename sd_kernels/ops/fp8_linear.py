@@ -439,11 +439,10 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
     if n and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gate is not None or residual is not None, out_dtype):
         return copied_in(_torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype))
-    if out is not None and y_rows is None:
-        return copied_in(fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype))
-    y = torch.empty(out_shape, dtype=out_dtype, device=a_q.device) if out is None else out
+    in_place = y_rows is not None  # else a new tensor, copied into out if there is one
+    y = out if in_place else torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
     if y.numel() == 0:
-        return y
+        return copied_in(y)
     y_rows = y_rows or segments(y)
     segmented = y_rows.seg < m  # not in the tables' key: a segmented call takes its shape's config
     r2 = None if residual is None else _rows_view(residual)
@@ -464,7 +463,7 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     else:
         _GEMM(key, lambda meta: (tiles(meta),), a2, w_q, sa, s_w, *extras, a2.stride(0), a2.stride(1), w_q.stride(0),
               w_q.stride(1), *epilogue_strides, SEGMENTED=segmented, **flags)
-    return y if out is None else _written(out)
+    return _written(out) if in_place else copied_in(y)
 
 
 # ---------------------------------------------------------------------------------------------

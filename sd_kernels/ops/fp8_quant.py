@@ -267,7 +267,7 @@ class Segments(NamedTuple):
 def segments(x: torch.Tensor) -> Segments:
     """x [..., C]'s rows, read where they lie: in one segment where they are one stride apart, or in segments
     of x.shape[-2] rows where only the dimensions before the last two merge (x[:, :n] of a batch of token
-    rows: a segment a sample). A copy (``_rows_view``) only where neither is so."""
+    rows: a segment a sample). A copy only where neither is so."""
     rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
     try:
         flat = x.view(rows, cols)
@@ -279,7 +279,7 @@ def segments(x: torch.Tensor) -> Segments:
             return Segments(seg, rows, cols, x.shape[-2], seg.stride(0), seg.stride(1), seg.stride(2))
         except RuntimeError:
             pass
-    flat = _rows_view(x) if flat is None else flat
+    flat = x.reshape(rows, cols) if flat is None else flat  # no view of the rows: a copy
     one = max(rows, 1)  # one segment; its stride keeps the row stride's divisibility (a kernel specializes on it)
     return Segments(flat, rows, cols, one, flat.stride(0) * one, flat.stride(0), flat.stride(1))
 
