@@ -394,7 +394,7 @@ def _out_rows(out: torch.Tensor | None, out_shape: tuple, out_dtype: torch.dtype
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if out.requires_grad and torch.is_grad_enabled():
         raise RuntimeError("fp8_gemm: out= takes no tensor that requires grad (the op has no backward)")
-    if not out.numel() or torch._debug_has_internal_overlap(out) != 0:
+    if not out.numel() or torch._debug_has_internal_overlap(out) == 1:  # 1: overlaps (2: torch cannot tell)
         return None
     storage = out.untyped_storage().data_ptr()
     residual, others = inputs[0], inputs[1:]
@@ -404,7 +404,16 @@ def _out_rows(out: torch.Tensor | None, out_shape: tuple, out_dtype: torch.dtype
         if t is not None and t.untyped_storage().data_ptr() == storage and not (t is residual and same_as_residual):
             return None
     rows = segments(out)
-    return rows if rows.base.data_ptr() == out.data_ptr() and rows.stride_c == 1 else None
+    return rows if rows.base.data_ptr() == out.data_ptr() and _disjoint(rows) else None
+
+
+def _disjoint(rows: Segments) -> bool:
+    """Whether the epilogue writes each element of these rows at an address of its own: unit-strided columns,
+    a row's start past the previous row's end within a segment, a segment's past the previous segment's end.
+    (torch's own overlap check gives up on most slices of a batch, ``buffer[:, :n]`` among them.)"""
+    within = rows.seg <= 1 or rows.stride_r >= rows.cols
+    across = rows.rows <= rows.seg or rows.stride_s >= (rows.seg - 1) * rows.stride_r + rows.cols
+    return rows.stride_c == 1 and within and across
 
 
 def _written(out: torch.Tensor) -> torch.Tensor:

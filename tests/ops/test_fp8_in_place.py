@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sd_kernels import reference
 
@@ -47,6 +48,20 @@ def test_rows_one_stride_apart_are_one_segment_and_others_a_copy():
     assert torch.equal(_bits(q), _bits(reference.fp8_quantize_rows(mixed)[0]))
 
 
+class _CopiesInto(TorchDispatchMode):
+    """The shapes copied (``copy_``) into ``tensor``'s memory under it (the interpreter writes a kernel's output
+    back into the whole storage, one dimension)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        super().__init__()
+        self.storage, self.seen = tensor.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == self.storage:
+            self.seen.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def _streams(device, k, n=37, batch=3, image=21, text=8):
     torch.manual_seed(0)
     quantized = [reference.fp8_quantize_rows(torch.randn(batch, rows, k, device=device)) for rows in (image, text)]
@@ -58,16 +73,20 @@ def _streams(device, k, n=37, batch=3, image=21, text=8):
 @pytest.mark.parametrize("k,kernel", [(50, "pointer"), (80, "tma")])
 def test_gemm_writes_each_stream_into_the_join_where_it_lies(device, count_calls, k, kernel):
     """Two streams' GEMMs (21 and 8 rows a sample, batch 3, a per-sample gate) write buffer[:, :21] and
-    buffer[:, 21:] of one [3, 29, N] join: the rows of each and nothing else, the bits of their own outputs."""
+    buffer[:, 21:] of one [3, 29, N] join where they lie (nothing made apart and copied in: torch cannot tell
+    whether such a slice overlaps itself, ``_disjoint`` can): the rows of each and nothing else, the bits of their
+    own outputs."""
     if kernel == "tma" and device == "cuda" and torch.cuda.get_device_capability() < fp8.TMA_CAPABILITY:
         kernel = "pointer"
     ((a_img, s_img), (a_txt, s_txt)), w_q, s_w, extras = _streams(device, k)
     join = torch.full((3, 29, 37), float("nan"), device=device, dtype=torch.float16)
     launched = count_calls(fp8, tma="_GEMM_TMA", pointer="_GEMM")
-    got = fp8.fp8_gemm(a_img, s_img, w_q, s_w, out_dtype=torch.float16, out=join[:, :21], **extras)
-    assert got.data_ptr() == join.data_ptr() and join[:, 21:].isnan().all()
-    fp8.fp8_gemm(a_txt, s_txt, w_q, s_w, out_dtype=torch.float16, out=join[:, 21:], **extras)
+    with _CopiesInto(join) as copies:
+        got = fp8.fp8_gemm(a_img, s_img, w_q, s_w, out_dtype=torch.float16, out=join[:, :21], **extras)
+        assert got.data_ptr() == join.data_ptr() and join[:, 21:].isnan().all()
+        fp8.fp8_gemm(a_txt, s_txt, w_q, s_w, out_dtype=torch.float16, out=join[:, 21:], **extras)
     assert launched == {"tma": 0, "pointer": 0, kernel: 2}
+    assert {(3, 21, 37), (3, 8, 37)}.isdisjoint(copies.seen), "an output was made apart and copied into the join"
     want = [fp8.fp8_gemm(a, s, w_q, s_w, out_dtype=torch.float16, **extras)
             for a, s in ((a_img, s_img), (a_txt, s_txt))]
     assert torch.equal(join, torch.cat(want, dim=1))
