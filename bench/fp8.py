@@ -2,8 +2,8 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,patched,fp8,fp8+attention,fp8+triton-gemm,fp8+fused-gate-gemm,
-                                fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+compile,torchao]
+                        [--rows stock,compile,patched,patched+cat-join,fp8,fp8+attention,fp8+triton-gemm,
+                                fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -26,7 +26,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   compiled where diffusers names no repeated blocks: SD3, PixArt-Σ; ``--compile-mode``: torch.compile's
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
   label); ours lossless
-  (``patch(pipe)``: CUDA graphs); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
+  (``patch(pipe)``: CUDA graphs; ``patched+cat-join``: with SD3's joint attention in diffusers' data flow,
+  the projections' outputs joined by torch.cat and F.linear on the output's token slices,
+  ``patches.joint_attention.JOIN_IN_PLACE`` off); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
   too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our Triton kernels
   (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
   our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul`` (``fp8+fused-gate-gemm``), with every GEMM
@@ -60,8 +62,8 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm",
-        "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "patched", "patched+cat-join", "fp8", "fp8+attention", "fp8+triton-gemm",
+        "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -258,6 +260,11 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
+    if row == "patched+cat-join":
+        from sd_kernels.patches import joint_attention
+
+        changed = (joint_attention, "JOIN_IN_PLACE", False)
+        return "patched+graph+cat-join", lambda p: _applied_with(p, VARIANTS["patched+graph"], changed)
     if row in FP8_ROWS:
         setup = Setup(FP8_ROWS[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
         from sd_kernels.patches import fp8 as fp8_patch

@@ -6,9 +6,12 @@ line for line: the image stream's q/k/v projections viewed as [B, heads, S, D], 
 ``add_k_proj`` / ``add_v_proj`` with ``norm_added_q`` / ``norm_added_k``, the two streams concatenated
 along the sequence (the same values, laid out with the heads inner in memory: ``_joined``), then split
 back after the attention, ``to_add_out`` on the context's part unless
-the module is ``context_pre_only``, ``to_out`` on the image's. Under the FP8 tier (patches/fp8.py) the six
-projections write their outputs into the concatenation where it lies, the same values without the copies,
-where they can (``_projected_in_place``: no q/k norm between, not compiling, ``JOIN_IN_PLACE`` on). The one
+the module is ``context_pre_only``, ``to_out`` on the image's. Where they can (``JOIN_IN_PLACE`` on, no q/k
+norm between, not compiling, no autograd) the six projections write their outputs into the concatenation
+where it lies, the same values without the copies: the FP8 tier's GEMMs (patches/fp8.py) through their
+epilogue, plain ``nn.Linear`` ones one GEMM a sample (``_linear_into``; a stream of a few hundred tokens, SD3's
+text, one GEMM copied in); and a plain output projection of the image stream adds its bias in the GEMMs that
+read its token slice of the attention output (``_out_projected``). The one
 ``F.scaled_dot_product_attention`` call (no mask, the default 1/√D scale, no dropout) goes to
 ``sd_kernels.ops.custom_ops.attention``, which picks FlashAttention, the partially fused softmax or stock
 SDPA per call as the profile says. Like diffusers' processor it ignores ``attention_mask`` and any
@@ -30,6 +33,8 @@ source (patches/diffusers_sources.py).
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from sd_kernels.ops.custom_ops import attention
 from sd_kernels.profiles import scoped
@@ -159,19 +164,68 @@ def _joined(image: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     return torch.cat([image.transpose(1, 2), context.transpose(1, 2)], dim=1).transpose(1, 2)
 
 
-# The FP8 tier's projections write the join in place (``_projected_in_place``); False: they write their own
-# outputs and torch.cat joins them, as in the lossless patch (the same bits: tests/patches/test_sd3_patch.py)
+# The projections write the join in place and the output projections add their bias in the GEMM on their token
+# slice (``_projected_in_place``, ``_out_projected``); False: diffusers' data flow, the projections' own outputs
+# joined by torch.cat, F.linear on the slices (the same bits at batch 1: tests/patches/test_sd3_patch.py)
 JOIN_IN_PLACE = True
 _IMAGE, _CONTEXT = ("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")
 
 
+def _plain_linears(layers, x: torch.Tensor) -> bool:
+    """Whether ``_linear_into`` computes what calling these layers on ``x`` computes: each exactly an unhooked
+    ``nn.Linear`` with its weight in ``x``'s dtype and on its device, and no autograd or autocast (the
+    ``out=`` GEMMs take neither)."""
+    return (not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+            and all(type(m) is nn.Linear and not called_beside(m) and m.weight.dtype == x.dtype
+                    and m.weight.device == x.device for m in layers))
+
+
+# Samples of fewer rows than this (SD3's 333 text tokens) take one GEMM over the batch: a GEMM a sample costs
+# them more than the copy it saves (H200, fp16, 1,536 features: two GEMMs of 333 rows 15.8 µs, one of 666 rows
+# 8.0 µs; of 4,096 rows 66.1 against one of 8,192 63.4 µs, where a torch.cat of the join copies 14 µs a tensor)
+PER_SAMPLE_ROWS = 1024
+
+
+def _linear_into(layer: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for x [B, S, K] written into ``out`` [B, S, N]: where it lies, one GEMM a sample (a sample's
+    rows of a token slice are one contiguous block even where the batch's are not), the bias added in the GEMM's
+    epilogue as ``F.linear``'s is; samples of fewer than ``PER_SAMPLE_ROWS`` rows in one GEMM, then copied in.
+    At batch 1 it is ``F.linear``'s GEMM; at batch 2 each GEMM has half the rows, which the library may tile
+    differently (the same values up to the dtype's rounding)."""
+    if x.shape[0] > 1 and x.shape[1] < PER_SAMPLE_ROWS:
+        return out.copy_(F.linear(x, layer.weight, layer.bias))
+    weight = layer.weight.t()
+    for b in range(x.shape[0]):
+        if layer.bias is None:
+            torch.mm(x[b], weight, out=out[b])
+        else:
+            torch.addmm(layer.bias, x[b], weight, out=out[b])
+    return out
+
+
+def _out_projected(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for a token slice ``x`` of the attention output, whose samples are not one block: a plain
+    Linear's bias is added in its GEMMs' epilogue, a GEMM a sample (``_linear_into``), where ``F.linear`` runs a
+    batched matmul over the slice, then adds the bias in a pass of its own (H200, SD3-medium 1024² with
+    guidance: 77.7 against 100.3 µs a block for both slices). Samples of fewer than ``PER_SAMPLE_ROWS`` rows,
+    and anything but a plain Linear, are called as diffusers calls them (the FP8 tier's GEMMs read the slice in
+    place themselves)."""
+    if (not JOIN_IN_PLACE or x.dim() != 3 or x.is_contiguous() or x.shape[1] < PER_SAMPLE_ROWS
+            or torch.compiler.is_compiling() or not _plain_linears([layer], x)
+            or not all(x[b].is_contiguous() for b in range(x.shape[0]))):
+        return layer(x)
+    return _linear_into(layer, x, x.new_empty(*x.shape[:2], layer.out_features))
+
+
 def _projected_in_place(attn, hidden_states, encoder_hidden_states):
     """q, k and v of both streams, joined as ``_joined`` lays them out, each projection writing its rows of
-    the join where they lie (``Fp8Linear.into``: the FP8 GEMM's epilogue takes the token slice of the batch),
-    so no concatenation copies them (at SD3-medium 1024² with guidance, 27 MB read and written three times
-    in each of 24 blocks). None where that path does not serve the call: no context, a norm between the
-    projections and the join (SD3.5's), a projection that is not an unhooked ``Fp8Linear``, streams of
-    different batch or dtype, or a compiled graph (which runs the ops as diffusers' code calls them)."""
+    the join where they lie, so no concatenation copies them (at SD3-medium 1024² with guidance, 27 MB read
+    and written three times in each of 24 blocks): the FP8 tier's GEMMs through their epilogue
+    (``Fp8Linear.into``: the token slice of the batch), plain Linears one GEMM a sample (``_linear_into``).
+    None where that path does not serve the call: no context, a norm between the projections and the join
+    (SD3.5's), projections that are neither all unhooked ``Fp8Linear`` nor all plain Linears
+    (``_plain_linears``), streams of different batch or dtype, or a compiled graph (which runs the ops as
+    diffusers' code calls them)."""
     from .fp8 import Fp8Linear  # patches/fp8.py imports the attention patches
 
     if (not JOIN_IN_PLACE or encoder_hidden_states is None or torch.compiler.is_compiling()
@@ -181,7 +235,12 @@ def _projected_in_place(attn, hidden_states, encoder_hidden_states):
             or any(getattr(attn, n, None) is not None for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))):
         return None
     layers = [attn._modules.get(n) for n in _IMAGE + _CONTEXT]
-    if not all(type(m) is Fp8Linear and not called_beside(m) for m in layers):
+    if all(type(m) is Fp8Linear and not called_beside(m) for m in layers):
+        def write(layer, x, out):
+            return layer.into(x, out)
+    elif _plain_linears(layers, hidden_states):
+        write = _linear_into
+    else:
         return None
     batch, n_image, n_text = hidden_states.shape[0], hidden_states.shape[1], encoder_hidden_states.shape[1]
     joined = []
@@ -189,8 +248,8 @@ def _projected_in_place(attn, hidden_states, encoder_hidden_states):
         if image.out_features != context.out_features or image.out_features % attn.heads:
             return None
         buffer = hidden_states.new_empty(batch, n_image + n_text, image.out_features)
-        image.into(hidden_states, buffer[:, :n_image])
-        context.into(encoder_hidden_states, buffer[:, n_image:])
+        write(image, hidden_states, buffer[:, :n_image])
+        write(context, encoder_hidden_states, buffer[:, n_image:])
         joined.append(buffer.view(batch, n_image + n_text, attn.heads, -1).transpose(1, 2))
     return joined
 
@@ -212,10 +271,10 @@ def _attend(attn, query, key, value, batch_size: int, head_dim: int, image_len: 
         # Split the attention outputs.
         hidden_states, context = hidden_states[:, :image_len], hidden_states[:, image_len:]
         if not attn.context_pre_only:
-            context = attn.to_add_out(context)
+            context = _out_projected(attn.to_add_out, context)
 
     # linear proj
-    hidden_states = attn.to_out[0](hidden_states)
+    hidden_states = _out_projected(attn.to_out[0], hidden_states)
     # dropout
     hidden_states = attn.to_out[1](hidden_states)
     return hidden_states, context

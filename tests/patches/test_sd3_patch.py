@@ -181,35 +181,50 @@ def test_fused_joint_processor_takes_4d_streams(transformer):
 
 
 class _Copies(TorchDispatchMode):
-    """The copies (their outputs' element counts) and concatenations (theirs, and whether each input is
-    contiguous) of the calls made under it, except while ``paused``."""
+    """The copies (their outputs' element counts; apart, those read from a ``watched`` storage, which the
+    caller keeps alive), concatenations (theirs, and whether each input is contiguous) and in-place adds of a
+    vector of the calls made under it, except while ``paused``."""
 
     def __init__(self):
         super().__init__()
-        self.paused, self.copies, self.cats = False, [], []
+        self.paused, self.copies, self.cats, self.bias_adds = False, [], [], []
+        self.watched, self.watched_copies = set(), []  # storages (data pointers) of live tensors, copies of them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
             if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
                 self.copies.append(out.numel())
+                source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+                if source.untyped_storage().data_ptr() in self.watched:
+                    self.watched_copies.append(out.numel())
             elif func is torch.ops.aten.cat.default:
                 self.cats.append((out.numel(), all(t.is_contiguous() for t in args[0])))
+            elif (func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and args[0].dim() == 3
+                  and isinstance(args[1], torch.Tensor) and args[1].dim() == 1):  # F.linear's bias after a matmul
+                self.bias_adds.append(out.numel())
         return out
 
 
-def test_joint_attention_joins_the_streams_heads_inner(transformer, monkeypatch):
-    """The streams' q, k and v are joined with the heads inner in memory, the projections' layout: each
-    concatenation reads contiguous inputs, the attention writes its output heads inner, and the
-    ``transpose(1, 2).reshape`` to [B, S, heads·D] after it copies nothing (SD3-medium at 1024²: 27 MB per
-    block, 24 blocks a call)."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["join-in-place", "join-by-cat"])
+def test_joint_attention_joins_the_streams_heads_inner(transformer, monkeypatch, in_place):
+    """The streams' q, k and v are joined with the heads inner in memory, the projections' layout, and the
+    attention writes its output heads inner, so the ``transpose(1, 2).reshape`` to [B, S, heads·D] after it
+    copies nothing (SD3-medium at 1024²: 27 MB per block, 24 blocks a call). In place (``JOIN_IN_PLACE``,
+    the default) the projections write the join and the output projections read their token slices of the
+    attention output where they lie: no join is concatenated, nothing of the attention output copied, and
+    no bias added in a pass of its own. Joined by torch.cat (diffusers' data flow), each concatenation reads
+    contiguous inputs."""
+    monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", in_place)
+    monkeypatch.setattr(joint_attention, "PER_SAMPLE_ROWS", 1)  # every stream a GEMM a sample (9 text tokens here)
     seen, real = [], joint_attention.attention
 
     def attention(q, k, v, **kwargs):
         mode.paused = True  # the op's own work (the kernel in the interpreter) is not the processor's
         out = real(q, k, v, **kwargs)
         mode.paused = False
-        seen.append((q, k, v, out))
+        seen.append((q, k, v, out))  # kept alive: its storage is not reused while watched
+        mode.watched.add(out.untyped_storage().data_ptr())
         return out
 
     monkeypatch.setattr(joint_attention, "attention", attention)
@@ -222,7 +237,11 @@ def test_joint_attention_joins_the_streams_heads_inner(transformer, monkeypatch)
     outputs = {out.numel() for *_, out in seen}
     assert not outputs & set(mode.copies), "the attention's output was copied"
     joins = [contiguous for n, contiguous in mode.cats if n == seen[0][0].numel()]  # q's, k's and v's
-    assert len(joins) == 3 * len(seen) and all(joins)
+    if not in_place:
+        assert len(joins) == 3 * len(seen) and all(joins)
+        return
+    assert not joins and not mode.watched_copies, "a join was concatenated or a token slice copied"
+    assert not mode.bias_adds, "a bias was added in a pass of its own"
 
 
 @cpu_only
@@ -230,6 +249,7 @@ def test_joint_attention_joins_the_streams_heads_inner(transformer, monkeypatch)
 def test_heads_inner_join_gives_the_same_bits(monkeypatch, dtype, head_dim):
     """Through the kernels (the interpreter on CPU), the patched transformer's output is bit for bit what it
     is with the streams joined as diffusers joins them ([B, heads, S, D] memory): the kernels read any strides."""
+    monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)  # the join by torch.cat, which _joined lays out
     model = _tiny_sd3(dtype, head_dim)
     x, kw = _inputs(model)
     with sd_kernels.patched(model, cuda_graph=False):
@@ -271,6 +291,43 @@ def test_fp8_projections_write_the_join_in_place_with_the_same_bits(monkeypatch,
     joins = writes[0].numel() + writes[1].numel()  # q's image and text rows
     assert len(writes) == 6 * 2 and not [n for n, _ in mode.cats if n == joins]
     assert torch.equal(in_place, joined_by_cat)
+
+
+@pytest.mark.parametrize("batch, per_sample_rows", [(1, 1), (2, 1), (2, 32)])
+def test_lossless_projections_write_the_join_in_place(monkeypatch, device, batch, per_sample_rows):
+    """In the lossless patch the six projections of a joint attention write the join where it lies, one GEMM
+    a sample (``_linear_into``), and the output projections read their token slices in place; a stream of
+    fewer rows a sample than ``PER_SAMPLE_ROWS`` (the 9 text tokens at 32) takes one GEMM, copied into the join,
+    and diffusers' output projection. At batch 1 that is F.linear's GEMM and the output is bit for bit the
+    torch.cat join's; at batch 2 each GEMM has half the rows, which a GPU library may tile otherwise: the
+    output's error against float64 stays within 1.5x the torch.cat join's (the interpreter on CPU, compiled
+    on a GPU)."""
+    monkeypatch.setattr(joint_attention, "PER_SAMPLE_ROWS", per_sample_rows)
+    model = _tiny_sd3(torch.float16, 64)
+    x, kw = _inputs(model, batch=batch)
+    exact = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
+    model, x = model.to(device), x.to(device)
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    writes, into = [], joint_attention._linear_into
+    monkeypatch.setattr(joint_attention, "_linear_into",
+                        lambda layer, x, out: writes.append(out.is_contiguous()) or into(layer, x, out))
+    with sd_kernels.patched(model, cuda_graph=False):
+        dispatch.reset_fallbacks()
+        in_place = _run(model, x, kw, torch.float16)
+        monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)
+        joined_by_cat = _run(model, x, kw, torch.float16)
+        assert not dispatch.fallbacks()
+    # per block: six projections into the join (a token slice of it, not contiguous at batch 2), then at batch 2
+    # the output projections (the image's and the text's; the last, context_pre_only, block has no text output)
+    # into tensors of their own, where their rows take a GEMM a sample (at batch 1 a token slice is contiguous:
+    # F.linear reads it in place)
+    join = [batch == 1] * 6
+    image, text = ([True] * (batch - 1), [True] * (batch - 1) if per_sample_rows <= 9 else [])
+    assert writes == join + text + image + join + image
+    if batch == 1:
+        assert torch.equal(in_place, joined_by_cat)
+    error = lambda t: ((t.double().cpu() - exact).norm() / exact.norm()).item()
+    assert error(in_place) <= 1.5 * error(joined_by_cat) + 1e-7, (error(in_place), error(joined_by_cat))
 
 
 @pytest.mark.parametrize("ops", [["layer_norm"], ["attention"], None])
@@ -429,6 +486,7 @@ def test_gpu_heads_inner_join_gives_the_same_bits(monkeypatch):
     model = model.to("cuda", torch.float16).eval()
     x, kw = _inputs(model, side=64)
     x, kw = x.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)  # the join by torch.cat, which _joined lays out
     with sd_kernels.patched(model, cuda_graph=False):
         ours = _run(model, x, kw, torch.float16)
         monkeypatch.setattr(joint_attention, "_joined", lambda a, b: torch.cat([a, b], dim=2))
