@@ -2,8 +2,9 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,patched,patched+cat-join,fp8,fp8+attention,fp8+triton-gemm,
-                                fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+compile,torchao]
+                        [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,fp8,fp8+attention,
+                                fp8+triton-gemm,fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,
+                                fp8+unfused-qkv,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -28,14 +29,16 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   label); ours lossless
   (``patch(pipe)``: CUDA graphs; ``patched+cat-join``: with SD3's joint attention in diffusers' data flow,
   the projections' outputs joined by torch.cat and F.linear on the output's token slices,
-  ``patches.joint_attention.JOIN_IN_PLACE`` off); ours ``patch(pipe, precision="fp8")``, with its attention in FP8
-  too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our Triton kernels
+  ``patches.joint_attention.JOIN_IN_PLACE`` off; ``patched+unfused-qkv``: each q, k, v projection a GEMM of its
+  own, ``patches.qkv_fusion.install`` skipped, for FLUX too); ours ``patch(pipe, precision="fp8")``, with its
+  attention in FP8 too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our Triton kernels
   (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
   our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul`` (``fp8+fused-gate-gemm``), with every GEMM
   on the pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
   read on it rather than the kernel the tables time faster per shape (``fp8+tma-gemm``), with SD3's joint
   attention joining the projections' outputs by torch.cat instead of their GEMMs writing the join in place
-  (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE`` off), and with ``compile=True``
+  (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE`` off), with each q, k, v projection a GEMM of its
+  own (``fp8+unfused-qkv``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
   row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
   changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
@@ -62,8 +65,9 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "patched+cat-join", "fp8", "fp8+attention", "fp8+triton-gemm",
-        "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "fp8", "fp8+attention",
+        "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
+        "fp8+unfused-qkv", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -260,15 +264,16 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
-    if row == "patched+cat-join":
-        from sd_kernels.patches import joint_attention
+    from sd_kernels.patches import joint_attention, qkv_fusion
 
-        changed = (joint_attention, "JOIN_IN_PLACE", False)
-        return "patched+graph+cat-join", lambda p: _applied_with(p, VARIANTS["patched+graph"], changed)
+    layouts = {"cat-join": (joint_attention, "JOIN_IN_PLACE", False),
+               "unfused-qkv": (qkv_fusion, "install", lambda *args: None)}
+    if row.startswith("patched+"):
+        label = "patched+graph+" + row.removeprefix("patched+")
+        return label, lambda p: _applied_with(p, VARIANTS["patched+graph"], layouts[row.removeprefix("patched+")])
     if row in FP8_ROWS:
         setup = Setup(FP8_ROWS[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
         from sd_kernels.patches import fp8 as fp8_patch
-        from sd_kernels.patches import joint_attention
 
         fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
 
@@ -277,7 +282,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
                    "fp8+tma-gemm": (fp8_ops, "_tma_chosen", lambda key, device: True),
-                   "fp8+cat-join": (joint_attention, "JOIN_IN_PLACE", False)}.get(row)
+                   **{"fp8+" + name: change for name, change in layouts.items()}}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
@@ -286,9 +291,11 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # GEMM on our Triton kernels (fp8_linear.TORCH_GEMM), with the gated GEMMs' gate and residual in our kernel's
 # epilogue (fp8_linear.TORCH_GEMM_GATED), with every GEMM on the pointer-load kernel instead of the
 # TMA one (fp8_linear.TMA_GEMM), with every GEMM the TMA kernel can read on it (not the faster kernel of the
-# tables per shape), with SD3's join made by torch.cat (patches.joint_attention.JOIN_IN_PLACE), and with compile=True
+# tables per shape), with SD3's join made by torch.cat (patches.joint_attention.JOIN_IN_PLACE), with each q, k, v
+# projection a GEMM of its own (qkv_fusion.install skipped), and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm",
-                                                    "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join")}
+                                                    "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
+                                                    "fp8+unfused-qkv")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 

@@ -171,7 +171,8 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
         elif new is not None:
             replaced[id(new)] = (new, processor)
             record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
-            if isinstance(new, flux_attention.SDKernelsFluxAttnProcessor):
+            if isinstance(new, flux_attention.SDKernelsFluxAttnProcessor) or (
+                    isinstance(new, SDKernelsJointAttnProcessor) and not new.fused):
                 qkv_fusion.install(module, new, path, record)
         else:
             record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")

@@ -285,7 +285,8 @@ class Fp8Projections:
             m.w_q, m.s_w = codes[i * rows:(i + 1) * rows], scales[i * rows:(i + 1) * rows]
             m._source = m._source[0], m.w_q.data_ptr()
 
-    def __call__(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+    def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple | None:
+        """(codes, scales, bias) of the one GEMM while it serves (above), else None."""
         if not held(module, names, self.layers):
             return None
         for layer in self.layers:
@@ -295,7 +296,16 @@ class Fp8Projections:
         bias = None if all(b is None for b in biases) else stacked(biases)
         if codes is None or scales is None or (bias is None and any(b is not None for b in biases)):
             return None
-        return fp8_linear(x, codes, scales, bias)
+        return codes, scales, bias
+
+    def __call__(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+        operands = self.operands(module, names)
+        return None if operands is None else fp8_linear(x, *operands)
+
+    @staticmethod
+    def into(operands: tuple, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The GEMM of ``operands`` (above) written into ``out`` where it lies (``fp8_gemm``'s ``out``). Eager calls."""
+        return fp8_linear_into(x, *operands, out=out)
 
 
 def _fuse_projections(block: nn.Module, record: PatchRecord) -> None:

@@ -10,8 +10,10 @@ the module is ``context_pre_only``, ``to_out`` on the image's. Where they can (`
 norm between, not compiling, no autograd) the six projections write their outputs into the concatenation
 where it lies, the same values without the copies: the FP8 tier's GEMMs (patches/fp8.py) through their
 epilogue, plain ``nn.Linear`` ones one GEMM a sample (``_linear_into``; a stream of a few hundred tokens, SD3's
-text, one GEMM copied in); and a plain output projection of the image stream adds its bias in the GEMMs that
-read its token slice of the attention output (``_out_projected``). The one
+text, one GEMM copied in), or, where patches/qkv_fusion.py laid a stream's three weights out as one (the
+patch does, as for FLUX), one GEMM a stream writing q, k and v side by side; and a plain output projection of
+the image stream adds its bias in the GEMMs that read its token slice of the attention output
+(``_out_projected``). The one
 ``F.scaled_dot_product_attention`` call (no mask, the default 1/√D scale, no dropout) goes to
 ``sd_kernels.ops.custom_ops.attention``, which picks FlashAttention, the partially fused softmax or stock
 SDPA per call as the profile says. Like diffusers' processor it ignores ``attention_mask`` and any
@@ -32,6 +34,8 @@ source (patches/diffusers_sources.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -51,6 +55,9 @@ class SDKernelsJointAttnProcessor:
     exchanges_tokens = True  # under sd_kernels' context-parallel plan (patches/context_parallel_plans.py)
     # set by diffusers' enable_parallelism: a split that enable_context_parallel did not mark is refused (ulysses_of)
     _parallel_config = None
+    # Each stream's q, k, v as one GEMM on the buffer the three weights share (patches/qkv_fusion.py), written
+    # into the join (``_projected_in_place``); None: three GEMMs
+    qkv = added_qkv = None
 
     def __init__(self, fused: bool = False) -> None:
         self.fused = fused  # FusedJointAttnProcessor2_0 (after pipe.fuse_qkv_projections())
@@ -73,7 +80,7 @@ class SDKernelsJointAttnProcessor:
         residual = hidden_states
 
         batch_size = hidden_states.shape[0]
-        joined = _projected_in_place(attn, hidden_states, encoder_hidden_states)
+        joined = _projected_in_place(attn, hidden_states, encoder_hidden_states, (self.qkv, self.added_qkv))
         if joined is not None:  # the FP8 tier's projections wrote both streams into the join
             query, key, value = joined
             head_dim = query.shape[-1]
@@ -186,20 +193,19 @@ def _plain_linears(layers, x: torch.Tensor) -> bool:
 PER_SAMPLE_ROWS = 1024
 
 
-def _linear_into(layer: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for x [B, S, K] written into ``out`` [B, S, N]: where it lies, one GEMM a sample (a sample's
-    rows of a token slice are one contiguous block even where the batch's are not), the bias added in the GEMM's
-    epilogue as ``F.linear``'s is; samples of fewer than ``PER_SAMPLE_ROWS`` rows in one GEMM, then copied in.
-    At batch 1 it is ``F.linear``'s GEMM; at batch 2 each GEMM has half the rows, which the library may tile
-    differently (the same values up to the dtype's rounding)."""
+def _linear_into(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [B, S, K] written into ``out`` [B, S, N]: where it lies, one GEMM a
+    sample (a sample's rows of a token slice are one contiguous block even where the batch's are not), the bias
+    added in the GEMM's epilogue as ``F.linear``'s is; samples of fewer than ``PER_SAMPLE_ROWS`` rows in one
+    GEMM, then copied in. At batch 1 it is ``F.linear``'s GEMM; at batch 2 each GEMM has half the rows, which
+    the library may tile differently (the same values up to the dtype's rounding)."""
     if x.shape[0] > 1 and x.shape[1] < PER_SAMPLE_ROWS:
-        return out.copy_(F.linear(x, layer.weight, layer.bias))
-    weight = layer.weight.t()
+        return out.copy_(F.linear(x, weight, bias))
     for b in range(x.shape[0]):
-        if layer.bias is None:
-            torch.mm(x[b], weight, out=out[b])
+        if bias is None:
+            torch.mm(x[b], weight.t(), out=out[b])
         else:
-            torch.addmm(layer.bias, x[b], weight, out=out[b])
+            torch.addmm(bias, x[b], weight.t(), out=out[b])
     return out
 
 
@@ -214,18 +220,39 @@ def _out_projected(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             or torch.compiler.is_compiling() or not _plain_linears([layer], x)
             or not all(x[b].is_contiguous() for b in range(x.shape[0]))):
         return layer(x)
-    return _linear_into(layer, x, x.new_empty(*x.shape[:2], layer.out_features))
+    return _linear_into(layer.weight, layer.bias, x, x.new_empty(*x.shape[:2], layer.out_features))
 
 
-def _projected_in_place(attn, hidden_states, encoder_hidden_states):
+def _fused_writers(streams: tuple, attn, fp8: bool) -> list | None:
+    """For the image and the text stream, a ``write(x, out)`` of its q, k and v as one GEMM into ``out``
+    [B, S, 3·N] (the three weights laid out as one by patches/qkv_fusion.py; under the FP8 tier their codes,
+    ``Fp8Projections``); None unless both streams' fusions serve the call, checked before anything is written."""
+    from .fp8 import Fp8Projections
+
+    writers = []
+    for fused, names in zip(streams, (_IMAGE, _CONTEXT)):
+        quantized = getattr(fused, "quantized", None)
+        if fused is None or fp8 != isinstance(quantized, Fp8Projections):
+            return None
+        operands = quantized.operands(attn, names) if fp8 else fused.operands(attn, names)
+        if operands is None:
+            return None
+        writers.append(functools.partial(Fp8Projections.into, operands) if fp8
+                       else functools.partial(_linear_into, *operands))
+    return writers
+
+
+def _projected_in_place(attn, hidden_states, encoder_hidden_states, streams: tuple = (None, None)):
     """q, k and v of both streams, joined as ``_joined`` lays them out, each projection writing its rows of
     the join where they lie, so no concatenation copies them (at SD3-medium 1024² with guidance, 27 MB read
     and written three times in each of 24 blocks): the FP8 tier's GEMMs through their epilogue
     (``Fp8Linear.into``: the token slice of the batch), plain Linears one GEMM a sample (``_linear_into``).
-    None where that path does not serve the call: no context, a norm between the projections and the join
-    (SD3.5's), projections that are neither all unhooked ``Fp8Linear`` nor all plain Linears
-    (``_plain_linears``), streams of different batch or dtype, or a compiled graph (which runs the ops as
-    diffusers' code calls them)."""
+    Where patches/qkv_fusion.py laid each stream's three weights out as one (``streams``: the processor's
+    ``qkv`` and ``added_qkv``), one GEMM a stream writes a join of q, k and v side by side ([B, S, 3·N]), which
+    the attention reads as three strided views. None where that path does not serve the call: no context, a
+    norm between the projections and the join (SD3.5's), projections that are neither all unhooked
+    ``Fp8Linear`` nor all plain Linears (``_plain_linears``), streams of different batch or dtype, or a
+    compiled graph (which runs the ops as diffusers' code calls them)."""
     from .fp8 import Fp8Linear  # patches/fp8.py imports the attention patches
 
     if (not JOIN_IN_PLACE or encoder_hidden_states is None or torch.compiler.is_compiling()
@@ -236,21 +263,29 @@ def _projected_in_place(attn, hidden_states, encoder_hidden_states):
         return None
     layers = [attn._modules.get(n) for n in _IMAGE + _CONTEXT]
     if all(type(m) is Fp8Linear and not called_beside(m) for m in layers):
-        def write(layer, x, out):
-            return layer.into(x, out)
+        fp8, writer = True, lambda layer: layer.into
     elif _plain_linears(layers, hidden_states):
-        write = _linear_into
+        fp8, writer = False, lambda layer: functools.partial(_linear_into, layer.weight, layer.bias)
     else:
         return None
+    width = layers[0].out_features
+    if any(m.out_features != width for m in layers) or width % attn.heads:
+        return None
     batch, n_image, n_text = hidden_states.shape[0], hidden_states.shape[1], encoder_hidden_states.shape[1]
+    tokens = n_image + n_text
+    fused = _fused_writers(streams, attn, fp8)
+    if fused is not None:
+        buffer = hidden_states.new_empty(batch, tokens, 3 * width)
+        fused[0](hidden_states, buffer[:, :n_image])
+        fused[1](encoder_hidden_states, buffer[:, n_image:])
+        parts = buffer.view(batch, tokens, 3, attn.heads, -1)
+        return [parts[:, :, i].transpose(1, 2) for i in range(3)]
     joined = []
     for image, context in zip(layers[:3], layers[3:]):
-        if image.out_features != context.out_features or image.out_features % attn.heads:
-            return None
-        buffer = hidden_states.new_empty(batch, n_image + n_text, image.out_features)
-        write(image, hidden_states, buffer[:, :n_image])
-        write(context, encoder_hidden_states, buffer[:, n_image:])
-        joined.append(buffer.view(batch, n_image + n_text, attn.heads, -1).transpose(1, 2))
+        buffer = hidden_states.new_empty(batch, tokens, width)
+        writer(image)(hidden_states, buffer[:, :n_image])
+        writer(context)(encoder_hidden_states, buffer[:, n_image:])
+        joined.append(buffer.view(batch, tokens, attn.heads, -1).transpose(1, 2))
     return joined
 
 

@@ -26,7 +26,9 @@ layer (docs/fp8.md); one through the Parameter itself is (its codes are made aga
 to three GEMMs).
 
 Installed by the attention patcher on every FluxAttention it gives our processor, for the image stream
-(``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), in the
+(``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), and likewise on
+every SD3 joint attention given ``SDKernelsJointAttnProcessor`` (whose one GEMM a stream writes q, k and v side
+by side into the streams' join: patches/joint_attention.py ``_projected_in_place``), in the
 lossless patch and the FP8 tier, without a memory budget and without ``compile=True``; a call torch.compile traces takes
 diffusers' projections (the guard reads data pointers, which the compiler does not trace); not where
 ``fuse_qkv_projections()`` already fused the module (diffusers' ``to_qkv`` then serves). Unpatch lays

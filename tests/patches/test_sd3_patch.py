@@ -93,7 +93,7 @@ def test_patch_and_unpatch_restore_exactly(transformer):
     params = dict(transformer.state_dict(keep_vars=True))
     stock = _run(transformer, x, kw)
     record = sd_kernels.patch(transformer)
-    assert dict(record.counts) == expected
+    assert dict(record.counts) == {**expected, "qkv_fusion": 4}  # each joint attention's q, k, v of both streams
     assert record.parts == ["SD3Transformer2DModel"] and not record.skipped
     blocks = list(transformer.transformer_blocks)
     assert all(isinstance(vars(b)["forward"], JointBlockForward) for b in blocks)
@@ -269,18 +269,37 @@ def _tiny_sd3(dtype, head_dim):
                                  pos_embed_max_size=16).to(dtype).eval()
 
 
-def test_fp8_projections_write_the_join_in_place_with_the_same_bits(monkeypatch, device):
-    """Under the FP8 tier the six projections of a joint attention write their rows of the join where they lie
-    (every block; the last, context_pre_only, too): no concatenation runs, and the output is bit for bit the
-    one the projections' own outputs joined by torch.cat give (the interpreter on CPU, compiled on a GPU)."""
-    from sd_kernels.patches.fp8 import Fp8Linear
+def _unfused(monkeypatch):
+    """The patch without qkv_fusion's layouts: each projection a GEMM of its own."""
+    monkeypatch.setattr(importlib.import_module("sd_kernels.patches.qkv_fusion"), "install", lambda *args: None)
 
-    model = _tiny_sd3(torch.float16, 64).to(device)
+
+def _error(exact: torch.Tensor):
+    return lambda t: ((t.double().cpu() - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three-gemms", "fused-qkv"])
+def test_fp8_projections_write_the_join_in_place(monkeypatch, device, fused):
+    """Under the FP8 tier the projections of a joint attention write their rows of the join where they lie
+    (every block; the last, context_pre_only, too), and no concatenation runs. Six GEMMs: the output is bit for
+    bit the one the projections' own outputs joined by torch.cat give. With each stream's q, k and v laid out
+    as one (qkv_fusion, the default): one GEMM a stream writes q, k and v side by side, the same codes in
+    wider tiles: its error against float64 within 1.5x the torch.cat join's (the interpreter on CPU,
+    compiled on a GPU)."""
+    from sd_kernels.patches.fp8 import Fp8Linear, Fp8Projections
+
+    if not fused:
+        _unfused(monkeypatch)
+    model = _tiny_sd3(torch.float16, 64)
     x, kw = _inputs(model)
-    x, kw = x.to(device), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    exact = _run(copy.deepcopy(model).double(), x, kw, torch.float64)
+    model, x = model.to(device), x.to(device)
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     writes = []
-    into = Fp8Linear.into
+    into, fused_into = Fp8Linear.into, Fp8Projections.into
     monkeypatch.setattr(Fp8Linear, "into", lambda self, x, out: writes.append(out.shape) or into(self, x, out))
+    monkeypatch.setattr(Fp8Projections, "into", staticmethod(
+        lambda operands, x, out: writes.append(out.shape) or fused_into(operands, x, out)))
     with sd_kernels.patched(model, cuda_graph=False, precision="fp8"):
         dispatch.reset_fallbacks()
         with _Copies() as mode:
@@ -288,20 +307,29 @@ def test_fp8_projections_write_the_join_in_place_with_the_same_bits(monkeypatch,
         monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)
         joined_by_cat = _run(model, x, kw, torch.float16)
         assert not dispatch.fallbacks()
-    joins = writes[0].numel() + writes[1].numel()  # q's image and text rows
-    assert len(writes) == 6 * 2 and not [n for n, _ in mode.cats if n == joins]
-    assert torch.equal(in_place, joined_by_cat)
+    per_block = 2 if fused else 6
+    assert len(writes) == per_block * 2 and {w[-1] for w in writes} == {model.inner_dim * (3 if fused else 1)}
+    joins = writes[0].numel() + writes[1].numel()  # the image and text rows of q's join (of q, k and v's fused)
+    assert not [n for n, _ in mode.cats if n == joins]
+    if not fused:
+        assert torch.equal(in_place, joined_by_cat)
+    error = _error(exact)
+    assert error(in_place) <= 1.5 * error(joined_by_cat) + 1e-7, (error(in_place), error(joined_by_cat))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["three-gemms", "fused-qkv"])
 @pytest.mark.parametrize("batch, per_sample_rows", [(1, 1), (2, 1), (2, 32)])
-def test_lossless_projections_write_the_join_in_place(monkeypatch, device, batch, per_sample_rows):
-    """In the lossless patch the six projections of a joint attention write the join where it lies, one GEMM
-    a sample (``_linear_into``), and the output projections read their token slices in place; a stream of
-    fewer rows a sample than ``PER_SAMPLE_ROWS`` (the 9 text tokens at 32) takes one GEMM, copied into the join,
-    and diffusers' output projection. At batch 1 that is F.linear's GEMM and the output is bit for bit the
-    torch.cat join's; at batch 2 each GEMM has half the rows, which a GPU library may tile otherwise: the
-    output's error against float64 stays within 1.5x the torch.cat join's (the interpreter on CPU, compiled
-    on a GPU)."""
+def test_lossless_projections_write_the_join_in_place(monkeypatch, device, batch, per_sample_rows, fused):
+    """In the lossless patch the projections of a joint attention write the join where it lies, one GEMM a
+    sample (``_linear_into``), and the output projections read their token slices in place; a stream of fewer
+    rows a sample than ``PER_SAMPLE_ROWS`` (the 9 text tokens at 32) takes one GEMM, copied into the join, and
+    diffusers' output projection. Six GEMMs at batch 1: F.linear's GEMMs, the output bit for bit the torch.cat
+    join's. At batch 2 each GEMM has half the rows, and with each stream's q, k and v laid out as one
+    (qkv_fusion, the default) one GEMM a stream writes them side by side, which a GPU library may tile
+    otherwise: the output's error against float64 within 1.5x the torch.cat join's (the interpreter on CPU,
+    compiled on a GPU)."""
+    if not fused:
+        _unfused(monkeypatch)
     monkeypatch.setattr(joint_attention, "PER_SAMPLE_ROWS", per_sample_rows)
     model = _tiny_sd3(torch.float16, 64)
     x, kw = _inputs(model, batch=batch)
@@ -309,24 +337,25 @@ def test_lossless_projections_write_the_join_in_place(monkeypatch, device, batch
     model, x = model.to(device), x.to(device)
     kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     writes, into = [], joint_attention._linear_into
-    monkeypatch.setattr(joint_attention, "_linear_into",
-                        lambda layer, x, out: writes.append(out.is_contiguous()) or into(layer, x, out))
+    monkeypatch.setattr(joint_attention, "_linear_into", lambda weight, bias, x, out: writes.append(
+        (out.shape[-1], out.is_contiguous())) or into(weight, bias, x, out))
     with sd_kernels.patched(model, cuda_graph=False):
         dispatch.reset_fallbacks()
         in_place = _run(model, x, kw, torch.float16)
         monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)
         joined_by_cat = _run(model, x, kw, torch.float16)
         assert not dispatch.fallbacks()
-    # per block: six projections into the join (a token slice of it, not contiguous at batch 2), then at batch 2
+    # per block: the projections into the join (a token slice of it, not contiguous at batch 2), then at batch 2
     # the output projections (the image's and the text's; the last, context_pre_only, block has no text output)
     # into tensors of their own, where their rows take a GEMM a sample (at batch 1 a token slice is contiguous:
     # F.linear reads it in place)
-    join = [batch == 1] * 6
-    image, text = ([True] * (batch - 1), [True] * (batch - 1) if per_sample_rows <= 9 else [])
+    width = model.inner_dim
+    join = [(3 * width, batch == 1)] * 2 if fused else [(width, batch == 1)] * 6
+    image, text = ([(width, True)] * (batch - 1), [(width, True)] * (batch - 1) if per_sample_rows <= 9 else [])
     assert writes == join + text + image + join + image
-    if batch == 1:
+    if batch == 1 and not fused:
         assert torch.equal(in_place, joined_by_cat)
-    error = lambda t: ((t.double().cpu() - exact).norm() / exact.norm()).item()
+    error = _error(exact)
     assert error(in_place) <= 1.5 * error(joined_by_cat) + 1e-7, (error(in_place), error(joined_by_cat))
 
 
@@ -434,7 +463,7 @@ def _pipe_run(pipe, steps=2, **kwargs):
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "layer_norm.JointTransformerBlock": 2, "gelu.GELU": 3,
-        "joint_attention_processor": 2, "attention_processor": 2})
+        "joint_attention_processor": 2, "attention_processor": 2, "qkv_fusion": 4})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):
