@@ -152,12 +152,9 @@ def _generate_one(args: argparse.Namespace, settings: options.Settings) -> int:
     try:
         device = parallel.start(launch, device)
         seed, drawn = parallel.shared((seed, drawn))
-        code = _make_one(args, settings, dataclasses.replace(job, seed=seed), drawn, model, device, dtype, out, launch)
-    except BaseException:
-        _end_process_group(synchronize=False)
-        raise
-    _end_process_group(synchronize=True)
-    return code
+        return _make_one(args, settings, dataclasses.replace(job, seed=seed), drawn, model, device, dtype, out, launch)
+    finally:
+        _end_process_group()
 
 
 def _make_one(args: argparse.Namespace, settings: options.Settings, job: options.Job, drawn: bool, model, device: str,
@@ -228,26 +225,18 @@ def _generate_batch(args: argparse.Namespace, settings: options.Settings) -> int
     specs = options.read_prompts(args.prompts)
     try:
         summary = generate.run(specs, pathlib.Path(args.out or "images"), settings)
-    except BaseException:
-        _end_process_group(synchronize=False)
-        raise
-    _end_process_group(synchronize=True)
+    finally:
+        _end_process_group()
     if summary.main:
         print(summary.format())
     return summary.exit_code
 
 
-def _end_process_group(synchronize: bool) -> None:
+def _end_process_group() -> None:
     """The process group accelerate started under torchrun / ``accelerate launch``, ended before the
     command returns: left to the interpreter's exit, gloo's threads are sometimes destroyed while
-    running, and the process aborts ("terminate called without an active exception") after its images.
-    After a success (``synchronize``) every process first waits for the others at a barrier, so that none
-    tears its part of the group down while another still uses it (an abort of the first process, seen once
-    in many runs with the group destroyed at once, was of that kind); after a failure there is no wait, a
-    process that failed not being there to meet it (torchrun stops the others)."""
+    running, and the process aborts ("terminate called without an active exception") after its images."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        if synchronize:
-            dist.barrier()
         dist.destroy_process_group()
