@@ -39,7 +39,7 @@ from . import flux_attention, qkv_fusion
 from .context_parallel_plans import ulysses_of
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
-from .joint_attention import SDKernelsJointAttnProcessor
+from .joint_attention import SDKernelsJointAttnProcessor, fusion_serves
 from .record import PatchRecord
 
 # The record's count name of each processor we install (others: "attention_processor").
@@ -172,7 +172,7 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
             replaced[id(new)] = (new, processor)
             record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
             if isinstance(new, flux_attention.SDKernelsFluxAttnProcessor) or (
-                    isinstance(new, SDKernelsJointAttnProcessor) and not new.fused):
+                    isinstance(new, SDKernelsJointAttnProcessor) and not new.fused and fusion_serves(module)):
                 qkv_fusion.install(module, new, path, record)
         else:
             record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")

@@ -21,10 +21,11 @@ torch's ``_scaled_mm`` serves the GEMM, one pass after it: ops/fp8_linear.py).
 
 The projections of one input (q, k and v of the same hidden states; k and v of the same text
 context, block after block) share one quantization: the first one leaves it on the tensor
-(``ops.fp8_linear.attach_quantized``). Where the attention patcher laid a FLUX attention's q, k and v
-weights out in one buffer (patches/qkv_fusion.py), their codes and scales are laid out alike and the
-three are one GEMM (``Fp8Projections``). Outside the blocks (embedders, the final norm and projection,
-1×1 convolutions: their GEMMs are a small share of a step) nothing changes.
+(``ops.fp8_linear.attach_quantized``). Where the attention patcher laid a FLUX or SD3 attention's q, k and
+v weights out in one buffer (patches/qkv_fusion.py), their codes and scales are laid out alike and the
+three are one GEMM (``Fp8Projections``; SD3's writes the streams' join in place, patches/joint_attention.py).
+Outside the blocks (embedders, the final norm and projection, 1×1 convolutions: their GEMMs are a small
+share of a step) nothing changes.
 
 Attention stays exact unless ``FP8_ATTENTION`` is set: the FP8 attention kernel (docs/kernels/attention_fp8.md)
 is slower than our exact attention on the H200 (docs/fp8.md). Set, the processors the attention patcher
@@ -272,7 +273,8 @@ class Fp8AdaLayerNormZero(nn.Module):
 class Fp8Projections:
     """One stream's q, k and v ``Fp8Linear``s as one FP8 GEMM: their codes and scales laid out in one
     buffer each (their own buffers become views of it), the biases read from the layout qkv_fusion gave
-    the Parameters. Serves ``FusedProjections.project`` while the module still holds these layers,
+    the Parameters. Serves ``FusedProjections.project`` (FLUX) and SD3's join written in place (``operands``,
+    ``into``: patches/joint_attention.py) while the module still holds these layers,
     unhooked, outside autograd and compilation, their codes still laid out (a weight changed since is
     quantized again into a buffer of its own: the call goes back to three GEMMs, and the other two layers'
     views keep the laid-out buffer, a third more codes for that stream, until unpatch); None otherwise."""

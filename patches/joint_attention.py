@@ -7,8 +7,8 @@ line for line: the image stream's q/k/v projections viewed as [B, heads, S, D], 
 along the sequence (the same values, laid out with the heads inner in memory: ``_joined``), then split
 back after the attention, ``to_add_out`` on the context's part unless
 the module is ``context_pre_only``, ``to_out`` on the image's. Where they can (``JOIN_IN_PLACE`` on, no q/k
-norm between, not compiling, no autograd) the six projections write their outputs into the concatenation
-where it lies, the same values without the copies: the FP8 tier's GEMMs (patches/fp8.py) through their
+norm between, not compiling; plain Linears without autograd) the six projections write their outputs into the
+concatenation where it lies, the same values without the copies: the FP8 tier's GEMMs (patches/fp8.py) through their
 epilogue, plain ``nn.Linear`` ones one GEMM a sample (``_linear_into``; a stream of a few hundred tokens, SD3's
 text, one GEMM copied in), or, where patches/qkv_fusion.py laid a stream's three weights out as one (the
 patch does, as for FLUX), one GEMM a stream writing q, k and v side by side; and a plain output projection of
@@ -45,6 +45,7 @@ from sd_kernels.profiles import scoped
 
 from .context_parallel_plans import ulysses_of
 from .hooks import called_beside
+from .qkv_fusion import plain as _plain
 
 
 class SDKernelsJointAttnProcessor:
@@ -81,7 +82,7 @@ class SDKernelsJointAttnProcessor:
 
         batch_size = hidden_states.shape[0]
         joined = _projected_in_place(attn, hidden_states, encoder_hidden_states, (self.qkv, self.added_qkv))
-        if joined is not None:  # the FP8 tier's projections wrote both streams into the join
+        if joined is not None:  # the projections wrote both streams into the join
             query, key, value = joined
             head_dim = query.shape[-1]
         else:
@@ -176,29 +177,43 @@ def _joined(image: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
 # joined by torch.cat, F.linear on the slices (the same bits at batch 1: tests/patches/test_sd3_patch.py)
 JOIN_IN_PLACE = True
 _IMAGE, _CONTEXT = ("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
 def _plain_linears(layers, x: torch.Tensor) -> bool:
     """Whether ``_linear_into`` computes what calling these layers on ``x`` computes: each exactly an unhooked
-    ``nn.Linear`` with its weight in ``x``'s dtype and on its device, and no autograd or autocast (the
+    ``nn.Linear`` whose weight (and bias) are plain tensors (not a subclass, e.g. a quantized weight whose own
+    ``F.linear`` would be passed by) in ``x``'s dtype and on its device, and no autograd or autocast (the
     ``out=`` GEMMs take neither)."""
     return (not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
-            and all(type(m) is nn.Linear and not called_beside(m) and m.weight.dtype == x.dtype
+            and all(type(m) is nn.Linear and not called_beside(m) and _plain(m.weight)
+                    and (m.bias is None or _plain(m.bias)) and m.weight.dtype == x.dtype
                     and m.weight.device == x.device for m in layers))
+
+
+def fusion_serves(attn) -> bool:
+    """Whether a joint attention's q, k, v laid out as one GEMM a stream (patches/qkv_fusion.py) would ever
+    serve it: only ``_projected_in_place`` calls the fused GEMMs, which needs a context stream and no q/k norm
+    (SD3.5's attentions have norms; its second, image-only attention no context projections)."""
+    return (getattr(attn, "add_q_proj", None) is not None
+            and all(getattr(attn, n, None) is None for n in _NORMS))
 
 
 # Samples of fewer rows than this (SD3's 333 text tokens) take one GEMM over the batch: a GEMM a sample costs
 # them more than the copy it saves (H200, fp16, 1,536 features: two GEMMs of 333 rows 15.8 µs, one of 666 rows
-# 8.0 µs; of 4,096 rows 66.1 against one of 8,192 63.4 µs, where a torch.cat of the join copies 14 µs a tensor)
+# 8.0 µs). Longer ones gain at every batch measured: SD3-medium's fused q, k, v, a GEMM a sample into the join
+# against one GEMM copied in, 193 / 266 µs at batch 2 × 4,096 tokens, 204 / 267 at 8 × 1,024, 395 / 521 at 16 ×
+# 1,024 (bench/results/2026-11-29-h200-sd3-lossless-join-in-place)
 PER_SAMPLE_ROWS = 1024
 
 
 def _linear_into(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [B, S, K] written into ``out`` [B, S, N]: where it lies, one GEMM a
     sample (a sample's rows of a token slice are one contiguous block even where the batch's are not), the bias
-    added in the GEMM's epilogue as ``F.linear``'s is; samples of fewer than ``PER_SAMPLE_ROWS`` rows in one
-    GEMM, then copied in. At batch 1 it is ``F.linear``'s GEMM; at batch 2 each GEMM has half the rows, which
-    the library may tile differently (the same values up to the dtype's rounding)."""
+    added in the GEMM's epilogue; samples of fewer than ``PER_SAMPLE_ROWS`` rows in one GEMM, then copied in.
+    For a contiguous x at batch 1 it is the GEMM ``F.linear`` runs; otherwise the GEMMs have other heights
+    than ``F.linear``'s (half the rows at batch 2), which the library may tile differently: the same values up
+    to the dtype's rounding."""
     if x.shape[0] > 1 and x.shape[1] < PER_SAMPLE_ROWS:
         return out.copy_(F.linear(x, weight, bias))
     for b in range(x.shape[0]):
@@ -259,7 +274,7 @@ def _projected_in_place(attn, hidden_states, encoder_hidden_states, streams: tup
             or hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3
             or hidden_states.shape[0] != encoder_hidden_states.shape[0]
             or hidden_states.dtype != encoder_hidden_states.dtype
-            or any(getattr(attn, n, None) is not None for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))):
+            or any(getattr(attn, n, None) is not None for n in _NORMS)):
         return None
     layers = [attn._modules.get(n) for n in _IMAGE + _CONTEXT]
     if all(type(m) is Fp8Linear and not called_beside(m) for m in layers):

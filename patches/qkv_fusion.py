@@ -1,4 +1,4 @@
-"""One GEMM for a FLUX attention's q, k and v projections, with no second copy of their weights.
+"""One GEMM for an attention's q, k and v projections (FLUX's, SD3's), with no second copy of their weights.
 
 diffusers' ``fuse_qkv_projections()`` (the recipe torch.compile's FLUX numbers use) builds a ``to_qkv``
 Linear from a concatenated copy of ``to_q``, ``to_k`` and ``to_v``: one [tokens, 3·inner] GEMM per
@@ -52,7 +52,7 @@ KIND = "qkv_fusion"
 STREAMS = (("qkv", ("to_q", "to_k", "to_v")), ("added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
 
 
-def _plain(t: torch.Tensor | None) -> bool:
+def plain(t: torch.Tensor | None) -> bool:
     """Whether a Parameter's data is a plain tensor with storage (not a tensor subclass, e.g. a quantized
     weight, nor on the meta device)."""
     return t is not None and type(t.data) is torch.Tensor and t.device.type != "meta"
@@ -65,7 +65,7 @@ def _unfit(linears: list) -> str | None:
     if any(map(hooked, linears)):
         return "hooks on a projection (the fused GEMM would skip them)"
     first = linears[0].weight
-    if not all(_plain(m.weight) and (m.bias is None or _plain(m.bias)) for m in linears):
+    if not all(plain(m.weight) and (m.bias is None or plain(m.bias)) for m in linears):
         return "weights that are not plain tensors with storage (a tensor subclass, the meta device)"
     if any(m.weight.shape != first.shape or m.weight.dtype != first.dtype or m.weight.device != first.device
            for m in linears):
@@ -78,7 +78,7 @@ def _unfit(linears: list) -> str | None:
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The three tensors as one, where they are plain, consecutive contiguous blocks of one storage (as
     ``FusedProjections`` laid them out): a view made now, no reference kept; None otherwise."""
-    if not all(map(_plain, tensors)):
+    if not all(map(plain, tensors)):
         return None
     first = tensors[0]
     storage, start, size = first.untyped_storage(), first.storage_offset(), first.numel()
@@ -151,7 +151,7 @@ class FusedProjections:
         with torch.inference_mode(False), torch.no_grad():
             for m in self.linears:
                 for t in m.parameters():
-                    if _plain(t) and StorageWeakRef(t.untyped_storage()) in live:
+                    if plain(t) and StorageWeakRef(t.untyped_storage()) in live:
                         t.data = t.data.clone()
 
 

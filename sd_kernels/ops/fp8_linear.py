@@ -384,9 +384,10 @@ def _out_rows(out: torch.Tensor | None, out_shape: tuple, out_dtype: torch.dtype
     """``fp8_gemm``'s ``out`` checked against the output it takes (a ValueError otherwise, a RuntimeError for an
     ``out`` autograd would have to track), and its rows as the epilogue writes them (``segments``): None where
     the kernels cannot write it in place, so that the result is made apart and copied in (no out; rows no
-    two-level stride reaches; columns not unit-strided; elements that overlap each other, which ``copy_`` then
-    refuses; memory shared with an input, unless it is the residual itself, each element of which the tile that
-    writes it has read)."""
+    two-level stride reaches; rows ``_disjoint`` cannot show apart, columns not unit-strided among them; elements
+    torch finds overlapping, a zero stride, which ``copy_`` then refuses as it refuses them anywhere; memory
+    shared with an input, unless it is the residual itself, each element of which the tile that writes it has
+    read)."""
     if out is None:
         return None
     if tuple(out.shape) != tuple(out_shape) or out.dtype != out_dtype or out.device != device:

@@ -92,6 +92,26 @@ def test_gemm_writes_each_stream_into_the_join_where_it_lies(device, count_calls
     assert torch.equal(join, torch.cat(want, dim=1))
 
 
+@pytest.mark.parametrize("layout, apart", [
+    ((5, 8, 1), True),  # one segment of 5 rows, 8 apart: the rows of an [N, 8] tensor
+    ((5, 6, 1), False),  # rows 6 apart, 8 wide: each row overlaps the next
+    ((5, 8, 2), False),  # columns not unit-strided
+], ids=["rows-apart", "rows-overlap", "columns-strided"])
+def test_disjoint_takes_one_segment_only_with_rows_apart(layout, apart):
+    rows, stride_r, stride_c = layout
+    base = torch.empty(64)
+    assert fp8._disjoint(fp8_quant.Segments(base, rows, 8, rows, stride_r * rows, stride_r, stride_c)) is apart
+
+
+@pytest.mark.parametrize("stride_s, apart", [(29 * 37, True), (3 * 37, False), (37, False)],
+                         ids=["samples-apart", "samples-overlap", "samples-interleaved"])
+def test_disjoint_takes_segments_only_past_the_previous_one(stride_s, apart):
+    """Three segments of 21 rows 37 apart (buffer[:, :21] of a [3, 29, 37] join: samples 29 · 37 apart) are
+    disjoint; segments starting inside the previous one are not."""
+    segments = fp8_quant.Segments(torch.empty(4096), 3 * 21, 37, 21, stride_s, 37, 1)
+    assert fp8._disjoint(segments) is apart
+
+
 @pytest.mark.parametrize("route", [False, True], ids=["triton", "torch"])
 def test_an_out_the_kernels_cannot_write_in_place_gets_the_result_copied_in(monkeypatch, route):
     """Columns not unit-strided (or torch's GEMM serving the call, faked available on the CPU): the output is

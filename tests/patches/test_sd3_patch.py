@@ -181,13 +181,13 @@ def test_fused_joint_processor_takes_4d_streams(transformer):
 
 
 class _Copies(TorchDispatchMode):
-    """The copies (their outputs' element counts; apart, those read from a ``watched`` storage, which the
-    caller keeps alive), concatenations (theirs, and whether each input is contiguous) and in-place adds of a
-    vector of the calls made under it, except while ``paused``."""
+    """The copies (their outputs' element counts; the shapes ``copy_`` wrote into; apart, those read from a
+    ``watched`` storage, which the caller keeps alive), concatenations (theirs, and whether each input is
+    contiguous) and in-place adds of a vector of the calls made under it, except while ``paused``."""
 
     def __init__(self):
         super().__init__()
-        self.paused, self.copies, self.cats, self.bias_adds = False, [], [], []
+        self.paused, self.copies, self.cats, self.bias_adds, self.copied_into = False, [], [], [], []
         self.watched, self.watched_copies = set(), []  # storages (data pointers) of live tensors, copies of them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -195,6 +195,8 @@ class _Copies(TorchDispatchMode):
         if not self.paused:
             if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
                 self.copies.append(out.numel())
+                if func is torch.ops.aten.copy_.default:
+                    self.copied_into.append(tuple(args[0].shape))
                 source = args[1] if func is torch.ops.aten.copy_.default else args[0]
                 if source.untyped_storage().data_ptr() in self.watched:
                     self.watched_copies.append(out.numel())
@@ -309,6 +311,7 @@ def test_fp8_projections_write_the_join_in_place(monkeypatch, device, fused):
         assert not dispatch.fallbacks()
     per_block = 2 if fused else 6
     assert len(writes) == per_block * 2 and {w[-1] for w in writes} == {model.inner_dim * (3 if fused else 1)}
+    assert not set(writes) & set(mode.copied_into), "a GEMM's output was made apart and copied into the join"
     joins = writes[0].numel() + writes[1].numel()  # the image and text rows of q's join (of q, k and v's fused)
     assert not [n for n, _ in mode.cats if n == joins]
     if not fused:
@@ -357,6 +360,41 @@ def test_lossless_projections_write_the_join_in_place(monkeypatch, device, batch
         assert torch.equal(in_place, joined_by_cat)
     error = _error(exact)
     assert error(in_place) <= 1.5 * error(joined_by_cat) + 1e-7, (error(in_place), error(joined_by_cat))
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass, as quantized weights are (torchao's keep the module an nn.Linear)."""
+
+
+@pytest.mark.parametrize("case", ["subclass-weight", "hooked", "autograd"])
+def test_lossless_join_in_place_only_for_plain_unhooked_linears(monkeypatch, case):
+    """The in-place join computes with torch.addmm what the layers' own calls compute only for plain Linears:
+    a weight that is a tensor subclass (its own F.linear would be passed by) or a hooked projection sends that
+    block's attention to diffusers' lines (the hook runs), autograd sends every block; the output is the torch.cat
+    join's, bit for bit (batch 1, three GEMMs a stream, so that the blocks still written in place are exact)."""
+    _unfused(monkeypatch)
+    model = _tiny_sd3(torch.float32, 24)
+    x, kw = _inputs(model, batch=1)
+    first = model.transformer_blocks[0].attn
+    calls = []
+    if case == "subclass-weight":
+        first.to_k.weight = torch.nn.Parameter(first.to_k.weight.detach().as_subclass(_Wrapped))
+    elif case == "hooked":
+        first.to_k.register_forward_hook(lambda *args: calls.append("hook"))
+    writes, into = [], joint_attention._linear_into
+    monkeypatch.setattr(joint_attention, "_linear_into",
+                        lambda weight, bias, x, out: writes.append(weight.shape) or into(weight, bias, x, out))
+    run = _run if case != "autograd" else (
+        lambda m, x, kw, dtype: m(x, **kw, return_dict=False)[0].detach())
+    with sd_kernels.patched(model, cuda_graph=False):
+        in_place = run(model, x, kw, torch.float32)
+        monkeypatch.setattr(joint_attention, "JOIN_IN_PLACE", False)
+        joined_by_cat = run(model, x, kw, torch.float32)
+    # the second block alone writes its join (six projections), unless autograd is on; its output projections at
+    # batch 1 read contiguous slices (no write)
+    assert len(writes) == (0 if case == "autograd" else 6)
+    assert calls == (["hook", "hook"] if case == "hooked" else [])
+    assert torch.equal(in_place, joined_by_cat)
 
 
 @pytest.mark.parametrize("ops", [["layer_norm"], ["attention"], None])
@@ -429,7 +467,8 @@ def test_unverified_diffusers_code_is_left_alone(transformer, monkeypatch, qualn
 def test_sd35_blocks_dual_attention_left_alone_qk_norm_served(monkeypatch):
     """SD3.5's structure: a dual-attention block (SD35AdaLayerNormZeroX, a second image-only attention)
     is reported and left to diffusers' forward; its attentions (RMSNorm q/k, the image-only call of the
-    joint processor) and the plain block are patched; with reference ops, stock's bits."""
+    joint processor) and the plain block are patched, their q, k, v not laid out as one; with reference ops,
+    stock's bits."""
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     torch.manual_seed(0)
     model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=24,
@@ -441,6 +480,7 @@ def test_sd35_blocks_dual_attention_left_alone_qk_norm_served(monkeypatch):
     with sd_kernels.patched(model, cuda_graph=False) as record:
         assert record.counts["layer_norm.JointTransformerBlock"] == 2
         assert record.counts["joint_attention_processor"] == 3 + 1  # the joint attentions + block 0's attn2
+        assert "qkv_fusion" not in record.counts  # q/k norms between projections and join: no fused GEMM would serve
         (skip,) = record.skipped
         assert skip.path == "SD3Transformer2DModel.transformer_blocks.0" and "dual attention" in skip.reason
         assert torch.equal(_run(model, x, kw), stock)
