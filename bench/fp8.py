@@ -2,7 +2,8 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,fp8,fp8+attention,
+                        [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,
+                                patched+two-pass-residual,fp8,fp8+attention,
                                 fp8+triton-gemm,fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,
                                 fp8+unfused-qkv,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
@@ -30,9 +31,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   (``patch(pipe)``: CUDA graphs; ``patched+cat-join``: with SD3's joint attention in diffusers' data flow,
   the projections' outputs joined by torch.cat and F.linear on the output's token slices,
   ``patches.joint_attention.JOIN_IN_PLACE`` off; ``patched+unfused-qkv``: each q, k, v projection a GEMM of its
-  own, ``patches.qkv_fusion.install`` skipped, for FLUX too); ours ``patch(pipe, precision="fp8")``, with its
-  attention in FP8 too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our Triton kernels
-  (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
+  own, ``patches.qkv_fusion.install`` skipped, for FLUX too; ``patched+two-pass-residual``: the blocks' gated
+  feed-forward residuals as diffusers' two ops instead of one ``addcmul``); ours ``patch(pipe, precision="fp8")``,
+  with its attention in FP8 too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our
+  Triton kernels (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
   our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul`` (``fp8+fused-gate-gemm``), with every GEMM
   on the pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
   read on it rather than the kernel the tables time faster per shape (``fp8+tma-gemm``), with SD3's joint
@@ -65,7 +67,8 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "fp8", "fp8+attention",
+ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual",
+        "fp8", "fp8+attention",
         "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
         "fp8+unfused-qkv", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
@@ -265,12 +268,16 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
     from sd_kernels.patches import joint_attention, qkv_fusion
+    from sd_kernels.patches import layer_norm as layer_norm_patch
 
-    layouts = {"cat-join": (joint_attention, "JOIN_IN_PLACE", False),
-               "unfused-qkv": (qkv_fusion, "install", lambda *args: None)}
+    from sd_kernels import reference
+
+    ablations = {"cat-join": (joint_attention, "JOIN_IN_PLACE", False),
+                 "unfused-qkv": (qkv_fusion, "install", lambda *args: None),
+                 "two-pass-residual": (layer_norm_patch, "gated_add", reference.gated_add)}
     if row.startswith("patched+"):
         label = "patched+graph+" + row.removeprefix("patched+")
-        return label, lambda p: _applied_with(p, VARIANTS["patched+graph"], layouts[row.removeprefix("patched+")])
+        return label, lambda p: _applied_with(p, VARIANTS["patched+graph"], ablations[row.removeprefix("patched+")])
     if row in FP8_ROWS:
         setup = Setup(FP8_ROWS[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
         from sd_kernels.patches import fp8 as fp8_patch
@@ -282,7 +289,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
                    "fp8+tma-gemm": (fp8_ops, "_tma_chosen", lambda key, device: True),
-                   **{"fp8+" + name: change for name, change in layouts.items()}}.get(row)
+                   **{"fp8+" + name: change for name, change in ablations.items()}}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 

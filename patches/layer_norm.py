@@ -9,7 +9,7 @@ PixArtTransformer2DModel) modulates its LayerNorms with six per-sample vectors [
 | ``norm1(x) * (1 + scale_msa) + shift_msa``                           | ``layer_norm_modulated``: one pass    |
 | ``x = gate_msa * attn1(...) + x``                                    | as stock (attn2 follows, no norm)     |
 | ``x = attn2(x, ...) + x``; ``norm2(x) * (1 + scale_mlp) + shift_mlp`` | ``gated_residual_layer_norm``, gate None |
-| ``x = gate_mlp * ff(...) + x``                                       | as stock (the next norm1 follows)     |
+| ``x = gate_mlp * ff(...) + x``                                       | ``gated_add``: one addcmul pass       |
 
 A block without cross-attention (``attn2`` None) fuses its self-attention's gated residual with norm2
 instead (``gated_residual_layer_norm`` with ``gate_msa``). Everything else (the attention and
@@ -36,7 +36,8 @@ and here:
 - ``norm1.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]``: ``layer_norm_modulated``;
 - ``x = x + gate_msa.unsqueeze(1) * attn_output`` then
   ``norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]``: ``gated_residual_layer_norm``;
-- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: as stock (the next block's norm1 follows).
+- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: ``gated_add``, one ``torch.addcmul`` pass instead of two (the
+  next block's norm1 follows: a fusion across blocks, not done).
 
 The last block of an SD3 transformer is ``context_pre_only``: its context goes through an
 ``AdaLayerNormContinuous`` into the attention and no further; that norm runs as diffusers' module,
@@ -58,8 +59,9 @@ processor's image residual) is added after the feed-forward residual and the tex
 fp16, as in diffusers' forward. The single-stream ``FluxSingleTransformerBlock`` (text and image tokens
 concatenated) has one ``AdaLayerNormZeroSingle`` (``linear(silu(temb))`` in three chunks):
 ``norm(x) * (1 + scale) + shift`` is ``layer_norm_modulated`` (``FluxSingleBlockForward``, counted as
-``layer_norm.FluxSingleTransformerBlock``); its gated ``proj_out`` residual is followed by the next
-block's norm, a fusion across blocks, left to stock's ops (the FP8 tier puts it, with the join, in
+``layer_norm.FluxSingleTransformerBlock``); its gated ``proj_out`` residual, followed by the next block's
+norm (a fusion across blocks, not done), is one ``gated_add`` pass, as every feed-forward residual here (the
+FP8 tier puts it, with the join, in
 ``proj_out``'s GEMM: ``_fp8_joined``; and every stream's feed-forward residual in the feed-forward's
 second GEMM: ``_after_attention``). Both call the original forward for
 ``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, a mask) and for
@@ -79,6 +81,7 @@ import torch.nn as nn
 
 from sd_kernels.ops.custom_ops import gated_residual_layer_norm, layer_norm_modulated
 from sd_kernels.ops.gelu import gelu_into
+from sd_kernels.ops.residual import gated_add
 from sd_kernels.profiles import scoped
 
 from . import modulation_split
@@ -207,8 +210,7 @@ class AdaNormSingleForward(_BlockForward):
             residual, branch, gate = hidden_states, attn_output, None
         hidden_states, norm_hidden_states = _gated_norm(block.norm2, residual, branch, gate, scale_mlp, shift_mlp)
 
-        ff_output = gate_mlp * _feed_forward(block, block.ff, norm_hidden_states)
-        hidden_states = ff_output + hidden_states
+        hidden_states = gated_add(hidden_states, gate_mlp, _feed_forward(block, block.ff, norm_hidden_states))
         if hidden_states.ndim == 4:
             hidden_states = hidden_states.squeeze(1)
         return hidden_states
@@ -252,7 +254,7 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
     if gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff):
         return gated(normed, gate_mlp, x)  # the gate and the add made by its second GEMM
-    return x + gate_mlp.unsqueeze(1) * _feed_forward(block, ff, normed)
+    return gated_add(x, gate_mlp.unsqueeze(1), _feed_forward(block, ff, normed))
 
 
 def _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs) -> str | None:
@@ -385,9 +387,8 @@ class FluxSingleBlockForward(_FluxForward):
                 joined[..., :inner].copy_(attn_output)
             else:  # another attention output than the width planned for: stock's concatenation (and its errors)
                 joined = torch.cat([attn_output, joined[..., inner:]], dim=2)
-            # the gated residual: the next block's norm follows (a fusion across blocks, not done)
-            projected = block.proj_out(joined)
-            hidden_states = hidden_states + gate.unsqueeze(1) * projected
+            # the gated residual in one pass: the next block's norm follows (a fusion across blocks, not done)
+            hidden_states = gated_add(hidden_states, gate.unsqueeze(1), block.proj_out(joined))
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]

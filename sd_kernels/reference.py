@@ -74,6 +74,12 @@ def group_norm_given(x: torch.Tensor, stats: torch.Tensor, weight: torch.Tensor 
     return (F.silu(y) if activation == "silu" else y).to(x.dtype)
 
 
+def gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate · y as diffusers' DiT blocks write their gated residuals: the product rounded to the dtype,
+    then the sum."""
+    return x + gate * y
+
+
 def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None = None,
                   bias2: torch.Tensor | None = None, divisor: float = 1.0) -> torch.Tensor:
     """(y + bias[c] [+ bias2[c]] [+ skip]) / divisor, in fp32 (float64 for float64 y), in y's dtype and layout."""

@@ -12,7 +12,7 @@ from .group_norm import group_norm
 from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
 from .layer_norm import gated_residual_layer_norm, layer_norm_modulated, layer_norm_modulated_fp8
 from .pack8 import pack8, unpack8
-from .residual import bias_residual
+from .residual import bias_residual, gated_add
 from .rope import qk_norm_rope, qk_norm_rope_kv
 from .softmax_matmul import partial_softmax_attention, softmax_matmul
 from .upsample import upsample_conv2d
@@ -26,6 +26,7 @@ __all__ = [
     "flash_attention",
     "fp8_gemm",
     "fp8_linear",
+    "gated_add",
     "gated_residual_layer_norm",
     "geglu",
     "gelu",

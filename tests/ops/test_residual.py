@@ -1,13 +1,15 @@
 """bias_residual (a ResNet block's tail: conv2's bias, the shortcut and its bias, the output scale, in
 one pass) against float64: odd shapes, every layout and dtype, in place and into a view of a larger
 buffer (as the streamed VAE decode writes its bands). CPU: the interpreter; GPU (-m gpu): the SD1.5
-VAE decoder's band shapes."""
+VAE decoder's band shapes. gated_add (a DiT block's gated residual in one pass) against float64 and the
+reference backend's bits."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sd_kernels import reference
-from sd_kernels.ops import bias_residual
+from sd_kernels.ops import bias_residual, gated_add
 from sd_kernels.testing import UNIT_ROUNDOFF, channels_last, non_contiguous, poison_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -77,6 +79,42 @@ def test_bias_residual_checks_its_arguments(device):
         bias_residual(y, torch.randn(8, device=device), torch.randn(1, 8, 3, 2, device=device))
     with pytest.raises(ValueError, match="out must have y's dtype"):
         bias_residual(y, torch.randn(8, device=device), out=torch.empty_like(y, dtype=torch.float16))
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, gate_shape", [((2, 77, 40), (2, 1, 40)), ((1, 333, 24), (1, 1, 24)),
+                                               ((3, 5, 8), (3, 5, 8))])
+def test_gated_add_rounds_once(dtype, shape, gate_shape, device, monkeypatch):
+    """x + gate · y with a per-sample gate broadcast over the tokens (SD3's, FLUX's, PixArt-Σ's feed-forward
+    residual): within one rounding of float64 and no further from it than diffusers' two ops; under the
+    reference backend diffusers' two ops, bit for bit; with mixed dtypes the reference's type promotion."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(2))
+    gate = torch.randn(gate_shape, generator=g).to(device, dtype)
+    want = x.double() + gate.double() * y.double()
+    with _Ops() as ops:
+        got = gated_add(x, gate, y)
+    assert ops.seen == [torch.ops.aten.addcmul.default]  # one pass, the product never written
+    assert got.dtype == dtype and got.shape == want.shape
+    error = (got.double() - want).abs().max().item()
+    stock = ((x + gate * y).double() - want).abs().max().item()
+    assert error <= max(stock, UNIT_ROUNDOFF[dtype] * want.abs().max().item()), (error, stock)
+    mixed = gated_add(x, gate.double(), y)
+    assert mixed.dtype == torch.float64 and torch.equal(mixed, x + gate.double() * y)
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert torch.equal(gated_add(x, gate, y), x + gate * y)
 
 
 def test_reference_matches_the_kernel_contract():
