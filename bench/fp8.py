@@ -289,7 +289,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
                    "fp8+tma-gemm": (fp8_ops, "_tma_chosen", lambda key, device: True),
-                   **{"fp8+" + name: change for name, change in ablations.items()}}.get(row)
+                   "fp8+cat-join": ablations["cat-join"], "fp8+unfused-qkv": ablations["unfused-qkv"]}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 

@@ -248,8 +248,8 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
                      gate_mlp: torch.Tensor) -> torch.Tensor:
     """One stream of an adaLN-Zero block after its attention: ``x + gate_msa.unsqueeze(1) * attn_output``
     and ``norm2`` of it modulated with scale/shift_mlp in one kernel, then ``x + gate_mlp.unsqueeze(1) *
-    ff(normed)``: as stock, or by the second GEMM of the FP8 tier's feed-forward (``fp8_gemm``: its epilogue,
-    or one pass after torch's GEMM) where ``ff`` is one, unchunked and called as nothing but its forward."""
+    ff(normed)``: one ``gated_add`` pass, or by the second GEMM of the FP8 tier's feed-forward (``fp8_gemm``: its
+    epilogue, or one pass after torch's GEMM) where ``ff`` is one, unchunked and called as nothing but its forward."""
     x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None])
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
     if gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff):

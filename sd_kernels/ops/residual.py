@@ -12,8 +12,10 @@ buffer that keeps the activation.
 ``gated_add(x, gate, y)`` = x + gate · y, a DiT block's gated residual (``gate`` a per-sample vector
 broadcast over the tokens), is one ``torch.addcmul`` pass: the product and the sum in fp32, rounded once,
 where diffusers' ``x + gate * y`` runs two elementwise kernels and writes the product in between (at
-SD3-medium 1024² with guidance, 25 MB written and read back per stream and block). No Triton kernel: a
-rewrite in torch calls, on any device; under the reference backend diffusers' two ops, bit for bit.
+SD3-medium 1024² with guidance, 25 MB written and read back for the image stream of each block). No Triton
+kernel: a rewrite in torch calls, on any device; under the reference backend diffusers' two ops, bit for
+bit. Rounded once, a sum whose product alone would overflow fp16 stays finite where stock's is ±inf (FLUX's
+single blocks then clip either to ±65,504).
 
 The kernel is elementwise over a [N, C, S] view (S the flattened spatial dims, which must share one
 stride: a band of rows of a channels_last tensor has stride C). A program owns a [BLOCK_S, BLOCK_C]
@@ -118,9 +120,9 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
 def gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x + gate · y`` in one pass (``torch.addcmul``: rounded once, where the reference rounds the product
     too); the reference (diffusers' two ops) under the reference backend, where the three dtypes differ
-    (torch's type promotion is then the reference's to decide) and in a graph torch.compile traces (inductor
-    fuses the two ops itself)."""
-    if (torch.compiler.is_compiling() or not x.dtype == gate.dtype == y.dtype
+    (torch's type promotion is then the reference's to decide), for a 0-dim gate (which may sit on another
+    device) and in a graph torch.compile traces (inductor fuses the two ops itself)."""
+    if (torch.compiler.is_compiling() or not x.dtype == gate.dtype == y.dtype or gate.dim() == 0
             or not use_kernel("gated_add", x, gate, y, any_device=True)):
         return reference.gated_add(x, gate, y)
     return torch.addcmul(x, gate, y)

@@ -100,6 +100,7 @@ def test_gated_add_rounds_once(dtype, shape, gate_shape, device, monkeypatch):
     """x + gate · y with a per-sample gate broadcast over the tokens (SD3's, FLUX's, PixArt-Σ's feed-forward
     residual): within one rounding of float64 and no further from it than diffusers' two ops; under the
     reference backend diffusers' two ops, bit for bit; with mixed dtypes the reference's type promotion."""
+    monkeypatch.delenv("SD_KERNELS_BACKEND", raising=False)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(2))
     gate = torch.randn(gate_shape, generator=g).to(device, dtype)
@@ -111,10 +112,20 @@ def test_gated_add_rounds_once(dtype, shape, gate_shape, device, monkeypatch):
     error = (got.double() - want).abs().max().item()
     stock = ((x + gate * y).double() - want).abs().max().item()
     assert error <= max(stock, UNIT_ROUNDOFF[dtype] * want.abs().max().item()), (error, stock)
-    mixed = gated_add(x, gate.double(), y)
+    with _Ops() as ops:
+        mixed = gated_add(x, gate.double(), y)
+    assert torch.ops.aten.addcmul.default not in ops.seen  # the reference's type promotion decides
     assert mixed.dtype == torch.float64 and torch.equal(mixed, x + gate.double() * y)
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     assert torch.equal(gated_add(x, gate, y), x + gate * y)
+
+
+def test_gated_add_traces_whole_under_torch_compile():
+    """In a graph torch.compile traces, gated_add is diffusers' two ops (inductor fuses them): the dispatch
+    check, which reads the active profile from a context variable dynamo cannot trace, is not reached."""
+    x, gate, y = torch.randn(2, 5, 8), torch.randn(2, 1, 8), torch.randn(2, 5, 8)
+    compiled = torch.compile(gated_add, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, gate, y), x + gate * y)
 
 
 def test_reference_matches_the_kernel_contract():
