@@ -45,7 +45,7 @@ from sd_kernels.profiles import scoped
 
 from .context_parallel_plans import ulysses_of
 from .hooks import called_beside
-from .qkv_fusion import plain as _plain
+from .qkv_fusion import plain_parameters
 
 
 class SDKernelsJointAttnProcessor:
@@ -186,9 +186,8 @@ def _plain_linears(layers, x: torch.Tensor) -> bool:
     ``F.linear`` would be passed by) in ``x``'s dtype and on its device, and no autograd or autocast (the
     ``out=`` GEMMs take neither)."""
     return (not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
-            and all(type(m) is nn.Linear and not called_beside(m) and _plain(m.weight)
-                    and (m.bias is None or _plain(m.bias)) and m.weight.dtype == x.dtype
-                    and m.weight.device == x.device for m in layers))
+            and all(type(m) is nn.Linear and not called_beside(m) and plain_parameters(m)
+                    and m.weight.dtype == x.dtype and m.weight.device == x.device for m in layers))
 
 
 def fusion_serves(attn) -> bool:

@@ -58,6 +58,11 @@ def plain(t: torch.Tensor | None) -> bool:
     return t is not None and type(t.data) is torch.Tensor and t.device.type != "meta"
 
 
+def plain_parameters(linear: nn.Module) -> bool:
+    """Whether a Linear's weight, and its bias if it has one, are ``plain``."""
+    return plain(linear.weight) and (linear.bias is None or plain(linear.bias))
+
+
 def _unfit(linears: list) -> str | None:
     """Why these Linears cannot share one buffer, or None."""
     if any(type(m) is not nn.Linear for m in linears):
@@ -65,7 +70,7 @@ def _unfit(linears: list) -> str | None:
     if any(map(hooked, linears)):
         return "hooks on a projection (the fused GEMM would skip them)"
     first = linears[0].weight
-    if not all(plain(m.weight) and (m.bias is None or plain(m.bias)) for m in linears):
+    if not all(map(plain_parameters, linears)):
         return "weights that are not plain tensors with storage (a tensor subclass, the meta device)"
     if any(m.weight.shape != first.shape or m.weight.dtype != first.dtype or m.weight.device != first.device
            for m in linears):
