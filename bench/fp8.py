@@ -3,9 +3,8 @@
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
                         [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,
-                                patched+two-pass-residual,fp8,fp8+attention,
-                                fp8+triton-gemm,fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,
-                                fp8+unfused-qkv,fp8+compile,torchao]
+                                patched+two-pass-residual,fp8,fp8+attention,fp8+triton-gemm,fp8+fused-gate-gemm,
+                                fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -68,9 +67,8 @@ from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
 ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual",
-        "fp8", "fp8+attention",
-        "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
-        "fp8+unfused-qkv", "fp8+compile", "torchao")
+        "fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm",
+        "fp8+cat-join", "fp8+unfused-qkv", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.

@@ -91,9 +91,8 @@ def _text(out: bytes | str | None) -> str:
 def _pip_install(python: pathlib.Path, *requirements: str) -> None:
     """pip install into the given environment, without compiling every installed module to bytecode (measured
     on a 2-core machine: the wheel and its test extra's install took 30 s instead of 59; the runs after it
-    compile what they import); a failed attempt is
-    tried once more (a registry's transient refusal is not the package's fault), and a second failure shows
-    pip's own last words."""
+    compile what they import); a failed attempt is tried once more (a registry's transient refusal is not the
+    package's fault), and a second failure shows pip's own last words."""
     for _ in range(2):
         try:
             done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *requirements],

@@ -33,8 +33,6 @@ def _run(pipe, output_type="pt"):
                 return_dict=False, **kwargs)[0]
 
 
-
-
 @pytest.fixture(scope="module")
 def flux():
     pipe = build_pipeline("tiny-flux")
