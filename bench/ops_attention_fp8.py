@@ -216,7 +216,7 @@ def main() -> None:
         common.append_csv(args.out / "ops_attention_fp8.csv", case_rows, COLUMNS + list(env))
         rows += case_rows
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, {args.dtype}")
-    shown = [r for r in rows if r.get("best") == "yes" or r["config"] in ("-", "default") or "ms" not in r]
+    shown = [r for r in rows if r.get("best") == "yes" or r.get("config") in ("-", "default") or "ms" not in r]
     print(common.format_table(shown, COLUMNS))
 
 
