@@ -210,11 +210,23 @@ def run_ops(models: list[str], out: pathlib.Path, only: set[str] | None = None) 
 @contextlib.contextmanager
 def _regional_compile(pipe, quantize: bool, mode: str = "default"):
     """Fused QKV, (torchao's float8 row-wise dynamic quantization,) regional compile of the blocks in
-    torch.compile's ``mode``. The compile row is undone on exit (blocks uncompiled, QKV unfused, dynamo
-    reset), also where its set-up fails after the fusion, so that a row after it measures its own setup
-    and not the fused projections or compiled blocks under it (the lossless patch serves fused
-    projections too, in another layout); torchao's is not: quantize_ replaces the weights in place (its
-    row runs last)."""
+    torch.compile's ``mode``, and the VAE's decode compiled in the same mode, in channels_last, as
+    diffusers' recipe and diffusers-torchao's compile it (eager, it takes 88 ms of a FLUX image where ours
+    takes 27: bench/results/2026-11-29-h200-dit-outside-steps). The compile row is undone on exit (blocks
+    uncompiled, QKV unfused, the decode put back, dynamo reset), also where its set-up fails after the
+    fusion, so that a row after it measures its own setup and not the fused projections or compiled
+    blocks under it (the lossless patch serves fused projections too, in another layout); torchao's
+    transformer is not: quantize_ replaces the weights in place (its row runs last)."""
+    from bench.setups import compiled_methods
+
+    with compiled_methods([(pipe.vae, "decode")], mode):
+        with _regional_blocks(pipe, quantize, mode) as info:
+            yield info
+
+
+@contextlib.contextmanager
+def _regional_blocks(pipe, quantize: bool, mode: str):
+    """``_regional_compile``'s transformer: fused QKV, torchao's quantization, the blocks compiled."""
     transformer = pipe.transformer
     dtype = next(transformer.parameters()).dtype
     if quantize and dtype != torch.bfloat16:  # torchao asserts it deep inside quantize_
@@ -231,7 +243,8 @@ def _regional_compile(pipe, quantize: bool, mode: str = "default"):
         else:  # SD3's and PixArt's transformers name no repeated blocks (diffusers 0.42.1): the whole forward
             transformer.compile(fullgraph=True, mode=mode)
             how = "whole-transformer-compile"
-        yield {"e2e_mode": f"{how} mode={mode}", "patched": "torchao float8 row-wise" if quantize else ""}
+        yield {"e2e_mode": f"{how}+vae-decode-compile mode={mode}",
+               "patched": "torchao float8 row-wise" if quantize else ""}
     finally:
         if not quantize:
             _uncompile(transformer)

@@ -135,28 +135,39 @@ def compiled(pipe, mode: str, fuse_qkv: bool) -> Iterator[None]:
     calls = [(denoiser_of(pipe), "forward"), (pipe.vae, "decode")]
     if getattr(pipe, "controlnet", None) is not None:
         calls.append((pipe.controlnet, "forward"))
-    saved = [m.__dict__.get(name) for m, name in calls]  # a patch may have bound its own
     fused = qkv_owner(pipe)
     if fuse_qkv:
         fused.fuse_qkv_projections()
-    for m, name in calls:
-        m.to(memory_format=torch.channels_last)
-        fn = torch.compile(getattr(m, name), mode=mode, fullgraph=True)
-        if m is getattr(pipe, "controlnet", None) and mode in CUDAGRAPH_COMPILE_MODES:
-            fn = _new_step_first(fn)
-        object.__setattr__(m, name, fn)
     try:
+        with compiled_methods(calls, mode, marked=getattr(pipe, "controlnet", None)):
+            yield
+    finally:
+        if fuse_qkv:
+            fused.unfuse_qkv_projections()
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def compiled_methods(calls, mode: str, marked=None) -> Iterator[None]:
+    """Each (module, method name) of ``calls`` in channels_last with the method torch.compiled (mode,
+    fullgraph=True) in its place; put back after the block. ``marked``: the module whose compiled
+    calls first mark a new CUDA-graph step (the recipe's ControlNet, above)."""
+    saved = [m.__dict__.get(name) for m, name in calls]  # a patch may have bound its own
+    try:
+        for m, name in calls:
+            m.to(memory_format=torch.channels_last)
+            fn = torch.compile(getattr(m, name), mode=mode, fullgraph=True)
+            if m is marked and mode in CUDAGRAPH_COMPILE_MODES:
+                fn = _new_step_first(fn)
+            object.__setattr__(m, name, fn)
         yield
     finally:
         for (m, name), old in zip(calls, saved):
             if old is None:
-                object.__delattr__(m, name)
+                m.__dict__.pop(name, None)
             else:
                 object.__setattr__(m, name, old)
             m.to(memory_format=torch.contiguous_format)
-        if fuse_qkv:
-            fused.unfuse_qkv_projections()
-        torch._dynamo.reset()
 
 
 def _new_step_first(fn):

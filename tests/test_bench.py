@@ -684,8 +684,13 @@ def _fp8_bench_pipe(compiles: bool = True):
                 raise ValueError("`_repeated_blocks` attribute is empty")
             self.block._compiled_call_impl = self.block._call_impl
 
+    class Vae(nn.Module):
+        def decode(self, z):
+            return z
+
     class Pipe:
         transformer = Transformer().to(torch.bfloat16)
+        vae = Vae()
 
     return Pipe
 
@@ -698,7 +703,9 @@ def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch)
     t = Pipe.transformer
     with fp8._regional_compile(Pipe, quantize=False):
         assert t.fused and t.block._compiled_call_impl is not None
+        assert "decode" in vars(Pipe.vae)  # the peer's VAE decode compiled too, as diffusers' recipe does
     assert not t.fused and t.block._compiled_call_impl is None
+    assert "decode" not in vars(Pipe.vae)
     monkeypatch.setitem(sys.modules, "torchao.quantization", types.SimpleNamespace(
         Float8DynamicActivationFloat8WeightConfig=lambda **kw: None, PerRow=lambda: None, quantize_=lambda m, c: None))
     with fp8._regional_compile(Pipe, quantize=True):
@@ -714,7 +721,7 @@ def test_fp8_bench_undoes_the_fusion_of_a_compile_row_whose_set_up_fails():
     Pipe = _fp8_bench_pipe(compiles=False)
     with pytest.raises(ValueError, match="_repeated_blocks"), fp8._regional_compile(Pipe, quantize=False):
         pass
-    assert not Pipe.transformer.fused
+    assert not Pipe.transformer.fused and "decode" not in vars(Pipe.vae)
 
 
 def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
