@@ -17,7 +17,7 @@ Variants (``plan`` says which apply to a model at W):
   way, ``transformer.set_attention_backend("_native_cudnn")`` and
   ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=W))``, with the transformer's forward
   torch.compiled (mode "default": the collectives stay out of inductor's CUDA graphs, as they stay out
-  of ours).
+  of ours) and, as the one-GPU recipe does, the VAE's decode (mode "default", channels_last).
 - ``ulysses-ours``: ``sd_kernels.enable_context_parallel(pipe)`` (Ulysses degree W: for FLUX diffusers'
   ``enable_parallelism`` with its plan, no backend set; for SD3 and PixArt-Σ with sd_kernels' plans) and
   ``patch(pipe)``: the local attention is sd_kernels' (FLUX: inside diffusers' Ulysses template,
@@ -194,6 +194,10 @@ def set_up(pipe, variant: str, world: int) -> Iterator[str]:
                 sd_kernels.enable_split_decode(pipe)
         if variant.endswith("-peer") or variant == "ulysses-ours+compile":
             stack.enter_context(_compiled_forward(transformer))
+        if variant.endswith("-peer"):  # its VAE decode compiled too, as the one-GPU recipe (PEER) compiles it
+            from bench.setups import compiled_methods
+
+            stack.enter_context(compiled_methods([(pipe.vae, "decode")], "default"))
         yield "" if record is None else " ".join(f"{k}={n}" for k, n in sorted(record.counts.items()))
 
 
