@@ -190,6 +190,12 @@ def accuracy(out: pathlib.Path, s: int = 4096) -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> list[dict]:
+    """The rows the printout shows: each exact row, each mode's best (or default) config, and every row
+    that has no time (a refusal, or a shape the FP8 kernel does not cover, which has no config)."""
+    return [r for r in rows if r.get("best") == "yes" or r.get("config") in ("-", "default") or "ms" not in r]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True, help="folder for ops_attention_fp8.csv")
@@ -216,8 +222,7 @@ def main() -> None:
         common.append_csv(args.out / "ops_attention_fp8.csv", case_rows, COLUMNS + list(env))
         rows += case_rows
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, {args.dtype}")
-    shown = [r for r in rows if r.get("best") == "yes" or r.get("config") in ("-", "default") or "ms" not in r]
-    print(common.format_table(shown, COLUMNS))
+    print(common.format_table(summary(rows), COLUMNS))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ Variants (``plan`` says which apply to a model at W):
   way, ``transformer.set_attention_backend("_native_cudnn")`` and
   ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=W))``, with the transformer's forward
   torch.compiled (mode "default": the collectives stay out of inductor's CUDA graphs, as they stay out
-  of ours) and, as the one-GPU recipe does, the VAE's decode (mode "default", channels_last).
+  of ours) and the VAE's decode (the same mode, channels_last), which the one-GPU recipe compiles too.
 - ``ulysses-ours``: ``sd_kernels.enable_context_parallel(pipe)`` (Ulysses degree W: for FLUX diffusers'
   ``enable_parallelism`` with its plan, no backend set; for SD3 and PixArt-Σ with sd_kernels' plans) and
   ``patch(pipe)``: the local attention is sd_kernels' (FLUX: inside diffusers' Ulysses template,

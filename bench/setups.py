@@ -162,11 +162,12 @@ def compiled_methods(calls, mode: str, marked=None) -> Iterator[None]:
             object.__setattr__(m, name, fn)
         yield
     finally:
-        for (m, name), old in zip(calls, saved):
+        for (m, name), old in reversed(list(zip(calls, saved))):  # every method put back before any layout
             if old is None:
                 m.__dict__.pop(name, None)
             else:
                 object.__setattr__(m, name, old)
+        for m, _ in reversed(calls):
             m.to(memory_format=torch.contiguous_format)
 
 

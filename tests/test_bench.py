@@ -711,6 +711,42 @@ def test_fp8_bench_undoes_the_regional_compile_row_but_not_torchaos(monkeypatch)
     with fp8._regional_compile(Pipe, quantize=True):
         pass
     assert t.fused and t.block._compiled_call_impl is not None  # quantize_ cannot be undone: its row runs last
+    assert "decode" not in vars(Pipe.vae)  # but its compiled decode is
+
+
+def test_fp8_attention_bench_summary_shows_a_shape_it_does_not_cover():
+    from bench import ops_attention_fp8 as bench_attn
+
+    rows = [{"impl": "ours_exact", "config": "-", "ms": 1.0}, {"impl": "fp8[int8/fp8]", "config": "a", "ms": 2.0},
+            {"impl": "fp8[int8/fp8]", "config": "b", "ms": 1.5, "best": "yes"},
+            {"impl": "fp8", "note": "not covered: head dim 72"}]
+    assert [r.get("config") for r in bench_attn.summary(rows)] == ["-", "b", None]
+
+
+def test_compiled_methods_put_back_what_was_there_also_when_the_block_fails():
+    """The recipes' compiled methods: a method a patch had bound on the instance comes back as it was, a
+    class method's compiled stand-in goes, and both modules return to the contiguous layout."""
+    import torch.nn as nn
+
+    from bench.setups import compiled_methods
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3)
+
+        def decode(self, z):
+            return z
+
+    a, b = M(), M()
+    bound = (lambda z: z)
+    object.__setattr__(b, "decode", bound)
+    with pytest.raises(RuntimeError, match="row failed"), compiled_methods([(a, "decode"), (b, "decode")], "default"):
+        assert vars(a)["decode"] is not None and vars(b)["decode"] is not bound
+        assert a.conv.weight.is_contiguous(memory_format=torch.channels_last) and not a.conv.weight.is_contiguous()
+        raise RuntimeError("row failed")
+    assert "decode" not in vars(a) and vars(b)["decode"] is bound
+    assert a.conv.weight.is_contiguous() and b.conv.weight.is_contiguous()
 
 
 def test_fp8_bench_undoes_the_fusion_of_a_compile_row_whose_set_up_fails():
