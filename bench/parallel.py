@@ -131,16 +131,14 @@ def _extra(pipe) -> dict:
 
 @contextlib.contextmanager
 def _compiled_forward(model: torch.nn.Module) -> Iterator[None]:
-    """``model.forward`` (as it stands: diffusers' hooks, our patch) torch.compiled in mode "default"."""
-    saved = model.__dict__.get("forward")
-    object.__setattr__(model, "forward", torch.compile(model.forward, mode="default"))
+    """``model.forward`` (as it stands: diffusers' hooks, our patch) torch.compiled in mode "default", graph
+    breaks allowed, its layout kept."""
+    from bench.setups import compiled_methods
+
     try:
-        yield
+        with compiled_methods([(model, "forward")], "default", fullgraph=False, channels_last=False):
+            yield
     finally:
-        if saved is None:
-            object.__delattr__(model, "forward")
-        else:
-            object.__setattr__(model, "forward", saved)
         torch._dynamo.reset()
 
 

@@ -148,15 +148,17 @@ def compiled(pipe, mode: str, fuse_qkv: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compiled_methods(calls, mode: str, marked=None) -> Iterator[None]:
-    """Each (module, method name) of ``calls`` in channels_last with the method torch.compiled (mode,
-    fullgraph=True) in its place; put back after the block. ``marked``: the module whose compiled
-    calls first mark a new CUDA-graph step (the recipe's ControlNet, above)."""
+def compiled_methods(calls, mode: str, marked=None, fullgraph: bool = True,
+                     channels_last: bool = True) -> Iterator[None]:
+    """Each (module, method name) of ``calls`` (in channels_last) with the method torch.compiled (mode,
+    fullgraph) in its place; put back after the block. ``marked``: the module whose compiled calls
+    first mark a new CUDA-graph step (the recipe's ControlNet, above)."""
     saved = [m.__dict__.get(name) for m, name in calls]  # a patch may have bound its own
     try:
         for m, name in calls:
-            m.to(memory_format=torch.channels_last)
-            fn = torch.compile(getattr(m, name), mode=mode, fullgraph=True)
+            if channels_last:
+                m.to(memory_format=torch.channels_last)
+            fn = torch.compile(getattr(m, name), mode=mode, fullgraph=fullgraph)
             if m is marked and mode in CUDAGRAPH_COMPILE_MODES:
                 fn = _new_step_first(fn)
             object.__setattr__(m, name, fn)
@@ -167,7 +169,7 @@ def compiled_methods(calls, mode: str, marked=None) -> Iterator[None]:
                 m.__dict__.pop(name, None)
             else:
                 object.__setattr__(m, name, old)
-        for m, _ in reversed(calls):
+        for m, _ in reversed(calls if channels_last else []):
             m.to(memory_format=torch.contiguous_format)
 
 

@@ -749,6 +749,22 @@ def test_compiled_methods_put_back_what_was_there_also_when_the_block_fails():
     assert a.conv.weight.is_contiguous() and b.conv.weight.is_contiguous()
 
 
+def test_parallel_bench_compiles_a_forward_in_place_and_puts_it_back():
+    """The context-parallel rows' compiled forward: the method as it stood (a patch's bound one) comes back,
+    and the module's layout is left alone (no channels_last for the collectives' graphs)."""
+    import torch.nn as nn
+
+    from bench import parallel
+
+    m = nn.Conv2d(2, 2, 3)
+    bound = (lambda x: x)
+    object.__setattr__(m, "forward", bound)
+    with parallel._compiled_forward(m):
+        assert vars(m)["forward"] is not bound
+        assert m.weight.is_contiguous()
+    assert vars(m)["forward"] is bound
+
+
 def test_fp8_bench_undoes_the_fusion_of_a_compile_row_whose_set_up_fails():
     """A compile row that fails after fusing the projections (diffusers refusing a model's repeated blocks)
     leaves them unfused: the rows after it measure their own setup, not our processor's fused path."""
