@@ -12,8 +12,9 @@ for fp16), diffusers' transposed views of [B, S, H, D].
 
 Rows per shape:
 - ``fp8[QK/PV]``: each of the four modes (Q·Kᵀ in int8 or e4m3, P·V in e4m3 or the input dtype), each
-  of its configs timed (``config``), the best one marked ``best``; ``prepass[QK/PV]``: the K/V
-  quantization alone (part of the fp8 rows' time);
+  of its configs timed (``config``: the Triton kernel's BLOCK_M×keys, warps and stages; on Hopper, for
+  e4m3 P·V, ``hopper NCx64``: the Hopper kernel with NC consumer warpgroups), the best one marked
+  ``best``; ``prepass[QK/PV]``: the K/V quantization alone (part of the fp8 rows' time);
 - ``ours_exact``: ``ops.attention`` as the lossless patch runs it (the Hopper wgmma kernel where the
   profile takes it), ``ours_flash``: the Triton flash kernel, ``ours_wgmma``: the wgmma kernel
   (where it runs);
@@ -82,9 +83,10 @@ def _exact_impls() -> dict:
     return impls
 
 
-def _fp8_impls(d: int, quick: bool) -> list[tuple[str, str, object]]:
-    """(impl, config, fn): every mode with every config of the head dim's list and its pre-pass, or
-    (quick) with its default config (as ops.attention_fp8 picks it)."""
+def _fp8_impls(d: int, quick: bool, hopper: bool) -> list[tuple[str, str, object]]:
+    """(impl, config, fn): every mode with every config of the head dim's list (the Triton kernel's, and
+    where ``hopper``, the Hopper kernel's with 2 and 3 consumer warpgroups for ``pv="fp8"``) and its
+    pre-pass, or (quick) with its default config (as ops.attention_fp8 picks it)."""
     rows = []
     for qk, pv in MODES:
         name = f"fp8[{qk}/{pv}]"
@@ -94,12 +96,15 @@ def _fp8_impls(d: int, quick: bool) -> list[tuple[str, str, object]]:
         for cfg in fp8._CONFIGS[d]:
             label = f"{cfg.kwargs['BLOCK_M']}x{fp8.KEY_BLOCK} w{cfg.num_warps} s{cfg.num_stages}"
             rows.append((name, label, functools.partial(_fp8_with, qk=qk, pv=pv, config=cfg)))
+        if hopper and pv == "fp8":
+            for nc in (2, 3):
+                rows.append((name, f"hopper {nc}x64", functools.partial(_fp8_with, qk=qk, pv=pv, n_consumers=nc)))
         rows.append((f"prepass[{qk}/{pv}]", "-", functools.partial(_prepass, qk=qk, pv=pv)))
     return rows
 
 
-def _fp8_with(q, k, v, qk, pv, config):
-    return fp8._attention_fp8(q, k, v, q.shape[-1] ** -0.5, qk, pv, config=config)
+def _fp8_with(q, k, v, qk, pv, config=None, n_consumers=None):
+    return fp8._attention_fp8(q, k, v, q.shape[-1] ** -0.5, qk, pv, config=config, n_consumers=n_consumers)
 
 
 def _prepass(q, k, v, qk, pv):
@@ -115,7 +120,7 @@ def run_case(name: str, shape: tuple[int, ...], dtype: torch.dtype, quick: bool,
     nxt = common.rotating(functools.partial(_qkv, b, h, s, d, dtype), 3 * inputs[0].numel() * inputs[0].element_size())
     candidates = [(n, "-", fn) for n, fn in _exact_impls().items()]
     if d in fp8.HEAD_DIMS:
-        candidates += _fp8_impls(d, quick)
+        candidates += _fp8_impls(d, quick, hopper=fp8.kernel_choice(inputs[0], "fp8") == "wgmma")
     rows = []
     for impl, config, fn in candidates:
         row = {**base, "impl": impl, "config": config}

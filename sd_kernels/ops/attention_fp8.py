@@ -43,6 +43,7 @@ from sd_kernels.runtime.dispatch import interpreting, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
+from . import attention_fp8_wgmma as _hopper
 from .attention_common import LOG2E, as_4d, check_attention_args, default_scale, from_4d, kernel_reason
 from .fp8_quant import inv_scale
 
@@ -53,6 +54,7 @@ KEY_BLOCK = reference.FP8_KEY_BLOCK  # keys per K scale, and the kernel's key bl
 E4M3_MAX = tl.constexpr(reference.E4M3_MAX)
 INT8_MAX = tl.constexpr(127.0)
 STATS_ROWS = 256  # keys per program of the per-channel statistics pass
+HOPPER = True  # pv="fp8" on the Hopper kernel where it can run (False: the Triton kernel everywhere)
 _LOG2E = tl.constexpr(LOG2E)
 
 
@@ -87,6 +89,14 @@ def _quantize(x, INT8: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
+def wgmma_key_order(n):
+    """Where key n goes in the Hopper kernel's Vᵀ: n = 16a + 8b + 2t + e (its bits above 4 kept) moves to
+    16a + 4t + 2b + e, the order in which each thread's probabilities already sit in the P·V operand
+    (ops/attention_fp8_wgmma_kernel.py, ``_operand``). A permutation of each 16 keys."""
+    return (n & -16) | (((n >> 1) & 3) << 2) | (((n >> 3) & 1) << 1) | (n & 1)
+
+
+@triton.jit
 def _kv_stats_kernel(K, V, KSum, VMax, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
                      stride_vn, stride_vd, H, S, D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                      V_MAX: tl.constexpr):
@@ -116,9 +126,10 @@ def _kv_stats_kernel(K, V, KSum, VMax, stride_kb, stride_kh, stride_kn, stride_k
 def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd, H, S, S_PAD, N_CHUNKS,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, K_INT8: tl.constexpr,
-                     V_FP8: tl.constexpr, SOFT: tl.constexpr):
+                     V_FP8: tl.constexpr, SOFT: tl.constexpr, PERMUTE_V: tl.constexpr):
     """Per (b·h, key block): K − mean → int8 or e4m3 [S_PAD, D] and the block's scale; (V_FP8)
-    V·448/max|V| per channel → e4m3, transposed [D, S_PAD], and (block 0) the channel scales."""
+    V·448/max|V| per channel → e4m3, transposed [D, S_PAD] (PERMUTE_V: its keys in ``wgmma_key_order``),
+    and (block 0) the channel scales."""
     bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     cols = tl.arange(0, D)
@@ -142,7 +153,8 @@ def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride
         v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
                     mask=ok, other=0.0)
         v8 = _e4m3(v.to(tl.float32) * inv_scale(vmax, E4M3_MAX)[None, :], SOFT)
-        tl.store(V8 + base + cols[None, :] * S_PAD + rows[:, None], v8)
+        v_rows = wgmma_key_order(rows) if PERMUTE_V else rows
+        tl.store(V8 + base + cols[None, :] * S_PAD + v_rows[:, None], v8)
         if blk == 0:
             tl.store(VScale + bh * D + cols, vmax / E4M3_MAX)
 
@@ -290,10 +302,11 @@ def run_reason(q, k, v, batch) -> str | None:
     return kernel_reason(q, k, v, batch=batch) or _fp8_device_reason(q)
 
 
-def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK):
+def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
+                permute_v: bool = False):
     """The pre-pass: (k8 [B·H, S_PAD, D] int8 or e4m3, k_scale [B·H, S_PAD / key_block] fp32, v8 [B·H, D,
     S_PAD] e4m3 or None, v_scale [B·H, D] fp32 or None) from [B, H, S, D] views; S_PAD: S in whole key
-    blocks."""
+    blocks. ``permute_v``: v8's keys in ``wgmma_key_order`` (the Hopper kernel's), else in order."""
     B, H, S, D = k4.shape
     n_blocks = cdiv(S, key_block)
     s_pad = n_blocks * key_block
@@ -311,21 +324,33 @@ def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = 
     v8 = torch.empty(B * H, D, s_pad, dtype=e4m3, device=dev) if v_fp8 else None
     v_scale = torch.empty(B * H, D, dtype=f32, device=dev) if v_fp8 else None
     soft = interpreting()
-    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft), (B * H, n_blocks), k4, v4, k_sum,
+    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft, permute_v), (B * H, n_blocks), k4, v4, k_sum,
            v_max, k8, k_scale, v8 if v_fp8 else k8, v_scale if v_fp8 else k_scale, *strides, H, S, s_pad, n_chunks,
            D=D, BLOCK_N=key_block, CHUNKS=next_pow2(n_chunks), K_INT8=qk == "int8", V_FP8=v_fp8, SOFT=soft,
-           num_warps=4)
+           PERMUTE_V=permute_v, num_warps=4)
     return k8, k_scale, v8, v_scale
 
 
+def kernel_choice(q4: torch.Tensor, pv: str, key_block: int = KEY_BLOCK) -> str:
+    """Which kernel runs a call ``_attention_fp8`` takes on q4 [B, H, Sq, D]: "wgmma" (the Hopper kernel,
+    ops/attention_fp8_wgmma.py: ``pv="fp8"`` on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton"."""
+    if not HOPPER or pv != "fp8" or interpreting():
+        return "triton"
+    return "triton" if _hopper.reason(q4, key_block) is not None else "wgmma"
+
+
 def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
-                   config: triton.Config | None = None) -> torch.Tensor:
-    """The pre-pass and the kernel on [B, H, S, D] views; ``key_block`` and ``config`` (which bypasses
-    the autotuner) are the tests' and benchmarks' overrides."""
+                   config: triton.Config | None = None, n_consumers: int | None = None) -> torch.Tensor:
+    """The pre-pass and the kernel on [B, H, S, D] views; ``key_block``, ``config`` (the Triton kernel's,
+    bypassing its autotuner) and ``n_consumers`` (the Hopper kernel's) are the tests' and benchmarks'
+    overrides."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
-    k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block)
+    hopper = config is None and kernel_choice(q4, pv, key_block) == "wgmma"
+    k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block, permute_v=hopper)
     out = _common.alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
+    if hopper:
+        return _hopper.attention(q4, k8, k_scale, v8, v_scale, out, Sk, scale * LOG2E, qk, n_consumers)
     v_arg, vs_arg = (v8, v_scale) if pv == "fp8" else (v4, k_scale)
     soft = interpreting()
     args = (q4, k8, k_scale, v_arg, vs_arg, out, scale * LOG2E, *q4.stride(), *v4.stride(), *out.stride(),

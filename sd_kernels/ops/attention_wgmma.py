@@ -97,19 +97,21 @@ def split_head_dim(d: int) -> tuple[int, int, bool]:
     return 128, 16, False
 
 
-def _descriptors(x: torch.Tensor, rows: int, d_lo: int, d_hi: int) -> list:
-    """TMA descriptors of x [B, H, S, D] seen as [B, S, H, D], blocks [1, rows, 1, D_LO / D_HI]."""
+def descriptor(x: torch.Tensor, rows: int, width: int):
+    """The TMA descriptor of x [B, H, S, D] (fp16/bf16) seen as [B, S, H, D], blocks [1, rows, 1, width]."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, h, s, d = x.shape
     kind = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
-    shape, strides = [b, s, h, d], [x.stride(0), x.stride(2), x.stride(1), 1]
-    out = []
-    for width in (d_lo, d_hi):
-        block = [1, rows, 1, width]
-        out.append(TensorDescriptor(x, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, kind)))
-    return out
+    block = [1, rows, 1, width]
+    return TensorDescriptor(x, [b, s, h, d], [x.stride(0), x.stride(2), x.stride(1), 1], block,
+                            gl.NVMMASharedLayout.get_default_for(block, kind))
+
+
+def _descriptors(x: torch.Tensor, rows: int, d_lo: int, d_hi: int) -> list:
+    """``descriptor`` of x for its D_LO and D_HI column blocks."""
+    return [descriptor(x, rows, width) for width in (d_lo, d_hi)]
 
 
 def output_like(q: torch.Tensor) -> torch.Tensor:

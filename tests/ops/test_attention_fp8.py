@@ -24,6 +24,7 @@ from sd_kernels.runtime import dispatch
 from sd_kernels.testing import rel_err
 
 fp8 = importlib.import_module("sd_kernels.ops.attention_fp8")
+hopper = importlib.import_module("sd_kernels.ops.attention_fp8_wgmma")
 attn = importlib.import_module("sd_kernels.ops.attention")
 custom_ops = importlib.import_module("sd_kernels.ops.custom_ops")
 
@@ -240,6 +241,63 @@ def test_custom_op_promises_the_layout():
 
 
 # ---------------------------------------------------------------------------------------------
+# The Hopper kernel's key order and the choice of kernel (CPU); the kernel itself runs on the GPU
+
+
+@triton.jit
+def _key_order_kernel(Out, N: tl.constexpr):
+    n = tl.arange(0, N)
+    tl.store(Out + n, fp8.wgmma_key_order(n))
+
+
+def test_the_key_order_is_the_register_renaming_of_the_pv_operand():
+    """In a quad's thread t, wgmma's fp32 accumulator holds keys 8b + 2t + e of every 16 (b, e ∈ {0, 1}),
+    and the 8-bit A operand reads keys 4t + 2b + e there (PTX ISA, wgmma register fragments): the order
+    must send each thread's accumulator keys to its own operand keys, in order, and be a permutation."""
+    n = 64
+    order = torch.empty(n, dtype=torch.int32)
+    _key_order_kernel[(1,)](order, N=n)
+    assert sorted(order.tolist()) == list(range(n))
+    for base in range(0, n, 16):
+        for t in range(4):
+            acc = [base + 8 * b + 2 * t + e for b in (0, 1) for e in (0, 1)]
+            operand = [base + 4 * t + j for j in range(4)]
+            assert [order[key].item() for key in acc] == operand
+
+
+def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
+    q, k, v = qkv(1, 2, 8, 77, 64)
+    k8, ks, v8, vs = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32)
+    k8p, ksp, v8p, vsp = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32, permute_v=True)
+    order = torch.empty(128, dtype=torch.int32)
+    _key_order_kernel[(1,)](order, N=128)
+    order = order[:v8.shape[-1]]  # 96: three key blocks of 32
+    assert torch.equal(k8, k8p) and torch.equal(ks, ksp) and torch.equal(vs, vsp)
+    assert torch.equal(v8p[..., order.long()].view(torch.uint8), v8.view(torch.uint8))
+
+
+def test_kernel_choice(monkeypatch):
+    q = qkv(1, 2, 64, 64, 64)[0]
+    assert fp8.kernel_choice(q, "fp8") == "triton"  # no GPU (or the interpreter)
+    monkeypatch.setattr(fp8, "interpreting", lambda: False)
+    assert "not on a CUDA" in hopper.reason(q, 128)
+    monkeypatch.setattr(hopper, "reason", lambda q4, key_block: None)  # as on an H100 / H200
+    assert fp8.kernel_choice(q, "fp8") == "wgmma"
+    assert fp8.kernel_choice(q, "input") == "triton"  # the Hopper kernel has no 16-bit P·V
+    monkeypatch.setattr(fp8, "HOPPER", False)
+    assert fp8.kernel_choice(q, "fp8") == "triton"
+
+
+@pytest.mark.parametrize(("shape", "key_block", "why"), [
+    ((1, 2, 64, 72), 128, "head dim 72"),
+    ((1, 2, 64, 64), 64, "key block 64"),
+    ((1, 70000, 1, 64), 128, "grid limit"),
+])
+def test_the_hopper_kernel_refuses(shape, key_block, why):
+    assert why in hopper.reason(torch.empty(shape, dtype=torch.float16), key_block)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: the compiled kernel at the models' shapes
 
 GPU_SHAPES = [  # (B, H, S, D): self-attention at 1024²
@@ -254,13 +312,30 @@ def _heads(t, n=2):
     return t[:, :n].double()
 
 
+GPU_MODES = [("int8", "fp8", "wgmma"), ("fp8", "fp8", "wgmma"), ("int8", "fp8", "triton"), ("fp8", "fp8", "triton"),
+             ("int8", "input", "triton"), ("fp8", "input", "triton")]
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    """Run ``attention_fp8`` on the kernel named by the test's parameter; a wgmma case checks that
+    this GPU takes it (an sm_90 GPU with Triton 3.6), and skips with the reason where it cannot."""
+    name = request.param
+    monkeypatch.setattr(fp8, "HOPPER", name == "wgmma")
+    if name == "wgmma" and (why := hopper.reason(torch.empty(1, 1, 64, 64, device="cuda", dtype=torch.float16),
+                                                  fp8.KEY_BLOCK)) is not None:
+        pytest.skip(f"the Hopper FP8 kernel cannot run here: {why}")
+    return name
+
+
 @gpu
 @poisoned
 @pytest.mark.usefixtures("one_attention_config")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("modes", [("int8", "fp8"), ("fp8", "fp8"), ("int8", "input"), ("fp8", "input")])
+@pytest.mark.parametrize(("modes", "kernel"), [(m[:2], m[2]) for m in GPU_MODES], indirect=["kernel"],
+                         ids=["-".join(m) for m in GPU_MODES])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gpu_matches_the_quantized_reference(shape, modes, dtype):
+def test_gpu_matches_the_quantized_reference(shape, modes, kernel, dtype):
     """Against the quantized algorithm in float64 (two heads: the reference's scores are large). The
     e4m3 wgmma accumulates in less than fp32 (reported for Hopper), hence the looser bound here; the
     error against exact attention is printed beside it (pytest -s).
@@ -274,22 +349,38 @@ def test_gpu_matches_the_quantized_reference(shape, modes, dtype):
     b, h, s, d = shape
     qk, pv = modes
     q, k, v = qkv(b, h, s, s, d, dtype, "cuda")
+    assert fp8.kernel_choice(q, pv) == kernel
     out = attention_fp8(q, k, v, qk=qk, pv=pv)
     ref = reference.attention_fp8(q[:, :2], k[:, :2], v[:, :2], None, qk, pv)
     exact = reference.attention(_heads(q), _heads(k), _heads(v))
     e_ref, e_exact = rel_err(out[:, :2], ref), rel_err(out[:, :2], exact)
-    print(f"{shape} {dtype} qk={qk} pv={pv}: vs quantized reference {e_ref:.2e}, vs exact {e_exact:.2e}")
+    print(f"{shape} {dtype} qk={qk} pv={pv} {kernel}: vs quantized reference {e_ref:.2e}, vs exact {e_exact:.2e}")
     assert e_ref <= (8e-3 if qk == pv == "fp8" else 4e-3) + MATCH[dtype]
     assert e_exact < 0.06
 
 
 @gpu
 @poisoned
-@pytest.mark.parametrize("s", [77, 333, 1030])
-def test_gpu_ragged_lengths(s):
-    q, k, v = qkv(2, 3, s, s, 128, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("kernel", ["wgmma", "triton"], indirect=True)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s", [1, 77, 333, 1030])
+def test_gpu_ragged_lengths(s, d, kernel):
+    q, k, v = qkv(2, 3, s, s, d, torch.bfloat16, "cuda")
     out = attention_fp8(q, k, v)
     assert rel_err(out, reference.attention_fp8(q, k, v)) <= 4e-3 + MATCH[q.dtype]
+
+
+@gpu
+@poisoned
+@pytest.mark.parametrize("kernel", ["wgmma"], indirect=True)
+def test_gpu_hopper_kernel_takes_the_layouts_diffusers_passes(kernel):
+    """Heads inner ([B, S, H, D] transposed, diffusers' layout) and heads outer (contiguous [B, H, S, D]),
+    fewer queries than keys, against the Triton kernel on the same quantized algorithm."""
+    q, k, v = qkv(2, 5, 300, 1100, 128, torch.float16, "cuda")
+    for args in ((q, k, v), tuple(t.contiguous() for t in (q, k, v))):
+        out = attention_fp8(*args)
+        assert out.stride() == args[0].stride()
+        assert rel_err(out, reference.attention_fp8(*args)) <= 4e-3 + MATCH[q.dtype]
 
 
 @gpu
