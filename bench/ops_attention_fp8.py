@@ -120,7 +120,7 @@ def run_case(name: str, shape: tuple[int, ...], dtype: torch.dtype, quick: bool,
     nxt = common.rotating(functools.partial(_qkv, b, h, s, d, dtype), 3 * inputs[0].numel() * inputs[0].element_size())
     candidates = [(n, "-", fn) for n, fn in _exact_impls().items()]
     if d in fp8.HEAD_DIMS:
-        candidates += _fp8_impls(d, quick, hopper=fp8.kernel_choice(inputs[0], "fp8") == "wgmma")
+        candidates += _fp8_impls(d, quick, hopper=fp8._hopper_reason(inputs[0], "fp8", fp8.KEY_BLOCK) is None)
     rows = []
     for impl, config, fn in candidates:
         row = {**base, "impl": impl, "config": config}

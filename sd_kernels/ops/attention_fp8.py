@@ -28,6 +28,10 @@ are refused, not padded: the exact kernels take them). fp16/bf16 [..., S, D] inp
 strides, batch dims broadcast as ``flash_attention`` takes them; the output is in q's layout. No
 attention mask, no autograd, no log-sum-exp output. Kernels run on GPUs with e4m3 tensor cores
 (sm_89 and later) or in the interpreter; elsewhere the reference runs (``dispatch.use_kernel``).
+
+Two kernels compute it: the Triton kernel below, everywhere, and on Hopper (sm_90, Triton 3.6) a Gluon
+kernel on the exact Hopper kernel's schedule (ops/attention_fp8_wgmma.py) for ``pv="fp8"``;
+``kernel_choice`` says which runs a call.
 """
 
 from __future__ import annotations
@@ -331,22 +335,38 @@ def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = 
     return k8, k_scale, v8, v_scale
 
 
-def kernel_choice(q4: torch.Tensor, pv: str, key_block: int = KEY_BLOCK) -> str:
-    """Which kernel runs a call ``_attention_fp8`` takes on q4 [B, H, Sq, D]: "wgmma" (the Hopper kernel,
-    ops/attention_fp8_wgmma.py: ``pv="fp8"`` on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton"."""
-    if not HOPPER or pv != "fp8" or interpreting():
+def _hopper_reason(q4: torch.Tensor, pv: str, key_block: int) -> str | None:
+    """Why the Hopper kernel (ops/attention_fp8_wgmma.py) cannot run this call, or None."""
+    if not HOPPER:
+        return "attention_fp8.HOPPER is off"
+    if pv != "fp8":
+        return f"pv={pv!r}: the Hopper kernel's P·V is e4m3"
+    if interpreting():
+        return "the interpreter cannot run Gluon"
+    return _hopper.reason(q4, key_block)
+
+
+def kernel_choice(q4: torch.Tensor, pv: str, key_block: int = KEY_BLOCK, qk: str = "int8") -> str:
+    """Which kernel runs a call ``_attention_fp8`` takes on q4 [B, H, Sq, D]: "wgmma" (the Hopper kernel:
+    ``pv="fp8"`` on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton". int8 Q·Kᵀ at head dim
+    128 stays on the Triton kernel, measured faster there (FLUX: 0.468 against 0.480 ms; H200,
+    docs/kernels/attention_fp8.md)."""
+    if qk == "int8" and q4.shape[-1] > 64:
         return "triton"
-    return "triton" if _hopper.reason(q4, key_block) is not None else "wgmma"
+    return "triton" if _hopper_reason(q4, pv, key_block) is not None else "wgmma"
 
 
 def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
                    config: triton.Config | None = None, n_consumers: int | None = None) -> torch.Tensor:
     """The pre-pass and the kernel on [B, H, S, D] views; ``key_block``, ``config`` (the Triton kernel's,
-    bypassing its autotuner) and ``n_consumers`` (the Hopper kernel's) are the tests' and benchmarks'
-    overrides."""
+    bypassing its autotuner) and ``n_consumers`` (the Hopper kernel's, which it then runs wherever it
+    can, whatever ``kernel_choice`` says) are the tests' and benchmarks' overrides."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
-    hopper = config is None and kernel_choice(q4, pv, key_block) == "wgmma"
+    if n_consumers is not None:  # the Hopper kernel, asked for by name
+        hopper = _hopper_reason(q4, pv, key_block) is None
+    else:
+        hopper = config is None and kernel_choice(q4, pv, key_block, qk) == "wgmma"
     k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block, permute_v=hopper)
     out = _common.alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
     if hopper:
