@@ -23,18 +23,14 @@ HEAD_DIMS = (64, 128)
 @functools.cache
 def unavailable() -> str | None:
     """Why this Triton cannot build the kernel, or None."""
-    if not triton.__version__.startswith(_wgmma.TESTED_TRITON):
-        return (f"Triton {triton.__version__}: the FP8 Hopper kernel is written against Triton "
-                f"{_wgmma.TESTED_TRITON}x's Gluon API, which later versions changed")
-    try:
-        _kernel()
-    except Exception as exc:  # noqa: BLE001 - any import failure means the same: no kernel
-        return f"Gluon unavailable: {type(exc).__name__}: {exc}"
-    return None
+    return _wgmma.gluon_reason(_KERNEL, "the FP8 Hopper kernel")
+
+
+_KERNEL = "sd_kernels.ops.attention_fp8_wgmma_kernel"
 
 
 def _kernel():
-    return importlib.import_module("sd_kernels.ops.attention_fp8_wgmma_kernel")
+    return importlib.import_module(_KERNEL)
 
 
 def reason(q4: torch.Tensor, key_block: int) -> str | None:

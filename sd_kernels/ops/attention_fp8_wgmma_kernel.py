@@ -24,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .attention_wgmma_kernel import ring_barriers
+
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448), e4m3's largest finite value
 SCALE_TINY = gl.constexpr(2.0**-119)  # reference.SCALE_TINY: amax at most this quantizes to zeros
 # four fp32 → four e4m3 (round to nearest even, saturating: p·448 ≤ 448 anyway) in one register, $1 lowest
@@ -217,14 +219,7 @@ def _attn_fp8_wgmma_fwd(qd, kd, vd, od, KScale, VScale, H, Sk, N_BLOCKS, qk_scal
     n_blocks = N_BLOCKS  # Sk's key blocks (the pre-pass pads K and V to whole blocks)
     k_s = gl.allocate_shared_memory(kd.dtype, [NS] + kd.block_type.shape, kd.layout)
     v_s = gl.allocate_shared_memory(vd.dtype, [NS] + vd.block_type.shape, vd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=NC)  # every consumer releases a stage
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NC):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = ring_barriers(NS, NC)
     ring = (k_s, v_s, ready, empty, turn)
     ksc = KScale + bh * N_BLOCKS
     vsc = VScale + bh * D

@@ -28,21 +28,30 @@ MAX_GRID_Y = 65535
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-@functools.cache
-def unavailable() -> str | None:
-    """Why this Triton cannot build the kernel, or None."""
+def gluon_reason(module: str, what: str) -> str | None:
+    """Why this Triton cannot build the Gluon kernel of ``module`` (``what`` names it in the reason), or
+    None."""
     if not triton.__version__.startswith(TESTED_TRITON):
-        return (f"Triton {triton.__version__}: the wgmma attention kernel is written against Triton "
-                f"{TESTED_TRITON}x's Gluon API, which later versions changed")
+        return (f"Triton {triton.__version__}: {what} is written against Triton {TESTED_TRITON}x's Gluon API, "
+                "which later versions changed")
     try:
-        _kernel()
+        importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - any import failure means the same: no kernel
         return f"Gluon unavailable: {type(exc).__name__}: {exc}"
     return None
 
 
+@functools.cache
+def unavailable() -> str | None:
+    """Why this Triton cannot build the kernel, or None."""
+    return gluon_reason(_KERNEL, "the wgmma attention kernel")
+
+
+_KERNEL = "sd_kernels.ops.attention_wgmma_kernel"
+
+
 def _kernel():
-    return importlib.import_module("sd_kernels.ops.attention_wgmma_kernel")
+    return importlib.import_module(_KERNEL)
 
 
 def _tma_reason(t: torch.Tensor) -> str | None:

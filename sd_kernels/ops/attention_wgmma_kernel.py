@@ -180,6 +180,21 @@ def _consumer(qo, ring, b, h, m0, n_blocks, Sk, qk_scale, HAS_HI: gl.constexpr, 
     tma.store_wait(0)
 
 
+@gluon.jit
+def ring_barriers(NS: gl.constexpr, NC: gl.constexpr):
+    """The ring's mbarriers: ready[NS] (the loader's TMA landed a stage), empty[NS] (all NC consumers
+    released it) and the consumers' token ring turn[NC]."""
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NC)  # every consumer releases a stage
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NC):
+        mbarrier.init(turn.index(i), count=1)
+    return ready, empty, turn
+
+
 @gluon.jit(do_not_specialize=["Sk"])  # Sk only bounds the loop and masks: one compilation for every length
 def _attn_wgmma_fwd(qd_lo, qd_hi, kd_lo, kd_hi, vd_lo, vd_hi, od_lo, od_hi, H, Sk, qk_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr, HAS_HI: gl.constexpr,
@@ -197,14 +212,7 @@ def _attn_wgmma_fwd(qd_lo, qd_hi, kd_lo, kd_hi, vd_lo, vd_hi, od_lo, od_hi, H, S
     v_lo = gl.allocate_shared_memory(vd_lo.dtype, [NS] + vd_lo.block_type.shape, vd_lo.layout)
     k_hi = gl.allocate_shared_memory(kd_hi.dtype, [NS] + kd_hi.block_type.shape, kd_hi.layout)
     v_hi = gl.allocate_shared_memory(vd_hi.dtype, [NS] + vd_hi.block_type.shape, vd_hi.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=NC)  # every consumer releases a stage
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NC):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = ring_barriers(NS, NC)
     qo = (qd_lo, qd_hi, od_lo, od_hi)
     ring = (k_lo, k_hi, v_lo, v_hi, ready, empty, turn)
     if NC == 2:
