@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import reference
-from sd_kernels.runtime.dispatch import interpreting, use_kernel
+from sd_kernels.runtime.dispatch import declined, interpreting, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
@@ -346,27 +346,40 @@ def _hopper_reason(q4: torch.Tensor, pv: str, key_block: int) -> str | None:
     return _hopper.reason(q4, key_block)
 
 
-def kernel_choice(q4: torch.Tensor, pv: str, key_block: int = KEY_BLOCK, qk: str = "int8") -> str:
+def kernel_choice(q4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK) -> str:
     """Which kernel runs a call ``_attention_fp8`` takes on q4 [B, H, Sq, D]: "wgmma" (the Hopper kernel:
-    ``pv="fp8"`` on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton". int8 Q·Kᵀ at head dim
-    128 stays on the Triton kernel, measured faster there (FLUX: 0.468 against 0.480 ms; H200,
-    docs/kernels/attention_fp8.md)."""
+    ``pv="fp8"`` on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton". One rule per head dim,
+    by the larger measured gain (H200, docs/kernels/attention_fp8.md): int8 Q·Kᵀ at head dim 128 stays on
+    the Triton kernel (FLUX 0.468 against 0.480 ms); at 64 the Hopper kernel takes both modes (SD3
+    18-21% faster, SDXL's 4,096-token self-attention 5-8% slower). Where it is wanted on an sm_90 GPU
+    and cannot take the call, the reason is logged once and counted (``dispatch.fallbacks()``)."""
     if qk == "int8" and q4.shape[-1] > 64:
         return "triton"
-    return "triton" if _hopper_reason(q4, pv, key_block) is not None else "wgmma"
+    why = _hopper_reason(q4, pv, key_block)
+    if why is not None and HOPPER and pv == "fp8" and _on_hopper(q4):
+        declined("attention_fp8_wgmma", why)
+    return "triton" if why is not None else "wgmma"
+
+
+def _on_hopper(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(t.device) == (9, 0)
 
 
 def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
                    config: triton.Config | None = None, n_consumers: int | None = None) -> torch.Tensor:
     """The pre-pass and the kernel on [B, H, S, D] views; ``key_block``, ``config`` (the Triton kernel's,
-    bypassing its autotuner) and ``n_consumers`` (the Hopper kernel's, which it then runs wherever it
-    can, whatever ``kernel_choice`` says) are the tests' and benchmarks' overrides."""
+    bypassing its autotuner) and ``n_consumers`` (the Hopper kernel's, which it then runs whatever
+    ``kernel_choice`` says, or raises ValueError where it cannot) are the tests' and benchmarks' overrides."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
     if n_consumers is not None:  # the Hopper kernel, asked for by name
-        hopper = _hopper_reason(q4, pv, key_block) is None
+        if config is not None or (why := _hopper_reason(q4, pv, key_block)) is not None:
+            why = "a Triton config was given too" if config is not None else why
+            raise ValueError(f"n_consumers={n_consumers!r} asks for the Hopper kernel, which cannot run this "
+                             f"call: {why}")
+        hopper = True
     else:
-        hopper = config is None and kernel_choice(q4, pv, key_block, qk) == "wgmma"
+        hopper = config is None and kernel_choice(q4, qk, pv, key_block) == "wgmma"
     k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block, permute_v=hopper)
     out = _common.alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
     if hopper:

@@ -18,6 +18,11 @@ from . import attention_wgmma as _wgmma
 BLOCK_M = 64  # query rows per consumer warpgroup
 STAGES = 3  # key blocks in the shared-memory ring (K8 and Vᵀ: 32 KiB a stage at head dim 128)
 HEAD_DIMS = (64, 128)
+# How the kernel relabels P's keys (``_operand``): a 32-key chunk's key 16a + 8b + 2t + e seen as (a, b, t,
+# e), then [rows, chunk, a, b, t, e] → [rows, chunk, a, t, b, e]; ops.attention_fp8's ``wgmma_key_order``
+# writes Vᵀ in that order.
+P_KEY_SPLIT = (2, 2, 4, 2)
+P_KEY_PERM = (0, 1, 2, 4, 3, 5)
 
 
 @functools.cache
@@ -53,9 +58,9 @@ def reason(q4: torch.Tensor, key_block: int) -> str | None:
 
 
 def consumers(d: int) -> int:
-    """Consumer warpgroups per program: three at head dim 64 (SD3's joint attention 7-11% faster than
-    with two, SDXL's 64² level 0-6% slower, H200 2026-11-29), two at 128 (three measured 14% slower at
-    FLUX's shape: their registers run short). docs/kernels/attention_fp8.md."""
+    """Consumer warpgroups per program: three at head dim 64 (SD3's joint attention 8-10% faster than
+    with two, SDXL's 4,096-token self-attention 2-5% slower; H200, 2026-11-29), two at 128 (three
+    measured 12-14% slower at FLUX's shape: their registers run short). docs/kernels/attention_fp8.md."""
     return 3 if d <= 64 else 2
 
 

@@ -24,11 +24,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .attention_fp8_wgmma import P_KEY_PERM, P_KEY_SPLIT
 from .attention_wgmma_kernel import ring_barriers
 
+_SPLIT = gl.constexpr(P_KEY_SPLIT)
+_PERM = gl.constexpr(P_KEY_PERM)
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448), e4m3's largest finite value
 SCALE_TINY = gl.constexpr(2.0**-119)  # reference.SCALE_TINY: amax at most this quantizes to zeros
-# four fp32 → four e4m3 (round to nearest even, saturating: p·448 ≤ 448 anyway) in one register, $1 lowest
+# four fp32 → four e4m3 in one register, $1 lowest: round to nearest even, saturating (448·p may pass 448
+# by the rounding of the int8 path's folded bias, a factor 2^(1.5·c) of the row's largest p)
 _E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
                        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
 
@@ -52,7 +56,7 @@ def _loader(kd, vd, k_s, v_s, ready, empty, bh, n_blocks):
 def _quantized_q(qd, b, h, m0, QK_INT8: gl.constexpr):
     """Q's tile by TMA, then per row q8 = round(q·QMAX/max|q|) into shared memory (the A operand of
     every Q·Kᵀ); returns (the fp16/bf16 tile's buffer, later O's staging buffer; q8's buffer; the rows'
-    max|q|)."""
+    scales max|q|/QMAX)."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = qd.block_type.shape[1]
     D: gl.constexpr = qd.block_type.shape[3]
@@ -79,7 +83,7 @@ def _quantized_q(qd, b, h, m0, QK_INT8: gl.constexpr):
     q8_s = gl.allocate_shared_memory(kind, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], kind))
     q8_s.store(q8)
     fence_async_shared()
-    return q_s, q8_s, amax
+    return q_s, q8_s, amax / QMAX
 
 
 @gluon.jit
@@ -118,13 +122,14 @@ def _operand(p, p_layout: gl.constexpr):
     register, as the wgmma reads them."""
     BLOCK_M: gl.constexpr = p.shape[0]
     BLOCK_N: gl.constexpr = p.shape[1]
-    p = p.reshape([BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BLOCK_M, BLOCK_N])
+    p = p.reshape([BLOCK_M, BLOCK_N // 32, _SPLIT[0], _SPLIT[1], _SPLIT[2], _SPLIT[3]]).permute(_PERM.value)
+    p = p.reshape([BLOCK_M, BLOCK_N])
     return gl.inline_asm_elementwise(_E4M3X4, "=r,r,r,r,r", [gl.convert_layout(p, p_layout)], dtype=gl.float8e4nv,
                                      is_pure=True, pack=4)
 
 
 @gluon.jit
-def _consumer(qd, od, ring, k_scale, v_scale, b, h, bh, m0, n_blocks, Sk, qk_scale, QK_INT8: gl.constexpr,
+def _consumer(qd, od, ring, k_scale, v_scale, b, h, m0, n_blocks, Sk, qk_scale, QK_INT8: gl.constexpr,
               WG: gl.constexpr, NC: gl.constexpr):
     """Rows m0 .. m0 + 64: Q·Kᵀ of block j and P·V of block j-1 go out together, the softmax of block
     j runs under the P·V, then O is rescaled (as the exact kernel's consumer)."""
@@ -141,9 +146,8 @@ def _consumer(qd, od, ring, k_scale, v_scale, b, h, bh, m0, n_blocks, Sk, qk_sca
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    q_s, q8_s, amax = _quantized_q(qd, b, h, m0, QK_INT8)
-    QMAX: gl.constexpr = 127.0 if QK_INT8 else 448.0
-    row_scale = gl.convert_layout(amax / QMAX * qk_scale, row_layout)  # × the block's scale: the scores' factor
+    q_s, q8_s, q_scale = _quantized_q(qd, b, h, m0, QK_INT8)
+    row_scale = gl.convert_layout(q_scale * qk_scale, row_layout)  # × the block's scale: the scores' factor
 
     acc_type: gl.constexpr = gl.int32 if QK_INT8 else gl.float32
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], acc_type, s_layout)
@@ -158,8 +162,8 @@ def _consumer(qd, od, ring, k_scale, v_scale, b, h, bh, m0, n_blocks, Sk, qk_sca
     o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
 
     for j in range(1, n_blocks):
-        # block j-1's P as the P·V operand, converted here rather than carried from the last iteration:
-        # carried 8-bit values cross the loop as separate bytes and get packed again at the wgmma
+        # block j-1's P as the P·V operand, converted in the iteration that issues its wgmma: 8-bit
+        # values carried across the loop would cross it one to a register and be packed again here
         p8 = _operand(p, p_layout)
         st = j % NS
         sp = (j - 1) % NS
@@ -216,7 +220,6 @@ def _attn_fp8_wgmma_fwd(qd, kd, vd, od, KScale, VScale, H, Sk, N_BLOCKS, qk_scal
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
-    n_blocks = N_BLOCKS  # Sk's key blocks (the pre-pass pads K and V to whole blocks)
     k_s = gl.allocate_shared_memory(kd.dtype, [NS] + kd.block_type.shape, kd.layout)
     v_s = gl.allocate_shared_memory(vd.dtype, [NS] + vd.block_type.shape, vd.layout)
     ready, empty, turn = ring_barriers(NS, NC)
@@ -225,15 +228,15 @@ def _attn_fp8_wgmma_fwd(qd, kd, vd, od, KScale, VScale, H, Sk, N_BLOCKS, qk_scal
     vsc = VScale + bh * D
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, bh, m0, n_blocks, Sk, qk_scale, QK_INT8, 0, NC)),
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, bh, m0 + BLOCK_M, n_blocks, Sk, qk_scale, QK_INT8, 1, NC)),
-            (_loader, (kd, vd, k_s, v_s, ready, empty, bh, n_blocks)),
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0, N_BLOCKS, Sk, qk_scale, QK_INT8, 0, NC)),
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0 + BLOCK_M, N_BLOCKS, Sk, qk_scale, QK_INT8, 1, NC)),
+            (_loader, (kd, vd, k_s, v_s, ready, empty, bh, N_BLOCKS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, bh, m0, n_blocks, Sk, qk_scale, QK_INT8, 0, NC)),
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, bh, m0 + BLOCK_M, n_blocks, Sk, qk_scale, QK_INT8, 1, NC)),
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, bh, m0 + 2 * BLOCK_M, n_blocks, Sk, qk_scale, QK_INT8, 2,
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0, N_BLOCKS, Sk, qk_scale, QK_INT8, 0, NC)),
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0 + BLOCK_M, N_BLOCKS, Sk, qk_scale, QK_INT8, 1, NC)),
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0 + 2 * BLOCK_M, N_BLOCKS, Sk, qk_scale, QK_INT8, 2,
                          NC)),
-            (_loader, (kd, vd, k_s, v_s, ready, empty, bh, n_blocks)),
+            (_loader, (kd, vd, k_s, v_s, ready, empty, bh, N_BLOCKS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

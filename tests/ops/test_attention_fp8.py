@@ -253,7 +253,9 @@ def _key_order_kernel(Out, N: tl.constexpr):
 def test_the_key_order_is_the_register_renaming_of_the_pv_operand():
     """In a quad's thread t, wgmma's fp32 accumulator holds keys 8b + 2t + e of every 16 (b, e ∈ {0, 1}),
     and the 8-bit A operand reads keys 4t + 2b + e there (PTX ISA, wgmma register fragments): the order
-    must send each thread's accumulator keys to its own operand keys, in order, and be a permutation."""
+    must send each thread's accumulator keys to its own operand keys, in order, and be a permutation; and
+    it must be the relabelling the Hopper kernel makes of P (its reshape and permute, whose constants it
+    shares with this test)."""
     n = 64
     order = torch.empty(n, dtype=torch.int32)
     _key_order_kernel[(1,)](order, N=n)
@@ -263,6 +265,9 @@ def test_the_key_order_is_the_register_renaming_of_the_pv_operand():
             acc = [base + 8 * b + 2 * t + e for b in (0, 1) for e in (0, 1)]
             operand = [base + 4 * t + j for j in range(4)]
             assert [order[key].item() for key in acc] == operand
+    # the kernel's relabelling of one row of P: position i of the operand holds accumulator key relabeled[i]
+    relabeled = torch.arange(n).reshape(1, n // 32, *hopper.P_KEY_SPLIT).permute(hopper.P_KEY_PERM).reshape(n)
+    assert torch.equal(order[relabeled].long(), torch.arange(n))
 
 
 def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
@@ -278,26 +283,52 @@ def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
 
 def test_kernel_choice(monkeypatch):
     q = qkv(1, 2, 64, 64, 64)[0]
-    assert fp8.kernel_choice(q, "fp8") == "triton"  # no GPU (or the interpreter)
+    assert fp8.kernel_choice(q, pv="fp8") == "triton"  # no GPU (or the interpreter)
     monkeypatch.setattr(fp8, "interpreting", lambda: False)
     assert "not on a CUDA" in hopper.reason(q, 128)
     monkeypatch.setattr(hopper, "reason", lambda q4, key_block: None)  # as on an H100 / H200
-    assert fp8.kernel_choice(q, "fp8") == "wgmma"
-    assert fp8.kernel_choice(q, "input") == "triton"  # the Hopper kernel has no 16-bit P·V
+    assert fp8.kernel_choice(q, pv="fp8") == "wgmma"
+    assert fp8.kernel_choice(q, pv="input") == "triton"  # the Hopper kernel has no 16-bit P·V
     q128 = qkv(1, 2, 64, 64, 128)[0]
-    assert fp8.kernel_choice(q128, "fp8", qk="fp8") == "wgmma"
-    assert fp8.kernel_choice(q128, "fp8", qk="int8") == "triton"  # measured faster there
+    assert fp8.kernel_choice(q128, qk="fp8", pv="fp8") == "wgmma"
+    assert fp8.kernel_choice(q128, qk="int8", pv="fp8") == "triton"  # measured faster there
     monkeypatch.setattr(fp8, "HOPPER", False)
-    assert fp8.kernel_choice(q, "fp8") == "triton"
+    assert fp8.kernel_choice(q, pv="fp8") == "triton"
 
 
-@pytest.mark.parametrize(("shape", "key_block", "why"), [
-    ((1, 2, 64, 72), 128, "head dim 72"),
-    ((1, 2, 64, 64), 64, "key block 64"),
-    ((1, 70000, 1, 64), 128, "grid limit"),
-])
-def test_the_hopper_kernel_refuses(shape, key_block, why):
-    assert why in hopper.reason(torch.empty(shape, dtype=torch.float16), key_block)
+def test_a_declined_hopper_kernel_is_logged_on_hopper(monkeypatch):
+    """On an sm_90 GPU a call the Hopper kernel cannot take is counted with the reason; elsewhere (no
+    Hopper GPU) nothing is counted, since nothing was expected of it."""
+    q = qkv(1, 2, 64, 64, 64)[0]
+    monkeypatch.setattr(fp8, "interpreting", lambda: False)
+    monkeypatch.setattr(hopper, "reason", lambda q4, key_block: "q: a broadcast (stride 0) dimension")
+    dispatch.reset_fallbacks()
+    assert fp8.kernel_choice(q, pv="fp8") == "triton"
+    assert dispatch.fallbacks() == {}
+    monkeypatch.setattr(fp8, "_on_hopper", lambda t: True)
+    assert fp8.kernel_choice(q, pv="fp8") == "triton"
+    assert dispatch.fallbacks() == {("attention_fp8_wgmma", "q: a broadcast (stride 0) dimension"): 1}
+
+
+def test_asking_for_the_hopper_kernel_where_it_cannot_run_raises():
+    q, k, v = qkv(1, 2, 64, 64, 64)
+    with pytest.raises(ValueError, match="n_consumers=2 asks for the Hopper kernel"):
+        fp8._attention_fp8(q, k, v, 0.125, n_consumers=2)  # CPU: the interpreter runs no Gluon
+
+
+def _misaligned(shape):
+    return torch.empty(int(torch.tensor(shape).prod()) + 1, dtype=torch.float16)[1:].view(shape)
+
+
+@pytest.mark.parametrize(("q", "key_block", "why"), [
+    (torch.empty(1, 2, 64, 72, dtype=torch.float16), 128, "head dim 72"),
+    (torch.empty(1, 2, 64, 64, dtype=torch.float16), 64, "key block 64"),
+    (torch.empty(1, 70000, 1, 64, dtype=torch.float16), 128, "grid limit"),
+    (torch.empty(1, 1, 64, 64, dtype=torch.float16).expand(2, 3, 64, 64), 128, "broadcast (stride 0)"),
+    (_misaligned((1, 2, 64, 64)), 128, "not 16-byte aligned"),
+], ids=["head-dim", "key-block", "grid", "broadcast", "misaligned"])
+def test_the_hopper_kernel_refuses(q, key_block, why):
+    assert why in hopper.reason(q, key_block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,9 +384,9 @@ def test_gpu_matches_the_quantized_reference(shape, modes, kernel, dtype):
     qk, pv = modes
     q, k, v = qkv(b, h, s, s, d, dtype, "cuda")
     if kernel == "wgmma":  # by name: kernel_choice leaves int8 Q·Kᵀ at head dim 128 to the Triton kernel
+        assert fp8._hopper_reason(q, pv, fp8.KEY_BLOCK) is None
         out = fp8._attention_fp8(q, k, v, d**-0.5, qk, pv, n_consumers=hopper.consumers(d))
     else:
-        assert fp8.kernel_choice(q, pv, qk=qk) == "triton"
         out = attention_fp8(q, k, v, qk=qk, pv=pv)
     ref = reference.attention_fp8(q[:, :2], k[:, :2], v[:, :2], None, qk, pv)
     exact = reference.attention(_heads(q), _heads(k), _heads(v))
@@ -367,17 +398,20 @@ def test_gpu_matches_the_quantized_reference(shape, modes, kernel, dtype):
 
 @gpu
 @poisoned
-@pytest.mark.parametrize("kernel", ["wgmma", "triton"], indirect=True)
+@pytest.mark.parametrize(("kernel", "qk"), [("wgmma", "int8"), ("wgmma", "fp8"), ("triton", "int8")],
+                         indirect=["kernel"], ids=["wgmma-int8", "wgmma-fp8", "triton-int8"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("s", [1, 77, 333, 1030])
-def test_gpu_ragged_lengths(s, d, kernel):
-    """One key, and lengths that leave a ragged last key block (the Hopper kernel with e4m3 Q·Kᵀ, which
-    kernel_choice gives it at both head dims; hence the bound of e4m3 for both products)."""
-    qk = "fp8" if kernel == "wgmma" else "int8"
+def test_gpu_ragged_lengths(s, d, kernel, qk):
+    """One key, and lengths that leave a ragged last key block, in each kernel (the Hopper kernel asked
+    for by name, in both Q·Kᵀ modes; the bounds as in the test above)."""
     q, k, v = qkv(2, 3, s, s, d, torch.bfloat16, "cuda")
-    assert fp8.kernel_choice(q, "fp8", qk=qk) == kernel
-    out = attention_fp8(q, k, v, qk=qk)
-    assert rel_err(out, reference.attention_fp8(q, k, v, qk=qk)) <= (8e-3 if qk == "fp8" else 4e-3) + MATCH[q.dtype]
+    if kernel == "wgmma":
+        out = fp8._attention_fp8(q, k, v, d**-0.5, qk, "fp8", n_consumers=hopper.consumers(d))
+    else:
+        out = attention_fp8(q, k, v, qk=qk)
+    bound = (8e-3 if qk == "fp8" else 4e-3) + MATCH[q.dtype]
+    assert rel_err(out, reference.attention_fp8(q, k, v, qk=qk)) <= bound
 
 
 @gpu
@@ -388,7 +422,7 @@ def test_gpu_hopper_kernel_takes_the_layouts_diffusers_passes(kernel):
     fewer queries than keys: the output in q's layout, against the quantized reference."""
     q, k, v = qkv(2, 5, 300, 1100, 128, torch.float16, "cuda")
     for args in ((q, k, v), tuple(t.contiguous() for t in (q, k, v))):
-        assert fp8.kernel_choice(args[0], "fp8", qk="fp8") == kernel
+        assert fp8.kernel_choice(args[0], qk="fp8", pv="fp8") == kernel
         out = attention_fp8(*args, qk="fp8")
         assert out.stride() == args[0].stride()
         assert rel_err(out, reference.attention_fp8(*args, qk="fp8")) <= 8e-3 + MATCH[q.dtype]
