@@ -272,8 +272,7 @@ def _projected_in_place(attn, hidden_states, encoder_hidden_states, streams: tup
     if (not JOIN_IN_PLACE or encoder_hidden_states is None or torch.compiler.is_compiling()
             or hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3
             or hidden_states.shape[0] != encoder_hidden_states.shape[0]
-            or hidden_states.dtype != encoder_hidden_states.dtype
-            or any(getattr(attn, n, None) is not None for n in _NORMS)):
+            or hidden_states.dtype != encoder_hidden_states.dtype or not fusion_serves(attn)):
         return None
     layers = [attn._modules.get(n) for n in _IMAGE + _CONTEXT]
     if all(type(m) is Fp8Linear and not called_beside(m) for m in layers):

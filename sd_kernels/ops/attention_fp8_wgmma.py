@@ -25,13 +25,13 @@ P_KEY_SPLIT = (2, 2, 4, 2)
 P_KEY_PERM = (0, 1, 2, 4, 3, 5)
 
 
+_KERNEL = "sd_kernels.ops.attention_fp8_wgmma_kernel"
+
+
 @functools.cache
 def unavailable() -> str | None:
     """Why this Triton cannot build the kernel, or None."""
     return _wgmma.gluon_reason(_KERNEL, "the FP8 Hopper kernel")
-
-
-_KERNEL = "sd_kernels.ops.attention_fp8_wgmma_kernel"
 
 
 def _kernel():

@@ -41,13 +41,13 @@ def gluon_reason(module: str, what: str) -> str | None:
     return None
 
 
+_KERNEL = "sd_kernels.ops.attention_wgmma_kernel"
+
+
 @functools.cache
 def unavailable() -> str | None:
     """Why this Triton cannot build the kernel, or None."""
     return gluon_reason(_KERNEL, "the wgmma attention kernel")
-
-
-_KERNEL = "sd_kernels.ops.attention_wgmma_kernel"
 
 
 def _kernel():
