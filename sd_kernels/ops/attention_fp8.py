@@ -57,7 +57,8 @@ PV_MODES = ("fp8", "input")
 KEY_BLOCK = reference.FP8_KEY_BLOCK  # keys per K scale, and the kernel's key block
 E4M3_MAX = tl.constexpr(reference.E4M3_MAX)
 INT8_MAX = tl.constexpr(127.0)
-STATS_ROWS = 256  # keys per program of the per-channel statistics pass
+STATS_ROWS = 128  # keys per program of the per-channel statistics pass
+STATS_WARPS, STATS_STEP, QUANT_WARPS = 4, 64, 4  # the pre-pass's warps per program; keys per statistics step
 HOPPER = True  # pv="fp8" on the Hopper kernel where it can run (False: the Triton kernel everywhere)
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -127,38 +128,49 @@ def _kv_stats_kernel(K, V, KSum, VMax, stride_kb, stride_kh, stride_kn, stride_k
 
 
 @triton.jit
+def wgmma_key_source(m):
+    """The inverse of ``wgmma_key_order``: the key that lands at position m (16a + 4t + 2b + e) of the
+    Hopper kernel's Vᵀ is 16a + 8b + 2t + e."""
+    return (m & -16) | (((m >> 1) & 1) << 3) | (((m >> 2) & 3) << 1) | (m & 1)
+
+
+@triton.jit
 def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd, H, S, S_PAD, N_CHUNKS,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, K_INT8: tl.constexpr,
                      V_FP8: tl.constexpr, SOFT: tl.constexpr, PERMUTE_V: tl.constexpr):
-    """Per (b·h, key block): K − mean → int8 or e4m3 [S_PAD, D] and the block's scale; (V_FP8)
-    V·448/max|V| per channel → e4m3, transposed [D, S_PAD] (PERMUTE_V: its keys in ``wgmma_key_order``),
-    and (block 0) the channel scales."""
+    """Per (b·h, key block, part): part 0, K − mean → int8 or e4m3 [S_PAD, D] and the block's scale;
+    part 1 (V_FP8), V·448/max|V| per channel → e4m3, transposed [D, S_PAD] (PERMUTE_V: its keys in
+    ``wgmma_key_order``), and (block 0) the channel scales. The parts are programs of their own: each
+    holds one [BLOCK_N, D] tile. Vᵀ's keys are written in order, each position loading the key that
+    belongs there, so that the transposed store runs along whole rows of Vᵀ."""
     bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     cols = tl.arange(0, D)
     parts = tl.arange(0, CHUNKS)
     part_ptrs = bh * N_CHUNKS * D + parts[:, None] * D + cols[None, :]
     part_ok = parts[:, None] < N_CHUNKS
-    mean = tl.sum(tl.load(KSum + part_ptrs, mask=part_ok, other=0.0), 0) / S
     rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows[:, None] < S
-    k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
-                mask=ok, other=0.0)
-    kc = tl.where(ok, k.to(tl.float32) - mean[None, :], 0.0)  # padded keys: zeros, outside the block's max
-    amax = tl.max(tl.max(tl.abs(kc), 1), 0)
-    k_max: tl.constexpr = INT8_MAX if K_INT8 else E4M3_MAX
-    k8 = _quantize(kc * inv_scale(amax, k_max), K_INT8, SOFT)
     base = bh.to(tl.int64) * S_PAD * D
-    tl.store(K8 + base + rows[:, None] * D + cols[None, :], k8)
-    tl.store(KScale + bh * tl.num_programs(1) + blk, amax / k_max)
-    if V_FP8:
+    if tl.program_id(2) == 0:
+        mean = tl.sum(tl.load(KSum + part_ptrs, mask=part_ok, other=0.0), 0) / S
+        ok = rows[:, None] < S
+        k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
+                    mask=ok, other=0.0)
+        kc = tl.where(ok, k.to(tl.float32) - mean[None, :], 0.0)  # padded keys: zeros, outside the block's max
+        amax = tl.max(tl.max(tl.abs(kc), 1), 0)
+        k_max: tl.constexpr = INT8_MAX if K_INT8 else E4M3_MAX
+        k8 = _quantize(kc * inv_scale(amax, k_max), K_INT8, SOFT)
+        tl.store(K8 + base + rows[:, None] * D + cols[None, :], k8)
+        tl.store(KScale + bh * tl.num_programs(1) + blk, amax / k_max)
+    else:
         vmax = tl.max(tl.load(VMax + part_ptrs, mask=part_ok, other=0.0), 0)
-        v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
+        src = wgmma_key_source(rows) if PERMUTE_V else rows  # a permutation of each 16 keys
+        ok = src[:, None] < S
+        v = tl.load(V + b * stride_vb + h * stride_vh + src[:, None] * stride_vn + cols[None, :] * stride_vd,
                     mask=ok, other=0.0)
         v8 = _e4m3(v.to(tl.float32) * inv_scale(vmax, E4M3_MAX)[None, :], SOFT)
-        v_rows = wgmma_key_order(rows) if PERMUTE_V else rows
-        tl.store(V8 + base + cols[None, :] * S_PAD + v_rows[:, None], v8)
+        tl.store(V8 + base + cols[None, :] * S_PAD + rows[:, None], v8)
         if blk == 0:
             tl.store(VScale + bh * D + cols, vmax / E4M3_MAX)
 
@@ -319,19 +331,20 @@ def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = 
     v_fp8 = pv == "fp8"
     k_sum = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev)
     v_max = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev) if v_fp8 else k_sum
-    rows = 16 if interpreting() else 32
+    rows = 16 if interpreting() else STATS_STEP
     strides = (*k4.stride(), *v4.stride())
     _STATS((D, v_fp8, k4.dtype, rows), (B * H, n_chunks), k4, v4, k_sum, v_max, *strides, H, S,
-           D=D, ROWS=rows, CHUNK=STATS_ROWS, V_MAX=v_fp8, num_warps=4)
+           D=D, ROWS=rows, CHUNK=STATS_ROWS, V_MAX=v_fp8, num_warps=STATS_WARPS)
     k8 = torch.empty(B * H, s_pad, D, dtype=torch.int8 if qk == "int8" else e4m3, device=dev)
     k_scale = torch.empty(B * H, n_blocks, dtype=f32, device=dev)
     v8 = torch.empty(B * H, D, s_pad, dtype=e4m3, device=dev) if v_fp8 else None
     v_scale = torch.empty(B * H, D, dtype=f32, device=dev) if v_fp8 else None
     soft = interpreting()
-    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft, permute_v), (B * H, n_blocks), k4, v4, k_sum,
-           v_max, k8, k_scale, v8 if v_fp8 else k8, v_scale if v_fp8 else k_scale, *strides, H, S, s_pad, n_chunks,
+    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft, permute_v), (B * H, n_blocks, 1 + v_fp8),
+           k4, v4, k_sum, v_max, k8, k_scale, v8 if v_fp8 else k8, v_scale if v_fp8 else k_scale, *strides, H, S,
+           s_pad, n_chunks,
            D=D, BLOCK_N=key_block, CHUNKS=next_pow2(n_chunks), K_INT8=qk == "int8", V_FP8=v_fp8, SOFT=soft,
-           PERMUTE_V=permute_v, num_warps=4)
+           PERMUTE_V=permute_v, num_warps=QUANT_WARPS)
     return k8, k_scale, v8, v_scale
 
 
