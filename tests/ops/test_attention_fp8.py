@@ -417,6 +417,24 @@ def test_gpu_ragged_lengths(s, d, kernel, qk):
 @gpu
 @poisoned
 @pytest.mark.parametrize("kernel", ["wgmma"], indirect=True)
+@pytest.mark.parametrize(("pingpong", "fast"), [(True, 0), (True, 1), (True, 2), (False, 0), (False, 2)])
+@pytest.mark.parametrize("qk", ["int8", "fp8"])
+@pytest.mark.parametrize(("s", "d"), [(1030, 64), (333, 128), (4608, 128)])
+def test_gpu_hopper_kernel_schedules_and_softmaxes(kernel, pingpong, fast, qk, s, d, monkeypatch):
+    """Each schedule (the consumers' token ring on and off) and softmax (``FAST_SOFTMAX`` 0, 1, 2) of the
+    Hopper kernel, whichever is the default, against the quantized reference within the bounds above."""
+    monkeypatch.setattr(hopper, "PINGPONG", pingpong)
+    monkeypatch.setattr(hopper, "FAST_SOFTMAX", fast)
+    q, k, v = qkv(1, 3, s, s, d, torch.bfloat16, "cuda")
+    for nc in (2, 3) if d == 64 else (2,):
+        out = fp8._attention_fp8(q, k, v, d**-0.5, qk, "fp8", n_consumers=nc)
+        bound = (8e-3 if qk == "fp8" else 4e-3) + MATCH[q.dtype]
+        assert rel_err(out, reference.attention_fp8(q, k, v, qk=qk)) <= bound
+
+
+@gpu
+@poisoned
+@pytest.mark.parametrize("kernel", ["wgmma"], indirect=True)
 def test_gpu_hopper_kernel_takes_the_layouts_diffusers_passes(kernel):
     """Heads inner ([B, S, H, D] transposed, diffusers' layout) and heads outer (contiguous [B, H, S, D]),
     fewer queries than keys: the output in q's layout, against the quantized reference."""
