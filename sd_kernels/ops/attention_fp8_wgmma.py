@@ -17,8 +17,9 @@ from . import attention_wgmma as _wgmma
 
 BLOCK_M = 64  # query rows per consumer warpgroup
 STAGES = 3  # key blocks in the shared-memory ring (K8 and Vᵀ: 32 KiB a stage at head dim 128)
-PINGPONG = True  # the consumer warpgroups take turns on the tensor cores (a token ring)
-FAST_SOFTMAX = 0  # 1: the row maxima and sums in trees; 2: also half the exponentials on the FMA pipe
+# Per Q·Kᵀ mode, whether the consumer warpgroups take turns on the tensor cores (a token ring): e4m3 1-3%
+# faster with it, int8 3-7% faster without (H200, 2026-11-29; docs/kernels/attention_fp8.md)
+PINGPONG = {"fp8": True, "int8": False}
 HEAD_DIMS = (64, 128)
 # How the kernel relabels P's keys (``_operand``): a 32-key chunk's key 16a + 8b + 2t + e seen as (a, b, t,
 # e), then [rows, chunk, a, b, t, e] → [rows, chunk, a, t, b, e]; ops.attention_fp8's ``wgmma_key_order``
@@ -96,6 +97,6 @@ def attention(q4, k8, k_scale, v8, v_scale, out, sk: int, qk_scale: float, qk: s
     with torch.cuda.device(q4.device):
         _kernel()._attn_fp8_wgmma_fwd[grid](qd, kd, vd, od, k_scale, v_scale, h, sk, n_blocks, qk_scale,
                                             NS=STAGES, QK_INT8=qk == "int8", NC=nc, CONSUMER_REGS=consumer_regs,
-                                            PINGPONG=PINGPONG, FAST=FAST_SOFTMAX,
+                                            PINGPONG=PINGPONG[qk],
                                             num_warps=4, maxnreg=maxnreg)
     return out

@@ -33,7 +33,6 @@ LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448), e4m3's largest finite v
 SCALE_TINY = gl.constexpr(2.0**-119)  # reference.SCALE_TINY: amax at most this quantizes to zeros
 # four fp32 → four e4m3 in one register, $1 lowest: round to nearest even, saturating (448·p may pass 448
 # by the rounding of the int8 path's folded bias, a factor 2^(1.5·c) of the row's largest p)
-_CUBIC = gl.constexpr((0.0551716648042202, 0.2426111251115799, 0.6932609677314758, 0.9999280571937561))  # 2^f
 _E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
                        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
 
@@ -88,65 +87,9 @@ def _quantized_q(qd, b, h, m0, QK_INT8: gl.constexpr):
 
 
 @gluon.jit
-def _exp2_fma(x):
-    """2^x without the special-function unit, on the FMA and integer pipes: 2^round(x) added to the
-    exponent of 2^f, |f| ≤ 1/2, from a cubic (relative error 7.5e-5, far below e4m3's 2^-4 rounding).
-    x below −125 counts as −125 (2^-125 is 0 in e4m3 and nothing in the row sum)."""
-    x = gl.maximum(x, -125.0)
-    y = x + 12582912.0  # 1.5·2^23: round(x) in the low bits of y's mantissa
-    f = x - (y - 12582912.0)
-    p = gl.fma(gl.fma(gl.fma(f, _CUBIC[0], _CUBIC[1]), f, _CUBIC[2]), f, _CUBIC[3])
-    return (p.to(gl.int32, bitcast=True) + (y.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2(x, SPLIT_EXP2: gl.constexpr):
-    """exp2 of a scores tile; SPLIT_EXP2: the odd keys' on the FMA pipe (``_exp2_fma``), the even keys' on
-    the MUFU. Each thread holds keys in pairs, so the split moves no value between threads."""
-    if SPLIT_EXP2:
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        even, odd = gl.split(x.reshape([M, N // 2, 2]))
-        p = gl.convert_layout(gl.join(gl.exp2(even), _exp2_fma(odd)).reshape([M, N]), x.type.layout)
-    else:
-        p = gl.exp2(x)
-    return p
-
-
-@gluon.jit
-def _row_max(x, TREE: gl.constexpr):
-    """max over each row of a scores tile; TREE: pairwise over the keys a thread holds (32c + 16a + 8b + 2t
-    + e: e, b, a, then c), then across the quad."""
-    if TREE:
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        y = x.reshape([M, N // 32, _SPLIT[0], _SPLIT[1], _SPLIT[2], _SPLIT[3]])
-        r = gl.convert_layout(gl.max(gl.max(gl.max(gl.max(gl.max(y, 5), 3), 2), 1), 1),
-                              gl.SliceLayout(1, x.type.layout))
-    else:
-        r = gl.max(x, axis=1)
-    return r
-
-
-@gluon.jit
-def _row_sum(x, TREE: gl.constexpr):
-    """``_row_max``'s sum."""
-    if TREE:
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        y = x.reshape([M, N // 32, _SPLIT[0], _SPLIT[1], _SPLIT[2], _SPLIT[3]])
-        r = gl.convert_layout(gl.sum(gl.sum(gl.sum(gl.sum(gl.sum(y, 5), 3), 2), 1), 1),
-                              gl.SliceLayout(1, x.type.layout))
-    else:
-        r = gl.sum(x, axis=1)
-    return r
-
-
-@gluon.jit
-def _probabilities(s_acc, m_i, c, n0, Sk, QK_INT8: gl.constexpr, FAST: gl.constexpr):
+def _probabilities(s_acc, m_i, c, n0, Sk, QK_INT8: gl.constexpr):
     """448·exp2(S·c − m_new) for one key block and the new running max m_new; c ≥ 0 per row. Keys
-    past Sk (only in a ragged last block) get 0 (2^-125 with FAST = 2: 0 in e4m3). FAST ≥ 1: the row
-    maxima by ``_row_max``'s tree; 2: also half the exponentials on the FMA pipe (``_exp2``)."""
+    past Sk (only in a ragged last block) get 0."""
     s_layout: gl.constexpr = s_acc.type.layout
     BLOCK_N: gl.constexpr = s_acc.shape[1]
     BIAS: gl.constexpr = 12582912.0  # 1.5·2^23: int32 scores (|s| < 2^22) + its bits are s + BIAS in fp32
@@ -157,16 +100,16 @@ def _probabilities(s_acc, m_i, c, n0, Sk, QK_INT8: gl.constexpr, FAST: gl.conste
             s = s_acc
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         t = gl.where(gl.expand_dims(cols < Sk, 0), s * gl.expand_dims(c, 1), float("-inf"))
-        m_new = gl.maximum(m_i, _row_max(t, FAST >= 1))
+        m_new = gl.maximum(m_i, gl.max(t, axis=1))
         x = t - gl.expand_dims(m_new - LOG2_448, 1)
     elif QK_INT8:  # int32 → fp32 without cvt (quarter rate) and the bias in the FFMA's addend
         sb = (s_acc + 0x4B400000).to(gl.float32, bitcast=True)
-        m_new = gl.maximum(m_i, (_row_max(sb, FAST >= 1) - BIAS) * c)
+        m_new = gl.maximum(m_i, (gl.max(sb, axis=1) - BIAS) * c)
         x = sb * gl.expand_dims(c, 1) - gl.expand_dims(m_new - LOG2_448 + BIAS * c, 1)
     else:  # c ≥ 0, so max(s)·c = max(s·c), and scale and shift are one FFMA per score
-        m_new = gl.maximum(m_i, _row_max(s_acc, FAST >= 1) * c)
+        m_new = gl.maximum(m_i, gl.max(s_acc, axis=1) * c)
         x = s_acc * gl.expand_dims(c, 1) - gl.expand_dims(m_new - LOG2_448, 1)
-    return _exp2(x, FAST >= 2), m_new
+    return gl.exp2(x), m_new
 
 
 @gluon.jit
@@ -187,7 +130,7 @@ def _operand(p, p_layout: gl.constexpr):
 
 @gluon.jit
 def _consumer(qd, od, ring, k_scale, v_scale, b, h, m0, n_blocks, Sk, qk_scale, QK_INT8: gl.constexpr,
-              WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr, FAST: gl.constexpr):
+              WG: gl.constexpr, NC: gl.constexpr, PINGPONG: gl.constexpr):
     """Rows m0 .. m0 + 64: Q·Kᵀ of block j and P·V of block j-1 go out together, the softmax of block
     j runs under the P·V, then O is rescaled (as the exact kernel's consumer). PINGPONG: the consumers
     issue their wgmmas in turn (the token ring); else each as soon as its stage is ready."""
@@ -215,8 +158,8 @@ def _consumer(qd, od, ring, k_scale, v_scale, b, h, m0, n_blocks, Sk, qk_scale, 
     ks = gl.load(k_scale)
     s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    p, m_i = _probabilities(s_acc, m_i, row_scale * ks, 0, Sk, QK_INT8, FAST)
-    l_i = _row_sum(p, FAST >= 1)
+    p, m_i = _probabilities(s_acc, m_i, row_scale * ks, 0, Sk, QK_INT8)
+    l_i = gl.sum(p, axis=1)
     o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
 
     for j in range(1, n_blocks):
@@ -235,9 +178,9 @@ def _consumer(qd, od, ring, k_scale, v_scale, b, h, m0, n_blocks, Sk, qk_scale, 
         if PINGPONG:
             mbarrier.arrive(turn.index((WG + 1) % NC), count=1)
         s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # the scores; P·V may still run
-        p, m_new = _probabilities(s_acc, m_i, row_scale * ks, j * BLOCK_N, Sk, QK_INT8, FAST)
+        p, m_new = _probabilities(s_acc, m_i, row_scale * ks, j * BLOCK_N, Sk, QK_INT8)
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + _row_sum(p, FAST >= 1)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         o = warpgroup_mma_wait(0, deps=(o, ))
         mbarrier.arrive(empty.index(sp), count=1)  # block j-1's K and V are no longer read
@@ -270,12 +213,12 @@ def _store(o, l_i, v_scale, q_s, od, b, m0, h):
 @gluon.jit(do_not_specialize=["Sk", "N_BLOCKS"])  # one compilation for every sequence length
 def _attn_fp8_wgmma_fwd(qd, kd, vd, od, KScale, VScale, H, Sk, N_BLOCKS, qk_scale, NS: gl.constexpr,
                         QK_INT8: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PINGPONG: gl.constexpr = True, FAST: gl.constexpr = 0):
+                        PINGPONG: gl.constexpr):
     """Grid (cdiv(Sq, NC·64), B·H). qd, od: [B, S, H, D] descriptors, blocks [1, 64, 1, D] (fp16/bf16);
     kd: the pre-pass's K8 [B·H, S_PAD, D], blocks [1, BLOCK_N, D]; vd: its Vᵀ [B·H, D, S_PAD], blocks
     [1, D, BLOCK_N]; KScale [B·H, N_BLOCKS] and VScale [B·H, D] fp32. qk_scale = scale·log2(e) > 0.
     CONSUMER_REGS: registers per thread of each consumer that runs as a worker partition; PINGPONG: the
-    consumers take turns on the tensor cores; FAST: ``_probabilities``'s."""
+    consumers take turns on the tensor cores."""
     BLOCK_M: gl.constexpr = qd.block_type.shape[1]
     D: gl.constexpr = qd.block_type.shape[3]
     m0 = gl.program_id(0) * (NC * BLOCK_M)
@@ -290,17 +233,17 @@ def _attn_fp8_wgmma_fwd(qd, kd, vd, od, KScale, VScale, H, Sk, N_BLOCKS, qk_scal
     vsc = VScale + bh * D
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0, N_BLOCKS, Sk, qk_scale, QK_INT8, 0, NC, PINGPONG, FAST)),
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0, N_BLOCKS, Sk, qk_scale, QK_INT8, 0, NC, PINGPONG)),
             (_consumer, (qd, od, ring, ksc, vsc, b, h, m0 + BLOCK_M, N_BLOCKS, Sk, qk_scale, QK_INT8, 1, NC,
-                         PINGPONG, FAST)),
+                         PINGPONG)),
             (_loader, (kd, vd, k_s, v_s, ready, empty, bh, N_BLOCKS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0, N_BLOCKS, Sk, qk_scale, QK_INT8, 0, NC, PINGPONG, FAST)),
+            (_consumer, (qd, od, ring, ksc, vsc, b, h, m0, N_BLOCKS, Sk, qk_scale, QK_INT8, 0, NC, PINGPONG)),
             (_consumer, (qd, od, ring, ksc, vsc, b, h, m0 + BLOCK_M, N_BLOCKS, Sk, qk_scale, QK_INT8, 1, NC,
-                         PINGPONG, FAST)),
+                         PINGPONG)),
             (_consumer, (qd, od, ring, ksc, vsc, b, h, m0 + 2 * BLOCK_M, N_BLOCKS, Sk, qk_scale, QK_INT8, 2,
-                         NC, PINGPONG, FAST)),
+                         NC, PINGPONG)),
             (_loader, (kd, vd, k_s, v_s, ready, empty, bh, N_BLOCKS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -55,7 +55,7 @@ def compile_kernel(m, d, nc, int8, block_n, stages):
     maxnreg, regs = {2: (168, 240), 3: (128, 160)}[nc]
     return m._attn_fp8_wgmma_fwd.warmup(qd, kd, vd, qd, torch.empty(b * h, s // block_n), torch.empty(b * h, d), h,
                                         s, s // block_n, 0.1, NS=stages, QK_INT8=int8, NC=nc, CONSUMER_REGS=regs,
-                                        num_warps=4, maxnreg=maxnreg, grid=(1,))
+                                        PINGPONG=True, num_warps=4, maxnreg=maxnreg, grid=(1,))
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
