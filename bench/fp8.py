@@ -3,8 +3,9 @@
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
                         [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,
-                                patched+two-pass-residual,fp8,fp8+attention,fp8+triton-gemm,fp8+fused-gate-gemm,
-                                fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+compile,torchao]
+                                patched+two-pass-residual,fp8,fp8+exact-attention,fp8+attention-everywhere,
+                                fp8+attention-int8,fp8+triton-gemm,fp8+fused-gate-gemm,fp8+pointer-gemm,
+                                fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -32,7 +33,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``patches.joint_attention.JOIN_IN_PLACE`` off; ``patched+unfused-qkv``: each q, k, v projection a GEMM of its
   own, ``patches.qkv_fusion.install`` skipped, for FLUX too; ``patched+two-pass-residual``: the blocks' gated
   feed-forward residuals as diffusers' two ops instead of one ``addcmul``); ours ``patch(pipe, precision="fp8")``,
-  with its attention in FP8 too (``fp8+attention``: ``patches.fp8.FP8_ATTENTION`` set), with every GEMM on our
+  whose attention runs FP8 at the head dims of ``patches.fp8.FP8_ATTENTION`` (FLUX's 128), with every attention
+  exact (``fp8+exact-attention``), with FP8 attention at every head dim the kernel takes
+  (``fp8+attention-everywhere``: SD3's and SDXL's 64 too), with its Q·Kᵀ in int8 at every head dim
+  (``fp8+attention-int8``: ``ops.attention.FP8_QK``), with every GEMM on our
   Triton kernels (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
   our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul`` (``fp8+fused-gate-gemm``), with every GEMM
   on the pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
@@ -67,8 +71,9 @@ from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
 ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual",
-        "fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm",
-        "fp8+cat-join", "fp8+unfused-qkv", "fp8+compile", "torchao")
+        "fp8", "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm",
+        "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+compile",
+        "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -294,8 +299,12 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         from sd_kernels.patches import fp8 as fp8_patch
 
         fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
+        attention_ops = importlib.import_module("sd_kernels.ops.attention")
+        fp8_attention = importlib.import_module("sd_kernels.ops.attention_fp8")
 
-        changed = {"fp8+attention": (fp8_patch, "FP8_ATTENTION", True),
+        changed = {"fp8+exact-attention": (fp8_patch, "FP8_ATTENTION", ()),
+                   "fp8+attention-everywhere": (fp8_patch, "FP8_ATTENTION", fp8_attention.HEAD_DIMS),
+                   "fp8+attention-int8": (attention_ops, "FP8_QK", dict.fromkeys(fp8_attention.HEAD_DIMS, "int8")),
                    "fp8+triton-gemm": (fp8_ops, "TORCH_GEMM", False),
                    "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
@@ -305,26 +314,31 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
 
-# the tier's rows: the patch as shipped, with its attention in FP8 too (patches.fp8.FP8_ATTENTION), with every
+# the tier's rows: the patch as shipped, with every attention exact / FP8 at every head dim it takes
+# (patches.fp8.FP8_ATTENTION), with int8 Q·Kᵀ at every head dim (ops.attention.FP8_QK), with every
 # GEMM on our Triton kernels (fp8_linear.TORCH_GEMM), with the gated GEMMs' gate and residual in our kernel's
 # epilogue (fp8_linear.TORCH_GEMM_GATED), with every GEMM on the pointer-load kernel instead of the
 # TMA one (fp8_linear.TMA_GEMM), with every GEMM the TMA kernel can read on it (not the faster kernel of the
 # tables per shape), with SD3's join made by torch.cat (patches.joint_attention.JOIN_IN_PLACE), with each q, k, v
 # projection a GEMM of its own (qkv_fusion.install skipped), and with compile=True
-FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+attention", "fp8+triton-gemm", "fp8+fused-gate-gemm",
+FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
+                                                    "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
                                                     "fp8+unfused-qkv")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
 @contextlib.contextmanager
-def _applied_with(pipe, setup, changed: tuple | None):
-    """``applied(pipe, setup)`` with ``changed`` = (module, attribute, value) set for the row's time."""
+def _applied_with(pipe, setup, changed: tuple | list | None):
+    """``applied(pipe, setup)`` with ``changed`` = (module, attribute, value), or a list of them, set for the
+    row's time."""
     from bench.setups import applied
 
-    switch = mock.patch.object(*changed) if changed is not None else contextlib.nullcontext()
-    with switch, applied(pipe, setup) as record:
-        yield record
+    with contextlib.ExitStack() as stack:
+        for switch in [changed] if isinstance(changed, tuple) else changed or []:
+            stack.enter_context(mock.patch.object(*switch))
+        with applied(pipe, setup) as record:
+            yield record
 
 
 def peer_columns(rows: list[dict]) -> dict[str, float]:

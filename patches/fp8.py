@@ -27,11 +27,12 @@ three are one GEMM (``Fp8Projections``; SD3's writes the streams' join in place,
 Outside the blocks (embedders, the final norm and projection, 1×1 convolutions: their GEMMs are a small
 share of a step) nothing changes.
 
-Attention stays exact unless ``FP8_ATTENTION`` is set: the FP8 attention kernel (docs/kernels/attention_fp8.md)
-is slower than our exact attention on the H200 (docs/fp8.md). Set, the processors the attention patcher
-installed inside the same blocks (patches/attention.py ``PRECISION_PROCESSORS``: the UNets' and PixArt's,
-SD3's joint, FLUX's) get ``precision="fp8"``, which they hand to the attention op; the op runs the calls
-its FP8 kernel takes there and the rest exactly.
+Attention runs FP8 at the head dims in ``FP8_ATTENTION`` (128: FLUX's), where the FP8 attention kernel
+(docs/kernels/attention_fp8.md) measured faster than our exact attention on the H200; at 64 (SD3's, SDXL's)
+it is slower and stays exact (docs/fp8.md). The processors the attention patcher installed inside the same
+blocks (patches/attention.py ``PRECISION_PROCESSORS``: the UNets' and PixArt's, SD3's joint, FLUX's) whose
+attention has such a head dim get ``precision="fp8"``, which they hand to the attention op; the op runs the
+calls its FP8 kernel takes there and the rest exactly.
 
 Exactly reversible: the replacements hold the original Parameters themselves (state_dict keys and
 values unchanged) and the FP8 codes beside them, so the original weights stay on the device while
@@ -73,9 +74,11 @@ from .record import PatchRecord
 
 log = logging.getLogger(__name__)
 
-# FP8 attention inside the tier: off, as measured (bench/results/2026-11-28-h200-fp8: at SDXL's 4096-token
-# self-attention 0.258 ms against 0.194 ms exact); True routes our processors' calls to it, for experiments.
-FP8_ATTENTION = False
+# The head dims whose attention the tier runs in FP8: where the FP8 kernel measured faster than our exact
+# attention (H200, 2026-11-29, bench/results/2026-11-29-h200-fp8-attention-in-tier: FLUX's 128, 0.40 against
+# 0.44 ms, the image 1,739 against 1,786 ms at the same PSNR); not 64 (SD3 0.55-0.61 against 0.50 ms, SDXL's
+# 4,096-token self-attention 0.23-0.25 against 0.20). () keeps every attention exact.
+FP8_ATTENTION = (128,)
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -440,13 +443,14 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
 
 
 def _fp8_attention(blocks: list[nn.Module], record: PatchRecord, summary: Fp8Summary) -> None:
-    """``precision="fp8"`` on each of our attention processors inside the blocks (the attention patcher
-    ran before; the VAE's attention, outside any block, stays exact); unpatch gives them back their
-    class default ("exact") with the rest of the record."""
+    """``precision="fp8"`` on each of our attention processors inside the blocks whose attention has a head
+    dim in ``FP8_ATTENTION`` (the attention patcher ran before; the VAE's attention, outside any block, stays
+    exact); unpatch gives them back their class default ("exact") with the rest of the record."""
     seen: set[int] = set()
     for module in (m for block in blocks for m in block.modules()):
         processor = getattr(module, "processor", None)
-        if type(processor) in PRECISION_PROCESSORS and id(processor) not in seen:
+        if (type(processor) in PRECISION_PROCESSORS and id(processor) not in seen
+                and module.inner_dim // module.heads in FP8_ATTENTION):
             seen.add(id(processor))
             record.set_attr(processor, "precision", "fp8", "fp8.attention_processor")
             summary.attention_processors += 1

@@ -790,7 +790,9 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
     assert fp8.peer_columns(rows) == {"vs_compile": 2.5, "vs_torchao": 2.2}
 
 
-@pytest.mark.parametrize("row,module,name", [("fp8+attention", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
+@pytest.mark.parametrize("row,module,name", [("fp8+exact-attention", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
+                                             ("fp8+attention-everywhere", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
+                                             ("fp8+attention-int8", "sd_kernels.ops.attention", "FP8_QK"),
                                              ("fp8+triton-gemm", "sd_kernels.ops.fp8_linear", "TORCH_GEMM"),
                                              ("fp8+fused-gate-gemm", "sd_kernels.ops.fp8_linear", "TORCH_GEMM_GATED"),
                                              ("fp8+pointer-gemm", "sd_kernels.ops.fp8_linear", "TMA_GEMM")])

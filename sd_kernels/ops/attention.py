@@ -550,6 +550,11 @@ def attention_path(q, k, v, attn_mask=None, scale=None) -> str:
 # there; every other call takes the exact path below, logged once per reason as declined.
 PRECISIONS = ("exact", "fp8")
 FP8_MIN_KEYS = 1024
+# The Q·Kᵀ mode (ops.attention_fp8's ``qk``) of the calls precision="fp8" routes, per head dim: int8 at 64
+# (SageAttention's choice, the more accurate); e4m3 at 128, where the Hopper kernel runs it 10% faster than
+# int8 on the Triton kernel and FLUX's image measured the same (H200, 2026-11-29: PSNR 47.12 dB against stock
+# either way; bench/results/2026-11-29-h200-fp8-attention-in-tier)
+FP8_QK = {64: "int8", 128: "fp8"}
 
 
 def fp8_reason(q, k, v, attn_mask, scale) -> str | None:
@@ -570,7 +575,8 @@ def _fp8_or_none(q, k, v, attn_mask, scale, precision: str) -> torch.Tensor | No
     if why is not None:
         declined("attention_fp8", why)
         return None
-    return _fp8.attention_fp8(q, k, v, None, scale) if use_kernel("attention_fp8", q, k, v) else None
+    qk = FP8_QK[q.shape[-1]]  # fp8_reason took only the FP8 kernel's head dims
+    return _fp8.attention_fp8(q, k, v, None, scale, qk) if use_kernel("attention_fp8", q, k, v) else None
 
 
 def attention(

@@ -274,9 +274,9 @@ def _call(model, name):
 @pytest.fixture
 def fp8_attention_calls(monkeypatch):
     """Calls of the FP8 attention kernel's entry point; FP8_MIN_KEYS low enough for the self-attention of
-    tiny models (not for the UNet's 4-token cross-attention); the tier's FP8 attention switched on."""
+    tiny models (not for the UNet's 4-token cross-attention); the tier's FP8 attention at both head dims."""
     monkeypatch.setattr(attention_op, "FP8_MIN_KEYS", 16)
-    monkeypatch.setattr(fp8, "FP8_ATTENTION", True)
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", (64, 128))
     calls = []
     real = attention_fp8.attention_fp8
 
@@ -318,7 +318,7 @@ def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(nam
 
 @cpu_only
 def test_the_fp8_tier_keeps_attention_exact_while_fp8_attention_is_off(fp8_attention_calls, monkeypatch):
-    monkeypatch.setattr(fp8, "FP8_ATTENTION", False)
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", ())
     model = _model("tiny-flux")
     record = sd_kernels.patch(model, precision="fp8", ops=["attention"], cuda_graph=False)
     try:
@@ -346,9 +346,28 @@ def test_lossless_patch_keeps_attention_exact(fp8_attention_calls):
 
 
 @cpu_only
+def test_fp8_attention_only_at_the_head_dims_it_is_faster(fp8_attention_calls, monkeypatch):
+    """As shipped (head dim 128 only): the tiny UNet's mid-block attention (128) runs FP8, its 64-wide
+    attention stays exact."""
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", (128,))
+    model = _model("tiny")
+    sd_kernels.patch(model, precision="fp8", ops=["attention"], cuda_graph=False)
+    try:
+        modules = [m for m in model.modules() if type(getattr(m, "processor", None)) in PRECISION_PROCESSORS]
+        by_dim = {(m.inner_dim // m.heads, m.processor.precision) for m in modules if m.is_cross_attention is False}
+        assert (128, "fp8") in by_dim and (64, "exact") in by_dim and (64, "fp8") not in by_dim
+        _call(model, "tiny")
+        assert fp8_attention_calls == [16]  # the mid block's 16 keys; none of the 64-wide attention's 64
+    finally:
+        sd_kernels.unpatch(model)
+
+
+@cpu_only
 def test_the_vae_attention_stays_exact(monkeypatch):
-    monkeypatch.setattr(fp8, "FP8_ATTENTION", True)
     pipe = build_pipeline("tiny")
+    head_dims = {m.inner_dim // m.heads for part in (pipe.unet, pipe.vae) for m in part.modules()
+                 if hasattr(m, "processor")}
+    monkeypatch.setattr(fp8, "FP8_ATTENTION", tuple(head_dims))
     sd_kernels.patch(pipe, precision="fp8", ops=["attention"], cuda_graph=False)
     try:
         vae, unet = ([p for p in _processors(m) if type(p) in PRECISION_PROCESSORS] for m in (pipe.vae, pipe.unet))
