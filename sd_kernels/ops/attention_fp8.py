@@ -57,7 +57,8 @@ PV_MODES = ("fp8", "input")
 KEY_BLOCK = reference.FP8_KEY_BLOCK  # keys per K scale, and the kernel's key block
 E4M3_MAX = tl.constexpr(reference.E4M3_MAX)
 INT8_MAX = tl.constexpr(127.0)
-STATS_ROWS = 128  # keys per program of the per-channel statistics pass
+STATS_ROWS = 128  # keys per program of the per-channel statistics pass, at least (a power of two)
+MAX_CHUNKS = 64  # ...and at most this many programs a head: each quantizing program loads all their partials
 STATS_WARPS, STATS_STEP, QUANT_WARPS = 4, 64, 4  # the pre-pass's warps per program; keys per statistics step
 HOPPER = True  # pv="fp8" on the Hopper kernel where it can run (False: the Triton kernel everywhere)
 _LOG2E = tl.constexpr(LOG2E)
@@ -163,7 +164,7 @@ def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride
         k8 = _quantize(kc * inv_scale(amax, k_max), K_INT8, SOFT)
         tl.store(K8 + base + rows[:, None] * D + cols[None, :], k8)
         tl.store(KScale + bh * tl.num_programs(1) + blk, amax / k_max)
-    else:
+    elif V_FP8:  # (compiled only then: without it V8 is K8's buffer, int8 with int8 Q·Kᵀ)
         vmax = tl.max(tl.load(VMax + part_ptrs, mask=part_ok, other=0.0), 0)
         src = wgmma_key_source(rows) if PERMUTE_V else rows  # a permutation of each 16 keys
         ok = src[:, None] < S
@@ -326,15 +327,16 @@ def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = 
     B, H, S, D = k4.shape
     n_blocks = cdiv(S, key_block)
     s_pad = n_blocks * key_block
-    n_chunks = cdiv(S, STATS_ROWS)
+    chunk = max(STATS_ROWS, next_pow2(cdiv(S, MAX_CHUNKS)))  # 128 up to 8,192 keys
+    n_chunks = cdiv(S, chunk)
     dev, f32, e4m3 = k4.device, torch.float32, torch.float8_e4m3fn
     v_fp8 = pv == "fp8"
     k_sum = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev)
     v_max = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev) if v_fp8 else k_sum
     rows = 16 if interpreting() else STATS_STEP
     strides = (*k4.stride(), *v4.stride())
-    _STATS((D, v_fp8, k4.dtype, rows), (B * H, n_chunks), k4, v4, k_sum, v_max, *strides, H, S,
-           D=D, ROWS=rows, CHUNK=STATS_ROWS, V_MAX=v_fp8, num_warps=STATS_WARPS)
+    _STATS((D, v_fp8, k4.dtype, rows, chunk), (B * H, n_chunks), k4, v4, k_sum, v_max, *strides, H, S,
+           D=D, ROWS=rows, CHUNK=chunk, V_MAX=v_fp8, num_warps=STATS_WARPS)
     k8 = torch.empty(B * H, s_pad, D, dtype=torch.int8 if qk == "int8" else e4m3, device=dev)
     k_scale = torch.empty(B * H, n_blocks, dtype=f32, device=dev)
     v8 = torch.empty(B * H, D, s_pad, dtype=e4m3, device=dev) if v_fp8 else None

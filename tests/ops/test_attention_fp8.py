@@ -10,6 +10,7 @@ and SDXL's shapes.
 """
 
 import importlib
+import textwrap
 
 import pytest
 import torch
@@ -207,6 +208,25 @@ def test_precision_fp8_routes_self_attention(monkeypatch, count_calls):
     assert rel_err(exact, reference.attention(q.double(), k.double(), v.double())) < 1e-3
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_precision_fp8_takes_the_q_k_mode_of_its_head_dim(monkeypatch, d):
+    """``ops.attention.FP8_QK`` picks the Q·Kᵀ mode a routed call runs (int8 at 64, e4m3 at 128 as shipped;
+    here both swapped, so that the test sees the table and not a default)."""
+    monkeypatch.setattr(attn, "FP8_MIN_KEYS", 64)
+    monkeypatch.setattr(attn, "FP8_QK", {64: "fp8", 128: "int8"})
+    modes, real = [], fp8.attention_fp8
+
+    def spy(q, k, v, attn_mask=None, scale=None, qk="int8", pv="fp8"):
+        modes.append((qk, pv))
+        return real(q, k, v, attn_mask, scale, qk, pv)
+
+    monkeypatch.setattr(fp8, "attention_fp8", spy)
+    q, k, v = qkv(1, 2, 64, 64, d)
+    out = attn.attention(q, k, v, precision="fp8")
+    assert modes == [(attn.FP8_QK[d], "fp8")]
+    assert rel_err(out, reference.attention_fp8(q, k, v, qk=attn.FP8_QK[d])) <= MATCH[q.dtype]
+
+
 @pytest.mark.parametrize(("sk", "d", "mask", "why"), [
     (32, 64, False, "32 keys < FP8_MIN_KEYS 64"),  # cross-attention over a short text sequence
     (64, 40, False, "the FP8 kernel takes 64 or 128"),
@@ -279,6 +299,70 @@ def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
     order = order[:v8.shape[-1]]  # 96: three key blocks of 32
     assert torch.equal(k8, k8p) and torch.equal(ks, ksp) and torch.equal(vs, vsp)
     assert torch.equal(v8p[..., order.long()].view(torch.uint8), v8.view(torch.uint8))
+
+
+def test_the_prepass_takes_longer_chunks_past_max_chunks(monkeypatch):
+    """Past MAX_CHUNKS statistics programs a head, each takes more keys (a power of two): the same V8 bits
+    and scales, K8 within one code (the mean's sum runs in other chunks)."""
+    _, k, v = qkv(1, 2, 8, 333, 64)
+    before = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32)
+    monkeypatch.setattr(fp8, "STATS_ROWS", 16)
+    monkeypatch.setattr(fp8, "MAX_CHUNKS", 3)  # 333 keys: chunks of 128, not 21 of 16
+    calls = grids_of(monkeypatch, "_STATS")
+    after = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32)
+    assert calls == [(2, 3)]
+    assert torch.equal(after[2].view(torch.uint8), before[2].view(torch.uint8)) and torch.equal(after[3], before[3])
+    assert (after[0].int() - before[0].int()).abs().max() <= 1 and torch.allclose(after[1], before[1], rtol=1e-6)
+
+
+def grids_of(monkeypatch, name):
+    """The grids the launcher ``fp8.<name>`` is called with from now on (it still launches)."""
+    grids, real = [], getattr(fp8, name)
+
+    def spy(key, grid, *args, **kwargs):
+        grids.append(tuple(grid))
+        return real(key, grid, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, name, spy)
+    return grids
+
+
+# Every mode's pre-pass compiled for an sm_90 target, in a process without the interpreter (which neither
+# types nor compiles a kernel): a store of the wrong type in a branch one mode never runs fails only there.
+_PREPASS_COMPILES = textwrap.dedent("""
+    import importlib, json
+    import torch
+    import cuda_standin
+
+    cuda_standin.install()
+    fp8 = importlib.import_module("sd_kernels.ops.attention_fp8")
+
+    class Compile:  # the launcher's arguments, compiled (warmup) instead of launched
+        def __init__(self, launcher):
+            self.jit = launcher.jit
+
+        def __call__(self, key, grid, *args, **kwargs):
+            self.jit.warmup(*args, grid=grid, **kwargs)
+
+    fp8._STATS, fp8._QUANT = Compile(fp8._STATS), Compile(fp8._QUANT)
+    out = {}
+    for qk in fp8.QK_MODES:
+        for pv in fp8.PV_MODES:
+            k = torch.empty(1, 2, 300, 64, dtype=torch.float16)
+            try:
+                fp8.quantize_kv(k, k, qk, pv, permute_v=pv == "fp8")
+                out[f"{qk}/{pv}"] = "ok"
+            except Exception as exc:
+                out[f"{qk}/{pv}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    print(json.dumps(out))
+""")
+
+
+def test_the_prepass_compiles_for_hopper_in_every_mode(tmp_path):
+    import cuda_standin
+
+    result = cuda_standin.run(_PREPASS_COMPILES, env={"TRITON_CACHE_DIR": str(tmp_path)})
+    assert result == {f"{qk}/{pv}": "ok" for qk in fp8.QK_MODES for pv in fp8.PV_MODES}
 
 
 def test_kernel_choice(monkeypatch):
