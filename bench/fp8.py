@@ -35,19 +35,19 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   feed-forward residuals as diffusers' two ops instead of one ``addcmul``); ours ``patch(pipe, precision="fp8")``,
   whose attention runs FP8 at the head dims of ``patches.fp8.FP8_ATTENTION`` (FLUX's 128), with every attention
   exact (``fp8+exact-attention``), with FP8 attention at every head dim the kernel takes
-  (``fp8+attention-everywhere``: SD3's and SDXL's 64 too), with its Q·Kᵀ in int8 at every head dim
-  (``fp8+attention-int8``: ``ops.attention.FP8_QK``), with every GEMM on our
-  Triton kernels (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the gated GEMMs' gate and residual fused into
-  our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul`` (``fp8+fused-gate-gemm``), with every GEMM
-  on the pointer-load kernel instead of the TMA one (``fp8+pointer-gemm``), with every GEMM the TMA kernel can
-  read on it rather than the kernel the tables time faster per shape (``fp8+tma-gemm``), with SD3's joint
-  attention joining the projections' outputs by torch.cat instead of their GEMMs writing the join in place
-  (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE`` off), with each q, k, v projection a GEMM of its
-  own (``fp8+unfused-qkv``), and with ``compile=True``
-  (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic
-  row-wise quantization + fused QKV + regional compile (imported only here, only if installed; it
-  changes the model in place, so it runs last). Per row the times of bench.dit and, against stock's
-  image of the same seed, PSNR, SSIM and the final latents' relative error.
+  (``fp8+attention-everywhere``: SD3's and SDXL's 64 too), and so with its Q·Kᵀ in int8 at every head dim
+  (``fp8+attention-int8``: ``ops.attention.FP8_QK``; the FP8 attention the tier offered as an option before
+  2026-11-29), with every GEMM on our Triton kernels (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the
+  gated GEMMs' gate and residual fused into our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul``
+  (``fp8+fused-gate-gemm``), with every GEMM on the pointer-load kernel instead of the TMA one
+  (``fp8+pointer-gemm``), with every GEMM the TMA kernel can read on it rather than the kernel the tables time
+  faster per shape (``fp8+tma-gemm``), with SD3's joint attention joining the projections' outputs by torch.cat
+  instead of their GEMMs writing the join in place (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE``
+  off), with each q, k, v projection a GEMM of its own (``fp8+unfused-qkv``), and with ``compile=True``
+  (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
+  fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
+  last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
+  latents' relative error.
 - ``layers`` (fp8_layers.csv): one transformer call patched with ``precision="fp8"``; for every
   quantized GEMM (a fused feed-forward counts as one), its relative error against the same layer in
   fp32 beside the error of the layer in the model's own dtype.
@@ -304,7 +304,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 
         changed = {"fp8+exact-attention": (fp8_patch, "FP8_ATTENTION", ()),
                    "fp8+attention-everywhere": (fp8_patch, "FP8_ATTENTION", fp8_attention.HEAD_DIMS),
-                   "fp8+attention-int8": (attention_ops, "FP8_QK", dict.fromkeys(fp8_attention.HEAD_DIMS, "int8")),
+                   "fp8+attention-int8": [(fp8_patch, "FP8_ATTENTION", fp8_attention.HEAD_DIMS),
+                                          (attention_ops, "FP8_QK", dict.fromkeys(fp8_attention.HEAD_DIMS, "int8"))],
                    "fp8+triton-gemm": (fp8_ops, "TORCH_GEMM", False),
                    "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
@@ -315,7 +316,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 
 
 # the tier's rows: the patch as shipped, with every attention exact / FP8 at every head dim it takes
-# (patches.fp8.FP8_ATTENTION), with int8 Q·Kᵀ at every head dim (ops.attention.FP8_QK), with every
+# (patches.fp8.FP8_ATTENTION) / so with int8 Q·Kᵀ (ops.attention.FP8_QK), with every
 # GEMM on our Triton kernels (fp8_linear.TORCH_GEMM), with the gated GEMMs' gate and residual in our kernel's
 # epilogue (fp8_linear.TORCH_GEMM_GATED), with every GEMM on the pointer-load kernel instead of the
 # TMA one (fp8_linear.TMA_GEMM), with every GEMM the TMA kernel can read on it (not the faster kernel of the

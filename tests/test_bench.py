@@ -790,33 +790,39 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
     assert fp8.peer_columns(rows) == {"vs_compile": 2.5, "vs_torchao": 2.2}
 
 
-@pytest.mark.parametrize("row,module,name", [("fp8+exact-attention", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
-                                             ("fp8+attention-everywhere", "sd_kernels.patches.fp8", "FP8_ATTENTION"),
-                                             ("fp8+attention-int8", "sd_kernels.ops.attention", "FP8_QK"),
-                                             ("fp8+triton-gemm", "sd_kernels.ops.fp8_linear", "TORCH_GEMM"),
-                                             ("fp8+fused-gate-gemm", "sd_kernels.ops.fp8_linear", "TORCH_GEMM_GATED"),
-                                             ("fp8+pointer-gemm", "sd_kernels.ops.fp8_linear", "TMA_GEMM")])
-def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypatch, row, module, name):
-    """The tier's experiment rows set the switch the patch reads (``sd_kernels.patches.fp8``, not the
-    repository's top-level copy of the package) while the row runs, and put it back after."""
+PATCH_FP8, OPS_ATTENTION, FP8_LINEAR = "sd_kernels.patches.fp8", "sd_kernels.ops.attention", "sd_kernels.ops.fp8_linear"
+
+
+@pytest.mark.parametrize("row,switches", [
+    ("fp8+exact-attention", [(PATCH_FP8, "FP8_ATTENTION", ())]),
+    ("fp8+attention-everywhere", [(PATCH_FP8, "FP8_ATTENTION", (64, 128))]),
+    ("fp8+attention-int8", [(PATCH_FP8, "FP8_ATTENTION", (64, 128)),
+                            (OPS_ATTENTION, "FP8_QK", {64: "int8", 128: "int8"})]),
+    ("fp8+triton-gemm", [(FP8_LINEAR, "TORCH_GEMM", False)]),
+    ("fp8+fused-gate-gemm", [(FP8_LINEAR, "TORCH_GEMM_GATED", False)]),
+    ("fp8+pointer-gemm", [(FP8_LINEAR, "TMA_GEMM", False)]),
+])
+def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypatch, row, switches):
+    """The tier's experiment rows set the switches the patch reads (``sd_kernels.patches.fp8``, not the
+    repository's top-level copy of the package) to their values while the row runs, and put them back after."""
     import contextlib
 
     from bench import fp8, setups
 
-    mod = importlib.import_module(module)
-    before, seen = getattr(mod, name), []
+    mods = [importlib.import_module(module) for module, _, _ in switches]
+    before, seen = [getattr(mod, name) for mod, (_, name, _) in zip(mods, switches, strict=True)], []
 
     @contextlib.contextmanager
     def applied(pipe, setup):
-        seen.append((setup.precision, getattr(mod, name)))
+        seen.append((setup.precision, [getattr(mod, name) for mod, (_, name, _) in zip(mods, switches, strict=True)]))
         yield {}
 
     monkeypatch.setattr(setups, "applied", applied)
     label, context = fp8._setup(row, "regional")
     with context(object()):
         pass
-    assert label == fp8.FP8_ROWS[row] and seen[0][0] == "fp8" and seen[0][1] is not before
-    assert getattr(mod, name) is before
+    assert label == fp8.FP8_ROWS[row] and seen == [("fp8", [value for _, _, value in switches])]
+    assert [getattr(mod, name) for mod, (_, name, _) in zip(mods, switches, strict=True)] == before
 
 
 def test_rows_appended_to_a_csv_of_other_columns_keep_every_cell_under_its_name(tmp_path):

@@ -597,8 +597,8 @@ def attention(
 
     A call like an earlier flash call (see ``_plan_key``) launches that call's plan directly.
 
-    ``precision="fp8"`` (opt-in, lossy): calls ``fp8_reason`` accepts run ``ops.attention_fp8`` with its
-    defaults (docs/kernels/attention_fp8.md); the rest as with "exact".
+    ``precision="fp8"`` (opt-in, lossy): calls ``fp8_reason`` accepts run ``ops.attention_fp8`` with the
+    Q·Kᵀ mode ``FP8_QK`` gives their head dim (docs/kernels/attention_fp8.md); the rest as with "exact".
     """
     if precision != "exact" and (out := _fp8_or_none(q, k, v, attn_mask, scale, precision)) is not None:
         return out

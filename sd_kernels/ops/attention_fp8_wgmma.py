@@ -17,8 +17,9 @@ from . import attention_wgmma as _wgmma
 
 BLOCK_M = 64  # query rows per consumer warpgroup
 STAGES = 3  # key blocks in the shared-memory ring (K8 and Vᵀ: 32 KiB a stage at head dim 128)
-# Per Q·Kᵀ mode, whether the consumer warpgroups take turns on the tensor cores (a token ring): e4m3 1-3%
-# faster with it, int8 3-7% faster without (H200, 2026-11-29; docs/kernels/attention_fp8.md)
+# Per Q·Kᵀ mode, whether the consumer warpgroups take turns on the tensor cores (a token ring): e4m3 3%
+# faster with it at head dim 128 and within 2% at 64; int8 faster without, 6% at 128 and 2-7% at 64
+# (H200, 2026-11-29; docs/kernels/attention_fp8.md)
 PINGPONG = {"fp8": True, "int8": False}
 HEAD_DIMS = (64, 128)
 # How the kernel relabels P's keys (``_operand``): a 32-key chunk's key 16a + 8b + 2t + e seen as (a, b, t,

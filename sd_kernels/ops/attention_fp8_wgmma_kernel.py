@@ -7,7 +7,8 @@ schedule of the exact Hopper kernel (ops/attention_wgmma_kernel.py), with 8-bit 
 - one loader warp streams the pre-pass's 8-bit K [B·H, S_PAD, D] and e4m3 Vᵀ [B·H, D, S_PAD] blocks
   through an NS-stage shared-memory ring by TMA (both K-major, as Hopper's 8-bit wgmma reads B);
 - NC consumer warpgroups of 64 query rows each load their Q tile once, quantize it per row in
-  registers (int8 or e4m3) into shared memory, and take turns on the tensor cores (a token ring);
+  registers (int8 or e4m3) into shared memory, and (PINGPONG) take turns on the tensor cores (a token
+  ring);
 - per key block: S = Q8·K8ᵀ (int32 or fp32), the block's scale and the row's scale in one factor,
   the online softmax with P scaled by 448 inside the exponent (exp2(s − (m − log2 448)) = 448·p, so the
   e4m3 conversion needs no multiply and the row sum is 448·l), P·V on e4m3 into fp32.

@@ -346,9 +346,9 @@ def test_lossless_patch_keeps_attention_exact(fp8_attention_calls):
 
 
 @cpu_only
-def test_fp8_attention_only_at_the_head_dims_it_is_faster(fp8_attention_calls, monkeypatch):
-    """As shipped (head dim 128 only): the tiny UNet's mid-block attention (128) runs FP8, its 64-wide
-    attention stays exact."""
+def test_fp8_attention_only_at_the_head_dims_it_is_listed_for(fp8_attention_calls, monkeypatch):
+    """With ``FP8_ATTENTION = (128,)`` (the shipped choice): the tiny UNet's mid-block attention (128) runs
+    FP8, its 64-wide attention stays exact."""
     monkeypatch.setattr(fp8, "FP8_ATTENTION", (128,))
     model = _model("tiny")
     sd_kernels.patch(model, precision="fp8", ops=["attention"], cuda_graph=False)
