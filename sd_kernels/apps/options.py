@@ -19,8 +19,8 @@ from typing import Any
 # option parsing reads this table without importing torch).
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # patch(precision=...): "fp16" the lossless default (the model's own half precision, or --dtype's), "fp8" the
-# transformer blocks' linear layers as FP8 GEMMs (lossy; docs/fp8.md). patches.fp8.PRECISIONS, kept apart so
-# that parsing the options imports no torch (tests/apps/test_generate_precision.py checks they agree)
+# transformer blocks' linear layers as FP8 GEMMs, FLUX's attention too (lossy; docs/fp8.md). patches.fp8.PRECISIONS,
+# kept apart so that parsing the options imports no torch (tests/apps/test_generate_precision.py checks they agree)
 PRECISIONS = ("fp16", "fp8")
 RANDOM_SEED = -1  # --seed -1: a seed drawn for the run, printed and recorded in every image
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [0, 2**64)
