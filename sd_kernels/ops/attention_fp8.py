@@ -48,6 +48,7 @@ from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 from . import attention_common as _common
 from . import attention_fp8_wgmma as _hopper
+from . import attention_wgmma as _wgmma
 from .attention_common import LOG2E, as_4d, check_attention_args, default_scale, from_4d, kernel_reason
 from .fp8_quant import inv_scale
 
@@ -362,12 +363,12 @@ def _hopper_reason(q4: torch.Tensor, pv: str, key_block: int) -> str | None:
 
 
 def kernel_choice(q4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK) -> str:
-    """Which kernel runs a call ``_attention_fp8`` takes on q4 [B, H, Sq, D]: "wgmma" (the Hopper kernel:
-    ``pv="fp8"`` on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton". One rule per head dim,
-    by the larger measured gain (H200, docs/kernels/attention_fp8.md): int8 Q·Kᵀ at head dim 128 stays on
-    the Triton kernel (FLUX 0.468 against 0.480 ms); at 64 the Hopper kernel takes both modes (SD3
-    18-21% faster, SDXL's 4,096-token self-attention 5-8% slower). Where it is wanted on an sm_90 GPU
-    and cannot take the call, the reason is logged once and counted (``dispatch.fallbacks()``)."""
+    """Which kernel runs a call ``_attention_fp8`` takes on q4 [B, H, Sq, D]: "wgmma" (the Hopper kernel: ``pv="fp8"``
+    on sm_90 with Triton 3.6, where ``HOPPER`` is on) or "triton". One rule per head dim, by the larger measured
+    gain (H200, docs/kernels/attention_fp8.md): int8 Q·Kᵀ at head dim 128 stays on the Triton kernel (FLUX 0.447
+    against 0.449 ms, the Hopper kernel without its token ring); at 64 the Hopper kernel takes both modes (SD3
+    18-21% faster, SDXL's 4,096-token self-attention 5-8% slower). Where it is wanted on an sm_90 GPU and cannot
+    take the call, the reason is logged once and counted (``dispatch.fallbacks()``)."""
     if qk == "int8" and q4.shape[-1] > 64:
         return "triton"
     why = _hopper_reason(q4, pv, key_block)
@@ -377,7 +378,7 @@ def kernel_choice(q4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block
 
 
 def _on_hopper(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(t.device) == (9, 0)
+    return _wgmma.hopper_reason(t) is None
 
 
 def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,

@@ -54,11 +54,7 @@ def reason(q4: torch.Tensor, key_block: int) -> str | None:
         return f"{b * h} (batch, head) pairs > {_wgmma.MAX_GRID_Y}, CUDA's grid limit on the axis they take"
     if (why := _wgmma._tma_reason(q4)) is not None:
         return f"q: {why}"
-    if not q4.is_cuda or torch.version.hip is not None:
-        return "not on a CUDA (NVIDIA) device"
-    if torch.cuda.get_device_capability(q4.device) != (9, 0):
-        return "not an sm_90 (Hopper) GPU"
-    return unavailable()
+    return _wgmma.hopper_reason(q4) or unavailable()
 
 
 def consumers(d: int) -> int:

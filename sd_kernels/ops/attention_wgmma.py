@@ -90,11 +90,17 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
     for t in (q, k, v):
         if (why := _tma_reason(t)) is not None:
             return why
-    if not (q.is_cuda and k.device == q.device and v.device == q.device) or torch.version.hip is not None:
-        return "not on one CUDA (NVIDIA) device"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    return hopper_reason(q, k, v) or unavailable()
+
+
+def hopper_reason(t: torch.Tensor, *others: torch.Tensor) -> str | None:
+    """Why t (and ``others``, on t's device) is not on an sm_90 (Hopper) CUDA GPU, the Gluon kernels'
+    target, or None."""
+    if not (t.is_cuda and all(o.device == t.device for o in others)) or torch.version.hip is not None:
+        return f"not on {'one' if others else 'a'} CUDA (NVIDIA) device"
+    if torch.cuda.get_device_capability(t.device) != (9, 0):
         return "not an sm_90 (Hopper) GPU"
-    return unavailable()
+    return None
 
 
 def split_head_dim(d: int) -> tuple[int, int, bool]:
