@@ -5,6 +5,7 @@ decorates), so this happens at the top of conftest, before the tests import sd_k
 """
 
 import functools
+import inspect
 import os
 
 import torch
@@ -105,7 +106,11 @@ def _graph_collectives_unset(monkeypatch):
 def count_calls(monkeypatch):
     """``count_calls(module, label=attribute, ...)``: each named module attribute replaced by a wrapper
     that counts its calls under ``label`` (and reads any other attribute from the original: a launcher's
-    methods); returns the counts (a dict, updated as calls happen)."""
+    methods); returns the counts (a dict, updated as calls happen), whose ``args[label]`` lists each call's
+    arguments by name, as the original's signature binds them (defaults included)."""
+
+    class Calls(dict):
+        args: dict[str, list[dict]]
 
     class Spy:
         def __init__(self, real, label, seen):
@@ -113,6 +118,13 @@ def count_calls(monkeypatch):
 
         def __call__(self, *a, **kw):
             self.seen[self.label] += 1
+            try:
+                bound = inspect.signature(self.real).bind(*a, **kw)
+                bound.apply_defaults()
+                named = dict(bound.arguments)
+            except (TypeError, ValueError):  # no signature to bind to (a builtin)
+                named = {"args": a, "kwargs": kw}
+            self.seen.args[self.label].append(named)
             return self.real(*a, **kw)
 
         def __getattr__(self, name):
@@ -122,7 +134,8 @@ def count_calls(monkeypatch):
             return self if obj is None else functools.partial(self, obj)
 
     def install(module, **attributes):
-        seen = dict.fromkeys(attributes, 0)
+        seen = Calls.fromkeys(attributes, 0)
+        seen.args = {label: [] for label in attributes}
         for label, name in attributes.items():
             monkeypatch.setattr(module, name, Spy(getattr(module, name), label, seen))
         return seen

@@ -209,21 +209,15 @@ def test_precision_fp8_routes_self_attention(monkeypatch, count_calls):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_precision_fp8_takes_the_q_k_mode_of_its_head_dim(monkeypatch, d):
+def test_precision_fp8_takes_the_q_k_mode_of_its_head_dim(monkeypatch, count_calls, d):
     """``ops.attention.FP8_QK`` picks the Q·Kᵀ mode a routed call runs (int8 at 64, e4m3 at 128 as shipped;
     here both swapped, so that the test sees the table and not a default)."""
     monkeypatch.setattr(attn, "FP8_MIN_KEYS", 64)
     monkeypatch.setattr(attn, "FP8_QK", {64: "fp8", 128: "int8"})
-    modes, real = [], fp8.attention_fp8
-
-    def spy(q, k, v, attn_mask=None, scale=None, qk="int8", pv="fp8"):
-        modes.append((qk, pv))
-        return real(q, k, v, attn_mask, scale, qk, pv)
-
-    monkeypatch.setattr(fp8, "attention_fp8", spy)
+    calls = count_calls(fp8, fp8="attention_fp8")
     q, k, v = qkv(1, 2, 64, 64, d)
     out = attn.attention(q, k, v, precision="fp8")
-    assert modes == [(attn.FP8_QK[d], "fp8")]
+    assert [(call["qk"], call["pv"]) for call in calls.args["fp8"]] == [(attn.FP8_QK[d], "fp8")]
     assert rel_err(out, reference.attention_fp8(q, k, v, qk=attn.FP8_QK[d])) <= MATCH[q.dtype]
 
 
@@ -301,30 +295,18 @@ def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
     assert torch.equal(v8p[..., order.long()].view(torch.uint8), v8.view(torch.uint8))
 
 
-def test_the_prepass_takes_longer_chunks_past_max_chunks(monkeypatch):
+def test_the_prepass_takes_longer_chunks_past_max_chunks(monkeypatch, count_calls):
     """Past MAX_CHUNKS statistics programs a head, each takes more keys (a power of two): the same V8 bits
     and scales, K8 within one code (the mean's sum runs in other chunks)."""
     _, k, v = qkv(1, 2, 8, 333, 64)
     before = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32)
     monkeypatch.setattr(fp8, "STATS_ROWS", 16)
     monkeypatch.setattr(fp8, "MAX_CHUNKS", 3)  # 333 keys: chunks of 128, not 21 of 16
-    calls = grids_of(monkeypatch, "_STATS")
+    calls = count_calls(fp8, stats="_STATS")
     after = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32)
-    assert calls == [(2, 3)]
+    assert [tuple(call["grid"]) for call in calls.args["stats"]] == [(2, 3)]
     assert torch.equal(after[2].view(torch.uint8), before[2].view(torch.uint8)) and torch.equal(after[3], before[3])
     assert (after[0].int() - before[0].int()).abs().max() <= 1 and torch.allclose(after[1], before[1], rtol=1e-6)
-
-
-def grids_of(monkeypatch, name):
-    """The grids the launcher ``fp8.<name>`` is called with from now on (it still launches)."""
-    grids, real = [], getattr(fp8, name)
-
-    def spy(key, grid, *args, **kwargs):
-        grids.append(tuple(grid))
-        return real(key, grid, *args, **kwargs)
-
-    monkeypatch.setattr(fp8, name, spy)
-    return grids
 
 
 # Every mode's pre-pass compiled for an sm_90 target, in a process without the interpreter (which neither
