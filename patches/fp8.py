@@ -77,7 +77,8 @@ log = logging.getLogger(__name__)
 # The head dims whose attention the tier runs in FP8: where the FP8 kernel measured faster than our exact
 # attention (H200, 2026-11-29, bench/results/2026-11-29-h200-fp8-attention-in-tier: FLUX's 128, 0.40 against
 # 0.44 ms, the image 1,739 against 1,786 ms at the same PSNR); not 64 (SD3 0.55-0.61 against 0.50 ms, SDXL's
-# 4,096-token self-attention 0.23-0.25 against 0.20). () keeps every attention exact.
+# 4,096-token self-attention 0.23-0.25 against 0.20). () keeps every attention exact. Per call the op also
+# keeps calls under ops.attention.FP8_MIN_KEYS keys exact (FLUX at 768²).
 FP8_ATTENTION = (128,)
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")

@@ -545,11 +545,14 @@ def attention_path(q, k, v, attn_mask=None, scale=None) -> str:
 
 
 # ``attention(..., precision="fp8")``: the opt-in lossy tier. Calls the FP8 kernel takes (head dim 64 or
-# 128, no mask, at least FP8_MIN_KEYS keys: the DiTs' joint attention and SDXL's self-attention, not
-# the 77-token cross-attention, whose quantization pre-pass would cost about what its dots save) run
-# there; every other call takes the exact path below, logged once per reason as declined.
+# 128, no mask, at least FP8_MIN_KEYS keys) run there; every other call takes the exact path below, logged
+# once per reason as declined. FP8_MIN_KEYS is where the FP8 kernel, its K/V pre-pass included, overtakes
+# our exact attention at head dim 128 (H200, 2026-11-29, bench/results/2026-11-29-h200-fp8-tier-sizes:
+# FLUX's 2,816 keys at 768² 0.986x, 4,608 at 1024² 1.09x, 9,728 at 1536² 1.27x, 16,896 at 2048² 1.32x): below
+# it the pre-pass costs more than the 8-bit dots save, and FP8's error would buy nothing. (At head dim 64 the
+# kernel measured slower at every size up to SD3's 4,429 keys.)
 PRECISIONS = ("exact", "fp8")
-FP8_MIN_KEYS = 1024
+FP8_MIN_KEYS = 3072
 # The Q·Kᵀ mode (ops.attention_fp8's ``qk``) of the calls precision="fp8" routes, per head dim: int8 at 64
 # (SageAttention's choice, the more accurate); e4m3 at 128, where the Hopper kernel runs it 10% faster than
 # int8 on the Triton kernel and FLUX's image measured the same (H200, 2026-11-29: PSNR 47.12 dB against stock
