@@ -1,14 +1,15 @@
-"""FP8 attention (ops.attention_fp8) against our exact attention and torch's SDPA, at the 1024²
-self-attention of the DiTs and SDXL: time, TFLOP/s and accuracy in one run.
+"""FP8 attention (ops.attention_fp8) against our exact attention and torch's SDPA, at the self-attention
+of the DiTs and SDXL (1024², and FLUX at other sizes): time, TFLOP/s and accuracy in one run.
 
     python -m bench.ops_attention_fp8 --out DIR [--quick] [--case FLUX --case SD3 ...]
     python -m bench.ops_attention_fp8 --out DIR --accuracy     # anywhere (CPU): the algorithm's error
 
 Shapes (B, H, S, D): FLUX.1 (1, 24, 4608, 128: 4,096 image + 512 text tokens, one sample: guidance
-is distilled), SD3-medium (2, 24, 4429, 64: 4,096 + 333, batch 2 for guidance), SDXL's two
-self-attention levels (2, 10, 4096, 64) and (2, 20, 1024, 64). PixArt-Σ's 16 heads of 72 are listed
-as not covered (the FP8 kernel takes head dims 64 and 128). Inputs are bf16 (``--dtype float16``
-for fp16), diffusers' transposed views of [B, S, H, D].
+is distilled; and at 768², 1536² and 2048²: 2,304, 9,216 and 16,384 image tokens + 512), SD3-medium
+(2, 24, 4429, 64: 4,096 + 333, batch 2 for guidance), SDXL's two self-attention levels (2, 10, 4096,
+64) and (2, 20, 1024, 64). PixArt-Σ's 16 heads of 72 are listed as not covered (the FP8 kernel takes
+head dims 64 and 128). Inputs are bf16 (``--dtype float16`` for fp16), diffusers' transposed views of
+[B, S, H, D].
 
 Rows per shape:
 - ``fp8[QK/PV]``: each of the four modes (Q·Kᵀ in int8 or e4m3, P·V in e4m3 or the input dtype), each
@@ -54,6 +55,9 @@ wgmma = importlib.import_module("sd_kernels.ops.attention_wgmma")
 
 SHAPES = [  # (name, (B, H, S, D))
     ("FLUX 1024²", (1, 24, 4608, 128)),
+    ("FLUX 768²", (1, 24, 2816, 128)),
+    ("FLUX 1536²", (1, 24, 9728, 128)),
+    ("FLUX 2048²", (1, 24, 16896, 128)),
     ("SD3 1024²", (2, 24, 4429, 64)),
     ("PixArt-Σ 1024²", (2, 16, 4096, 72)),
     ("SDXL 1024² 64²", (2, 10, 4096, 64)),
