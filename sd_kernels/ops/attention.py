@@ -550,7 +550,7 @@ def attention_path(q, k, v, attn_mask=None, scale=None) -> str:
 # our exact attention at head dim 128 (H200, 2026-11-29, bench/results/2026-11-29-h200-fp8-tier-sizes:
 # FLUX's 2,816 keys at 768² 0.986x, 4,608 at 1024² 1.09x, 9,728 at 1536² 1.27x, 16,896 at 2048² 1.32x): below
 # it the pre-pass costs more than the 8-bit dots save, and FP8's error would buy nothing. (At head dim 64 the
-# kernel measured slower at every size up to SD3's 4,429 keys.)
+# kernel measured slower at each size measured: 1,024, 4,096 and 4,429 keys.)
 PRECISIONS = ("exact", "fp8")
 FP8_MIN_KEYS = 3072
 # The Q·Kᵀ mode (ops.attention_fp8's ``qk``) of the calls precision="fp8" routes, per head dim: int8 at 64
