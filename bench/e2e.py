@@ -8,7 +8,9 @@ that is killed keeps what it measured); the paper's cumulative ablation goes to 
 Variants (``bench/setups.py``): stock eager (SDPA); stock + CUDA graph; the recipe,
 ``stock+compile-graphs`` (diffusers' speed recipe: channels_last, fused QKV, torch.compile fullgraph of
 the UNet and the VAE decode with CUDA graphs); patched; patched + CUDA graph; patched + CUDA graph
-+ compile (``patch(cuda_graph=True, compile=True)``); patched + the recipe's compile. Per row:
++ compile (``patch(cuda_graph=True, compile=True)``); patched + the recipe's compile; asked for by name,
+the lossy FP8 tier (``patched+graph+fp8``, ``patched+graph+compile+fp8``: ``patch(precision="fp8")``, GPUs
+with FP8 tensor cores). Per row:
 
 - ``e2e_ms``: one ``pipe(prompt)`` call, ``steps`` denoising steps at batch 1 with classifier-free
   guidance (UNet batch 2), fp16, output as a tensor; median of 7 calls after a warm-up call

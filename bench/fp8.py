@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import pathlib
 import statistics
@@ -272,7 +273,7 @@ REGIONAL, TORCHAO = "compile-regional", "torchao-fp8+regional-compile"  # the re
 def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     """(label, a context factory for bench.dit.measure) of one e2e row; a regional peer compiled in
     another mode than torch.compile's default carries it in its label."""
-    from bench.setups import PEER, VARIANTS, Setup, applied
+    from bench.setups import PEER, VARIANTS, applied
 
     suffix = "" if torch_mode == "default" else f"[{torch_mode}]"
     if row == "stock":
@@ -295,7 +296,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         label = "patched+graph+" + row.removeprefix("patched+")
         return label, lambda p: _applied_with(p, VARIANTS["patched+graph"], ablations[row.removeprefix("patched+")])
     if row in FP8_ROWS:
-        setup = Setup(FP8_ROWS[row], patched=True, graph=True, precision="fp8", patch_compile=row == "fp8+compile")
+        base = VARIANTS["patched+graph+compile+fp8" if row == "fp8+compile" else "patched+graph+fp8"]
+        setup = dataclasses.replace(base, name=FP8_ROWS[row])
         from sd_kernels.patches import fp8 as fp8_patch
 
         fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op

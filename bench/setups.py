@@ -76,14 +76,17 @@ VARIANTS = {s.name: s for s in (
     # The same with inductor's autotuning inside our graphs: against the recipe's own mode.
     Setup("patched+graph+compile-max-autotune+fused-qkv", patched=True, graph=True, patch_compile="max-autotune",
           fuse_qkv=True),
+    # The opt-in FP8 tier (lossy; GPUs with FP8 tensor cores): bench.fp8's rows, and asked for by name in
+    # bench.e2e and bench.dit.
+    Setup("patched+graph+fp8", patched=True, graph=True, precision="fp8"),
+    Setup("patched+graph+compile+fp8", patched=True, graph=True, patch_compile=True, precision="fp8"),
 )}
 # What a plan runs by default (max-autotune's compile does not fit the GPU machine's 10-minute calls;
-# the Winograd-less row is an ablation, asked for by name).
-DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in ("stock+compile-max-autotune", PEER_UNFUSED,
-                                                          "patched+graph+compile-no-winograd",
-                                                          "patched+graph+fused-qkv", "patched+graph+compile+fused-qkv",
-                                                          "patched+step-graph", "patched+step-graph+compile+fused-qkv",
-                                                          "patched+graph+compile-max-autotune+fused-qkv"))
+# the Winograd-less row is an ablation, the FP8 tier lossy: asked for by name).
+DEFAULT_VARIANTS = tuple(n for n in VARIANTS if VARIANTS[n].precision is None and n not in (
+    "stock+compile-max-autotune", PEER_UNFUSED, "patched+graph+compile-no-winograd", "patched+graph+fused-qkv",
+    "patched+graph+compile+fused-qkv", "patched+step-graph", "patched+step-graph+compile+fused-qkv",
+    "patched+graph+compile-max-autotune+fused-qkv"))
 NO_COMPILE = tuple(n for n in DEFAULT_VARIANTS if not VARIANTS[n].slow_start)
 # Graphs that replay a part's calls (then its steady time is its device time): ours or inductor's.
 CUDAGRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")

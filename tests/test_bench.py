@@ -1,6 +1,7 @@
 """The end-to-end bench harness on CPU: its plan, CSV schema, time cap, failure handling, summaries, plots."""
 
 import csv
+import dataclasses
 import importlib
 import json
 import pathlib
@@ -41,6 +42,28 @@ def test_explicit_models_and_variants():
     items = e2e.plan("quick", e2e.parse_targets("sdxl, sd21@512"), ["patched+graph"], ablation=False)
     assert [(t.label, s.name, n) for t, s, n in items] == [("sdxl@1024", "patched+graph", "e2e.csv"),
                                                            ("sd21@512", "patched+graph", "e2e.csv")]
+
+
+def test_the_fp8_tier_is_a_variant_asked_for_by_name_and_bench_fp8_runs_the_same_setup(monkeypatch):
+    """bench.e2e and bench.dit run the FP8 tier when named (lossy: never by default); bench.fp8's rows are the
+    same setups, with their switches."""
+    from bench import fp8, setups
+
+    tier, compiled = setups.VARIANTS["patched+graph+fp8"], setups.VARIANTS["patched+graph+compile+fp8"]
+    assert (tier.precision, tier.patched, tier.graph, tier.patch_compile) == ("fp8", True, True, False)
+    assert (compiled.precision, compiled.patch_compile) == ("fp8", True)
+    assert not {tier.name, compiled.name} & set(setups.DEFAULT_VARIANTS)
+    items = e2e.plan("quick", e2e.parse_targets("sdxl"), [tier.name], ablation=False)
+    assert [(t.label, s) for t, s, n in items] == [("sdxl@1024", tier)]
+    seen = []
+    monkeypatch.setattr(fp8, "_applied_with", lambda pipe, setup, changed: seen.append((setup, changed)))
+    for row, base in (("fp8", tier), ("fp8+compile", compiled), ("fp8+exact-attention", tier)):
+        label, factory = fp8._setup(row, "regional")
+        factory(None)
+        setup, changed = seen[-1]
+        assert label == setup.name == fp8.FP8_ROWS[row]
+        assert setup == dataclasses.replace(base, name=label)
+        assert (changed is None) == (row != "fp8+exact-attention")
 
 
 def test_controlnet_targets_name_their_base_config():
