@@ -389,8 +389,8 @@ def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", 
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
     if n_consumers is not None:  # the Hopper kernel, asked for by name
-        if config is not None or (why := _hopper_reason(q4, pv, key_block)) is not None:
-            why = "a Triton config was given too" if config is not None else why
+        why = "a Triton config was given too" if config is not None else _hopper_reason(q4, pv, key_block)
+        if why is not None:
             raise ValueError(f"n_consumers={n_consumers!r} asks for the Hopper kernel, which cannot run this "
                              f"call: {why}")
         hopper = True
