@@ -48,7 +48,7 @@ CATEGORIES = (
     ("fp8 gemm (ours)", r"^_fp8_gemm_(tma_)?kernel"),
     ("fp8 quantize (ours)", r"^_(quantize|kv_stats|kv_quant)_kernel"),
     ("conv (ours)", r"^_conv_kernel"),
-    ("residual / layout (ours)", r"^_(bias_residual|pack8|unpack8)_kernel"),
+    ("residual / layout (ours)", r"^_(bias_residual|gated_add|pack8|unpack8)_kernel"),
     ("geglu/gelu (ours)", r"^_(linear_geglu|elementwise)_kernel"),
     ("collectives (NCCL)", r"^nccl"),
     # the ring exchange on the copy engines (patches/peer_gather.py): peer copies and the symmetric-memory

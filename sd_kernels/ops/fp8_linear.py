@@ -14,8 +14,9 @@ Hopper the operands come in through the Tensor Memory Accelerator, in persistent
 faster (the shipped tables choose per shape); elsewhere, for rows TMA cannot read, and for the shapes
 where the tables time the pointer kernel faster, through pointers. Where the active profile sets
 ``fp8_torch_gemm`` (``hopper``), bf16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate
-and residual, added after it by one ``torch.addcmul``) go to torch's row-wise ``torch._scaled_mm`` with
-fast accumulation, which measured faster in a step (``_torch_gemm_ready``; docs/fp8.md, "The GEMM").
+and residual, added after it in one pass: ops/residual.py's ``gated_add_into``) go to torch's row-wise
+``torch._scaled_mm`` with fast accumulation, which measured faster in a step (``_torch_gemm_ready``;
+docs/fp8.md, "The GEMM").
 
 The activations' quantizer (``quantize_rows``, with a GELU or a prefix fused) is ops/fp8_quant.py's; its
 public names are re-exported here.
@@ -52,6 +53,7 @@ from sd_kernels.ops.fp8_quant import (  # noqa: F401 (the quantizer's public nam
     segments,
 )
 from sd_kernels.ops.layout import vectors
+from sd_kernels.ops.residual import gated_add_into, gated_reason
 from sd_kernels.ops.tiles import grouped_tile
 from sd_kernels.runtime.dispatch import interpreting, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, device_properties
@@ -283,9 +285,9 @@ TORCH_GEMM = True  # False: every GEMM on our Triton kernels (bench.fp8's fp8+tr
 # whatever the profile's fp8_torch_gemm says
 TORCH_GEMM_CAPABILITY = (9, 0)  # row-wise scaling in torch._scaled_mm needs Hopper or later (and the profile)
 TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_tma_chosen)
-# also a DiT block's gate and residual, added by one torch.addcmul after the GEMM: 0.7-0.9 ms less GEMM time
-# a FLUX step than our fused epilogue, the image 0.5-0.8% faster (within the runs' spread), its error per
-# GEMM 2.7e-3 against 2.4e-3 (bf16)
+# also a DiT block's gate and residual, added in one pass after the GEMM: 0.7-0.9 ms less GEMM time a FLUX step
+# than our fused epilogue, the image 0.5-0.8% faster (within the runs' spread; measured with torch.addcmul as
+# that pass), its error per GEMM 2.7e-3 against 2.4e-3 (bf16)
 TORCH_GEMM_GATED = True
 # bf16 only: in fp16 (SD3) it made no measurable difference to the step (32.4 against 32.3 ms)
 TORCH_GEMM_DTYPES = (torch.bfloat16,)
@@ -336,10 +338,11 @@ def _torch_gemm_device(device: torch.device) -> bool:
 
 def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, out_dtype) -> torch.Tensor:
     """The GEMM on ``torch._scaled_mm`` with fast accumulation (the tensor cores' FP8 accumulation, as ours
-    runs it), the bias in its epilogue; a gate and residual after it in one pass (``addcmul``, or ``mul`` /
-    ``add`` with only one of them), computed in fp32 and written into a new contiguous ``out_dtype`` tensor
-    as the kernels' output is, whatever the gate's and residual's dtypes and strides (the GEMM's output is
-    rounded once more than in our fused epilogue)."""
+    runs it), the bias in its epilogue; a gate and residual after it in one pass (ops/residual.py's
+    ``gated_add_into``; torch's ``addcmul``, ``mul`` or ``add`` for inputs its kernel does not take), computed
+    in fp32 and written into a new contiguous ``out_dtype`` tensor as the kernels' output is, whatever the
+    gate's and residual's dtypes and strides (the GEMM's output is rounded once more than in our fused
+    epilogue)."""
     y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
                          out_dtype=out_dtype, use_fast_accum=True)
     if g2 is None and residual is None:
@@ -347,12 +350,16 @@ def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, ou
     n = y.shape[1]
     out = torch.empty(out_shape, dtype=out_dtype, device=y.device)
     o3, y3 = out.view(-1, tokens, n), y.view(-1, tokens, n)
-    if g2 is None:
-        torch.add(residual.reshape(-1, tokens, n), y3, out=o3)
-    elif residual is None:
-        torch.mul(g2.reshape(-1, 1, n), y3, out=o3)
+    r3 = None if residual is None else residual.reshape(-1, tokens, n)
+    g3 = None if g2 is None else g2.reshape(-1, 1, n)
+    if use_kernel("gated_add", r3, g3, y3, unsupported=gated_reason(r3, g3, y3)):
+        gated_add_into(r3, g3, y3, o3)
+    elif g3 is None:
+        torch.add(r3, y3, out=o3)
+    elif r3 is None:
+        torch.mul(g3, y3, out=o3)
     else:
-        torch.addcmul(residual.reshape(-1, tokens, n), g2.reshape(-1, 1, n), y3, out=o3)
+        torch.addcmul(r3, g3, y3, out=o3)
     return out
 
 

@@ -10,17 +10,20 @@ runs its convolutions without bias and finishes each band with this, writing str
 buffer that keeps the activation.
 
 ``gated_add(x, gate, y)`` = x + gate · y, a DiT block's gated residual (``gate`` a per-sample vector
-broadcast over the tokens), is one ``torch.addcmul`` pass: the product and the sum in fp32, rounded once,
-where diffusers' ``x + gate * y`` runs two elementwise kernels and writes the product in between (at
-SD3-medium 1024² with guidance, 25 MB written and read back for the image stream of each block). No Triton
-kernel: a rewrite in torch calls, on any device; under the reference backend diffusers' two ops, bit for
-bit. Rounded once, a sum whose product alone would overflow fp16 stays finite where stock's is ±inf (FLUX's
-single blocks then clip either to ±65,504).
+broadcast over the tokens), is one pass: the product and the sum in fp32, rounded once, where diffusers'
+``x + gate * y`` runs two elementwise kernels and writes the product in between (at SD3-medium 1024² with
+guidance, 25 MB written and read back for the image stream of each block). On a GPU (and under the
+interpreter) a Triton kernel makes it, the gate loaded once a tile; elsewhere one ``torch.addcmul``, whose
+broadcast gate takes torch's strided elementwise path (docs/kernels/residual.md measures both); under the
+reference backend diffusers' two ops, bit for bit. Rounded once, a sum whose product alone would overflow
+fp16 stays finite where stock's is ±inf (FLUX's single blocks then clip either to ±65,504). The FP8 tier's
+gated GEMMs on torch's ``_scaled_mm`` add their gate and residual with the same kernel (``gated_add_into``).
 
-The kernel is elementwise over a [N, C, S] view (S the flattened spatial dims, which must share one
-stride: a band of rows of a channels_last tensor has stride C). A program owns a [BLOCK_S, BLOCK_C]
-tile, channels fastest when they are (16-byte loads along C in channels_last). Not autotuned: the
-tile follows the layout.
+``bias_residual``'s kernel is elementwise over a [N, C, S] view (S the flattened spatial dims, which must
+share one stride: a band of rows of a channels_last tensor has stride C). A program owns a [BLOCK_S, BLOCK_C]
+tile, channels fastest when they are (16-byte loads along C in channels_last). ``gated_add``'s runs over
+[B, T, D] (any strides; the gate's token stride 0 for a per-sample gate), a [BLOCK_T, BLOCK_D] tile a
+program. Neither is autotuned: the tile follows the layout.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.ops.group_norm import _spatial_stride
 from sd_kernels.ops.layout import check_writable, vectors
-from sd_kernels.runtime.dispatch import tensor_reason, use_kernel
-from sd_kernels.runtime.launch import Launcher, cdiv
+from sd_kernels.runtime.dispatch import tensor_reason, tensors_device_reason, use_kernel
+from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 
 @triton.jit
@@ -117,12 +120,82 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor, skip: torch.Tensor | None
     return out
 
 
+@triton.jit
+def _gated_add_kernel(
+    x_ptr, g_ptr, y_ptr, o_ptr, T, D, tiles_d,
+    sx_b, sx_t, sx_d, sg_b, sg_t, sg_d, sy_b, sy_t, sy_d, so_b, so_t, so_d,
+    HAS_X: tl.constexpr, HAS_GATE: tl.constexpr, GATE_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[b, t, d] = x[b, t, d] + gate[b, t, d] · y[b, t, d] in fp32, rounded once (HAS_X / HAS_GATE: without
+    either). GATE_ROW: the gate's token stride is 0 (one vector a sample), loaded once for the tile."""
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    t = ((pid // tiles_d) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d = (pid % tiles_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    mask = (t < T)[:, None] & d_mask[None, :]
+    v = tl.load(y_ptr + b * sy_b + t[:, None] * sy_t + d[None, :] * sy_d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        if GATE_ROW:
+            g = tl.load(g_ptr + b * sg_b + d * sg_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            g = tl.load(g_ptr + b * sg_b + t[:, None] * sg_t + d[None, :] * sg_d, mask=mask, other=0.0).to(tl.float32)
+        v = v * g
+    if HAS_X:
+        v += tl.load(x_ptr + b * sx_b + t[:, None] * sx_t + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + b * so_b + t[:, None] * so_t + d[None, :] * so_d, v.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_GATED = Launcher(_gated_add_kernel)
+_GATED_ELEMS = 4096  # elements a program: 32 a thread at 4 warps (four 16-byte loads of each 16-bit input)
+_GATED_WARPS = 4
+
+
+def _expanded(t: torch.Tensor | None, shape: torch.Size) -> tuple[int, int, int]:
+    """The [B, T, D] strides ``t`` is read at, broadcast to ``shape`` (0 along a broadcast dim); (0, 0, 0) for none."""
+    return (0, 0, 0) if t is None else t.expand(shape).stride()
+
+
+def gated_reason(x: torch.Tensor | None, gate: torch.Tensor | None, y: torch.Tensor) -> str | None:
+    """Why the gated-add kernel cannot take ``x + gate · y`` (None: it can): the shared reasons, no device
+    it runs on, shapes other than y's [B, T, D] with x of y's shape and a gate that broadcasts to it."""
+    reason = tensor_reason(x, gate, y) or tensors_device_reason(x, gate, y)
+    if reason is not None:
+        return reason
+    if y.dim() != 3 or (x is not None and x.shape != y.shape) or y.numel() == 0:
+        return f"shape {list(y.shape)} (the kernel takes a non-empty [B, T, D] and an x of its shape)"
+    if gate is not None and (gate.dim() > 3 or torch.broadcast_shapes(gate.shape, y.shape) != y.shape):
+        return f"gate of shape {list(gate.shape)} does not broadcast to {list(y.shape)}"
+    return None
+
+
+def gated_add_into(x: torch.Tensor | None, gate: torch.Tensor | None, y: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    """``out = x + gate · y`` (either of x and gate may be None) for inputs ``gated_reason`` accepts and ``out``
+    of y's shape (any strides, its elements its own): one kernel, fp32, rounded once to out's dtype. Returns out."""
+    bsz, t, d = y.shape
+    block_d = min(next_pow2(d), 1024)
+    block_t = max(1, min(_GATED_ELEMS // block_d, next_pow2(t)))
+    tiles_d = cdiv(d, block_d)
+    sg = _expanded(gate, y.shape)
+    flags = dict(HAS_X=x is not None, HAS_GATE=gate is not None, GATE_ROW=gate is not None and sg[1] == 0)
+    key = (*flags.values(), block_t, block_d, _GATED_WARPS, y.dtype, out.dtype, None if x is None else x.dtype,
+           None if gate is None else gate.dtype)
+    _GATED(key, (cdiv(t, block_t) * tiles_d, bsz), y if x is None else x, y if gate is None else gate, y, out,
+           t, d, tiles_d, *_expanded(x, y.shape), *sg, *y.stride(), *out.stride(), **flags,
+           BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GATED_WARPS)
+    return out
+
+
 def gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + gate · y`` in one pass (``torch.addcmul``: rounded once, where the reference rounds the product
-    too); the reference (diffusers' two ops) under the reference backend, where the three dtypes differ
-    (torch's type promotion is then the reference's to decide), for a 0-dim gate (which may sit on another
-    device) and in a graph torch.compile traces (inductor fuses the two ops itself)."""
+    """``x + gate · y`` in one pass, rounded once (where the reference rounds the product too): our kernel
+    where ``gated_reason`` lets it run, else one ``torch.addcmul``; the reference (diffusers' two ops) under the
+    reference backend, where the three dtypes differ (torch's type promotion is then the reference's to
+    decide), for a 0-dim gate (which may sit on another device) and in a graph torch.compile traces
+    (inductor fuses the two ops itself). The result is contiguous, in x's dtype."""
     if (torch.compiler.is_compiling() or not x.dtype == gate.dtype == y.dtype or gate.dim() == 0
             or not use_kernel("gated_add", x, gate, y, any_device=True)):
         return reference.gated_add(x, gate, y)
+    if gated_reason(x, gate, y) is None:
+        return gated_add_into(x, gate, y, torch.empty(y.shape, dtype=y.dtype, device=y.device))
     return torch.addcmul(x, gate, y)

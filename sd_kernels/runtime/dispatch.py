@@ -56,21 +56,25 @@ def backend() -> str:
     return mode
 
 
-def _device_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
+def _device_reason(tensors: tuple[torch.Tensor | None, ...]) -> str | None:
     devices = {t.device for t in tensors if t is not None}
     if len(devices) > 1:
         return f"inputs on several devices {sorted(map(str, devices))}"
     (device,) = devices
-    if device.type == "cuda":
-        return _triton_missing()
-    if device.type == "cpu" and interpreting():
-        return _triton_missing()
-    return f"{NO_KERNEL_DEVICE}; got {device.type}"
+    return device_reason(device)
 
 
 def device_reason(device: torch.device | str) -> str | None:
     """Why the kernels cannot run on ``device`` at all (None: they can), for checks before any work."""
-    return _device_reason((torch.empty(0, device=device),))
+    kind = torch.device(device).type
+    if kind == "cuda" or (kind == "cpu" and interpreting()):
+        return _triton_missing()
+    return f"{NO_KERNEL_DEVICE}; got {kind}"
+
+
+def tensors_device_reason(*tensors: torch.Tensor | None) -> str | None:
+    """Why the kernels cannot run on these tensors' device (None: they can): one device, where kernels run."""
+    return _device_reason(tensors)
 
 
 def tensor_reason(*tensors: torch.Tensor | None, also: tuple[torch.dtype, ...] = ()) -> str | None:
