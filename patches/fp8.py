@@ -64,7 +64,7 @@ from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting
 
-from . import families
+from . import families, modulation_split
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
@@ -220,6 +220,11 @@ class Fp8FeedForward(nn.Module):
         return (not self.training and isinstance(act.proj, Fp8Linear) and isinstance(second, Fp8Linear)
                 and not called_beside(act) and not called_beside(second))
 
+    def reads_codes(self) -> bool:
+        """Whether a call now takes the fused path, whose first GEMM reads the FP8 codes its input carries
+        (``attach_quantized``): a producer may write them beside the input (patches/layer_norm.py's norm2)."""
+        return self._fused()
+
     @scoped
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or not self._fused():  # LoRA-wrapped since, training, or arguments of its own
@@ -263,7 +268,7 @@ class Fp8AdaLayerNormZero(nn.Module):
     def forward(self, x: torch.Tensor, *args, emb: torch.Tensor | None = None, **kwargs):
         if args or kwargs or emb is None or x.dim() != 3:  # a call the blocks do not make: diffusers' forward
             return type(self._norm[0]).forward(self, x, *args, emb=emb, **kwargs)
-        chunks = self.linear(self.silu(emb)).chunk(self.chunks, dim=1)
+        chunks = self.linear(modulation_split.silu(self, emb)).chunk(self.chunks, dim=1)  # one SiLU and codes a call
         shift, scale = chunks[0], chunks[1]
         norm = self.norm
         if torch.compiler.is_compiling():

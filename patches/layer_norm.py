@@ -80,7 +80,9 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.ops.custom_ops import gated_residual_layer_norm, layer_norm_modulated
+from sd_kernels.ops.fp8_linear import attach_quantized
 from sd_kernels.ops.gelu import gelu_into
+from sd_kernels.ops.layer_norm import gated_residual_layer_norm_fp8
 from sd_kernels.ops.residual import gated_add
 from sd_kernels.profiles import scoped
 
@@ -110,11 +112,17 @@ def _modulated(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: 
 
 
 def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None,
-                scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: torch.Tensor, shift: torch.Tensor, codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = (gate ·) branch + residual, norm(h) · (1 + scale) + shift): one kernel where branch has the
     [B, T, D] residual's shape; else stock's ops (a branch that broadcasts), with the squeeze of a
-    4-D sum that diffusers applies after the gated (self-attention) residual."""
+    4-D sum that diffusers applies after the gated (self-attention) residual. ``codes`` (the FP8 tier's
+    feed-forward reads the normed output next): the kernel also writes its FP8 codes, which travel on it
+    (``attach_quantized``) to the feed-forward's first GEMM, in eager calls."""
     if residual.dim() == 3 and branch.shape == residual.shape:
+        if codes and not torch.compiler.is_compiling():
+            h, y, q, s = gated_residual_layer_norm_fp8(residual, branch, gate, norm.weight, norm.bias, norm.eps,
+                                                       scale, shift)
+            return h, attach_quantized(y, q, s)
         return gated_residual_layer_norm(residual, branch, gate, norm.weight, norm.bias, norm.eps, scale, shift)
     h = (branch if gate is None else gate * branch) + residual
     if gate is not None and h.ndim == 4:
@@ -238,7 +246,7 @@ def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor) -> tuple
         return norm(x, emb=emb)
     modulation = modulation_split.product(norm, emb)  # 1/W of it a process under context parallelism, if enabled
     if modulation is None:
-        modulation = norm.linear(norm.silu(emb))
+        modulation = norm.linear(modulation_split.silu(norm, emb))
     shift_msa, scale_msa, *rest = modulation.chunk(chunks, dim=1)
     return _modulated(norm.norm, x, scale_msa[:, None], shift_msa[:, None]), *rest
 
@@ -250,9 +258,11 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
     and ``norm2`` of it modulated with scale/shift_mlp in one kernel, then ``x + gate_mlp.unsqueeze(1) *
     ff(normed)``: one ``gated_add`` pass, or by the second GEMM of the FP8 tier's feed-forward (``fp8_gemm``: its
     epilogue, or one pass after torch's GEMM) where ``ff`` is one, unchunked and called as nothing but its forward."""
-    x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None])
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
-    if gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff):
+    fp8 = gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff)
+    x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None],
+                            codes=fp8 and ff.reads_codes())
+    if fp8:
         return gated(normed, gate_mlp, x)  # the gate and the add made by its second GEMM
     return gated_add(x, gate_mlp.unsqueeze(1), _feed_forward(block, ff, normed))
 

@@ -35,10 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import context_parallel
+from .hooks import called_beside
 
 # each block norm enabled -> its transformer's split
 _SPLITS: weakref.WeakKeyDictionary[nn.Module, _Split] = weakref.WeakKeyDictionary()
 _COMPUTED = 0  # splits computed in this process (``computed``)
+_SILU = "_sd_kernels_silu"  # the attribute ``silu`` keeps an embedding's SiLU in
 
 
 class _Split:
@@ -125,6 +127,24 @@ def product(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
     if norm.linear is not split.linears[split.index[id(norm)]]:
         return None  # its linear replaced since (another patch's): the norm computes with what it now holds
     return split.product(norm, emb)
+
+
+def silu(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor:
+    """``norm.silu(emb)``, made once per ``emb`` (and its version): every block norm of a DiT call reads the same
+    step embedding, so the first block's SiLU serves the rest (and, in the FP8 tier, the codes its linear
+    attaches to it: one quantization a call, not one a block). The SiLU is kept on ``emb`` (the tensor holds
+    it, as ``attach_quantized`` keeps codes), so it lives no longer than ``emb``. A norm whose ``silu`` is not
+    torch's ``nn.SiLU`` or has hooks, calls autograd tracks or torch.compile traces, and an inference tensor
+    (no version counter) run ``norm.silu(emb)`` as it is."""
+    if (type(norm.silu) is not nn.SiLU or called_beside(norm.silu) or torch.compiler.is_compiling()
+            or emb.is_inference() or (torch.is_grad_enabled() and emb.requires_grad)):
+        return norm.silu(emb)
+    held = getattr(emb, _SILU, None)
+    if held is not None and held[0] == emb._version:
+        return held[1]
+    out = norm.silu(emb)
+    setattr(emb, _SILU, (emb._version, out))
+    return out
 
 
 def covers(norm: nn.Module) -> bool:

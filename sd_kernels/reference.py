@@ -229,8 +229,13 @@ def gated_residual_layer_norm(
     """A DiT block's gated residual and the next adaLN: ``h = residual + gate * branch`` (gate None: 1),
     returned with ``layer_norm_modulated(h, weight, bias, eps, scale, shift)``."""
     check_gated_residual_args(residual, branch, gate, weight, bias, scale, shift)
-    h = residual + (branch if gate is None else _per_sample(gate) * branch)
+    h = gated_residual(residual, branch, gate)
     return h, layer_norm_modulated(h, weight, bias, eps, scale, shift)
+
+
+def gated_residual(residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """``residual + gate * branch`` (gate [B, D] or [B, 1, D] per sample; None: 1), as stock computes it."""
+    return residual + (branch if gate is None else _per_sample(gate) * branch)
 
 
 def default_scale(head_dim: int) -> float:

@@ -10,7 +10,12 @@ from .fp8_linear import fp8_gemm, fp8_linear, quantize_rows
 from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
 from .group_stats import group_norm_given, group_partials, group_stats, mean_rstd, merge_group_stats
-from .layer_norm import gated_residual_layer_norm, layer_norm_modulated, layer_norm_modulated_fp8
+from .layer_norm import (
+    gated_residual_layer_norm,
+    gated_residual_layer_norm_fp8,
+    layer_norm_modulated,
+    layer_norm_modulated_fp8,
+)
 from .pack8 import pack8, unpack8
 from .residual import bias_residual, gated_add
 from .rope import qk_norm_rope, qk_norm_rope_kv
@@ -28,6 +33,7 @@ __all__ = [
     "fp8_linear",
     "gated_add",
     "gated_residual_layer_norm",
+    "gated_residual_layer_norm_fp8",
     "geglu",
     "gelu",
     "group_norm",

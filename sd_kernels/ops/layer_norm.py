@@ -220,6 +220,40 @@ def gated_residual_layer_norm(
     return h, y
 
 
+def gated_residual_layer_norm_fp8(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gated_residual_layer_norm`` that also quantizes the normed output for an FP8 projection, in the same
+    kernel: (h, y, codes [B, T, D] e4m3, row scales [B, T] fp32), the codes those of
+    ``reference.fp8_quantize_rows`` of y's fp32 values (a DiT block's norm2 before the FP8 tier's feed-forward)."""
+    reference.check_gated_residual_args(residual, branch, gate, weight, bias, scale, shift)
+    tensors = (residual, branch, gate, weight, bias, scale, shift)
+    reason = _kernel_reason(tensors, residual.shape[-1]) or fp8_reason(*tensors)
+    if not use_kernel("layer_norm", *tensors, unsupported=reason):
+        h = reference.gated_residual(residual, branch, gate)
+        return (h, *_modulated_fp8_reference(h, weight, bias, eps, scale, shift, tensors))
+    q = torch.empty(residual.shape, dtype=E4M3, device=residual.device)
+    s = torch.empty(residual.shape[:-1], dtype=torch.float32, device=residual.device)
+    y, h = _launch(residual, branch, gate, weight, bias, eps, scale, shift, quant=(q, s))
+    return h, y, q, s if y.numel() else s.zero_()
+
+
+def _modulated_fp8_reference(x, weight, bias, eps, scale, shift, tensors) -> tuple[torch.Tensor, ...]:
+    """(y, codes, row scales) of the modulated LayerNorm of x in fp32, as the kernels' FP8 outputs are made."""
+    y32 = reference.layer_norm_modulated(*reference.upcast(x, weight, bias, dtype=torch.float32), eps,
+                                         *reference.upcast(scale, shift, dtype=torch.float32))
+    # the dtype torch's promotion gives, as the lossless op's reference (and the custom op's fake)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors if t is not None])
+    return (y32.to(dtype), *reference.fp8_quantize_rows(y32))
+
+
 def layer_norm_modulated_fp8(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -235,11 +269,7 @@ def layer_norm_modulated_fp8(
     tensors = (x, weight, bias, scale, shift)
     reason = _kernel_reason(tensors, x.shape[-1]) or fp8_reason(*tensors)
     if not use_kernel("layer_norm", *tensors, unsupported=reason):
-        y32 = reference.layer_norm_modulated(*reference.upcast(x, weight, bias, dtype=torch.float32), eps,
-                                             *reference.upcast(scale, shift, dtype=torch.float32))
-        # the dtype torch's promotion gives, as the lossless op's reference (and the custom op's fake)
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors if t is not None])
-        return (y32.to(dtype), *reference.fp8_quantize_rows(y32))
+        return _modulated_fp8_reference(x, weight, bias, eps, scale, shift, tensors)
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     y, _ = _launch(x, None, None, weight, bias, eps, scale, shift, quant=(q, s))

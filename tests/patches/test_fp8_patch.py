@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from dit_checks import cpu_only
-from sd_kernels.patches import fp8
+from sd_kernels.patches import fp8, modulation_split
 from sd_kernels.patches.attention import PRECISION_PROCESSORS
 from test_flux_patch import _inputs as flux_inputs
 from test_sd3_patch import _inputs as sd3_inputs
@@ -20,6 +20,7 @@ from sd_kernels.testing import psnr, rel_err
 
 attention_op = importlib.import_module("sd_kernels.ops.attention")
 attention_fp8 = importlib.import_module("sd_kernels.ops.attention_fp8")
+fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")
 
 
 def _denoiser(pipe):
@@ -439,16 +440,27 @@ def fused_calls(monkeypatch):
 
 
 @cpu_only
-def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls):
+def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, count_calls):
     """With the blocks' fused forwards (``layer_norm``), the FP8 tier's single blocks run ``joined`` and
-    the double blocks' feed-forwards their gated residual; the output stays close to stock's."""
+    the double blocks' feed-forwards their gated residual; the output stays close to stock's. The inputs
+    quantized apart from their producers: the step embedding's SiLU once a call (every block's modulation
+    reads it), each double block's two attention outputs; each norm2 writes its feed-forward's codes."""
     model = _model("tiny-flux")
     stock = _call(model, "tiny-flux")
     calls = fused_calls
     sd_kernels.patch(model, precision="fp8", ops=["layer_norm"], cuda_graph=False)
+    quantized = count_calls(fp8_ops, quantize="quantize_rows")
+    silu = count_calls(torch.nn.functional, silu="silu")
     out = _call(model, "tiny-flux")
     singles, doubles = len(model.single_transformer_blocks), len(model.transformer_blocks)
     assert calls == {"joined": singles, "gated": 2 * doubles}, calls
+    plain = [a for a in quantized.args["quantize"] if not a["act"]]  # not the GELUs' quantization
+    assert len(plain) == 1 + 2 * doubles, [tuple(a["x"].shape) for a in plain]
+    shared = silu["silu"]
+    with pytest.MonkeyPatch.context() as mp:  # each norm's own SiLU, as diffusers' blocks make it
+        mp.setattr(modulation_split, "silu", lambda norm, emb: norm.silu(emb))
+        assert torch.equal(_call(model, "tiny-flux"), out)
+    assert silu["silu"] - 2 * shared == 2 * doubles + singles - 1, silu  # one SiLU for the blocks' norms
     assert rel_err(out, stock) < 0.1, rel_err(out, stock)
     assert sd_kernels.unpatch(model)
     assert torch.equal(_call(model, "tiny-flux"), stock)
