@@ -72,9 +72,9 @@ from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
 ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual",
-        "fp8", "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm",
-        "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+compile",
-        "torchao")
+        "patched+addcmul-residual", "fp8", "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8",
+        "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
+        "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -284,14 +284,19 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
-    from sd_kernels.patches import joint_attention, qkv_fusion
+    from sd_kernels.patches import joint_attention, modulation_split, qkv_fusion
     from sd_kernels.patches import layer_norm as layer_norm_patch
 
     from sd_kernels import reference
 
+    fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
+    residual_ops = importlib.import_module("sd_kernels.ops.residual")
+    no_kernel = lambda *args: "the bench's ablation"  # noqa: E731
+    addcmul = [(residual_ops, "gated_reason", no_kernel), (fp8_ops, "gated_reason", no_kernel)]
     ablations = {"cat-join": (joint_attention, "JOIN_IN_PLACE", False),
                  "unfused-qkv": (qkv_fusion, "install", lambda *args: None),
-                 "two-pass-residual": (layer_norm_patch, "gated_add", reference.gated_add)}
+                 "two-pass-residual": (layer_norm_patch, "gated_add", reference.gated_add),
+                 "addcmul-residual": addcmul}
     if row.startswith("patched+"):
         label = "patched+graph+" + row.removeprefix("patched+")
         return label, lambda p: _applied_with(p, VARIANTS["patched+graph"], ablations[row.removeprefix("patched+")])
@@ -300,7 +305,6 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         setup = dataclasses.replace(base, name=FP8_ROWS[row])
         from sd_kernels.patches import fp8 as fp8_patch
 
-        fp8_ops = importlib.import_module("sd_kernels.ops.fp8_linear")  # the package's fp8_linear is the op
         attention_ops = importlib.import_module("sd_kernels.ops.attention")
         fp8_attention = importlib.import_module("sd_kernels.ops.attention_fp8")
 
@@ -312,7 +316,10 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+fused-gate-gemm": (fp8_ops, "TORCH_GEMM_GATED", False),
                    "fp8+pointer-gemm": (fp8_ops, "TMA_GEMM", False),
                    "fp8+tma-gemm": (fp8_ops, "_tma_chosen", lambda key, device: True),
-                   "fp8+cat-join": ablations["cat-join"], "fp8+unfused-qkv": ablations["unfused-qkv"]}.get(row)
+                   "fp8+cat-join": ablations["cat-join"], "fp8+unfused-qkv": ablations["unfused-qkv"],
+                   "fp8+addcmul-residual": addcmul,
+                   "fp8+previous-glue": [*addcmul, (fp8_patch.Fp8FeedForward, "reads_codes", lambda self: False),
+                                         (modulation_split, "silu", lambda norm, emb: norm.silu(emb))]}.get(row)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
@@ -323,11 +330,13 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # epilogue (fp8_linear.TORCH_GEMM_GATED), with every GEMM on the pointer-load kernel instead of the
 # TMA one (fp8_linear.TMA_GEMM), with every GEMM the TMA kernel can read on it (not the faster kernel of the
 # tables per shape), with SD3's join made by torch.cat (patches.joint_attention.JOIN_IN_PLACE), with each q, k, v
-# projection a GEMM of its own (qkv_fusion.install skipped), and with compile=True
+# projection a GEMM of its own (qkv_fusion.install skipped), with the gated residuals in torch.addcmul (not our
+# gated-add kernel), with that and each block norm's own SiLU and quantization and norm2's codes made by the
+# feed-forward (the tier's glue before 2026-11-29's changes), and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
-                                                    "fp8+unfused-qkv")}
+                                                    "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
