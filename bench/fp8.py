@@ -3,9 +3,10 @@
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
                         [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,
-                                patched+two-pass-residual,fp8,fp8+exact-attention,fp8+attention-everywhere,
-                                fp8+attention-int8,fp8+triton-gemm,fp8+fused-gate-gemm,fp8+pointer-gemm,
-                                fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+compile,torchao]
+                                patched+two-pass-residual,patched+addcmul-residual,fp8,fp8+exact-attention,
+                                fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,fp8+fused-gate-gemm,
+                                fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+addcmul-residual,
+                                fp8+previous-glue,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -18,7 +19,7 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``fp8_gemm`` as dispatched (``ours``: where it hands a GEMM to ``_scaled_mm``, the same kernel) and our
   Triton kernels alone (``triton``), on inputs already quantized and from bf16 input (our quantizer
   first); the epilogues (bias + GELU-tanh; bias + gate + residual) as dispatched (``ours``: on
-  ``_scaled_mm`` + one addcmul where it serves the call) and fused in our kernel (``triton``) against
+  ``_scaled_mm`` + one gated-add pass where it serves the call) and fused in our kernel (``triton``) against
   ``_scaled_mm`` + torch's ops; and the fused producers (GELU +
   quantization, modulated LayerNorm + quantization) against the op, then the quantizer. Device time
   from CUDA graphs (bench/common.py), TFLOP/s and ratios.
@@ -32,18 +33,21 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   the projections' outputs joined by torch.cat and F.linear on the output's token slices,
   ``patches.joint_attention.JOIN_IN_PLACE`` off; ``patched+unfused-qkv``: each q, k, v projection a GEMM of its
   own, ``patches.qkv_fusion.install`` skipped, for FLUX too; ``patched+two-pass-residual``: the blocks' gated
-  feed-forward residuals as diffusers' two ops instead of one ``addcmul``); ours ``patch(pipe, precision="fp8")``,
+  feed-forward residuals as diffusers' two ops instead of one pass; ``patched+addcmul-residual``: that pass a
+  ``torch.addcmul`` instead of our kernel); ours ``patch(pipe, precision="fp8")``,
   whose attention runs FP8 at the head dims of ``patches.fp8.FP8_ATTENTION`` (FLUX's 128), with every attention
   exact (``fp8+exact-attention``), with FP8 attention at every head dim the kernel takes
   (``fp8+attention-everywhere``: SD3's and SDXL's 64 too), and so with its Q·Kᵀ in int8 at every head dim
   (``fp8+attention-int8``: ``ops.attention.FP8_QK``; the FP8 attention the tier offered as an option before
   2026-11-29), with every GEMM on our Triton kernels (``fp8+triton-gemm``: none on ``torch._scaled_mm``), with the
-  gated GEMMs' gate and residual fused into our kernel's epilogue instead of ``_scaled_mm`` + ``addcmul``
+  gated GEMMs' gate and residual fused into our kernel's epilogue instead of ``_scaled_mm`` + our gated add
   (``fp8+fused-gate-gemm``), with every GEMM on the pointer-load kernel instead of the TMA one
   (``fp8+pointer-gemm``), with every GEMM the TMA kernel can read on it rather than the kernel the tables time
   faster per shape (``fp8+tma-gemm``), with SD3's joint attention joining the projections' outputs by torch.cat
   instead of their GEMMs writing the join in place (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE``
-  off), with each q, k, v projection a GEMM of its own (``fp8+unfused-qkv``), and with ``compile=True``
+  off), with each q, k, v projection a GEMM of its own (``fp8+unfused-qkv``), with the gated residuals on
+  ``torch.addcmul`` (``fp8+addcmul-residual``), with that and each block norm's own SiLU and norm2's codes made
+  by the feed-forward (``fp8+previous-glue``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final

@@ -36,7 +36,7 @@ QUICK = SHAPES[2:5]
 # text streams (bf16, batch 1); SD3-medium's image and text streams with guidance (fp16, batch 2)
 GATED_SHAPES = [(1, 4608, 3072, torch.bfloat16), (1, 4096, 3072, torch.bfloat16), (1, 512, 3072, torch.bfloat16),
                 (2, 4096, 1536, torch.float16), (2, 333, 1536, torch.float16)]
-GATED_TILES = [(2048, 4), (8192, 8), (8192, 4)]  # (elements a program, warps) beside the shipped tile
+GATED_TILES = [(4096, 4), (8192, 8), (8192, 4)]  # (elements a program, warps) beside the shipped tile
 
 
 def stock(y, bias, skip, bias2):

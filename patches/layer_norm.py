@@ -9,7 +9,7 @@ PixArtTransformer2DModel) modulates its LayerNorms with six per-sample vectors [
 | ``norm1(x) * (1 + scale_msa) + shift_msa``                           | ``layer_norm_modulated``: one pass    |
 | ``x = gate_msa * attn1(...) + x``                                    | as stock (attn2 follows, no norm)     |
 | ``x = attn2(x, ...) + x``; ``norm2(x) * (1 + scale_mlp) + shift_mlp`` | ``gated_residual_layer_norm``, gate None |
-| ``x = gate_mlp * ff(...) + x``                                       | ``gated_add``: one addcmul pass       |
+| ``x = gate_mlp * ff(...) + x``                                       | ``gated_add``: one pass               |
 
 A block without cross-attention (``attn2`` None) fuses its self-attention's gated residual with norm2
 instead (``gated_residual_layer_norm`` with ``gate_msa``). Everything else (the attention and
@@ -36,7 +36,7 @@ and here:
 - ``norm1.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]``: ``layer_norm_modulated``;
 - ``x = x + gate_msa.unsqueeze(1) * attn_output`` then
   ``norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]``: ``gated_residual_layer_norm``;
-- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: ``gated_add``, one ``torch.addcmul`` pass instead of two (the
+- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: ``gated_add``, one pass (our kernel) instead of two (the
   next block's norm1 follows: a fusion across blocks, not done).
 
 The last block of an SD3 transformer is ``context_pre_only``: its context goes through an

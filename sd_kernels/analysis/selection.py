@@ -120,7 +120,7 @@ def _fp8_gemm(p: Profile, rows: int, k: int, n: int, dtype: str, epilogue: str) 
         return ours, why + older
     return "torch._scaled_mm (cuBLASLt)", (f"fp8_torch_gemm, {sm(*TORCH_GEMM_CAPABILITY)} or later: row-wise "
                                            "scales, fast accumulation"
-                                           + ("; gate and residual by one addcmul after it" if epilogue else ""))
+                                           + ("; gate and residual by one gated-add pass after it" if epilogue else ""))
 
 
 def _conv(p: Profile, n: int, c: int, h: int, w: int, k: int, dtype: str, cl: bool) -> tuple[str, str]:
