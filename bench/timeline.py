@@ -6,7 +6,8 @@ Sets the pipeline up as one of bench/setups.py's variants, runs two warm-up call
 call with CUDA activity and writes ``DIR/timeline-<variant>.json``: the call's wall time, the span
 from its first kernel to its last, the GPU's busy time inside that span (the union of kernel
 intervals), the idle time before the first kernel (host work before any GPU work), inside the span
-and after the last kernel, and the largest idle gaps with the kernels on each side.
+and after the last kernel, the idle time summed by the kernel categories on each side of a gap, and the
+largest idle gaps with the kernels on each side.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ def gaps(intervals: list[tuple[float, float, str]]) -> tuple[float, list[dict]]:
     if cur_end is not None:
         busy += cur_end - cur_start
     return busy, sorted(out, key=lambda g: -g["us"])
+
+
+def idle_by_boundary(idle: list[dict], top: int = 20) -> list[dict]:
+    """The idle gaps summed by the kernel categories on each side (bench/unet_kernels.py's ``category``):
+    which boundaries the GPU waits at, most idle time first."""
+    from bench.unet_kernels import category
+
+    sums: dict[tuple[str, str], list[float]] = {}
+    for g in idle:
+        pair = (category(g["after"]), category(g["before"]))
+        total = sums.setdefault(pair, [0.0, 0])
+        total[0] += g["us"]
+        total[1] += 1
+    rows = [{"after": a, "before": b, "us": round(t, 1), "gaps": n, "mean_us": round(t / n, 2)}
+            for (a, b), (t, n) in sums.items()]
+    return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
 def profile(model: str, variant: str, steps: int) -> dict:
@@ -68,7 +85,8 @@ def profile(model: str, variant: str, steps: int) -> dict:
             "before_first_kernel_ms": round((first - marker.time_range.start) / 1e3, 2),
             "kernel_span_ms": round((last - first) / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
             "idle_in_span_ms": round((last - first - busy) / 1e3, 2), "kernels": len(kernels),
-            "gaps_over_50us": sum(g["us"] > 50 for g in idle), "largest_gaps": idle[:25],
+            "gaps_over_50us": sum(g["us"] > 50 for g in idle), "idle_by_boundary": idle_by_boundary(idle),
+            "largest_gaps": idle[:25],
             "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
@@ -86,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"timeline-{args.variant.replace('+', '_')}.json"  # names the device tool copies back
     path.write_text(json.dumps(result, indent=1) + "\n")
-    brief = {k: v for k, v in result.items() if k != "largest_gaps"}
-    print(json.dumps(brief), "\nlargest gaps:", *result["largest_gaps"][:8], sep="\n")
+    brief = {k: v for k, v in result.items() if k not in ("largest_gaps", "idle_by_boundary")}
+    print(json.dumps(brief), "\nidle by boundary:", *result["idle_by_boundary"][:12], "\nlargest gaps:",
+          *result["largest_gaps"][:8], sep="\n")
     return 0
 
 
