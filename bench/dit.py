@@ -105,7 +105,10 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict, conte
 
 
 def _kernel_categories(call) -> dict[str, float]:
-    """Device ms per kernel category (bench.unet_kernels.CATEGORIES) of one call, after a warm one."""
+    """Device ms per kernel category (bench.unet_kernels.CATEGORIES) of one call, after a warm one, and the
+    GPU's idle time between its first kernel and its last ("idle"), whose largest parts by the kernels on each
+    side of a gap (bench.timeline's ``idle_by_boundary``) are printed."""
+    from bench.timeline import gaps, idle_by_boundary
     from bench.unet_kernels import categories_us, kernel_times
 
     call()
@@ -113,7 +116,13 @@ def _kernel_categories(call) -> dict[str, float]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    return {c: round(us / 1e3, 3) for c, us in categories_us(kernel_times(prof)[0]).most_common()}
+    kernels, _, spans = kernel_times(prof)
+    cats = {c: round(us / 1e3, 3) for c, us in categories_us(kernels).most_common()}
+    _, idle = gaps(spans)
+    cats["idle"] = round(sum(g["us"] for g in idle) / 1e3, 3)
+    print(f"  idle {cats['idle']} ms in {len(idle)} gaps; by boundary:",
+          *(f"    {r}" for r in idle_by_boundary(idle, top=10)), sep="\n", flush=True)
+    return cats
 
 
 def main(argv: list[str] | None = None) -> int:
