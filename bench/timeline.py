@@ -40,17 +40,17 @@ def gaps(intervals: list[tuple[float, float, str]]) -> tuple[float, list[dict]]:
 
 def idle_by_boundary(idle: list[dict], top: int = 20) -> list[dict]:
     """The idle gaps summed by the kernel categories on each side (bench/unet_kernels.py's ``category``):
-    which boundaries the GPU waits at, most idle time first."""
+    which boundaries the GPU waits at, most idle time first, each with the kernel names of its first gap."""
     from bench.unet_kernels import category
 
-    sums: dict[tuple[str, str], list[float]] = {}
+    sums: dict[tuple[str, str], list] = {}
     for g in idle:
         pair = (category(g["after"]), category(g["before"]))
-        total = sums.setdefault(pair, [0.0, 0])
+        total = sums.setdefault(pair, [0.0, 0, f"{g['after'][:60]} -> {g['before'][:60]}"])
         total[0] += g["us"]
         total[1] += 1
-    rows = [{"after": a, "before": b, "us": round(t, 1), "gaps": n, "mean_us": round(t / n, 2)}
-            for (a, b), (t, n) in sums.items()]
+    rows = [{"after": a, "before": b, "us": round(t, 1), "gaps": n, "mean_us": round(t / n, 2), "example": e}
+            for (a, b), (t, n, e) in sums.items()]
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 

@@ -393,8 +393,10 @@ def test_timeline_sums_idle_time_by_the_kernels_on_each_side():
             {"us": 1.0, "after": "nvjet_sm90_gemm", "before": "_layer_norm_kernel"},
             {"us": 5.0, "after": "_quantize_kernel", "before": "nvjet_sm90_gemm"}]
     assert timeline.idle_by_boundary(idle) == [
-        {"after": "fp8 quantize (ours)", "before": "gemm", "us": 5.0, "gaps": 1, "mean_us": 5.0},
-        {"after": "gemm", "before": "layer_norm (ours)", "us": 4.0, "gaps": 2, "mean_us": 2.0}]
+        {"after": "fp8 quantize (ours)", "before": "gemm", "us": 5.0, "gaps": 1, "mean_us": 5.0,
+         "example": "_quantize_kernel -> nvjet_sm90_gemm"},
+        {"after": "gemm", "before": "layer_norm (ours)", "us": 4.0, "gaps": 2, "mean_us": 2.0,
+         "example": "nvjet_sm90_gemm -> _layer_norm_kernel"}]
 
 
 def test_cold_stopwatch_counts_calls_and_leaves_out_what_it_excludes():
