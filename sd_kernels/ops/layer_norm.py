@@ -220,16 +220,10 @@ def gated_residual_layer_norm(
     return h, y
 
 
-def gated_residual_layer_norm_fp8(
-    residual: torch.Tensor,
-    branch: torch.Tensor,
-    gate: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    scale: torch.Tensor | None = None,
-    shift: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def gated_residual_layer_norm_fp8(residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None = None,
+                                  weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                                  eps: float = 1e-6, scale: torch.Tensor | None = None,
+                                  shift: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``gated_residual_layer_norm`` that also quantizes the normed output for an FP8 projection, in the same
     kernel: (h, y, codes [B, T, D] e4m3, row scales [B, T] fp32), the codes those of
     ``reference.fp8_quantize_rows`` of y's fp32 values (a DiT block's norm2 before the FP8 tier's feed-forward)."""
