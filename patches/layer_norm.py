@@ -260,8 +260,12 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
     epilogue, or one pass after torch's GEMM) where ``ff`` is one, unchunked and called as nothing but its forward."""
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
     fp8 = gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff)
+    # eager calls; codes travel only on tensors with a version counter (not made under inference mode:
+    # attach_quantized)
+    codes = (fp8 and not torch.compiler.is_compiling() and ff.reads_codes()
+             and not torch.is_inference_mode_enabled())
     x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None],
-                            codes=fp8 and ff.reads_codes())
+                            codes=codes)
     if fp8:
         return gated(normed, gate_mlp, x)  # the gate and the add made by its second GEMM
     return gated_add(x, gate_mlp.unsqueeze(1), _feed_forward(block, ff, normed))

@@ -133,17 +133,20 @@ def silu(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor:
     """``norm.silu(emb)``, made once per ``emb`` (and its version): every block norm of a DiT call reads the same
     step embedding, so the first block's SiLU serves the rest (and, in the FP8 tier, the codes its linear
     attaches to it: one quantization a call, not one a block). The SiLU is kept on ``emb`` (the tensor holds
-    it, as ``attach_quantized`` keeps codes), so it lives no longer than ``emb``. A norm whose ``silu`` is not
-    torch's ``nn.SiLU`` or has hooks, calls autograd tracks or torch.compile traces, and an inference tensor
-    (no version counter) run ``norm.silu(emb)`` as it is."""
-    if (type(norm.silu) is not nn.SiLU or called_beside(norm.silu) or torch.compiler.is_compiling()
+    it, as ``attach_quantized`` keeps codes), so it lives no longer than ``emb``; it serves again while neither
+    ``emb`` nor the SiLU itself has changed in place since (their version counters; a write through ``.data``,
+    which moves no counter, is not seen, as anywhere in torch). A norm whose ``silu`` is not torch's ``nn.SiLU``,
+    is an in-place one or has hooks, calls autograd tracks or torch.compile traces, and an inference tensor (no
+    version counter) run ``norm.silu(emb)`` as it is."""
+    act = norm.silu
+    if (type(act) is not nn.SiLU or act.inplace or called_beside(act) or torch.compiler.is_compiling()
             or emb.is_inference() or (torch.is_grad_enabled() and emb.requires_grad)):
-        return norm.silu(emb)
+        return act(emb)
     held = getattr(emb, _SILU, None)
-    if held is not None and held[0] == emb._version:
+    if held is not None and held[0] == emb._version and held[1]._version == held[2]:
         return held[1]
-    out = norm.silu(emb)
-    setattr(emb, _SILU, (emb._version, out))
+    out = act(emb)
+    setattr(emb, _SILU, (emb._version, out, out._version))
     return out
 
 

@@ -349,6 +349,7 @@ def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, ou
         return y.view(out_shape)
     n = y.shape[1]
     out = torch.empty(out_shape, dtype=out_dtype, device=y.device)
+    tokens = tokens if g2 is not None else max(y.shape[0], 1)  # no gate: the rows as one sample's tokens
     o3, y3 = out.view(-1, tokens, n), y.view(-1, tokens, n)
     r3 = None if residual is None else residual.reshape(-1, tokens, n)
     g3 = None if g2 is None else g2.reshape(-1, 1, n)

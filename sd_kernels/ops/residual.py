@@ -14,10 +14,11 @@ broadcast over the tokens), is one pass: the product and the sum in fp32, rounde
 ``x + gate * y`` runs two elementwise kernels and writes the product in between (at SD3-medium 1024² with
 guidance, 25 MB written and read back for the image stream of each block). On a GPU (and under the
 interpreter) a Triton kernel makes it, the gate loaded once a tile; elsewhere one ``torch.addcmul``, whose
-broadcast gate takes torch's strided elementwise path (docs/kernels/residual.md measures both); under the
-reference backend diffusers' two ops, bit for bit. Rounded once, a sum whose product alone would overflow
-fp16 stays finite where stock's is ±inf (FLUX's single blocks then clip either to ±65,504). The FP8 tier's
-gated GEMMs on torch's ``_scaled_mm`` add their gate and residual with the same kernel (``gated_add_into``).
+broadcast gate takes torch's strided elementwise path (docs/kernels/layer_norm.md, "The gated add", measures
+both); under the reference backend diffusers' two ops, bit for bit. Rounded once, a sum whose product alone
+would overflow fp16 stays finite where stock's is ±inf (FLUX's single blocks then clip either to ±65,504). The
+FP8 tier's gated GEMMs on torch's ``_scaled_mm`` add their gate and residual with the same kernel
+(``gated_add_into``).
 
 ``bias_residual``'s kernel is elementwise over a [N, C, S] view (S the flattened spatial dims, which must
 share one stride: a band of rows of a channels_last tensor has stride C). A program owns a [BLOCK_S, BLOCK_C]
@@ -37,7 +38,7 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.ops.group_norm import _spatial_stride
 from sd_kernels.ops.layout import check_writable, vectors
-from sd_kernels.runtime.dispatch import tensor_reason, tensors_device_reason, use_kernel
+from sd_kernels.runtime.dispatch import backend, tensor_reason, tensors_device_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 
@@ -151,6 +152,7 @@ _GATED = Launcher(_gated_add_kernel)
 # at FLUX's and SD3's shapes (docs/kernels/layer_norm.md, "The gated add")
 _GATED_ELEMS = 2048
 _GATED_WARPS = 4
+_MAX_BATCH = 65535  # the samples are the grid's second axis, which CUDA caps here
 
 
 def _expanded(t: torch.Tensor | None, shape: torch.Size) -> tuple[int, int, int]:
@@ -166,8 +168,15 @@ def gated_reason(x: torch.Tensor | None, gate: torch.Tensor | None, y: torch.Ten
         return reason
     if y.dim() != 3 or (x is not None and x.shape != y.shape) or y.numel() == 0:
         return f"shape {list(y.shape)} (the kernel takes a non-empty [B, T, D] and an x of its shape)"
-    if gate is not None and (gate.dim() > 3 or torch.broadcast_shapes(gate.shape, y.shape) != y.shape):
-        return f"gate of shape {list(gate.shape)} does not broadcast to {list(y.shape)}"
+    if y.shape[0] > _MAX_BATCH:
+        return f"a batch of {y.shape[0]} (the kernel's grid takes up to {_MAX_BATCH} samples)"
+    if gate is not None:
+        try:
+            fits = gate.dim() <= 3 and torch.broadcast_shapes(gate.shape, y.shape) == y.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return f"gate of shape {list(gate.shape)} does not broadcast to {list(y.shape)}"
     return None
 
 
@@ -190,14 +199,15 @@ def gated_add_into(x: torch.Tensor | None, gate: torch.Tensor | None, y: torch.T
 
 
 def gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + gate · y`` in one pass, rounded once (where the reference rounds the product too): our kernel
-    where ``gated_reason`` lets it run, else one ``torch.addcmul``; the reference (diffusers' two ops) under the
-    reference backend, where the three dtypes differ (torch's type promotion is then the reference's to
-    decide), for a 0-dim gate (which may sit on another device) and in a graph torch.compile traces
-    (inductor fuses the two ops itself). The result is contiguous, in x's dtype."""
+    """``x + gate · y`` in one pass, rounded once (where the reference rounds the product too), in x's dtype: our
+    kernel where ``gated_reason`` lets it run (a contiguous result); else (the fallback counted and logged by the
+    dispatch, as every op's) one ``torch.addcmul``, laid out as torch lays it out; the reference (diffusers' two
+    ops) under the reference backend, where the three dtypes differ (torch's type promotion is then the
+    reference's to decide), for a 0-dim gate (which may sit on another device) and in a graph torch.compile
+    traces (inductor fuses the two ops itself)."""
     if (torch.compiler.is_compiling() or not x.dtype == gate.dtype == y.dtype or gate.dim() == 0
-            or not use_kernel("gated_add", x, gate, y, any_device=True)):
+            or backend() == "reference"):
         return reference.gated_add(x, gate, y)
-    if gated_reason(x, gate, y) is None:
+    if use_kernel("gated_add", x, gate, y, unsupported=gated_reason(x, gate, y)):
         return gated_add_into(x, gate, y, torch.empty(y.shape, dtype=y.dtype, device=y.device))
     return torch.addcmul(x, gate, y)

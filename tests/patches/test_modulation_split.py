@@ -3,7 +3,8 @@
 The two-process split (ring and Ulysses, equal to one process) is in test_parallel.py. Here, on a
 one-process group: each norm's columns of the shared result equal its own product; the result is
 computed once per embedding (object and version) and anew for another; autograd, torch.compile and
-norms never enabled compute their own; a split the processes do not divide is a clear error."""
+norms never enabled compute their own; a split the processes do not divide is a clear error. The blocks' shared
+SiLU of the step embedding (``silu``, on one GPU too)."""
 
 import pytest
 import torch
@@ -83,3 +84,30 @@ def test_a_split_the_processes_do_not_divide_is_named():
     assert f"7 processes do not divide AdaLayerNormZero's {cols} modulation columns" in modulation_split.reason(
         norms, 7)
     assert "has no nn.Linear 'linear'" in modulation_split.reason([torch.nn.LayerNorm(4)], 2)
+
+
+def test_the_blocks_share_one_silu_of_an_embedding_until_either_changes():
+    """``silu``: the first norm's SiLU of an embedding serves every later norm while neither the embedding nor
+    that SiLU has changed in place; an in-place ``nn.SiLU``, another activation, autograd and inference tensors
+    compute their own, each equal to the norm's own SiLU."""
+    norms = _norms()
+    emb = torch.randn(2, norms[0].linear.in_features)
+    with torch.no_grad():
+        first = modulation_split.silu(norms[0], emb)
+        assert torch.equal(first, F.silu(emb))
+        assert all(modulation_split.silu(n, emb) is first for n in norms[1:])
+        first.add_(1)  # the shared SiLU changed in place: made again
+        again = modulation_split.silu(norms[1], emb)
+        assert again is not first and torch.equal(again, F.silu(emb))
+        emb.mul_(2)  # the embedding changed in place
+        assert torch.equal(modulation_split.silu(norms[1], emb), F.silu(emb))
+        inplace = type(norms[0])(norms[0].linear.in_features)  # a norm whose SiLU works in place
+        inplace.silu = torch.nn.SiLU(inplace=True)
+        other = emb.clone()
+        assert torch.equal(modulation_split.silu(inplace, other), F.silu(emb))
+        assert not hasattr(other, "_sd_kernels_silu")
+    x = torch.randn(2, norms[0].linear.in_features, requires_grad=True)
+    assert modulation_split.silu(norms[0], x) is not modulation_split.silu(norms[1], x)  # autograd: its own
+    with torch.inference_mode():
+        y = torch.randn(2, norms[0].linear.in_features)
+        assert modulation_split.silu(norms[0], y) is not modulation_split.silu(norms[1], y)
