@@ -116,10 +116,10 @@ def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor
     """(h = (gate ·) branch + residual, norm(h) · (1 + scale) + shift): one kernel where branch has the
     [B, T, D] residual's shape; else stock's ops (a branch that broadcasts), with the squeeze of a
     4-D sum that diffusers applies after the gated (self-attention) residual. ``codes`` (the FP8 tier's
-    feed-forward reads the normed output next): the kernel also writes its FP8 codes, which travel on it
-    (``attach_quantized``) to the feed-forward's first GEMM, in eager calls."""
+    feed-forward reads the normed output next; the caller asks for them in eager calls only): the kernel also
+    writes its FP8 codes, which travel on it (``attach_quantized``) to the feed-forward's first GEMM."""
     if residual.dim() == 3 and branch.shape == residual.shape:
-        if codes and not torch.compiler.is_compiling():
+        if codes:
             h, y, q, s = gated_residual_layer_norm_fp8(residual, branch, gate, norm.weight, norm.bias, norm.eps,
                                                        scale, shift)
             return h, attach_quantized(y, q, s)

@@ -233,10 +233,16 @@ def gated_residual_layer_norm_fp8(residual: torch.Tensor, branch: torch.Tensor, 
     if not use_kernel("layer_norm", *tensors, unsupported=reason):
         h = reference.gated_residual(residual, branch, gate)
         return (h, *_modulated_fp8_reference(h, weight, bias, eps, scale, shift, tensors))
-    q = torch.empty(residual.shape, dtype=E4M3, device=residual.device)
-    s = torch.empty(residual.shape[:-1], dtype=torch.float32, device=residual.device)
-    y, h = _launch(residual, branch, gate, weight, bias, eps, scale, shift, quant=(q, s))
-    return h, y, q, s if y.numel() else s.zero_()
+    y, h, q, s = _launch_fp8(residual, branch, gate, weight, bias, eps, scale, shift)
+    return h, y, q, s
+
+
+def _launch_fp8(x, branch, gate, weight, bias, eps, scale, shift) -> tuple:
+    """``_launch`` with the FP8 output: (y, h or None, e4m3 codes of y, row scales; zero scales for no rows)."""
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    y, h = _launch(x, branch, gate, weight, bias, eps, scale, shift, quant=(q, s))
+    return y, h, q, s if y.numel() else s.zero_()
 
 
 def _modulated_fp8_reference(x, weight, bias, eps, scale, shift, tensors) -> tuple[torch.Tensor, ...]:
@@ -264,7 +270,5 @@ def layer_norm_modulated_fp8(
     reason = _kernel_reason(tensors, x.shape[-1]) or fp8_reason(*tensors)
     if not use_kernel("layer_norm", *tensors, unsupported=reason):
         return _modulated_fp8_reference(x, weight, bias, eps, scale, shift, tensors)
-    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
-    s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    y, _ = _launch(x, None, None, weight, bias, eps, scale, shift, quant=(q, s))
-    return y, q, s if y.numel() else s.zero_()
+    y, _, q, s = _launch_fp8(x, None, None, weight, bias, eps, scale, shift)
+    return y, q, s

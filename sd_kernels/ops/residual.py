@@ -38,7 +38,7 @@ import triton.language as tl
 from sd_kernels import reference
 from sd_kernels.ops.group_norm import _spatial_stride
 from sd_kernels.ops.layout import check_writable, vectors
-from sd_kernels.runtime.dispatch import backend, tensor_reason, tensors_device_reason, use_kernel
+from sd_kernels.runtime.dispatch import backend, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
 
@@ -161,9 +161,10 @@ def _expanded(t: torch.Tensor | None, shape: torch.Size) -> tuple[int, int, int]
 
 
 def gated_reason(x: torch.Tensor | None, gate: torch.Tensor | None, y: torch.Tensor) -> str | None:
-    """Why the gated-add kernel cannot take ``x + gate · y`` (None: it can): the shared reasons, no device
-    it runs on, shapes other than y's [B, T, D] with x of y's shape and a gate that broadcasts to it."""
-    reason = tensor_reason(x, gate, y) or tensors_device_reason(x, gate, y)
+    """Why the gated-add kernel cannot take ``x + gate · y`` (None: it can): the shared reasons, shapes other
+    than y's [B, T, D] with x of y's shape and a gate that broadcasts to it, a batch past the grid's limit. The
+    device is ``use_kernel``'s to judge, which the callers ask with this as the op's own reason."""
+    reason = tensor_reason(x, gate, y)
     if reason is not None:
         return reason
     if y.dim() != 3 or (x is not None and x.shape != y.shape) or y.numel() == 0:

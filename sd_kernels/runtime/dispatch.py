@@ -72,11 +72,6 @@ def device_reason(device: torch.device | str) -> str | None:
     return f"{NO_KERNEL_DEVICE}; got {kind}"
 
 
-def tensors_device_reason(*tensors: torch.Tensor | None) -> str | None:
-    """Why the kernels cannot run on these tensors' device (None: they can): one device, where kernels run."""
-    return _device_reason(tensors)
-
-
 def tensor_reason(*tensors: torch.Tensor | None, also: tuple[torch.dtype, ...] = ()) -> str | None:
     """The reason every kernel shares for refusing inputs, or None: a dtype outside KERNEL_DTYPES
     (and ``also``), or an input that autograd would need to track (the kernels are inference-only)."""
