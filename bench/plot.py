@@ -6,6 +6,10 @@
 - ``ablation.png`` from ``ablation.csv``: the paper's cumulative ablation, latency and peak memory.
 
 Rows whose status is not "ok" are left out. The device, versions and date of the run go in the title.
+
+``python -m bench.plot --summary PNG``: the README's figure, each of ours against its peer as a fraction
+of the peer's time, read from the results folders ``SUMMARY`` names (each panel's title: device,
+versions, dates; the folders are named beside the figure where it is shown).
 """
 
 from __future__ import annotations
@@ -106,6 +110,101 @@ def ablation(rows: list[dict[str, str]], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+# the README's figure: (panel, label, CSV under bench/results/, model, the peer's variant, ours)
+SUMMARY: tuple[tuple[str, str, str, str, str, str], ...] = (
+    ("lossless, against diffusers' compile recipe", "SD1.5 512²",
+     "2026-11-25-h100-upsample/sd15-e2e/e2e/e2e.csv", "sd15", "stock+compile-graphs",
+     "patched+graph+compile+fused-qkv"),
+    ("lossless, against diffusers' compile recipe", "SD2.1 768²",
+     "2026-11-25-h100-wgmma-consumers/sd21-sdxl-e2e/e2e-sd21/e2e.csv", "sd21", "stock+compile-graphs",
+     "patched+graph+compile+fused-qkv"),
+    ("lossless, against diffusers' compile recipe", "SDXL 1024²",
+     "2026-11-24-h100-gn-stats/sdxl-e2e/e2e/e2e.csv", "sdxl", "stock+compile-graphs",
+     "patched+graph+compile+fused-qkv"),
+    ("lossless, against diffusers' compile recipe", "SD1.5 + ControlNet 512²",
+     "2026-11-24-h100-e2e-controlnet-cold/e2e-sd15-controlnet-best.csv", "sd15+controlnet",
+     "stock+compile-graphs", "patched+graph+compile+fused-qkv"),
+    ("lossless, against diffusers' compile recipe", "PixArt-Σ 1024²",
+     "2026-11-25-h100-wgmma-consumers/pixart-e2e/dit-pixart/dit.csv", "pixart-sigma", "stock+compile-graphs",
+     "patched+graph+compile"),
+    ("lossless, against diffusers' compile recipe", "SD3-medium 1024²",
+     "2026-11-25-h100-wgmma-consumers/sd3-e2e/dit-sd3/dit.csv", "sd3-medium", "stock+compile-graphs",
+     "patched+graph+compile+fused-qkv"),
+    ("lossless, against diffusers' compile recipe", "FLUX.1-dev 1024²",
+     "2026-11-24-h100-dit-attention-gelu/flux-e2e/dit-flux/dit.csv", "flux-dev", "stock+compile-graphs",
+     "patched+graph+compile+fused-qkv"),
+    ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, patch(pipe) vs compile",
+     "2026-11-29-h200-gated-add-shared-glue/fp8_e2e-flux.csv", "flux-dev", "compile-regional", "patched+graph"),
+    ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, FP8 vs compile",
+     "2026-11-29-h200-gated-add-shared-glue/fp8_e2e-flux.csv", "flux-dev", "compile-regional",
+     "patched+graph+fp8"),
+    ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, FP8 vs torchao's FP8",
+     "2026-11-29-h200-fp8-vs-torchao/fp8_e2e-flux-peers.csv", "flux-dev", "torchao-fp8+regional-compile",
+     "patched+graph+fp8"),
+    ("the transformers: patch(pipe) and the FP8 tier", "SD3-medium, patch(pipe) vs the recipe",
+     "2026-11-29-h200-gated-add-shared-glue/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
+     "patched+graph"),
+    ("the transformers: patch(pipe) and the FP8 tier", "SD3-medium, FP8 vs the recipe",
+     "2026-11-29-h200-gated-add-shared-glue/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
+     "patched+graph+fp8"),
+)
+
+
+def summary_ratios(results: pathlib.Path = RESULTS) -> list[dict[str, str | float]]:
+    """Each ``SUMMARY`` entry's times and ratio (ours / the peer), with the machine and date of its row, read
+    from its CSV; a missing row is a ``LookupError`` naming it (a missing file, ``FileNotFoundError``)."""
+    out = []
+    for panel, label, csv_path, model, peer, ours in SUMMARY:
+        rows = [r for r in _rows(results / csv_path) if r.get("model") == model and r.get("e2e_ms")]
+        ms = {r["variant"]: (float(r["e2e_ms"]), r) for r in rows}
+        for variant in (peer, ours):
+            if variant not in ms:
+                raise LookupError(f"{csv_path}: no ok row {model} / {variant}")
+        row = ms[ours][1]
+        machine = f"{row.get('device', '?')}, torch {row.get('torch', '?')}, Triton {row.get('triton', '?')}"
+        out.append({"panel": panel, "label": label, "folder": csv_path.split("/")[0], "peer_ms": ms[peer][0],
+                    "ours_ms": ms[ours][0], "ratio": ms[ours][0] / ms[peer][0], "fp8": "fp8" in ours,
+                    "machine": machine, "date": row.get("date", "?")})
+    return out
+
+
+def summary(path: pathlib.Path, results: pathlib.Path = RESULTS) -> list[dict[str, str | float]]:
+    """The README's figure: one panel per ``SUMMARY`` panel, a bar per entry at ours / the peer (below 1 is
+    faster than the peer; FP8 rows in red), each labelled with both times. Returns the entries drawn."""
+    entries = summary_ratios(results)
+    panels = list(dict.fromkeys(e["panel"] for e in entries))
+    counts = [sum(e["panel"] == p for e in entries) for p in panels]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.0, 0.42 * sum(counts) + 1.3 * len(panels)),
+                             gridspec_kw={"height_ratios": counts}, squeeze=False)
+    for ax, panel in zip((a[0] for a in axes), panels):
+        mine = [e for e in entries if e["panel"] == panel]
+        colors = ["tab:gray" if e["ratio"] >= 1 else "tab:red" if e["fp8"] else "tab:orange" for e in mine]
+        ax.barh([e["label"] for e in mine], [e["ratio"] for e in mine], color=colors)
+        for y, e in enumerate(mine):
+            ax.text(1.03, y, f"{e['ratio']:.3f}x   {e['ours_ms']:,.0f} / {e['peer_ms']:,.0f} ms", va="center",
+                    fontsize=7)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlim(0, 1.45)
+        ax.set_xticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=8)
+        machines = "; ".join(dict.fromkeys(str(e["machine"]) for e in mine))
+        dates = ", ".join(sorted(dict.fromkeys(str(e["date"]) for e in mine)))
+        ax.set_title(f"{panel}\n{machines}; {dates}", fontsize=8)
+    axes[-1][0].set_xlabel("time per image, ours / the peer's (below 1: faster), one process per pair")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return entries
+
+
 PLOTS: dict[str, tuple[str, Callable[[list[dict[str, str]], pathlib.Path], None]]] = {
     "ops.csv": ("ops-speedup.png", ops_speedup),
     "e2e.csv": ("e2e.png", e2e_latency),
@@ -127,8 +226,16 @@ def plot_folder(folder: pathlib.Path) -> list[pathlib.Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", type=pathlib.Path)
+    ap.add_argument("folder", type=pathlib.Path, nargs="?")
+    ap.add_argument("--summary", type=pathlib.Path, metavar="PNG", help="write the README's figure to PNG")
     args = ap.parse_args(argv)
+    if args.summary is not None:
+        for e in summary(args.summary):
+            print(f"{e['label']}: {e['ratio']:.3f}x ({e['ours_ms']:.1f} / {e['peer_ms']:.1f} ms, {e['folder']})")
+        print(f"wrote {args.summary}")
+        return 0
+    if args.folder is None:
+        ap.error("a results folder, or --summary PNG")
     written = plot_folder(args.folder)
     for png in written:
         print(f"wrote {png}")

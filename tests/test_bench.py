@@ -210,6 +210,28 @@ def test_plot_of_an_empty_folder_is_a_clear_error(tmp_path, capsys):
     assert "nothing to plot" in capsys.readouterr().err
 
 
+def test_the_readmes_figure_reads_every_pair_from_the_folders_it_names(tmp_path):
+    """Each pair of the README's figure comes from a results folder the README links, and the ratio drawn is
+    the quotient of the two rows' times."""
+    entries = plot.main(["--summary", str(tmp_path / "summary.png")])
+    assert entries == 0 and (tmp_path / "summary.png").read_bytes()[:8] == PNG
+    readme = (ROOT / "README.md").read_text()
+    assert "](docs/results.png)" in readme
+    for e in plot.summary_ratios():
+        assert f"bench/results/{e['folder']}/" in readme, e["folder"]
+        assert e["ratio"] == pytest.approx(e["ours_ms"] / e["peer_ms"]) and 0 < e["ratio"] < 2
+
+
+def test_a_figure_pair_without_its_row_is_a_clear_error(tmp_path, monkeypatch):
+    folder = tmp_path / "2026-01-01-cpu-x"
+    log = e2e.CsvLog(folder, {"device": "cpu", "date": "2026-01-01"})
+    log.append("e2e.csv", _row("stock+compile-graphs", 200.0, 10.0, steps=20))
+    monkeypatch.setattr(plot, "SUMMARY", (("p", "SD1.5", "2026-01-01-cpu-x/e2e.csv", "sd15", "stock+compile-graphs",
+                                           "patched+graph"),))
+    with pytest.raises(LookupError, match="sd15 / patched\\+graph"):
+        plot.summary_ratios(tmp_path)
+
+
 @pytest.mark.gpu
 def test_every_variant_and_the_ablation_run_on_the_gpu(tmp_path):
     """The GPU-only paths (CUDA graphs, torch.compile, peak memory) on the tiny model, 2 steps."""
