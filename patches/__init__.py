@@ -31,7 +31,7 @@ from .record import PatchRecord
 from .registry import PATCHERS, patch_order
 
 __all__ = ["GRAPH_PARTS", "PARTS", "PATCHERS", "SUPPORTED_MODELS", "enable_context_parallel", "enable_split_decode",
-           "memory_plan", "patch", "patch_record", "patched", "report", "unpatch"]
+           "memory_plan", "offload_originals", "patch", "patch_record", "patched", "report", "unpatch"]
 log = logging.getLogger(__name__)
 
 # Components that hold a pipeline's denoiser: left unpatched, they are warned about, not only recorded.
@@ -166,6 +166,20 @@ def _unpatch_replaced(model: object) -> bool:
     with call_gate.exclusive(model, owner.models, "unpatch"):  # the pipeline is gone: the record alone
         owner.undo()
     return True
+
+
+def offload_originals(obj: object) -> PatchRecord:
+    """After ``patch(obj, precision="fp8")``: the original weights its FP8 layers keep for an exact unpatch
+    move to the CPU's memory, so that on the GPU the tier holds its FP8 codes (about half the weights' bytes)
+    in their place rather than beside them (docs/fp8.md). ``unpatch`` brings them back bit for bit. The
+    record's ``fp8:`` line says how much moved. Returns the patch's record."""
+    record = patch_record(obj)
+    if record is None or record.precision != "fp8":
+        raise ValueError(f"offload_originals: patch this {type(obj).__name__} with precision='fp8' first (the "
+                         "weights it moves are the ones the FP8 layers keep for an exact unpatch)")
+    with call_gate.exclusive(obj, record.models, "offload_originals"):
+        fp8.offload_originals(record)
+    return record
 
 
 def enable_split_decode(obj: object) -> PatchRecord:

@@ -135,10 +135,12 @@ class Fp8Linear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.train(linear.training)
+        self._home: torch.device | None = None  # where the weight was before ``offload`` moved it to the CPU
         self._quantize()
 
     def _quantize(self) -> None:
-        w_q, s_w = quantize_weight(self.weight)
+        weight = self.weight if self._home is None else self.weight.to(self._home)  # the codes stay where they ran
+        w_q, s_w = quantize_weight(weight)
         self.register_buffer("w_q", w_q, persistent=False)
         self.register_buffer("s_w", s_w, persistent=False)
         self._source = self.graph_state(), w_q.data_ptr()
@@ -165,6 +167,29 @@ class Fp8Linear(nn.Module):
         else:
             self._quantize()
         return self
+
+    def offload(self) -> int:
+        """Move the original weight (kept for an exact unpatch; the GEMMs read the codes) to the CPU memory,
+        a copy of its own; returns its bytes (0 if parked already). ``restore`` brings it back."""
+        if self._home is not None:
+            return 0
+        self.fresh()  # the codes of the weight as it is, before it moves
+        home = self.w_q.device
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight.data = self.weight.data.to("cpu", copy=True)
+        self._home, self._parked = home, self.weight.data_ptr()
+        self._source = self.graph_state(), self._source[1]  # the same values: the codes serve on
+        return self.weight.numel() * self.weight.element_size()
+
+    def restore(self) -> None:
+        """Undo ``offload``: the weight back on its device, bit for bit, if it is still the one parked (a
+        weight replaced or moved since stays where it is)."""
+        home, self._home = self._home, None
+        if home is None or self.weight.data_ptr() != self._parked:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight.data = self.weight.data.to(home)
+        self._source = self.graph_state(), self._source[1]
 
     @scoped
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -363,13 +388,15 @@ def _family(path: str) -> str:
 
 @dataclasses.dataclass
 class Fp8Summary:
-    """What the FP8 patch quantized, and the weight memory: originals (kept, on their device) and codes."""
+    """What the FP8 patch quantized, and the weight memory: originals (kept, on their device or, once
+    ``offload_originals`` moved them, in the CPU's memory) and codes."""
 
     layers: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     original_bytes: int = 0
     fp8_bytes: int = 0  # codes + scales
     device: str = ""
     attention_processors: int = 0  # processors that hand precision="fp8" to the attention op
+    offloaded_bytes: int = 0  # of original_bytes, those ``offload_originals`` moved to the CPU
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -380,10 +407,16 @@ class Fp8Summary:
     def format(self) -> str:
         mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
         counts = ", ".join(f"{k} {n}" for k, n in sorted(self.layers.items()))
+        where = f"stay on {self.device or 'their device'}"
+        if self.offloaded_bytes:
+            where = (f"are kept for it in the CPU's memory ({mib(self.offloaded_bytes)} moved there by "
+                     "offload_originals)" if self.offloaded_bytes == self.original_bytes else
+                     f"stay on {self.device or 'their device'} ({mib(self.offloaded_bytes)} of them moved to the "
+                     "CPU's memory by offload_originals)")
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
-                f"{mib(self.original_bytes)} stay on {self.device or 'their device'} for an exact unpatch, the "
-                f"codes and scales add {mib(self.fp8_bytes)}; {self.attention_processors} attention processors "
-                "run FP8 attention where a call takes it (docs/kernels/attention_fp8.md)")
+                f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
+                f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
+                "a call takes it (docs/kernels/attention_fp8.md)")
 
 
 def _swap_linear(record: PatchRecord, parent: nn.Module, name: str, path: str, summary: Fp8Summary) -> None:
@@ -446,6 +479,22 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
     if FP8_ATTENTION:
         _fp8_attention([block for _, block in blocks], record, summary)
+
+
+def offload_originals(record: PatchRecord) -> int:
+    """Move the original weights every FP8 layer of the record's models keeps for an exact unpatch to the CPU's
+    memory: on the GPU the FP8 tier then holds its codes (about half the bytes) instead of adding them. Each
+    layer's restore (``Fp8Linear.restore``) joins the record's undo, so ``unpatch`` brings them back bit for bit
+    before it puts the modules back. Returns the bytes moved by this call."""
+    moved = 0
+    for model in record.models:
+        for layer in (m for m in model.modules() if isinstance(m, Fp8Linear)):
+            if nbytes := layer.offload():
+                record.on_undo(layer.restore, "fp8.original_offloaded")
+                moved += nbytes
+    if isinstance(record.quantized, Fp8Summary):
+        record.quantized.offloaded_bytes += moved
+    return moved
 
 
 def _fp8_attention(blocks: list[nn.Module], record: PatchRecord, summary: Fp8Summary) -> None:

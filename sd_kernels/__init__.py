@@ -25,8 +25,8 @@ from typing import Any
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched", "enable_context_parallel", "enable_split_decode", "get_profile",
-           "list_profiles", "generate_images", "ops", "reference", "models"]
+__all__ = ["patch", "unpatch", "patched", "enable_context_parallel", "enable_split_decode", "offload_originals",
+           "get_profile", "list_profiles", "generate_images", "ops", "reference", "models"]
 
 _LAZY = {
     "patch": ("sd_kernels.patches", "patch"),
@@ -34,6 +34,7 @@ _LAZY = {
     "patched": ("sd_kernels.patches", "patched"),
     "enable_context_parallel": ("sd_kernels.patches", "enable_context_parallel"),
     "enable_split_decode": ("sd_kernels.patches", "enable_split_decode"),
+    "offload_originals": ("sd_kernels.patches", "offload_originals"),
     "get_profile": ("sd_kernels.profiles", "get_profile"),
     "list_profiles": ("sd_kernels.profiles", "list_profiles"),
     "generate_images": ("sd_kernels.apps.generate", "generate_images"),

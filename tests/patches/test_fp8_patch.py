@@ -147,6 +147,113 @@ def test_same_request_changes_nothing_and_another_repatches(flux):
         sd_kernels.unpatch(flux)
 
 
+@cpu_only
+def test_offloaded_originals_change_no_result_and_unpatch_brings_them_back_exactly():
+    """``offload_originals`` moves each FP8 layer's original weight to storage of its own in the CPU's memory
+    (on the CPU itself a copy: the same path as from a GPU) and leaves the codes as they were: the same latents;
+    ``unpatch`` gives back the very Parameters, bit for bit, and stock's latents."""
+    pipe = build_pipeline("tiny-flux")
+    pipe.set_progress_bar_config(disable=True)
+    model = pipe.transformer
+    stock = _run(pipe, "latent")
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="precision='fp8' first"):
+        sd_kernels.offload_originals(pipe)
+    record = sd_kernels.patch(pipe, precision="fp8", ops=[], cuda_graph=False)
+    latent = _run(pipe, "latent")
+    layers = [m for m in model.modules() if isinstance(m, fp8.Fp8Linear)]
+    where = {id(m): (m.weight.data_ptr(), m.w_q.data_ptr()) for m in layers}
+    moved = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+
+    assert sd_kernels.offload_originals(pipe) is record
+    assert all(m.weight.device.type == "cpu" and m.weight.data_ptr() != where[id(m)][0] for m in layers)
+    assert all(m.w_q.data_ptr() == where[id(m)][1] for m in layers)  # the codes kept, not made again
+    assert record.counts["fp8.original_offloaded"] == len(layers) and record.quantized.offloaded_bytes == moved
+    assert "in the CPU's memory" in record.format()
+    assert torch.equal(_run(pipe, "latent"), latent)
+    sd_kernels.offload_originals(pipe)  # again: nothing more to move
+    assert record.counts["fp8.original_offloaded"] == len(layers) and record.quantized.offloaded_bytes == moved
+
+    assert sd_kernels.unpatch(pipe)
+    assert all(dict(model.named_parameters())[k] is p for k, p in params.items())
+    after = model.state_dict()
+    assert all(torch.equal(after[k], state[k]) for k in state)
+    assert torch.equal(_run(pipe, "latent"), stock)
+
+
+def test_offloaded_q_k_v_weights_free_the_buffer_they_were_laid_out_in():
+    """Where the attention patcher laid q, k and v out in one buffer (patches/qkv_fusion.py), the Parameters are
+    its only holders: once their weights are parked in the CPU's memory the buffer is freed; restored, each
+    weight has storage of its own, the same values."""
+    from sd_kernels.patches.qkv_fusion import FusedProjections
+
+    linears = [nn.Linear(32, 16) for _ in range(3)]
+    values = [m.weight.detach().clone() for m in linears]
+    fused = FusedProjections(linears)
+    layers = [fp8.Fp8Linear(m) for m in linears]
+    weights = fused.storages[0]
+    assert not weights.expired()
+    for layer in layers:
+        layer.offload()
+    assert weights.expired()
+    for layer in layers:
+        layer.restore()
+    fused.release()
+    assert all(torch.equal(m.weight, v) for m, v in zip(linears, values))
+
+
+def test_offload_originals_needs_the_fp8_tier(flux):
+    sd_kernels.patch(flux, ops=[], cuda_graph=False)
+    try:
+        with pytest.raises(ValueError, match="offload_originals: patch this FluxPipeline with precision='fp8'"):
+            sd_kernels.offload_originals(flux)
+    finally:
+        sd_kernels.unpatch(flux)
+
+
+def test_an_offloaded_weight_changed_is_quantized_again_and_a_replaced_one_stays():
+    """A parked weight updated in place is quantized again (its codes where they ran); one replaced since is
+    not moved by the restore (it is not the one parked)."""
+    layer = fp8.Fp8Linear(nn.Linear(32, 16))
+    x = torch.randn(3, 32)
+    y = layer(x)
+    assert layer.offload() == 32 * 16 * 4 and layer.offload() == 0
+    assert torch.equal(layer(x), y)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    assert torch.equal(layer(x), _requantized(layer, x))
+    layer.restore()
+    assert layer.offload() > 0  # restored: it can be parked again
+    replacement = nn.Parameter(torch.randn(16, 32))
+    layer.weight = replacement
+    layer.restore()
+    assert layer.weight is replacement and layer.weight.data_ptr() == replacement.data_ptr()
+    assert torch.equal(layer(x), _requantized(layer, x))
+
+
+@pytest.mark.gpu
+def test_gpu_offloaded_originals_free_their_bytes_and_come_back():
+    """On the GPU the moved weights' memory is freed (the codes stay), the latents are unchanged, and unpatch
+    brings the weights back bit for bit."""
+    pipe = build_pipeline("tiny-flux", "cuda", torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    model = pipe.transformer
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    record = sd_kernels.patch(pipe, precision="fp8", ops=None, cuda_graph=False)
+    latent = _run(pipe, "latent")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    sd_kernels.offload_originals(pipe)
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    assert freed >= 0.9 * record.quantized.offloaded_bytes > 0, (freed, record.quantized.offloaded_bytes)
+    assert torch.equal(_run(pipe, "latent"), latent)
+    sd_kernels.unpatch(pipe)
+    after = model.state_dict()
+    assert all(after[k].device.type == "cuda" and torch.equal(after[k], state[k]) for k in state)
+
+
 def test_fp8_linear_shares_parameters_and_follows_a_changed_weight():
     linear = nn.Linear(32, 16)
     layer = fp8.Fp8Linear(linear)
