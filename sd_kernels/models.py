@@ -337,6 +337,7 @@ def _variant(folder: str, dtype: torch.dtype) -> str | None:
 # diffusers' name for a single file's architecture (loaders.single_file_utils.infer_diffusers_model_type)
 # → the shipped config with that architecture.
 _SINGLE_FILE_ARCHITECTURES = {"v1": "sd15", "v2": "sd21", "xl_base": "sdxl"}
+_UNET_PREFIX = "model.diffusion_model."  # the denoiser's keys in an SD, SD2 or SDXL single-file checkpoint
 _SINGLE_FILE_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
 # The shipped SD configs have CLIP's 49,408-token vocabulary, which the generated tokenizer does not
 # hold: a real checkpoint of them needs the real tokenizer, found in the Hugging Face cache here.
@@ -371,6 +372,9 @@ def checkpoint_config(path: str, config: str | None = None) -> str:
     except Exception as exc:  # safetensors raises its own error types for a damaged header
         raise ValueError(f"--model {path}: cannot read it as safetensors ({type(exc).__name__}: {exc})") from None
     kind = infer_diffusers_model_type(shapes)
+    if not any(k.startswith(_UNET_PREFIX) for k in shapes):  # diffusers names any unknown file "v1"
+        raise ValueError(f"--model {path}: no denoiser weights in it ({_UNET_PREFIX}*): not a Stable Diffusion "
+                         "checkpoint (a LoRA goes to --lora)")
     if kind not in _SINGLE_FILE_ARCHITECTURES:
         raise ValueError(f"--model {path}: a {kind!r} checkpoint (diffusers' name for it); give --config, a diffusers "
                          "folder of the same model (its configs and tokenizers are used)")
@@ -444,7 +448,13 @@ def _load_single_file(path: str, config: str | None, dtype: torch.dtype):
         if cls not in _SINGLE_FILE_PIPELINES:
             raise ValueError(f"--config {config}: single-file checkpoints load as "
                              f"{' or '.join(_SINGLE_FILE_PIPELINES)}; this folder holds a {cls}")
-        return getattr(diffusers, cls).from_single_file(path, config=folder, dtype=dtype, local_files_only=True)
+        from diffusers.loaders.single_file_utils import SingleFileComponentError
+
+        try:
+            return getattr(diffusers, cls).from_single_file(path, config=folder, dtype=dtype, local_files_only=True)
+        except SingleFileComponentError as exc:  # weights that do not fit the architecture's parts
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"--model {path}: its weights do not load as a {cls} ({first})") from None
 
 
 def model_facts(name_or_path: str, config: str | None = None) -> dict[str, Any]:

@@ -2,6 +2,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from sd_kernels.apps import cli
 
@@ -96,6 +97,16 @@ def test_bench_on_cpu_writes_csv_table_and_plot(tmp_path, capsys, monkeypatch):
 def test_bench_and_generate_name_bad_values(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where torch sees no CUDA GPU")
+@pytest.mark.parametrize("command", ["demo", "generate", "bench", "fidelity"])
+def test_cuda_asked_for_without_a_gpu_is_one_line_from_every_command(command, capsys):
+    argv = [command, "--device", "cuda"] + (["--prompt", "x"] if command == "generate" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sd-kernels {command}: error: --device cuda asked for, but torch sees no CUDA GPU")
+    assert err.count("sd-kernels") == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv, mode", [(["demo"], False), (["demo", "--compile"], "default"),

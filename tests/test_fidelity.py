@@ -34,6 +34,16 @@ def test_reference_ops_are_exact(pipe, monkeypatch):
     assert sd_kernels.patches.patch_record(pipe) is None
 
 
+def test_pixarts_older_step_callback_gives_its_latents_too(monkeypatch):
+    """PixArt's pipelines take diffusers' older per-step ``callback`` (no ``callback_on_step_end``): the last
+    step's latents come from it, as they come from the newer one elsewhere (the reference backend: exact)."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    pixart = models.build_pipeline("tiny-pixart")
+    pixart.set_progress_bar_config(disable=True)
+    result = fidelity.check_fidelity(pixart, steps=1, ops=["layer_norm"], per_op=False, clean_caption=False)
+    assert result.patched == fidelity.Fidelity(0.0, math.inf)
+
+
 def test_a_wrong_op_shows_and_is_attributed(pipe, monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     exact = reference.group_norm

@@ -15,6 +15,7 @@ the GPU tests hold the SD1.5 / SD2.1 / SDXL architectures to at fp16.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -75,8 +76,18 @@ def _run(pipe, steps: int, seed: int, call_kwargs: dict[str, Any]) -> tuple[torc
         seen["latents"] = kwargs["latents"].detach().clone()
         return kwargs
 
+    def keep_latents_legacy(i, t, latents):  # pipelines with diffusers' older per-step callback (PixArt)
+        seen["latents"] = latents.detach().clone()
+
+    if "callback_on_step_end" in inspect.signature(type(pipe).__call__).parameters:
+        hook = {"callback_on_step_end": keep_latents, "callback_on_step_end_tensor_inputs": ["latents"]}
+    else:
+        hook = {"callback": keep_latents_legacy, "callback_steps": 1}
     out = pipe(num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
-               callback_on_step_end=keep_latents, callback_on_step_end_tensor_inputs=["latents"], **call_kwargs)
+               **hook, **call_kwargs)
+    if "latents" not in seen:
+        raise TypeError(f"fidelity: {type(pipe).__name__} called no per-step callback: its latents cannot be "
+                        "compared (the images alone would hide an error they round away)")
     return seen["latents"], torch.as_tensor(out.images)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from sd_kernels.apps import generate_command, metadata
 from sd_kernels.apps.generate_command import positive_int
-from sd_kernels.apps.options import DTYPES, device_and_dtype, dtype_name
+from sd_kernels.apps.options import DTYPES, device_and_dtype
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -124,7 +124,7 @@ def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
     from sd_kernels import models
     from sd_kernels.apps.generate import check_backend
 
-    device, dtype_name = device_and_dtype(args.device, args.dtype, args.command)
+    device, dtype_name = device_and_dtype(args.device, args.dtype)
     if getattr(args, "out", None):
         metadata.check_output(args.out, records=False)
     check_backend(device)
@@ -222,7 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         profiles.get_profile(args.profile)  # an unknown name fails here
         os.environ["SD_KERNELS_PROFILE"] = args.profile  # what patch() and the ablation's profile read
     e2e, plot = _bench_harness()
-    device, dtype_name = device_and_dtype(args.device, args.dtype, args.command)
+    device, dtype_name = device_and_dtype(args.device, args.dtype)
     if args.model is None and device != "cuda":
         args.model = "tiny"
     args.models = args.model
@@ -245,9 +245,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from sd_kernels import models
     from sd_kernels.analysis.fidelity import check_fidelity
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, dtype = device_and_dtype(args.device, args.dtype)
     name = args.model or models.default_model(device == "cuda")
-    dtype = getattr(torch, DTYPES[dtype_name(args.dtype, device == "cuda")])
+    dtype = getattr(torch, DTYPES[dtype])
     pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
     result = check_fidelity(pipe, steps=args.steps, seed=args.seed, prompt=args.prompt, size=args.size,

@@ -137,7 +137,7 @@ def _generate_one(args: argparse.Namespace, settings: options.Settings) -> int:
     launch = parallel.launch(args.parallel, cuda_graph=args.cuda_graph, compile=args.compile) if args.parallel else None
     out = pathlib.Path(args.out or "image.png")
     metadata.check_output(out)
-    device, dtype = options.device_and_dtype(args.device, args.dtype, "generate")
+    device, dtype = options.device_and_dtype(args.device, args.dtype)
     check_backend(device)
     check_precision(settings.precision, device)
     name = settings.model or models.default_model(device == "cuda")

@@ -199,13 +199,13 @@ def dtype_name(name: str | None, on_gpu: bool) -> str:
     return name or ("fp16" if on_gpu else "fp32")
 
 
-def device_and_dtype(device: str | None, dtype: str | None, command: str) -> tuple[str, str]:
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
     """``--device`` and ``--dtype`` with their defaults (the GPU and fp16 when there is one)."""
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"sd-kernels {command}: --device cuda asked for, but torch sees no CUDA GPU")
+        raise ValueError("--device cuda asked for, but torch sees no CUDA GPU")
     return device, dtype_name(dtype, device == "cuda")
 
 

@@ -92,6 +92,22 @@ def test_a_damaged_checkpoint_is_named(tmp_path, content, message):
         models.checkpoint_config(str(bad))
 
 
+def test_a_file_of_other_weights_is_named_not_taken_for_sd15(tmp_path, capsys):
+    """A safetensors file with no denoiser in it (a LoRA, another model's weights): diffusers' inference would
+    call it SD1.x; here it is refused as what it is, and with --config its load failure is one line."""
+    from safetensors.torch import save_file
+
+    junk = tmp_path / "junk.safetensors"
+    save_file({"lora_unet_down.weight": torch.zeros(4, 4)}, str(junk))
+    with pytest.raises(ValueError, match="no denoiser weights in it"):
+        models.checkpoint_config(str(junk))
+    assert cli.main(["generate", "--prompt", "x", "--model", str(junk), "--config", "tiny", "--device", "cpu",
+                     "--steps", "1", "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"sd-kernels generate: error: --model {junk}: its weights do not load as a" in err
+    assert "Traceback" not in err and not (tmp_path / "x.png").exists()
+
+
 def test_a_folder_loads_its_variant_in_the_target_dtype(tmp_path):
     pipe = models.build_pipeline("tiny", seed=0)
     pipe.to(torch.float16).save_pretrained(tmp_path / "pipe", variant="fp16")
