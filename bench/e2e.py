@@ -106,9 +106,13 @@ SELECTIONS = {  # targets; the first gets every variant and the ablation
 BUILD_S, STEP_S, COMPILE_S = 30.0, 0.03, {"sd15": 90.0, "sd21": 100.0, "sdxl": 300.0}
 
 
+UNET_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")  # what this harness times
+
+
 def parse_targets(text: str) -> list[Target]:
     """``"sd15@512,sdxl"`` → targets; the size defaults to the config's resolution (512 for a path);
-    ``sd15+controlnet@512``: the shipped config's ControlNet pipeline."""
+    ``sd15+controlnet@512``: the shipped config's ControlNet pipeline. The errors name the item, not the
+    option (``--models`` here, ``--model`` for ``sd-kernels bench``)."""
     from sd_kernels import models
 
     targets = []
@@ -116,19 +120,24 @@ def parse_targets(text: str) -> list[Target]:
         model, _, size = item.partition("@")
         base = model.removesuffix(CONTROLNET)
         if size and not size.isdigit():
-            raise ValueError(f"--models: size in {item!r} must be pixels, e.g. sd21@768")
+            raise ValueError(f"model {item!r}: the size must be pixels, e.g. sd21@768")
         if base != model and base not in models.list_configs():
-            raise ValueError(f"--models: {CONTROLNET} needs a shipped config ({', '.join(models.list_configs())})")
+            raise ValueError(f"model {item!r}: {CONTROLNET} needs a shipped config "
+                             f"({', '.join(models.list_configs())})")
         if base not in models.list_configs() and not pathlib.Path(base).is_dir():
-            raise ValueError(f"--models: {model!r} is neither a shipped config ({', '.join(models.list_configs())})"
-                             " nor a local pipeline directory")
-        default = models.load_config(base).get("resolution", 512) if base in models.list_configs() else 512
+            raise ValueError(f"model {item!r}: neither a shipped config ({', '.join(models.list_configs())}) nor a "
+                             "local pipeline directory")
+        kind = models.load_config(base)["pipeline"] if base in models.list_configs() else None
+        if kind is not None and kind not in UNET_PIPELINES:
+            raise ValueError(f"model {item!r}: a {kind}; this harness times the UNet pipelines (SD1.x/2.x, SDXL), "
+                             "python -m bench.dit the diffusion transformers (PixArt-Σ, SD3, FLUX)")
+        default = models.load_config(base).get("resolution", 512) if kind is not None else 512
         side = int(size) if size else default
-        if side % 64:
-            raise ValueError(f"--models: size {side} in {item!r} must be a multiple of 64")
+        if side <= 0 or side % 64:
+            raise ValueError(f"model {item!r}: the size, {side}, must be a positive multiple of 64")
         targets.append(Target(model, side))
     if not targets:
-        raise ValueError("--models: no model given")
+        raise ValueError("no model given")
     return targets
 
 

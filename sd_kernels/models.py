@@ -47,10 +47,10 @@ def default_model(on_gpu: bool) -> str:
 
 def image_side(name: str, size: int | None = None) -> int:
     """The image side for ``name`` (see ``model_facts``): ``size``, else the model's own (its width); a
-    ValueError unless it is a multiple of 8 (the VAE's scale factor)."""
-    side = size or model_facts(name)["size"][0]
-    if side % 8:
-        raise ValueError(f"size {side}: the image side must be a multiple of 8 (the VAE's scale factor)")
+    ValueError unless it is a positive multiple of 8 (the VAE's scale factor)."""
+    side = model_facts(name)["size"][0] if size is None else size
+    if side <= 0 or side % 8:
+        raise ValueError(f"--size {side}: the image side must be a positive multiple of 8 (the VAE's scale factor)")
     return side
 
 

@@ -90,8 +90,9 @@ def test_controlnet_pipeline_rows_time_the_controlnet_on_cpu(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("text, message", [
-    ("sd15@abc", "must be pixels"), ("sd15@500", "multiple of 64"), ("./no/such/model", "neither a shipped config"),
-    ("", "no model given"),
+    ("sd15@abc", "must be pixels"), ("sd15@500", "multiple of 64"), ("tiny@0", "the size, 0, must be a positive"),
+    ("./no/such/model", "neither a shipped config"), ("", "no model given"),
+    ("tiny-xl,tiny-flux", "model 'tiny-flux': a FluxPipeline; .* python -m bench.dit"),
 ])
 def test_bad_targets_are_named(text, message):
     with pytest.raises(ValueError, match=message):

@@ -151,11 +151,21 @@ def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, capsys
 def test_a_size_off_the_vae_grid_and_a_forced_backend_that_cannot_run_fail_first(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sd_kernels.models.load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
     assert cli.main(["demo", "--device", "cpu", "--size", "60", "--out", str(tmp_path / "a.png")]) == 2
-    assert "multiple of 8" in capsys.readouterr().err
+    assert "--size 60: the image side must be a positive multiple of 8" in capsys.readouterr().err
+    assert cli.main(["fidelity", "--device", "cpu", "--size", "60"]) == 2
+    assert "--size 60: the image side must be a positive multiple of 8" in capsys.readouterr().err
     monkeypatch.setenv("SD_KERNELS_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert cli.main(["demo", "--device", "cpu", "--out", str(tmp_path / "a.png")]) == 2
     assert "SD_KERNELS_BACKEND=triton forces the kernels" in capsys.readouterr().err
+
+
+def test_a_graph_mode_on_the_cpu_is_refused_before_the_pipeline_is_built(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sd_kernels.models.load_pipeline", lambda *a, **k: pytest.fail("built a pipeline"))
+    assert cli.main(["generate", "--prompt", "x", "--device", "cpu", "--cuda-graph", "step",
+                     "--out", str(tmp_path / "a.png")]) == 2
+    assert "--cuda-graph step replays CUDA graphs: it needs --device cuda (on the cpu: auto or off)" in \
+        capsys.readouterr().err
 
 
 def test_an_unreachable_hub_id_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):

@@ -247,6 +247,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     name = args.model or models.default_model(device == "cuda")
+    if args.size is not None:
+        models.image_side(name, args.size)  # off the VAE's grid: refused before the pipeline is built
     dtype = getattr(torch, DTYPES[dtype])
     pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
@@ -278,8 +280,9 @@ def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
                            description="Runs bench/e2e.py (a source checkout is needed): every variant of "
                            "every model, appending rows to OUT/e2e.csv and OUT/ablation.csv as they finish, "
                            "then prints the table and writes PNG plots.")
-    bench.add_argument("--model", help="NAME[@SIZE] or a local pipeline directory, comma-separated for several; "
-                       "default: the selection's models (tiny on CPU)")
+    bench.add_argument("--model", help="NAME[@SIZE] or a local pipeline directory, comma-separated for several: "
+                       "UNet pipelines (SD1.x/2.x, SDXL; the transformers: python -m bench.dit); default: the "
+                       "selection's models (tiny on CPU)")
     bench.add_argument("--profile", help="device profile (default: detected)")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available (CPU: tiny models, "
                        "eager variants only)")

@@ -219,7 +219,6 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
     if not specs:
         raise ValueError("no prompts")
     settings.check()
-    manifest.check(out)
     state = _state(settings.device)
     check_backend(state.device)
     check_precision(settings.precision, state.device)
@@ -232,6 +231,7 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
     if model.shipped and settings.profile is not None:
         check_budget(name, torch_dtype, settings.profile)
     size = (settings.width or model.size[0], settings.height or model.size[1])
+    manifest.check(out)  # after the checks above, so that a refused run leaves no folder behind
     identity = {"model": name, "config": model.config, "scheduler": model.scheduler, "loras": model.loras,
                 "image": model.image, "mask": model.mask, "strength": model.strength, "dtype": dtype,
                 "precision": settings.precision, "profile": profile.name}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import sys
 import time
 
 from sd_kernels.apps import metadata, options, parallel
@@ -138,6 +139,9 @@ def _generate_one(args: argparse.Namespace, settings: options.Settings) -> int:
     out = pathlib.Path(args.out or "image.png")
     metadata.check_output(out)
     device, dtype = options.device_and_dtype(args.device, args.dtype)
+    if args.cuda_graph not in ("auto", "off") and device != "cuda":
+        raise ValueError(f"--cuda-graph {args.cuda_graph} replays CUDA graphs: it needs --device cuda (on the "
+                         f"{device}: auto or off)")
     check_backend(device)
     check_precision(settings.precision, device)
     name = settings.model or models.default_model(device == "cuda")
@@ -180,6 +184,8 @@ def _make_one(args: argparse.Namespace, settings: options.Settings, job: options
     record = sd_kernels.patch(pipe, profile=args.profile, cuda_graph=graph, compile=args.compile,
                               precision=settings.precision, **split_arguments)
     say(record.summary())
+    # the denoising steps' progress, in a terminal: the first image of a process also tunes and captures
+    pipe.set_progress_bar_config(disable=not (main and sys.stderr.isatty()), desc="steps", leave=False)
     if launch is not None and (note := parallel.eager_note(launch, on_gpu)):
         say(note)
     try:

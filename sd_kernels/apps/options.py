@@ -235,6 +235,7 @@ def square(size: int | None, width: int | None, height: int | None) -> tuple[int
         return width, height
     if width is not None or height is not None:
         raise ValueError("--size is the square shorthand for --width and --height: give one or the others")
+    side("--size", size)  # named as the user typed it (the checks after see --width)
     return size, size
 
 

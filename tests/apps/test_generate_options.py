@@ -35,6 +35,7 @@ def files(tmp_path):
     (["--width", "60"], "--width 60: the image side must be a multiple of 8"),
     (["--height", "100"], "--height 100: the image side must be a multiple of 8"),
     (["--size", "64", "--width", "64"], "--size is the square shorthand"),
+    (["--size", "513"], "--size 513: the image side must be a multiple of 8"),
     (["--guidance-scale", "-1"], "--guidance-scale -1.0: a finite number >= 0"),
     (["--guidance-scale", "nan"], "--guidance-scale nan"),
     (["--scheduler", "euler_a"], "--scheduler 'euler_a': unknown; one of ddim"),
@@ -94,6 +95,10 @@ def test_batch_mode_names_bad_values_before_any_work(files, no_work, capsys):
     assert cli.main([*argv, "--seed", str(2**64 - 3), "--images-per-prompt", "2"]) == 2
     assert "--seed: image 3 would get seed" in capsys.readouterr().err
     assert not list((files / "out").glob("*.png"))
+    fresh = ["generate", "--prompts", str(files / "three.txt"), "--out", str(files / "new"), "--device", "cpu"]
+    assert cli.main([*fresh, "--model", "tiny-flux", "--scheduler", "euler"]) == 2  # refused by the model's checks
+    assert "--scheduler euler: a EulerDiscreteScheduler cannot replace" in capsys.readouterr().err
+    assert not (files / "new").exists()  # and no folder left behind
 
 
 @pytest.mark.parametrize("line, message", [

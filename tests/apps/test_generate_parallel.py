@@ -281,7 +281,14 @@ def test_a_launch_releases_the_patch_before_the_process_group_ends(monkeypatch, 
         if fails == "finish":
             raise RuntimeError("finish failed")
 
-    monkeypatch.setattr(pipeline, "load", lambda *a: "pipe")
+    class Pipe:
+        def set_progress_bar_config(self, **_):
+            pass
+
+        def __str__(self):
+            return "pipe"
+
+    monkeypatch.setattr(pipeline, "load", lambda *a: Pipe())
     monkeypatch.setattr(pipeline, "render", render)
     monkeypatch.setattr(parallel_app, "prepare", lambda pipe, launch, precision: {})
     monkeypatch.setattr(parallel_app, "finish", finish)
