@@ -310,8 +310,11 @@ def load_pipeline(
 
 
 def is_hub_id(name: str) -> bool:
-    """Whether ``name`` has the form of a hub id ("owner/name")."""
-    return not os.path.exists(name) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None
+    """Whether ``name`` has the form of a hub id ("owner/name") and is not a local path: neither it nor its
+    first part exists here (``models/my-sdxl`` with a ``models/`` folder here is a mistyped folder, which the
+    hub would be asked for in vain)."""
+    return (not os.path.exists(name) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None
+            and not os.path.isdir(name.split("/")[0]))
 
 
 def is_single_file(name: str) -> bool:

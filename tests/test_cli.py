@@ -92,6 +92,7 @@ def test_bench_on_cpu_writes_csv_table_and_plot(tmp_path, capsys, monkeypatch):
     (["bench", "--device", "cpu", "--model", "./no/such/dir"], "neither a shipped config"),
     (["bench", "--device", "cpu", "--steps", "0"], "--steps must be a positive integer, got 0"),
     (["bench", "--profile", "mali"], "known profiles"),
+    (["bench", "--device", "cpu", "--out", __file__], ": is a file; bench writes its CSVs and plots into a folder"),
     (["generate", "--prompt", "x", "--profile", "mali"], "known profiles"),
 ])
 def test_bench_and_generate_name_bad_values(argv, message, capsys):
@@ -121,7 +122,8 @@ def test_compile_without_the_patch_is_refused_before_any_work(capsys):
 
 
 @pytest.mark.parametrize("argv", [["generate"], ["generate", "--prompt", "x", "--steps", "0"],
-                                  ["bench", "--selection", "huge"], ["demo", "--compile", "fastest"]])
+                                  ["bench", "--selection", "huge"], ["demo", "--compile", "fastest"],
+                                  ["demo", "--seed", "-1"], ["fidelity", "--seed", "-1"]])
 def test_bench_and_generate_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)

@@ -151,6 +151,12 @@ def test_save_and_load_from_directory(tmp_path):
     assert torch.equal(torch.as_tensor(_run(pipe)), torch.as_tensor(_run(loaded)))
 
 
-def test_missing_directory_is_a_clear_error(tmp_path):
+def test_missing_directory_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="neither a shipped config"):
         models.load_pipeline(str(tmp_path / "nope"))
+    # "models/my-sdxl" has a hub id's form; with a models/ folder here it is a mistyped folder, not a hub id
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert models.is_hub_id("someone/model") and not models.is_hub_id("models/my-sdxl")
+    with pytest.raises(FileNotFoundError, match="neither a shipped config"):
+        models.load_pipeline("models/my-sdxl")

@@ -228,6 +228,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.models = args.model
     items = e2e.items_from(args)
     out = pathlib.Path(args.out or f"bench-results/{datetime.date.today().isoformat()}-{device}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; bench writes its CSVs and plots into a folder")
     import torch
 
     rows = e2e.run(items, out, args.steps, args.max_minutes, device=device,
@@ -270,7 +272,7 @@ def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a random-weight SD pipeline stock and patched, write a PNG")
     _pipeline_options(demo, "shipped config (tiny, sd15, sd21, sdxl, ...) or a local pipeline directory; "
                       "default: sd15 on a GPU, tiny on CPU")
-    demo.add_argument("--prompt", default=DEFAULT_PROMPT)
+    demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: an astronaut riding a horse)")
     demo.add_argument("--out", default="demo.png", help="PNG to write (default demo.png)")
     demo.add_argument("--no-patch", action="store_true", help="run stock only")
     _compile_option(demo, "the fastest set-up, after a minute or two of compilation")
@@ -298,21 +300,34 @@ def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
     fid.add_argument("--profile", help="profile name (default: detected)")
     fid.add_argument("--cuda-graph", action="store_true", help="patch with cuda_graph=True")
     fid.add_argument("--no-per-op", action="store_true", help="skip the one-family-at-a-time runs")
-    fid.add_argument("--prompt", default=DEFAULT_PROMPT)
+    fid.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt both runs take (default: an astronaut)")
     fid.add_argument("--max-latent-err", type=float, default=1e-2, help="limit on the latent rel. error (1e-2)")
     fid.add_argument("--min-psnr", type=float, default=40.0, help="limit on the image PSNR in dB (40)")
     fid.set_defaults(fn=cmd_fidelity)
     return ap
 
 
-def _pipeline_options(ap: argparse.ArgumentParser, model_help: str, seed_help: str = "seed (default 0)") -> None:
-    """The options every command that builds and runs a pipeline takes (demo, generate, fidelity)."""
+def _fixed_seed(text: str) -> int:
+    """demo's and fidelity's --seed: the one seed both the stock and the patched run take."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value}: a seed is in [0, 2**64 - 1] (a random one, -1, is generate's)")
+    return value
+
+
+def _pipeline_options(ap: argparse.ArgumentParser, model_help: str, seed_help: str = "seed (default 0)",
+                      fixed_seed: bool = True) -> None:
+    """The options every command that builds and runs a pipeline takes (demo, generate, fidelity; generate,
+    ``fixed_seed=False``, checks its own --seed, where -1 draws one)."""
     ap.add_argument("--model", help=model_help)
     ap.add_argument("--steps", type=positive_int, default=20, help="denoising steps (default 20)")
     ap.add_argument("--size", type=positive_int, help="image side in pixels (default: the model's)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on CPU")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    ap.add_argument("--seed", type=int, default=0, help=seed_help)
+    ap.add_argument("--seed", type=_fixed_seed if fixed_seed else int, default=0, help=seed_help)
 
 
 def _bench_options(ap: argparse.ArgumentParser) -> None:

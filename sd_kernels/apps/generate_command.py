@@ -58,7 +58,7 @@ def add_parser(sub, pipeline_options, compile_option) -> argparse.ArgumentParser
     pipeline_options(gen, "shipped config (random weights: the image is noise-like), a single-file .safetensors "
                      "checkpoint, a local pipeline directory or a hub id; default: sd15 on a GPU, tiny on CPU",
                      seed_help="seed of the first image (image i gets SEED+i); -1: a random one, printed and "
-                     "recorded (default 0)")
+                     "recorded (default 0)", fixed_seed=False)
     gen.add_argument("--config", help="a .safetensors checkpoint's architecture: a shipped config (sd15, sd21, sdxl, "
                      "tiny, ...) or a diffusers folder of the same model (its configs and tokenizers); default: "
                      "inferred from the checkpoint")
