@@ -384,6 +384,18 @@ def _log_to_stderr() -> logging.Handler:
     return handler
 
 
+def _what_was_kept(args: argparse.Namespace) -> str:
+    """After Ctrl-C in a batch: how many images the folder's manifest lists as made (each written whole)."""
+    if args.command != "generate" or not getattr(args, "prompts", None):
+        return ""
+    from sd_kernels.apps import manifest
+
+    out = pathlib.Path(args.out or "images")
+    made = sum(e["status"] == "ok" for e in manifest.read(out))
+    return (f": {out} holds {made} finished image(s), listed in {manifest.MANIFEST}; the same command again makes "
+            "the rest")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -400,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"sd-kernels {args.command}: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:  # what was made is written and listed; a rerun of generate makes the rest
-            print(f"sd-kernels {args.command}: interrupted", file=sys.stderr)
+            print(f"sd-kernels {args.command}: interrupted{_what_was_kept(args)}", file=sys.stderr)
             return 130
     finally:
         logging.getLogger("sd_kernels").removeHandler(handler)

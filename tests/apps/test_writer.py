@@ -99,6 +99,8 @@ def test_sigint_during_a_run_then_a_rerun_makes_every_image_exactly_once(tmp_pat
     _, err = child.communicate(timeout=300)
     assert child.returncode == 130, err[-2000:]
     assert "interrupted" in err
+    ok_count = sum(e["status"] == "ok" for e in _lines(out))
+    assert f"interrupted: {out} holds {ok_count} finished image(s), listed in manifest.jsonl" in err
     first = _lines(out)
     ok = sorted(e["index"] for e in first if e["status"] == "ok")
     assert 0 < len(ok) < 8, "the interruption came after the run ended: nothing was tested"
