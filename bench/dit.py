@@ -42,7 +42,7 @@ from sd_kernels.testing import psnr, rel_err
 
 DEFAULT = ("stock", "patched+graph", PEER, PEER_UNFUSED, "patched+graph+compile", "patched+graph+compile+fused-qkv")
 COLUMNS = ["model", "size", "steps", "dtype", "variant", "warmup_s", "e2e_ms", "vs_peer", "step_ms", "latent_rel_err",
-           "psnr_db", "kernels_ms", "patched", "device", "torch", "triton", "diffusers", "date"]
+           "psnr_db", "gpu_gib", "peak_gib", "kernels_ms", "patched", "device", "torch", "triton", "diffusers", "date"]
 
 
 def _first_call(model: torch.nn.Module) -> tuple[dict, object]:
@@ -90,7 +90,10 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict, conte
         torch.cuda.synchronize()
         warmup = time.perf_counter() - start
         hook.remove()
+        held = torch.cuda.memory_allocated(device)  # the row's weights, codes, caches and graph pools, warm
+        torch.cuda.reset_peak_memory_stats(device)
         e2e = statistics.median(wall_ms(lambda: call("pt")) for _ in range(calls))
+        peak = torch.cuda.max_memory_allocated(device)
         latent = call("latent")
         step_call = lambda: denoiser(*seen["args"], **seen["kwargs"])  # noqa: E731
         step = steady_ms(step_call)
@@ -101,6 +104,7 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict, conte
         images[name] = image
     return {"variant": name, "warmup_s": round(warmup, 1), "e2e_ms": round(e2e, 2), "step_ms": round(step, 3),
             "latent_rel_err": f"{rel_err(latent, ref['latent']):.2e}", "psnr_db": round(psnr(image, ref["image"]), 2),
+            "gpu_gib": round(held / 2**30, 2), "peak_gib": round(peak / 2**30, 2),
             "kernels_ms": " ".join(f"{c}={ms}" for c, ms in kernels.items()), "patched": info["patched"]}
 
 

@@ -6,7 +6,7 @@
                                 patched+two-pass-residual,patched+addcmul-residual,fp8,fp8+exact-attention,
                                 fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,fp8+fused-gate-gemm,
                                 fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+addcmul-residual,
-                                fp8+previous-glue,fp8+compile,torchao]
+                                fp8+previous-glue,fp8+offloaded-originals,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -47,11 +47,13 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   instead of their GEMMs writing the join in place (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE``
   off), with each q, k, v projection a GEMM of its own (``fp8+unfused-qkv``), with the gated residuals on
   ``torch.addcmul`` (``fp8+addcmul-residual``), with that and each block norm's own SiLU and norm2's codes made
-  by the feed-forward (``fp8+previous-glue``), and with ``compile=True``
+  by the feed-forward (``fp8+previous-glue``), with the original weights moved to the CPU's memory
+  (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
-  latents' relative error.
+  latents' relative error; and the GPU memory the row holds once warm (``gpu_gib``: allocated tensors, CUDA
+  graphs' pools included) and its peak during the timed calls (``peak_gib``).
 - ``layers`` (fp8_layers.csv): one transformer call patched with ``precision="fp8"``; for every
   quantized GEMM (a fused feed-forward counts as one), its relative error against the same layer in
   fp32 beside the error of the layer in the model's own dtype.
@@ -78,7 +80,8 @@ MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
 ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual",
         "patched+addcmul-residual", "fp8", "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8",
         "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
-        "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue", "fp8+compile", "torchao")
+        "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue", "fp8+offloaded-originals", "fp8+compile",
+        "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -324,6 +327,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+addcmul-residual": addcmul,
                    "fp8+previous-glue": [*addcmul, (fp8_patch.Fp8FeedForward, "reads_codes", lambda self: False),
                                          (modulation_split, "silu", lambda norm, emb: norm.silu(emb))]}.get(row)
+        if row == "fp8+offloaded-originals":
+            return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
@@ -340,7 +345,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
-                                                    "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue")}
+                                                    "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
+                                                    "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
@@ -355,6 +361,19 @@ def _applied_with(pipe, setup, changed: tuple | list | None):
             stack.enter_context(mock.patch.object(*switch))
         with applied(pipe, setup) as record:
             yield record
+
+
+@contextlib.contextmanager
+def _offloaded(pipe, setup):
+    """``applied(pipe, setup)`` (the FP8 tier), then the originals moved to the CPU's memory for the row's time;
+    its unpatch brings them back."""
+    import sd_kernels
+    from bench.setups import applied
+
+    with applied(pipe, setup) as info:
+        record = sd_kernels.offload_originals(pipe)
+        info = {**info, "patched": f"{info.get('patched', '')} offloaded={record.quantized.offloaded_bytes}".strip()}
+        yield info
 
 
 def peer_columns(rows: list[dict]) -> dict[str, float]:
@@ -426,8 +445,8 @@ def run_e2e(model: str, rows: list[str], args, out: pathlib.Path) -> list[dict]:
 
 
 E2E_COLUMNS = ["model", "size", "steps", "dtype", "variant", "status", "warmup_s", "e2e_ms", "vs_compile", "vs_torchao",
-               "step_ms", "psnr_db", "ssim", "latent_rel_err", "kernels_ms", "patched", "device", "torch", "triton",
-               "diffusers", "date"]
+               "step_ms", "psnr_db", "ssim", "latent_rel_err", "gpu_gib", "peak_gib", "kernels_ms", "patched", "device",
+               "torch", "triton", "diffusers", "date"]
 
 
 # ---------------------------------------------------------------------------------------------- layers

@@ -884,6 +884,36 @@ def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypa
     assert [getattr(mod, name) for mod, (_, name, _) in zip(mods, switches, strict=True)] == before
 
 
+def test_the_offloaded_originals_row_is_the_fp8_tier_with_its_originals_moved(monkeypatch):
+    """bench.fp8's ``fp8+offloaded-originals``: the tier's setup, then ``offload_originals`` on the pipeline inside
+    it (the row's facts say how many bytes moved); the unpatch at its end brings them back."""
+    import contextlib
+    import types
+
+    import sd_kernels
+    from bench import fp8, setups
+
+    events = []
+
+    @contextlib.contextmanager
+    def applied(pipe, setup):
+        events.append(("patch", setup.precision))
+        yield {"patched": "fp8.attention=3"}
+        events.append("unpatch")
+
+    def offload(pipe):
+        events.append("offload")
+        return types.SimpleNamespace(quantized=types.SimpleNamespace(offloaded_bytes=1024))
+
+    monkeypatch.setattr(setups, "applied", applied)
+    monkeypatch.setattr(sd_kernels, "offload_originals", offload)
+    label, context = fp8._setup("fp8+offloaded-originals", "regional")
+    with context(object()) as info:
+        assert info["patched"] == "fp8.attention=3 offloaded=1024"
+    assert label == "patched+graph+fp8+offloaded-originals" and events == [("patch", "fp8"), "offload", "unpatch"]
+    assert {"gpu_gib", "peak_gib"} <= set(fp8.E2E_COLUMNS)
+
+
 def test_rows_appended_to_a_csv_of_other_columns_keep_every_cell_under_its_name(tmp_path):
     from bench import common
 
