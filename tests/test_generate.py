@@ -52,7 +52,7 @@ def test_read_prompts_skips_blank_lines_and_refuses_empty_or_missing_files(promp
         options.read_prompts(tmp_path / "missing.txt")
 
 
-def test_images_manifest_metadata_and_resume(tmp_path, monkeypatch):
+def test_images_manifest_metadata_and_resume(tmp_path, monkeypatch, caplog):
     out = tmp_path / "images"
     summary = generate.generate_images(PROMPTS[:3], out, steps=2, seed=7, progress=False)
     assert (summary.written, summary.failed, summary.skipped, summary.exit_code) == (3, 0, 0, 0)
@@ -82,6 +82,9 @@ def test_images_manifest_metadata_and_resume(tmp_path, monkeypatch):
     (out / "00000.png").unlink()  # a lost file is made again too
     redo = generate.generate_images(PROMPTS[:1], out, steps=3, seed=7, progress=False)
     assert (redo.written, redo.skipped) == (1, 0)
+    # the images of the earlier runs that this one does not make stay, and the run says so
+    assert "holds 3 image(s) of an earlier run that this one does not make (index 1, 2, 3)" in caplog.text
+    assert {"00001.png", "00002.png", "00003.png"} <= set(_pixels(out))
 
 
 def test_a_failing_prompt_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):

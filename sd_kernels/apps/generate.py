@@ -248,6 +248,11 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
                 seed, drawn = options.resolve_seed(settings.seed)
                 jobs = options.plan(specs, settings, seed, size, model.guidance)
                 done = manifest.done(out, jobs, identity, SAME)
+                if stale := manifest.beyond(out, jobs):
+                    shown = ", ".join(map(str, stale[:5])) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+                    log.warning("sd_kernels: generate: %s holds %d image(s) of an earlier run that this one does not "
+                                "make (index %s): left as they are, listed in its manifest with their settings",
+                                out, len(stale), shown)
                 decided = {"seed": seed, "drawn": drawn, "done": sorted(done), "run": uuid.uuid4().hex[:12]}
             except ValueError as exc:
                 decided = {"error": str(exc)}

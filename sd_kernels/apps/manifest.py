@@ -120,6 +120,14 @@ def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same:
     return found
 
 
+def beyond(out: pathlib.Path, jobs: Iterable[Any]) -> list[int]:
+    """Indices of images the manifest lists as written in ``out`` that this run's ``jobs`` do not make (an
+    earlier run with more prompts or images per prompt): they stay, with their own settings."""
+    planned = {job.index for job in jobs}
+    return sorted({e["index"] for e in read(out) if e["status"] == "ok" and e["index"] not in planned
+                   and (out / str(e["file"])).is_file()})
+
+
 def job_fields(job: Any) -> dict[str, Any]:
     """What a manifest line records of one image's own settings."""
     return {"index": job.index, "file": job.file, "prompt": job.prompt, "negative": job.negative, "seed": job.seed,

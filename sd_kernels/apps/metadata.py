@@ -44,8 +44,8 @@ def check_format(path: str | os.PathLike, option: str = "--out") -> str:
     the metadata."""
     suffix = pathlib.Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"{option} {path}: {suffix or 'no suffix'} cannot carry the generation settings; "
-                         f"write {', '.join(FORMATS)}")
+        what = f"a {suffix} file cannot carry the generation settings" if suffix else "no file type (suffix)"
+        raise ValueError(f"{option} {path}: {what}; write {', '.join(FORMATS)}")
     return FORMATS[suffix]
 
 
