@@ -217,7 +217,16 @@ def render(pipe, jobs: Sequence[Job], model: Model, init: InitImages) -> list[An
         kwargs.update(height=first.height, width=first.width)
     for key, value in init.call_arguments(first.width, first.height).items():
         kwargs[key] = value if key == "strength" else each([value] * len(jobs))
+    if "clean_caption" in pyinspect.signature(type(pipe).__call__).parameters and not _caption_cleaning():
+        kwargs["clean_caption"] = False  # what PixArt's pipelines fall back to, less a warning per prompt
     return list(pipe(**kwargs).images)
+
+
+def _caption_cleaning() -> bool:
+    """Whether PixArt's ``clean_caption=True`` (its default) can run: it needs Beautiful Soup and ftfy."""
+    from diffusers.utils import is_bs4_available, is_ftfy_available
+
+    return is_bs4_available() and is_ftfy_available()
 
 
 def fields(job: Job, model: Model, run: dict[str, Any]) -> dict[str, Any]:

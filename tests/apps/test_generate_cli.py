@@ -5,6 +5,7 @@ is the single image, LoRAs, img2img and inpaint, defaults from the model."""
 
 import functools
 import json
+import types
 
 import numpy as np
 import pytest
@@ -193,3 +194,21 @@ def test_a_random_seed_in_batch_mode_is_printed_and_recorded(tmp_path, capsys):
     assert [e["seed"] for e in entries] == [seed, seed + 1]
     assert f"seed {seed} (drawn at random; --seed {seed} makes these images again)" in capsys.readouterr().out
     assert metadata.read(tmp_path / "out" / "00001.png")["sd-kernels"]["seed"] == seed + 1
+
+
+@pytest.mark.parametrize("available", [False, True])
+def test_pixarts_caption_cleaning_is_asked_for_only_where_it_can_run(monkeypatch, available):
+    """PixArt's pipelines clean captions by default and, without Beautiful Soup or ftfy, fall back with a
+    warning per prompt: the call then asks for no cleaning (the same text); with both it keeps the default."""
+    seen = {}
+
+    class PixArtLike:
+        def __call__(self, prompt, clean_caption=True, **kwargs):
+            seen["clean_caption"] = clean_caption
+            return types.SimpleNamespace(images=[None])
+
+    monkeypatch.setattr(pipeline, "_caption_cleaning", lambda: available)
+    job = options.Job(index=0, prompt="a cat", negative=None, seed=0, width=64, height=64, steps=1, guidance=4.5)
+    model = types.SimpleNamespace(takes_size=True, image=None)
+    pipeline.render(PixArtLike(), [job], model, pipeline.InitImages(model))
+    assert seen["clean_caption"] is available
