@@ -92,6 +92,8 @@ def test_bench_on_cpu_writes_csv_table_and_plot(tmp_path, capsys, monkeypatch):
     (["bench", "--device", "cpu", "--model", "./no/such/dir"], "neither a shipped config"),
     (["bench", "--device", "cpu", "--steps", "0"], "--steps must be a positive integer, got 0"),
     (["bench", "--profile", "mali"], "known profiles"),
+    (["demo", "--device", "cpu", "--profile", "mali"], "known profiles"),
+    (["demo", "--device", "cpu", "--profile", "cpu", "--no-patch"], "--profile sets up the patch"),
     (["bench", "--device", "cpu", "--out", __file__], ": is a file; bench writes its CSVs and plots into a folder"),
     (["generate", "--prompt", "x", "--profile", "mali"], "known profiles"),
 ])

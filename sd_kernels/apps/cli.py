@@ -157,8 +157,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import sd_kernels
     from sd_kernels.testing import psnr
 
-    if args.no_patch and args.compile:
-        raise ValueError("--compile compiles inside the patch's graphs: it cannot go with --no-patch")
+    if args.no_patch and (args.compile or args.profile):
+        raise ValueError(f"{'--compile' if args.compile else '--profile'} sets up the patch: it cannot go with "
+                         "--no-patch")
+    if args.profile:
+        from sd_kernels.profiles import get_profile
+
+        get_profile(args.profile)  # an unknown name: refused before any work
     pipe, name, device, size = _load(args)
     run = lambda: _generate(pipe, args, size, device)
 
@@ -170,7 +175,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.no_patch:
         # The recommended set-up: patch()'s defaults (on a GPU, every model call replayed from CUDA graphs).
         t0 = time.perf_counter()
-        record = sd_kernels.patch(pipe, compile=args.compile)
+        record = sd_kernels.patch(pipe, compile=args.compile, profile=args.profile)
         print(record.summary())
         if device == "cuda":
             _, first_s = run()
@@ -275,6 +280,7 @@ def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: an astronaut riding a horse)")
     demo.add_argument("--out", default="demo.png", help="PNG to write (default demo.png)")
     demo.add_argument("--no-patch", action="store_true", help="run stock only")
+    demo.add_argument("--profile", help="device profile for the patch (default: detected; see `sd-kernels info`)")
     _compile_option(demo, "the fastest set-up, after a minute or two of compilation")
     demo.set_defaults(fn=cmd_demo)
     generate_command.add_parser(sub, _pipeline_options, _compile_option)
