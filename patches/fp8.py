@@ -80,6 +80,14 @@ log = logging.getLogger(__name__)
 # 4,096-token self-attention 0.23-0.25 against 0.20). () keeps every attention exact. Per call the op also
 # keeps calls under ops.attention.FP8_MIN_KEYS keys exact (FLUX at 768²).
 FP8_ATTENTION = (128,)
+# Fp8Linear.offload parks nothing whose codes are on the CPU (nothing to free there); the CPU tests set this
+# to run the parking path all the same (a copy within the CPU's memory)
+_PARK_FROM_THE_CPU = False
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` copied to ``device`` (storage of its own, even on its own device): a parked weight's moves."""
+    return tensor.to(device, copy=True)
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -135,12 +143,13 @@ class Fp8Linear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.train(linear.training)
-        self._home: torch.device | None = None  # where the weight was before ``offload`` moved it to the CPU
+        self._home: torch.device | None = None  # the codes' device, while ``offload`` keeps the weight on the CPU
+        self._parked = 0  # id of the Parameter ``offload`` moved
         self._quantize()
 
     def _quantize(self) -> None:
-        weight = self.weight if self._home is None else self.weight.to(self._home)  # the codes stay where they ran
-        w_q, s_w = quantize_weight(weight)
+        target = self._buffers["w_q"].device if "w_q" in self._buffers else self.weight.device
+        w_q, s_w = quantize_weight(self.weight.to(target))  # codes where the GEMMs run, wherever the weight is
         self.register_buffer("w_q", w_q, persistent=False)
         self.register_buffer("s_w", s_w, persistent=False)
         self._source = self.graph_state(), w_q.data_ptr()
@@ -154,42 +163,55 @@ class Fp8Linear(nn.Module):
     def fresh(self) -> Fp8Linear:
         """Itself, its codes made again first if its weight was replaced or changed since. A
         ``module.to(device)`` moves weight and codes together (both storages new, the codes still
-        theirs: kept, as under diffusers' CPU offload); ``module.to(dtype)`` casts the codes too
-        (every floating-point buffer): made again."""
+        theirs: kept, as under diffusers' CPU offload), or, the weight parked by ``offload``, brings that
+        weight back to the codes (kept too); ``module.to(dtype)`` casts the codes too (every floating-point
+        buffer): made again."""
         if torch.compiler.is_compiling():
             return self
         state, (source, codes) = self.graph_state(), self._source
         if state == source and self.w_q.dtype == E4M3:
             return self
-        if state[0] == source[0] and state[1] != source[1] and self.w_q.data_ptr() != codes \
-                and self.w_q.dtype == E4M3:  # moved together
+        same_values = state[0] == source[0] and state[2] == source[2] and self.w_q.dtype == E4M3
+        if self._home is not None and self.weight.device.type != "cpu":  # a .to() took the parked weight back
+            self._home = None
+            if same_values and self.weight.device == self.w_q.device:
+                self._source = state, codes
+                return self
+        if same_values and state[1] != source[1] and self.w_q.data_ptr() != codes:  # moved together
             self._source = state, self.w_q.data_ptr()
         else:
             self._quantize()
         return self
 
     def offload(self) -> int:
-        """Move the original weight (kept for an exact unpatch; the GEMMs read the codes) to the CPU memory,
-        a copy of its own; returns its bytes (0 if parked already). ``restore`` brings it back."""
-        if self._home is not None:
+        """Move the original weight (kept for an exact unpatch; the GEMMs read the codes) to the CPU's memory,
+        a copy of its own; returns its bytes: 0 if parked already or if the codes are on the CPU themselves
+        (nothing to free: a model on the CPU, or one accelerate's offload hooks bring in for each call).
+        ``restore`` brings it back."""
+        if self._home is not None or (self.w_q.device.type == "cpu" and not _PARK_FROM_THE_CPU):
             return 0
         self.fresh()  # the codes of the weight as it is, before it moves
         home = self.w_q.device
         with torch.inference_mode(False), torch.no_grad():
-            self.weight.data = self.weight.data.to("cpu", copy=True)
-        self._home, self._parked = home, self.weight.data_ptr()
+            self.weight.data = _copy_to(self.weight.data, torch.device("cpu"))
+        self._home, self._parked = home, id(self.weight)
         self._source = self.graph_state(), self._source[1]  # the same values: the codes serve on
         return self.weight.numel() * self.weight.element_size()
 
     def restore(self) -> None:
-        """Undo ``offload``: the weight back on its device, bit for bit, if it is still the one parked (a
-        weight replaced or moved since stays where it is)."""
-        home, self._home = self._home, None
-        if home is None or self.weight.data_ptr() != self._parked:
+        """Undo ``offload``: the parked weight back on the codes' device, the same Parameter (cast since or
+        not), unless it was replaced or moved off the CPU since. Kept parked if the copy fails (out of
+        memory): a later ``restore`` tries again."""
+        home = self._home
+        if home is None:
             return
-        with torch.inference_mode(False), torch.no_grad():
-            self.weight.data = self.weight.data.to(home)
-        self._source = self.graph_state(), self._source[1]
+        if id(self.weight) == self._parked and self.weight.device.type == "cpu":
+            codes_fresh = self.graph_state() == self._source[0]  # else changed while parked: made again at a call
+            with torch.inference_mode(False), torch.no_grad():
+                self.weight.data = _copy_to(self.weight.data, home)
+            if codes_fresh:
+                self._source = self.graph_state(), self._source[1]
+        self._home = None
 
     @scoped
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -483,15 +505,24 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
 
 def offload_originals(record: PatchRecord) -> int:
     """Move the original weights every FP8 layer of the record's models keeps for an exact unpatch to the CPU's
-    memory: on the GPU the FP8 tier then holds its codes (about half the bytes) instead of adding them. Each
-    layer's restore (``Fp8Linear.restore``) joins the record's undo, so ``unpatch`` brings them back bit for bit
-    before it puts the modules back. Returns the bytes moved by this call."""
-    moved = 0
-    for model in record.models:
-        for layer in (m for m in model.modules() if isinstance(m, Fp8Linear)):
-            if nbytes := layer.offload():
-                record.on_undo(layer.restore, "fp8.original_offloaded")
-                moved += nbytes
+    memory: on the GPU the FP8 tier then holds its codes (about half the bytes) instead of adding them. One
+    step joins the record's undo (``restore``), so ``unpatch`` brings them back bit for bit before it puts the
+    modules back; where a copy back fails (out of memory), the step stays for the next ``unpatch``. Returns
+    the bytes moved by this call."""
+    parked = [layer for model in record.models for layer in model.modules()
+              if isinstance(layer, Fp8Linear) and layer.offload()]
+    moved = sum(layer.weight.numel() * layer.weight.element_size() for layer in parked)
+
+    def restore() -> None:
+        try:
+            for layer in parked:
+                layer.restore()
+        except BaseException:
+            record.on_undo(restore, "fp8.original_offloaded", count=0)  # the layers still parked, next time
+            raise
+
+    if parked:
+        record.on_undo(restore, "fp8.original_offloaded", count=len(parked))
     if isinstance(record.quantized, Fp8Summary):
         record.quantized.offloaded_bytes += moved
     return moved

@@ -147,11 +147,18 @@ def test_same_request_changes_nothing_and_another_repatches(flux):
         sd_kernels.unpatch(flux)
 
 
+@pytest.fixture
+def park_from_the_cpu(monkeypatch):
+    """``Fp8Linear.offload`` parks nothing whose codes are on the CPU (nothing to free); here it runs the parking
+    path all the same, a copy within the CPU's memory, as from a GPU."""
+    monkeypatch.setattr(fp8, "_PARK_FROM_THE_CPU", True)
+
+
 @cpu_only
-def test_offloaded_originals_change_no_result_and_unpatch_brings_them_back_exactly():
+def test_offloaded_originals_change_no_result_and_unpatch_brings_them_back_exactly(park_from_the_cpu):
     """``offload_originals`` moves each FP8 layer's original weight to storage of its own in the CPU's memory
-    (on the CPU itself a copy: the same path as from a GPU) and leaves the codes as they were: the same latents;
-    ``unpatch`` gives back the very Parameters, bit for bit, and stock's latents."""
+    and leaves the codes as they were: the same latents; ``unpatch`` gives back the very Parameters, bit for
+    bit, and stock's latents."""
     pipe = build_pipeline("tiny-flux")
     pipe.set_progress_bar_config(disable=True)
     model = pipe.transformer
@@ -182,7 +189,14 @@ def test_offloaded_originals_change_no_result_and_unpatch_brings_them_back_exact
     assert torch.equal(_run(pipe, "latent"), stock)
 
 
-def test_offloaded_q_k_v_weights_free_the_buffer_they_were_laid_out_in():
+def test_codes_on_the_cpu_park_nothing():
+    """A model on the CPU (or one accelerate's offload hooks bring in for each call) has nothing on a GPU to free."""
+    layer = fp8.Fp8Linear(nn.Linear(32, 16))
+    weight = layer.weight.data_ptr()
+    assert layer.offload() == 0 and layer.weight.data_ptr() == weight and layer._home is None
+
+
+def test_offloaded_q_k_v_weights_free_the_buffer_they_were_laid_out_in(park_from_the_cpu):
     """Where the attention patcher laid q, k and v out in one buffer (patches/qkv_fusion.py), the Parameters are
     its only holders: once their weights are parked in the CPU's memory the buffer is freed; restored, each
     weight has storage of its own, the same values."""
@@ -212,30 +226,67 @@ def test_offload_originals_needs_the_fp8_tier(flux):
         sd_kernels.unpatch(flux)
 
 
-def test_an_offloaded_weight_changed_is_quantized_again_and_a_replaced_one_stays():
-    """A parked weight updated in place is quantized again (its codes where they ran); one replaced since is
-    not moved by the restore (it is not the one parked)."""
+def test_a_parked_weight_changed_is_quantized_again_cast_goes_back_and_a_replaced_one_stays(park_from_the_cpu,
+                                                                                          monkeypatch):
+    """A parked weight updated in place is quantized again; the restore takes the parked Parameter back to the
+    codes' device, cast since or not; one replaced since stays."""
+    moves = []
+    real = fp8._copy_to
+    monkeypatch.setattr(fp8, "_copy_to", lambda t, device: moves.append((t.shape, t.dtype, device)) or real(t, device))
     layer = fp8.Fp8Linear(nn.Linear(32, 16))
     x = torch.randn(3, 32)
     y = layer(x)
     assert layer.offload() == 32 * 16 * 4 and layer.offload() == 0
+    moves.clear()
     assert torch.equal(layer(x), y)
     with torch.no_grad():
         layer.weight.mul_(2)
     assert torch.equal(layer(x), _requantized(layer, x))
+    weight = layer.weight
+    layer.weight.data = layer.weight.data.double()  # cast while parked (what .to(dtype) does to it)
     layer.restore()
-    assert layer.offload() > 0  # restored: it can be parked again
+    assert moves == [(torch.Size([16, 32]), torch.float64, layer.w_q.device)]  # back to the codes, as cast
+    assert layer.weight is weight and layer._home is None
+
+    layer = fp8.Fp8Linear(nn.Linear(32, 16))
+    layer.offload()
+    moves.clear()
     replacement = nn.Parameter(torch.randn(16, 32))
     layer.weight = replacement
     layer.restore()
-    assert layer.weight is replacement and layer.weight.data_ptr() == replacement.data_ptr()
+    assert not moves and layer.weight is replacement and layer._home is None
     assert torch.equal(layer(x), _requantized(layer, x))
+
+
+def test_a_restore_that_fails_stays_for_the_next_unpatch(park_from_the_cpu, monkeypatch):
+    """A copy back that fails (out of memory) leaves that layer parked and the step in the record's undo."""
+    import types
+
+    layers = [fp8.Fp8Linear(nn.Linear(32, 16)) for _ in range(2)]
+    steps = []
+    record = types.SimpleNamespace(models=[nn.Sequential(*layers)], quantized=fp8.Fp8Summary(),
+                                   on_undo=lambda step, kind, count=1: steps.append(step))
+    assert fp8.offload_originals(record) == 2 * 32 * 16 * 4 and len(steps) == 1
+    real, full = fp8._copy_to, {layers[1].weight.data_ptr()}
+
+    def copy_to(t, device):  # the second layer's copy back runs out of memory, once
+        if t.data_ptr() in full:
+            full.clear()
+            raise torch.OutOfMemoryError("simulated")
+        return real(t, device)
+
+    monkeypatch.setattr(fp8, "_copy_to", copy_to)
+    with pytest.raises(torch.OutOfMemoryError):
+        steps.pop()()
+    assert layers[0]._home is None and layers[1]._home is not None and len(steps) == 1  # the step is back
+    steps.pop()()
+    assert layers[1]._home is None and not steps
 
 
 @pytest.mark.gpu
 def test_gpu_offloaded_originals_free_their_bytes_and_come_back():
-    """On the GPU the moved weights' memory is freed (the codes stay), the latents are unchanged, and unpatch
-    brings the weights back bit for bit."""
+    """On the GPU the moved weights' memory is freed (the codes stay), the latents are unchanged; a ``.to()``
+    that takes the parked weights back keeps the codes; unpatch brings the weights back bit for bit."""
     pipe = build_pipeline("tiny-flux", "cuda", torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     model = pipe.transformer
@@ -252,6 +303,15 @@ def test_gpu_offloaded_originals_free_their_bytes_and_come_back():
     sd_kernels.unpatch(pipe)
     after = model.state_dict()
     assert all(after[k].device.type == "cuda" and torch.equal(after[k], state[k]) for k in state)
+
+    sd_kernels.patch(pipe, precision="fp8", ops=None, cuda_graph=False)
+    sd_kernels.offload_originals(pipe)
+    codes = {id(m): m.w_q.data_ptr() for m in model.modules() if isinstance(m, fp8.Fp8Linear)}
+    model.to("cuda")  # the parked weights back with the model: their codes serve on
+    assert torch.equal(_run(pipe, "latent"), latent)
+    assert all(m.w_q.data_ptr() == codes[id(m)] and m._home is None
+               for m in model.modules() if isinstance(m, fp8.Fp8Linear))
+    sd_kernels.unpatch(pipe)
 
 
 def test_fp8_linear_shares_parameters_and_follows_a_changed_weight():
