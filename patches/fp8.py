@@ -148,8 +148,8 @@ class Fp8Linear(nn.Module):
         self._quantize()
 
     def _quantize(self) -> None:
-        target = self._buffers["w_q"].device if "w_q" in self._buffers else self.weight.device
-        w_q, s_w = quantize_weight(self.weight.to(target))  # codes where the GEMMs run, wherever the weight is
+        target = self.weight.device if self._home is None else self._buffers["w_q"].device  # parked: the codes'
+        w_q, s_w = quantize_weight(self.weight.to(target))
         self.register_buffer("w_q", w_q, persistent=False)
         self.register_buffer("s_w", s_w, persistent=False)
         self._source = self.graph_state(), w_q.data_ptr()
