@@ -247,8 +247,9 @@ def run(specs: Sequence[PromptSpec], out: pathlib.Path, settings: Settings, prog
                 _remove_partial_files(out)
                 seed, drawn = options.resolve_seed(settings.seed)
                 jobs = options.plan(specs, settings, seed, size, model.guidance)
-                done = manifest.done(out, jobs, identity, SAME)
-                if stale := manifest.beyond(out, jobs):
+                entries = manifest.read(out)
+                done = manifest.done(out, jobs, identity, SAME, entries)
+                if stale := manifest.beyond(out, jobs, entries):
                     shown = ", ".join(map(str, stale[:5])) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
                     log.warning("sd_kernels: generate: %s holds %d image(s) of an earlier run that this one does not "
                                 "make (index %s): left as they are, listed in its manifest with their settings",

@@ -105,10 +105,11 @@ def append(out: pathlib.Path, entry: dict[str, Any]) -> None:
 _UNRECORDED = {"precision": "fp16"}  # before --precision every image was made lossless
 
 
-def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same: Iterable[str]) -> set[int]:
+def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same: Iterable[str],
+         entries: list[dict[str, Any]] | None = None) -> set[int]:
     """Indices of ``jobs`` whose image the manifest lists as written with the same ``same`` fields
-    (``identity`` and the job's own), with the file still there."""
-    ok = {e["index"]: e for e in read(out) if e["status"] == "ok"}
+    (``identity`` and the job's own), with the file still there; ``entries``: the manifest as ``read`` gave it."""
+    ok = {e["index"]: e for e in (read(out) if entries is None else entries) if e["status"] == "ok"}
     found = set()
     for job in jobs:
         entry = ok.get(job.index)
@@ -120,11 +121,12 @@ def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same:
     return found
 
 
-def beyond(out: pathlib.Path, jobs: Iterable[Any]) -> list[int]:
-    """Indices of images the manifest lists as written in ``out`` that this run's ``jobs`` do not make (an
-    earlier run with more prompts or images per prompt): they stay, with their own settings."""
+def beyond(out: pathlib.Path, jobs: Iterable[Any], entries: list[dict[str, Any]]) -> list[int]:
+    """Indices of images the manifest (``entries``, as ``read`` gave them) lists as written in ``out`` that this
+    run's ``jobs`` do not make (an earlier run with more prompts or images per prompt): they stay, with their
+    own settings."""
     planned = {job.index for job in jobs}
-    return sorted({e["index"] for e in read(out) if e["status"] == "ok" and e["index"] not in planned
+    return sorted({e["index"] for e in entries if e["status"] == "ok" and e["index"] not in planned
                    and (out / str(e["file"])).is_file()})
 
 
