@@ -87,6 +87,15 @@ def test_bench_on_cpu_writes_csv_table_and_plot(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_says_a_full_size_model_on_the_cpu_takes_minutes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("bench.e2e.run", lambda *a, **k: [])  # what is said before any work, not the work
+    assert cli.main(["bench", "--device", "cpu", "--model", "sd15@512", "--variants", "stock", "--no-ablation",
+                     "--out", str(tmp_path)]) == 0
+    assert "note: sd15 on the CPU: each call takes minutes" in capsys.readouterr().err
+    assert cli.main(["bench", "--device", "cpu", "--variants", "stock", "--no-ablation", "--out", str(tmp_path)]) == 0
+    assert "note:" not in capsys.readouterr().err  # the tiny model: nothing to say
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--device", "cpu", "--variants", "eager"], "--variants: unknown ['eager']"),
     (["bench", "--device", "cpu", "--model", "./no/such/dir"], "neither a shipped config"),

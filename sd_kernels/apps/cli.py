@@ -235,6 +235,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out or f"bench-results/{datetime.date.today().isoformat()}-{device}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; bench writes its CSVs and plots into a folder")
+    large = sorted({t.model for t, _, _ in items if not t.model.startswith("tiny")})
+    if device == "cpu" and large:
+        print(f"sd-kernels bench: note: {', '.join(large)} on the CPU: each call takes minutes (the tiny models "
+              "are the CPU's; the time cap applies between measurements)", file=sys.stderr)
     import torch
 
     rows = e2e.run(items, out, args.steps, args.max_minutes, device=device,
