@@ -65,7 +65,7 @@ def add_parser(sub, pipeline_options, compile_option) -> argparse.ArgumentParser
     gen.add_argument("--width", type=positive_int, help="image width in pixels (default: the model's)")
     gen.add_argument("--height", type=positive_int, help="image height in pixels (default: the model's)")
     gen.add_argument("--guidance-scale", type=_number, help="classifier-free guidance scale (default: the pipeline's, "
-                     "7.5 for SD1.x/2.x, 5 for SDXL)")
+                     "7.5 for SD1.x/2.x, 5 for SDXL, 7.5 for SDXL inpaint)")
     gen.add_argument("--negative-prompt", help="what the image should not show")
     gen.add_argument("--scheduler", metavar="NAME", help=f"one of {', '.join(options.SCHEDULERS)} (default: the "
                      "model's own)")
@@ -79,7 +79,7 @@ def add_parser(sub, pipeline_options, compile_option) -> argparse.ArgumentParser
                      "of 8)")
     gen.add_argument("--mask", help="inpaint: white where the --image is repainted")
     gen.add_argument("--strength", type=_number, help="with --image: how much of it is noised away, in (0, 1] "
-                     "(default: the pipeline's, 0.8 for img2img, 1 for inpaint)")
+                     "(default: the pipeline's: 0.8 for img2img, 1 for inpaint; SDXL 0.3 and 0.9999)")
     gen.add_argument("--profile", help="device profile (default: detected; see `sd-kernels info`)")
     gen.add_argument("--cuda-graph", choices=["auto", "pipeline", "step", "unet", "off"], default="auto",
                      help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
