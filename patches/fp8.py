@@ -143,7 +143,7 @@ class Fp8Linear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.train(linear.training)
-        self._home: torch.device | None = None  # the codes' device, while ``offload`` keeps the weight on the CPU
+        self._home: torch.device | None = None  # the codes' device when ``offload`` parked the weight on the CPU
         self._parked = 0  # id of the Parameter ``offload`` moved
         self._quantize()
 
@@ -199,16 +199,16 @@ class Fp8Linear(nn.Module):
         return self.weight.numel() * self.weight.element_size()
 
     def restore(self) -> None:
-        """Undo ``offload``: the parked weight back on the codes' device, the same Parameter (cast since or
-        not), unless it was replaced or moved off the CPU since. Kept parked if the copy fails (out of
-        memory): a later ``restore`` tries again."""
-        home = self._home
-        if home is None:
+        """Undo ``offload``: the parked weight back on the codes' device (where the module runs now: a
+        ``.to()`` of the model since moved the codes), the same Parameter (cast since or not), unless it was
+        replaced or moved off the CPU since. Kept parked if the copy fails (out of memory): a later
+        ``restore`` tries again."""
+        if self._home is None:
             return
         if id(self.weight) == self._parked and self.weight.device.type == "cpu":
             codes_fresh = self.graph_state() == self._source[0]  # else changed while parked: made again at a call
             with torch.inference_mode(False), torch.no_grad():
-                self.weight.data = _copy_to(self.weight.data, home)
+                self.weight.data = _copy_to(self.weight.data, self.w_q.device)
             if codes_fresh:
                 self._source = self.graph_state(), self._source[1]
         self._home = None

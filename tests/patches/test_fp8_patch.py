@@ -313,6 +313,12 @@ def test_gpu_offloaded_originals_free_their_bytes_and_come_back():
                for m in model.modules() if isinstance(m, fp8.Fp8Linear))
     sd_kernels.unpatch(pipe)
 
+    sd_kernels.patch(pipe, precision="fp8", ops=None, cuda_graph=False)
+    sd_kernels.offload_originals(pipe)
+    model.to("cpu")  # the codes follow the model; unpatch puts the weights where the model is now
+    sd_kernels.unpatch(pipe)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
 
 def test_fp8_linear_shares_parameters_and_follows_a_changed_weight():
     linear = nn.Linear(32, 16)
