@@ -13,6 +13,16 @@ def test_info_prints_versions_and_profile(capsys):
     assert "torch" in out and "diffusers" in out and "profile" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answers")
+def test_info_says_whether_the_fp8_tier_runs_here(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cli.main(["info"])
+    assert "precision fp8: yes (the FP8 tier, docs/fp8.md) through Triton's interpreter" in capsys.readouterr().out
+    monkeypatch.delenv("TRITON_INTERPRET")
+    cli.main(["info"])
+    assert "precision fp8: no: precision='fp8' runs on CUDA GPUs with FP8 tensor cores" in capsys.readouterr().out
+
+
 def test_info_under_a_budget_prints_each_configs_weights_against_it(capsys):
     assert cli.main(["info", "--profile", "mobile-small"]) == 0
     out = capsys.readouterr().out

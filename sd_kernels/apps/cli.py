@@ -51,6 +51,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"{'device':>14}: CPU only ({os.cpu_count()} cores)")
     print(f"{'interpreter':>14}: {'on' if dispatch.interpreting() else 'off'} (TRITON_INTERPRET)")
     print(f"{'backend':>14}: {dispatch.backend()} (SD_KERNELS_BACKEND)")
+    print(f"{'precision fp8':>14}: {_fp8_here(torch)}")
     prof = profiles.get_profile(args.profile)
     print(f"{'profile':>14}: {prof.name} — {prof.description}")
     print(f"{'profiles':>14}: {', '.join(profiles.list_profiles())}")
@@ -73,6 +74,18 @@ def cmd_info(args: argparse.Namespace) -> int:
         for line in _budget_lines(prof):
             print(line)
     return 0
+
+
+def _fp8_here(torch) -> str:
+    """Whether ``patch(pipe, precision="fp8")`` can run on this machine's first device, and if not why."""
+    from sd_kernels.patches.fp8 import check_device
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        check_device(device, "model")
+    except RuntimeError as exc:
+        return f"no: {exc}"
+    return "yes (the FP8 tier, docs/fp8.md)" + (" through Triton's interpreter" if device.type == "cpu" else "")
 
 
 def _budget_lines(prof) -> list[str]:
