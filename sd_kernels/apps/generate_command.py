@@ -85,7 +85,8 @@ def add_parser(sub, pipeline_options, compile_option) -> argparse.ArgumentParser
                      help="patch(cuda_graph=...): auto (default) replays every model call from CUDA graphs on a GPU")
     compile_option(gen, "torch.compile inside the graphs")
     gen.add_argument("--precision", choices=options.PRECISIONS, default="fp16", help="patch(precision=...): fp16 "
-                     "(default) is lossless; fp8 runs the transformer blocks' linear layers as FP8 GEMMs, and FLUX's "
+                     "(default) is the lossless patch, in the weights' own --dtype (fp32 too); fp8 runs the "
+                     "transformer blocks' linear layers as FP8 GEMMs, and FLUX's "
                      "attention in FP8 (lossy; GPUs with FP8 tensor cores: Ada, Hopper; docs/fp8.md)")
     gen.add_argument("--parallel", choices=parallel.MODES, help="with --prompt, under torchrun: one image on all the "
                      "launch's processes; cfg: the guidance batch over 2 (SD1.x/2.x, SDXL, PixArt-Σ, SD3); ulysses: "
