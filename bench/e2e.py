@@ -127,11 +127,7 @@ def parse_targets(text: str) -> list[Target]:
         if base not in models.list_configs() and not pathlib.Path(base).is_dir():
             raise ValueError(f"model {item!r}: neither a shipped config ({', '.join(models.list_configs())}) nor a "
                              "local pipeline directory")
-        kind = models.load_config(base)["pipeline"] if base in models.list_configs() else None
-        if kind is not None and kind not in UNET_PIPELINES:
-            raise ValueError(f"model {item!r}: a {kind}; this harness times the UNet pipelines (SD1.x/2.x, SDXL), "
-                             "python -m bench.dit the diffusion transformers (PixArt-Σ, SD3, FLUX)")
-        default = models.load_config(base).get("resolution", 512) if kind is not None else 512
+        default = models.load_config(base).get("resolution", 512) if base in models.list_configs() else 512
         side = int(size) if size else default
         if side <= 0 or side % 64:
             raise ValueError(f"model {item!r}: the size, {side}, must be a positive multiple of 64")
@@ -139,6 +135,18 @@ def parse_targets(text: str) -> list[Target]:
     if not targets:
         raise ValueError("no model given")
     return targets
+
+
+def check_unet(target: Target) -> None:
+    """This harness times UNet pipelines: a shipped diffusion transformer is a ValueError pointing to bench.dit
+    (the other harnesses that parse targets, bench.tune, bench.cold, take them)."""
+    from sd_kernels import models
+
+    if target.base in models.list_configs():
+        kind = models.load_config(target.base)["pipeline"]
+        if kind not in UNET_PIPELINES:
+            raise ValueError(f"model {target.label!r}: a {kind}; this harness times the UNet pipelines (SD1.x/2.x, "
+                             "SDXL), python -m bench.dit the diffusion transformers (PixArt-Σ, SD3, FLUX)")
 
 
 def plan(selection: str, targets: Sequence[Target] | None = None, variants: Sequence[str] | None = None,
@@ -530,6 +538,8 @@ def items_from(args: argparse.Namespace) -> list[tuple[Target, Setup, str]]:
     if args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     targets = parse_targets(args.models) if args.models else None
+    for target in targets or ():
+        check_unet(target)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     return plan(args.selection, targets, variants, ablation=not args.no_ablation)
 

@@ -45,12 +45,13 @@ def default_model(on_gpu: bool) -> str:
     return "sd15" if on_gpu else "tiny"
 
 
-def image_side(name: str, size: int | None = None) -> int:
+def image_side(name: str, size: int | None = None, option: str = "size") -> int:
     """The image side for ``name`` (see ``model_facts``): ``size``, else the model's own (its width); a
-    ValueError unless it is a positive multiple of 8 (the VAE's scale factor)."""
+    ValueError naming ``option`` (the command line's ``--size``) unless it is a positive multiple of 8 (the VAE's
+    scale factor)."""
     side = model_facts(name)["size"][0] if size is None else size
     if side <= 0 or side % 8:
-        raise ValueError(f"--size {side}: the image side must be a positive multiple of 8 (the VAE's scale factor)")
+        raise ValueError(f"{option} {side}: the image side must be a positive multiple of 8 (the VAE's scale factor)")
     return side
 
 
@@ -310,11 +311,15 @@ def load_pipeline(
 
 
 def is_hub_id(name: str) -> bool:
-    """Whether ``name`` has the form of a hub id ("owner/name") and is not a local path: neither it nor its
-    first part exists here (``models/my-sdxl`` with a ``models/`` folder here is a mistyped folder, which the
-    hub would be asked for in vain)."""
-    return (not os.path.exists(name) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None
-            and not os.path.isdir(name.split("/")[0]))
+    """Whether ``name`` has the form of a hub id ("owner/name") and is no local path."""
+    return not os.path.exists(name) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None
+
+
+def _local_reading(name: str) -> str:
+    """For an error about hub id ``name``: that it may be a mistyped local folder, where its first part is a
+    folder here (``models/my-sdxl`` with a ``models/`` folder), else nothing."""
+    owner = name.split("/")[0]
+    return f" (nor is there a local folder {name}, though {owner}/ is here)" if os.path.isdir(owner) else ""
 
 
 def is_single_file(name: str) -> bool:
@@ -485,7 +490,11 @@ def model_facts(name_or_path: str, config: str | None = None) -> dict[str, Any]:
             try:
                 found = hf_hub_download(name_or_path, file)
             except LocalEntryNotFoundError as exc:  # no hub and not cached: not a missing file of the model
-                raise OSError(str(exc)) from None
+                raise OSError(f"{exc}{_local_reading(name_or_path)}") from None
+            except OSError as exc:  # an unreachable hub, a missing repo: say so where a local folder was meant
+                if not _local_reading(name_or_path):
+                    raise
+                raise OSError(f"{exc}{_local_reading(name_or_path)}") from None
             with open(found) as f:
                 return json.load(f)
     else:

@@ -92,11 +92,21 @@ def test_controlnet_pipeline_rows_time_the_controlnet_on_cpu(tmp_path, monkeypat
 @pytest.mark.parametrize("text, message", [
     ("sd15@abc", "must be pixels"), ("sd15@500", "multiple of 64"), ("tiny@0", "the size, 0, must be a positive"),
     ("./no/such/model", "neither a shipped config"), ("", "no model given"),
-    ("tiny-xl,tiny-flux", "model 'tiny-flux': a FluxPipeline; .* python -m bench.dit"),
 ])
 def test_bad_targets_are_named(text, message):
     with pytest.raises(ValueError, match=message):
         e2e.parse_targets(text)
+
+
+def test_the_end_to_end_harness_refuses_a_transformer_that_the_others_take():
+    """bench.e2e times UNet pipelines and points to bench.dit; bench.tune and bench.cold parse the same targets."""
+    import argparse
+
+    assert [t.model for t in e2e.parse_targets("flux-dev@1024,sd3-medium@1024")] == ["flux-dev", "sd3-medium"]
+    args = argparse.Namespace(steps=2, models="tiny-xl,tiny-flux", variants="stock", selection="quick",
+                              no_ablation=True)
+    with pytest.raises(ValueError, match="model 'tiny-flux@.*': a FluxPipeline; .* python -m bench.dit"):
+        e2e.items_from(args)
 
 
 def test_bad_variant_and_selection_are_named():

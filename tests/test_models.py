@@ -154,9 +154,18 @@ def test_save_and_load_from_directory(tmp_path):
 def test_missing_directory_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="neither a shipped config"):
         models.load_pipeline(str(tmp_path / "nope"))
-    # "models/my-sdxl" has a hub id's form; with a models/ folder here it is a mistyped folder, not a hub id
+    # "models/my-sdxl" has a hub id's form: asked of the hub, whose error says it is no local folder either where a
+    # models/ folder is here (a mistyped path, most likely)
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert models.is_hub_id("someone/model") and not models.is_hub_id("models/my-sdxl")
-    with pytest.raises(FileNotFoundError, match="neither a shipped config"):
-        models.load_pipeline("models/my-sdxl")
+    assert models.is_hub_id("someone/model") and models.is_hub_id("models/my-sdxl")
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)
+    with pytest.raises(OSError, match=r"couldn't connect .* \(nor is there a local folder models/my-sdxl, though "
+                                      r"models/ is here\)"):
+        models.model_facts("models/my-sdxl")
+    with pytest.raises(OSError, match="couldn't connect to 'https://huggingface.co' to load the files$"):
+        models.model_facts("someone/model")

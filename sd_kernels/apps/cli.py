@@ -142,7 +142,7 @@ def _load(args: argparse.Namespace) -> tuple[object, str, str, int]:
         metadata.check_output(args.out, records=False)
     check_backend(device)
     name = args.model or models.default_model(device == "cuda")
-    size = models.image_side(name, args.size)
+    size = models.image_side(name, args.size, "--size")
     weights = "random weights" if name in models.list_configs() else "loaded"
     print(f"sd-kernels {args.command}: {name} ({weights}), {size}x{size}, {args.steps} steps, {dtype_name} on {device}")
     t0 = time.perf_counter()
@@ -272,7 +272,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args.device, args.dtype)
     name = args.model or models.default_model(device == "cuda")
     if args.size is not None:
-        models.image_side(name, args.size)  # off the VAE's grid: refused before the pipeline is built
+        models.image_side(name, args.size, "--size")  # off the VAE's grid: refused before the pipeline is built
     dtype = getattr(torch, DTYPES[dtype])
     pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
@@ -414,7 +414,8 @@ def _what_was_kept(args: argparse.Namespace) -> str:
     from sd_kernels.apps import manifest
 
     out = pathlib.Path(args.out or "images")
-    made = sum(e["status"] == "ok" for e in manifest.read(out))
+    made = len({e["index"] for e in manifest.read(out) if e["status"] == "ok" and e.get("file")
+                and (out / str(e["file"])).is_file()})  # a rerun appends: one image per index whose file is there
     return (f": {out} holds {made} finished image(s), listed in {manifest.MANIFEST}; the same command again makes "
             "the rest")
 

@@ -127,7 +127,7 @@ def beyond(out: pathlib.Path, jobs: Iterable[Any], entries: list[dict[str, Any]]
     own settings."""
     planned = {job.index for job in jobs}
     return sorted({e["index"] for e in entries if e["status"] == "ok" and e["index"] not in planned
-                   and (out / str(e["file"])).is_file()})
+                   and e.get("file") and (out / str(e["file"])).is_file()})
 
 
 def job_fields(job: Any) -> dict[str, Any]:

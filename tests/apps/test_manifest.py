@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -175,3 +176,14 @@ def test_a_killed_runs_temporary_images_are_removed_and_nothing_else(tmp_path):
     (out / ".notes.tmp").write_text("the user's own")
     assert _run(out, PROMPTS[:1]).written == 1
     assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == [".notes.tmp"]
+
+
+def test_images_beyond_a_run_are_those_listed_ok_with_their_file_there(tmp_path):
+    """``manifest.beyond``: images of an earlier run that this run's jobs do not make, their files there; a line
+    with no file (hand-edited, or another tool's) is passed over, not an error."""
+    (tmp_path / "00003.png").write_bytes(b"")
+    entries = [{"index": 3, "status": "ok", "file": "00003.png"}, {"index": 4, "status": "ok", "file": "00004.png"},
+               {"index": 5, "status": "ok"}, {"index": 6, "status": "error", "file": "00006.png"},
+               {"index": 0, "status": "ok", "file": "00000.png"}]
+    jobs = [types.SimpleNamespace(index=0)]
+    assert manifest.beyond(tmp_path, jobs, entries) == [3]
