@@ -175,7 +175,7 @@ class Fp8Linear(nn.Module):
         if self._home is not None and self.weight.device.type != "cpu":  # a .to() took the parked weight back
             self._home = None
             if same_values and self.weight.device == self.w_q.device:
-                self._source = state, codes
+                self._requantize_in_place()  # (or a weight.data = ... did: that moves no version counter)
                 return self
         if same_values and state[1] != source[1] and self.w_q.data_ptr() != codes:  # moved together
             self._source = state, self.w_q.data_ptr()
@@ -183,16 +183,25 @@ class Fp8Linear(nn.Module):
             self._quantize()
         return self
 
+    def _requantize_in_place(self) -> None:
+        """The codes made again into their own buffers, which may be views of a layout several layers share
+        (``Fp8Projections``): a weight that came back from the CPU keeps that layout."""
+        w_q, s_w = quantize_weight(self.weight)
+        with torch.inference_mode(self.w_q.is_inference()), torch.no_grad():
+            self.w_q.copy_(w_q)
+            self.s_w.copy_(s_w)
+        self._source = self.graph_state(), self.w_q.data_ptr()
+
     def offload(self) -> int:
         """Move the original weight (kept for an exact unpatch; the GEMMs read the codes) to the CPU's memory,
         a copy of its own; returns its bytes: 0 if parked already or if the codes are on the CPU themselves
         (nothing to free: a model on the CPU, or one accelerate's offload hooks bring in for each call).
         ``restore`` brings it back."""
+        self.fresh()  # the codes of the weight as it is, before it moves (no longer parked if a .to() took it back)
         if self._home is not None or (self.w_q.device.type == "cpu" and not _PARK_FROM_THE_CPU):
             return 0
-        self.fresh()  # the codes of the weight as it is, before it moves
         home = self.w_q.device
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(self.weight.is_inference()), torch.no_grad():  # an inference tensor stays one
             self.weight.data = _copy_to(self.weight.data, torch.device("cpu"))
         self._home, self._parked = home, id(self.weight)
         self._source = self.graph_state(), self._source[1]  # the same values: the codes serve on
@@ -207,7 +216,7 @@ class Fp8Linear(nn.Module):
             return
         if id(self.weight) == self._parked and self.weight.device.type == "cpu":
             codes_fresh = self.graph_state() == self._source[0]  # else changed while parked: made again at a call
-            with torch.inference_mode(False), torch.no_grad():
+            with torch.inference_mode(self.weight.is_inference()), torch.no_grad():
                 self.weight.data = _copy_to(self.weight.data, self.w_q.device)
             if codes_fresh:
                 self._source = self.graph_state(), self._source[1]
@@ -509,9 +518,7 @@ def offload_originals(record: PatchRecord) -> int:
     step joins the record's undo (``restore``), so ``unpatch`` brings them back bit for bit before it puts the
     modules back; where a copy back fails (out of memory), the step stays for the next ``unpatch``. Returns
     the bytes moved by this call."""
-    parked = [layer for model in record.models for layer in model.modules()
-              if isinstance(layer, Fp8Linear) and layer.offload()]
-    moved = sum(layer.weight.numel() * layer.weight.element_size() for layer in parked)
+    parked: list[Fp8Linear] = []
 
     def restore() -> None:
         try:
@@ -521,10 +528,17 @@ def offload_originals(record: PatchRecord) -> int:
             record.on_undo(restore, "fp8.original_offloaded", count=0)  # the layers still parked, next time
             raise
 
-    if parked:
-        record.on_undo(restore, "fp8.original_offloaded", count=len(parked))
-    if isinstance(record.quantized, Fp8Summary):
-        record.quantized.offloaded_bytes += moved
+    record.on_undo(restore, "fp8.original_offloaded", count=0)  # first: an interruption leaves nothing parked unseen
+    moved = 0
+    try:
+        for layer in (m for model in record.models for m in model.modules() if isinstance(m, Fp8Linear)):
+            if nbytes := layer.offload():
+                parked.append(layer)
+                moved += nbytes
+    finally:
+        record.counts["fp8.original_offloaded"] += len(parked)
+        if isinstance(record.quantized, Fp8Summary):
+            record.quantized.offloaded_bytes += moved
     return moved
 
 

@@ -2,6 +2,7 @@
 tiny pipelines, and an unpatch that gives back the very modules and Parameters. Unmarked tests run
 the tiny pipelines on the CPU through the interpreter (the patch refuses the CPU otherwise)."""
 
+import collections
 import importlib
 import types
 
@@ -265,7 +266,7 @@ def test_a_restore_that_fails_stays_for_the_next_unpatch(park_from_the_cpu, monk
     layers = [fp8.Fp8Linear(nn.Linear(32, 16)) for _ in range(2)]
     steps = []
     record = types.SimpleNamespace(models=[nn.Sequential(*layers)], quantized=fp8.Fp8Summary(),
-                                   on_undo=lambda step, kind, count=1: steps.append(step))
+                                   counts=collections.Counter(), on_undo=lambda step, kind, count=1: steps.append(step))
     assert fp8.offload_originals(record) == 2 * 32 * 16 * 4 and len(steps) == 1
     real, full = fp8._copy_to, {layers[1].weight.data_ptr()}
 
@@ -281,6 +282,41 @@ def test_a_restore_that_fails_stays_for_the_next_unpatch(park_from_the_cpu, monk
     assert layers[0]._home is None and layers[1]._home is not None and len(steps) == 1  # the step is back
     steps.pop()()
     assert layers[1]._home is None and not steps
+
+
+def test_an_interrupted_offload_leaves_what_it_parked_to_the_undo(park_from_the_cpu, monkeypatch):
+    """Ctrl-C (or out of memory) during the copies: the layers parked so far are in the step the record holds."""
+    import types
+
+    layers = [fp8.Fp8Linear(nn.Linear(32, 16)) for _ in range(3)]
+    steps = []
+    record = types.SimpleNamespace(models=[nn.Sequential(*layers)], quantized=fp8.Fp8Summary(),
+                                   counts=collections.Counter(), on_undo=lambda step, kind, count=1: steps.append(step))
+    real, stop = fp8._copy_to, layers[1].weight.data_ptr()
+
+    def copy_to(t, device):
+        if t.data_ptr() == stop:
+            raise KeyboardInterrupt
+        return real(t, device)
+
+    monkeypatch.setattr(fp8, "_copy_to", copy_to)
+    with pytest.raises(KeyboardInterrupt):
+        fp8.offload_originals(record)
+    assert [m._home is not None for m in layers] == [True, False, False] and len(steps) == 1
+    assert record.counts["fp8.original_offloaded"] == 1 and record.quantized.offloaded_bytes == 32 * 16 * 4
+    steps.pop()()
+    assert all(m._home is None for m in layers)
+
+
+def test_inference_tensor_weights_park_and_come_back_as_inference_tensors(park_from_the_cpu):
+    with torch.inference_mode():
+        layer = fp8.Fp8Linear(nn.Linear(32, 16))
+        x = torch.randn(3, 32)
+        y = layer(x)
+        assert layer.offload() > 0 and layer.weight.is_inference()
+        assert torch.equal(layer(x), y)
+    layer.restore()
+    assert layer.weight.is_inference() and layer._home is None
 
 
 @pytest.mark.gpu
