@@ -26,18 +26,24 @@ def _rows(path: pathlib.Path) -> list[dict[str, str]]:
         return [r for r in csv.DictReader(f) if r.get("status", "ok") == "ok"]
 
 
+def _machine(r: dict[str, str]) -> str:
+    return f"{r.get('device', '?')}, torch {r.get('torch', '?')}, Triton {r.get('triton', '?')}"
+
+
 def _stamp(rows: list[dict[str, str]]) -> str:
-    r = rows[0]
-    return f"{r.get('device', '?')}, torch {r.get('torch', '?')}, Triton {r.get('triton', '?')}, {r.get('date', '?')}"
+    return f"{_machine(rows[0])}, {rows[0].get('date', '?')}"
 
 
-def _figure(panels: int, width: float = 10.0, height: float = 3.2):
+def _figure(panels: int, width: float = 10.0, height: float = 3.2, height_ratios: list[int] | None = None):
+    """(pyplot, the figure, its panels one above the other): ``height`` inches a panel on average, shared out by
+    ``height_ratios`` where given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(panels, 1, figsize=(width, height * panels), squeeze=False)
+    fig, axes = plt.subplots(panels, 1, figsize=(width, height * panels), squeeze=False,
+                             gridspec_kw={"height_ratios": height_ratios} if height_ratios else None)
     return plt, fig, [a[0] for a in axes]
 
 
@@ -163,10 +169,9 @@ def summary_ratios(results: pathlib.Path = RESULTS) -> list[dict[str, str | floa
             if variant not in ms:
                 raise LookupError(f"{csv_path}: no ok row {model} / {variant}")
         row = ms[ours][1]
-        machine = f"{row.get('device', '?')}, torch {row.get('torch', '?')}, Triton {row.get('triton', '?')}"
         out.append({"panel": panel, "label": label, "folder": csv_path.split("/")[0], "peer_ms": ms[peer][0],
                     "ours_ms": ms[ours][0], "ratio": ms[ours][0] / ms[peer][0], "fp8": "fp8" in ours,
-                    "machine": machine, "date": row.get("date", "?")})
+                    "machine": _machine(row), "date": row.get("date", "?")})
     return out
 
 
@@ -176,14 +181,8 @@ def summary(path: pathlib.Path, results: pathlib.Path = RESULTS) -> list[dict[st
     entries = summary_ratios(results)
     panels = list(dict.fromkeys(e["panel"] for e in entries))
     counts = [sum(e["panel"] == p for e in entries) for p in panels]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8.0, 0.42 * sum(counts) + 1.3 * len(panels)),
-                             gridspec_kw={"height_ratios": counts}, squeeze=False)
-    for ax, panel in zip((a[0] for a in axes), panels):
+    plt, fig, axes = _figure(len(panels), 8.0, 0.42 * sum(counts) / len(panels) + 1.3, counts)
+    for ax, panel in zip(axes, panels):
         mine = [e for e in entries if e["panel"] == panel]
         colors = ["tab:gray" if e["ratio"] >= 1 else "tab:red" if e["fp8"] else "tab:orange" for e in mine]
         ax.barh([e["label"] for e in mine], [e["ratio"] for e in mine], color=colors)
@@ -198,7 +197,7 @@ def summary(path: pathlib.Path, results: pathlib.Path = RESULTS) -> list[dict[st
         machines = "; ".join(dict.fromkeys(str(e["machine"]) for e in mine))
         dates = ", ".join(sorted(dict.fromkeys(str(e["date"]) for e in mine)))
         ax.set_title(f"{panel}\n{machines}; {dates}", fontsize=8)
-    axes[-1][0].set_xlabel("time per image, ours / the peer's (below 1: faster), one process per pair")
+    axes[-1].set_xlabel("time per image, ours / the peer's (below 1: faster), one process per pair")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

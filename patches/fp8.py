@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 # 4,096-token self-attention 0.23-0.25 against 0.20). () keeps every attention exact. Per call the op also
 # keeps calls under ops.attention.FP8_MIN_KEYS keys exact (FLUX at 768²).
 FP8_ATTENTION = (128,)
+PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
+BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Fp8Linear.offload parks nothing whose codes are on the CPU (nothing to free there); the CPU tests set this
 # to run the parking path all the same (a copy within the CPU's memory)
 _PARK_FROM_THE_CPU = False
@@ -88,9 +91,6 @@ _PARK_FROM_THE_CPU = False
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` copied to ``device`` (storage of its own, even on its own device): a parked weight's moves."""
     return tensor.to(device, copy=True)
-PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
-BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_precision(precision: str | None) -> str | None:
@@ -439,11 +439,11 @@ class Fp8Summary:
         mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
         counts = ", ".join(f"{k} {n}" for k, n in sorted(self.layers.items()))
         where = f"stay on {self.device or 'their device'}"
-        if self.offloaded_bytes:
-            where = (f"are kept for it in the CPU's memory ({mib(self.offloaded_bytes)} moved there by "
-                     "offload_originals)" if self.offloaded_bytes == self.original_bytes else
-                     f"stay on {self.device or 'their device'} ({mib(self.offloaded_bytes)} of them moved to the "
-                     "CPU's memory by offload_originals)")
+        if self.offloaded_bytes == self.original_bytes > 0:
+            where = f"are kept for it in the CPU's memory ({mib(self.offloaded_bytes)} moved there by " \
+                    "offload_originals)"
+        elif self.offloaded_bytes:
+            where += f" ({mib(self.offloaded_bytes)} of them moved to the CPU's memory by offload_originals)"
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "

@@ -492,9 +492,9 @@ def model_facts(name_or_path: str, config: str | None = None) -> dict[str, Any]:
             except LocalEntryNotFoundError as exc:  # no hub and not cached: not a missing file of the model
                 raise OSError(f"{exc}{_local_reading(name_or_path)}") from None
             except OSError as exc:  # an unreachable hub, a missing repo: say so where a local folder was meant
-                if not _local_reading(name_or_path):
+                if not (note := _local_reading(name_or_path)):
                     raise
-                raise OSError(f"{exc}{_local_reading(name_or_path)}") from None
+                raise OSError(f"{exc}{note}") from None
             with open(found) as f:
                 return json.load(f)
     else:

@@ -51,7 +51,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"{'device':>14}: CPU only ({os.cpu_count()} cores)")
     print(f"{'interpreter':>14}: {'on' if dispatch.interpreting() else 'off'} (TRITON_INTERPRET)")
     print(f"{'backend':>14}: {dispatch.backend()} (SD_KERNELS_BACKEND)")
-    print(f"{'precision fp8':>14}: {_fp8_here(torch)}")
+    print(f"{'precision fp8':>14}: {_fp8_here()}")
     prof = profiles.get_profile(args.profile)
     print(f"{'profile':>14}: {prof.name} — {prof.description}")
     print(f"{'profiles':>14}: {', '.join(profiles.list_profiles())}")
@@ -76,8 +76,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fp8_here(torch) -> str:
+def _fp8_here() -> str:
     """Whether ``patch(pipe, precision="fp8")`` can run on this machine's first device, and if not why."""
+    import torch
+
     from sd_kernels.patches.fp8 import check_device
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -269,11 +271,11 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from sd_kernels import models
     from sd_kernels.analysis.fidelity import check_fidelity
 
-    device, dtype = device_and_dtype(args.device, args.dtype)
+    device, dtype_name = device_and_dtype(args.device, args.dtype)
     name = args.model or models.default_model(device == "cuda")
     if args.size is not None:
         models.image_side(name, args.size, "--size")  # off the VAE's grid: refused before the pipeline is built
-    dtype = getattr(torch, DTYPES[dtype])
+    dtype = getattr(torch, DTYPES[dtype_name])
     pipe = models.load_pipeline(name, device=device, dtype=dtype, seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
     result = check_fidelity(pipe, steps=args.steps, seed=args.seed, prompt=args.prompt, size=args.size,
@@ -414,8 +416,7 @@ def _what_was_kept(args: argparse.Namespace) -> str:
     from sd_kernels.apps import manifest
 
     out = pathlib.Path(args.out or "images")
-    made = len({e["index"] for e in manifest.read(out) if e["status"] == "ok" and e.get("file")
-                and (out / str(e["file"])).is_file()})  # a rerun appends: one image per index whose file is there
+    made = len(manifest.finished(out, manifest.read(out)))
     return (f": {out} holds {made} finished image(s), listed in {manifest.MANIFEST}; the same command again makes "
             "the rest")
 

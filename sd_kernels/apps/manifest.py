@@ -121,13 +121,16 @@ def done(out: pathlib.Path, jobs: Iterable[Any], identity: dict[str, Any], same:
     return found
 
 
+def finished(out: pathlib.Path, entries: list[dict[str, Any]]) -> set[int]:
+    """Indices of the images the manifest (``entries``, as ``read`` gave them) lists as written, their file in
+    ``out`` still there (a rerun appends lines: an index may be listed more than once)."""
+    return {e["index"] for e in entries if e["status"] == "ok" and e.get("file") and (out / str(e["file"])).is_file()}
+
+
 def beyond(out: pathlib.Path, jobs: Iterable[Any], entries: list[dict[str, Any]]) -> list[int]:
-    """Indices of images the manifest (``entries``, as ``read`` gave them) lists as written in ``out`` that this
-    run's ``jobs`` do not make (an earlier run with more prompts or images per prompt): they stay, with their
-    own settings."""
-    planned = {job.index for job in jobs}
-    return sorted({e["index"] for e in entries if e["status"] == "ok" and e["index"] not in planned
-                   and e.get("file") and (out / str(e["file"])).is_file()})
+    """Indices of images the manifest (``entries``) lists as written in ``out`` that this run's ``jobs`` do not
+    make (an earlier run with more prompts or images per prompt): they stay, with their own settings."""
+    return sorted(finished(out, entries) - {job.index for job in jobs})
 
 
 def job_fields(job: Any) -> dict[str, Any]:
