@@ -2,11 +2,12 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,patched,patched+cat-join,patched+unfused-qkv,
-                                patched+two-pass-residual,patched+addcmul-residual,fp8,fp8+exact-attention,
-                                fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,fp8+fused-gate-gemm,
-                                fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,fp8+addcmul-residual,
-                                fp8+previous-glue,fp8+offloaded-originals,fp8+compile,torchao]
+                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,
+                                patched+no-cublaslt-workspace,patched+cat-join,patched+unfused-qkv,patched+two-pass-residual,patched+addcmul-residual,fp8,
+                                fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
+                                fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
+                                fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,fp8+cublaslt-workspace,
+                                fp8+offloaded-originals,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -28,8 +29,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``, or the whole transformer
   compiled where diffusers names no repeated blocks: SD3, PixArt-Σ; ``--compile-mode``: torch.compile's
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
-  label); ours lossless
-  (``patch(pipe)``: CUDA graphs; ``patched+cat-join``: with SD3's joint attention in diffusers' data flow,
+  label; ``compile+no-cublaslt-workspace``: that peer with cuBLASLt held without a workspace for its warm-up and
+  calls, as the FP8 tier holds it, ``runtime.blas``; the ratio columns take the faster compile row); ours lossless
+  (``patch(pipe)``: CUDA graphs; ``patched+no-cublaslt-workspace``: with cuBLASLt held so; ``patched+cat-join``:
+  with SD3's joint attention in diffusers' data flow,
   the projections' outputs joined by torch.cat and F.linear on the output's token slices,
   ``patches.joint_attention.JOIN_IN_PLACE`` off; ``patched+unfused-qkv``: each q, k, v projection a GEMM of its
   own, ``patches.qkv_fusion.install`` skipped, for FLUX too; ``patched+two-pass-residual``: the blocks' gated
@@ -47,8 +50,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   instead of their GEMMs writing the join in place (``fp8+cat-join``: ``patches.joint_attention.JOIN_IN_PLACE``
   off), with each q, k, v projection a GEMM of its own (``fp8+unfused-qkv``), with the gated residuals on
   ``torch.addcmul`` (``fp8+addcmul-residual``), with that and each block norm's own SiLU and norm2's codes made
-  by the feed-forward (``fp8+previous-glue``), with the original weights moved to the CPU's memory
-  (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
+  by the feed-forward (``fp8+previous-glue``), with each block norm's modulation a GEMM of its own
+  (``fp8+own-modulations``: ``patches.fp8.JOIN_MODULATIONS`` off), with cuBLASLt's workspace left as torch sets it
+  (``fp8+cublaslt-workspace``: ``patches.fp8.NO_CUBLASLT_WORKSPACE`` off), with the original weights moved to
+  the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
@@ -77,11 +82,12 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "patched", "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual",
-        "patched+addcmul-residual", "fp8", "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8",
-        "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
-        "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue", "fp8+offloaded-originals", "fp8+compile",
-        "torchao")
+ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+no-cublaslt-workspace",
+        "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual", "patched+addcmul-residual", "fp8",
+        "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm",
+        "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv",
+        "fp8+addcmul-residual", "fp8+previous-glue", "fp8+own-modulations", "fp8+cublaslt-workspace",
+        "fp8+offloaded-originals", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -275,6 +281,7 @@ def _uncompile(transformer) -> None:
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 REGIONAL, TORCHAO = "compile-regional", "torchao-fp8+regional-compile"  # the regional peers' labels
+NO_WORKSPACE = "+no-cublaslt-workspace"  # a row's suffix: cuBLASLt held without a workspace for the row
 
 
 def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
@@ -283,6 +290,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     from bench.setups import PEER, VARIANTS, applied
 
     suffix = "" if torch_mode == "default" else f"[{torch_mode}]"
+    if row.endswith(NO_WORKSPACE):
+        label, context = _setup(row.removesuffix(NO_WORKSPACE), compile_mode, torch_mode)
+        return label + NO_WORKSPACE, lambda p: _no_workspace(context(p))
     if row == "stock":
         return "stock", lambda p: applied(p, VARIANTS["stock"])
     if row == "compile":
@@ -326,7 +336,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+cat-join": ablations["cat-join"], "fp8+unfused-qkv": ablations["unfused-qkv"],
                    "fp8+addcmul-residual": addcmul,
                    "fp8+previous-glue": [*addcmul, (fp8_patch.Fp8FeedForward, "reads_codes", lambda self: False),
-                                         (modulation_split, "silu", lambda norm, emb: norm.silu(emb))]}.get(row)
+                                         (modulation_split, "silu", lambda norm, emb: norm.silu(emb))],
+                   "fp8+own-modulations": (fp8_patch, "JOIN_MODULATIONS", False),
+                   "fp8+cublaslt-workspace": (fp8_patch, "NO_CUBLASLT_WORKSPACE", False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -341,11 +353,14 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # tables per shape), with SD3's join made by torch.cat (patches.joint_attention.JOIN_IN_PLACE), with each q, k, v
 # projection a GEMM of its own (qkv_fusion.install skipped), with the gated residuals in torch.addcmul (not our
 # gated-add kernel), with that and each block norm's own SiLU and quantization and norm2's codes made by the
-# feed-forward (the tier's glue before 2026-11-29's changes), and with compile=True
+# feed-forward (the tier's glue before 2026-11-29's changes), with each block norm's modulation a GEMM of its own
+# (patches.fp8.JOIN_MODULATIONS), with cuBLASLt's workspace as torch sets it (patches.fp8.NO_CUBLASLT_WORKSPACE),
+# with the originals moved to the CPU's memory, and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
                                                     "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
+                                                    "fp8+own-modulations", "fp8+cublaslt-workspace",
                                                     "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
@@ -364,6 +379,20 @@ def _applied_with(pipe, setup, changed: tuple | list | None):
 
 
 @contextlib.contextmanager
+def _no_workspace(context):
+    """``context`` (a row's) with cuBLASLt held without a workspace from its warm-up to its last call."""
+    from sd_kernels.runtime import blas
+
+    release = blas.hold()
+    try:
+        with context as info:
+            yield info
+    finally:
+        if release is not None:
+            release()
+
+
+@contextlib.contextmanager
 def _offloaded(pipe, setup):
     """``applied(pipe, setup)`` (the FP8 tier), then the originals moved to the CPU's memory for the row's time;
     its unpatch brings them back."""
@@ -377,8 +406,9 @@ def _offloaded(pipe, setup):
 
 
 def peer_columns(rows: list[dict]) -> dict[str, float]:
-    """{ratio column: the peer's e2e_ms} of the peers measured in ``rows``: vs_compile against the
-    compile row (the recipe's or a regional one, in any mode), vs_torchao against torchao's."""
+    """{ratio column: the peer's e2e_ms} of the peers measured in ``rows``, each at its best: vs_compile against
+    the fastest compile row (the recipe's or a regional one, in any mode, with cuBLASLt's workspace or without),
+    vs_torchao against torchao's."""
     from bench.setups import PEER
 
     found: dict[str, float] = {}
@@ -386,10 +416,10 @@ def peer_columns(rows: list[dict]) -> dict[str, float]:
         variant, ms = r.get("variant", ""), r.get("e2e_ms")
         if not ms:
             continue
-        if variant == PEER or variant.startswith(REGIONAL):
-            found["vs_compile"] = ms
-        elif variant.startswith(TORCHAO):
-            found["vs_torchao"] = ms
+        column = ("vs_compile" if variant.startswith((PEER, REGIONAL)) else
+                  "vs_torchao" if variant.startswith(TORCHAO) else None)
+        if column is not None:
+            found[column] = min(ms, found.get(column, ms))
     return found
 
 

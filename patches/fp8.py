@@ -58,13 +58,21 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated,
     layer_norm_modulated_fp8,
 )
-from sd_kernels.ops.fp8_linear import E4M3, FP8_CAPABILITY, attach_quantized, quantize_rows, quantize_weight
+from sd_kernels.ops.fp8_linear import (
+    E4M3,
+    FP8_CAPABILITY,
+    attach_quantized,
+    quantize_rows,
+    quantize_weight,
+    torch_gemm_on,
+)
 from sd_kernels.ops.fp8_linear import fp8_linear as fp8_linear_into  # eager, with out= (custom_ops' has none)
 from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
+from sd_kernels.runtime import blas
 from sd_kernels.runtime.dispatch import interpreting
 
-from . import families, modulation_split
+from . import families, fp8_modulations, modulation_split
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
@@ -80,6 +88,11 @@ log = logging.getLogger(__name__)
 # 4,096-token self-attention 0.23-0.25 against 0.20). () keeps every attention exact. Per call the op also
 # keeps calls under ops.attention.FP8_MIN_KEYS keys exact (FLUX at 768²).
 FP8_ATTENTION = (128,)
+# The block norms' modulation layers of a transformer as one GEMM a call (patches/fp8_modulations.py)
+JOIN_MODULATIONS = True
+# While patched, cuBLASLt runs with no workspace where the tier's GEMMs are torch's _scaled_mm: no memset
+# before each of them (runtime/blas.py; docs/fp8.md, "The GEMM")
+NO_CUBLASLT_WORKSPACE = True
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -312,6 +325,7 @@ class Fp8AdaLayerNormZero(nn.Module):
     still find them)."""
 
     profile_scoped = True
+    modulations = None  # the transformer's joined modulation GEMM (patches/fp8_modulations.py), where it has one
 
     def __init__(self, norm: nn.Module, chunks: int) -> None:
         super().__init__()
@@ -324,7 +338,10 @@ class Fp8AdaLayerNormZero(nn.Module):
     def forward(self, x: torch.Tensor, *args, emb: torch.Tensor | None = None, **kwargs):
         if args or kwargs or emb is None or x.dim() != 3:  # a call the blocks do not make: diffusers' forward
             return type(self._norm[0]).forward(self, x, *args, emb=emb, **kwargs)
-        chunks = self.linear(modulation_split.silu(self, emb)).chunk(self.chunks, dim=1)  # one SiLU and codes a call
+        modulation = None if self.modulations is None else self.modulations.product(self, emb)  # one GEMM a call
+        if modulation is None:
+            modulation = self.linear(modulation_split.silu(self, emb))  # one SiLU and its codes a call
+        chunks = modulation.chunk(self.chunks, dim=1)
         shift, scale = chunks[0], chunks[1]
         norm = self.norm
         if torch.compiler.is_compiling():
@@ -508,8 +525,27 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
         _fuse_projections(block, record)
     if not blocks and families.is_denoiser(model):
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
+    if JOIN_MODULATIONS:
+        norms = [m for m in model.modules() if isinstance(m, Fp8AdaLayerNormZero)]
+        for joined in fp8_modulations.join(norms):
+            for norm in norms:
+                if id(norm) in joined.index:
+                    record.set_attr(norm, "modulations", joined, "fp8.modulation_joined")
     if FP8_ATTENTION:
         _fp8_attention([block for _, block in blocks], record, summary)
+    _no_cublaslt_workspace(model, record)
+
+
+def _no_cublaslt_workspace(model: nn.Module, record: PatchRecord) -> None:
+    """cuBLASLt without a workspace from now to unpatch (``runtime.blas.hold``), where the tier's GEMMs run on
+    torch's ``_scaled_mm`` (``NO_CUBLASLT_WORKSPACE``; a user's ``CUBLASLT_WORKSPACE_SIZE`` decides instead)."""
+    layer = next((m for m in model.modules() if isinstance(m, Fp8Linear)), None)
+    if not NO_CUBLASLT_WORKSPACE or layer is None or not torch_gemm_on(layer.w_q.device, layer.weight.dtype,
+                                                                         record.profile_spec):
+        return
+    release = blas.hold()
+    if release is not None:
+        record.on_undo(release, "fp8.cublaslt_workspace_off")
 
 
 def offload_originals(record: PatchRecord) -> int:

@@ -81,17 +81,20 @@ def _unfit(linears: list) -> str | None:
 
 
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The three tensors as one, where they are plain, consecutive contiguous blocks of one storage (as
-    ``FusedProjections`` laid them out): a view made now, no reference kept; None otherwise."""
-    if not all(map(plain, tensors)):
+    """The tensors as one, where they are plain, consecutive contiguous blocks of one storage with the same
+    dtype and trailing shape (as ``FusedProjections`` laid out q, k and v; the FP8 tier's modulation codes,
+    patches/fp8_modulations.py): a view made now, no reference kept; None otherwise."""
+    if not tensors or not all(map(plain, tensors)):
         return None
     first = tensors[0]
-    storage, start, size = first.untyped_storage(), first.storage_offset(), first.numel()
-    for i, t in enumerate(tensors):
-        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
-                or t.storage_offset() != start + i * size or t.untyped_storage().data_ptr() != storage.data_ptr()):
+    storage, start = first.untyped_storage(), first.storage_offset()
+    offset = start
+    for t in tensors:
+        if (t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or not t.is_contiguous()
+                or t.storage_offset() != offset or t.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
-    shape = (3 * first.shape[0], *first.shape[1:])
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
     strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous (is_contiguous skips size-1 dims)
     return first.new_empty(0).set_(storage, start, shape, strides)
 

@@ -857,6 +857,32 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
             {"variant": "torchao-fp8+regional-compile[reduce-overhead]", "e2e_ms": 2.2},
             {"variant": "torchao-fp8+regional-compile", "status": "error: X"}]
     assert fp8.peer_columns(rows) == {"vs_compile": 2.5, "vs_torchao": 2.2}
+    label = fp8._setup("compile+no-cublaslt-workspace", "regional")[0]
+    assert label == "compile-regional+no-cublaslt-workspace"
+    faster = [*rows, {"variant": label, "e2e_ms": 2.4}, {"variant": "stock+compile-graphs", "e2e_ms": 2.6}]
+    assert fp8.peer_columns(faster)["vs_compile"] == 2.4  # the peer at its best
+
+
+def test_the_no_workspace_peer_holds_cublaslt_without_one_for_its_row(monkeypatch):
+    import contextlib
+    import os
+
+    from bench import fp8
+    from sd_kernels.runtime import blas
+
+    monkeypatch.setattr(blas, "_setter", lambda: None)
+    monkeypatch.delenv(blas.ENV, raising=False)
+    seen = []
+
+    @contextlib.contextmanager
+    def row(pipe, **kwargs):
+        seen.append(os.environ.get(blas.ENV))
+        yield {}
+
+    monkeypatch.setattr(fp8, "_regional_compile", lambda p, quantize, mode: row(p))
+    with fp8._setup("compile+no-cublaslt-workspace", "regional")[1](object()):
+        assert os.environ.get(blas.ENV) == "0"
+    assert seen == ["0"] and blas.ENV not in os.environ
 
 
 PATCH_FP8, OPS_ATTENTION, FP8_LINEAR = "sd_kernels.patches.fp8", "sd_kernels.ops.attention", "sd_kernels.ops.fp8_linear"

@@ -328,12 +328,19 @@ def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w
             and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None))
 
 
-def _torch_gemm_device(device: torch.device) -> bool:
+def _torch_gemm_device(device: torch.device, profile=None) -> bool:
     """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels),
-    where the active profile sets ``fp8_torch_gemm`` (``hopper``: measured there; a profile decides it as
-    ``gelu_epilogue`` decides cuBLASLt's GELU epilogue)."""
-    return (device.type == "cuda" and not interpreting() and profiles.active_profile().fp8_torch_gemm
+    where the profile (``profile``, else the active one) sets ``fp8_torch_gemm`` (``hopper``: measured there; a
+    profile decides it as ``gelu_epilogue`` decides cuBLASLt's GELU epilogue)."""
+    profile = profiles.active_profile() if profile is None else profile
+    return (device.type == "cuda" and not interpreting() and profile.fp8_torch_gemm
             and _capability_at_least(device, TORCH_GEMM_CAPABILITY))
+
+
+def torch_gemm_on(device: torch.device, dtype: torch.dtype, profile=None) -> bool:
+    """Whether torch's ``_scaled_mm`` serves the tier's GEMMs of a ``dtype`` model on ``device`` under ``profile``
+    (those of a shape and epilogue it takes: ``torch_gemm_shape_reason``)."""
+    return TORCH_GEMM and dtype in TORCH_GEMM_DTYPES and _torch_gemm_device(device, profile)
 
 
 def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, out_dtype) -> torch.Tensor:

@@ -649,11 +649,14 @@ def fused_calls(monkeypatch):
 
 
 @cpu_only
-def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, count_calls):
+def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, count_calls, monkeypatch):
     """With the blocks' fused forwards (``layer_norm``), the FP8 tier's single blocks run ``joined`` and
     the double blocks' feed-forwards their gated residual; the output stays close to stock's. The inputs
     quantized apart from their producers: the step embedding's SiLU once a call (every block's modulation
-    reads it), each double block's two attention outputs; each norm2 writes its feed-forward's codes."""
+    reads it), each double block's two attention outputs; each norm2 writes its feed-forward's codes. Each
+    norm's modulation a GEMM of its own here, so that each reads the shared SiLU (joined into one GEMM:
+    test_fp8_modulations.py)."""
+    monkeypatch.setattr(fp8, "JOIN_MODULATIONS", False)
     model = _model("tiny-flux")
     stock = _call(model, "tiny-flux")
     calls = fused_calls
