@@ -7,8 +7,7 @@
                                 fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
                                 fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
                                 fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,fp8+cublaslt-workspace,
-                                fp8+prepass-in-order,fp8+quantizer-in-order,fp8+offloaded-originals,fp8+compile,
-                                torchao]
+                                fp8+offloaded-originals,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -53,10 +52,7 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``torch.addcmul`` (``fp8+addcmul-residual``), with that and each block norm's own SiLU and norm2's codes made
   by the feed-forward (``fp8+previous-glue``), with each block norm's modulation a GEMM of its own
   (``fp8+own-modulations``: ``patches.fp8.JOIN_MODULATIONS`` off), with cuBLASLt's workspace left as torch sets it
-  (``fp8+cublaslt-workspace``: ``patches.fp8.NO_CUBLASLT_WORKSPACE`` off), with the FP8 attention's pre-pass
-  quantizing the key blocks from the first (``fp8+prepass-in-order``: ``ops.attention_fp8.PREPASS_REVERSED``
-  off) and the quantizer walking the rows from the first (``fp8+quantizer-in-order``:
-  ``ops.fp8_quant.REVERSED_ROWS`` off), not from the last, with the original weights moved to
+  (``fp8+cublaslt-workspace``: ``patches.fp8.NO_CUBLASLT_WORKSPACE`` off), with the original weights moved to
   the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
@@ -91,7 +87,7 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm",
         "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv",
         "fp8+addcmul-residual", "fp8+previous-glue", "fp8+own-modulations", "fp8+cublaslt-workspace",
-        "fp8+prepass-in-order", "fp8+quantizer-in-order", "fp8+offloaded-originals", "fp8+compile", "torchao")
+        "fp8+offloaded-originals", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -342,9 +338,6 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+previous-glue": [*addcmul, (fp8_patch.Fp8FeedForward, "reads_codes", lambda self: False),
                                          (modulation_split, "silu", lambda norm, emb: norm.silu(emb))],
                    "fp8+own-modulations": (fp8_patch, "JOIN_MODULATIONS", False),
-                   "fp8+prepass-in-order": (fp8_attention, "PREPASS_REVERSED", False),
-                   "fp8+quantizer-in-order": (importlib.import_module("sd_kernels.ops.fp8_quant"), "REVERSED_ROWS",
-                                              False),
                    "fp8+cublaslt-workspace": (fp8_patch, "NO_CUBLASLT_WORKSPACE", False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
@@ -362,15 +355,12 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # gated-add kernel), with that and each block norm's own SiLU and quantization and norm2's codes made by the
 # feed-forward (the tier's glue before 2026-11-29's changes), with each block norm's modulation a GEMM of its own
 # (patches.fp8.JOIN_MODULATIONS), with cuBLASLt's workspace as torch sets it (patches.fp8.NO_CUBLASLT_WORKSPACE),
-# with the FP8 attention's pre-pass and the quantizer walking their blocks and rows from the first
-# (ops.attention_fp8.PREPASS_REVERSED, ops.fp8_quant.REVERSED_ROWS), with the originals moved to the CPU's memory,
-# and with compile=True
+# with the originals moved to the CPU's memory, and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
                                                     "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
                                                     "fp8+own-modulations", "fp8+cublaslt-workspace",
-                                                    "fp8+prepass-in-order", "fp8+quantizer-in-order",
                                                     "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 

@@ -62,9 +62,6 @@ STATS_ROWS = 128  # keys per program of the per-channel statistics pass, at leas
 MAX_CHUNKS = 64  # ...and at most this many programs a head: each quantizing program loads all their partials
 STATS_WARPS, STATS_STEP, QUANT_WARPS = 4, 64, 4  # the pre-pass's warps per program; keys per statistics step
 HOPPER = True  # pv="fp8" on the Hopper kernel where it can run (False: the Triton kernel everywhere)
-# The pre-pass's quantizing programs walk the key blocks from the last: the statistics pass read those last, so
-# they are the keys still in L2 (False: from the first, as the statistics pass walks them)
-PREPASS_REVERSED = True
 _LOG2E = tl.constexpr(LOG2E)
 
 
@@ -143,18 +140,13 @@ def wgmma_key_source(m):
 def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd, H, S, S_PAD, N_CHUNKS,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, K_INT8: tl.constexpr,
-                     V_FP8: tl.constexpr, SOFT: tl.constexpr, PERMUTE_V: tl.constexpr, REVERSED: tl.constexpr):
+                     V_FP8: tl.constexpr, SOFT: tl.constexpr, PERMUTE_V: tl.constexpr):
     """Per (b·h, key block, part): part 0, K − mean → int8 or e4m3 [S_PAD, D] and the block's scale;
     part 1 (V_FP8), V·448/max|V| per channel → e4m3, transposed [D, S_PAD] (PERMUTE_V: its keys in
     ``wgmma_key_order``), and (block 0) the channel scales. The parts are programs of their own: each
-    holds one [BLOCK_N, D] tile, a block's two parts launched one after the other. Vᵀ's keys are written
-    in order, each position loading the key that belongs there, so that the transposed store runs along
-    whole rows of Vᵀ. REVERSED: the key blocks from the last, so that the first programs read the keys the
-    statistics pass read last, still in L2."""
-    PARTS: tl.constexpr = 2 if V_FP8 else 1
-    bh, j = tl.program_id(0), tl.program_id(1)
-    n_blocks = tl.num_programs(1) // PARTS
-    blk = n_blocks - 1 - j // PARTS if REVERSED else j // PARTS
+    holds one [BLOCK_N, D] tile. Vᵀ's keys are written in order, each position loading the key that
+    belongs there, so that the transposed store runs along whole rows of Vᵀ."""
+    bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     cols = tl.arange(0, D)
     parts = tl.arange(0, CHUNKS)
@@ -162,7 +154,7 @@ def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride
     part_ok = parts[:, None] < N_CHUNKS
     rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     base = bh.to(tl.int64) * S_PAD * D
-    if j % PARTS == 0:
+    if tl.program_id(2) == 0:
         mean = tl.sum(tl.load(KSum + part_ptrs, mask=part_ok, other=0.0), 0) / S
         ok = rows[:, None] < S
         k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
@@ -172,7 +164,7 @@ def _kv_quant_kernel(K, V, KSum, VMax, K8, KScale, V8, VScale, stride_kb, stride
         k_max: tl.constexpr = INT8_MAX if K_INT8 else E4M3_MAX
         k8 = _quantize(kc * inv_scale(amax, k_max), K_INT8, SOFT)
         tl.store(K8 + base + rows[:, None] * D + cols[None, :], k8)
-        tl.store(KScale + bh * n_blocks + blk, amax / k_max)
+        tl.store(KScale + bh * tl.num_programs(1) + blk, amax / k_max)
     elif V_FP8:  # (compiled only then: without it V8 is K8's buffer, int8 with int8 Q·Kᵀ)
         vmax = tl.max(tl.load(VMax + part_ptrs, mask=part_ok, other=0.0), 0)
         src = wgmma_key_source(rows) if PERMUTE_V else rows  # a permutation of each 16 keys
@@ -351,12 +343,11 @@ def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = 
     v8 = torch.empty(B * H, D, s_pad, dtype=e4m3, device=dev) if v_fp8 else None
     v_scale = torch.empty(B * H, D, dtype=f32, device=dev) if v_fp8 else None
     soft = interpreting()
-    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft, permute_v, PREPASS_REVERSED),
-           (B * H, n_blocks * (1 + v_fp8)),
+    _QUANT((D, key_block, next_pow2(n_chunks), qk, v_fp8, k4.dtype, soft, permute_v), (B * H, n_blocks, 1 + v_fp8),
            k4, v4, k_sum, v_max, k8, k_scale, v8 if v_fp8 else k8, v_scale if v_fp8 else k_scale, *strides, H, S,
            s_pad, n_chunks,
            D=D, BLOCK_N=key_block, CHUNKS=next_pow2(n_chunks), K_INT8=qk == "int8", V_FP8=v_fp8, SOFT=soft,
-           PERMUTE_V=permute_v, REVERSED=PREPASS_REVERSED, num_warps=QUANT_WARPS)
+           PERMUTE_V=permute_v, num_warps=QUANT_WARPS)
     return k8, k_scale, v8, v_scale
 
 

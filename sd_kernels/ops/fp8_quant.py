@@ -40,9 +40,6 @@ _ROW_ELEMS = 2048  # narrower rows are batched up to this many (padded) elements
 # Under the interpreter, whose cost is per program and not per SM, narrow rows are batched as far as a wide
 # row goes: the same kernel, fewer programs (4x fewer at the tiny pipelines' rows).
 _INTERPRETED_ROW_ELEMS = _ELEMS
-# The programs walk the rows from the last: a producer that wrote its rows in order left the last ones in L2
-# (False: from the first)
-REVERSED_ROWS = True
 
 
 @triton.jit
@@ -154,7 +151,7 @@ def _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, START:
 def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, seg_rows, stride_xs, stride_xr, stride_xc,
                      stride_pr, stride_pc, ACT: tl.constexpr, GATED: tl.constexpr, HAS_PREFIX: tl.constexpr,
                      GRID: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                     W2: tl.constexpr, W3: tl.constexpr, NP: tl.constexpr, REVERSED: tl.constexpr):
+                     W2: tl.constexpr, W3: tl.constexpr, NP: tl.constexpr):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of q [n_rows, n_cols] (contiguous) and s [n_rows]; with a prefix,
     q's first n_prefix columns come from it. x's rows are in segments of seg_rows, stride_xs apart
     (``segments``: a token slice of a batch, x[:, :n], read where it lies).
@@ -163,11 +160,8 @@ def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, seg_r
     each part's (the prefix's, then act(x)'s) columns split as the largest power of two below its width
     and the rest (12,288 = 8,192 + 4,096): no lanes padded to the next power of two compute a GELU for
     nothing. Pieces [0, NP) are the prefix's, the others x's. A wider row (W0 = 0) is read twice in
-    chunks of BLOCK_C: its maximum first, then the codes (from L2: a row is at most 64 KB). REVERSED: the
-    programs from the last rows, which the op that wrote x wrote last where it went along the rows (a GEMM
-    rastering its tiles row-major), so that the first programs find them in L2."""
-    pid = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSED else tl.program_id(0)
-    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    chunks of BLOCK_C: its maximum first, then the codes (from L2: a row is at most 64 KB)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     x_rows = x_ptr + ((rows // seg_rows) * stride_xs + (rows % seg_rows) * stride_xr)[:, None]
     p_rows = p_ptr + rows[:, None] * stride_pr
@@ -336,11 +330,10 @@ def quantize_rows(x: torch.Tensor, act: str = "", gated: bool = False,
     grid, has_prefix = interpreting(), prefix is not None
     rows, block_c, warps = quantize_blocks(n_rows, n, batch=_INTERPRETED_ROW_ELEMS if grid else _ROW_ELEMS)
     (w0, w1, w2, w3), n_p = row_pieces(n_prefix, n - n_prefix) if block_c == 0 else ((0, 0, 0, 0), 0)
-    _QUANTIZE((act, gated, has_prefix, grid, rows, block_c, w0, w1, w2, w3, n_p, warps, REVERSED_ROWS),
-              (cdiv(n_rows, rows),),
+    _QUANTIZE((act, gated, has_prefix, grid, rows, block_c, w0, w1, w2, w3, n_p, warps), (cdiv(n_rows, rows),),
               xs.base, p2, q, s, n_rows, n, n_prefix, xs.seg, xs.stride_s, xs.stride_r, xs.stride_c, p2.stride(0),
               p2.stride(1), ACT=act, GATED=gated, HAS_PREFIX=has_prefix, GRID=grid, ROWS=rows, BLOCK_C=block_c,
-              W0=w0, W1=w1, W2=w2, W3=w3, NP=n_p, REVERSED=REVERSED_ROWS, num_warps=warps)
+              W0=w0, W1=w1, W2=w2, W3=w3, NP=n_p, num_warps=warps)
     return q, s
 
 

@@ -295,18 +295,6 @@ def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
     assert torch.equal(v8p[..., order.long()].view(torch.uint8), v8.view(torch.uint8))
 
 
-@pytest.mark.parametrize("qk,pv", [("int8", "fp8"), ("fp8", "fp8"), ("int8", "input")])
-def test_the_prepass_writes_the_same_codes_whichever_way_it_walks_the_key_blocks(monkeypatch, qk, pv):
-    """PREPASS_REVERSED only orders the quantizing programs (from the last key block, for L2): the same bits."""
-    _, k, v = qkv(1, 2, 8, 77, 64)
-    walked = fp8.quantize_kv(k, v, qk, pv, key_block=32, permute_v=pv == "fp8")
-    monkeypatch.setattr(fp8, "PREPASS_REVERSED", not fp8.PREPASS_REVERSED)
-    other = fp8.quantize_kv(k, v, qk, pv, key_block=32, permute_v=pv == "fp8")
-    bits = lambda t: None if t is None else t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
-    for a, b in zip(map(bits, walked), map(bits, other)):
-        assert (a is None and b is None) or torch.equal(a, b)
-
-
 def test_the_prepass_takes_longer_chunks_past_max_chunks(monkeypatch, count_calls):
     """Past MAX_CHUNKS statistics programs a head, each takes more keys (a power of two): the same V8 bits
     and scales, K8 within one code (the mean's sum runs in other chunks)."""

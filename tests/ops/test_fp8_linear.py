@@ -80,14 +80,11 @@ def test_quantize_blocks():
     (17, 50, "", False),  # both parts' rests padded: 16 + 1, 32 + 32 holding 18
     (3, 24, "tanh", True), (0, 20, "none", True),  # GEGLU: the gate n_x columns after a, with a prefix and without
 ])
-@pytest.mark.parametrize("reversed_rows", [True, False], ids=["last-rows-first", "first-rows-first"])
-def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act, gated, reversed_rows, monkeypatch):
+def test_quantize_pieces_of_every_layout(device, p_cols, x_cols, act, gated):
     """The row held as one, two, three or four pieces, the prefix's and x's (a masked rest or none): the
-    reference's codes and scales, rows batched several to a program (the programs walking the rows from the
-    last, as shipped, or from the first). Some rows' largest values sit in the last column of the prefix, and
-    the next rows' in the first of each part, so that a piece that misses its part's end, or reads past it into
-    the next row, moves a scale."""
-    monkeypatch.setattr(fq, "REVERSED_ROWS", reversed_rows)
+    reference's codes and scales, rows batched several to a program. Some rows' largest values sit in the
+    last column of the prefix, and the next rows' in the first of each part, so that a piece that misses its
+    part's end, or reads past it into the next row, moves a scale."""
     x = torch.randn(37, x_cols * (2 if gated else 1), device=device) * 3
     if x_cols:
         x[1::4, 0] = 500.0
