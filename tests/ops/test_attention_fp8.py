@@ -166,8 +166,7 @@ def test_strided_and_broadcast_inputs(device):
     for kk, vv in ((k, v), (k[:1].expand(b, h, s, d), v[:1].expand(b, h, s, d)), (k[:1], v[:1]),
                    (torch.randn(b, h, 2 * s, d, device=device).half()[:, :, ::2], v)):
         ours = attention_fp8(q, kk, vv)
-        torch.testing.assert_close(ours, reference.attention_fp8(q.cpu(), kk.cpu(), vv.cpu()).to(device),
-                                   rtol=0, atol=4e-3)
+        assert rel_err(ours.cpu(), reference.attention_fp8(q.cpu(), kk.cpu(), vv.cpu())) <= bound(q.dtype)
         assert ours.stride() == attention_layout(q, kk, vv)[1]
     q3 = q[0].contiguous()
     assert rel_err(attention_fp8(q3, q3, q3), reference.attention_fp8(q3.cpu(), q3.cpu(), q3.cpu())) <= bound(q.dtype)
