@@ -31,6 +31,10 @@ custom_ops = importlib.import_module("sd_kernels.ops.custom_ops")
 
 gpu = pytest.mark.gpu
 poisoned = pytest.mark.usefixtures("poisoned_attention_outputs")  # unwritten output elements are NaN
+# CPU tensors reach the kernels only under Triton's interpreter (the CPU run); on a GPU host the test_gpu_* tests
+# run the same kernels compiled
+interpreted = pytest.mark.skipif(not dispatch.interpreting(), reason="CPU tensors reach the kernels only under "
+                                 "Triton's interpreter; on a GPU the test_gpu_* tests run them compiled")
 # The kernel against the quantized reference: both round the output once to the input dtype; the
 # interpreter converts fp32 to bf16 by truncation (the GPU rounds), one more bf16 unit.
 MATCH = {torch.float16: 2 * 2.0**-11, torch.bfloat16: 2 * 2.0**-8}
@@ -206,6 +210,7 @@ def test_reference_runs_where_no_kernel_can(monkeypatch):
 # The hook: ops.attention.attention(..., precision="fp8")
 
 
+@interpreted
 def test_precision_fp8_routes_self_attention(monkeypatch, count_calls):
     monkeypatch.setattr(attn, "FP8_MIN_KEYS", 64)
     calls = count_calls(fp8, fp8="attention_fp8")
@@ -219,6 +224,7 @@ def test_precision_fp8_routes_self_attention(monkeypatch, count_calls):
     assert rel_err(exact, reference.attention(q.double(), k.double(), v.double())) < 1e-3
 
 
+@interpreted
 @pytest.mark.parametrize("d", [64, 128])
 def test_precision_fp8_takes_the_q_k_mode_of_its_head_dim(monkeypatch, count_calls, d):
     """``ops.attention.FP8_QK`` picks the Q·Kᵀ mode a routed call runs (int8 at 64, e4m3 at 128 as shipped;
@@ -275,6 +281,7 @@ def _key_order_kernel(Out, N: tl.constexpr):
     tl.store(Out + n, fp8.wgmma_key_order(n))
 
 
+@interpreted
 def test_the_key_order_is_the_register_renaming_of_the_pv_operand():
     """In a quad's thread t, wgmma's fp32 accumulator holds keys 8b + 2t + e of every 16 (b, e ∈ {0, 1}),
     and the 8-bit A operand reads keys 4t + 2b + e there (PTX ISA, wgmma register fragments): the order
@@ -295,6 +302,7 @@ def test_the_key_order_is_the_register_renaming_of_the_pv_operand():
     assert torch.equal(order[relabeled].long(), torch.arange(n))
 
 
+@interpreted
 def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
     q, k, v = qkv(1, 2, 8, 77, 64)
     k8, ks, v8, vs = fp8.quantize_kv(k, v, "int8", "fp8", key_block=32)
@@ -306,6 +314,7 @@ def test_the_prepass_writes_v_in_the_hopper_kernels_key_order():
     assert torch.equal(v8p[..., order.long()].view(torch.uint8), v8.view(torch.uint8))
 
 
+@interpreted
 def test_the_prepass_takes_longer_chunks_past_max_chunks(monkeypatch, count_calls):
     """Past MAX_CHUNKS statistics programs a head, each takes more keys (a power of two): the same V8 bits
     and scales, K8 within one code (the mean's sum runs in other chunks)."""
