@@ -445,6 +445,8 @@ class Fp8Summary:
     device: str = ""
     attention_processors: int = 0  # processors that hand precision="fp8" to the attention op
     offloaded_bytes: int = 0  # of original_bytes, those ``offload_originals`` moved to the CPU
+    modulations_joined: int = 0  # block norms whose modulation is a column slice of one GEMM a call
+    cublaslt_workspace_off: bool = False  # cuBLASLt held without a workspace while patched (runtime/blas.py)
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -461,10 +463,15 @@ class Fp8Summary:
                     "offload_originals)"
         elif self.offloaded_bytes:
             where += f" ({mib(self.offloaded_bytes)} of them moved to the CPU's memory by offload_originals)"
+        joined = workspace = ""
+        if self.modulations_joined:
+            joined = f"; {self.modulations_joined} block norms' modulations one GEMM a call"
+        if self.cublaslt_workspace_off:
+            workspace = "; cuBLASLt without a workspace in this process until unpatch"
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
-                "a call takes it (docs/kernels/attention_fp8.md)")
+                f"a call takes it (docs/kernels/attention_fp8.md){joined}{workspace}")
 
 
 def _swap_linear(record: PatchRecord, parent: nn.Module, name: str, path: str, summary: Fp8Summary) -> None:
@@ -531,21 +538,24 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
             for norm in norms:
                 if id(norm) in joined.index:
                     record.set_attr(norm, "modulations", joined, "fp8.modulation_joined")
+                    summary.modulations_joined += 1
     if FP8_ATTENTION:
         _fp8_attention([block for _, block in blocks], record, summary)
-    _no_cublaslt_workspace(model, record)
+    summary.cublaslt_workspace_off |= _no_cublaslt_workspace(model, record)
 
 
-def _no_cublaslt_workspace(model: nn.Module, record: PatchRecord) -> None:
+def _no_cublaslt_workspace(model: nn.Module, record: PatchRecord) -> bool:
     """cuBLASLt without a workspace from now to unpatch (``runtime.blas.hold``), where the tier's GEMMs run on
-    torch's ``_scaled_mm`` (``NO_CUBLASLT_WORKSPACE``; a user's ``CUBLASLT_WORKSPACE_SIZE`` decides instead)."""
+    torch's ``_scaled_mm`` (``NO_CUBLASLT_WORKSPACE``; a user's ``CUBLASLT_WORKSPACE_SIZE`` decides instead);
+    whether it holds."""
     layer = next((m for m in model.modules() if isinstance(m, Fp8Linear)), None)
     if not NO_CUBLASLT_WORKSPACE or layer is None or not torch_gemm_on(layer.w_q.device, layer.weight.dtype,
                                                                          record.profile_spec):
-        return
+        return False
     release = blas.hold()
     if release is not None:
         record.on_undo(release, "fp8.cublaslt_workspace_off")
+    return release is not None
 
 
 def offload_originals(record: PatchRecord) -> int:

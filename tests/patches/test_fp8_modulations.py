@@ -53,6 +53,7 @@ def test_block_norms_take_one_modulation_gemm_a_call(name, joined_calls, monkeyp
     with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
         norms = _norms(model)
         assert len(norms) == record.counts["fp8.modulation_joined"] == NORMS[name](model)
+        assert f"{len(norms)} block norms' modulations one GEMM a call" in record.format()
         assert len({id(n.modulations) for n in norms}) == 1
         codes = stacked([n.linear.w_q for n in norms])
         assert codes is not None and codes.shape[0] == sum(n.linear.out_features for n in norms)
@@ -188,4 +189,5 @@ def test_the_tier_holds_no_workspace_while_patched_where_torch_serves_its_gemms(
     with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
         assert (os.environ.get(blas.ENV) == "0") is on
         assert record.counts["fp8.cublaslt_workspace_off"] == int(on)
+        assert ("cuBLASLt without a workspace" in record.format()) is on
     assert blas.ENV not in os.environ and blas.held() == 0
