@@ -535,6 +535,7 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
     if JOIN_MODULATIONS:
         norms = [m for m in model.modules() if isinstance(m, Fp8AdaLayerNormZero)]
         for joined in fp8_modulations.join(norms):
+            record.on_undo(joined.release, "fp8.modulation_biases", count=0)
             for norm in norms:
                 if id(norm) in joined.index:
                     record.set_attr(norm, "modulations", joined, "fp8.modulation_joined")

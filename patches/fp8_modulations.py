@@ -16,8 +16,10 @@ and torch.compile, with the embedding not an inference tensor (no version counte
 norm holds the layer it had and its ``silu`` is torch's plain ``nn.SiLU`` (not in place, not hooked), no
 layer is hooked, and every layer's codes are still laid out (a weight changed while patched is quantized again
 into buffers of its own, and a ``.to()`` moves each layer's buffers apart: then every block norm computes its
-own product again, as without this). The biases are read from one concatenated copy, made again when any of
-them changes (its identity, storage or version counter).
+own product again, as without this). The biases, Parameters of the model, are laid out the same way, as
+patches/qkv_fusion.py lays out q, k and v (each ``bias.data`` a view of one buffer: the same Parameters and
+values; an update in place is the buffer's, which the GEMM reads); unpatch gives each storage of its own again
+(``release``), and a bias assigned anew breaks the layout (each norm then computes its own product).
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import itertools
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from sd_kernels.ops.custom_ops import fp8_linear
-from sd_kernels.ops.weight_cache import weight_version
 
-from . import modulation_split
+from . import modulation_split, qkv_fusion
 from .hooks import called_beside, hooked
-from .qkv_fusion import stacked
+from .qkv_fusion import lay_out, plain, stacked
 
 
 class Fp8Modulations:
@@ -48,7 +50,9 @@ class Fp8Modulations:
         for layer, start, width in zip(self.layers, self.starts, widths):
             layer.w_q, layer.s_w = codes[start:start + width], scales[start:start + width]
             layer._source = layer._source[0], layer.w_q.data_ptr()
-        self._bias: tuple[tuple, torch.Tensor] | None = None  # (the biases' states, their concatenation)
+        self.has_bias = self.layers[0].bias is not None
+        biases = lay_out([layer.bias for layer in self.layers]) if self.has_bias else None
+        self.storages = [] if biases is None else [StorageWeakRef(biases.untyped_storage())]
         self._source: tuple | None = None  # (the step embedding, its version) the result is of
         self._result: torch.Tensor | None = None
         self.computed = 0  # joined GEMMs run (calls that took this path)
@@ -75,17 +79,15 @@ class Fp8Modulations:
         for layer in self.layers:
             layer.fresh()
         codes, scales = stacked([m.w_q for m in self.layers]), stacked([m.s_w for m in self.layers])
-        biases = [m.bias for m in self.layers]
-        if codes is None or scales is None or len({b is None for b in biases}) != 1:
+        bias = stacked([m.bias for m in self.layers]) if self.has_bias else None
+        if codes is None or scales is None or (bias is None) is self.has_bias:
             return None
-        bias = None
-        if biases[0] is not None:
-            state = tuple((id(b), *weight_version(b)) for b in biases)
-            if self._bias is None or self._bias[0] != state:
-                self._bias = state, torch.cat([b.detach() for b in biases])
-            bias = self._bias[1]
         self.computed += 1
         return fp8_linear(x, codes, scales, bias)
+
+    def release(self) -> None:
+        """The biases back in storage of their own, as before the patch (``qkv_fusion.release``)."""
+        qkv_fusion.release(self.layers, self.storages)
 
 
 def join(norms: list[nn.Module]) -> list[Fp8Modulations]:
@@ -94,6 +96,8 @@ def join(norms: list[nn.Module]) -> list[Fp8Modulations]:
     groups: dict[tuple, list[nn.Module]] = {}
     for norm in norms:
         layer = norm.linear
+        if layer.bias is not None and not plain(layer.bias):
+            continue  # a bias that is no plain tensor (a subclass, the meta device) is not laid out
         bias = None if layer.bias is None else (layer.bias.dtype, layer.bias.device)
         key = (layer.in_features, layer.w_q.device, layer.w_q.dtype, bias)
         groups.setdefault(key, []).append(norm)

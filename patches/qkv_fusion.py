@@ -80,6 +80,31 @@ def _unfit(linears: list) -> str | None:
     return None
 
 
+def lay_out(params: list[torch.Tensor]) -> torch.Tensor:
+    """The Parameters' data laid out as consecutive rows of one new buffer, in their order: each ``param.data``
+    becomes a view of it (the same Parameter objects, the same values). Returns the buffer. Made outside
+    inference mode, whatever the caller's: the Parameters stay normal tensors."""
+    with torch.inference_mode(False), torch.no_grad():
+        buffer = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            p.data = buffer[start:start + p.shape[0]]
+            start += p.shape[0]
+    return buffer
+
+
+def release(modules, storages: list[StorageWeakRef]) -> None:
+    """Undo ``lay_out``: each Parameter of ``modules`` (theirs, and any a parametrization added) still in one of
+    ``storages`` gets storage of its own (the same values), whatever became of the others (one assigned anew
+    leaves the rest in it)."""
+    live = [ref for ref in storages if not ref.expired()]
+    with torch.inference_mode(False), torch.no_grad():
+        for m in modules:
+            for t in m.parameters():
+                if plain(t) and StorageWeakRef(t.untyped_storage()) in live:
+                    t.data = t.data.clone()
+
+
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensors as one, where they are plain, consecutive contiguous blocks of one storage with the same
     dtype and trailing shape (as ``FusedProjections`` laid out q, k and v; the FP8 tier's modulation codes,
@@ -115,14 +140,8 @@ class FusedProjections:
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = tuple(linears)
-        rows = linears[0].out_features
-        with torch.inference_mode(False), torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in linears])
-            bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
-            for i, m in enumerate(linears):
-                m.weight.data = weight[i * rows:(i + 1) * rows]
-                if bias is not None:
-                    m.bias.data = bias[i * rows:(i + 1) * rows]
+        weight = lay_out([m.weight for m in linears])
+        bias = None if linears[0].bias is None else lay_out([m.bias for m in linears])
         self.has_bias = bias is not None
         # (module, names, x) -> the three projections of x as one tensor, or None where it cannot serve: set
         # by the FP8 tier (patches/fp8.py) once the Linears are FP8 GEMMs; None: ``operands`` and F.linear
@@ -152,15 +171,8 @@ class FusedProjections:
         return None if fused is None else F.linear(x, *fused)
 
     def release(self) -> None:
-        """Each Parameter of the Linears (theirs, and any a parametrization added) still in the storage laid
-        out at the patch gets storage of its own (the same values), whatever became of the others (one
-        assigned anew leaves two in it)."""
-        live = [ref for ref in self.storages if not ref.expired()]
-        with torch.inference_mode(False), torch.no_grad():
-            for m in self.linears:
-                for t in m.parameters():
-                    if plain(t) and StorageWeakRef(t.untyped_storage()) in live:
-                        t.data = t.data.clone()
+        """Each Parameter of the Linears back in storage of its own (``release``)."""
+        release(self.linears, self.storages)
 
 
 def wanted(record: PatchRecord) -> str | None:

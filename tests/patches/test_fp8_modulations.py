@@ -124,6 +124,33 @@ def test_a_changed_weight_a_hook_autograd_and_inference_mode_take_each_norms_own
             assert norms[0].modulations.product(norms[0], emb) is not None
 
 
+@cpu_only
+def test_the_biases_are_laid_out_as_the_model_s_parameters_and_get_their_storage_back(joined_calls):
+    """The block norms' biases (the model's Parameters) are views of one buffer while patched: an update in
+    place is the joined GEMM's; a bias assigned anew sends every norm back to its own product; unpatch gives
+    each its own storage, the same Parameter and values."""
+    model = _model("tiny-flux").float()
+    kinds = ("AdaLayerNormZero", "AdaLayerNormZeroSingle")
+    biases = [m.linear.bias for m in model.modules() if type(m).__name__ in kinds]
+    before = [b.detach().clone() for b in biases]
+    emb = torch.randn(1, model.inner_dim, generator=torch.Generator().manual_seed(2))
+    with sd_kernels.patched(model, precision="fp8", cuda_graph=False), torch.no_grad():
+        norms = _norms(model)
+        assert all(n.linear.bias is b for n, b in zip(norms, biases, strict=True))  # the same Parameters, in order
+        assert stacked(biases) is not None
+        layer = norms[2].linear
+        layer.bias.add_(1.0)  # in place: the buffer the joined GEMM reads
+        torch.testing.assert_close(norms[2].modulations.product(norms[2], emb), layer(norms[2].silu(emb)),
+                                   rtol=1e-5, atol=1e-6)
+        layer.bias.sub_(1.0)
+        assert joined_calls["joined"] == 1
+        original, layer.bias = layer.bias, torch.nn.Parameter(layer.bias.detach().clone())  # assigned anew
+        assert norms[0].modulations.product(norms[0], emb.clone()) is None
+        layer.bias = original
+    assert len({b.untyped_storage().data_ptr() for b in biases}) == len(biases)  # each its own again
+    assert all(torch.equal(b, v) for b, v in zip(biases, before))
+
+
 def test_stacked_lays_out_blocks_of_different_lengths():
     buffer = torch.arange(24.0).view(8, 3)
     parts = [buffer[:2], buffer[2:7], buffer[7:]]
