@@ -2,8 +2,8 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,
-                                patched+no-cublaslt-workspace,patched+cat-join,patched+unfused-qkv,patched+two-pass-residual,patched+addcmul-residual,fp8,
+                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,patched+cat-join,
+                                patched+unfused-qkv,patched+two-pass-residual,patched+addcmul-residual,fp8,
                                 fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
                                 fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
                                 fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,fp8+cublaslt-workspace,
@@ -29,10 +29,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``, or the whole transformer
   compiled where diffusers names no repeated blocks: SD3, PixArt-Σ; ``--compile-mode``: torch.compile's
   mode for both regional peers, e.g. ``reduce-overhead`` for CUDA graphs as ours run, named in the row's
-  label; ``compile+no-cublaslt-workspace``: that peer with cuBLASLt held without a workspace for its warm-up and
-  calls, as the FP8 tier holds it, ``runtime.blas``; the ratio columns take the faster compile row); ours lossless
-  (``patch(pipe)``: CUDA graphs; ``patched+no-cublaslt-workspace``: with cuBLASLt held so; ``patched+cat-join``:
-  with SD3's joint attention in diffusers' data flow,
+  label; ``compile+no-cublaslt-workspace``: that peer with cuBLASLt's workspace at 0 bytes for the whole process
+  from its warm-up to its last call, as the FP8 tier's captured GEMMs run, ``runtime.blas``; the ratio columns take
+  the faster compile row); ours lossless (``patch(pipe)``: CUDA graphs; ``patched+cat-join``: with SD3's joint
+  attention in diffusers' data flow,
   the projections' outputs joined by torch.cat and F.linear on the output's token slices,
   ``patches.joint_attention.JOIN_IN_PLACE`` off; ``patched+unfused-qkv``: each q, k, v projection a GEMM of its
   own, ``patches.qkv_fusion.install`` skipped, for FLUX too; ``patched+two-pass-residual``: the blocks' gated
@@ -52,7 +52,7 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``torch.addcmul`` (``fp8+addcmul-residual``), with that and each block norm's own SiLU and norm2's codes made
   by the feed-forward (``fp8+previous-glue``), with each block norm's modulation a GEMM of its own
   (``fp8+own-modulations``: ``patches.fp8.JOIN_MODULATIONS`` off), with cuBLASLt's workspace left as torch sets it
-  (``fp8+cublaslt-workspace``: ``patches.fp8.NO_CUBLASLT_WORKSPACE`` off), with the original weights moved to
+  (``fp8+cublaslt-workspace``: ``ops.fp8_linear.NO_CUBLASLT_WORKSPACE`` off), with the original weights moved to
   the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
@@ -70,6 +70,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import os
 import pathlib
 import statistics
 import sys
@@ -82,12 +83,11 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
-ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+no-cublaslt-workspace",
-        "patched+cat-join", "patched+unfused-qkv", "patched+two-pass-residual", "patched+addcmul-residual", "fp8",
-        "fp8+exact-attention", "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm",
-        "fp8+fused-gate-gemm", "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv",
-        "fp8+addcmul-residual", "fp8+previous-glue", "fp8+own-modulations", "fp8+cublaslt-workspace",
-        "fp8+offloaded-originals", "fp8+compile", "torchao")
+ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+cat-join", "patched+unfused-qkv",
+        "patched+two-pass-residual", "patched+addcmul-residual", "fp8", "fp8+exact-attention",
+        "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
+        "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
+        "fp8+own-modulations", "fp8+cublaslt-workspace", "fp8+offloaded-originals", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -281,7 +281,7 @@ def _uncompile(transformer) -> None:
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 REGIONAL, TORCHAO = "compile-regional", "torchao-fp8+regional-compile"  # the regional peers' labels
-NO_WORKSPACE = "+no-cublaslt-workspace"  # a row's suffix: cuBLASLt held without a workspace for the row
+NO_WORKSPACE = "+no-cublaslt-workspace"  # the compile peer's suffix: cuBLASLt without a workspace for the row
 
 
 def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
@@ -290,8 +290,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     from bench.setups import PEER, VARIANTS, applied
 
     suffix = "" if torch_mode == "default" else f"[{torch_mode}]"
-    if row.endswith(NO_WORKSPACE):
-        label, context = _setup(row.removesuffix(NO_WORKSPACE), compile_mode, torch_mode)
+    if row == "compile" + NO_WORKSPACE:
+        label, context = _setup("compile", compile_mode, torch_mode)
         return label + NO_WORKSPACE, lambda p: _no_workspace(context(p))
     if row == "stock":
         return "stock", lambda p: applied(p, VARIANTS["stock"])
@@ -338,7 +338,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+previous-glue": [*addcmul, (fp8_patch.Fp8FeedForward, "reads_codes", lambda self: False),
                                          (modulation_split, "silu", lambda norm, emb: norm.silu(emb))],
                    "fp8+own-modulations": (fp8_patch, "JOIN_MODULATIONS", False),
-                   "fp8+cublaslt-workspace": (fp8_patch, "NO_CUBLASLT_WORKSPACE", False)}.get(row)
+                   "fp8+cublaslt-workspace": (fp8_ops, "NO_CUBLASLT_WORKSPACE", False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -354,7 +354,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # projection a GEMM of its own (qkv_fusion.install skipped), with the gated residuals in torch.addcmul (not our
 # gated-add kernel), with that and each block norm's own SiLU and quantization and norm2's codes made by the
 # feed-forward (the tier's glue before 2026-11-29's changes), with each block norm's modulation a GEMM of its own
-# (patches.fp8.JOIN_MODULATIONS), with cuBLASLt's workspace as torch sets it (patches.fp8.NO_CUBLASLT_WORKSPACE),
+# (patches.fp8.JOIN_MODULATIONS), with cuBLASLt's workspace as torch sets it (fp8_linear.NO_CUBLASLT_WORKSPACE),
 # with the originals moved to the CPU's memory, and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
@@ -380,16 +380,21 @@ def _applied_with(pipe, setup, changed: tuple | list | None):
 
 @contextlib.contextmanager
 def _no_workspace(context):
-    """``context`` (a row's) with cuBLASLt held without a workspace from its warm-up to its last call."""
+    """``context`` (the compile peer's row) with cuBLASLt's workspace at 0 bytes for the whole process from its
+    warm-up to its last call (torch 2.11 reads ``CUBLASLT_WORKSPACE_SIZE`` at every call; runtime/blas.py). A
+    stream whose first cuBLASLt GEMM ran then would keep a 0-byte workspace that later GEMMs get at the default
+    size: the regional peer runs on the default stream, whose workspace the stock row (always first) made. A
+    ``CUBLASLT_WORKSPACE_SIZE`` set for the process is refused (the row would be mislabelled)."""
     from sd_kernels.runtime import blas
 
-    release = blas.hold()
+    if blas.ENV in os.environ:
+        raise RuntimeError(f"compile{NO_WORKSPACE}: {blas.ENV} is set for the process already")
+    os.environ[blas.ENV] = "0"
     try:
         with context as info:
             yield info
     finally:
-        if release is not None:
-            release()
+        os.environ.pop(blas.ENV, None)
 
 
 @contextlib.contextmanager

@@ -64,20 +64,18 @@ from sd_kernels.ops.fp8_linear import (
     attach_quantized,
     quantize_rows,
     quantize_weight,
-    torch_gemm_on,
 )
 from sd_kernels.ops.fp8_linear import fp8_linear as fp8_linear_into  # eager, with out= (custom_ops' has none)
 from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
-from sd_kernels.runtime import blas
 from sd_kernels.runtime.dispatch import interpreting
 
-from . import families, fp8_modulations, modulation_split
+from . import families, fp8_layout, fp8_modulations, modulation_split
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
 from .hooks import called_beside
-from .qkv_fusion import STREAMS, FusedProjections, held, stacked
+from .qkv_fusion import STREAMS, FusedProjections, held
 from .record import PatchRecord
 
 log = logging.getLogger(__name__)
@@ -90,9 +88,6 @@ log = logging.getLogger(__name__)
 FP8_ATTENTION = (128,)
 # The block norms' modulation layers of a transformer as one GEMM a call (patches/fp8_modulations.py)
 JOIN_MODULATIONS = True
-# While patched, cuBLASLt runs with no workspace where the tier's GEMMs are torch's _scaled_mm: no memset
-# before each of them (runtime/blas.py; docs/fp8.md, "The GEMM")
-NO_CUBLASLT_WORKSPACE = True
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -363,24 +358,13 @@ class Fp8Projections:
 
     def __init__(self, layers: list[Fp8Linear]) -> None:
         self.layers = tuple(layers)
-        rows = layers[0].out_features
-        codes, scales = torch.cat([m.w_q for m in layers]), torch.cat([m.s_w for m in layers])
-        for i, m in enumerate(layers):
-            m.w_q, m.s_w = codes[i * rows:(i + 1) * rows], scales[i * rows:(i + 1) * rows]
-            m._source = m._source[0], m.w_q.data_ptr()
+        fp8_layout.lay_out_codes(self.layers)
 
     def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple | None:
         """(codes, scales, bias) of the one GEMM while it serves (above), else None."""
         if not held(module, names, self.layers):
             return None
-        for layer in self.layers:
-            layer.fresh()
-        codes, scales = stacked([m.w_q for m in self.layers]), stacked([m.s_w for m in self.layers])
-        biases = [m.bias for m in self.layers]
-        bias = None if all(b is None for b in biases) else stacked(biases)
-        if codes is None or scales is None or (bias is None and any(b is not None for b in biases)):
-            return None
-        return codes, scales, bias
+        return fp8_layout.operands(self.layers)
 
     def __call__(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
         operands = self.operands(module, names)
@@ -445,8 +429,8 @@ class Fp8Summary:
     device: str = ""
     attention_processors: int = 0  # processors that hand precision="fp8" to the attention op
     offloaded_bytes: int = 0  # of original_bytes, those ``offload_originals`` moved to the CPU
-    modulations_joined: int = 0  # block norms whose modulation is a column slice of one GEMM a call
-    cublaslt_workspace_off: bool = False  # cuBLASLt held without a workspace while patched (runtime/blas.py)
+    modulations_joined: int = 0  # block norms whose modulation is a column slice of a joined GEMM
+    modulation_gemms: int = 0  # the joined GEMMs (one per group of block norms: patches/fp8_modulations.py)
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -463,15 +447,14 @@ class Fp8Summary:
                     "offload_originals)"
         elif self.offloaded_bytes:
             where += f" ({mib(self.offloaded_bytes)} of them moved to the CPU's memory by offload_originals)"
-        joined = workspace = ""
+        joined = ""
         if self.modulations_joined:
-            joined = f"; {self.modulations_joined} block norms' modulations one GEMM a call"
-        if self.cublaslt_workspace_off:
-            workspace = "; cuBLASLt without a workspace in this process until unpatch"
+            joined = (f"; the modulations of {self.modulations_joined} block norms as {self.modulation_gemms} "
+                      f"GEMM{'s' if self.modulation_gemms > 1 else ''} a call")
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
-                f"a call takes it (docs/kernels/attention_fp8.md){joined}{workspace}")
+                f"a call takes it (docs/kernels/attention_fp8.md){joined}")
 
 
 def _swap_linear(record: PatchRecord, parent: nn.Module, name: str, path: str, summary: Fp8Summary) -> None:
@@ -534,29 +517,15 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
     if JOIN_MODULATIONS:
         norms = [m for m in model.modules() if isinstance(m, Fp8AdaLayerNormZero)]
-        for joined in fp8_modulations.join(norms):
-            record.on_undo(joined.release, "fp8.modulation_biases", count=0)
-            for norm in norms:
-                if id(norm) in joined.index:
-                    record.set_attr(norm, "modulations", joined, "fp8.modulation_joined")
-                    summary.modulations_joined += 1
+        for group in fp8_modulations.groups(norms):
+            joined = fp8_modulations.Fp8Modulations(group)
+            record.on_undo(joined.release, "fp8.modulation_biases", count=0)  # each group's, once laid out
+            summary.modulation_gemms += 1
+            for norm in group:
+                record.set_attr(norm, "modulations", joined, "fp8.modulation_joined")
+                summary.modulations_joined += 1
     if FP8_ATTENTION:
         _fp8_attention([block for _, block in blocks], record, summary)
-    summary.cublaslt_workspace_off |= _no_cublaslt_workspace(model, record)
-
-
-def _no_cublaslt_workspace(model: nn.Module, record: PatchRecord) -> bool:
-    """cuBLASLt without a workspace from now to unpatch (``runtime.blas.hold``), where the tier's GEMMs run on
-    torch's ``_scaled_mm`` (``NO_CUBLASLT_WORKSPACE``; a user's ``CUBLASLT_WORKSPACE_SIZE`` decides instead);
-    whether it holds."""
-    layer = next((m for m in model.modules() if isinstance(m, Fp8Linear)), None)
-    if not NO_CUBLASLT_WORKSPACE or layer is None or not torch_gemm_on(layer.w_q.device, layer.weight.dtype,
-                                                                         record.profile_spec):
-        return False
-    release = blas.hold()
-    if release is not None:
-        record.on_undo(release, "fp8.cublaslt_workspace_off")
-    return release is not None
 
 
 def offload_originals(record: PatchRecord) -> int:

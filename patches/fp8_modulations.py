@@ -6,12 +6,15 @@ each of its 38 single blocks, 3,072 → 9,216), SD3-medium 47 (1,536 → 9,216; 
 another kind). A sample is one row, so each is a matrix-vector product that reads its FP8 codes once (56.6 or
 28.3 MB at FLUX's) with too few columns to keep the GPU's memory busy: FLUX's are 144 or 72 programs of 128
 columns on an H200's 132 SMs. Here the block norms' codes and scales are laid out in one buffer each, in the
-order of the model's modules (each layer's own buffers become views of it: no byte added), and the first block
+order of the model's modules (each layer's own buffers become views of it: no byte more once laid out;
+patches/fp8_layout.py), and the first block
 norm of a call computes every product in one GEMM, 1,050,624 columns for FLUX (3.2 GB of codes); each block
 norm takes its columns of the result.
 
 The result is kept with the step embedding it came from (that tensor and its version counter), so each block
-norm of one call finds it and the next call computes anew. A call takes the joined GEMM only outside autograd
+norm of one call finds it and the next call computes anew; a norm that finds it also checks that its layer's
+weight and bias are unchanged since, that no hook was added since and that the result was not changed in
+place (else the GEMM runs again, or the norm computes its own). A call takes the joined GEMM only outside autograd
 and torch.compile, with the embedding not an inference tensor (no version counter to know it by), while the
 norm holds the layer it had and its ``silu`` is torch's plain ``nn.SiLU`` (not in place, not hooked), no
 layer is hooked, and every layer's codes are still laid out (a weight changed while patched is quantized again
@@ -19,7 +22,8 @@ into buffers of its own, and a ``.to()`` moves each layer's buffers apart: then 
 own product again, as without this). The biases, Parameters of the model, are laid out the same way, as
 patches/qkv_fusion.py lays out q, k and v (each ``bias.data`` a view of one buffer: the same Parameters and
 values; an update in place is the buffer's, which the GEMM reads); unpatch gives each storage of its own again
-(``release``), and a bias assigned anew breaks the layout (each norm then computes its own product).
+(``release``; a bias made under inference mode comes back a normal tensor, as q, k and v do), and a bias
+assigned anew breaks the layout (each norm then computes its own product).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from sd_kernels.ops.custom_ops import fp8_linear
+from sd_kernels.ops.weight_cache import weight_version
 
-from . import modulation_split, qkv_fusion
-from .hooks import called_beside, hooked
-from .qkv_fusion import lay_out, plain, stacked
+from . import fp8_layout, modulation_split, qkv_fusion
+from .hooks import called_beside
+from .qkv_fusion import lay_out, plain
 
 
 class Fp8Modulations:
@@ -43,62 +48,66 @@ class Fp8Modulations:
     def __init__(self, norms: list[nn.Module]) -> None:
         self.layers = tuple(n.linear for n in norms)
         self.index = {id(n): i for i, n in enumerate(norms)}
-        widths = [layer.out_features for layer in self.layers]
-        self.starts = list(itertools.accumulate([0, *widths[:-1]]))
-        codes = torch.cat([layer.w_q for layer in self.layers])
-        scales = torch.cat([layer.s_w for layer in self.layers])
-        for layer, start, width in zip(self.layers, self.starts, widths):
-            layer.w_q, layer.s_w = codes[start:start + width], scales[start:start + width]
-            layer._source = layer._source[0], layer.w_q.data_ptr()
-        self.has_bias = self.layers[0].bias is not None
-        biases = lay_out([layer.bias for layer in self.layers]) if self.has_bias else None
+        self.starts = list(itertools.accumulate([0, *(layer.out_features for layer in self.layers[:-1])]))
+        fp8_layout.lay_out_codes(self.layers)
+        biases = lay_out([layer.bias for layer in self.layers]) if self.layers[0].bias is not None else None
         self.storages = [] if biases is None else [StorageWeakRef(biases.untyped_storage())]
-        self._source: tuple | None = None  # (the step embedding, its version) the result is of
-        self._result: torch.Tensor | None = None
+        # (emb, its version, the result or None, the result's version, each layer's state) of the last call
+        self._last: tuple | None = None
         self.computed = 0  # joined GEMMs run (calls that took this path)
 
     def product(self, norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
         """``norm.linear(norm.silu(emb))``: its columns of this call's joined GEMM, or None where the call does not
         take it (module docstring; the norm then computes its own)."""
+        if torch.compiler.is_compiling() or torch.is_grad_enabled() or emb.is_inference():
+            return None
         i = self.index.get(id(norm))
         act = norm.silu
-        if (i is None or norm.linear is not self.layers[i] or torch.is_grad_enabled()
-                or torch.compiler.is_compiling() or emb.is_inference()
-                or type(act) is not nn.SiLU or act.inplace or called_beside(act)):
+        if (i is None or norm.linear is not self.layers[i] or type(act) is not nn.SiLU or act.inplace
+                or called_beside(act)):
             return None
-        if self._source is None or self._source[0] is not emb or self._source[1] != emb._version:
-            self._result = self._compute(modulation_split.silu(norm, emb))
-            self._source = (emb, emb._version)
-        if self._result is None:
+        layer = self.layers[i]
+        last = self._last
+        if (last is None or last[0] is not emb or last[1] != emb._version
+                or (last[2] is not None and (last[2]._version != last[3] or _state(layer) != last[4][i]))):
+            last = self._compute(emb, norm)
+            self._last = last  # one assignment: a call on another thread reads this tuple or the one before
+        if last[2] is None or called_beside(layer):
             return None
-        return self._result[:, self.starts[i]:self.starts[i] + self.layers[i].out_features]
+        return last[2][:, self.starts[i]:self.starts[i] + layer.out_features]
 
-    def _compute(self, x: torch.Tensor) -> torch.Tensor | None:
-        if any(map(hooked, self.layers)):
-            return None
-        for layer in self.layers:
-            layer.fresh()
-        codes, scales = stacked([m.w_q for m in self.layers]), stacked([m.s_w for m in self.layers])
-        bias = stacked([m.bias for m in self.layers]) if self.has_bias else None
-        if codes is None or scales is None or (bias is None) is self.has_bias:
-            return None
-        self.computed += 1
-        return fp8_linear(x, codes, scales, bias)
+    def _compute(self, emb: torch.Tensor, norm: nn.Module) -> tuple:
+        """The cache entry of a call: the joined GEMM of ``silu(emb)``, or None where a layer is hooked or the
+        layout broke; each layer's state when it ran (``_state``)."""
+        operands = None if any(map(called_beside, self.layers)) else fp8_layout.operands(self.layers)
+        result = None
+        if operands is not None:
+            self.computed += 1
+            result = fp8_linear(modulation_split.silu(norm, emb), *operands)
+        version = None if result is None else result._version
+        return emb, emb._version, result, version, [_state(layer) for layer in self.layers]
 
     def release(self) -> None:
         """The biases back in storage of their own, as before the patch (``qkv_fusion.release``)."""
         qkv_fusion.release(self.layers, self.storages)
 
 
-def join(norms: list[nn.Module]) -> list[Fp8Modulations]:
-    """One ``Fp8Modulations`` per group of ``norms`` (the FP8 tier's block norms of one model) whose layers share
-    the input width, device and dtypes, each of at least two norms."""
-    groups: dict[tuple, list[nn.Module]] = {}
+def _state(layer: nn.Module) -> tuple:
+    """What a layer's product depends on besides the input: its weight's state (``graph_state``) and its bias's
+    identity, storage and version."""
+    bias = layer.bias
+    return layer.graph_state(), None if bias is None else (id(bias), *weight_version(bias))
+
+
+def groups(norms: list[nn.Module]) -> list[list[nn.Module]]:
+    """``norms`` (the FP8 tier's block norms of one model, in its order) in groups that one GEMM can serve: the
+    same input width, device and dtypes, each of at least two norms; a norm whose bias is no plain tensor (a
+    subclass, the meta device) in none."""
+    found: dict[tuple, list[nn.Module]] = {}
     for norm in norms:
         layer = norm.linear
         if layer.bias is not None and not plain(layer.bias):
-            continue  # a bias that is no plain tensor (a subclass, the meta device) is not laid out
+            continue
         bias = None if layer.bias is None else (layer.bias.dtype, layer.bias.device)
-        key = (layer.in_features, layer.w_q.device, layer.w_q.dtype, bias)
-        groups.setdefault(key, []).append(norm)
-    return [Fp8Modulations(group) for group in groups.values() if len(group) > 1]
+        found.setdefault((layer.in_features, layer.w_q.device, layer.w_q.dtype, bias), []).append(norm)
+    return [group for group in found.values() if len(group) > 1]

@@ -863,14 +863,13 @@ def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
     assert fp8.peer_columns(faster)["vs_compile"] == 2.4  # the peer at its best
 
 
-def test_the_no_workspace_peer_holds_cublaslt_without_one_for_its_row(monkeypatch):
+def test_the_no_workspace_peer_runs_with_cublaslts_workspace_at_zero_for_its_row(monkeypatch):
     import contextlib
     import os
 
     from bench import fp8
     from sd_kernels.runtime import blas
 
-    monkeypatch.setattr(blas, "_setter", lambda: None)
     monkeypatch.delenv(blas.ENV, raising=False)
     seen = []
 
@@ -883,6 +882,10 @@ def test_the_no_workspace_peer_holds_cublaslt_without_one_for_its_row(monkeypatc
     with fp8._setup("compile+no-cublaslt-workspace", "regional")[1](object()):
         assert os.environ.get(blas.ENV) == "0"
     assert seen == ["0"] and blas.ENV not in os.environ
+    monkeypatch.setenv(blas.ENV, "1024")  # set for the process: the row would not be what its label says
+    with pytest.raises(RuntimeError, match="set for the process"):
+        with fp8._setup("compile+no-cublaslt-workspace", "regional")[1](object()):
+            pass
 
 
 PATCH_FP8, OPS_ATTENTION, FP8_LINEAR = "sd_kernels.patches.fp8", "sd_kernels.ops.attention", "sd_kernels.ops.fp8_linear"

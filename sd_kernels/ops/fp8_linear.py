@@ -55,6 +55,7 @@ from sd_kernels.ops.fp8_quant import (  # noqa: F401 (the quantizer's public nam
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.residual import gated_add_into, gated_reason
 from sd_kernels.ops.tiles import grouped_tile
+from sd_kernels.runtime import blas
 from sd_kernels.runtime.dispatch import interpreting, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, device_properties
 
@@ -291,6 +292,8 @@ TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_t
 TORCH_GEMM_GATED = True
 # bf16 only: in fp16 (SD3) it made no measurable difference to the step (32.4 against 32.3 ms)
 TORCH_GEMM_DTYPES = (torch.bfloat16,)
+# cuBLASLt without a workspace for the GEMMs a CUDA graph captures (runtime/blas.py: no memset before each)
+NO_CUBLASLT_WORKSPACE = True
 
 
 def torch_gemm_shape_reason(rows: int, k: int, n: int, out_dtype: torch.dtype, act: str = "",
@@ -328,19 +331,12 @@ def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w
             and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None))
 
 
-def _torch_gemm_device(device: torch.device, profile=None) -> bool:
+def _torch_gemm_device(device: torch.device) -> bool:
     """A CUDA device of ``TORCH_GEMM_CAPABILITY`` or later, outside the interpreter (which runs our kernels),
-    where the profile (``profile``, else the active one) sets ``fp8_torch_gemm`` (``hopper``: measured there; a
-    profile decides it as ``gelu_epilogue`` decides cuBLASLt's GELU epilogue)."""
-    profile = profiles.active_profile() if profile is None else profile
-    return (device.type == "cuda" and not interpreting() and profile.fp8_torch_gemm
+    where the active profile sets ``fp8_torch_gemm`` (``hopper``: measured there; a profile decides it as
+    ``gelu_epilogue`` decides cuBLASLt's GELU epilogue)."""
+    return (device.type == "cuda" and not interpreting() and profiles.active_profile().fp8_torch_gemm
             and _capability_at_least(device, TORCH_GEMM_CAPABILITY))
-
-
-def torch_gemm_on(device: torch.device, dtype: torch.dtype, profile=None) -> bool:
-    """Whether torch's ``_scaled_mm`` serves the tier's GEMMs of a ``dtype`` model on ``device`` under ``profile``
-    (those of a shape and epilogue it takes: ``torch_gemm_shape_reason``)."""
-    return TORCH_GEMM and dtype in TORCH_GEMM_DTYPES and _torch_gemm_device(device, profile)
 
 
 def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, out_dtype) -> torch.Tensor:
@@ -350,8 +346,9 @@ def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, ou
     in fp32 and written into a new contiguous ``out_dtype`` tensor as the kernels' output is, whatever the
     gate's and residual's dtypes and strides (the GEMM's output is rounded once more than in our fused
     epilogue)."""
-    y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
-                         out_dtype=out_dtype, use_fast_accum=True)
+    with blas.no_workspace() if NO_CUBLASLT_WORKSPACE else contextlib.nullcontext():
+        y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
+                             out_dtype=out_dtype, use_fast_accum=True)
     if g2 is None and residual is None:
         return y.view(out_shape)
     n = y.shape[1]

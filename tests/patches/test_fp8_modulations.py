@@ -1,6 +1,7 @@
-"""The FP8 tier's block-norm modulations as one GEMM a call (patches/fp8_modulations.py), and cuBLASLt held
-without a workspace while the tier is patched (sd_kernels/runtime/blas.py)."""
+"""The FP8 tier's block-norm modulations as one GEMM a call (patches/fp8_modulations.py), and cuBLASLt without a
+workspace for the GEMMs a CUDA graph captures (sd_kernels/runtime/blas.py)."""
 
+import importlib
 import os
 
 import pytest
@@ -24,11 +25,11 @@ def joined_calls(monkeypatch):
     compute, forward = fp8_modulations.Fp8Modulations._compute, fp8.Fp8Linear.forward
     norm_layers: set[int] = set()
 
-    def joined(self, x):
+    def joined(self, emb, norm):
         norm_layers.update(map(id, self.layers))
-        y = compute(self, x)
-        calls["joined"] += y is not None
-        return y
+        entry = compute(self, emb, norm)
+        calls["joined"] += entry[2] is not None
+        return entry
 
     def own(self, x):
         calls["own"] += id(self) in norm_layers
@@ -53,7 +54,7 @@ def test_block_norms_take_one_modulation_gemm_a_call(name, joined_calls, monkeyp
     with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
         norms = _norms(model)
         assert len(norms) == record.counts["fp8.modulation_joined"] == NORMS[name](model)
-        assert f"{len(norms)} block norms' modulations one GEMM a call" in record.format()
+        assert f"the modulations of {len(norms)} block norms as 1 GEMM a call" in record.format()
         assert len({id(n.modulations) for n in norms}) == 1
         codes = stacked([n.linear.w_q for n in norms])
         assert codes is not None and codes.shape[0] == sum(n.linear.out_features for n in norms)
@@ -151,6 +152,36 @@ def test_the_biases_are_laid_out_as_the_model_s_parameters_and_get_their_storage
     assert all(torch.equal(b, v) for b, v in zip(biases, before))
 
 
+@cpu_only
+def test_the_same_embedding_again_sees_what_changed_since(joined_calls):
+    """A call with the same step embedding (object and version) reuses the joined result only while nothing it
+    depends on changed: a bias or weight updated in place, a hook added, the result edited in place through a
+    returned chunk; each case gives what the norm's own layer gives now."""
+    model = _model("tiny-flux").float()
+    emb = torch.randn(1, model.inner_dim, generator=torch.Generator().manual_seed(3))
+    with sd_kernels.patched(model, precision="fp8", cuda_graph=False), torch.no_grad():
+        norms = _norms(model)
+        joined = norms[0].modulations
+
+        def own(norm):
+            return norm.linear(norm.silu(emb))
+
+        first = [joined.product(n, emb).clone() for n in norms]
+        assert joined_calls["joined"] == 1
+        norms[1].linear.bias.add_(1.0)  # in place: the laid-out buffer, the result computed before it
+        torch.testing.assert_close(joined.product(norms[1], emb), own(norms[1]), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(joined.product(norms[1], emb), first[1]) and joined_calls["joined"] == 2
+        norms[1].linear.bias.sub_(1.0)
+        joined.product(norms[0], emb).add_(5.0)  # a returned chunk edited in place
+        torch.testing.assert_close(joined.product(norms[0], emb), first[0], rtol=1e-5, atol=1e-6)
+        handle = norms[2].linear.register_forward_hook(lambda *args: None)  # a hook added after the GEMM ran
+        assert joined.product(norms[2], emb) is None
+        handle.remove()
+        norms[3].linear.weight.mul_(2.0)  # in place: codes made again, the layout broken
+        assert joined.product(norms[3], emb) is None and joined.product(norms[0], emb) is None
+        norms[3].linear.weight.div_(2.0)
+
+
 def test_stacked_lays_out_blocks_of_different_lengths():
     buffer = torch.arange(24.0).view(8, 3)
     parts = [buffer[:2], buffer[2:7], buffer[7:]]
@@ -162,31 +193,39 @@ def test_stacked_lays_out_blocks_of_different_lengths():
 
 
 @pytest.fixture
-def env_route(monkeypatch):
-    """runtime.blas by the environment variable (torch without the setter), no variable set before."""
+def capturing(monkeypatch):
+    """runtime.blas as on a stream capturing a CUDA graph (the CPU has none), torch without the setter (the
+    environment variable's route), no variable set before; the stream's key returned by ``capturing[0]``."""
+    key = [("thread", 0, 1)]
+    monkeypatch.setattr(blas, "_capturing_stream", lambda: key[0])
     monkeypatch.setattr(blas, "_setter", lambda: None)
+    monkeypatch.setattr(blas, "_primed", set())
     monkeypatch.delenv(blas.ENV, raising=False)
-    assert blas.held() == 0
+    return key
 
 
-def test_holds_nest_and_the_last_release_sets_back(env_route):
-    first = blas.hold()
-    assert os.environ[blas.ENV] == "0"
-    second = blas.hold()
-    first()
-    first()  # a second release of one hold does nothing
-    assert os.environ[blas.ENV] == "0" and blas.held() == 1
-    second()
-    assert blas.ENV not in os.environ and blas.held() == 0
+def _inside() -> tuple:
+    with blas.no_workspace() as held:
+        return held, os.environ.get(blas.ENV)
 
 
-def test_a_users_setting_is_left_alone(env_route, monkeypatch):
-    monkeypatch.setenv(blas.ENV, "1048576")
-    assert blas.hold() is None
-    assert os.environ[blas.ENV] == "1048576" and blas.held() == 0
+def test_a_captured_gemm_runs_without_a_workspace_once_its_stream_has_one(capturing):
+    assert _inside() == (False, None)  # the stream's first GEMM: torch allocates its workspace, default size
+    assert _inside() == (True, "0")
+    assert blas.ENV not in os.environ
+    capturing[0] = ("thread", 0, 2)  # another stream: its first GEMM again as torch sets it
+    assert _inside() == (False, None)
+    capturing[0] = None  # not capturing: an eager call leaves the setting alone
+    assert _inside() == (False, None)
 
 
-def test_torchs_setter_where_it_has_one(monkeypatch):
+def test_a_users_setting_is_left_alone(capturing, monkeypatch):
+    monkeypatch.setenv(blas.ENV, "1024")
+    assert _inside() == (False, "1024")
+    assert _inside() == (False, "1024") and os.environ[blas.ENV] == "1024"
+
+
+def test_torchs_setter_where_it_has_one(capturing, monkeypatch):
     sizes = [33554432]
 
     def setter(size=None):
@@ -195,26 +234,24 @@ def test_torchs_setter_where_it_has_one(monkeypatch):
         return sizes[-1]
 
     monkeypatch.setattr(blas, "_setter", lambda: setter)
-    monkeypatch.delenv(blas.ENV, raising=False)
-    release = blas.hold()
-    assert sizes[-1] == 0 and blas.ENV not in os.environ
-    release()
+    _inside()
+    assert _inside() == (True, None)
     assert sizes == [33554432, 0, 33554432]
 
 
-@cpu_only
-@pytest.mark.parametrize("on", [True, False])
-def test_the_tier_holds_no_workspace_while_patched_where_torch_serves_its_gemms(env_route, monkeypatch, on):
-    """Where torch's ``_scaled_mm`` serves the tier's GEMMs (faked here: the CPU has none), the patch holds
-    cuBLASLt without a workspace until unpatch; ``NO_CUBLASLT_WORKSPACE`` off, or where our kernels serve,
-    nothing changes."""
-    monkeypatch.setattr(fp8, "NO_CUBLASLT_WORKSPACE", on)
-    model = _model("tiny-flux")
-    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
-        assert blas.ENV not in os.environ and "fp8.cublaslt_workspace_off" not in record.counts  # our kernels serve
-    monkeypatch.setattr(fp8, "torch_gemm_on", lambda device, dtype, profile: True)
-    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
-        assert (os.environ.get(blas.ENV) == "0") is on
-        assert record.counts["fp8.cublaslt_workspace_off"] == int(on)
-        assert ("cuBLASLt without a workspace" in record.format()) is on
-    assert blas.ENV not in os.environ and blas.held() == 0
+def test_the_fp8_gemm_on_torch_runs_inside_it(capturing, monkeypatch):
+    """``_torch_gemm`` (torch's ``_scaled_mm``, faked: the CPU has none) runs its GEMM inside ``no_workspace``;
+    ``NO_CUBLASLT_WORKSPACE`` off, outside."""
+    fp8_linear = importlib.import_module("sd_kernels.ops.fp8_linear")
+    seen = []
+
+    def scaled_mm(a, b, **kwargs):
+        seen.append(os.environ.get(blas.ENV))
+        return torch.zeros(a.shape[0], b.shape[1])
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    a, w, sa, sw = torch.zeros(4, 16), torch.zeros(8, 16), torch.ones(4), torch.ones(8)
+    for on in (True, True, False):
+        monkeypatch.setattr(fp8_linear, "NO_CUBLASLT_WORKSPACE", on)
+        fp8_linear._torch_gemm(a, sa, w, sw, None, None, 4, None, (4, 8), torch.float32)
+    assert seen == [None, "0", None]
