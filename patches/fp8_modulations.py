@@ -14,8 +14,10 @@ norm takes its columns of the result.
 The result is kept with the step embedding it came from (that tensor and its version counter), so each block
 norm of one call finds it and the next call computes anew; a norm that finds it also checks that its layer's
 weight and bias are unchanged since, that no hook was added since and that the result was not changed in
-place (else the GEMM runs again, or the norm computes its own). A call takes the joined GEMM only outside autograd
-and torch.compile, with the embedding not an inference tensor (no version counter to know it by), while the
+place (else the GEMM runs again, or the norm computes its own); a result made while a CUDA graph captured serves
+only that capture, one made eagerly no capture. A call takes the joined GEMM only outside autograd
+and torch.compile and outside inference mode, with the embedding not an inference tensor (no version counter to
+know it by), while the
 norm holds the layer it had and its ``silu`` is torch's plain ``nn.SiLU`` (not in place, not hooked), no
 layer is hooked, and every layer's codes are still laid out (a weight changed while patched is quantized again
 into buffers of its own, and a ``.to()`` moves each layer's buffers apart: then every block norm computes its
@@ -52,44 +54,55 @@ class Fp8Modulations:
         fp8_layout.lay_out_codes(self.layers)
         biases = lay_out([layer.bias for layer in self.layers]) if self.layers[0].bias is not None else None
         self.storages = [] if biases is None else [StorageWeakRef(biases.untyped_storage())]
-        # (emb, its version, the result or None, the result's version, each layer's state) of the last call
+        # (emb, its version, the result or None, the result's version, each layer's state, _where) of the last call
         self._last: tuple | None = None
         self.computed = 0  # joined GEMMs run (calls that took this path)
 
     def product(self, norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
         """``norm.linear(norm.silu(emb))``: its columns of this call's joined GEMM, or None where the call does not
         take it (module docstring; the norm then computes its own)."""
-        if torch.compiler.is_compiling() or torch.is_grad_enabled() or emb.is_inference():
+        if (torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+                or emb.is_inference()):
             return None
         i = self.index.get(id(norm))
         act = norm.silu
         if (i is None or norm.linear is not self.layers[i] or type(act) is not nn.SiLU or act.inplace
                 or called_beside(act)):
             return None
-        layer = self.layers[i]
+        layer, where = self.layers[i], _where(emb)
         last = self._last
-        if (last is None or last[0] is not emb or last[1] != emb._version
+        if (last is None or last[0] is not emb or last[1] != emb._version or last[5] != where
                 or (last[2] is not None and (last[2]._version != last[3] or _state(layer) != last[4][i]))):
-            last = self._compute(emb, norm)
+            last = self._compute(emb, norm, where)
             self._last = last  # one assignment: a call on another thread reads this tuple or the one before
         if last[2] is None or called_beside(layer):
             return None
         return last[2][:, self.starts[i]:self.starts[i] + layer.out_features]
 
-    def _compute(self, emb: torch.Tensor, norm: nn.Module) -> tuple:
+    def _compute(self, emb: torch.Tensor, norm: nn.Module, where: tuple | None) -> tuple:
         """The cache entry of a call: the joined GEMM of ``silu(emb)``, or None where a layer is hooked or the
-        layout broke; each layer's state when it ran (``_state``)."""
+        layout broke; each layer's state before it ran (``_state``); where it ran (``_where``)."""
+        states = [_state(layer) for layer in self.layers]
         operands = None if any(map(called_beside, self.layers)) else fp8_layout.operands(self.layers)
         result = None
         if operands is not None:
             self.computed += 1
             result = fp8_linear(modulation_split.silu(norm, emb), *operands)
         version = None if result is None else result._version
-        return emb, emb._version, result, version, [_state(layer) for layer in self.layers]
+        return emb, emb._version, result, version, states, where
 
     def release(self) -> None:
         """The biases back in storage of their own, as before the patch (``qkv_fusion.release``)."""
         qkv_fusion.release(self.layers, self.storages)
+
+
+def _where(emb: torch.Tensor) -> tuple | None:
+    """Whether the call is being captured into a CUDA graph, and on which stream: a result made in a capture has not
+    run yet (an eager call must not read it), and one made eagerly lies outside the graph's memory (a capture must
+    not bake it in)."""
+    if not emb.is_cuda:
+        return None
+    return torch.cuda.is_current_stream_capturing(), torch.cuda.current_stream(emb.device).cuda_stream
 
 
 def _state(layer: nn.Module) -> tuple:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from sd_kernels.runtime import blas
+
 # A host tensor argument of at most this many elements (a timestep) is copied in; a larger one runs eagerly.
 HOST_NUMEL = 16
 
@@ -41,7 +43,7 @@ def capture(run, pool=None, stream=None, warmup: int = 1, calls: int = 1) -> tup
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     out = None
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        for _ in range(calls):
+    with blas.capture_scope(), torch.cuda.graph(graph, pool=pool, stream=stream):
+        for _ in range(calls):  # the FP8 tier's captured GEMMs without cuBLASLt's workspace (runtime/blas.py)
             out = run()
     return graph, out

@@ -136,11 +136,12 @@ def silu(norm: nn.Module, emb: torch.Tensor) -> torch.Tensor:
     it, as ``attach_quantized`` keeps codes), so it lives no longer than ``emb``; it serves again while neither
     ``emb`` nor the SiLU itself has changed in place since (their version counters; a write through ``.data``,
     which moves no counter, is not seen, as anywhere in torch). A norm whose ``silu`` is not torch's ``nn.SiLU``,
-    is an in-place one or has hooks, calls autograd tracks or torch.compile traces, and an inference tensor (no
-    version counter) run ``norm.silu(emb)`` as it is."""
+    is an in-place one or has hooks, calls autograd tracks or torch.compile traces, and an inference tensor or a
+    call under inference mode (whose outputs keep no version counter) run ``norm.silu(emb)`` as it is."""
     act = norm.silu
     if (type(act) is not nn.SiLU or act.inplace or called_beside(act) or torch.compiler.is_compiling()
-            or emb.is_inference() or (torch.is_grad_enabled() and emb.requires_grad)):
+            or emb.is_inference() or torch.is_inference_mode_enabled()
+            or (torch.is_grad_enabled() and emb.requires_grad)):
         return act(emb)
     held = getattr(emb, _SILU, None)
     if held is not None and held[0] == emb._version and held[1]._version == held[2]:

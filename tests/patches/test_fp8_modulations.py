@@ -3,6 +3,7 @@ workspace for the GEMMs a CUDA graph captures (sd_kernels/runtime/blas.py)."""
 
 import importlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,9 +26,9 @@ def joined_calls(monkeypatch):
     compute, forward = fp8_modulations.Fp8Modulations._compute, fp8.Fp8Linear.forward
     norm_layers: set[int] = set()
 
-    def joined(self, emb, norm):
+    def joined(self, emb, norm, where):
         norm_layers.update(map(id, self.layers))
-        entry = compute(self, emb, norm)
+        entry = compute(self, emb, norm, where)
         calls["joined"] += entry[2] is not None
         return entry
 
@@ -182,6 +183,35 @@ def test_the_same_embedding_again_sees_what_changed_since(joined_calls):
         norms[3].linear.weight.div_(2.0)
 
 
+@cpu_only
+def test_a_result_made_in_a_capture_serves_only_that_capture(joined_calls, monkeypatch):
+    """The same embedding in and out of a CUDA graph's capture (faked: the CPU has none): a result made eagerly is
+    not baked into a capture, one made in a capture (not run yet) is not read eagerly."""
+    model = _model("tiny-flux").float()
+    emb = torch.randn(1, model.inner_dim)
+    where = {"now": (False, 1)}
+    monkeypatch.setattr(fp8_modulations, "_where", lambda emb: where["now"])
+    with sd_kernels.patched(model, precision="fp8", cuda_graph=False), torch.no_grad():
+        norm = _norms(model)[0]
+        for now, computed in (((False, 1), 1), ((True, 2), 2), ((True, 2), 2), ((False, 1), 3)):
+            where["now"] = now
+            assert norm.modulations.product(norm, emb) is not None
+            assert joined_calls["joined"] == computed
+
+
+def test_inference_mode_with_an_embedding_made_outside_it_takes_each_norms_own():
+    """Under inference mode the outputs keep no version counter: each norm computes its own product (and its own
+    SiLU), whatever the embedding."""
+    model = _model("tiny-flux").float()
+    emb = torch.randn(1, model.inner_dim)  # made outside: a normal tensor
+    with sd_kernels.patched(model, precision="fp8", cuda_graph=False):
+        norm = _norms(model)[0]
+        with torch.inference_mode():
+            assert norm.modulations.product(norm, emb) is None
+            y = norm(torch.randn(1, 4, model.inner_dim), emb=emb)
+        assert all(t.isfinite().all() for t in y)
+
+
 def test_stacked_lays_out_blocks_of_different_lengths():
     buffer = torch.arange(24.0).view(8, 3)
     parts = [buffer[:2], buffer[2:7], buffer[7:]]
@@ -195,13 +225,14 @@ def test_stacked_lays_out_blocks_of_different_lengths():
 @pytest.fixture
 def capturing(monkeypatch):
     """runtime.blas as on a stream capturing a CUDA graph (the CPU has none), torch without the setter (the
-    environment variable's route), no variable set before; the stream's key returned by ``capturing[0]``."""
-    key = [("thread", 0, 1)]
-    monkeypatch.setattr(blas, "_capturing_stream", lambda: key[0])
+    environment variable's route), no variable set before; ``capturing["stream"]`` the current stream."""
+    state = {"capturing": True, "stream": 1}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: 7)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=state["stream"]))
     monkeypatch.setattr(blas, "_setter", lambda: None)
-    monkeypatch.setattr(blas, "_primed", set())
     monkeypatch.delenv(blas.ENV, raising=False)
-    return key
+    return state
 
 
 def _inside() -> tuple:
@@ -210,19 +241,33 @@ def _inside() -> tuple:
 
 
 def test_a_captured_gemm_runs_without_a_workspace_once_its_stream_has_one(capturing):
-    assert _inside() == (False, None)  # the stream's first GEMM: torch allocates its workspace, default size
-    assert _inside() == (True, "0")
-    assert blas.ENV not in os.environ
-    capturing[0] = ("thread", 0, 2)  # another stream: its first GEMM again as torch sets it
-    assert _inside() == (False, None)
-    capturing[0] = None  # not capturing: an eager call leaves the setting alone
-    assert _inside() == (False, None)
+    assert _inside() == (False, None)  # outside our captures (torch.compile's, anyone's): as torch sets it
+    with blas.capture_scope():
+        assert _inside() == (False, None)  # the stream's first GEMM: torch makes its workspace, default size
+        assert _inside() == (True, "0")
+        assert blas.ENV not in os.environ
+        capturing["stream"] = 2  # another stream: its first GEMM again as torch sets it
+        assert _inside() == (False, None)
+        capturing["capturing"] = False  # an eager call inside the scope: left alone
+        assert _inside() == (False, None)
+    capturing.update(capturing=True, stream=1)
+    with blas.capture_scope():  # a new capture primes anew (torch may have cleared its workspaces since)
+        assert _inside() == (False, None)
+        assert _inside() == (True, "0")
+
+
+def test_a_gemm_that_raises_primes_nothing(capturing):
+    with blas.capture_scope():
+        with pytest.raises(RuntimeError), blas.no_workspace():
+            raise RuntimeError("out of memory")
+        assert _inside() == (False, None)
 
 
 def test_a_users_setting_is_left_alone(capturing, monkeypatch):
     monkeypatch.setenv(blas.ENV, "1024")
-    assert _inside() == (False, "1024")
-    assert _inside() == (False, "1024") and os.environ[blas.ENV] == "1024"
+    with blas.capture_scope():
+        assert _inside() == (False, "1024")
+        assert _inside() == (False, "1024") and os.environ[blas.ENV] == "1024"
 
 
 def test_torchs_setter_where_it_has_one(capturing, monkeypatch):
@@ -234,8 +279,9 @@ def test_torchs_setter_where_it_has_one(capturing, monkeypatch):
         return sizes[-1]
 
     monkeypatch.setattr(blas, "_setter", lambda: setter)
-    _inside()
-    assert _inside() == (True, None)
+    with blas.capture_scope():
+        _inside()
+        assert _inside() == (True, None)
     assert sizes == [33554432, 0, 33554432]
 
 
@@ -251,7 +297,8 @@ def test_the_fp8_gemm_on_torch_runs_inside_it(capturing, monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     a, w, sa, sw = torch.zeros(4, 16), torch.zeros(8, 16), torch.ones(4), torch.ones(8)
-    for on in (True, True, False):
-        monkeypatch.setattr(fp8_linear, "NO_CUBLASLT_WORKSPACE", on)
-        fp8_linear._torch_gemm(a, sa, w, sw, None, None, 4, None, (4, 8), torch.float32)
+    with blas.capture_scope():
+        for on in (True, True, False):
+            monkeypatch.setattr(fp8_linear, "NO_CUBLASLT_WORKSPACE", on)
+            fp8_linear._torch_gemm(a, sa, w, sw, None, None, 4, None, (4, 8), torch.float32)
     assert seen == [None, "0", None]
