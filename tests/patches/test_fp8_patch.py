@@ -649,14 +649,15 @@ def fused_calls(monkeypatch):
 
 
 @cpu_only
-def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, count_calls, monkeypatch):
+@pytest.mark.parametrize("joined", [True, False], ids=["modulations-joined", "modulations-apart"])
+def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, count_calls, monkeypatch, joined):
     """With the blocks' fused forwards (``layer_norm``), the FP8 tier's single blocks run ``joined`` and
     the double blocks' feed-forwards their gated residual; the output stays close to stock's. The inputs
     quantized apart from their producers: the step embedding's SiLU once a call (every block's modulation
-    reads it), each double block's two attention outputs; each norm2 writes its feed-forward's codes. Each
-    norm's modulation a GEMM of its own here, so that each reads the shared SiLU (joined into one GEMM:
-    test_fp8_modulations.py)."""
-    monkeypatch.setattr(fp8, "JOIN_MODULATIONS", False)
+    reads it, one GEMM for all as shipped or each norm's own: patches/fp8_modulations.py), each double block's
+    two attention outputs; each norm2 writes its feed-forward's codes. With each norm's own GEMM, the SiLU is
+    made once for all of them too."""
+    monkeypatch.setattr(fp8, "JOIN_MODULATIONS", joined)
     model = _model("tiny-flux")
     stock = _call(model, "tiny-flux")
     calls = fused_calls
@@ -668,11 +669,12 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, co
     assert calls == {"joined": singles, "gated": 2 * doubles}, calls
     plain = [a for a in quantized.args["quantize"] if not a["act"]]  # not the GELUs' quantization
     assert len(plain) == 1 + 2 * doubles, [tuple(a["x"].shape) for a in plain]
-    shared = silu["silu"]
-    with pytest.MonkeyPatch.context() as mp:  # each norm's own SiLU, as diffusers' blocks make it
-        mp.setattr(modulation_split, "silu", lambda norm, emb: norm.silu(emb))
-        assert torch.equal(_call(model, "tiny-flux"), out)
-    assert silu["silu"] - 2 * shared == 2 * doubles + singles - 1, silu  # one SiLU for the blocks' norms
+    if not joined:
+        shared = silu["silu"]
+        with pytest.MonkeyPatch.context() as mp:  # each norm's own SiLU, as diffusers' blocks make it
+            mp.setattr(modulation_split, "silu", lambda norm, emb: norm.silu(emb))
+            assert torch.equal(_call(model, "tiny-flux"), out)
+        assert silu["silu"] - 2 * shared == 2 * doubles + singles - 1, silu  # one SiLU for the blocks' norms
     assert rel_err(out, stock) < 0.1, rel_err(out, stock)
     assert sd_kernels.unpatch(model)
     assert torch.equal(_call(model, "tiny-flux"), stock)
