@@ -20,13 +20,11 @@ from .qkv_fusion import stacked
 
 def lay_out_codes(layers: tuple[nn.Module, ...]) -> None:
     """The layers' codes and scales as consecutive blocks of one buffer each, in the layers' order."""
+    rows = [m.w_q.shape[0] for m in layers]
     codes, scales = torch.cat([m.w_q for m in layers]), torch.cat([m.s_w for m in layers])
-    start = 0
-    for m in layers:
-        rows = m.w_q.shape[0]
-        m.w_q, m.s_w = codes[start:start + rows], scales[start:start + rows]
-        m._source = m._source[0], m.w_q.data_ptr()
-        start += rows
+    for m, w_q, s_w in zip(layers, codes.split(rows), scales.split(rows)):
+        m.w_q, m.s_w = w_q, s_w
+        m._source = m._source[0], w_q.data_ptr()
 
 
 def operands(layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:

@@ -86,10 +86,8 @@ def lay_out(params: list[torch.Tensor]) -> torch.Tensor:
     inference mode, whatever the caller's: the Parameters stay normal tensors."""
     with torch.inference_mode(False), torch.no_grad():
         buffer = torch.cat([p.detach() for p in params])
-        start = 0
-        for p in params:
-            p.data = buffer[start:start + p.shape[0]]
-            start += p.shape[0]
+        for p, rows in zip(params, buffer.split([p.shape[0] for p in params])):
+            p.data = rows
     return buffer
 
 
