@@ -22,7 +22,17 @@ import torch.nn as nn
 
 from sd_kernels.profiles import Profile, get_profile
 
-from . import call_gate, cfg_parallel, context_parallel, families, fp8, memory_budget, split_decode, text_padding
+from . import (
+    call_gate,
+    cfg_parallel,
+    context_parallel,
+    families,
+    fp8,
+    memory_budget,
+    split_decode,
+    t5_encoder,
+    text_padding,
+)
 from . import cuda_graph as cuda_graph_mod
 from .context_parallel_plans import check_split, enable_context_parallel
 from .families import GRAPH_PARTS, PARTS, SUPPORTED_MODELS
@@ -106,7 +116,7 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
 
 def _apply(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord) -> None:
     """Every change of the patch, through ``record``: each model's op families, in their order, then
-    the pipeline's prompt trimming, CUDA graphs and weights moved in and out under a budget."""
+    the pipeline's T5 encoder, prompt trimming, CUDA graphs and weights moved in and out under a budget."""
     for part, model in models:
         record.scope = part  # skipped modules' paths start with it
         record.set_attr(model, _OWNER, record, kind=None)
@@ -114,6 +124,7 @@ def _apply(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord
             PATCHERS[op](model, record)
         if record.precision == "fp8":  # last: it quantizes the Linears the op families left (theirs too)
             fp8.patch_fp8(model, record)
+    t5_encoder.install_all(obj, record)
     text_padding.install_all(obj, models, record)
     cuda_graph_mod.install_mode(obj, models, record)
     if record.memory_plan is not None and record.memory_plan.swapped:

@@ -1,5 +1,7 @@
 """Which diffusers code our copies mirror: the source hashes of the diffusers functions that patchers
-re-state (a processor's ``__call__``, a block's ``forward``), as read from diffusers 0.42.1.
+re-state (a processor's ``__call__``, a block's ``forward``), as read from diffusers 0.42.1; and of the
+transformers T5 forwards that patches/t5_encoder.py re-states, as read from the transformers versions
+``TRANSFORMERS_VERIFIED_WITH`` names.
 
 A patcher that replaces such a function with our version of it first checks that the installed
 diffusers has the very source it was written against; under another version it leaves the function
@@ -60,13 +62,23 @@ VERIFIED = {
 }
 VERIFIED_WITH = "0.42.1"
 
+# sha256 (first 16 hex digits) of inspect.getsource(...) in transformers 5.17.0 and 5.24.0: one hash where
+# both versions have the same source
+TRANSFORMERS_VERIFIED = {
+    "T5LayerNorm.forward": ("dfa1fc9512845898",),
+    "T5DenseGatedActDense.forward": ("3f5c41a204c168ae",),
+    "T5Attention.forward": ("44f188bfdffb355a", "a57bc3ed209bb7a8"),  # 5.17.0, 5.24.0 (its cache argument renamed)
+}
+TRANSFORMERS_VERIFIED_WITH = ("5.17.0", "5.24.0")
+
 
 @functools.cache
 def is_verified(fn: Callable) -> bool:
-    """True if ``fn``'s source is the one ``VERIFIED`` names for its qualified name."""
-    want = VERIFIED.get(fn.__qualname__)
+    """True if ``fn``'s source is one ``VERIFIED`` or ``TRANSFORMERS_VERIFIED`` names for its qualified name."""
+    name = fn.__qualname__
+    wants = (VERIFIED[name],) if name in VERIFIED else TRANSFORMERS_VERIFIED.get(name, ())
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         return False
-    return want is not None and hashlib.sha256(source.encode()).hexdigest()[:16] == want
+    return hashlib.sha256(source.encode()).hexdigest()[:16] in wants

@@ -154,7 +154,7 @@ class FusedProjections:
         if not held(module, names, self.linears) or any(type(m) is not nn.Linear for m in self.linears):
             return None
         weight = stacked([m.weight for m in self.linears])
-        if weight is None or tuple(m.bias is None for m in self.linears) != (not self.has_bias,) * 3:
+        if weight is None or any((m.bias is None) == self.has_bias for m in self.linears):
             return None
         if not self.has_bias:
             return weight, None

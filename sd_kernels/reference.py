@@ -216,6 +216,29 @@ def layer_norm_modulated(
     return y
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """T5's LayerNorm as transformers writes it (``T5LayerNorm.forward``): the mean of squares in fp32,
+    the normalized x rounded to a half-precision weight's dtype, then times the weight (so the result is
+    in a half weight's dtype, else fp32); without a weight, in x's dtype."""
+    check_layer_norm_args("rms_norm", x, weight, None)
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(variance + eps)
+    if weight is None:
+        return y.to(x.dtype)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        y = y.to(weight.dtype)
+    return weight * y
+
+
+def rms_norm_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype ``rms_norm`` returns."""
+    if weight is None:
+        return x.dtype
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        return weight.dtype
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 def gated_residual_layer_norm(
     residual: torch.Tensor,
     branch: torch.Tensor,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from sd_kernels import ops
+from sd_kernels import ops, reference
 from sd_kernels.ops.layout import contiguous_strides, is_channels_last, is_dense
 
 # sd_kernels.ops re-exports functions named like its submodules (ops.gelu is the function): import
@@ -194,6 +194,12 @@ def _layer_norm_modulated_op(x: torch.Tensor, weight: torch.Tensor | None, bias:
     return layer_norm_ops.layer_norm_modulated(x, weight, bias, eps, scale, shift)
 
 
+@_custom_op("rms_norm", lambda x, *_: contiguous_layout(x),
+            dtypes=lambda x, weight, eps: (reference.rms_norm_dtype(x, weight),))
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return layer_norm_ops.rms_norm(x, weight, eps)
+
+
 @_custom_op("gated_residual_layer_norm", lambda residual, *_: contiguous_layout(residual), outputs=2,
             dtypes=_gated_dtypes)
 def _gated_residual_layer_norm_op(
@@ -343,6 +349,13 @@ def layer_norm_modulated(x, weight=None, bias=None, eps=1e-6, scale=None, shift=
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.layer_norm_modulated(x, weight, bias, float(eps), scale, shift)
     return layer_norm_ops.layer_norm_modulated(x, weight, bias, eps, scale, shift)
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """T5's RMSNorm: ``sd_kernels.ops.layer_norm.rms_norm``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sd_kernels.rms_norm(x, weight, float(eps))
+    return layer_norm_ops.rms_norm(x, weight, eps)
 
 
 def gated_residual_layer_norm(residual, branch, gate=None, weight=None, bias=None, eps=1e-6, scale=None, shift=None):

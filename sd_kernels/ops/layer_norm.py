@@ -61,12 +61,13 @@ def _layer_norm_kernel(
     stride_gb, stride_gd, stride_sb, stride_sd, stride_tb, stride_td,
     GATED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, QUANT: tl.constexpr, GRID: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr = False,
 ):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of the [B·T, D] outputs.
 
     GATED: x is the residual; h = x + gate·branch is stored to h_ptr and normalized. Otherwise x
-    is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift. Outputs are contiguous. QUANT:
+    is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift; RMS: the mean is taken as 0 (T5's
+    RMSNorm: y = x·w/√(mean(x²) + eps)). Outputs are contiguous. QUANT:
     y's fp32 rows are also stored as e4m3 codes (q_ptr) with one scale per row (qs_ptr), the input of
     an FP8 projection (ops/fp8_quant.py; GRID as there).
     """
@@ -90,8 +91,11 @@ def _layer_norm_kernel(
 
     # IEEE divisions (``/`` is an approximate one on the GPU): a constant row's mean is then exact,
     # and so its normalized values are 0, not an ulp of the mean amplified by 1/√eps.
-    mean = tl.math.div_rn(tl.sum(x, axis=1), D * 1.0)
-    xc = tl.where(mask, x - mean[:, None], 0.0)
+    if RMS:
+        xc = x  # masked lanes loaded as 0
+    else:
+        mean = tl.math.div_rn(tl.sum(x, axis=1), D * 1.0)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(xc * xc, axis=1), D * 1.0) + eps)
     y = xc * rstd[:, None]
     if HAS_WEIGHT:
@@ -143,17 +147,19 @@ def _kernel_reason(tensors: tuple[torch.Tensor | None, ...], d: int) -> str | No
     return None
 
 
-def _alloc(like: torch.Tensor) -> torch.Tensor:
+def _alloc(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Every output of this module comes from here (tests poison it to catch unwritten elements)."""
-    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
 
 
-def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | None = None):
+def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | None = None, rms: bool = False,
+            out_dtype: torch.dtype | None = None):
     """y (and h when ``branch`` is given) for inputs that passed the checks and dispatch; with
-    ``quant`` = (codes, row scales), y's FP8 quantization is written there too."""
+    ``quant`` = (codes, row scales), y's FP8 quantization is written there too; ``rms``: no mean taken;
+    y in ``out_dtype`` (default: x's)."""
     weight, bias = vectors(weight, bias)
     bsz, t, d = x.shape
-    y = _alloc(x)
+    y = _alloc(x, out_dtype)
     h = None if branch is None else _alloc(x)
     n_rows = bsz * t
     if y.numel() == 0:
@@ -162,7 +168,7 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
     flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
                  HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None,
-                 QUANT=quant is not None, GRID=quant is not None and interpreting())
+                 QUANT=quant is not None, GRID=quant is not None and interpreting(), RMS=rms)
     key = (*flags.values(), rows, block_d, num_warps)
     r = x if branch is None else branch
     _LAYER_NORM(
@@ -194,6 +200,23 @@ def layer_norm_modulated(
     if not use_kernel("layer_norm", x, weight, bias, scale, shift, unsupported=reason):
         return reference.layer_norm_modulated(x, weight, bias, eps, scale, shift)
     return _launch(x, None, None, weight, bias, eps, scale, shift)[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """T5's LayerNorm, an RMSNorm: ``x·weight/√(mean(x²) + eps)`` over the last dim, in one kernel.
+
+    x [B, T, D] with any strides; weight [D] or None, of x's dtype or another (a real T5 checkpoint in
+    fp16 keeps its residual stream in fp32). Returns a contiguous [B, T, D] tensor in the dtype T5's
+    own returns (``reference.rms_norm_dtype``: a half weight's), computed in fp32 and rounded once where
+    T5's rounds the normalized x to the weight's dtype, then the product.
+    """
+    reference.check_layer_norm_args("rms_norm", x, weight, None)
+    reason = tensor_reason(x, weight) or (f"D = {x.shape[-1]} is wider than one program's row tile ({_MAX_D})"
+                                          if x.shape[-1] > _MAX_D else None)
+    if not use_kernel("rms_norm", x, weight, unsupported=reason):
+        return reference.rms_norm(x, weight, eps)
+    return _launch(x, None, None, weight, None, eps, None, None, rms=True,
+                   out_dtype=reference.rms_norm_dtype(x, weight))[0]
 
 
 def gated_residual_layer_norm(

@@ -1,5 +1,6 @@
-"""layer_norm_modulated and gated_residual_layer_norm against float64, with stock PyTorch's error as
-the yardstick (the reference run in the inputs' dtype: F.layer_norm, then the modulation ops).
+"""layer_norm_modulated, gated_residual_layer_norm and T5's rms_norm against float64, with stock PyTorch's
+error as the yardstick (the reference run in the inputs' dtype: F.layer_norm, then the modulation ops;
+T5LayerNorm's own lines for rms_norm).
 
 CPU: tiny shapes through the Triton interpreter (odd D, 77 and 5 tokens, batch 1 and 2, modulation
 as [B, D], [B, 1, D], chunks of a wider tensor, a broadcast batch, or absent; strided inputs). The
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from sd_kernels import reference
 from sd_kernels.ops import gated_residual_layer_norm, layer_norm_modulated
+from sd_kernels.ops.layer_norm import rms_norm
 from sd_kernels.runtime import dispatch
 from sd_kernels.testing import assert_close_to_reference, non_contiguous, poison_, rel_err
 
@@ -28,7 +30,7 @@ SHAPES = [(2, 77, 40), (1, 5, 72), (2, 5, 96), (1, 3, 1152)]  # [B, T, D]: D not
 def poisoned_outputs(monkeypatch):
     """Every output starts as NaN, so an element the kernel does not write fails the comparison."""
     alloc = ln._alloc
-    monkeypatch.setattr(ln, "_alloc", lambda like: poison_(alloc(like)))
+    monkeypatch.setattr(ln, "_alloc", lambda like, dtype=None: poison_(alloc(like, dtype)))
 
 
 def _randn(*shape, dtype, device, mean=0.0, std=1.0):
@@ -307,7 +309,8 @@ def test_gpu_large_mean_and_strided(dtype):
 def test_gpu_one_launch(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(ln, "_alloc", lambda like: torch.empty(like.shape, dtype=like.dtype, device=like.device))
+    monkeypatch.setattr(ln, "_alloc", lambda like, dtype=None: torch.empty(like.shape, dtype=dtype or like.dtype,
+                                                                           device=like.device))
     bsz, t, d = 2, 4096, 1536
     x, branch = (_randn(bsz, t, d, dtype=torch.float16, device="cuda") for _ in range(2))
     scale, shift, gate = (_modulation("sd3_chunk", bsz, d, torch.float16, "cuda") for _ in range(3))
@@ -333,3 +336,49 @@ def test_gpu_offsets_past_2_31():
     stock = reference.layer_norm_modulated(tail, None, None, 1e-6, scale, scale)
     ref64 = reference.layer_norm_modulated(tail.double(), None, None, 1e-6, scale.double(), scale.double())
     assert_close_to_reference(ours, stock, ref64)
+
+
+def _rms_reference64(x, w, eps):
+    x64 = x.double()
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm(shape, dtype, device):
+    """T5's LayerNorm (no mean, no bias) with its weight, and without one."""
+    x = _randn(*shape, dtype=dtype, device=device, mean=0.5, std=2.0)
+    w = _randn(shape[-1], dtype=dtype, device=device, mean=1.0, std=0.5)
+    for weight in (w, None):
+        ours = rms_norm(x, weight, 1e-6)
+        assert_close_to_reference(ours, reference.rms_norm(x, weight, 1e-6), _rms_reference64(x, weight, 1e-6))
+        assert ours.is_contiguous()
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+def test_rms_norm_mixed_dtypes(x_dtype, w_dtype, device):
+    """A real T5 checkpoint in fp16 keeps ``wo`` in fp32, so its residual stream is fp32 under fp16 weights:
+    the output takes stock's dtype (a half weight's, else fp32)."""
+    x = _randn(2, 5, 72, dtype=x_dtype, device=device, std=3.0)
+    w = _randn(72, dtype=w_dtype, device=device, mean=1.0, std=0.5)
+    ours = rms_norm(x, w, 1e-6)
+    stock = reference.rms_norm(x, w, 1e-6)
+    assert ours.dtype == stock.dtype == reference.rms_norm_dtype(x, w)
+    assert_close_to_reference(ours, stock, _rms_reference64(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("kind", ["non_contiguous", "transposed"])
+def test_rms_norm_strided(kind, device):
+    x = _randn(2, 7, 40, dtype=torch.float16, device=device)
+    xs = non_contiguous(x) if kind == "non_contiguous" else x.transpose(0, 1).contiguous().transpose(0, 1)
+    w = _randn(40, dtype=torch.float16, device=device, mean=1.0)
+    torch.testing.assert_close(rms_norm(xs, w), rms_norm(x.contiguous(), w), rtol=0, atol=0)
+
+
+def test_rms_norm_refuses_bad_shapes():
+    with pytest.raises(ValueError, match="3-D"):
+        rms_norm(torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match="normalized_shape"):
+        rms_norm(torch.randn(1, 2, 8), torch.ones(7))
