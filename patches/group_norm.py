@@ -7,8 +7,10 @@ Three kinds of change, counted in the record under these names:
   SiLU gets its norms swapped for fused GroupNorm+SiLU modules and its instance ``forward`` rebound
   to ``_resnet_forward``, a copy of diffusers 0.42.1's forward that skips the SiLU a fused norm has
   already applied, and (``_folds_into_norm2``) runs a plain conv1 without its bias, handing bias +
-  temb to norm2 as its shift: the sum is normalized without being written (docs/kernels/group_norm.md;
-  not under SD_KERNELS_BACKEND=reference, which keeps stock's arithmetic). The block's
+  temb to norm2 as its shift: the sum is normalized without being
+  written (docs/kernels/group_norm.md); and (``_fused_tail``) runs conv2 and the shortcut conv without
+  their biases and adds the biases and the shortcut and divides by ``output_scale_factor`` in one pass
+  (``ops.bias_residual``). Neither under SD_KERNELS_BACKEND=reference, which keeps stock's arithmetic. The block's
   ``nonlinearity`` itself is untouched: forward also applies it to ``temb``.
   With ``time_embedding_norm="scale_shift"`` the SiLU comes after the scale and shift,
   so norm2 is swapped without it (``group_norm``). The copy is only used while diffusers' forward
@@ -36,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.ops.custom_ops import group_norm
+from sd_kernels.ops.residual import bias_residual
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import backend
 
@@ -90,15 +93,30 @@ def _fused_silu(norm: nn.Module) -> bool:
     return isinstance(norm, FusedGroupNorm) and norm.activation == "silu"
 
 
+def _plain_conv(conv: nn.Module | None) -> bool:
+    """A plain, hook-free nn.Conv2d (a LoRA layer, a WinogradConv2d or an offloading hook runs its own forward)."""
+    return type(conv) is nn.Conv2d and not (conv._forward_hooks or conv._forward_pre_hooks or global_hooks())
+
+
 def _folds_into_norm2(block: nn.Module, temb: torch.Tensor | None) -> bool:
     """Whether conv1's bias and the time embedding can reach norm2 as its ``shift`` instead of being
     added to conv1's output (an elementwise pass over it): diffusers' "default" time-embedding norm,
-    a projected temb, our norm2, and conv1 a plain, hook-free nn.Conv2d with a bias (a LoRA layer,
-    a WinogradConv2d or an offloading hook runs its own forward)."""
-    conv = block.conv1
+    a projected temb, our norm2, and conv1 a plain conv with a bias. Not the VAE's blocks (no time
+    embedding): their norm2 with a shift is a GroupNorm launch the shipped tuning tables do not hold yet
+    (tests/test_tuning_coverage.py), to be tuned on both Hopper GPUs before the bias folds there too."""
     return (block.time_embedding_norm == "default" and temb is not None and block.time_emb_proj is not None
-            and isinstance(block.norm2, FusedGroupNorm) and type(conv) is nn.Conv2d and conv.bias is not None
-            and not (conv._forward_hooks or conv._forward_pre_hooks or global_hooks()) and not _reference_backend())
+            and isinstance(block.norm2, FusedGroupNorm) and _plain_conv(block.conv1) and block.conv1.bias is not None
+            and not _reference_backend())
+
+
+def _fused_tail(block: nn.Module) -> bool:
+    """Whether conv2's bias, the shortcut (and its 1×1 conv's bias), the residual add and
+    ``/ output_scale_factor`` can be one pass (``ops.bias_residual``) instead of three to five: plain convs,
+    conv2 with a bias, eval (dropout before conv2 is then nothing), not the reference backend, not traced by
+    torch.compile (inductor fuses the stock lines itself)."""
+    return (not block.training and _plain_conv(block.conv2) and block.conv2.bias is not None
+            and (block.conv_shortcut is None or _plain_conv(block.conv_shortcut))
+            and not _reference_backend() and not torch.compiler.is_compiling())
 
 
 @torch.compiler.assume_constant_result
@@ -110,11 +128,13 @@ def _reference_backend() -> bool:
 
 def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """diffusers 0.42.1 ``ResnetBlock2D.forward``, line for line, except that the SiLU after a norm
-    is skipped when that norm already applied it (``_fused_silu``), and that where
+    is skipped when that norm already applied it (``_fused_silu``), that where
     ``_folds_into_norm2`` holds, conv1 runs without its bias and norm2 normalizes
     conv1(x) + (bias + temb) from a per-(sample, channel) shift in fp32: the same sum, never written
     (diffusers rounds conv1's output and the sum to the activations' dtype; this rounds the conv
-    output without the bias, and the rest in fp32)."""
+    output without the bias, and the rest in fp32), and that where ``_fused_tail`` holds, conv2 and the
+    shortcut conv run without their biases and (conv2(h) + bias + shortcut + its bias) / output_scale_factor
+    is one pass in fp32, rounded once (``ops.bias_residual``, as the streamed decode finishes a block)."""
     from diffusers.utils import deprecate
 
     if len(args) > 0 or kwargs.get("scale", None) is not None:
@@ -170,6 +190,14 @@ def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args,
         hidden_states = self.nonlinearity(hidden_states)
 
     hidden_states = self.dropout(hidden_states)
+    if _fused_tail(self):  # conv2 and the shortcut without their biases, then the tail in one pass
+        hidden_states = self.conv2._conv_forward(hidden_states, self.conv2.weight, None)
+        shortcut_bias = None
+        if self.conv_shortcut is not None:
+            input_tensor = self.conv_shortcut._conv_forward(input_tensor, self.conv_shortcut.weight, None)
+            shortcut_bias = self.conv_shortcut.bias
+        return bias_residual(hidden_states, self.conv2.bias, input_tensor, shortcut_bias, self.output_scale_factor,
+                             out=hidden_states)
     hidden_states = self.conv2(hidden_states)
 
     if self.conv_shortcut is not None:

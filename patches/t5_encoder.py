@@ -21,7 +21,8 @@ assigned anew, a hook, a LoRA wrapper) takes the separate projections. The posit
 block computes is returned contiguous (one copy, which every later block reads tile by tile).
 
 Each patched forward serves the calls it was written for and hands the others to transformers' own:
-training (dropout), autograd, a decoder, cross-attention, a cache, an attention asked for its weights.
+training (dropout), autograd, a decoder, cross-attention, a cache, an attention asked for its weights, and
+every call under SD_KERNELS_BACKEND=reference (stock's arithmetic, bit for bit).
 Left alone, and recorded: a T5 in ``ignore=``, a module whose transformers forward is not the source this
 mirrors (``diffusers_sources.TRANSFORMERS_VERIFIED``), a feed-forward of another activation, and the
 joins under ``compile=`` or a memory budget (``qkv_fusion.wanted``). Numbers: docs/patch.md ("T5").
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 from sd_kernels.ops import custom_ops
 from sd_kernels.profiles import scoped
+from sd_kernels.runtime.dispatch import backend
 
 from . import qkv_fusion
 from .diffusers_sources import TRANSFORMERS_VERIFIED_WITH, is_verified
@@ -46,10 +48,18 @@ ENCODER = "T5EncoderModel"
 # transformers' names of the tanh GELU (ACT2FN["gelu_new"], ["gelu_pytorch_tanh"]): what geglu(h, "tanh") computes
 TANH_GELUS = ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh")
 _JOINED = "_sd_kernels_joined"  # on a patched feed-forward or attention: its FusedProjections (or None)
+_MASKED = "_sd_kernels_masked"  # on a call's position bias: (mask, versions, the bias and mask combined)
 
 
 def _refuse_pickle(self, protocol):
     raise TypeError(f"a patched {type(self).__name__} cannot be pickled: unpatch the pipeline first")
+
+
+@torch.compiler.assume_constant_result
+def _stock() -> bool:
+    """SD_KERNELS_BACKEND=reference promises stock's arithmetic bit for bit: the joined GEMMs and the fused
+    GELU are not, so every patched forward hands its calls to transformers' then (a constant when traced)."""
+    return backend() == "reference"
 
 
 def _joined(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
@@ -63,6 +73,8 @@ class _Norm:
 
     @scoped
     def forward(self, hidden_states):
+        if _stock():
+            return super().forward(hidden_states)
         return custom_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -74,7 +86,7 @@ class _FeedForward:
 
     @scoped
     def forward(self, hidden_states):
-        h = None if self.training else _joined(self, self.NAMES, hidden_states)
+        h = None if self.training or _stock() else _joined(self, self.NAMES, hidden_states)
         if h is None:
             return super().forward(hidden_states)
         y = custom_ops.geglu(h, "tanh")
@@ -92,6 +104,22 @@ def _with_mask(position_bias: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return position_bias + mask
 
 
+def _masked_bias(position_bias: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``_with_mask``, made once a call: every block gets the first block's bias and the same mask (transformers
+    makes a boolean one even where nothing is masked: 1.2 ms of FLUX's 24 blocks at 512 tokens), so the sum is
+    kept on the bias tensor for the next blocks, against the mask and both version counters. Not kept for
+    inference tensors (no version counter) or in traced code."""
+    if torch.compiler.is_compiling() or position_bias.is_inference() or mask.is_inference():
+        return _with_mask(position_bias, mask)
+    key = (mask, mask._version, position_bias._version)
+    held = getattr(position_bias, _MASKED, None)
+    if held is not None and held[0] is key[0] and held[1:3] == key[1:]:
+        return held[-1]
+    combined = _with_mask(position_bias, mask)
+    setattr(position_bias, _MASKED, (*key, combined))
+    return combined
+
+
 class _Attention:
     """The encoder's self-attention: one GEMM for q, k, v, our attention with the position bias as its mask."""
 
@@ -101,7 +129,7 @@ class _Attention:
     def _serves(self, key_value_states, args, kwargs) -> bool:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         return not (self.training or self.is_decoder or key_value_states is not None or args or cache is not None
-                    or kwargs.get("output_attentions") or torch.is_grad_enabled())
+                    or kwargs.get("output_attentions") or torch.is_grad_enabled() or _stock())
 
     @scoped
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, *args, **kwargs):
@@ -116,7 +144,7 @@ class _Attention:
                 position_bias = self.compute_bias(s, s, device=q.device).contiguous()
             else:
                 position_bias = torch.zeros((1, self.n_heads, s, s), device=q.device, dtype=q.dtype)
-        bias = position_bias if mask is None else _with_mask(position_bias, mask)
+        bias = position_bias if mask is None else _masked_bias(position_bias, mask)
         out = custom_ops.attention(q, k, v, bias, float(self.scaling))
         return self.o(out.transpose(1, 2).reshape(b, s, -1)), position_bias, None
 

@@ -213,7 +213,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     reference.check_layer_norm_args("rms_norm", x, weight, None)
     reason = tensor_reason(x, weight) or (f"D = {x.shape[-1]} is wider than one program's row tile ({_MAX_D})"
                                           if x.shape[-1] > _MAX_D else None)
-    if not use_kernel("rms_norm", x, weight, unsupported=reason):
+    if not use_kernel("layer_norm", x, weight, unsupported=reason):  # the layer norm's kernel, in its RMS mode
         return reference.rms_norm(x, weight, eps)
     return _launch(x, None, None, weight, None, eps, None, None, rms=True,
                    out_dtype=reference.rms_norm_dtype(x, weight))[0]

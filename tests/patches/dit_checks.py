@@ -94,8 +94,12 @@ def tiny_pipeline(config: str):
     return pipe
 
 
+# the tiny configs' 2-block T5 encoder (patches/t5_encoder.py): 2 × 2 block norms and the final one
+T5_COUNTS = {"t5.rms_norm": 5, "t5.feed_forward": 2, "t5.attention": 2}
+
+
 def check_pipeline_exact_with_reference_ops(pipe, run, monkeypatch, transformer_counts: dict[str, int]) -> None:
-    """``patch(pipe)`` patches the VAE and the transformer, with exactly ``transformer_counts`` beside the
+    """``patch(pipe)`` patches the VAE and the transformer (and its T5), with exactly ``transformer_counts`` beside the
     tiny VAE's counts (``attention_processor`` counts the VAE's two mid-block attentions too) and
     nothing of the transformer skipped; with the reference ops the images are stock's, patched and after."""
     stock = run(pipe)

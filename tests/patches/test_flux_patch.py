@@ -22,6 +22,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 from dit_checks import (
+    T5_COUNTS,
     check_gpu_pipeline_mode_syncs,
     check_gpu_transformer_fp16,
     check_pipeline_exact_with_reference_ops,
@@ -539,7 +540,8 @@ def _pipe_run(pipe, steps=2, **kwargs):
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "flux_attention_processor": 4, "gelu.GELU": 4, "layer_norm.FluxTransformerBlock": 2,
-        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2, "qkv_fusion": 6})
+        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2, "qkv_fusion": 6,
+        **T5_COUNTS})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):

@@ -192,6 +192,56 @@ def test_conv1_bias_and_temb_fold_into_norm2(conv1, monkeypatch):
         assert shifts[1].dtype == torch.float32 and torch.allclose(shifts[1], want)
 
 
+@pytest.mark.parametrize("case", ["plain", "shortcut", "channels_last", "hooked", "subclass", "no_bias", "training",
+                                  "reference_backend"])
+def test_conv2_bias_shortcut_and_scale_in_one_pass(case, monkeypatch):
+    """A plain, hook-free conv2 with a bias (and a plain shortcut conv) runs without its bias, and the biases,
+    the shortcut and / output_scale_factor are one ``bias_residual`` pass; otherwise diffusers' lines. Same
+    outputs; the reference backend exact."""
+    if case == "reference_backend":
+        monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    out_channels = 32 if case == "shortcut" else 16
+    block = ResnetBlock2D(in_channels=16, out_channels=out_channels, temb_channels=None, groups=4,
+                          output_scale_factor=2.0, dropout=0.5 if case == "training" else 0.0).eval()
+    if case == "subclass":
+        block.conv2 = _ConvSubclass(16, 16, 3, padding=1)
+    if case == "no_bias":
+        block.conv2.bias = None
+    if case == "hooked":
+        block.conv2.register_forward_hook(lambda *_: None)
+    x = torch.randn(2, 16, 6, 6)
+    if case == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        stock = block(x, None)
+        ref64 = copy.deepcopy(block).double()(x.double(), None)
+    gn_patch.patch_group_norm(block, PatchRecord(("group_norm",), "cpu", ["block"]))
+    tails, shifts = [], []
+    tail, norm = gn_patch.bias_residual, gn_patch.group_norm
+    monkeypatch.setattr(gn_patch, "bias_residual", lambda *a, **k: tails.append(a) or tail(*a, **k))
+    monkeypatch.setattr(gn_patch, "group_norm", lambda *a: shifts.append(a[6]) or norm(*a))
+    if case == "training":
+        block.train()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            stock = block(x, None)
+        torch.manual_seed(0)
+    with torch.no_grad():
+        got = block(x, None)
+    if case == "training":
+        assert torch.equal(got, stock)
+    else:
+        assert_close_to_reference(got, stock, ref64)
+    fused = case in ("plain", "shortcut", "channels_last")
+    assert len(tails) == int(fused)
+    assert shifts[1] is None  # no time embedding: conv1's bias is added as diffusers adds it (_folds_into_norm2)
+    if case == "shortcut":
+        assert tails[0][3] is block.conv_shortcut.bias and tails[0][4] == 2.0
+    if case == "reference_backend":
+        with torch.no_grad():
+            assert torch.equal(block(x, None), stock)
+
+
 def test_resnet_without_silu_only_swaps_norms():
     block = ResnetBlock2D(in_channels=16, temb_channels=8, groups=4, non_linearity="mish").eval()
     record = PatchRecord(("group_norm",), "cpu", ["block"])

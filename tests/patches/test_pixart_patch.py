@@ -12,6 +12,7 @@ from diffusers.models.activations import GELU
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from dit_checks import (
+    T5_COUNTS,
     check_gpu_pipeline_mode_syncs,
     check_gpu_transformer_fp16,
     check_pipeline_exact_with_reference_ops,
@@ -205,7 +206,8 @@ def _pipe_run(pipe, steps=2, **kwargs):
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "layer_norm.BasicTransformerBlock": 2, "gelu.GELU": 2,
-        "attention_processor": 4 + 2, "text_padding": 2})  # 2 blocks × (self, cross) + the VAE's mid-blocks
+        # 2 blocks × (self, cross) + the VAE's mid-blocks
+        "attention_processor": 4 + 2, "text_padding": 2, **T5_COUNTS})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):

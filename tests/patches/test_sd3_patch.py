@@ -14,6 +14,7 @@ from diffusers.models.activations import GELU
 from diffusers.models.attention import JointTransformerBlock
 from diffusers.models.attention_processor import Attention, FusedJointAttnProcessor2_0, JointAttnProcessor2_0
 from dit_checks import (
+    T5_COUNTS,
     check_gpu_transformer_fp16,
     check_pipeline_exact_with_reference_ops,
     check_pipeline_mode_graphs,
@@ -503,7 +504,7 @@ def _pipe_run(pipe, steps=2, **kwargs):
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "layer_norm.JointTransformerBlock": 2, "gelu.GELU": 3,
-        "joint_attention_processor": 2, "attention_processor": 2, "qkv_fusion": 4})
+        "joint_attention_processor": 2, "attention_processor": 2, "qkv_fusion": 4, **T5_COUNTS})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):

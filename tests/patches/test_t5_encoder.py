@@ -172,3 +172,26 @@ def test_pipeline_patch_reaches_its_t5_unless_ignored():
         record = patch(pipe, cuda_graph=False, ignore=["text_encoder_2"])
         assert not any(k.startswith("t5.") for k in record.counts)
         unpatch(pipe)
+
+
+def test_bias_and_mask_combined_once_a_call(monkeypatch):
+    """Every block gets the same bias and mask: their sum is made by the first and kept for the others, and
+    made again for a mask changed in place."""
+    encoder = _encoder(layers=3)
+    ids = _ids(batch=2)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 7:] = 0
+    _patch(encoder)
+    made = []
+    combine = t5_encoder._with_mask
+    monkeypatch.setattr(t5_encoder, "_with_mask", lambda *a: made.append(1) or combine(*a))
+    with torch.no_grad():
+        first = encoder(ids, attention_mask=mask)[0]
+        assert len(made) == 1
+        bias = torch.zeros(1, 4, 11, 11)
+        m = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+        a = t5_encoder._masked_bias(bias, m)
+        m[1, ..., 7:] = False  # in place: a new version
+        b = t5_encoder._masked_bias(bias, m)
+        assert torch.equal(a, bias.expand(2, 4, 11, 11)) and not torch.equal(a, b)
+        assert torch.equal(encoder(ids, attention_mask=mask)[0], first)
