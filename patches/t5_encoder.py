@@ -25,7 +25,7 @@ training (dropout), autograd, a decoder, cross-attention, a cache, an attention 
 every call under SD_KERNELS_BACKEND=reference (stock's arithmetic, bit for bit).
 Left alone, and recorded: a T5 in ``ignore=``, a module whose transformers forward is not the source this
 mirrors (``diffusers_sources.TRANSFORMERS_VERIFIED``), a feed-forward of another activation, and the
-joins under ``compile=`` or a memory budget (``qkv_fusion.wanted``). Numbers: docs/patch.md ("T5").
+joins under ``compile=`` or a memory budget (``qkv_fusion.wanted``). Numbers: docs/patch.md, "T5's encoder".
 """
 
 from __future__ import annotations
