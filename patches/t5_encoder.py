@@ -22,7 +22,10 @@ block computes is returned contiguous (one copy, which every later block reads t
 
 Each patched forward serves the calls it was written for and hands the others to transformers' own:
 training (dropout), autograd, a decoder, cross-attention, a cache, an attention asked for its weights, and
-every call under SD_KERNELS_BACKEND=reference (stock's arithmetic, bit for bit).
+every call under SD_KERNELS_BACKEND=reference (stock's arithmetic, bit for bit); also flex attention and any
+attention implementation but SDPA and eager. One difference from stock: a sample whose every token is masked
+(a mask of zeros, which no diffusers pipeline makes: the prompt's end token always counts) gets zeros where
+SDPA averages the values uniformly.
 Left alone, and recorded: a T5 in ``ignore=``, a module whose transformers forward is not the source this
 mirrors (``diffusers_sources.TRANSFORMERS_VERIFIED``), a feed-forward of another activation, and the
 joins under ``compile=`` or a memory budget (``qkv_fusion.wanted``). Numbers: docs/patch.md, "T5's encoder".
@@ -47,6 +50,7 @@ from .record import PatchRecord
 ENCODER = "T5EncoderModel"
 # transformers' names of the tanh GELU (ACT2FN["gelu_new"], ["gelu_pytorch_tanh"]): what geglu(h, "tanh") computes
 TANH_GELUS = ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh")
+IMPLEMENTATIONS = ("sdpa", "eager")  # the attention implementations whose masks the patched attention takes
 _JOINED = "_sd_kernels_joined"  # on a patched feed-forward or attention: its FusedProjections (or None)
 _MASKED = "_sd_kernels_masked"  # on a call's position bias: (mask, versions, the bias and mask combined)
 
@@ -63,9 +67,12 @@ def _stock() -> bool:
 
 
 def _joined(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
-    """The projections ``names`` of ``x`` as one GEMM while their layout holds, else None."""
+    """The projections ``names`` of ``x`` as one GEMM while their layout holds, else None; None in a call
+    torch.compile traces (the layout's guard reads data pointers), as ``qkv_fusion.projections``."""
     fused = module.__dict__.get(_JOINED)
-    return None if fused is None else fused.project(module, names, x)
+    if fused is None or torch.compiler.is_compiling():
+        return None
+    return fused.project(module, names, x)
 
 
 class _Norm:
@@ -126,14 +133,20 @@ class _Attention:
     profile_scoped = True
     NAMES = ("q", "k", "v")
 
-    def _serves(self, key_value_states, args, kwargs) -> bool:
+    def _serves(self, mask, key_value_states, args, kwargs) -> bool:
+        """The encoder's self-attention under the SDPA or eager implementation (whose masks ``_with_mask``
+        combines as they do; flex attention's ``BlockMask`` and implementations registered by others go to
+        transformers), without a cache, weights asked for (by argument or the config) or autograd."""
+        config = self.config
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         return not (self.training or self.is_decoder or key_value_states is not None or args or cache is not None
-                    or kwargs.get("output_attentions") or torch.is_grad_enabled() or _stock())
+                    or kwargs.get("output_attentions") or getattr(config, "output_attentions", False)
+                    or getattr(config, "_attn_implementation", None) not in IMPLEMENTATIONS
+                    or not (mask is None or isinstance(mask, torch.Tensor)) or torch.is_grad_enabled() or _stock())
 
     @scoped
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, *args, **kwargs):
-        if not self._serves(key_value_states, args, kwargs):
+        if not self._serves(mask, key_value_states, args, kwargs):
             return super().forward(hidden_states, mask, key_value_states, position_bias, *args, **kwargs)
         b, s = hidden_states.shape[:2]
         qkv = _joined(self, self.NAMES, hidden_states)
@@ -190,9 +203,13 @@ def _join(module: nn.Module, names: tuple[str, ...], path: str, record: PatchRec
 def patch_t5(encoder: nn.Module, record: PatchRecord) -> None:
     """Give ``encoder``'s norms, gated feed-forwards and self-attentions our forwards (those whose op family
     ``record.ops`` names)."""
+    if any(vars(type(m)).get("_sd_kernels_t5") for m in encoder.modules()):
+        record.skip("", type(encoder).__name__, "left as it is: already patched through another pipeline that shares "
+                    "it (unpatching that one takes its kernels away here too)")
+        return
     for path, module in list(encoder.named_modules()):
         entry = _BEHAVIOUR.get(type(module).__name__)
-        if entry is None or vars(type(module)).get("_sd_kernels_t5"):
+        if entry is None:
             continue
         _, op, kind = entry
         if op not in record.ops:

@@ -96,7 +96,7 @@ def test_padding_mask_as_transformers_combines_it(implementation):
 
 
 def test_calls_the_patch_does_not_serve_take_transformers_forward(monkeypatch):
-    """Autograd, training and an attention asked for its weights run transformers' own forward."""
+    """Autograd and training run transformers' own forward (the others: the test below)."""
     encoder = _encoder()
     ids = _ids()
     _patch(encoder)
@@ -213,3 +213,58 @@ def test_compiled_whole_graph_without_the_joins():
         finally:
             torch._dynamo.reset()
     torch.testing.assert_close(compiled, stock, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["flex_attention", "config_output_attentions", "output_attentions"])
+def test_implementations_and_weights_the_patch_does_not_take_go_to_transformers(case):
+    """Flex attention (its BlockMask) and attention weights asked for, by argument or by the config, run
+    transformers' attention: outputs and weights as stock's, up to the norms' and feed-forwards' rounding."""
+    encoder = _encoder()
+    ids = _ids()
+    kwargs = {}
+    if case == "flex_attention":
+        encoder.config._attn_implementation = "flex_attention"
+    elif case == "config_output_attentions":
+        encoder.config._attn_implementation = "eager"
+        encoder.config.output_attentions = True
+    else:
+        encoder.config._attn_implementation = "eager"
+        kwargs = {"output_attentions": True}
+    try:
+        with torch.no_grad():
+            stock = encoder(ids, **kwargs)
+            _patch(encoder)
+            ours = encoder(ids, **kwargs)
+    except Exception as exc:  # flex attention needs a torch that can run it here; the patch must not be why
+        if case == "flex_attention" and "BlockMask" not in str(exc):
+            pytest.skip(f"flex attention does not run on this machine: {type(exc).__name__}: {exc}")
+        raise
+    torch.testing.assert_close(ours[0], stock[0], rtol=1e-4, atol=1e-5)  # the norms and feed-forwards are ours
+    if case != "flex_attention":  # the weights come back: transformers' attention ran
+        assert len(ours.attentions) == len(stock.attentions) == 2
+        for a, b in zip(ours.attentions, stock.attentions):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_traced_calls_take_the_separate_projections():
+    """A user's torch.compile of the patched encoder (patched without compile=) traces the whole graph: the joins,
+    whose guard reads data pointers, step aside in traced calls."""
+    encoder = _encoder()
+    ids = _ids()
+    with torch.no_grad():
+        stock = encoder(ids)[0]
+        _patch(encoder)
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(encoder, fullgraph=True)(ids)[0]
+        finally:
+            torch._dynamo.reset()
+    torch.testing.assert_close(compiled, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoder_already_patched_through_another_pipeline_is_left_alone():
+    encoder = _encoder()
+    _patch(encoder)
+    record = _patch(encoder)
+    assert not record.counts
+    assert any("already patched through another pipeline" in s.reason for s in record.skipped)
