@@ -197,22 +197,13 @@ def test_bias_and_mask_combined_once_a_call(monkeypatch):
         assert torch.equal(encoder(ids, attention_mask=mask)[0], first)
 
 
-def test_compiled_whole_graph_without_the_joins():
-    """Under ``compile=`` the joins are left out (their guard reads data pointers) and torch.compile traces the
-    rest whole: the norms and attention as custom ops."""
+def test_compile_patches_without_the_joins():
+    """Under ``compile=`` the joins are left out (their guard reads data pointers; the compiled call is traced as
+    the test below traces one) and the feed-forwards keep transformers' forward."""
     encoder = _encoder()
-    ids = _ids()
-    with torch.no_grad():
-        stock = encoder(ids)[0]
-        record = _patch(encoder, compile="default")
-        assert record.counts == {"t5.rms_norm": 5, "t5.attention": 2}
-        assert sum("not joined: compile=True" in s.reason for s in record.skipped) == 4
-        torch._dynamo.reset()
-        try:
-            compiled = torch.compile(encoder, fullgraph=True)(ids)[0]
-        finally:
-            torch._dynamo.reset()
-    torch.testing.assert_close(compiled, stock, rtol=1e-5, atol=1e-5)
+    record = _patch(encoder, compile="default")
+    assert record.counts == {"t5.rms_norm": 5, "t5.attention": 2}
+    assert sum("not joined: compile=True" in s.reason for s in record.skipped) == 4
 
 
 @pytest.mark.parametrize("case", ["flex_attention", "config_output_attentions", "output_attentions"])
