@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
-from .record import PatchRecord
+from .record import PatchRecord, same_name_subclass
 
 _HOOK = "_diffusers_hook"
 
@@ -138,18 +138,9 @@ def _model_device(model: nn.Module) -> torch.device:
     return model.device  # no parameters or buffers: diffusers' own fallback
 
 
-def _refuse_pickle(self, protocol):
-    """The patched pipeline's class is not importable by its name: say why, as the record does."""
-    raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
-        what="a pickle (torch.save) of", result="loaded one"))
-
-
 @functools.cache
 def _fast_class(cls: type) -> type:
-    return type(cls.__name__, (cls,), {"_execution_device": property(_execution_device),
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                       "__doc__": cls.__doc__, "__reduce_ex__": _refuse_pickle,
-                                       "_sd_kernels_fast_device": True})
+    return same_name_subclass(cls, {"_execution_device": property(_execution_device), "_sd_kernels_fast_device": True})
 
 
 def verified() -> bool:

@@ -40,7 +40,7 @@ import torch.nn as nn
 from sd_kernels.ops.custom_ops import group_norm
 from sd_kernels.ops.residual import bias_residual
 from sd_kernels.profiles import scoped
-from sd_kernels.runtime.dispatch import backend
+from sd_kernels.runtime.dispatch import reference_backend
 
 from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
@@ -106,7 +106,7 @@ def _folds_into_norm2(block: nn.Module, temb: torch.Tensor | None) -> bool:
     (tests/test_tuning_coverage.py), to be tuned on both Hopper GPUs before the bias folds there too."""
     return (block.time_embedding_norm == "default" and temb is not None and block.time_emb_proj is not None
             and isinstance(block.norm2, FusedGroupNorm) and _plain_conv(block.conv1) and block.conv1.bias is not None
-            and not _reference_backend())
+            and not reference_backend())
 
 
 def _fused_tail(block: nn.Module) -> bool:
@@ -116,14 +116,7 @@ def _fused_tail(block: nn.Module) -> bool:
     torch.compile (inductor fuses the stock lines itself)."""
     return (not block.training and _plain_conv(block.conv2) and block.conv2.bias is not None
             and (block.conv_shortcut is None or _plain_conv(block.conv_shortcut))
-            and not _reference_backend() and not torch.compiler.is_compiling())
-
-
-@torch.compiler.assume_constant_result
-def _reference_backend() -> bool:
-    """SD_KERNELS_BACKEND=reference promises stock's arithmetic exactly (no kernels, no fusions): the
-    fold, which rounds differently, stays off then (a constant for torch.compile, read when tracing)."""
-    return backend() == "reference"
+            and not reference_backend() and not torch.compiler.is_compiling())
 
 
 def _resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -63,8 +63,10 @@ def plain_parameters(linear: nn.Module) -> bool:
     return plain(linear.weight) and (linear.bias is None or plain(linear.bias))
 
 
-def _unfit(linears: list) -> str | None:
-    """Why these Linears cannot share one buffer, or None."""
+def unfit(linears: list) -> str | None:
+    """Why these Linears (None where a module lacks one) cannot share one buffer, or None."""
+    if any(m is None for m in linears):
+        return "missing"
     if any(type(m) is not nn.Linear for m in linears):
         return "not exactly nn.Linear (a LoRA layer, a quantized one, ...)"
     if any(map(hooked, linears)):
@@ -191,7 +193,7 @@ def install(attn: nn.Module, processor, path: str, record: PatchRecord) -> None:
         linears = [attn._modules.get(n) for n in names]
         if all(m is None for m in linears):
             continue
-        why = "missing" if any(m is None for m in linears) else _unfit(linears)
+        why = unfit(linears)
         if why is not None:
             record.skip(f"{path}.{names[0]}", type(linears[0]).__name__, f"q, k, v not fused: {why}")
             continue

@@ -60,6 +60,20 @@ def set_instance_attr(obj: Any, name: str, value: Any, undoer: str = "unpatch",
     return restore
 
 
+def refuse_pickle(self, protocol: Any) -> Any:
+    """``__reduce_ex__`` of a class a patch gave an object (not importable by its name): say why, as the record does."""
+    raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
+        what="a pickle (torch.save) of", result="loaded one"))
+
+
+def same_name_subclass(cls: type, namespace: dict[str, Any], mixins: tuple[type, ...] = ()) -> type:
+    """A subclass of ``cls`` (after ``mixins``) with ``namespace`` added, under ``cls``'s name, module, qualified name
+    and docstring, so that the object reads as before in reprs and ``type(obj).__name__`` checks; pickling one is
+    refused (``refuse_pickle``): its class cannot be found by that name."""
+    return type(cls.__name__, (*mixins, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                "__doc__": cls.__doc__, "__reduce_ex__": refuse_pickle, **namespace})
+
+
 @dataclasses.dataclass(frozen=True)
 class Skipped:
     """One module the patch left alone: where, what it is, why."""

@@ -40,12 +40,12 @@ import torch.nn as nn
 
 from sd_kernels.ops import custom_ops
 from sd_kernels.profiles import scoped
-from sd_kernels.runtime.dispatch import backend
+from sd_kernels.runtime.dispatch import reference_backend
 
 from . import qkv_fusion
 from .diffusers_sources import TRANSFORMERS_VERIFIED_WITH, is_verified
 from .families import GRAPH_PARTS
-from .record import PatchRecord
+from .record import PatchRecord, same_name_subclass
 
 ENCODER = "T5EncoderModel"
 # transformers' names of the tanh GELU (ACT2FN["gelu_new"], ["gelu_pytorch_tanh"]): what geglu(h, "tanh") computes
@@ -53,17 +53,6 @@ TANH_GELUS = ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh")
 IMPLEMENTATIONS = ("sdpa", "eager")  # the attention implementations whose masks the patched attention takes
 _JOINED = "_sd_kernels_joined"  # on a patched feed-forward or attention: its FusedProjections (or None)
 _MASKED = "_sd_kernels_masked"  # on a call's position bias: (mask, versions, the bias and mask combined)
-
-
-def _refuse_pickle(self, protocol):
-    raise TypeError(f"a patched {type(self).__name__} cannot be pickled: unpatch the pipeline first")
-
-
-@torch.compiler.assume_constant_result
-def _stock() -> bool:
-    """SD_KERNELS_BACKEND=reference promises stock's arithmetic bit for bit: the joined GEMMs and the fused
-    GELU are not, so every patched forward hands its calls to transformers' then (a constant when traced)."""
-    return backend() == "reference"
 
 
 def _joined(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
@@ -80,7 +69,7 @@ class _Norm:
 
     @scoped
     def forward(self, hidden_states):
-        if _stock():
+        if reference_backend():
             return super().forward(hidden_states)
         return custom_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -93,7 +82,7 @@ class _FeedForward:
 
     @scoped
     def forward(self, hidden_states):
-        h = None if self.training or _stock() else _joined(self, self.NAMES, hidden_states)
+        h = None if self.training or reference_backend() else _joined(self, self.NAMES, hidden_states)
         if h is None:
             return super().forward(hidden_states)
         y = custom_ops.geglu(h, "tanh")
@@ -142,7 +131,8 @@ class _Attention:
         return not (self.training or self.is_decoder or key_value_states is not None or args or cache is not None
                     or kwargs.get("output_attentions") or getattr(config, "output_attentions", False)
                     or getattr(config, "_attn_implementation", None) not in IMPLEMENTATIONS
-                    or not (mask is None or isinstance(mask, torch.Tensor)) or torch.is_grad_enabled() or _stock())
+                    or not (mask is None or isinstance(mask, torch.Tensor)) or torch.is_grad_enabled()
+                    or reference_backend())
 
     @scoped
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, *args, **kwargs):
@@ -170,10 +160,7 @@ _BEHAVIOUR = {"T5LayerNorm": (_Norm, "layer_norm", "t5.rms_norm"),
 @functools.cache
 def _patched_class(cls: type) -> type:
     """``cls`` with our forward: same name, module and qualified name; refuses pickling."""
-    behaviour = _BEHAVIOUR[cls.__name__][0]
-    return type(cls.__name__, (behaviour, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                 "__doc__": cls.__doc__, "__reduce_ex__": _refuse_pickle,
-                                                 "_sd_kernels_t5": True})
+    return same_name_subclass(cls, {"_sd_kernels_t5": True}, mixins=(_BEHAVIOUR[cls.__name__][0],))
 
 
 def _unfit(module: nn.Module, op: str) -> str | None:
@@ -190,7 +177,7 @@ def _unfit(module: nn.Module, op: str) -> str | None:
 def _join(module: nn.Module, names: tuple[str, ...], path: str, record: PatchRecord) -> bool:
     """Lay the Linears ``names`` of ``module`` out as one (recorded for unpatch); False where they cannot be."""
     linears = [module._modules.get(n) for n in names]
-    why = qkv_fusion.wanted(record) or ("missing" if any(m is None for m in linears) else qkv_fusion._unfit(linears))
+    why = qkv_fusion.wanted(record) or qkv_fusion.unfit(linears)
     if why is not None:
         record.skip(f"{path}.{names[0]}", type(linears[0]).__name__, f"{', '.join(names)} not joined: {why}")
         return False

@@ -73,7 +73,7 @@ from sd_kernels.profiles import scoped
 from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .graph_capture import capture, copy_in, timestep_tensor
-from .record import PatchRecord
+from .record import PatchRecord, same_name_subclass
 from .scheduler import HOST_SCHEDULERS, HostScalars, host_timesteps
 
 log = logging.getLogger(__name__)
@@ -595,11 +595,6 @@ def _hashable_values(extra: dict, timesteps: tuple) -> tuple:
 # Install.
 
 
-def _refuse_pickle(self, protocol):
-    raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
-        what="a pickle (torch.save) of", result="loaded one"))
-
-
 @functools.cache
 def _step_class(cls: type) -> type:
     base_call = cls.__call__
@@ -612,9 +607,7 @@ def _step_class(cls: type) -> type:
         with steps.session(self):
             return base_call(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                                       "__reduce_ex__": _refuse_pickle, "_sd_kernels_whole_step": True})
+    return same_name_subclass(cls, {"__call__": __call__, "_sd_kernels_whole_step": True})
 
 
 def install(pipe: object, graphed: Any, record: PatchRecord) -> WholeStep | None:

@@ -135,12 +135,14 @@ def _modulation(m: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
     return m2, (m2.stride(0) if m2.shape[0] > 1 else 0), m2.stride(1)
 
 
-def _kernel_reason(tensors: tuple[torch.Tensor | None, ...], d: int) -> str | None:
+def _kernel_reason(tensors: tuple[torch.Tensor | None, ...], d: int, one_dtype: bool = True) -> str | None:
+    """Why the kernel cannot take these inputs, or None; ``one_dtype``: inputs of several dtypes refused
+    (``rms_norm`` takes them: its output's dtype is T5's, not the inputs' promotion)."""
     reason = tensor_reason(*tensors)
     if reason is not None:
         return reason
     dtypes = sorted({str(t.dtype) for t in tensors if t is not None})
-    if len(dtypes) > 1:
+    if one_dtype and len(dtypes) > 1:
         return f"inputs of several dtypes {dtypes} (the kernel takes one)"
     if d > _MAX_D:
         return f"D = {d} is wider than one program's row tile ({_MAX_D})"
@@ -211,8 +213,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     T5's rounds the normalized x to the weight's dtype, then the product.
     """
     reference.check_layer_norm_args("rms_norm", x, weight, None)
-    reason = tensor_reason(x, weight) or (f"D = {x.shape[-1]} is wider than one program's row tile ({_MAX_D})"
-                                          if x.shape[-1] > _MAX_D else None)
+    reason = _kernel_reason((x, weight), x.shape[-1], one_dtype=False)
     if not use_kernel("layer_norm", x, weight, unsupported=reason):  # the layer norm's kernel, in its RMS mode
         return reference.rms_norm(x, weight, eps)
     return _launch(x, None, None, weight, None, eps, None, None, rms=True,

@@ -56,6 +56,14 @@ def backend() -> str:
     return mode
 
 
+@torch.compiler.assume_constant_result
+def reference_backend() -> bool:
+    """SD_KERNELS_BACKEND=reference: its promise is stock's arithmetic, bit for bit, so the patches' rewrites that
+    round differently (folds, joined GEMMs, fused tails) step aside too. A constant for torch.compile, read when
+    tracing."""
+    return backend() == "reference"
+
+
 def _device_reason(tensors: tuple[torch.Tensor | None, ...]) -> str | None:
     devices = {t.device for t in tensors if t is not None}
     if len(devices) > 1:
