@@ -135,16 +135,34 @@ def _row_values(x_rows, p_rows, cols, mask, stride_xc, stride_pc, n_cols, n_pref
 
 
 @triton.jit
-def _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, START: tl.constexpr,
-           WIDTH: tl.constexpr, PREFIX: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
-    """Columns [START, START + WIDTH) of one part of the row (the prefix, as it is, or act(x)):
-    (values [ROWS, WIDTH] fp32, 0 past the part's end; their mask; their columns in the output)."""
+def _piece_loads(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, START: tl.constexpr,
+                 WIDTH: tl.constexpr, PREFIX: tl.constexpr, GATED: tl.constexpr):
+    """Columns [START, START + WIDTH) of one part of the row (the prefix, or x) as loaded, not yet
+    activated: (values [ROWS, WIDTH], the gate's half (gated x; else the values again), their mask, their
+    columns in the output). Apart from ``_piece_values`` so that a program issues every piece's loads
+    before its first reduction: a load written after a reduction waits for it."""
     cols = START + tl.arange(0, WIDTH)[None, :]
     if PREFIX:
         mask = row_mask[:, None] & (cols < n_prefix)
-        return tl.load(p_rows + cols * stride_pc, mask=mask, other=0.0).to(tl.float32), mask, cols
+        a = tl.load(p_rows + cols * stride_pc, mask=mask, other=0.0)
+        return a, a, mask, cols
     mask = row_mask[:, None] & (cols < n_x)
-    return _act_values(x_rows + cols * stride_xc, mask, n_x * stride_xc, ACT, GATED), mask, n_prefix + cols
+    a = tl.load(x_rows + cols * stride_xc, mask=mask, other=0.0)
+    g = a
+    if GATED:
+        g = tl.load(x_rows + (cols + n_x) * stride_xc, mask=mask, other=0.0)
+    return a, g, mask, n_prefix + cols
+
+
+@triton.jit
+def _piece_values(a, g, PREFIX: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
+    """A piece's fp32 values from its loads: the prefix as it is, else act(x) (gated: a · act(g)); 0 where
+    masked (act(0) = 0)."""
+    if PREFIX:
+        return a.to(tl.float32)
+    if GATED:
+        return a.to(tl.float32) * _activate(g.to(tl.float32), ACT)
+    return _activate(a.to(tl.float32), ACT)
 
 
 @triton.jit(do_not_specialize=["n_rows", "seg_rows"])
@@ -168,19 +186,27 @@ def _quantize_kernel(x_ptr, p_ptr, q_ptr, s_ptr, n_rows, n_cols, n_prefix, seg_r
     q_rows = q_ptr + rows[:, None] * n_cols
     if W0 > 0:
         n_x = n_cols - n_prefix
-        v0, m0, c0 = _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, 0, W0, NP > 0, ACT, GATED)
+        a0, g0, m0, c0 = _piece_loads(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, 0, W0, NP > 0,
+                                      GATED)
+        if W1 > 0:
+            a1, g1, m1, c1 = _piece_loads(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc,
+                                          W0 if NP != 1 else 0, W1, NP > 1, GATED)
+        if W2 > 0:
+            a2, g2, m2, c2 = _piece_loads(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc,
+                                          0 if NP == 2 else (W1 if NP == 1 else W0 + W1), W2, NP > 2, GATED)
+        if W3 > 0:
+            a3, g3, m3, c3 = _piece_loads(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc,
+                                          W2 if NP == 2 else 0, W3, False, GATED)
+        v0 = _piece_values(a0, g0, NP > 0, ACT, GATED)
         amax = row_amax(v0, m0, GRID)
         if W1 > 0:
-            v1, m1, c1 = _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, W0 if NP != 1 else 0,
-                                W1, NP > 1, ACT, GATED)
+            v1 = _piece_values(a1, g1, NP > 1, ACT, GATED)
             amax = _max_nan(amax, row_amax(v1, m1, GRID))
         if W2 > 0:
-            v2, m2, c2 = _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc,
-                                0 if NP == 2 else (W1 if NP == 1 else W0 + W1), W2, NP > 2, ACT, GATED)
+            v2 = _piece_values(a2, g2, NP > 2, ACT, GATED)
             amax = _max_nan(amax, row_amax(v2, m2, GRID))
         if W3 > 0:
-            v3, m3, c3 = _piece(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc,
-                                W2 if NP == 2 else 0, W3, False, ACT, GATED)
+            v3 = _piece_values(a3, g3, False, ACT, GATED)
             amax = _max_nan(amax, row_amax(v3, m3, GRID))
         inv = inv_scale(amax, _E4M3_MAX)
         tl.store(q_rows + c0, _codes(v0, inv, GRID), mask=m0)
@@ -231,14 +257,14 @@ def row_pieces(n_prefix: int, n_x: int) -> tuple[tuple[int, int, int, int], int]
 def quantize_blocks(n_rows: int, n_cols: int, elems: int = _ELEMS, batch: int = _ROW_ELEMS) -> tuple[int, int, int]:
     """(ROWS, BLOCK_C, num_warps). A row that fits ``elems`` (padded to a power of two) is one program's
     (BLOCK_C = 0: held as row_pieces), narrower rows batched up to ``batch`` elements; a wider row is read in
-    chunks of ``elems``. A warp per 2,048 (padded) elements of the program, 2 to 8: small programs, several
-    resident on an SM, so that one's loads run under another's reduction and stores (measured:
-    docs/fp8.md, "The quantizer")."""
+    chunks of ``elems``. A warp per 2,048 (padded) elements of the program, 2 to 4 for a whole row (8 for a
+    chunk): small programs, several resident on an SM, so that one's loads run under another's reduction and
+    stores (measured: docs/fp8.md, "The quantizer")."""
     width = next_pow2(n_cols)
     if width > elems:
         return 1, elems, min(8, max(2, elems // 2048))
     rows = max(1, min(batch // width, next_pow2(n_rows)))
-    return rows, 0, min(8, max(2, rows * width // 2048))
+    return rows, 0, min(4, max(2, rows * width // 2048))
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
