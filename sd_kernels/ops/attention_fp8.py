@@ -60,7 +60,7 @@ E4M3_MAX = tl.constexpr(reference.E4M3_MAX)
 INT8_MAX = tl.constexpr(127.0)
 STATS_ROWS = 128  # keys per program of the per-channel statistics pass, at least (a power of two)
 MAX_CHUNKS = 64  # ...and at most this many programs a head: each quantizing program loads all their partials
-STATS_WARPS, STATS_STEP, QUANT_WARPS = 4, 64, 4  # the pre-pass's warps per program; keys per statistics step
+STATS_WARPS, STATS_STEP, QUANT_WARPS = 2, 32, 4  # the pre-pass's warps per program; keys per statistics step
 HOPPER = True  # pv="fp8" on the Hopper kernel where it can run (False: the Triton kernel everywhere)
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -113,16 +113,19 @@ def _kv_stats_kernel(K, V, KSum, VMax, stride_kb, stride_kh, stride_kn, stride_k
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     cols = tl.arange(0, D)
-    ksum = tl.zeros([D], tl.float32)
-    vmax = tl.zeros([D], tl.float32)
-    for r0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
+    # summed and maxed element by element over the steps, reduced over the rows once at the end: no
+    # reduction between one step's loads and the next's
+    ksum = tl.zeros([ROWS, D], tl.float32)
+    vmax = tl.zeros([ROWS, D], tl.float32)
+    for r0 in tl.static_range(0, CHUNK, ROWS):
+        rows = chunk * CHUNK + r0 + tl.arange(0, ROWS)
         ok = rows[:, None] < S
-        k = tl.load(K + rows[:, None] * stride_kn + cols[None, :] * stride_kd, mask=ok, other=0.0)
-        ksum += tl.sum(k.to(tl.float32), 0)
+        ksum += tl.load(K + rows[:, None] * stride_kn + cols[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
         if V_MAX:
             v = tl.load(V + rows[:, None] * stride_vn + cols[None, :] * stride_vd, mask=ok, other=0.0)
-            vmax = tl.maximum(vmax, tl.max(tl.abs(v.to(tl.float32)), 0))
+            vmax = tl.maximum(vmax, tl.abs(v.to(tl.float32)))
+    ksum = tl.sum(ksum, 0)
+    vmax = tl.max(vmax, 0)
     out = (bh * tl.num_programs(1) + chunk) * D + cols
     tl.store(KSum + out, ksum)
     if V_MAX:
