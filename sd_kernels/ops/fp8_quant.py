@@ -112,12 +112,29 @@ def row_quantize(v, amax, q_ptrs, s_ptrs, mask, row_mask, GRID: tl.constexpr):
 
 
 @triton.jit
+def _x_loads(x_ptrs, mask, gate_step, GATED: tl.constexpr):
+    """x's values at ``x_ptrs`` as loaded, 0 where masked, and (gated) the gate's, ``gate_step`` elements after
+    them; without a gate, the values again (``_activated``'s two operands)."""
+    a = tl.load(x_ptrs, mask=mask, other=0.0)
+    g = a
+    if GATED:
+        g = tl.load(x_ptrs + gate_step, mask=mask, other=0.0)
+    return a, g
+
+
+@triton.jit
+def _activated(a, g, ACT: tl.constexpr, GATED: tl.constexpr):
+    """act(a) (gated: a · act(g)) in fp32 from ``_x_loads``' values; 0 where they were masked (act(0) = 0)."""
+    if GATED:
+        return a.to(tl.float32) * _activate(g.to(tl.float32), ACT)
+    return _activate(a.to(tl.float32), ACT)
+
+
+@triton.jit
 def _act_values(x_ptrs, mask, gate_step, ACT: tl.constexpr, GATED: tl.constexpr):
     """act(x) at ``x_ptrs`` (gated: a · act(g), g ``gate_step`` elements after a), fp32, 0 where masked."""
-    if GATED:
-        a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        return a * _activate(tl.load(x_ptrs + gate_step, mask=mask, other=0.0).to(tl.float32), ACT)
-    return _activate(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32), ACT)
+    a, g = _x_loads(x_ptrs, mask, gate_step, GATED)
+    return _activated(a, g, ACT, GATED)
 
 
 @triton.jit
@@ -147,10 +164,7 @@ def _piece_loads(x_rows, p_rows, row_mask, n_x, n_prefix, stride_xc, stride_pc, 
         a = tl.load(p_rows + cols * stride_pc, mask=mask, other=0.0)
         return a, a, mask, cols
     mask = row_mask[:, None] & (cols < n_x)
-    a = tl.load(x_rows + cols * stride_xc, mask=mask, other=0.0)
-    g = a
-    if GATED:
-        g = tl.load(x_rows + (cols + n_x) * stride_xc, mask=mask, other=0.0)
+    a, g = _x_loads(x_rows + cols * stride_xc, mask, n_x * stride_xc, GATED)
     return a, g, mask, n_prefix + cols
 
 
@@ -160,9 +174,7 @@ def _piece_values(a, g, PREFIX: tl.constexpr, ACT: tl.constexpr, GATED: tl.const
     masked (act(0) = 0)."""
     if PREFIX:
         return a.to(tl.float32)
-    if GATED:
-        return a.to(tl.float32) * _activate(g.to(tl.float32), ACT)
-    return _activate(a.to(tl.float32), ACT)
+    return _activated(a, g, ACT, GATED)
 
 
 @triton.jit(do_not_specialize=["n_rows", "seg_rows"])
