@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from sd_kernels.ops.custom_ops import attention, qk_norm_rope, qk_norm_rope_kv
+from sd_kernels.ops.custom_ops import attention, qk_norm_rope, qk_norm_rope_fp8, qk_norm_rope_kv
 from sd_kernels.ops.rope import kv_layout, kv_shape_of
 from sd_kernels.profiles import scoped
 
@@ -179,15 +179,16 @@ class SDKernelsFluxAttnProcessor:
         return context_parallel.ring_degree(self._parallel_config) is not None and self._native()
 
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+                   attention_mask: torch.Tensor | None, kv_stats=None) -> torch.Tensor:
         """diffusers' ``dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
-        backend=self._attention_backend, parallel_config=self._parallel_config)`` on [B, S, H, D]."""
+        backend=self._attention_backend, parallel_config=self._parallel_config)`` on [B, S, H, D]; ``kv_stats``:
+        the FP8 attention's K/V statistics from ``qk_norm_rope_fp8``, or None."""
         parallel = self._parallel_config
         if attention_mask is None and self._native():
             if parallel is None:
                 # diffusers' native backend: SDPA(q, k, v) on the [B, H, S, D] views, the result permuted back
                 query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-                return attention(query, key, value, precision=self.precision).permute(0, 2, 1, 3)
+                return attention(query, key, value, precision=self.precision, kv_stats=kv_stats).permute(0, 2, 1, 3)
             if context_parallel.serves(parallel):  # Ulysses (diffusers' template, our local attention) or ring
                 context_parallel.check_heads(query.shape[2], parallel, "FluxAttention")
                 return context_parallel.attention(query, key, value, parallel)
@@ -236,7 +237,7 @@ class SDKernelsFluxAttnProcessor:
         ring = attention_mask is None and self._ring()  # the keys and values go out as one buffer
         text = attn.added_kv_proj_dim is not None
         fused = _fused_inputs(attn, query, encoder_query if text else None, image_rotary_emb)
-        kv = None
+        kv = kv_stats = None
         if fused is not None:  # the lines below in one op: sd_kernels.ops.qk_norm_rope
             eps, (q_weight, k_weight, eq_weight, ek_weight), (cos, sin) = fused
             stream = dict(eq=encoder_query, ek=encoder_key, ev=encoder_value, eq_weight=eq_weight,
@@ -247,6 +248,10 @@ class SDKernelsFluxAttnProcessor:
                 shape = kv_shape_of(query, encoder_query if text else None, attn.head_dim)
                 out = context_parallel.kv_buffer(shape, query.dtype, query.device, self._parallel_config)
                 query, kv = qk_norm_rope_kv(*args, **norm_rope, kv_out=out)
+            elif (self.precision == "fp8" and attention_mask is None and self._parallel_config is None
+                  and self._native()):
+                # the FP8 attention's K/V statistics computed as the keys are written (its pre-pass then skips them)
+                query, key, value, kv_stats = qk_norm_rope_fp8(*args, **norm_rope)
             else:
                 query, key, value = qk_norm_rope(*args, **norm_rope)
         else:
@@ -278,10 +283,11 @@ class SDKernelsFluxAttnProcessor:
         if ring:
             pending = context_parallel.gather_kv(kv, self._parallel_config)
             return functools.partial(self._finish, attn, query, pending, None, None, encoder_hidden_states, in_parts)
-        return functools.partial(self._finish, attn, query, key, value, attention_mask, encoder_hidden_states)
+        return functools.partial(self._finish, attn, query, key, value, attention_mask, encoder_hidden_states,
+                                 kv_stats=kv_stats)
 
     @scoped
-    def _finish(self, attn, query, key, value, attention_mask, encoder_hidden_states, in_parts=False):
+    def _finish(self, attn, query, key, value, attention_mask, encoder_hidden_states, in_parts=False, kv_stats=None):
         """The call from the attention core on (``value`` None: ``key`` is the ring exchange under way, attended
         in parts as it arrives where ``in_parts``: patches/context_parallel.py)."""
         if value is None:
@@ -289,7 +295,7 @@ class SDKernelsFluxAttnProcessor:
         else:
             # diffusers: dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=...,
             # parallel_config=...)
-            hidden_states = self._attention(query, key, value, attention_mask)
+            hidden_states = self._attention(query, key, value, attention_mask, kv_stats)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 

@@ -567,7 +567,7 @@ def fp8_reason(q, k, v, attn_mask, scale) -> str | None:
     return _fp8.input_reason(q, k, v, attn_mask, scale)
 
 
-def _fp8_or_none(q, k, v, attn_mask, scale, precision: str) -> torch.Tensor | None:
+def _fp8_or_none(q, k, v, attn_mask, scale, precision: str, kv_stats=None) -> torch.Tensor | None:
     """The FP8 kernel's output for a call ``precision`` routes to it, else None (the exact path)."""
     if precision not in PRECISIONS:
         raise ValueError(f"attention: precision must be one of {PRECISIONS}, got {precision!r}")
@@ -579,7 +579,9 @@ def _fp8_or_none(q, k, v, attn_mask, scale, precision: str) -> torch.Tensor | No
         declined("attention_fp8", why)
         return None
     qk = FP8_QK[q.shape[-1]]  # fp8_reason took only the FP8 kernel's head dims
-    return _fp8.attention_fp8(q, k, v, None, scale, qk) if use_kernel("attention_fp8", q, k, v) else None
+    if not use_kernel("attention_fp8", q, k, v):
+        return None
+    return _fp8.attention_fp8(q, k, v, None, scale, qk, kv_stats=kv_stats)
 
 
 def attention(
@@ -590,6 +592,7 @@ def attention(
     scale: float | None = None,
     upcast: bool = False,
     precision: str = "exact",
+    kv_stats: _fp8.KvStats | None = None,
 ) -> torch.Tensor:
     """Attention by the path ``attention_path`` picks: FlashAttention where it fits (the Hopper wgmma
     kernel at the head dims the profile lists for it), else the paper's partially fused softmax, else
@@ -602,8 +605,10 @@ def attention(
 
     ``precision="fp8"`` (opt-in, lossy): calls ``fp8_reason`` accepts run ``ops.attention_fp8`` with the
     Q·Kᵀ mode ``FP8_QK`` gives their head dim (docs/kernels/attention_fp8.md); the rest as with "exact".
+    ``kv_stats``: k's and v's statistics for the FP8 kernel's pre-pass (``ops.attention_fp8.KvStats``), from the
+    op that wrote them; the exact paths ignore them.
     """
-    if precision != "exact" and (out := _fp8_or_none(q, k, v, attn_mask, scale, precision)) is not None:
+    if precision != "exact" and (out := _fp8_or_none(q, k, v, attn_mask, scale, precision, kv_stats)) is not None:
         return out
     key = _plan_key("attention", q, k, v, attn_mask, scale, upcast)
     out = _run_plan(key, q, k, v, attn_mask)

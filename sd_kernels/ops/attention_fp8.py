@@ -37,6 +37,7 @@ kernel on the exact Hopper kernel's schedule (ops/attention_fp8_wgmma.py) for ``
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -323,24 +324,58 @@ def run_reason(q, k, v, batch) -> str | None:
     return kernel_reason(q, k, v, batch=batch) or _fp8_device_reason(q)
 
 
+class KvStats(NamedTuple):
+    """The statistics pass's partials of one key and value, computed elsewhere (ops/rope.py's ``qk_norm_rope_fp8``,
+    as it writes them): ``quantize_kv`` takes them in place of its own pass where ``serves`` says they are of the
+    keys and values it was given, as they are now."""
+
+    k_sum: torch.Tensor  # [B·H, n_chunks, D] fp32: per chunk of keys, the per-channel sums of k
+    v_max: torch.Tensor  # [B·H, n_chunks, D] fp32: ... and max |v|
+    source: tuple  # (k's, v's) (data pointer, version counter, shape, strides) as [B, H, S, D] when computed
+    tensors: tuple  # (key, value): held, so that their memory is not another tensor's while these are kept
+
+    @staticmethod
+    def of(key: torch.Tensor, value: torch.Tensor, k_sum: torch.Tensor, v_max: torch.Tensor) -> KvStats:
+        """The partials ``k_sum``, ``v_max`` of ``key`` and ``value`` [B, S, H, D], just computed."""
+        return KvStats(k_sum, v_max, tuple(_identity(t.transpose(1, 2)) for t in (key, value)), (key, value))
+
+    def serves(self, k4: torch.Tensor, v4: torch.Tensor) -> bool:
+        """Whether these are the partials of [B, H, S, D] views k4, v4: the same memory, layout and versions."""
+        return self.source == (_identity(k4), _identity(v4))
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype
+
+
 def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
-                permute_v: bool = False):
+                permute_v: bool = False, stats: KvStats | None = None):
     """The pre-pass: (k8 [B·H, S_PAD, D] int8 or e4m3, k_scale [B·H, S_PAD / key_block] fp32, v8 [B·H, D,
     S_PAD] e4m3 or None, v_scale [B·H, D] fp32 or None) from [B, H, S, D] views; S_PAD: S in whole key
-    blocks. ``permute_v``: v8's keys in ``wgmma_key_order`` (the Hopper kernel's), else in order."""
+    blocks. ``permute_v``: v8's keys in ``wgmma_key_order`` (the Hopper kernel's), else in order. ``stats``:
+    the statistics pass's partials computed beside the code that wrote k4 and v4 (``KvStats``), used where they
+    serve these views (``pv="fp8"``), else the pass runs."""
     B, H, S, D = k4.shape
     n_blocks = cdiv(S, key_block)
     s_pad = n_blocks * key_block
-    chunk = max(STATS_ROWS, next_pow2(cdiv(S, MAX_CHUNKS)))  # 128 up to 8,192 keys
-    n_chunks = cdiv(S, chunk)
     dev, f32, e4m3 = k4.device, torch.float32, torch.float8_e4m3fn
     v_fp8 = pv == "fp8"
-    k_sum = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev)
-    v_max = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev) if v_fp8 else k_sum
-    rows = 16 if interpreting() else STATS_STEP
     strides = (*k4.stride(), *v4.stride())
-    _STATS((D, v_fp8, k4.dtype, rows, chunk), (B * H, n_chunks), k4, v4, k_sum, v_max, *strides, H, S,
-           D=D, ROWS=rows, CHUNK=chunk, V_MAX=v_fp8, num_warps=STATS_WARPS)
+    if stats is not None and not (v_fp8 and stats.serves(k4, v4)):
+        declined("attention_fp8", "K/V statistics of other tensors, or of these before a change: the statistics pass "
+                             "runs" if v_fp8 else f"pv={pv!r} takes no V statistics")
+        stats = None
+    if stats is not None:
+        k_sum, v_max = stats.k_sum, stats.v_max
+        n_chunks = k_sum.shape[1]
+    else:
+        chunk = max(STATS_ROWS, next_pow2(cdiv(S, MAX_CHUNKS)))  # 128 up to 8,192 keys
+        n_chunks = cdiv(S, chunk)
+        k_sum = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev)
+        v_max = torch.empty(B * H, n_chunks, D, dtype=f32, device=dev) if v_fp8 else k_sum
+        rows = 16 if interpreting() else STATS_STEP
+        _STATS((D, v_fp8, k4.dtype, rows, chunk), (B * H, n_chunks), k4, v4, k_sum, v_max, *strides, H, S,
+               D=D, ROWS=rows, CHUNK=chunk, V_MAX=v_fp8, num_warps=STATS_WARPS)
     k8 = torch.empty(B * H, s_pad, D, dtype=torch.int8 if qk == "int8" else e4m3, device=dev)
     k_scale = torch.empty(B * H, n_blocks, dtype=f32, device=dev)
     v8 = torch.empty(B * H, D, s_pad, dtype=e4m3, device=dev) if v_fp8 else None
@@ -385,10 +420,12 @@ def _on_hopper(t: torch.Tensor) -> bool:
 
 
 def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
-                   config: triton.Config | None = None, n_consumers: int | None = None) -> torch.Tensor:
-    """The pre-pass and the kernel on [B, H, S, D] views; ``key_block``, ``config`` (the Triton kernel's,
-    bypassing its autotuner) and ``n_consumers`` (the Hopper kernel's, which it then runs whatever
-    ``kernel_choice`` says, or raises ValueError where it cannot) are the tests' and benchmarks' overrides."""
+                   config: triton.Config | None = None, n_consumers: int | None = None,
+                   kv_stats: KvStats | None = None) -> torch.Tensor:
+    """The pre-pass (given ``kv_stats``, its statistics where they serve: ``quantize_kv``) and the kernel on
+    [B, H, S, D] views; ``key_block``, ``config`` (the Triton kernel's, bypassing its autotuner) and
+    ``n_consumers`` (the Hopper kernel's, which it then runs whatever ``kernel_choice`` says, or raises ValueError
+    where it cannot) are the tests' and benchmarks' overrides."""
     B, H, Sq, D = q4.shape
     Sk = k4.shape[2]
     if n_consumers is not None:  # the Hopper kernel, asked for by name
@@ -399,7 +436,7 @@ def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", 
         hopper = True
     else:
         hopper = config is None and kernel_choice(q4, qk, pv, key_block) == "wgmma"
-    k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block, permute_v=hopper)
+    k8, k_scale, v8, v_scale = quantize_kv(k4, v4, qk, pv, key_block, permute_v=hopper, stats=kv_stats)
     out = _common.alloc_output((B, H, Sq, D), q4, heads_inner=q4.stride(1) < q4.stride(2))
     if hopper:
         return _hopper.attention(q4, k8, k_scale, v8, v_scale, out, Sk, scale * LOG2E, qk, n_consumers)
@@ -417,11 +454,13 @@ def _attention_fp8(q4, k4, v4, scale: float, qk: str = "int8", pv: str = "fp8", 
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                  scale: float | None = None, qk: str = "int8", pv: str = "fp8") -> torch.Tensor:
+                  scale: float | None = None, qk: str = "int8", pv: str = "fp8",
+                  kv_stats: KvStats | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` on 8-bit tensor-core dots: Q·Kᵀ in
     int8 (``qk="int8"``, default) or e4m3 (``qk="fp8"``), P·V in e4m3 (``pv="fp8"``, default) or in
     the input dtype (``pv="input"``). The module docstring gives the algorithm,
-    docs/kernels/attention_fp8.md its error and speed.
+    docs/kernels/attention_fp8.md its error and speed. ``kv_stats``: k's and v's statistics from the op that
+    wrote them (``KvStats``; ops/rope.py's ``qk_norm_rope_fp8``), which spare the pre-pass its first kernel.
 
     q [..., Sq, D], k and v [..., Sk, D], fp16 or bf16, D 64 or 128, batch dims broadcast (up to two
     in the kernel); ``attn_mask`` must be None (the argument is there for the flash signature).
@@ -435,4 +474,4 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
     if not use_kernel("attention_fp8", q, k, v, unsupported=run_reason(q, k, v, batch)):
         return reference.attention_fp8(q, k, v, scale, qk, pv)
     views = [as_4d(t, batch, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
-    return from_4d(_attention_fp8(*views, default_scale(q, scale), qk, pv), batch)
+    return from_4d(_attention_fp8(*views, default_scale(q, scale), qk, pv, kv_stats=kv_stats), batch)

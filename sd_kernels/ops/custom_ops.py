@@ -328,13 +328,13 @@ def linear_gelu(x, weight, bias=None, approximate="none"):
     return gelu_ops.linear_gelu(x, weight, bias, approximate, activation=gelu)
 
 
-def attention(q, k, v, attn_mask=None, scale=None, upcast=False, precision="exact"):
+def attention(q, k, v, attn_mask=None, scale=None, upcast=False, precision="exact", kv_stats=None):
     """``sd_kernels.ops.attention.attention``; ``precision="fp8"`` routes the calls the FP8 kernel takes
-    to it (``ops.attention.fp8_reason``)."""
+    to it (``ops.attention.fp8_reason``). ``kv_stats`` (eager calls; a compiled graph computes its own)."""
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.attention(q, k, v, attn_mask, None if scale is None else float(scale), upcast,
                                               precision)
-    return attention_ops.attention(q, k, v, attn_mask, scale, upcast, precision)
+    return attention_ops.attention(q, k, v, attn_mask, scale, upcast, precision, kv_stats)
 
 
 def attention_fp8(q, k, v, scale=None, qk="int8", pv="fp8"):
@@ -435,6 +435,16 @@ def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, c
         query, key, value = qk_norm_rope(*args)
         return query, rope_ops.kv_layout(key, value)
     return rope_ops.qk_norm_rope_kv(*args, kv_out=kv_out)
+
+
+def qk_norm_rope_fp8(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None,
+                     ek=None, ev=None, eq_weight=None, ek_weight=None):
+    """``sd_kernels.ops.rope.qk_norm_rope_fp8``: (query, key, value, the FP8 attention's K/V statistics); traced,
+    ``qk_norm_rope``'s op and no statistics (the compiled attention computes its own)."""
+    args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    if torch.compiler.is_compiling():
+        return (*qk_norm_rope(*args), None)
+    return rope_ops.qk_norm_rope_fp8(*args)
 
 
 OPS = tuple(_REGISTERED)  # torch.ops.sd_kernels.*, as registered above

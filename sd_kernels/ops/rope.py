@@ -31,6 +31,8 @@ is a ValueError (``reference.check_qk_norm_rope_args``).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
@@ -40,9 +42,15 @@ from sd_kernels.ops.layout import vectors
 from sd_kernels.runtime.dispatch import interpreting, tensor_reason, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
+# the module (sd_kernels.ops re-exports a function of its name)
+_fp8 = importlib.import_module("sd_kernels.ops.attention_fp8")
+
 _ELEMS = 1024  # elements per program and tensor: 8 rows of FLUX's D = 128
 _INTERPRETED_ELEMS = 4096  # ... under the interpreter, whose cost is per program: fewer, larger programs
 _MAX_D = 1024  # a head dim wider than any model's; one program's row tile
+STATS_ELEMS = 1024  # qk_norm_rope_fp8: elements per step and tensor (8 tokens of one head at D = 128)
+STATS_CHUNK = 128  # ...and tokens per program, at least
+STATS_STAGES = 3  # ...and its loop's stages: each step's loads issued two steps ahead
 
 
 @triton.jit
@@ -62,7 +70,8 @@ def _pairs(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 def _norm_rope(src, off, stride_d, w_ptr, dst, out_off, d, mask, D, eps, ce, co, se, so,
                NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """One of q, k: its rows RMS-normalized over D (times the weight), rotated, stored."""
+    """One of q, k: its rows RMS-normalized over D (times the weight), rotated, stored; returned as stored
+    (rounded to the output's dtype), in fp32."""
     x = _rows(src, off, d, mask, stride_d)
     if NORM:
         ms = tl.math.div_rn(tl.sum(x * x, axis=1), D * 1.0)
@@ -72,7 +81,42 @@ def _norm_rope(src, off, stride_d, w_ptr, dst, out_off, d, mask, D, eps, ce, co,
     if ROPE:
         xe, xo = _pairs(x, ROWS, BLOCK_D)
         x = tl.reshape(tl.join(xe * ce - xo * se, xo * co + xe * so), (ROWS, BLOCK_D))
-    tl.store(dst + out_off[:, None] + d[None, :], x.to(dst.dtype.element_ty), mask=mask)
+    x = x.to(dst.dtype.element_ty)
+    tl.store(dst + out_off[:, None] + d[None, :], x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _tile(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, sample, token, head, mask, d,
+          S, H, D, offset, s_total, kv_row, eps,
+          stride_qb, stride_qs, stride_qd, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+          stride_cs, stride_cd, stride_ss, stride_sd,
+          NORM: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROPE: tl.constexpr, HAS_V: tl.constexpr,
+          LOAD_V: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows (sample, token, head) of one stream (ROWS of them; each index a vector or a scalar): q and k
+    normalized (NORM) and rotated (ROPE), v copied (HAS_V), into [B, s_total, H, D] outputs at token ``offset``:
+    q's contiguous, k's and v's ``kv_row`` elements a token apart (H·D: contiguous; 2·H·D: the two halves of one
+    [B, s_total, 2, H, D] buffer). Returns k as stored and (LOAD_V) v, in fp32 (masked elements 0)."""
+    out_off = ((sample * s_total + offset + token) * H + head) * D
+    kv_off = (sample * s_total + offset + token) * kv_row + head * D
+    col = head * D  # the head's first element in the H·D projection row
+
+    ce, co, se, so = 0.0, 0.0, 0.0, 0.0
+    if ROPE:
+        ce, co = _pairs(_rows(cos_ptr, (offset + token) * stride_cs, d, mask, stride_cd), ROWS, BLOCK_D)
+        se, so = _pairs(_rows(sin_ptr, (offset + token) * stride_ss, d, mask, stride_sd), ROWS, BLOCK_D)
+    _norm_rope(q_ptr, sample * stride_qb + token * stride_qs + col * stride_qd, stride_qd, wq_ptr, oq_ptr, out_off,
+               d, mask, D, eps, ce, co, se, so, NORM, HAS_WQ, ROPE, ROWS, BLOCK_D)
+    k = _norm_rope(k_ptr, sample * stride_kb + token * stride_ks + col * stride_kd, stride_kd, wk_ptr, ok_ptr,
+                   kv_off, d, mask, D, eps, ce, co, se, so, NORM, HAS_WK, ROPE, ROWS, BLOCK_D)
+    v = k
+    if LOAD_V:
+        off = sample * stride_vb + token * stride_vs + col * stride_vd
+        v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_vd, mask=mask, other=0.0)
+        if HAS_V:
+            tl.store(ov_ptr + kv_off[:, None] + d[None, :], v, mask=mask)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit
@@ -84,37 +128,54 @@ def _qk_norm_rope_kernel(
     NORM: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROPE: tl.constexpr, HAS_V: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Rows [pid·ROWS, (pid + 1)·ROWS) of one stream's B·S·H (token, head) rows: q and k normalized
-    (NORM) and rotated (ROPE), v copied (HAS_V), into [B, s_total, H, D] outputs at token ``offset``:
-    q's contiguous, k's and v's ``kv_row`` elements a token apart (H·D: contiguous; 2·H·D: the two
-    halves of one [B, s_total, 2, H, D] buffer). Rows are loaded whole (contiguous, vector loads) and
-    split into the rotation's pairs in registers."""
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of one stream's B·S·H (token, head) rows (``_tile``). Rows are loaded
+    whole (contiguous, vector loads) and split into the rotation's pairs in registers."""
     # int64: (sample·s_total + token)·H·D passes 2³¹ on large batches
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    head = rows % H
-    token = (rows // H) % S
-    sample = rows // (H * S)
     d = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (d < D)[None, :]
-    out_off = ((sample * s_total + offset + token) * H + head) * D
-    kv_off = (sample * s_total + offset + token) * kv_row + head * D
-    col = head * D  # the head's first element in the H·D projection row
+    _tile(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, rows // (H * S),
+          (rows // H) % S, rows % H, mask, d, S, H, D, offset, s_total, kv_row, eps,
+          stride_qb, stride_qs, stride_qd, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+          stride_cs, stride_cd, stride_ss, stride_sd, NORM, HAS_WQ, HAS_WK, ROPE, HAS_V, HAS_V, ROWS, BLOCK_D)
 
-    ce, co, se, so = 0.0, 0.0, 0.0, 0.0
-    if ROPE:
-        ce, co = _pairs(_rows(cos_ptr, (offset + token) * stride_cs, d, mask, stride_cd), ROWS, BLOCK_D)
-        se, so = _pairs(_rows(sin_ptr, (offset + token) * stride_ss, d, mask, stride_sd), ROWS, BLOCK_D)
-    _norm_rope(q_ptr, sample * stride_qb + token * stride_qs + col * stride_qd, stride_qd, wq_ptr, oq_ptr, out_off,
-               d, mask, D, eps, ce, co, se, so, NORM, HAS_WQ, ROPE, ROWS, BLOCK_D)
-    _norm_rope(k_ptr, sample * stride_kb + token * stride_ks + col * stride_kd, stride_kd, wk_ptr, ok_ptr, kv_off,
-               d, mask, D, eps, ce, co, se, so, NORM, HAS_WK, ROPE, ROWS, BLOCK_D)
-    if HAS_V:
-        off = sample * stride_vb + token * stride_vs + col * stride_vd
-        v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_vd, mask=mask, other=0.0)
-        tl.store(ov_ptr + kv_off[:, None] + d[None, :], v, mask=mask)
+
+@triton.jit
+def _qk_norm_rope_stats_kernel(
+    q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, ksum_ptr, vmax_ptr,
+    S, H, D, offset, s_total, kv_row, eps, first_chunk, n_chunks,
+    stride_qb, stride_qs, stride_qd, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    stride_cs, stride_cd, stride_ss, stride_sd,
+    NORM: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, ROPE: tl.constexpr, HAS_V: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``_qk_norm_rope_kernel``'s work on CHUNK tokens of one (sample, head), ROWS tokens a step, with the
+    FP8 attention's K/V statistics of those tokens (ops.attention_fp8's ``_kv_stats_kernel`` on the keys and
+    values as stored): their per-channel sums of k and max |v|, into chunk ``first_chunk`` + this program's of
+    the [B·H, n_chunks, D] partials. Programs of one chunk's heads run side by side (heads fastest), so
+    that together they read whole token rows."""
+    bh, chunk = tl.program_id(0), tl.program_id(1)
+    sample, head = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ksum = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    vmax = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for t0 in tl.range(0, CHUNK, ROWS, num_stages=STAGES):
+        token = chunk.to(tl.int64) * CHUNK + t0 + tl.arange(0, ROWS)
+        mask = (token < S)[:, None] & (d < D)[None, :]
+        k, v = _tile(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, sample, token,
+                     head, mask, d, S, H, D, offset, s_total, kv_row, eps,
+                     stride_qb, stride_qs, stride_qd, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                     stride_vd, stride_cs, stride_cd, stride_ss, stride_sd, NORM, HAS_WQ, HAS_WK, ROPE, HAS_V,
+                     True, ROWS, BLOCK_D)
+        ksum += k
+        vmax = tl.maximum(vmax, tl.abs(v))
+    out = (bh * n_chunks + first_chunk + chunk) * D + d
+    tl.store(ksum_ptr + out, tl.sum(ksum, 0), mask=d < D)
+    tl.store(vmax_ptr + out, tl.max(vmax, 0), mask=d < D)
 
 
 _LAUNCH = Launcher(_qk_norm_rope_kernel)
+_LAUNCH_STATS = Launcher(_qk_norm_rope_stats_kernel)
 
 
 def _kernel_reason(activations: tuple, weights: tuple, rotary: tuple, head_dim: int) -> str | None:
@@ -139,30 +200,36 @@ def blocks(head_dim: int, elems: int = _ELEMS) -> tuple[int, int, int]:
     return rows, block_d, min(8, max(2, rows * block_d // 512))
 
 
-def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offset: int, head_dim: int) -> None:
+def _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out: tuple, offset: int, head_dim: int,
+                   stats: tuple | None = None) -> None:
     """One stream's rows into ``out`` = (query, key, value or None) at token ``offset``: query contiguous,
-    key and value contiguous or the halves of one [B, S, 2, H, D] buffer (``qk_norm_rope_kv``)."""
+    key and value contiguous or the halves of one [B, S, 2, H, D] buffer (``qk_norm_rope_kv``). ``stats`` =
+    (k_sum, v_max, first chunk, chunk): also the FP8 attention's K/V partials, a chunk of tokens a program."""
     bsz, s, n = q.shape
     heads = n // head_dim
     n_rows = bsz * s * heads
     if n_rows == 0:
         return
     q_weight, k_weight = vectors(q_weight, k_weight)
-    rows, block_d, num_warps = blocks(head_dim, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
     oq, ok, ov = out
     flags = dict(NORM=eps is not None, HAS_WQ=q_weight is not None, HAS_WK=k_weight is not None,
                  ROPE=cos is not None, HAS_V=ov is not None)
-    key = (*flags.values(), rows, block_d, num_warps)
     c, sn = (q, q) if cos is None else (cos, sin)
-    vv = q if ov is None else v
-    _LAUNCH(
-        key, (cdiv(n_rows, rows),),
-        q, k, vv, q if q_weight is None else q_weight, q if k_weight is None else k_weight, c, sn,
-        oq, ok, oq if ov is None else ov,
-        n_rows, s, heads, head_dim, offset, oq.shape[1], ok.stride(1), 0.0 if eps is None else float(eps),
-        *q.stride(), *k.stride(), *vv.stride(), *c.stride()[-2:], *sn.stride()[-2:],
-        **flags, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    vv = q if ov is None and stats is None else v
+    args = (q, k, vv, q if q_weight is None else q_weight, q if k_weight is None else k_weight, c, sn,
+            oq, ok, oq if ov is None else ov)
+    geometry = (s, heads, head_dim, offset, oq.shape[1], ok.stride(1), 0.0 if eps is None else float(eps))
+    strides = (*q.stride(), *k.stride(), *vv.stride(), *c.stride()[-2:], *sn.stride()[-2:])
+    if stats is None:
+        rows, block_d, num_warps = blocks(head_dim, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
+        _LAUNCH((*flags.values(), rows, block_d, num_warps), (cdiv(n_rows, rows),), *args, n_rows, *geometry,
+                *strides, **flags, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps)
+        return
+    k_sum, v_max, first, chunk = stats
+    rows, block_d, num_warps = blocks(head_dim, _INTERPRETED_ELEMS if interpreting() else STATS_ELEMS)
+    _LAUNCH_STATS((*flags.values(), rows, block_d, num_warps, chunk, STATS_STAGES), (bsz * heads, cdiv(s, chunk)),
+                  *args, k_sum, v_max, *geometry, first, k_sum.shape[1], *strides, **flags, ROWS=rows,
+                  BLOCK_D=block_d, CHUNK=chunk, STAGES=STATS_STAGES, num_warps=num_warps)
 
 
 def qk_norm_rope(
@@ -193,6 +260,34 @@ def qk_norm_rope(
     value = None if eq is None else _alloc(shape, q)
     _launch_streams(*args, out=(query, key, value))
     return query, key, v.unflatten(-1, (-1, head_dim)) if value is None else value
+
+
+def qk_norm_rope_fp8(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
+                     ev=None, eq_weight=None, ek_weight=None):
+    """``qk_norm_rope``'s (query, key, value) and the FP8 attention's K/V statistics of that key and value
+    (``attention_fp8.KvStats``; None where the kernel does not run), computed by the same launches as they
+    write the key and read the value: ``attention(..., precision="fp8", kv_stats=...)`` then skips its own
+    statistics pass over them (ops/attention_fp8.py, ``quantize_kv``)."""
+    args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    if not _kernel_runs(*args):
+        return (*reference.qk_norm_rope(*args), None)
+    shape = _heads_shape(q, eq, head_dim)
+    query, key = _alloc(shape, q), _alloc(shape, q)
+    value = None if eq is None else _alloc(shape, q)
+    bsz, tokens, heads, _ = shape
+    chunk = stats_chunk(q.shape[1], 0 if eq is None else eq.shape[1])
+    n_chunks = cdiv(q.shape[1], chunk) + (0 if eq is None else cdiv(eq.shape[1], chunk))
+    k_sum, v_max = (torch.empty(bsz * heads, n_chunks, head_dim, dtype=torch.float32, device=q.device)
+                    for _ in range(2))
+    _launch_streams(*args, out=(query, key, value), stats=(k_sum, v_max, chunk))
+    value = v.unflatten(-1, (-1, head_dim)) if value is None else value
+    return query, key, value, _fp8.KvStats.of(key, value, k_sum, v_max)
+
+
+def stats_chunk(s_image: int, s_text: int) -> int:
+    """Tokens a program of ``qk_norm_rope_fp8`` takes: ``STATS_CHUNK`` at least, a power of two, and as many as
+    keep each stream within half of the FP8 attention's ``MAX_CHUNKS`` partials a head."""
+    return max(STATS_CHUNK, next_pow2(cdiv(max(s_image, s_text), _fp8.MAX_CHUNKS // 2)))
 
 
 def qk_norm_rope_kv(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
@@ -247,12 +342,17 @@ def _heads_shape(q: torch.Tensor, eq: torch.Tensor | None, head_dim: int) -> tup
 
 
 def _launch_streams(q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight, *,
-                    out: tuple) -> None:
-    """The text stream's launch (if any) at token 0, the image stream's after it."""
+                    out: tuple, stats: tuple | None = None) -> None:
+    """The text stream's launch (if any) at token 0, the image stream's after it; ``stats`` = (k_sum, v_max,
+    chunk): each stream's K/V partials too, the text stream's chunks first."""
     s_text = 0 if eq is None else eq.shape[1]
+    text_stats = image_stats = None
+    if stats is not None:
+        k_sum, v_max, chunk = stats
+        text_stats, image_stats = (k_sum, v_max, 0, chunk), (k_sum, v_max, cdiv(s_text, chunk), chunk)
     if eq is not None:
-        _launch_stream(eq, ek, ev, eq_weight, ek_weight, eps, cos, sin, out, 0, head_dim)
-    _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out, s_text, head_dim)
+        _launch_stream(eq, ek, ev, eq_weight, ek_weight, eps, cos, sin, out, 0, head_dim, text_stats)
+    _launch_stream(q, k, v, q_weight, k_weight, eps, cos, sin, out, s_text, head_dim, image_stats)
 
 
 def _alloc(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,9 @@ def _float64(args):
     return tuple(a.double() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_against_float64(args):
-    ours = qk_norm_rope(*args)
+def check_against_float64(args, ours=None):
+    """qk_norm_rope's outputs (or ``ours``, another op's of the same args) against stock's and float64's."""
+    ours = qk_norm_rope(*args) if ours is None else ours
     stock = reference.qk_norm_rope(*args)
     ref64 = reference.qk_norm_rope(*_float64(args))
     for name, o, st, r in zip(("query", "key"), ours, stock, ref64):
@@ -173,6 +174,51 @@ def test_keys_and_values_side_by_side_are_qk_norm_ropes(case, backend, monkeypat
     for bad in (strided, torch.empty_like(kv)[:1], torch.empty_like(kv, dtype=torch.float32)):  # layout, shape, dtype
         with pytest.raises(ValueError, match="kv_out must be a contiguous"):
             qk_norm_rope_kv(*args, kv_out=bad)
+
+
+@pytest.mark.parametrize("case", ["flux-double", "flux-single"])
+def test_fp8_statistics_are_those_of_the_keys_and_values_written(case, device):
+    """qk_norm_rope_fp8: query and key as close to float64 as qk_norm_rope's are (compiled, its loop may contract
+    another product into an FMA: not always the same bits), the value the same; its K/V partials, over chunks of
+    each stream (a text stream of 77 tokens: chunks that do not divide it), sum to the key's per-channel sums
+    and max to the value's per-channel max |v|; the FP8 pre-pass given them writes what its own statistics
+    pass gives (K's codes within one, where the fp32 mean sums in another order), and refuses them once the
+    key changed in place or for another key."""
+    fp8_ops = importlib.import_module("sd_kernels.ops.attention_fp8")
+    args = make_args(b=2, s_text=77, s=200, heads=2, head_dim=64, dtype=torch.bfloat16, device=device, **CASES[case])
+    *outputs, stats = rope_ops.qk_norm_rope_fp8(*args)
+    query, key, value = check_against_float64(args, outputs)
+    chunk = rope_ops.stats_chunk(200, 77)
+    tokens = 277 if case != "flux-single" else 200
+    chunks = -(-200 // chunk) + (-(-77 // chunk) if case != "flux-single" else 0)
+    assert stats.k_sum.shape == stats.v_max.shape == (4, chunks, 64) and chunks > 1
+    k4, v4 = key.transpose(1, 2), value.transpose(1, 2)
+    want_sum = k4.double().sum(2).flatten(0, 1)
+    torch.testing.assert_close(stats.k_sum.double().sum(1), want_sum, rtol=0, atol=1e-5 * tokens)
+    assert torch.equal(stats.v_max.amax(1), v4.float().abs().amax(2).flatten(0, 1))
+    assert stats.serves(k4, v4)
+    own = fp8_ops.quantize_kv(k4, v4, "fp8", "fp8")
+    given = fp8_ops.quantize_kv(k4, v4, "fp8", "fp8", stats=stats)
+    assert (own[0].float() - given[0].float()).abs().max() <= 2 ** -6 * 448  # e4m3's widest step at its max
+    assert all(torch.equal(a, b) for a, b in zip(own[1:], given[1:]))
+    before = dict(dispatch.fallbacks())
+    assert not stats.serves(k4[:1], v4[:1])
+    key.mul_(2)  # a change in place: the statistics no longer serve, the pass runs
+    assert not stats.serves(k4, v4)
+    again = fp8_ops.quantize_kv(k4, v4, "fp8", "fp8", stats=stats)
+    fresh = fp8_ops.quantize_kv(k4, v4, "fp8", "fp8")
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+    assert sum(dispatch.fallbacks().values()) == sum(before.values()) + 1
+
+
+def test_fp8_statistics_off_the_kernels_ground_are_none(device):
+    """Where the kernel does not run (float64), qk_norm_rope_fp8 is the reference's three tensors and no
+    statistics (the attention's pre-pass computes its own)."""
+    args = _float64(make_args(device=device))
+    *outputs, stats = rope_ops.qk_norm_rope_fp8(*args)
+    assert stats is None
+    for got, want in zip(outputs, reference.qk_norm_rope(*args)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch: its unfused path

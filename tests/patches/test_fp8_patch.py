@@ -527,6 +527,30 @@ def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(nam
 
 
 @cpu_only
+def test_flux_fp8_attention_takes_its_key_statistics_from_the_norm_and_rotation(fp8_attention_calls, monkeypatch):
+    """FLUX's processors under the FP8 tier write the keys with qk_norm_rope_fp8 and hand its K/V statistics to
+    the attention: every FP8 attention call gets them and the pre-pass's own statistics kernel never runs; the
+    output is the one the pre-pass gives with its own statistics, within K's codes' one-step moves."""
+    model = _model("tiny-flux")
+    given, passes = [], []
+    spied = attention_fp8.attention_fp8
+    monkeypatch.setattr(attention_fp8, "attention_fp8",
+                        lambda *a, **kw: given.append(kw.get("kv_stats") is not None) or spied(*a, **kw))
+    launch = attention_fp8._STATS
+    monkeypatch.setattr(attention_fp8, "_STATS", lambda *a, **kw: passes.append(1) or launch(*a, **kw))
+    sd_kernels.patch(model, precision="fp8", ops=["attention"], cuda_graph=False)
+    try:
+        out = _call(model, "tiny-flux")
+        assert given and all(given) and not passes
+        monkeypatch.setattr(attention_fp8.KvStats, "serves", lambda *_: False)  # the pre-pass's own statistics
+        own = _call(model, "tiny-flux")
+        assert len(passes) == len(given) // 2
+    finally:
+        sd_kernels.unpatch(model)
+    assert rel_err(out, own) < 1e-2, rel_err(out, own)
+
+
+@cpu_only
 def test_the_fp8_tier_keeps_attention_exact_while_fp8_attention_is_off(fp8_attention_calls, monkeypatch):
     monkeypatch.setattr(fp8, "FP8_ATTENTION", ())
     model = _model("tiny-flux")
