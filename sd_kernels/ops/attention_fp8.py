@@ -14,7 +14,8 @@ gives the error figures and the trade-offs):
   softmax ignores, and takes the channels' common offset out of the range the 8 bits must cover.
   The block's scale multiplies the block's scores (one scalar per key block). A pre-pass (two small
   kernels: per-channel sums, then the quantization) writes K in 8 bits, padded to whole key blocks
-  with zeros.
+  with zeros; the sums come from the caller where it computed them as it wrote K (``KvStats``:
+  FLUX's q/k norm + RoPE, ops/rope.py's ``qk_norm_rope_fp8``), and the first kernel does not run.
 - Scores: the 8-bit dot (int32 or fp32 accumulation), times q_scale·k_scale·scale·log2(e); the
   online softmax in fp32 as ops/attention.py's flash kernel runs it (running max and sum, exp2).
 - P·V, ``pv="fp8"`` (default): P = exp2(s − running max) ∈ [0, 1] times 448 rounded to e4m3, V per
