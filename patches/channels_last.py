@@ -37,6 +37,7 @@ from sd_kernels.ops.layout import is_channels_last
 
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .families import family_of
+from .hooks import replay_safe
 from .record import PatchRecord
 
 
@@ -89,7 +90,7 @@ def _keep_transformer_outputs_nhwc(model: nn.Module, record: PatchRecord) -> Non
             record.set_attr(m, "_get_output_for_continuous_inputs", functools.partial(_nhwc_output, m),
                             "channels_last_output")
         elif type(m.proj_out) is nn.Conv2d:
-            hooks.append(m.proj_out.register_forward_pre_hook(_nhwc_input))
+            hooks.append(m.proj_out.register_forward_pre_hook(replay_safe(_nhwc_input)))
         else:
             record.skip(path, "Transformer2DModel", f"its output stays NCHW after its {type(m.proj_out).__name__} "
                         f"proj_out: not the diffusers {VERIFIED_WITH} _get_output_for_continuous_inputs the NHWC "

@@ -57,7 +57,11 @@ never pay for a capture they will not replay), the adapters' activation, scales,
 and fusing (``set_adapters``, ``disable_lora``, ``fuse_lora``), the attention processors, their
 ``scale`` and the attention backend diffusers' dispatch would run (``set_attn_processor``,
 ``set_ip_adapter_scale``, ``set_attention_backend``, the ``attention_backend`` context manager: FLUX's
-processors read them); offloading hooks added after the patch make the calls eager.
+processors read them); offloading hooks added after the patch make the calls eager, and so does a forward
+(pre-)hook on any module inside the model or on every module (``register_forward_hook``,
+``register_module_forward_hook``), added before or after a capture: a replay would not run it (the model's
+own hooks run around the graphed call). The patch's own hooks, others marked ``hooks.replay_safe`` and
+transformers' output-capturing hooks (``hooks.REPLAY_SAFE_MODULES``) are captured with the call.
 
 A model under diffusers' context parallelism (``enable_parallelism``) is not graphed by default: its
 forward runs collectives (Ulysses' all-to-alls, the ring's exchange, the output's all-gather) that a
@@ -84,6 +88,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime import precompile
@@ -91,6 +96,7 @@ from sd_kernels.runtime import precompile
 from . import execution_device, whole_step
 from .families import DENOISERS, GRAPH_PARTS, PARTS, family_of, is_denoiser
 from .graph_capture import HOST_NUMEL, capture, copy_in, timestep_tensor
+from .hooks import replay_skipped
 from .scheduler import host_timesteps
 
 log = logging.getLogger(__name__)
@@ -269,13 +275,18 @@ class _Watch:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.tree: tuple | None = None
+        self.named: list[tuple[str, nn.Module]] = []
         self.attention: list[nn.Module] = []
         self.tuners: list[nn.Module] = []
         self.derived: list[nn.Module] = []
         self.tensors: list[torch.Tensor] = []
+        self.handles = -1  # torch's hook handle counter when the modules' hooks were last read
+        self.skipped: str | None = None  # ...and the hook a replay would skip that they held
 
     def _find(self, tree: tuple) -> None:
         self.tree = tree
+        self.handles = -1
+        self.named = list(self.model.named_modules())[1:]  # the model's own hooks run around the graphed call
         self.tensors = [*self.model.parameters(), *self.model.buffers()]
         self.attention = [m for m in self.model.modules() if hasattr(m, "processor")]
         self.tuners = [m for m in self.model.modules() if hasattr(m, "merged_adapters")] if tree else []
@@ -290,6 +301,17 @@ class _Watch:
         tuners = tuple((repr(getattr(m, "_active_adapter", None)), repr(getattr(m, "scaling", None)),
                         getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
         return procs, tuners, flags, tuple(m.graph_state() for m in self.derived)
+
+    def hook(self, tree: tuple) -> str | None:
+        """A forward hook on the model's modules (or on every module) that a replay would skip, or None
+        (``hooks.replay_skipped``). Registering a hook takes a handle from torch's counter, so the modules are
+        read again only when it moved; while they hold such a hook, on every call (a removal moves nothing)."""
+        if tree != self.tree:
+            self._find(tree)
+        handles = RemovableHandle.next_id
+        if handles != self.handles or self.skipped is not None:
+            self.handles, self.skipped = handles, replay_skipped(self.named)
+        return self.skipped
 
     def placement(self, tree: tuple) -> tuple[int, ...]:
         """Every parameter's and buffer's address: the graphs read them there."""
@@ -410,6 +432,8 @@ class GraphedCall:
                 return MOVED, logging.INFO
         if state[2]:
             return "accelerate hooks (offloading) move the weights during the call", logging.WARNING
+        if hook := self.watch.hook(state[0]):  # captured, the call would run it once, at the capture
+            return f"{hook}: a graph's replay would not run it", logging.WARNING
         return None
 
     def prepare(self, leaves: list, tree: pytree.TreeSpec) -> None:

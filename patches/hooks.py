@@ -1,9 +1,21 @@
 """Whether calling a module runs more than its class's ``forward``: what a patch that re-states or skips
-the call must step aside for (hooks it would skip)."""
+the call must step aside for (hooks it would skip); and the forward hooks a CUDA graph's replay would skip
+(``replay_skipped``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch.nn as nn
+
+from sd_kernels.runtime.graph_hooks import REPLAY_SAFE, replay_safe
+
+__all__ = ["REPLAY_SAFE_MODULES", "called_beside", "global_hooks", "hooked", "replay_safe", "replay_skipped"]
+
+# Modules whose hook functions a replay may skip: transformers' output-capturing hooks (installed on a text
+# encoder's layers at its first call) only gather the hidden states its output returns, and a graph returns the
+# captured output whole.
+REPLAY_SAFE_MODULES = frozenset({"transformers.utils.output_capturing"})
 
 
 def global_hooks() -> bool:
@@ -31,3 +43,21 @@ def called_beside(m: nn.Module) -> bool:
     what calling it runs besides its class's ``forward`` (hooks: a user's, accelerate's, bench.fp8's
     per-layer ones) or instead of it (``Module.compile()``) would be passed by."""
     return hooked(m) or getattr(m, "_compiled_call_impl", None) is not None
+
+
+def replay_skipped(named: Iterable[tuple[str, nn.Module]]) -> str | None:
+    """The first forward (pre-)hook, global or on one of the ``named`` modules (those a graphed call runs inside
+    it), that a CUDA graph's replay would skip (neither marked ``replay_safe`` nor from ``REPLAY_SAFE_MODULES``), as
+    a phrase; None if there is none."""
+    from torch.nn.modules import module
+
+    def unsafe(hooks: dict) -> bool:
+        return any(not (getattr(h, REPLAY_SAFE, False) or getattr(h, "__module__", None) in REPLAY_SAFE_MODULES)
+                   for h in hooks.values())
+
+    if unsafe(module._global_forward_pre_hooks) or unsafe(module._global_forward_hooks):
+        return "a forward hook registered for every module"
+    for name, m in named:
+        if unsafe(m._forward_pre_hooks) or unsafe(m._forward_hooks):
+            return f"a forward hook on {name} ({type(m).__name__})"
+    return None

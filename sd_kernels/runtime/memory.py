@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from sd_kernels.runtime import launch
+from sd_kernels.runtime.graph_hooks import replay_safe
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,9 @@ class BudgetGuard:
         self.stats.reset_peak()
         self.stats.cap(self.budget)
         hooks = torch.nn.modules.module
-        self._handles = [hooks.register_module_forward_pre_hook(self._pre),
-                         hooks.register_module_forward_hook(self._post)]
+        # replay-safe: a graphed call captured under the guard passed its checks, and a replay allocates nothing
+        self._handles = [hooks.register_module_forward_pre_hook(replay_safe(self._pre)),
+                         hooks.register_module_forward_hook(replay_safe(self._post))]
         _GUARDS.append(self)
         return self
 

@@ -432,6 +432,60 @@ def test_a_buffer_moved_alone_recaptures(fake_cuda):
     assert len(fake_cuda) == 2
 
 
+def test_forward_hooks_inside_the_model_run_eagerly_until_removed(fake_cuda, monkeypatch, caplog):
+    """A forward hook on a module inside the graphed model, added after a capture, or one for every module: a
+    replay would not run it, so the calls run eagerly and it runs on each (logged once); removed, the graph
+    captured before replays again. The model's own hooks run around the graphed call and replay-safe ones are
+    captured with it: neither makes a call eager."""
+    from sd_kernels.patches import hooks
+
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    call, eager_calls, seen = graphed.forward, [], []
+    real = call._eager
+    monkeypatch.setattr(call, "_eager", lambda reason, *a, **k: eager_calls.append(reason) or real(reason, *a, **k))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="sd_kernels"):
+        want = eager(x, 10, **kw).sample
+        assert torch.equal(graphed(x, 10, **kw).sample, want) and len(fake_cuda) == 1 and not eager_calls
+        handle = graphed.conv_in.register_forward_hook(lambda *a: seen.append("conv_in"))
+        for _ in range(2):
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert seen == ["conv_in"] * 2 and len(eager_calls) == 2 and "conv_in (Conv2d)" in eager_calls[0]
+        handle.remove()
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert len(eager_calls) == 2 and len(fake_cuda) == 1  # the graph captured before replays
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        graphed(x, 10, **kw)
+        handle.remove()
+        assert len(eager_calls) == 3 and "every module" in eager_calls[2]
+        own = graphed.register_forward_pre_hook(lambda *a: seen.append("own"))
+        safe = graphed.conv_in.register_forward_hook(hooks.replay_safe(lambda *a: None))
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
+        own.remove()
+        safe.remove()
+        assert len(eager_calls) == 3 and seen[-1] == "own" and len(fake_cuda) == 1
+    assert len([r for r in caplog.records if "conv_in (Conv2d)" in r.message]) == 1
+
+
+def test_transformers_output_capturing_hooks_are_replay_safe():
+    """SDXL's CLIP encoders, asked for their hidden states, carry transformers' output-capturing hooks on their
+    layers from their first call: they only gather what the call returns (a graph returns its captured output
+    whole), so they do not make the graphed encoders eager; a hook of the user's on a layer does."""
+    from sd_kernels.patches import hooks
+
+    pipe = models.build_pipeline("tiny-xl")
+    with torch.no_grad():
+        pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="latent")
+    for encoder in (pipe.text_encoder, pipe.text_encoder_2):
+        inside = list(encoder.named_modules())[1:]
+        assert any(m._forward_hooks for _, m in inside)
+        assert hooks.replay_skipped(inside) is None
+        name, layer_norm = next((n, m) for n, m in inside if n.endswith("final_layer_norm"))
+        handle = layer_norm.register_forward_hook(lambda *a: None)
+        assert f"{name} (LayerNorm)" in hooks.replay_skipped(inside)
+        handle.remove()
+
+
 def test_weights_moved_around_every_call_never_capture(fake_cuda, caplog, monkeypatch):
     """The SDXL pipeline moves its VAE to fp32 for the decode and back after it, on every call: a
     capture would never be replayed, so those calls run eagerly (said once), and stay exact. The first
