@@ -256,13 +256,7 @@ def qk_norm_rope(
     dtype; value the text and image values joined (a new tensor), or without a text stream the view
     ``v.unflatten(-1, (-1, head_dim))`` (no copy, as stock)."""
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
-    if not _kernel_runs(*args):
-        return reference.qk_norm_rope(*args)
-    shape = _heads_shape(q, eq, head_dim)
-    query, key = _alloc(shape, q), _alloc(shape, q)
-    value = None if eq is None else _alloc(shape, q)
-    _launch_streams(*args, out=(query, key, value))
-    return query, key, v.unflatten(-1, (-1, head_dim)) if value is None else value
+    return _outputs(args, stats=False)[:3]
 
 
 def qk_norm_rope_fp8(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,
@@ -272,19 +266,28 @@ def qk_norm_rope_fp8(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, 
     write the key and read the value: ``attention(..., precision="fp8", kv_stats=...)`` then skips its own
     statistics pass over them (ops/attention_fp8.py, ``quantize_kv``)."""
     args = (q, k, v, head_dim, q_weight, k_weight, eps, cos, sin, eq, ek, ev, eq_weight, ek_weight)
+    return _outputs(args, stats=True)
+
+
+def _outputs(args: tuple, stats: bool) -> tuple:
+    """(query, key, value, the K/V statistics or None) for ``qk_norm_rope``'s arguments: the kernel's launches
+    (``stats``: the statistics kernel's, which also write the partials), or the reference and no statistics."""
     if not _kernel_runs(*args):
         return (*reference.qk_norm_rope(*args), None)
+    q, v, head_dim, eq = args[0], args[2], args[3], args[9]
     shape = _heads_shape(q, eq, head_dim)
     query, key = _alloc(shape, q), _alloc(shape, q)
     value = None if eq is None else _alloc(shape, q)
-    bsz, tokens, heads, _ = shape
-    chunk = stats_chunk(q.shape[1], 0 if eq is None else eq.shape[1])
-    n_chunks = cdiv(q.shape[1], chunk) + (0 if eq is None else cdiv(eq.shape[1], chunk))
-    k_sum, v_max = (torch.empty(bsz * heads, n_chunks, head_dim, dtype=torch.float32, device=q.device)
-                    for _ in range(2))
-    _launch_streams(*args, out=(query, key, value), stats=(k_sum, v_max, chunk))
+    partials = None
+    if stats:
+        s_text = 0 if eq is None else eq.shape[1]
+        chunk = stats_chunk(q.shape[1], s_text)
+        n_chunks = cdiv(q.shape[1], chunk) + cdiv(s_text, chunk)
+        partials = (*(torch.empty(shape[0] * shape[2], n_chunks, head_dim, dtype=torch.float32, device=q.device)
+                      for _ in range(2)), chunk)
+    _launch_streams(*args, out=(query, key, value), stats=partials)
     value = v.unflatten(-1, (-1, head_dim)) if value is None else value
-    return query, key, value, _fp8.KvStats.of(key, value, k_sum, v_max)
+    return query, key, value, None if partials is None else _fp8.KvStats.of(key, value, *partials[:2])
 
 
 def stats_chunk(s_image: int, s_text: int) -> int:
