@@ -396,13 +396,14 @@ def fp8_gemm(a_q, s_a, w_q, s_w, bias=None, act="", gate=None, residual=None, ou
     return fp8_ops.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
 
 
-def fp8_linear(x, w_q, s_w, bias=None, act="", gate=None, residual=None):
+def fp8_linear(x, w_q, s_w, bias=None, act="", gate=None, residual=None, table=None):
     """x quantized per row (or the quantization it carries, in eager), then ``fp8_gemm``:
-    ``sd_kernels.ops.fp8_linear``. Compiled graphs quantize each call's input (no attached codes)."""
+    ``sd_kernels.ops.fp8_linear``. Compiled graphs quantize each call's input (no attached codes) and serve no
+    rows from a ``table``."""
     if torch.compiler.is_compiling():
         q, s = torch.ops.sd_kernels.fp8_quantize_rows(x, "", False)
         return torch.ops.sd_kernels.fp8_gemm(q, s, w_q, s_w, bias, act, gate, residual, x.dtype)
-    return fp8_ops.fp8_linear(x, w_q, s_w, bias, act, gate, residual)
+    return fp8_ops.fp8_linear(x, w_q, s_w, bias, act, gate, residual, table=table)
 
 
 def layer_norm_modulated_fp8(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None):

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from sd_kernels import profiles, reference
+from sd_kernels.ops import fp8_rows
 from sd_kernels.ops.fp8_quant import (  # noqa: F401 (the quantizer's public names, re-exported)
     E4M3,
     E4M3_MAX,
@@ -52,6 +53,7 @@ from sd_kernels.ops.fp8_quant import (  # noqa: F401 (the quantizer's public nam
     quantize_weight,
     segments,
 )
+from sd_kernels.ops.fp8_rows import RowTable
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.residual import gated_add_into, gated_reason
 from sd_kernels.ops.tiles import grouped_tile
@@ -133,15 +135,19 @@ def _epilogue(acc, offs_m, offs_n, M, N, T, T_y, sa_ptr, sw_ptr, b_ptr, g_ptr, r
 @_gemm_autotune(CONFIGS, _config(64, 64, 32, 4, 1))
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T, T_y,
+    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, skip_ptr, M, N, K, T, T_y,
     stride_am, stride_ak, stride_wn, stride_wk, stride_gb, stride_gn, stride_rm, stride_rn, stride_yb, stride_ym,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
-    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    SEGMENTED: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y [M, N] from a_q [M, K] and w_q [N, K] (e4m3, nn.Linear layout:
     each operand K-major, as FP8 wgmma reads both), loaded through pointers: any strides, any GPU with
-    FP8 tensor cores."""
+    FP8 tensor cores. ``HAS_SKIP``: nothing at all where the int32 at skip_ptr is nonzero (y was served
+    from a table of known rows: ops/fp8_rows.py)."""
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,11 +173,11 @@ def _fp8_gemm_kernel(
 @_gemm_autotune(TMA_CONFIGS, _config(64, 64, 32, 4, 1, PERSISTENT=True, FLATTEN=True))
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, T, T_y,
+    a_ptr, w_ptr, sa_ptr, sw_ptr, b_ptr, g_ptr, r_ptr, y_ptr, skip_ptr, M, N, K, T, T_y,
     stride_am, stride_wn, stride_gb, stride_gn, stride_rm, stride_rn, stride_yb, stride_ym,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
-    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    SEGMENTED: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """The same tiles with both operands read by the Tensor Memory Accelerator (Hopper and later; rows
     16-byte aligned, unit column stride): the TMA unit fills the pipeline's shared-memory stages,
@@ -179,7 +185,10 @@ def _fp8_gemm_tma_kernel(
     programs (``PERSISTENT``: the grid is one program per SM) each take every grid-th tile;
     ``FLATTEN`` lets the software pipeliner run across tile boundaries, so the next tile's first loads
     are in flight during this tile's epilogue. The descriptors are made in the kernel (Triton's
-    allocator gives each program the global memory they live in)."""
+    allocator gives each program the global memory they live in). ``HAS_SKIP`` as in the pointer kernel."""
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -440,14 +449,18 @@ def _written(out: torch.Tensor) -> torch.Tensor:
 def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
              bias: torch.Tensor | None = None, act: str = "", gate: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.fp8_gemm``: a_q [..., K] (any strides), w_q [N, K] → [..., N] in ``out_dtype``: a new
     contiguous tensor, or ``out`` (that shape and dtype, any strides; returned), which our kernels write where
     it lies, a token slice of a batch (``buffer[:, :n]``) included: SD3's joined q, k and v are written by
     their projections (patches/joint_attention.py). On our kernels the epilogue (bias, act, gate, residual)
     is applied on the accumulator; where torch's ``_scaled_mm`` serves the call (``_torch_gemm_ready``), the
-    bias in its epilogue and a gate and residual in one pass after it."""
+    bias in its epilogue and a gate and residual in one pass after it. ``skip`` (int32 [1] on the device, with
+    ``out``): where it holds a nonzero value, ``out`` is left as it is (its rows were served from a table of
+    known rows, ops/fp8_rows.py); our kernels read it on the device (a captured graph decides each replay)."""
     reference.check_fp8_activation(act)
+    if skip is not None and out is None:
+        raise ValueError("fp8_gemm: skip= needs out= (the output it leaves as it is)")
     out_shape = (*a_q.shape[:-1], w_q.shape[0]) if a_q.dim() else ()
     _check_gemm(a_q, s_a, w_q, s_w, bias, residual, out_shape, out_dtype)
     y_rows = _out_rows(out, out_shape, out_dtype, a_q.device, (residual, a_q, s_a, w_q, s_w, bias, gate))
@@ -456,10 +469,12 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     reason = fp8_reason(a_q, s_a, w_q, s_w, bias, gate, residual) or ("no input features (K = 0)" if k == 0 else None)
     copied_in = lambda y: y if out is None else out.copy_(y)  # noqa: E731
     if not use_kernel("fp8_linear", a_q, w_q, bias, gate, residual, unsupported=reason):
-        return copied_in(reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype))
+        y = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, act, gate, residual, out_dtype)
+        return copied_in(y if skip is None else torch.where(skip.to(out.device) != 0, out, y))
     a2 = _rows_view(a_q)
     sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
-    if n and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gate is not None or residual is not None, out_dtype):
+    if (n and skip is None
+            and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gate is not None or residual is not None, out_dtype)):
         return copied_in(_torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype))
     in_place = y_rows is not None  # else a new tensor, copied into out if there is one
     y = out if in_place else torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
@@ -471,20 +486,28 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_GATE=gate is not None, HAS_RES=residual is not None)
     tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
     key = (m, n, k, *flags.values(), out_dtype)
+    tma = _tma_ready(a2, w_q) and _tma_chosen(key, y.device)
+    launcher = _GEMM_TMA if tma else _GEMM
+    skip = skip if in_place else None  # a result made apart: every row computed, then copied in
+    # A key's first launch may time its configs, which a skip would void: it computes every row; then the skipping
+    # kernel is compiled by a launch that skips (a CUDA graph capturing the next call must not compile it).
+    first = skip is not None and not launcher.knows(key)
     y_ptr = y_rows.base
-    extras = (y_ptr if bias is None else bias, y_ptr if g2 is None else g2, y_ptr if r2 is None else r2, y_ptr, m, n, k,
-              tokens, y_rows.seg)
     epilogue_strides = (*(g2.stride() if g2 is not None else (0, 0)), *(r2.stride() if r2 is not None else (0, 0)),
                         y_rows.stride_s, y_rows.stride_r)
-    if _tma_ready(a2, w_q) and _tma_chosen(key, y.device):
-        programs = _programs(y.device)
-        grid = lambda meta: (min(programs, tiles(meta)) if meta["PERSISTENT"] else tiles(meta),)  # noqa: E731
-        with _scratch_allocator(y.device):
-            _GEMM_TMA(key, grid, a2, w_q, sa, s_w, *extras, a2.stride(0), w_q.stride(0), *epilogue_strides,
-                      SEGMENTED=segmented, **flags)
-    else:
-        _GEMM(key, lambda meta: (tiles(meta),), a2, w_q, sa, s_w, *extras, a2.stride(0), a2.stride(1), w_q.stride(0),
-              w_q.stride(1), *epilogue_strides, SEGMENTED=segmented, **flags)
+    programs = _programs(y.device)
+    grid = lambda meta: (min(programs, tiles(meta)) if meta["PERSISTENT"] else tiles(meta),)  # noqa: E731
+    for skip_t in ((None, torch.ones(1, dtype=torch.int32, device=y.device)) if first else (skip,)):
+        extras = (y_ptr if bias is None else bias, y_ptr if g2 is None else g2, y_ptr if r2 is None else r2, y_ptr,
+                  y_ptr if skip_t is None else skip_t, m, n, k, tokens, y_rows.seg)
+        flags["HAS_SKIP"] = skip_t is not None
+        if tma:
+            with _scratch_allocator(y.device):
+                _GEMM_TMA(key, grid, a2, w_q, sa, s_w, *extras, a2.stride(0), w_q.stride(0), *epilogue_strides,
+                          SEGMENTED=segmented, **flags)
+        else:
+            _GEMM(key, lambda meta: (tiles(meta),), a2, w_q, sa, s_w, *extras, a2.stride(0), a2.stride(1),
+                  w_q.stride(0), w_q.stride(1), *epilogue_strides, SEGMENTED=segmented, **flags)
     return _written(out) if in_place else copied_in(y)
 
 
@@ -513,17 +536,26 @@ def attached_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None = None,
                act: str = "", gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-               reuse: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+               reuse: bool = True, out: torch.Tensor | None = None, table: RowTable | None = None) -> torch.Tensor:
     """``act(x · Wᵀ + bias) · gate + residual`` with x quantized per row (or its attached quantization,
     ``reuse``) and W given as ``quantize_weight``'s codes and scales; output in x's dtype (into ``out``, as
-    ``fp8_gemm`` takes it)."""
+    ``fp8_gemm`` takes it). ``table`` (a ``RowTable`` of this layer's products, for a call with no ``out``):
+    where it holds every row of x bit for bit, they are copied from it and the GEMM does nothing (decided on
+    the device: ops/fp8_rows.py)."""
     if x.dim() == 0 or x.shape[-1] != w_q.shape[1]:
         raise RuntimeError(f"fp8_linear: x [..., {w_q.shape[1]}] expected, got shape {tuple(x.shape)}")
     if x.dtype not in OUT_DTYPES:
         raise TypeError(f"fp8_linear takes float16, bfloat16 or float32 input, got {x.dtype}")
+    skip = None
+    if table is not None and out is None and table.fits(x):
+        if table.values.shape[1] != w_q.shape[0]:
+            raise ValueError(f"fp8_linear: the table's products are {table.values.shape[1]} wide, the layer's "
+                             f"{w_q.shape[0]}")
+        out = torch.empty(x.shape[0], w_q.shape[0], dtype=x.dtype, device=x.device)
+        skip = fp8_rows.serve(x, table, out)
     held = attached_quantization(x) if reuse else None
     if held is None:
         held = quantize_rows(x)
         if reuse and not torch.compiler.is_compiling():
             attach_quantized(x, *held)
-    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype, out=out)
+    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype, out=out, skip=skip)

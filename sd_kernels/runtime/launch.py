@@ -92,6 +92,10 @@ class Launcher:
         self.too_large: list[dict[str, Any]] = []  # configs this GPU lacked the resources for
         self._fingerprint: str | None = None
 
+    def knows(self, key: Hashable) -> bool:
+        """Whether ``key`` has launched (its config is chosen: a launch of it runs no timing)."""
+        return key in self.memo
+
     def __call__(self, key: Hashable, grid: Callable | tuple, *args: Any, **kwargs: Any) -> None:
         meta = self.memo.get(key)
         if meta is None:
