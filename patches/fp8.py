@@ -70,7 +70,7 @@ from sd_kernels.ops.weight_cache import weight_version
 from sd_kernels.profiles import scoped
 from sd_kernels.runtime.dispatch import interpreting
 
-from . import families, fp8_layout, fp8_modulations, modulation_split
+from . import families, fp8_layout, fp8_modulations, modulation_split, modulation_table
 from .attention import PRECISION_PROCESSORS
 from .diffusers_sources import is_verified
 from .gelu import FusedGEGLU, FusedGELU
@@ -431,6 +431,7 @@ class Fp8Summary:
     offloaded_bytes: int = 0  # of original_bytes, those ``offload_originals`` moved to the CPU
     modulations_joined: int = 0  # block norms whose modulation is a column slice of a joined GEMM
     modulation_gemms: int = 0  # the joined GEMMs (one per group of block norms: patches/fp8_modulations.py)
+    step_tables: int = 0  # of those, the ones whose rows of every step are made before a call's first step
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -451,6 +452,9 @@ class Fp8Summary:
         if self.modulations_joined:
             joined = (f"; the modulations of {self.modulations_joined} block norms as {self.modulation_gemms} "
                       f"GEMM{'s' if self.modulation_gemms > 1 else ''} a call")
+        if self.step_tables:
+            joined += (f", every step's rows made in one GEMM before a call's first step and served from a table "
+                       f"of {modulation_table.ROWS} rows (patches/modulation_table.py)")
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
@@ -517,13 +521,17 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
         record.skip("", type(model).__name__, "precision='fp8': no transformer block to quantize")
     if JOIN_MODULATIONS:
         norms = [m for m in model.modules() if isinstance(m, Fp8AdaLayerNormZero)]
+        joins = []
         for group in fp8_modulations.groups(norms):
             joined = fp8_modulations.Fp8Modulations(group)
+            joins.append(joined)
             record.on_undo(joined.release, "fp8.modulation_biases", count=0)  # each group's, once laid out
             summary.modulation_gemms += 1
             for norm in group:
                 record.set_attr(norm, "modulations", joined, "fp8.modulation_joined")
                 summary.modulations_joined += 1
+        if modulation_table.install(model, joins, record) is not None:
+            summary.step_tables += len(joins)
     if FP8_ATTENTION:
         _fp8_attention([block for _, block in blocks], record, summary)
 

@@ -37,9 +37,10 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from sd_kernels.ops.custom_ops import fp8_linear
+from sd_kernels.ops.fp8_rows import RowTable
 from sd_kernels.ops.weight_cache import weight_version
 
-from . import fp8_layout, modulation_split, qkv_fusion
+from . import fp8_layout, modulation_split, modulation_table, qkv_fusion
 from .hooks import called_beside
 from .qkv_fusion import lay_out, plain
 
@@ -57,6 +58,9 @@ class Fp8Modulations:
         # (emb, its version, the result or None, the result's version, each layer's state, _where) of the last call
         self._last: tuple | None = None
         self.computed = 0  # joined GEMMs run (calls that took this path)
+        self.silu_of = norms[0]  # whose SiLU a table's fill applies (patches/modulation_table.py)
+        self.table: RowTable | None = None  # every step's products, made before a call's first step
+        self.table_states: list | None = None  # each layer's state when the table was filled (None: empty)
 
     def product(self, norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
         """``norm.linear(norm.silu(emb))``: its columns of this call's joined GEMM, or None where the call does not
@@ -87,9 +91,49 @@ class Fp8Modulations:
         result = None
         if operands is not None:
             self.computed += 1
-            result = fp8_linear(modulation_split.silu(norm, emb), *operands)
+            # a graph captured now serves from the table (empty until a fill: its rows are marked on the device)
+            table = self.table if self.table_states in (None, states) else None
+            result = fp8_linear(modulation_split.silu(norm, emb), *operands, table=table)
         version = None if result is None else result._version
         return emb, emb._version, result, version, states, where
+
+    def fill(self, emb: torch.Tensor) -> None:
+        """Keep the products of ``emb``'s rows (step embeddings: patches/modulation_table.py) in the table: one
+        GEMM, the same this class runs a call; nothing where a call could not take the joined GEMM either."""
+        act = self.silu_of.silu
+        if type(act) is not nn.SiLU or act.inplace or called_beside(act) or any(map(called_beside, self.layers)):
+            return
+        operands = fp8_layout.operands(self.layers)  # each layer's codes made again first where stale
+        if operands is None:
+            return
+        states = [_state(layer) for layer in self.layers]
+        x = modulation_split.silu(self.silu_of, emb)
+        table = self.ensure_table()
+        if not table.fits(x[:1]) or x.shape[0] > table.keys.shape[0]:
+            return
+        if self.table_states != states:
+            self.table.clear()
+        self.table.store(x, fp8_linear(x, *operands))
+        self.table_states = states
+
+    def ensure_table(self) -> RowTable:
+        """The table, made empty the first time (before a call that a CUDA graph may capture: the graph reads it
+        where it is), in the layers' dtype on their device."""
+        if self.table is None:
+            first = self.layers[0]
+            width = sum(layer.out_features for layer in self.layers)
+            self.table = RowTable(modulation_table.ROWS, first.in_features, width, first.weight.dtype,
+                                  first.w_q.device)
+        return self.table
+
+    def check_table(self) -> None:
+        """Forget the table's rows if a layer changed since they were made (before a call reads them)."""
+        if self.table_states is not None and self.table_states != [_state(layer) for layer in self.layers]:
+            self.table.clear()
+            self.table_states = None
+
+    def drop_table(self) -> None:
+        self.table, self.table_states = None, None
 
     def release(self) -> None:
         """The biases back in storage of their own, as before the patch (``qkv_fusion.release``)."""
