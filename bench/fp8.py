@@ -6,8 +6,9 @@
                                 patched+unfused-qkv,patched+two-pass-residual,patched+addcmul-residual,fp8,
                                 fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
                                 fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
-                                fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,fp8+cublaslt-workspace,
-                                fp8+offloaded-originals,fp8+compile,torchao]
+                                fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,
+                                fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+offloaded-originals,
+                                fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -51,7 +52,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   off), with each q, k, v projection a GEMM of its own (``fp8+unfused-qkv``), with the gated residuals on
   ``torch.addcmul`` (``fp8+addcmul-residual``), with that and each block norm's own SiLU and norm2's codes made
   by the feed-forward (``fp8+previous-glue``), with each block norm's modulation a GEMM of its own
-  (``fp8+own-modulations``: ``patches.fp8.JOIN_MODULATIONS`` off), with cuBLASLt's workspace left as torch sets it
+  (``fp8+own-modulations``: ``patches.fp8.JOIN_MODULATIONS`` off), with each step's joined modulation GEMM run
+  rather than served from the rows made before the first step (``fp8+own-step-modulations``:
+  ``patches.modulation_table.STEP_TABLE`` off), with cuBLASLt's workspace left as torch sets it
   (``fp8+cublaslt-workspace``: ``ops.fp8_linear.NO_CUBLASLT_WORKSPACE`` off), with the original weights moved to
   the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
@@ -87,7 +90,8 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "patched+two-pass-residual", "patched+addcmul-residual", "fp8", "fp8+exact-attention",
         "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
-        "fp8+own-modulations", "fp8+cublaslt-workspace", "fp8+offloaded-originals", "fp8+compile", "torchao")
+        "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+offloaded-originals",
+        "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -321,6 +325,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         base = VARIANTS["patched+graph+compile+fp8" if row == "fp8+compile" else "patched+graph+fp8"]
         setup = dataclasses.replace(base, name=FP8_ROWS[row])
         from sd_kernels.patches import fp8 as fp8_patch
+        from sd_kernels.patches import modulation_table
 
         attention_ops = importlib.import_module("sd_kernels.ops.attention")
         fp8_attention = importlib.import_module("sd_kernels.ops.attention_fp8")
@@ -338,6 +343,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+previous-glue": [*addcmul, (fp8_patch.Fp8FeedForward, "reads_codes", lambda self: False),
                                          (modulation_split, "silu", lambda norm, emb: norm.silu(emb))],
                    "fp8+own-modulations": (fp8_patch, "JOIN_MODULATIONS", False),
+                   "fp8+own-step-modulations": (modulation_table, "STEP_TABLE", False),
                    "fp8+cublaslt-workspace": (fp8_ops, "NO_CUBLASLT_WORKSPACE", False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
@@ -354,13 +360,15 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # projection a GEMM of its own (qkv_fusion.install skipped), with the gated residuals in torch.addcmul (not our
 # gated-add kernel), with that and each block norm's own SiLU and quantization and norm2's codes made by the
 # feed-forward (the tier's glue before 2026-11-29's changes), with each block norm's modulation a GEMM of its own
-# (patches.fp8.JOIN_MODULATIONS), with cuBLASLt's workspace as torch sets it (fp8_linear.NO_CUBLASLT_WORKSPACE),
-# with the originals moved to the CPU's memory, and with compile=True
+# (patches.fp8.JOIN_MODULATIONS), with each step's joined modulation GEMM its own (not served from the rows made
+# before the first step: patches.modulation_table.STEP_TABLE), with cuBLASLt's workspace as torch sets it
+# (fp8_linear.NO_CUBLASLT_WORKSPACE), with the originals moved to the CPU's memory, and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
                                                     "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
-                                                    "fp8+own-modulations", "fp8+cublaslt-workspace",
+                                                    "fp8+own-modulations", "fp8+own-step-modulations",
+                                                    "fp8+cublaslt-workspace",
                                                     "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
