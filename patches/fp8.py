@@ -431,7 +431,8 @@ class Fp8Summary:
     offloaded_bytes: int = 0  # of original_bytes, those ``offload_originals`` moved to the CPU
     modulations_joined: int = 0  # block norms whose modulation is a column slice of a joined GEMM
     modulation_gemms: int = 0  # the joined GEMMs (one per group of block norms: patches/fp8_modulations.py)
-    step_tables: int = 0  # of those, the ones whose rows of every step are made before a call's first step
+    step_tables: int = 0  # of those, the ones whose rows of every step are made in one GEMM a call
+    step_table_bytes: int = 0  # their tables' (made before the first call, kept until unpatch)
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -453,8 +454,8 @@ class Fp8Summary:
             joined = (f"; the modulations of {self.modulations_joined} block norms as {self.modulation_gemms} "
                       f"GEMM{'s' if self.modulation_gemms > 1 else ''} a call")
         if self.step_tables:
-            joined += (f", every step's rows made in one GEMM before a call's first step and served from a table "
-                       f"of {modulation_table.ROWS} rows (patches/modulation_table.py)")
+            joined += (f", every step's rows made in one GEMM at a call's first step and served from a table of "
+                       f"{modulation_table.ROWS} rows ({mib(self.step_table_bytes)}, patches/modulation_table.py)")
         return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
@@ -532,6 +533,7 @@ def patch_fp8(model: nn.Module, record: PatchRecord) -> None:
                 summary.modulations_joined += 1
         if modulation_table.install(model, joins, record) is not None:
             summary.step_tables += len(joins)
+            summary.step_table_bytes += sum(map(modulation_table.table_bytes, joins))
     if FP8_ATTENTION:
         _fp8_attention([block for _, block in blocks], record, summary)
 

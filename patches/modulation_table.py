@@ -111,10 +111,11 @@ def _capturing() -> bool:
 
 def install(model: nn.Module, groups: list, record: PatchRecord) -> StepTables | None:
     """The hooks on ``model`` (unpatch removes them and frees the tables), where its class has a step embedding
-    here and the patch has a pipeline whose scheduler it can read; None otherwise."""
+    here, the patch compiles nothing and has a pipeline whose scheduler it can read; None otherwise."""
     known = EMBEDDINGS.get(type(model).__name__)
-    if not STEP_TABLE or known is None or not groups or not hasattr(record.target(), "scheduler"):
-        return None
+    if (not STEP_TABLE or known is None or not groups or record.compile
+            or not hasattr(record.target(), "scheduler")):
+        return None  # compiled calls take no table (custom_ops.fp8_linear): a fill would be work for nothing
     tables = StepTables(groups, *known, record.target)
     handles = (model.register_forward_pre_hook(tables.before, with_kwargs=True),
                model.register_forward_hook(tables.after, with_kwargs=True))
@@ -127,3 +128,10 @@ def install(model: nn.Module, groups: list, record: PatchRecord) -> StepTables |
 
     record.on_undo(remove, KIND)
     return tables
+
+
+def table_bytes(group) -> int:
+    """What the table of ``group`` (an ``Fp8Modulations``) will take once made (``RowTable.nbytes``)."""
+    first = group.layers[0]
+    width = sum(layer.out_features for layer in group.layers)
+    return ROWS * ((first.in_features + width) * first.weight.element_size() + 4) + 4

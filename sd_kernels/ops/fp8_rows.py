@@ -96,7 +96,7 @@ class RowTable:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.valid))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.valid, self.served))
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [M, in_features] is rows this table can serve: its dtype, device and width, at most

@@ -65,6 +65,7 @@ def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(na
         assert tables is not None and len(groups) == 1
         served = _loop(name, model, scheduler, x, kw)
         table = groups[0].table
+        assert table.nbytes == modulation_table.table_bytes(groups[0])
         assert tables.fills == 1 and table.served.item() == STEPS - 1  # filled after the first step
         assert table.valid.sum().item() == STEPS * x.shape[0]
         other = _inputs(name, model, seed=1)[1]  # another prompt: a second fill, after the first's rows
@@ -109,13 +110,17 @@ def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_weight_clears
 
 @cpu_only
 def test_what_installs_no_table(monkeypatch):
-    """A bare model (no scheduler to read), the switch off, a class with no step embedding here."""
+    """A bare model (no scheduler to read), a compiling patch, the switch off, a class with no step embedding
+    here."""
     model = _model("tiny-flux")
     with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
         groups = _groups(model)
         assert modulation_table.install(model, groups, record) is None
         assert "served from a table" not in record.format()
         record.target = lambda: SimpleNamespace(scheduler=FlowMatchEulerDiscreteScheduler())
+        record.compile = "default"
+        assert modulation_table.install(model, groups, record) is None  # compiled calls take no table
+        record.compile = None
         monkeypatch.setattr(modulation_table, "STEP_TABLE", False)
         assert modulation_table.install(model, groups, record) is None
         monkeypatch.setattr(modulation_table, "STEP_TABLE", True)
@@ -136,7 +141,7 @@ def test_gpu_flux_pipeline_graphs_serve_every_step_and_make_the_tiers_image(monk
     for table in (True, False):
         monkeypatch.setattr(modulation_table, "STEP_TABLE", table)
         with sd_kernels.patched(pipe, precision="fp8") as record:
-            assert ("served from a table" in record.format()) == table
+            assert ("served from a table of 64 rows (" in record.format()) == table
             latents[table] = [pipe(**kw, generator=torch.Generator("cuda").manual_seed(0)).images for _ in range(3)]
             if table:
                 group, = _groups(pipe.transformer)
