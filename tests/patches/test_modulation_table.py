@@ -16,7 +16,7 @@ from test_sd3_patch import _inputs as sd3_inputs
 
 import sd_kernels
 
-STEPS = 3
+STEPS = 2
 
 
 def _inputs(name, model, seed=0):
