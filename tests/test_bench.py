@@ -78,7 +78,7 @@ def test_controlnet_pipeline_rows_time_the_controlnet_on_cpu(tmp_path, monkeypat
     """The ControlNet target end to end on CPU (reference kernels: the pipeline path, not the kernels)."""
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     items = e2e.plan("quick", e2e.parse_targets("tiny+controlnet@64"), ["stock", "patched"], ablation=False)
-    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu")
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu", repeats=1)  # a test of the plumbing
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     import sd_kernels
     from sd_kernels import models
@@ -163,7 +163,7 @@ class _FakeBench:
 def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "Bench", _FakeBench)
     items = e2e.plan("quick", e2e.parse_targets("tiny"), ["patched", "stock", "stock+graph"], ablation=False)
-    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu")
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu", repeats=1)  # a test of the plumbing
     assert [r["status"] for r in rows] == ["error: RuntimeError: kernel fault", "ok",
                                            "skipped: CUDA graph and torch.compile variants need a GPU"]
     assert [r["status"] for r in _read(tmp_path / "e2e.csv")] == [r["status"] for r in rows]
