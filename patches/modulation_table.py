@@ -33,15 +33,12 @@ FLUX's 20 steps: about one step's own GEMM); at every call, each layer's state r
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .record import PatchRecord
-
-log = logging.getLogger(__name__)
 
 ROWS = 64  # rows the table keeps: 64 steps of one sample, 32 of a CFG pair
 STEP_TABLE = True  # False: every step runs its joined GEMM (bench.fp8's fp8+own-step-modulations row)
