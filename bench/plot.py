@@ -145,7 +145,8 @@ SUMMARY: tuple[tuple[str, str, str, str, str, str], ...] = (
      "2026-11-30-h200-t5-encoder-resnet-tail/fp8_e2e-flux.csv", "flux-dev", "compile-regional+no-cublaslt-workspace",
      "patched+graph"),
     ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, FP8 vs compile",
-     "2026-11-30-h200-fp8-kv-stats-in-rope/fp8_e2e-flux.csv", "flux-dev", "compile-regional", "patched+graph+fp8"),
+     "2026-11-30-h200-fp8-step-modulation-table/fp8_e2e-flux-again.csv", "flux-dev",
+     "compile-regional+no-cublaslt-workspace", "patched+graph+fp8"),
     ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, FP8 vs torchao's FP8",
      "2026-11-29-h200-fp8-vs-torchao/fp8_e2e-flux-peers.csv", "flux-dev", "torchao-fp8+regional-compile",
      "patched+graph+fp8"),
@@ -153,7 +154,8 @@ SUMMARY: tuple[tuple[str, str, str, str, str, str], ...] = (
      "2026-11-30-h200-t5-encoder-resnet-tail/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
      "patched+graph"),
     ("the transformers: patch(pipe) and the FP8 tier", "SD3-medium, FP8 vs the recipe",
-     "2026-11-30-h200-fp8-loads-first/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs", "patched+graph+fp8"),
+     "2026-11-30-h200-fp8-step-modulation-table/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
+     "patched+graph+fp8"),
 )
 
 
