@@ -45,8 +45,28 @@ def _skip_repatching_the_language() -> None:
     scope.restore = restore_all
 
 
+def _no_overflow_sanitizer() -> None:
+    """Triton's interpreter checks every 32-bit integer add, subtract and multiply for overflow (its builder's
+    ``sanitize_overflow``, on by default there; compiled kernels check only in debug mode): each such op runs again
+    in int64 with two comparisons and an assert. At the tests' tiny shapes no index comes near 2³¹, so the check
+    cannot fire, and it took a quarter of the interpreter's time in the FP8 kernels (a tiny FLUX transformer's call
+    under the FP8 tier, 2.00 s with it, 1.45 s without). Where the interpreter's internals differ (another Triton),
+    nothing is changed."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    import dataclasses
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", None) is True:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if not HAS_CUDA:
     _skip_repatching_the_language()
+    _no_overflow_sanitizer()
     # One intra-op thread unless OMP_NUM_THREADS says otherwise: the tests' tensors are tiny, and two
     # OpenMP threads on a loaded two-core machine wait on each other far longer than they compute
     # (test_whole_step.py: 18 s of CPU with one, 350 s with two); tests in parallel processes each take one.
