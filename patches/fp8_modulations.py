@@ -59,7 +59,7 @@ class Fp8Modulations:
         self._last: tuple | None = None
         self.computed = 0  # joined GEMMs run (calls that took this path)
         self.silu_of = norms[0]  # whose SiLU a table's fill applies (patches/modulation_table.py)
-        self.table: RowTable | None = None  # every step's products, made before a call's first step
+        self.table: RowTable | None = None  # every step's products, made at a call's first step
         self.table_states: list | None = None  # each layer's state when the table was filled (None: empty)
 
     def product(self, norm: nn.Module, emb: torch.Tensor) -> torch.Tensor | None:
@@ -112,19 +112,21 @@ class Fp8Modulations:
         if not table.fits(x[:1]) or x.shape[0] > table.keys.shape[0]:
             return
         if self.table_states != states:
-            self.table.clear()
-        self.table.store(x, fp8_linear(x, *operands))
+            table.clear()
+        table.store(x, fp8_linear(x, *operands))
         self.table_states = states
 
     def ensure_table(self) -> RowTable:
         """The table, made empty the first time (before a call that a CUDA graph may capture: the graph reads it
         where it is), in the layers' dtype on their device."""
         if self.table is None:
-            first = self.layers[0]
-            width = sum(layer.out_features for layer in self.layers)
-            self.table = RowTable(modulation_table.ROWS, first.in_features, width, first.weight.dtype,
-                                  first.w_q.device)
+            self.table = RowTable(modulation_table.ROWS, *self.table_shape(), self.layers[0].w_q.device)
         return self.table
+
+    def table_shape(self) -> tuple[int, int, torch.dtype]:
+        """The table's row widths (the layers' input, all their outputs) and dtype (the layers' weights')."""
+        first = self.layers[0]
+        return first.in_features, self.starts[-1] + self.layers[-1].out_features, first.weight.dtype
 
     def check_table(self) -> None:
         """Forget the table's rows if a layer changed since they were made (before a call reads them)."""

@@ -3,8 +3,8 @@
 A DiT's adaLN modulation is ``linear(silu(temb))`` with one row per sample, and ``temb`` depends only on the
 step's timestep, the guidance and the pooled text embedding: every step of an image reads all of the
 modulation weights (3.2 GB of FP8 codes in FLUX.1-dev, 0.9 ms on an H200) to multiply one row. The rows of
-every step of a call can be made before its first step, as one GEMM with a row per step that reads those
-weights once (patches/fp8_modulations.py, ``ModulationTable``). A step then finds its row here:
+every step of a call can be made at its first step, as one GEMM with a row per step that reads those weights
+once (patches/modulation_table.py, ``Fp8Modulations.fill``). A later step then finds its row here:
 
 - ``RowTable`` holds ``keys`` [R, K] (input rows), ``values`` [R, N] (their products) and ``valid`` [R];
   ``store`` adds rows (a ring: the oldest are overwritten), ``clear`` forgets them all.
@@ -96,7 +96,7 @@ class RowTable:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.valid, self.served))
+        return table_bytes(self.keys.shape[0], self.keys.shape[1], self.values.shape[1], self.keys.dtype)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [M, in_features] is rows this table can serve: its dtype, device and width, at most
@@ -122,6 +122,11 @@ class RowTable:
     def clear(self) -> None:
         self.valid.zero_()
         self.next = 0
+
+
+def table_bytes(rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> int:
+    """What a ``RowTable`` of these sizes holds: its keys and values, a valid flag a row, the served count."""
+    return rows * ((in_features + out_features) * dtype.itemsize + 4) + 4
 
 
 def serve(x: torch.Tensor, table: RowTable, y: torch.Tensor) -> torch.Tensor:
