@@ -83,7 +83,7 @@ def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(na
 
 
 @cpu_only
-def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_weight_clears_the_table():
+def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_bias_or_weight_clears_the_table():
     name = "tiny-flux"
     model = _model(name)
     x, kw = _inputs(name, model)
@@ -99,13 +99,20 @@ def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_weight_clears
         assert torch.equal(computed, model(**strange)[0])
         _loop(name, model, scheduler, x, kw)
         assert group.table.served.item() == 2 * (STEPS - 1) and group.table_states is not None
+        group.layers[0].bias.add_(1)  # in place, in the laid-out buffer the GEMM reads: the rows are stale
+        scheduler._step_index = 1  # past the first step: no fill
+        model(**{**strange, "timestep": scheduler.timesteps[1].expand(1).to(x.dtype) / 1000})
+        assert group.table_states is None and group.table.valid.sum().item() == 0
+        assert group.table.served.item() == 2 * (STEPS - 1)
+        _loop(name, model, scheduler, x, kw)  # filled again with the new bias
+        assert group.table.served.item() == 3 * (STEPS - 1) and group.table_states is not None
         group.layers[0].weight.mul_(2)  # in place: the table's rows are stale (the layer's codes are made again)
         scheduler.set_timesteps(STEPS)
         scheduler._step_index = 1  # past the first step: no fill
         model(**{**strange, "timestep": scheduler.timesteps[1].expand(1).to(x.dtype) / 1000})
         assert group.table_states is None and group.table.valid.sum().item() == 0
         _loop(name, model, scheduler, x, kw)  # the layer has codes of its own now: no joined GEMM, no fill
-        assert group.table.served.item() == 2 * (STEPS - 1) and group.table_states is None
+        assert group.table.served.item() == 3 * (STEPS - 1) and group.table_states is None
 
 
 @cpu_only
