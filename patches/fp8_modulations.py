@@ -34,7 +34,6 @@ import itertools
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from sd_kernels.ops.custom_ops import fp8_linear
 from sd_kernels.ops.fp8_rows import RowTable
@@ -54,7 +53,7 @@ class Fp8Modulations:
         self.starts = list(itertools.accumulate([0, *(layer.out_features for layer in self.layers[:-1])]))
         fp8_layout.lay_out_codes(self.layers)
         biases = lay_out([layer.bias for layer in self.layers]) if self.layers[0].bias is not None else None
-        self.storages = [] if biases is None else [StorageWeakRef(biases.untyped_storage())]
+        self.storages = qkv_fusion.WeakStorages((biases,))
         # (emb, its version, the result or None, the result's version, each layer's state, _where) of the last call
         self._last: tuple | None = None
         self.computed = 0  # joined GEMMs run (calls that took this path)

@@ -28,9 +28,11 @@ to three GEMMs).
 Installed by the attention patcher on every FluxAttention it gives our processor, for the image stream
 (``to_q``/``to_k``/``to_v``) and the double-stream blocks' text stream (``add_q_proj``/...), and likewise on
 every SD3 joint attention given ``SDKernelsJointAttnProcessor`` (whose one GEMM a stream writes q, k and v side
-by side into the streams' join: patches/joint_attention.py ``_projected_in_place``), in the
-lossless patch and the FP8 tier, without a memory budget and without ``compile=True``; a call torch.compile traces takes
-diffusers' projections (the guard reads data pointers, which the compiler does not trace); not where
+by side into the streams' join: patches/joint_attention.py ``_projected_in_place``), and on every
+self-attention given ``SDKernelsAttnProcessor`` (the UNets', PixArt-Σ's, the VAE's: ``to_q``/``to_k``/``to_v``
+of the hidden states; a cross-attention's read two inputs), in the lossless patch and the FP8 tier,
+without a memory budget and without ``compile=True``; a call torch.compile traces takes diffusers'
+projections (the guard reads data pointers, which the compiler does not trace); not where
 ``fuse_qkv_projections()`` already fused the module (diffusers' ``to_qkv`` then serves). Unpatch lays
 each Parameter still a view of the buffer back into storage of its own (the same values, bit for bit)
 and drops the buffer, block by block.
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .hooks import hooked
-from .record import PatchRecord
+from .record import PatchRecord, refuse_pickle
 
 KIND = "qkv_fusion"
 STREAMS = (("qkv", ("to_q", "to_k", "to_v")), ("added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
@@ -93,7 +95,22 @@ def lay_out(params: list[torch.Tensor]) -> torch.Tensor:
     return buffer
 
 
-def release(modules, storages: list[StorageWeakRef]) -> None:
+class WeakStorages(tuple):
+    """Weak references to the storages a layout made (``StorageWeakRef``s), to find them at unpatch. A deep copy or
+    a pickle of them is refused as the patch record's is: a copied ``StorageWeakRef`` frees its weak reference a
+    second time when both are collected, which crashes the process."""
+
+    def __new__(cls, tensors) -> WeakStorages:
+        return super().__new__(cls, (StorageWeakRef(t.untyped_storage()) for t in tensors if t is not None))
+
+    def __deepcopy__(self, memo: dict) -> WeakStorages:
+        raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
+            what="a deep copy of", result="copy"))
+
+    __reduce_ex__ = refuse_pickle
+
+
+def release(modules, storages: WeakStorages) -> None:
     """Undo ``lay_out``: each Parameter of ``modules`` (theirs, and any a parametrization added) still in one of
     ``storages`` gets storage of its own (the same values), whatever became of the others (one assigned anew
     leaves the rest in it)."""
@@ -146,7 +163,7 @@ class FusedProjections:
         # (module, names, x) -> the three projections of x as one tensor, or None where it cannot serve: set
         # by the FP8 tier (patches/fp8.py) once the Linears are FP8 GEMMs; None: ``operands`` and F.linear
         self.quantized = None
-        self.storages = [StorageWeakRef(t.untyped_storage()) for t in (weight, bias) if t is not None]
+        self.storages = WeakStorages((weight, bias))
 
     def operands(self, module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, bias) of the fused GEMM while ``module`` still holds these Linears, exactly ``nn.Linear``,
@@ -186,8 +203,9 @@ def wanted(record: PatchRecord) -> str | None:
 
 def install(attn: nn.Module, processor, path: str, record: PatchRecord) -> None:
     """Fuse ``attn``'s projections for ``processor`` (``processor.qkv``, ``processor.added_qkv``), each
-    stream whose Linears fit; recorded for unpatch."""
-    if wanted(record) is not None or getattr(attn, "fused_projections", False):
+    stream whose Linears fit; recorded for unpatch. The caller leaves out processors that call diffusers' own
+    fused projections (patches/attention.py)."""
+    if wanted(record) is not None:
         return
     for attr, names in STREAMS:
         linears = [attn._modules.get(n) for n in names]

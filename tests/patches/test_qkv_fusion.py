@@ -201,3 +201,17 @@ def test_projections_a_stream_does_not_serve_run_in_diffusers_order(transformer)
     with sd_kernels.patched(transformer, cuda_graph=False):
         patched = calls()
     assert stock == patched == names
+
+
+def test_a_copy_or_pickle_of_the_layout_is_refused_not_a_crash(transformer):  # noqa: F811
+    """A patched model's deep copy or pickle stops at the layout's weak references to its storages with the
+    record's refusal: copied, a ``StorageWeakRef`` would free its weak reference twice (the process crashed)."""
+    import pickle
+
+    with sd_kernels.patched(transformer, cuda_graph=False):
+        fused = transformer.transformer_blocks[0].attn.processor.qkv
+        for act in (copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=r"sd_kernels.unpatch\(obj\) first"):
+                act(fused.storages)
+            with pytest.raises(TypeError, match=r"sd_kernels.unpatch\(obj\) first"):
+                act(transformer)
