@@ -57,6 +57,9 @@ class SDKernelsAttnProcessor:
     exchanges_tokens = True  # under sd_kernels' context-parallel plan (patches/context_parallel_plans.py)
     # set by diffusers' enable_parallelism: a split that enable_context_parallel did not mark is refused (ulysses_of)
     _parallel_config = None
+    # A self-attention's q, k, v as one GEMM on the buffer the three weights share (patches/qkv_fusion.py),
+    # installed by patch_attention on modules that are not cross-attentions; None: three GEMMs
+    qkv = added_qkv = None
 
     def __init__(self, legacy: bool = False, fused: bool = False) -> None:
         self.legacy = legacy
@@ -86,6 +89,8 @@ class SDKernelsAttnProcessor:
         if self.fused and encoder_hidden_states is None:  # one GEMM for q, k and v
             qkv = attn.to_qkv(hidden_states)
             query, key, value = torch.split(qkv, qkv.shape[-1] // 3, dim=-1)
+        elif encoder_hidden_states is None and self.qkv is not None and not torch.compiler.is_compiling():
+            query, key, value = qkv_fusion.stream(self.qkv, attn, 0, hidden_states)  # one GEMM where it serves
         else:
             query = attn.to_q(hidden_states)
             source = steps.context(attn, hidden_states, encoder_hidden_states)
@@ -145,6 +150,19 @@ def _replacement(processor) -> SDKernelsAttnProcessor | SDKernelsJointAttnProces
     return None
 
 
+def _fusable(module: nn.Module, processor) -> bool:
+    """Whether ``processor`` on ``module`` takes q, k and v as one GEMM laid out by patches/qkv_fusion.py: FLUX's
+    unless diffusers fused the module itself (its processor then reads ``to_qkv``), SD3's joint and the UNets'
+    and PixArt's self-attention where the processor is not diffusers' fused one (whose ``to_qkv`` serves).
+    ``fused_projections`` is read for FLUX only: diffusers' ``unfuse_qkv_projections()`` of a UNet puts the
+    processors back but leaves that flag set (diffusers 0.42.1)."""
+    if isinstance(processor, flux_attention.SDKernelsFluxAttnProcessor):
+        return not getattr(module, "fused_projections", False)
+    if isinstance(processor, SDKernelsJointAttnProcessor):
+        return not processor.fused and fusion_serves(module)
+    return type(processor) is SDKernelsAttnProcessor and not processor.fused and not module.is_cross_attention
+
+
 def patch_attention(model: nn.Module, record: PatchRecord) -> None:
     """Give every diffusers ``Attention`` in ``model`` whose processor is stock (AttnProcessor2_0,
     AttnProcessor, FusedAttnProcessor2_0, exact types) an ``SDKernelsAttnProcessor``, one whose
@@ -171,8 +189,7 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
         elif new is not None:
             replaced[id(new)] = (new, processor)
             record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
-            if isinstance(new, flux_attention.SDKernelsFluxAttnProcessor) or (
-                    isinstance(new, SDKernelsJointAttnProcessor) and not new.fused and fusion_serves(module)):
+            if _fusable(module, new):
                 qkv_fusion.install(module, new, path, record)
         else:
             record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")

@@ -80,7 +80,10 @@ def round_trip(model, run, **run_kwargs):
     record = sd_kernels.patch(model, ops=["attention"])
     stock_kinds = (AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0)
     n = sum(type(p) in stock_kinds for p in before.values())
-    assert n > 0 and record.counts == {"attention_processor": n}
+    # each self-attention's q, k, v laid out as one GEMM (patches/qkv_fusion.py) unless diffusers fused them
+    selfs = sum(type(p) in stock_kinds and type(p) is not FusedAttnProcessor2_0 and not m.is_cross_attention
+                for m, p in ((dict(model.named_modules())[k], p) for k, p in before.items()))
+    assert n > 0 and record.counts == {"attention_processor": n, **({"qkv_fusion": selfs} if selfs else {})}
     assert all(type(p) is attn_patch.SDKernelsAttnProcessor for p in processors(model).values())
     dispatch.reset_fallbacks()
     assert_close_to_reference(run(model, **run_kwargs), stock, ref64)
@@ -127,6 +130,22 @@ def test_fusing_while_patched_then_unfusing_after_unpatch_gives_the_stock_proces
     sd_kernels.unpatch(model)
 
 
+def test_self_attention_is_one_gemm_after_diffusers_fused_and_unfused_it():
+    """diffusers' ``unfuse_qkv_projections()`` of a UNet puts its processors back but leaves each attention's
+    ``fused_projections`` flag set (and its ``to_qkv``): the stock processors call q, k and v one by one, so the
+    patch still lays each self-attention's three out as one GEMM; a cross-attention's stay apart."""
+    unet = tiny_unet()
+    unet.fuse_qkv_projections()
+    unet.unfuse_qkv_projections()
+    attentions = [m for m in unet.modules() if isinstance(m, Attention)]
+    assert all(m.fused_projections for m in attentions)
+    stock, ref64 = unet_out(unet), unet_out(copy.deepcopy(unet).double())
+    with sd_kernels.patched(unet, ops=["attention"]) as record:
+        served = [m.processor.qkv is not None for m in attentions]
+        assert served == [not m.is_cross_attention for m in attentions] and record.counts["qkv_fusion"] == 4
+        assert_close_to_reference(unet_out(unet), stock, ref64)
+
+
 def test_fused_vae_attention():
     vae = tiny_vae()
     vae.fuse_qkv_projections()
@@ -162,8 +181,8 @@ def test_legacy_processor_keeps_its_scale_and_custom_processors_stay():
     custom_processor = custom.processor
     record = PatchRecord(("attention",), "cpu", ["test"])
     attn_patch.patch_attention(holder, record)
-    assert record.counts == {"attention_processor": 1} and custom.processor is custom_processor
-    assert legacy.processor.legacy
+    assert record.counts == {"attention_processor": 1, "qkv_fusion": 1} and custom.processor is custom_processor
+    assert legacy.processor.legacy and legacy.processor.qkv is not None
     assert_close_to_reference(legacy(x), stock, ref64)
     record.undo()
     assert type(legacy.processor) is AttnProcessor

@@ -540,7 +540,8 @@ def _pipe_run(pipe, steps=2, **kwargs):
 def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatch):
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "flux_attention_processor": 4, "gelu.GELU": 4, "layer_norm.FluxTransformerBlock": 2,
-        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2, "qkv_fusion": 6,
+        "layer_norm.FluxSingleTransformerBlock": 2, "attention_processor": 2,
+        "qkv_fusion": 6 + 2,  # and the VAE's two mid-block self-attentions
         **T5_COUNTS})
 
 

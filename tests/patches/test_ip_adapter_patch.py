@@ -61,7 +61,8 @@ def test_ip_adapter_processors_are_served_and_undone_exactly():
     stock = run(unet)
     ref64 = run(copy.deepcopy(unet).double())
     record = sd_kernels.patch(unet, ops=["attention"], cuda_graph=False)
-    assert record.counts == {"attention_processor": n_plain, "ip_adapter_processor": n_ip}
+    # the plain processors are the self-attentions': each one's q, k, v laid out as one GEMM (patches/qkv_fusion.py)
+    assert record.counts == {"attention_processor": n_plain, "ip_adapter_processor": n_ip, "qkv_fusion": n_plain}
     now = processors(unet)
     for name, p in now.items():  # the IP-Adapter processors are the same objects, of our subclass
         if kinds[name] is IPAdapterAttnProcessor2_0:

@@ -56,6 +56,9 @@ def _census(model: nn.Module) -> dict[str, int]:
     return {
         "attention_processor": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0
                                    for m in model.modules()),
+        # each self-attention's q, k, v laid out as one GEMM (patches/qkv_fusion.py)
+        "qkv_fusion": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0
+                          and not m.is_cross_attention for m in model.modules()),
         "gelu.GEGLU": sum(type(m) is GEGLU for m in model.modules()),
         "norms": sum(type(m) is nn.GroupNorm for m in model.modules()),
         "resnet_fused_forward": sum(type(m) is ResnetBlock2D for m in model.modules()),
