@@ -7,7 +7,8 @@
                                 fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
                                 fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
                                 fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,
-                                fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+offloaded-originals,
+                                fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+cross-kv-fp8,
+                                fp8+plain-norms,fp8+offloaded-originals,
                                 fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
@@ -55,7 +56,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   (``fp8+own-modulations``: ``patches.fp8.JOIN_MODULATIONS`` off), with each step's joined modulation GEMM run
   rather than served from the rows made before the first step (``fp8+own-step-modulations``:
   ``patches.modulation_table.STEP_TABLE`` off), with cuBLASLt's workspace left as torch sets it
-  (``fp8+cublaslt-workspace``: ``ops.fp8_linear.NO_CUBLASLT_WORKSPACE`` off), with the original weights moved to
+  (``fp8+cublaslt-workspace``: ``ops.fp8_linear.NO_CUBLASLT_WORKSPACE`` off), with the cross-attentions' key and
+  value projections (of the text) in FP8 too (``fp8+cross-kv-fp8``: ``patches.fp8.CROSS_KV_FP8``), with the UNet
+  blocks' LayerNorms as stock's and each projection quantizing their outputs (``fp8+plain-norms``: no
+  ``patches.fp8.Fp8LayerNorm``), with the original weights moved to
   the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
@@ -90,8 +94,8 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "patched+two-pass-residual", "patched+addcmul-residual", "fp8", "fp8+exact-attention",
         "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
-        "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+offloaded-originals",
-        "fp8+compile", "torchao")
+        "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
+        "fp8+plain-norms", "fp8+offloaded-originals", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -344,7 +348,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                                          (modulation_split, "silu", lambda norm, emb: norm.silu(emb))],
                    "fp8+own-modulations": (fp8_patch, "JOIN_MODULATIONS", False),
                    "fp8+own-step-modulations": (modulation_table, "STEP_TABLE", False),
-                   "fp8+cublaslt-workspace": (fp8_ops, "NO_CUBLASLT_WORKSPACE", False)}.get(row)
+                   "fp8+cublaslt-workspace": (fp8_ops, "NO_CUBLASLT_WORKSPACE", False),
+                   "fp8+cross-kv-fp8": (fp8_patch, "CROSS_KV_FP8", True),
+                   "fp8+plain-norms": (fp8_patch, "_unet_norm", lambda *args: False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -362,14 +368,16 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # feed-forward (the tier's glue before 2026-11-29's changes), with each block norm's modulation a GEMM of its own
 # (patches.fp8.JOIN_MODULATIONS), with each step's joined modulation GEMM its own (not served from the rows made
 # before the first step: patches.modulation_table.STEP_TABLE), with cuBLASLt's workspace as torch sets it
-# (fp8_linear.NO_CUBLASLT_WORKSPACE), with the originals moved to the CPU's memory, and with compile=True
+# (fp8_linear.NO_CUBLASLT_WORKSPACE), with the cross-attentions' key/value projections in FP8 too
+# (patches.fp8.CROSS_KV_FP8), with the UNet blocks' LayerNorms writing no codes (no patches.fp8.Fp8LayerNorm), with
+# the originals moved to the CPU's memory, and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
                                                     "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
                                                     "fp8+own-modulations", "fp8+own-step-modulations",
-                                                    "fp8+cublaslt-workspace",
-                                                    "fp8+offloaded-originals")}
+                                                    "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
+                                                    "fp8+plain-norms", "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 

@@ -88,6 +88,11 @@ log = logging.getLogger(__name__)
 FP8_ATTENTION = (128,)
 # The block norms' modulation layers of a transformer as one GEMM a call (patches/fp8_modulations.py)
 JOIN_MODULATIONS = True
+# A cross-attention's key and value projections (``to_k``, ``to_v``, diffusers' fused ``to_kv``) read the text: a
+# few hundred rows a call (SDXL with guidance: 154), where our FP8 GEMM took 15 µs and fp16's cuBLAS 5.5 at SDXL's
+# shapes (bench/results/2026-11-30-h200-sdxl-fp8-gemms): they stay in the model's dtype, exact. True: FP8 too
+CROSS_KV_FP8 = False
+CROSS_KV = ("to_k", "to_v", "to_kv")
 PRECISIONS = ("fp16", "fp8")  # "fp16": the model's own half precision (fp16 or bf16), lossless; the default
 BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "BasicTransformerBlock")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -347,6 +352,41 @@ class Fp8AdaLayerNormZero(nn.Module):
         return (y, *chunks[2:])
 
 
+class Fp8LayerNorm(nn.Module):
+    """A UNet transformer block's ``nn.LayerNorm`` (``BasicTransformerBlock`` with ``norm_type="layer_norm"``: SD's,
+    SDXL's norm1, norm2, norm3) that also writes its output's FP8 codes in the same pass, which travel on the
+    output to the projections that read it next (q, k, v; the cross-attention's q; the feed-forward's first GEMM)
+    instead of a quantization of their own. Keeps the original's ``weight``, ``bias`` (the same Parameters) and
+    ``eps``; calls whose codes could not travel (autograd, an inference tensor, compilation, another rank) are the
+    original's."""
+
+    profile_scoped = True
+
+    def __init__(self, norm: nn.LayerNorm) -> None:
+        super().__init__()
+        self.weight, self.bias = norm.weight, norm.bias
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self._norm = [norm]
+        self.train(norm.training)
+
+    @scoped
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.training or x.dim() != 3 or x.is_inference() or torch.is_grad_enabled()
+                or torch.compiler.is_compiling()):
+            return nn.LayerNorm.forward(self, x)
+        y, q, s = layer_norm_modulated_fp8(x, self.weight, self.bias, self.eps)
+        return attach_quantized(y, q, s)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, writes its FP8 codes"
+
+
+def _unet_norm(block: nn.Module, name: str, child: nn.Module) -> bool:
+    """Whether ``block.name`` is a UNet transformer block's plain LayerNorm that ``Fp8LayerNorm`` serves."""
+    return (type(child) is nn.LayerNorm and name in ("norm1", "norm2", "norm3")
+            and type(block).__name__ == "BasicTransformerBlock" and getattr(block, "norm_type", None) == "layer_norm")
+
+
 class Fp8Projections:
     """One stream's q, k and v ``Fp8Linear``s as one FP8 GEMM: their codes and scales laid out in one
     buffer each (their own buffers become views of it), the biases read from the layout qkv_fusion gave
@@ -431,6 +471,7 @@ class Fp8Summary:
     offloaded_bytes: int = 0  # of original_bytes, those ``offload_originals`` moved to the CPU
     modulations_joined: int = 0  # block norms whose modulation is a column slice of a joined GEMM
     modulation_gemms: int = 0  # the joined GEMMs (one per group of block norms: patches/fp8_modulations.py)
+    cross_kv_kept: int = 0  # cross-attention key/value projections left in the model's dtype (CROSS_KV_FP8 off)
     step_tables: int = 0  # of those, the ones whose rows of every step are made in one GEMM a call
     step_table_bytes: int = 0  # their tables' (made before the first call, kept until unpatch)
 
@@ -456,7 +497,9 @@ class Fp8Summary:
         if self.step_tables:
             joined += (f", every step's rows made in one GEMM at a call's first step and served from a table of "
                        f"{modulation_table.ROWS} rows ({mib(self.step_table_bytes)}, patches/modulation_table.py)")
-        return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}); their weights "
+        kept = (f"; {self.cross_kv_kept} cross-attention key/value projections (of the text: a few hundred rows a "
+                f"call) stay in the model's dtype" if self.cross_kv_kept else "")
+        return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}){kept}; their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
                 f"a call takes it (docs/kernels/attention_fp8.md){joined}")
@@ -480,6 +523,12 @@ def _norm_chunks(norm: nn.Module) -> int | None:
     return None
 
 
+def _cross_kv(module: nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is a cross-attention's key or value projection that stays in the model's dtype
+    (``CROSS_KV_FP8`` off)."""
+    return not CROSS_KV_FP8 and name in CROSS_KV and getattr(module, "is_cross_attention", False) is True
+
+
 def _patch_block(block: nn.Module, path: str, record: PatchRecord, summary: Fp8Summary) -> None:
     from diffusers.models.attention import FeedForward
 
@@ -493,11 +542,15 @@ def _patch_block(block: nn.Module, path: str, record: PatchRecord, summary: Fp8S
                 fused.append((module, name, lambda c=child, a=act, g=gated: Fp8FeedForward(c, a, g)))
             elif (chunks := _norm_chunks(child)) is not None:
                 fused.append((module, name, lambda c=child, n=chunks: Fp8AdaLayerNormZero(c, n)))
+            elif _unet_norm(module, name, child):
+                fused.append((module, name, lambda c=child: Fp8LayerNorm(c)))
             elif type(child) is FeedForward:
                 reason = "FeedForward.forward is not the verified source" if not verified_ff else \
                     _feed_forward_kind(child)
                 record.skip(f"{where}.{name}", "FeedForward", f"quantize-then-GEMM per linear: {reason}")
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and _cross_kv(module, name):
+                summary.cross_kv_kept += 1
+            elif type(child) is nn.Linear:
                 _swap_linear(record, module, name, f"{where}.{name}", summary)
             elif isinstance(child, nn.Linear):
                 record.skip(f"{where}.{name}", type(child).__name__, "a subclass of nn.Linear (its forward may differ)")
@@ -505,7 +558,7 @@ def _patch_block(block: nn.Module, path: str, record: PatchRecord, summary: Fp8S
                 record.skip(f"{where}.{name}", "lora.Linear", "an adapter-wrapped linear stays as it is")
     for parent, name, make in fused:  # built now: they hold the Fp8Linears swapped in above
         replacement = make()
-        kind = "fp8.FeedForward" if isinstance(replacement, Fp8FeedForward) else "fp8.AdaLayerNormZero"
+        kind = f"fp8.{type(replacement).__name__.removeprefix('Fp8')}"
         record.set_attr(parent, name, replacement, kind)
 
 

@@ -48,7 +48,7 @@ def flux():
                    "fp8.AdaLayerNormZero"}),
     ("tiny-sd3", {"fp8.attention", "fp8.feed_forward", "fp8.modulation", "fp8.FeedForward", "fp8.AdaLayerNormZero"}),
     ("tiny-pixart", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward"}),
-    ("tiny", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward"}),
+    ("tiny", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.LayerNorm"}),
 ])
 def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
     _image_close_and_unpatch_exact(build_pipeline(name), families)
@@ -146,6 +146,53 @@ def test_same_request_changes_nothing_and_another_repatches(flux):
         assert not any(isinstance(m, fp8.Fp8Linear) for m in flux.transformer.modules())
     finally:
         sd_kernels.unpatch(flux)
+
+
+@cpu_only
+@pytest.mark.parametrize("cross_kv_fp8", [False, True], ids=["cross-kv-kept", "cross-kv-fp8"])
+def test_unet_self_attention_is_one_fp8_gemm_and_the_text_projections_stay_exact(cross_kv_fp8, monkeypatch):
+    """In a UNet's blocks each self-attention's q, k and v are one FP8 GEMM (their weights laid out as one by
+    patches/qkv_fusion.py); a cross-attention's key and value projections, which read the text, stay the
+    model's own ``nn.Linear`` unless ``CROSS_KV_FP8`` asks for FP8, and the record says how many stayed."""
+    monkeypatch.setattr(fp8, "CROSS_KV_FP8", cross_kv_fp8)
+    pipe = build_pipeline("tiny")
+    unet = pipe.unet
+    attentions = [m for m in unet.modules() if hasattr(m, "is_cross_attention") and hasattr(m, "to_k")]
+    crosses = [a for a in attentions if a.is_cross_attention]
+    assert crosses and len(crosses) < len(attentions)
+    record = sd_kernels.patch(pipe, precision="fp8", cuda_graph=False)
+    try:
+        # (qkv_fusion also counts the VAE's self-attentions, which stay exact)
+        assert record.counts["fp8.qkv"] == len(attentions) - len(crosses) < record.counts["qkv_fusion"]
+        kinds = {type(a.to_k) for a in crosses} | {type(a.to_v) for a in crosses}
+        assert kinds == ({fp8.Fp8Linear} if cross_kv_fp8 else {nn.Linear})
+        assert all(type(a.to_q) is fp8.Fp8Linear for a in attentions)
+        kept = f"{2 * len(crosses)} cross-attention key/value projections"
+        assert (kept in record.format()) != cross_kv_fp8
+    finally:
+        sd_kernels.unpatch(pipe)
+    assert all(type(a.to_k) is nn.Linear for a in attentions)
+
+
+@cpu_only
+def test_unet_block_norms_write_the_codes_their_projections_read(count_calls, monkeypatch):
+    """A UNet block's norm1, norm2 and norm3 write their outputs' FP8 codes (``Fp8LayerNorm``): the projections
+    after them (q, k, v; the cross-attention's q; the feed-forward's first GEMM) quantize nothing of their own,
+    three quantizations fewer a block, and the latents stay close to those of norms that do not."""
+    pipe = build_pipeline("tiny")
+    pipe.set_progress_bar_config(disable=True)
+    blocks = sum(type(m).__name__ == "BasicTransformerBlock" for m in pipe.unet.modules())
+    quantized = count_calls(fp8_ops, quantize="quantize_rows")
+    runs = {}
+    for codes in (True, False):
+        if not codes:
+            monkeypatch.setattr(fp8, "_unet_norm", lambda *args: False)
+        with sd_kernels.patched(pipe, precision="fp8", cuda_graph=False) as record:
+            assert record.counts.get("fp8.LayerNorm", 0) == (3 * blocks if codes else 0)
+            before = quantized["quantize"]
+            runs[codes] = _run(pipe, "latent"), quantized["quantize"] - before
+    assert runs[False][1] - runs[True][1] == 3 * blocks  # one step: the UNet called once, on the guided batch
+    assert rel_err(runs[True][0], runs[False][0]) < 1e-2
 
 
 @pytest.fixture
