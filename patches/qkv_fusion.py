@@ -81,14 +81,19 @@ def unfit(linears: list) -> str | None:
         return "projections of different shapes, dtypes or devices"
     if len({m.bias is None for m in linears}) != 1:
         return "a bias on some projections only"
+    if len({t.is_inference() for m in linears for t in (m.weight, m.bias) if t is not None}) != 1:
+        return "weights made in and out of torch.inference_mode"
     return None
 
 
 def lay_out(params: list[torch.Tensor]) -> torch.Tensor:
     """The Parameters' data laid out as consecutive rows of one new buffer, in their order: each ``param.data``
-    becomes a view of it (the same Parameter objects, the same values). Returns the buffer. Made outside
-    inference mode, whatever the caller's: the Parameters stay normal tensors."""
-    with torch.inference_mode(False), torch.no_grad():
+    becomes a view of it (the same Parameter objects, the same values). Returns the buffer. Made in inference mode
+    exactly where the Parameters are inference tensors (a model built under ``torch.inference_mode``), whatever
+    the caller's mode: normal Parameters stay normal tensors, and inference ones keep data without a version
+    counter (a normal tensor's data under an inference Parameter reads as one that has a version counter, and
+    reading it fails)."""
+    with torch.inference_mode(params[0].is_inference()), torch.no_grad():
         buffer = torch.cat([p.detach() for p in params])
         for p, rows in zip(params, buffer.split([p.shape[0] for p in params])):
             p.data = rows
@@ -115,11 +120,12 @@ def release(modules, storages: WeakStorages) -> None:
     ``storages`` gets storage of its own (the same values), whatever became of the others (one assigned anew
     leaves the rest in it)."""
     live = [ref for ref in storages if not ref.expired()]
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.no_grad():
         for m in modules:
             for t in m.parameters():
                 if plain(t) and StorageWeakRef(t.untyped_storage()) in live:
-                    t.data = t.data.clone()
+                    with torch.inference_mode(t.is_inference()):  # as ``lay_out`` made it
+                        t.data = t.data.clone()
 
 
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -153,7 +159,8 @@ class FusedProjections:
     """Three Linears whose weights (and biases) are consecutive rows of one storage; called, one GEMM on
     it for all three. Only their Parameters hold that storage: weights moved, offloaded or dropped take
     it with them (nothing here keeps a copy alive; ``storages`` are weak references, to find it at unpatch).
-    Made and released outside inference mode, whatever the caller's: the Parameters stay normal tensors."""
+    Made and released in inference mode only for inference-tensor Parameters (``lay_out``), whatever the caller's
+    mode."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = tuple(linears)

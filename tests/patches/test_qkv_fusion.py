@@ -215,3 +215,26 @@ def test_a_copy_or_pickle_of_the_layout_is_refused_not_a_crash(transformer):  # 
                 act(fused.storages)
             with pytest.raises(TypeError, match=r"sd_kernels.unpatch\(obj\) first"):
                 act(transformer)
+
+
+@pytest.mark.parametrize("precision", [None, "fp8"])
+def test_a_model_built_under_inference_mode_is_fused_runs_and_unpatches_exactly(precision, reference):
+    """Weights made under ``torch.inference_mode`` (as benchmarks build their pipelines) are laid out as inference
+    tensors too: the patch's version checks read none (a normal tensor's data under an inference Parameter had
+    one that could not be read), the UNet's fused self-attentions run (the reference ops: the plumbing is under
+    test), and unpatch gives back the same values, still inference tensors."""
+    from sd_kernels.models import build_pipeline
+
+    with torch.inference_mode():
+        pipe = build_pipeline("tiny")
+        pipe.set_progress_bar_config(disable=True)
+        state = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+        record = sd_kernels.patch(pipe, precision=precision, cuda_graph=False)
+        assert record.counts["qkv_fusion"] > 0
+        latents = pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="latent").images
+        assert torch.isfinite(latents).all()
+        sd_kernels.unpatch(pipe)
+        after = pipe.unet.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in state.items())
+        assert all(p.is_inference() for p in pipe.unet.parameters())
+        assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in pipe.unet.parameters())
