@@ -11,6 +11,8 @@ known, the quantization moves into the op that produces the input:
 | ``FeedForward`` (GELU tanh/erf, GEGLU) | GEMM 1 → one kernel: GELU (GEGLU) + row quantization → GEMM 2 |
 | ``AdaLayerNormZero`` / ``…Single``      | the modulated LayerNorm writes its FP8 codes in the same pass, |
 |                                       | and attention's q, k, v projections read them                |
+| a UNet block's ``nn.LayerNorm``s       | the LayerNorm writes its FP8 codes in the same pass          |
+| (``norm1``-``norm3``, SD's and SDXL's)  | (``Fp8LayerNorm``), which the projections after it read      |
 | any other ``nn.Linear`` in a block    | quantize the input (once per input tensor) → GEMM             |
 
 The block forwards of patches/layer_norm.py (FLUX's, SD3's) go further where they call these: a
@@ -21,9 +23,11 @@ torch's ``_scaled_mm`` serves the GEMM, one pass after it: ops/fp8_linear.py).
 
 The projections of one input (q, k and v of the same hidden states; k and v of the same text
 context, block after block) share one quantization: the first one leaves it on the tensor
-(``ops.fp8_linear.attach_quantized``). Where the attention patcher laid a FLUX or SD3 attention's q, k and
-v weights out in one buffer (patches/qkv_fusion.py), their codes and scales are laid out alike and the
-three are one GEMM (``Fp8Projections``; SD3's writes the streams' join in place, patches/joint_attention.py).
+(``ops.fp8_linear.attach_quantized``). Where the attention patcher laid an attention's q, k and v weights out
+in one buffer (patches/qkv_fusion.py: FLUX's, SD3's, the UNets' and PixArt-Σ's self-attentions), their codes and
+scales are laid out alike and the three are one GEMM (``Fp8Projections``; SD3's writes the streams' join in place,
+patches/joint_attention.py). A cross-attention's key and value projections read the text, a few hundred rows a
+call: they stay in the model's dtype (``CROSS_KV_FP8``).
 Outside the blocks (embedders, the final norm and projection, 1×1 convolutions: their GEMMs are a small
 share of a step) nothing changes.
 
