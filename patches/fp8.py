@@ -361,8 +361,8 @@ class Fp8LayerNorm(nn.Module):
     SDXL's norm1, norm2, norm3) that also writes its output's FP8 codes in the same pass, which travel on the
     output to the projections that read it next (q, k, v; the cross-attention's q; the feed-forward's first GEMM)
     instead of a quantization of their own. Keeps the original's ``weight``, ``bias`` (the same Parameters) and
-    ``eps``; calls whose codes could not travel (autograd, an inference tensor, compilation, another rank) are the
-    original's."""
+    ``eps``; calls whose codes could not travel (training or autograd, an inference tensor, compilation) and inputs
+    not [B, T, D] are the original's."""
 
     profile_scoped = True
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .hooks import hooked
-from .record import PatchRecord, refuse_pickle
+from .record import PatchRecord, refuse_deepcopy, refuse_pickle
 
 KIND = "qkv_fusion"
 STREAMS = (("qkv", ("to_q", "to_k", "to_v")), ("added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
@@ -108,10 +108,7 @@ class WeakStorages(tuple):
     def __new__(cls, tensors) -> WeakStorages:
         return super().__new__(cls, (StorageWeakRef(t.untyped_storage()) for t in tensors if t is not None))
 
-    def __deepcopy__(self, memo: dict) -> WeakStorages:
-        raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
-            what="a deep copy of", result="copy"))
-
+    __deepcopy__ = refuse_deepcopy
     __reduce_ex__ = refuse_pickle
 
 

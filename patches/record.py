@@ -60,6 +60,11 @@ def set_instance_attr(obj: Any, name: str, value: Any, undoer: str = "unpatch",
     return restore
 
 
+def refuse_deepcopy(self, memo: dict) -> Any:
+    """``__deepcopy__`` of an object a patch holds that must not be copied: say why, as the record does."""
+    raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(what="a deep copy of", result="copy"))
+
+
 def refuse_pickle(self, protocol: Any) -> Any:
     """``__reduce_ex__`` of a class a patch gave an object (not importable by its name): say why, as the record does."""
     raise TypeError(f"this {type(self).__name__} " + PatchRecord._REFUSED.format(
