@@ -9,6 +9,9 @@ known, the quantization moves into the op that produces the input:
 | module (diffusers 0.42.1)             | here                                                        |
 |---------------------------------------|-------------------------------------------------------------|
 | ``FeedForward`` (GELU tanh/erf, GEGLU) | GEMM 1 → one kernel: GELU (GEGLU) + row quantization → GEMM 2 |
+|                                       | (opt-in, ``fp8_geglu.GEGLU_EPILOGUE``: GEMM 1 writes the      |
+|                                       | GEGLU's a · gelu(g), then the row quantization; measured      |
+|                                       | slower in SDXL's step: ops/fp8_geglu.py)                      |
 | ``AdaLayerNormZero`` / ``…Single``      | the modulated LayerNorm writes its FP8 codes in the same pass, |
 |                                       | and attention's q, k, v projections read them                |
 | a UNet block's ``nn.LayerNorm``s       | the LayerNorm writes its FP8 codes in the same pass          |
@@ -62,10 +65,12 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated,
     layer_norm_modulated_fp8,
 )
+from sd_kernels.ops.fp8_geglu import fp8_gemm_geglu, geglu_epilogue_reason
 from sd_kernels.ops.fp8_linear import (
     E4M3,
     FP8_CAPABILITY,
     attach_quantized,
+    input_codes,
     quantize_rows,
     quantize_weight,
 )
@@ -244,6 +249,14 @@ class Fp8Linear(nn.Module):
         self.fresh()
         return fp8_linear(x, self.w_q, self.s_w, self.bias)
 
+    def geglu_codes(self, x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """diffusers' GEGLU of this projection (``a · gelu(g)``, a and g its output's halves) as the FP8 codes
+        and row scales the next GEMM reads: one GEMM with the GEGLU in its epilogue, then the row quantizer
+        (ops/fp8_geglu.py); x's carried codes are read where it has them. Eager calls (the caller checks)."""
+        self.fresh()
+        q, s = input_codes(x)
+        return quantize_rows(fp8_gemm_geglu(q, s, self.w_q, self.s_w, self.bias, act, x.dtype))
+
     def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out.copy_(self(x))`` with no copy: the GEMM writes ``out`` where it lies (a token slice of a
         batch: ``fp8_gemm``'s ``out``). Eager calls, the caller having checked for hooks (``called_beside``)."""
@@ -315,8 +328,19 @@ class Fp8FeedForward(nn.Module):
             out = out if gate is None else gate.unsqueeze(1) * out
             return out if residual is None else residual + out
         first, second = self.net[0].proj, self.net[2]
-        q, s = fp8_quantize_rows(first(hidden_states), self.act, self.gated)
+        if self._geglu_epilogue(hidden_states):
+            q, s = first.geglu_codes(hidden_states, self.act)
+        else:
+            q, s = fp8_quantize_rows(first(hidden_states), self.act, self.gated)
         return second.from_codes(q, s, hidden_states.dtype, gate, residual)
+
+    def _geglu_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether the GEGLU's first GEMM writes ``a · gelu(g)`` itself (ops/fp8_geglu.py: half the columns
+        written and read back): a GEGLU, in eager (a compiled graph runs the GEMM and the GEGLU quantizer), the
+        projection not called beside (hooks) and ``geglu_epilogue_reason`` content."""
+        first = self.net[0].proj
+        return (self.gated and not torch.compiler.is_compiling() and not called_beside(first)
+                and geglu_epilogue_reason(x, first.w_q) is None)
 
     def extra_repr(self) -> str:
         return f"{'GEGLU' if self.gated else 'GELU'}(approximate={self.act!r}) fused with the FP8 quantization"

@@ -421,6 +421,17 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     return y.to(out_dtype)
 
 
+def fp8_gemm_geglu(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
+                   bias: torch.Tensor | None = None, act: str = "none", out_dtype: torch.dtype = torch.float16,
+                   compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """GEGLU of an FP8 projection: ``y = fp8_gemm(a_q, s_a, w_q, s_w, bias)`` kept in ``compute``, then
+    ``a · gelu(g)`` with a, g = y.chunk(2, -1), stored in ``out_dtype`` (a and g are not rounded first).
+    w_q [2F, K], the a half's rows first (nn.Linear's layout of diffusers' GEGLU projection)."""
+    y = fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=compute, compute=compute)
+    a, g = y.chunk(2, dim=-1)
+    return (a * F.gelu(g, approximate=act)).to(out_dtype)
+
+
 FP8_KEY_BLOCK = 128  # keys per K scale in ops.attention_fp8 (and its kernel's key block)
 
 

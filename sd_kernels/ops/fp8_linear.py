@@ -553,9 +553,16 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias: torc
                              f"{w_q.shape[0]}")
         out = torch.empty(x.shape[0], w_q.shape[0], dtype=x.dtype, device=x.device)
         skip = fp8_rows.serve(x, table, out)
+    held = input_codes(x, reuse)
+    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype, out=out, skip=skip)
+
+
+def input_codes(x: torch.Tensor, reuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's row quantization for a GEMM that reads it: the one x carries (``reuse``), else made now and, with
+    ``reuse`` in eager, attached for the next projection of the same input."""
     held = attached_quantization(x) if reuse else None
     if held is None:
         held = quantize_rows(x)
         if reuse and not torch.compiler.is_compiling():
             attach_quantized(x, *held)
-    return fp8_gemm(held[0], held[1], w_q, s_w, bias, act, gate, residual, out_dtype=x.dtype, out=out, skip=skip)
+    return held

@@ -699,6 +699,56 @@ def test_fp8_feed_forward_gated_residual():
     assert rel_err(fused.gated_residual(h, None, residual), residual + fused(h)) < 1e-2
 
 
+def _geglu_feed_forward(dim=32):
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    ff = FeedForward(dim, activation_fn="geglu").half().eval()
+    fused = fp8.Fp8FeedForward(ff, "none", True)
+    ff.net[0].proj, ff.net[2] = fp8.Fp8Linear(ff.net[0].proj), fp8.Fp8Linear(ff.net[2])
+    return ff, fused
+
+
+@torch.no_grad()  # as a pipeline calls it (Parameters that require grad take the reference)
+def test_fp8_geglu_feed_forward_takes_the_epilogue_and_matches_the_two_kernel_path(count_calls, monkeypatch):
+    """With the GEGLU epilogue switched on, a GEGLU feed-forward's first GEMM writes a · gelu(g)
+    (ops/fp8_geglu.py) and reads the codes its input carries: the output within fp16's roundings of the two-kernel
+    path (GEMM, then the GEGLU quantizer), which the switch off (the default), a hook on the projection or a K the
+    TMA unit cannot read bring back."""
+    fg = importlib.import_module("sd_kernels.ops.fp8_geglu")
+    monkeypatch.setattr(fg, "GEGLU_EPILOGUE", True)  # opt-in
+    ff, fused = _geglu_feed_forward()
+    h = _half(2, 6, 32)
+    launched = count_calls(fg, geglu="_GEGLU")
+    quantized = count_calls(fp8_ops, rows="quantize_rows")
+    q, s = fp8_ops.quantize_rows(h)
+    fp8_ops.attach_quantized(h, q, s)
+    ours = fused(h)
+    assert launched == {"geglu": 1} and quantized["rows"] == 1  # the input's codes were read, not made again
+    monkeypatch.setattr(fg, "GEGLU_EPILOGUE", False)
+    apart = fused(h)
+    assert launched == {"geglu": 1}
+    assert ours.shape == apart.shape == h.shape and rel_err(ours, apart) < 2e-2, rel_err(ours, apart)
+    second = ff.net[2]
+    stock = torch.nn.functional.linear(_geglu(ff, h).float(), second.weight.float(), second.bias.float())
+    assert rel_err(ours, stock) < 5e-2, rel_err(ours, stock)  # two e4m3 quantizations
+    monkeypatch.setattr(fg, "GEGLU_EPILOGUE", True)
+    handle = ff.net[0].proj.register_forward_hook(lambda *a: None)  # a hook the fused path would pass by
+    fused(h)
+    handle.remove()
+    assert launched == {"geglu": 1}
+    _, odd = _geglu_feed_forward(dim=24)  # K = 24: rows of 24 bytes, off the TMA unit's 16-byte grid
+    odd(_half(2, 6, 24))
+    assert launched == {"geglu": 1}
+
+
+def _geglu(ff, h):
+    """diffusers' GEGLU of the stock layers' weights, in fp32."""
+    proj = ff.net[0].proj
+    a, g = (h.float() @ proj.weight.float().t() + proj.bias.float()).chunk(2, -1)
+    return a * torch.nn.functional.gelu(g)
+
+
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts of the tier's fused block calls: ``Fp8Linear.joined`` and ``Fp8FeedForward.gated_residual``
