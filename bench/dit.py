@@ -63,10 +63,12 @@ def _first_call(model: torch.nn.Module) -> tuple[dict, object]:
 def _extra_kwargs(fn) -> dict:
     """What a pipeline's ``__call__`` / ``encode_prompt`` takes beyond the prompt: PixArt's caption
     cleaning off (it needs packages the benchmark does not), SD3's second and third prompts (required
-    positionally by its ``encode_prompt``) as the first."""
+    positionally by its ``encode_prompt``) as the first, and SD1.x/2.x's required image count and guidance
+    flag (one image, with guidance)."""
     params = inspect.signature(fn).parameters
     extra = {"clean_caption": False} if "clean_caption" in params else {}
-    return extra | {p: None for p in ("prompt_2", "prompt_3") if p in params and params[p].default is params[p].empty}
+    required = {"prompt_2": None, "prompt_3": None, "num_images_per_prompt": 1, "do_classifier_free_guidance": True}
+    return extra | {p: v for p, v in required.items() if p in params and params[p].default is params[p].empty}
 
 
 def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict, context=None,

@@ -8,7 +8,7 @@
                                 fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
                                 fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,
                                 fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+cross-kv-fp8,
-                                fp8+plain-norms,fp8+offloaded-originals,
+                                fp8+plain-norms,fp8+geglu-epilogue,fp8+offloaded-originals,
                                 fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
@@ -24,7 +24,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   first); the epilogues (bias + GELU-tanh; bias + gate + residual) as dispatched (``ours``: on
   ``_scaled_mm`` + one gated-add pass where it serves the call) and fused in our kernel (``triton``) against
   ``_scaled_mm`` + torch's ops; and the fused producers (GELU +
-  quantization, modulated LayerNorm + quantization) against the op, then the quantizer. Device time
+  quantization, modulated LayerNorm + quantization; SDXL's GEGLU projection with a · gelu(g) in its epilogue, then
+  the quantizer, against the GEMM writing both halves and the GEGLU quantizer, ``two_kernels``) against the op,
+  then the quantizer. Device time
   from CUDA graphs (bench/common.py), TFLOP/s and ratios.
 - ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;
   torch.compile (``--compile recipe``: bench/setups.py's ``stock+compile-graphs``, diffusers' recipe;
@@ -59,8 +61,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   (``fp8+cublaslt-workspace``: ``ops.fp8_linear.NO_CUBLASLT_WORKSPACE`` off), with the cross-attentions' key and
   value projections (of the text) in FP8 too (``fp8+cross-kv-fp8``: ``patches.fp8.CROSS_KV_FP8``), with the UNet
   blocks' LayerNorms as stock's and each projection quantizing their outputs (``fp8+plain-norms``: no
-  ``patches.fp8.Fp8LayerNorm``), with the original weights moved to
-  the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
+  ``patches.fp8.Fp8LayerNorm``), with the GEGLU feed-forwards' first GEMM writing a · gelu(g) itself, half its
+  columns, for the quantizer (``fp8+geglu-epilogue``: ``ops.fp8_geglu.GEGLU_EPILOGUE`` on), with the original weights
+  moved to the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
@@ -89,13 +92,13 @@ import torch.nn.functional as F
 
 from bench import common
 
-MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl")
+MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl", "sd15")  # sd15: e2e rows only (no GEMM shapes listed)
 ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+cat-join", "patched+unfused-qkv",
         "patched+two-pass-residual", "patched+addcmul-residual", "fp8", "fp8+exact-attention",
         "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
-        "fp8+plain-norms", "fp8+offloaded-originals", "fp8+compile", "torchao")
+        "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+offloaded-originals", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -111,8 +114,9 @@ SHAPES = {
                    ("modulation", 8, 1536, 9216, "")],
     "pixart-sigma": [("qkv", 8192, 1152, 1152, ""), ("ff_up", 8192, 1152, 4608, "gelu"),
                      ("ff_down", 8192, 4608, 1152, "gate_res"), ("cross_kv", 600, 1152, 1152, "")],
-    "sdxl": [("qkv_640", 8192, 640, 640, ""), ("geglu_640", 8192, 640, 5120, ""), ("ff_down_640", 8192, 2560, 640, ""),
-             ("qkv_1280", 2048, 1280, 1280, ""), ("geglu_1280", 2048, 1280, 10240, ""),
+    "sdxl": [("qkv_640", 8192, 640, 640, ""), ("geglu_640", 8192, 640, 5120, "geglu"),
+             ("ff_down_640", 8192, 2560, 640, ""),
+             ("qkv_1280", 2048, 1280, 1280, ""), ("geglu_1280", 2048, 1280, 10240, "geglu"),
              ("ff_down_1280", 2048, 5120, 1280, "")],
 }
 DTYPES = {"flux-dev": torch.bfloat16}  # FLUX's own; the others fp16 as bench.dit
@@ -132,6 +136,11 @@ def _on_triton(f, *args, **kwargs) -> torch.Tensor:
     """``fp8_gemm`` on our Triton kernels only (none handed to ``torch._scaled_mm``)."""
     with mock.patch.object(f, "TORCH_GEMM", False):
         return f.fp8_gemm(*args, **kwargs)
+
+
+def _geglu(y: torch.Tensor) -> torch.Tensor:
+    a, g = y.chunk(2, -1)
+    return a * F.gelu(g)
 
 
 def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) -> list[common.Case]:
@@ -163,6 +172,13 @@ def _gemm_cases(model: str, name: str, m: int, k: int, n: int, epilogue: str) ->
         cases.append(common.Case("fp8_quant", f"gelu:{m}x{n}", dtype, "gelu+quant", bytes=m * n * 3, impls={
             "stock": lambda: f.quantize_rows(F.gelu(h, approximate="tanh")),
             "ours": lambda: f.quantize_rows(h, "tanh")}))
+    if epilogue == "geglu":  # the feed-forward's hidden rows, as codes for the second GEMM
+        fg = importlib.import_module("sd_kernels.ops.fp8_geglu")
+        cases.append(common.Case("fp8_geglu", shape, dtype, "gemm+geglu+quant", flops=flops, impls={
+            "stock": lambda: _geglu(F.linear(x, w, bias)),
+            "two_kernels": lambda: f.quantize_rows(f.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype), "none",
+                                                   gated=True),
+            "ours": lambda: f.quantize_rows(fg.fp8_gemm_geglu(a_q, s_a, w_q, s_w, bias, "none", dtype))}))
     if epilogue == "gate_res":
         batch = 2 if m % 2 == 0 else 1
         gate = torch.randn(batch, 1, n, device="cuda", dtype=dtype)
@@ -214,7 +230,7 @@ def _few_rows_cases(model: str, name: str, m: int, k: int, n: int) -> list[commo
 def run_ops(models: list[str], out: pathlib.Path, only: set[str] | None = None) -> list[dict]:
     rows = []
     for model in models:
-        for name, m, k, n, epilogue in SHAPES[model]:
+        for name, m, k, n, epilogue in SHAPES.get(model, []):
             if only and name not in only:
                 continue
             few = m <= 16 and not epilogue
@@ -350,7 +366,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+own-step-modulations": (modulation_table, "STEP_TABLE", False),
                    "fp8+cublaslt-workspace": (fp8_ops, "NO_CUBLASLT_WORKSPACE", False),
                    "fp8+cross-kv-fp8": (fp8_patch, "CROSS_KV_FP8", True),
-                   "fp8+plain-norms": (fp8_patch, "_unet_norm", lambda *args: False)}.get(row)
+                   "fp8+plain-norms": (fp8_patch, "_unet_norm", lambda *args: False),
+                   "fp8+geglu-epilogue": (importlib.import_module("sd_kernels.ops.fp8_geglu"), "GEGLU_EPILOGUE",
+                                          True)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -370,6 +388,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # before the first step: patches.modulation_table.STEP_TABLE), with cuBLASLt's workspace as torch sets it
 # (fp8_linear.NO_CUBLASLT_WORKSPACE), with the cross-attentions' key/value projections in FP8 too
 # (patches.fp8.CROSS_KV_FP8), with the UNet blocks' LayerNorms writing no codes (no patches.fp8.Fp8LayerNorm), with
+# the GEGLU feed-forwards' first GEMM writing a · gelu(g) itself (fp8_geglu.GEGLU_EPILOGUE on), with
 # the originals moved to the CPU's memory, and with compile=True
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
@@ -377,7 +396,8 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
                                                     "fp8+own-modulations", "fp8+own-step-modulations",
                                                     "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
-                                                    "fp8+plain-norms", "fp8+offloaded-originals")}
+                                                    "fp8+plain-norms", "fp8+geglu-epilogue",
+                                                    "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
