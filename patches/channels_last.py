@@ -23,7 +23,10 @@ re-lays its input NHWC (one copy more), and blocks with a linear ``proj_out`` ar
 The profile's ``channels_last`` lists the parts ("unet", "vae"). The patch converts every 4-D
 parameter of such a model that is not channels_last yet, in place (``param.data``: the Parameter
 objects stay, their storage is re-laid, no extra copy is kept), and unpatch converts exactly those
-back to contiguous NCHW: the values never change, so outputs are bit-identical after unpatch.
+back to contiguous NCHW: the values never change, so outputs are bit-identical after unpatch. A weight whose
+data a ``.to()`` re-made while patched (the layout carries over) is laid back too, also after a round trip to
+its own dtype (SDXL's pipeline upcasts its VAE for every decode: before, 56 of its weights stayed NHWC after
+unpatch); a few values compared at unpatch tell that data from new values assigned since, which stay as given.
 """
 
 from __future__ import annotations
@@ -59,19 +62,40 @@ def patch_layout(model: nn.Module, record: PatchRecord) -> None:
     for p in params:
         p.data = p.data.contiguous(memory_format=torch.channels_last)
     # (``p.data`` is a new alias on every access: the storage pointer and strides identify ours)
-    converted = [(p, p.data_ptr(), p.stride(), p.dtype, p.device) for p in params]
+    converted = [(p, p.data_ptr(), p.stride(), p.dtype, p.device, _probe(p)) for p in params]
 
     def restore() -> None:
-        for p, ptr, stride, dtype, device in converted:
+        for p, ptr, stride, dtype, device, probe in converted:
             ours = (p.data_ptr(), p.stride()) == (ptr, stride)
-            # ``.to(dtype or device)`` while patched re-allocates the data but keeps its layout: still
-            # ours to lay back. Data of the same dtype and device assigned after the patch stays.
-            moved = (p.dtype, p.device) != (dtype, device) and is_channels_last(p)
+            # ``.to(dtype or device)`` while patched re-allocates the data but keeps its layout: still ours to
+            # lay back, also after a round trip back to the dtype it had (SDXL's pipeline casts its VAE to fp32
+            # for each decode and back to fp16): the same values where the probe looks. Other data assigned
+            # after the patch stays as it was given.
+            moved = is_channels_last(p) and ((p.dtype, p.device) != (dtype, device) or _same_probe(p, probe))
             if ours or moved:
                 p.data = p.data.contiguous()
 
     record.on_undo(restore, "channels_last_weight", len(converted))
     _keep_transformer_outputs_nhwc(model, record)
+
+
+_PROBES = 8  # elements of a weight compared at unpatch, spread over it
+
+
+def _probe(p: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(the indices of ``_PROBES`` elements spread over ``p``, their values): what ``_same_probe`` compares."""
+    flat = torch.linspace(0, p.numel() - 1, min(_PROBES, p.numel()), device=p.device).long()
+    index = torch.unravel_index(flat, p.shape)
+    return index, p.detach()[index].clone()
+
+
+def _same_probe(p: torch.Tensor, probe: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> bool:
+    """Whether ``p``'s data holds the probed values at the probed elements (in p's dtype and device now)."""
+    index, values = probe
+    try:
+        return torch.equal(p.detach()[tuple(i.to(p.device) for i in index)], values.to(p.device, p.dtype))
+    except (RuntimeError, IndexError):  # a shape changed since: not the data the patch re-laid
+        return False
 
 
 def _keep_transformer_outputs_nhwc(model: nn.Module, record: PatchRecord) -> None:

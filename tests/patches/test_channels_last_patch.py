@@ -82,6 +82,22 @@ def test_weights_assigned_while_patched_are_kept(pipe):
     conv.weight.data = saved.contiguous()
 
 
+def test_weights_cast_away_and_back_while_patched_are_laid_back(pipe):
+    """SDXL's pipeline casts its VAE to fp32 for each decode and back to fp16: the data is new, of the dtype the
+    patch saw, still NHWC (``.to`` keeps the layout). Unpatch lays it back NCHW, the values unchanged; data of new
+    values assigned while patched stays as given (above)."""
+    vae = pipe.vae
+    params = _weights(vae)
+    values = [p.detach().clone() for p in params]
+    with sd_kernels.patched(pipe, profile=_profile(["vae"]), ops=["channels_last"]):
+        vae.to(torch.float64)
+        vae.to(torch.float32)
+        assert all(is_channels_last(p) for p in params if p.shape[-2:] != (1, 1))
+        assert all(p.dtype == torch.float32 for p in params)
+    assert all(p.is_contiguous() for p in params)
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+
+
 def test_profile_validation_of_channels_last():
     with pytest.raises(sd_kernels.profiles.ProfileError, match="channels_last"):
         sd_kernels.profiles.from_dict({"name": "x", "description": "x", "channels_last": ["text_encoder"]})
