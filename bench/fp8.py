@@ -62,8 +62,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   value projections (of the text) in FP8 too (``fp8+cross-kv-fp8``: ``patches.fp8.CROSS_KV_FP8``), with the UNet
   blocks' LayerNorms as stock's and each projection quantizing their outputs (``fp8+plain-norms``: no
   ``patches.fp8.Fp8LayerNorm``), with the GEGLU feed-forwards' first GEMM writing a · gelu(g) itself, half its
-  columns, for the quantizer (``fp8+geglu-epilogue``: ``ops.fp8_geglu.GEGLU_EPILOGUE`` on), with the original weights
-  moved to the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and with ``compile=True``
+  columns, for the quantizer (``fp8+geglu-epilogue``: ``ops.fp8_geglu.GEGLU_EPILOGUE`` on), with the original
+  weights moved to the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and
+  with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final

@@ -75,10 +75,14 @@ def test_controlnet_targets_name_their_base_config():
 
 
 def test_controlnet_pipeline_rows_time_the_controlnet_on_cpu(tmp_path, monkeypatch):
-    """The ControlNet target end to end on CPU (reference kernels: the pipeline path, not the kernels)."""
+    """The ControlNet target end to end on CPU (reference kernels in float32, which the CPU runs fast: the
+    pipeline path, not the kernels)."""
+    import torch
+
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     items = e2e.plan("quick", e2e.parse_targets("tiny+controlnet@64"), ["stock", "patched"], ablation=False)
-    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu", repeats=1)  # a test of the plumbing
+    rows = e2e.run(items, tmp_path, steps=2, max_minutes=5, device="cpu", dtype=torch.float32,
+                   repeats=1)  # a test of the plumbing
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     import sd_kernels
     from sd_kernels import models
@@ -899,6 +903,7 @@ PATCH_FP8, OPS_ATTENTION, FP8_LINEAR = "sd_kernels.patches.fp8", "sd_kernels.ops
     ("fp8+triton-gemm", [(FP8_LINEAR, "TORCH_GEMM", False)]),
     ("fp8+fused-gate-gemm", [(FP8_LINEAR, "TORCH_GEMM_GATED", False)]),
     ("fp8+pointer-gemm", [(FP8_LINEAR, "TMA_GEMM", False)]),
+    ("fp8+geglu-epilogue", [("sd_kernels.ops.fp8_geglu", "GEGLU_EPILOGUE", True)]),
 ])
 def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypatch, row, switches):
     """The tier's experiment rows set the switches the patch reads (``sd_kernels.patches.fp8``, not the

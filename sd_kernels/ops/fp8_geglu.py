@@ -52,7 +52,7 @@ from sd_kernels.runtime.launch import Launcher, cdiv
 # Off: the feed-forward runs the GEMM and the GEGLU quantizer apart. Alone, at SDXL's two GEGLU shapes, this kernel
 # and the quantizer took 105.0 and 72.0 µs against the two-kernel path's 106.3 and 73.5; in SDXL's graphed FP8 step
 # the GEGLU GEMMs took 5.5 ms against 3.9 (+1.1 ms of quantizer saved), the step 29.2 against 28.5 ms (H200,
-# 2026-11-30, bench/results/2026-11-30-h200-sdxl-geglu-epilogue). True: bench.fp8's fp8+geglu-epilogue row.
+# 2026-11-30, bench/results/2026-11-30-h200-unet-fp8-geglu-scaled-mm). True: bench.fp8's fp8+geglu-epilogue row.
 GEGLU_EPILOGUE = False
 
 

@@ -13,7 +13,7 @@ memory of their own (except where torch's GEMM serves a gated call: below). Two 
 Hopper the operands come in through the Tensor Memory Accelerator, in persistent programs where that is
 faster (the shipped tables choose per shape); elsewhere, for rows TMA cannot read, and for the shapes
 where the tables time the pointer kernel faster, through pointers. Where the active profile sets
-``fp8_torch_gemm`` (``hopper``), bf16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate
+``fp8_torch_gemm`` (``hopper``), bf16 and fp16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate
 and residual, added after it in one pass: ops/residual.py's ``gated_add_into``) go to torch's row-wise
 ``torch._scaled_mm`` with fast accumulation, which measured faster in a step (``_torch_gemm_ready``;
 docs/fp8.md, "The GEMM").
@@ -299,8 +299,9 @@ TORCH_GEMM_ROWS = 64  # fewer rows (adaLN modulation) stay on the TMA kernel (_t
 # than our fused epilogue, the image 0.5-0.8% faster (within the runs' spread; measured with torch.addcmul as
 # that pass), its error per GEMM 2.7e-3 against 2.4e-3 (bf16)
 TORCH_GEMM_GATED = True
-# bf16 only: in fp16 (SD3) it made no measurable difference to the step (32.4 against 32.3 ms)
-TORCH_GEMM_DTYPES = (torch.bfloat16,)
+# fp16 too: SDXL's FP8 image 604.5 against 634.8 ms on our kernels (H200, 2026-11-30,
+# bench/results/2026-11-30-h200-unet-fp8-geglu-scaled-mm); SD3's step measured even (32.4 against 32.3 ms, 2026-11-29)
+TORCH_GEMM_DTYPES = (torch.bfloat16, torch.float16)
 # cuBLASLt without a workspace for the GEMMs a CUDA graph captures (runtime/blas.py: no memset before each)
 NO_CUBLASLT_WORKSPACE = True
 
@@ -317,7 +318,7 @@ def torch_gemm_shape_reason(rows: int, k: int, n: int, out_dtype: torch.dtype, a
     if gated and not TORCH_GEMM_GATED:
         return "a gate and residual (fp8_linear.TORCH_GEMM_GATED is off)"
     if out_dtype not in TORCH_GEMM_DTYPES:
-        return f"{str(out_dtype).removeprefix('torch.')} output (TORCH_GEMM_DTYPES: bf16; fp16 measured no gain)"
+        return f"{str(out_dtype).removeprefix('torch.')} output (TORCH_GEMM_DTYPES: bf16 and fp16)"
     if rows < TORCH_GEMM_ROWS:
         return f"{rows} rows < TORCH_GEMM_ROWS {TORCH_GEMM_ROWS}"
     if k % 16 or n % 16:

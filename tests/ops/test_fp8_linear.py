@@ -635,7 +635,8 @@ def _route_case(**change):
     ({}, {}, True), ({"bias": None}, {}, True), ({"gated": True}, {}, True),
     ({"gated": True}, {"TORCH_GEMM_GATED": False}, False), ({}, {"TORCH_GEMM": False}, False),
     ({"m": fp8.TORCH_GEMM_ROWS - 1}, {}, False), ({"act": "tanh"}, {}, False),
-    ({"out_dtype": torch.float16, "bias": torch.float16}, {}, False), ({"out_dtype": torch.float16}, {}, False),
+    ({"out_dtype": torch.float16, "bias": torch.float16}, {}, True), ({"out_dtype": torch.float16}, {}, False),
+    ({"out_dtype": torch.float16, "bias": torch.float16}, {"TORCH_GEMM_DTYPES": (torch.bfloat16,)}, False),
     ({"out_dtype": torch.float32, "bias": None}, {}, False), ({"bias": torch.float32}, {}, False),
     ({"k": 72}, {}, False), ({"n": 40}, {}, False), ({"contiguous": False}, {}, False),
     ({"offset": 1}, {}, False), ({"w_contiguous": False}, {}, False), ({"vector_offset": {"sa": 1}}, {}, False),
@@ -643,7 +644,7 @@ def _route_case(**change):
     ({"vector_offset": {"sa": 4, "s_w": 4, "bias": 8}}, {}, True), ({"scale_dtype": torch.float16}, {}, False)],
     ids=str)
 def test_torchs_scaled_gemm_takes_only_what_it_can_make(monkeypatch, change, switch, taken):
-    """The rule: bf16 output (fp16 stays on our kernels) with a bf16 bias or none, no activation, at least
+    """The rule: bf16 or fp16 output (``TORCH_GEMM_DTYPES``) with a bias of that dtype or none, no activation, at least
     TORCH_GEMM_ROWS rows, contiguous operands with K and N multiples of 16, fp32 scales, operands, scales and
     bias at 16-byte aligned addresses (cuBLASLt refuses others); gated GEMMs while
     TORCH_GEMM_GATED; nothing while TORCH_GEMM is off; and only on a device that has it (a CPU tensor
