@@ -65,12 +65,11 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated,
     layer_norm_modulated_fp8,
 )
-from sd_kernels.ops.fp8_geglu import fp8_gemm_geglu, geglu_epilogue_reason
+from sd_kernels.ops.fp8_geglu import geglu_epilogue_reason, geglu_rows
 from sd_kernels.ops.fp8_linear import (
     E4M3,
     FP8_CAPABILITY,
     attach_quantized,
-    input_codes,
     quantize_rows,
     quantize_weight,
 )
@@ -251,11 +250,11 @@ class Fp8Linear(nn.Module):
 
     def geglu_codes(self, x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
         """diffusers' GEGLU of this projection (``a · gelu(g)``, a and g its output's halves) as the FP8 codes
-        and row scales the next GEMM reads: one GEMM with the GEGLU in its epilogue, then the row quantizer
-        (ops/fp8_geglu.py); x's carried codes are read where it has them. Eager calls (the caller checks)."""
+        and row scales the next GEMM reads: one GEMM with the GEGLU in its epilogue, then the row quantizer, where
+        the kernel takes x's codes (ops/fp8_geglu.py's ``geglu_rows``); x's carried codes are read where it has
+        them. Eager calls (the caller checks)."""
         self.fresh()
-        q, s = input_codes(x)
-        return quantize_rows(fp8_gemm_geglu(q, s, self.w_q, self.s_w, self.bias, act, x.dtype))
+        return geglu_rows(x, self.w_q, self.s_w, self.bias, act)
 
     def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out.copy_(self(x))`` with no copy: the GEMM writes ``out`` where it lies (a token slice of a
@@ -337,10 +336,10 @@ class Fp8FeedForward(nn.Module):
     def _geglu_epilogue(self, x: torch.Tensor) -> bool:
         """Whether the GEGLU's first GEMM writes ``a · gelu(g)`` itself (ops/fp8_geglu.py: half the columns
         written and read back): a GEGLU, in eager (a compiled graph runs the GEMM and the GEGLU quantizer), the
-        projection not called beside (hooks) and ``geglu_epilogue_reason`` content."""
+        projection not called beside (hooks), and no reason against it from ``geglu_epilogue_reason``."""
         first = self.net[0].proj
         return (self.gated and not torch.compiler.is_compiling() and not called_beside(first)
-                and geglu_epilogue_reason(x, first.w_q) is None)
+                and geglu_epilogue_reason(x, first.fresh().w_q) is None)
 
     def extra_repr(self) -> str:
         return f"{'GEGLU' if self.gated else 'GELU'}(approximate={self.act!r}) fused with the FP8 quantization"

@@ -3,9 +3,9 @@
 diffusers' GEGLU projects x [M, K] to 2F columns and keeps ``a · gelu(g)``, a the first F columns and g the last F.
 As two kernels (ops/fp8_linear.py's GEMM, then ops/fp8_quant.py's quantizer with the GEGLU fused) the GEMM writes
 all 2F columns and the quantizer reads them back: at SDXL's 1,024-token level (M = 2,048 rows with guidance, 2F =
-10,240) 42 MB each way a call, 70 calls a step. Here one program owns the same F-column range of both halves:
-rows [n, n + BLOCK_N) of the weight and rows F + n onward, one [2 · BLOCK_N]-column product whose accumulator's
-halves are a's and g's, and its epilogue stores
+10,240) 42 MB each way at each of 60 calls a step, at its 4,096-token level 84 MB at each of 10. Here one
+program owns the same F-column range of both halves: rows [n, n + BLOCK_N) of the weight and rows F + n onward,
+one [2 · BLOCK_N]-column product whose accumulator's halves are a's and g's, and its epilogue stores
 
     h = (acc_a · s_a · s_w[a] + b[a]) · gelu(acc_g · s_a · s_w[g] + b[g])
 
@@ -22,9 +22,9 @@ The operands come in through the Tensor Memory Accelerator (Hopper and later, an
 persistent programs or one tile a program as the tables choose. Elsewhere ``geglu_epilogue_reason`` says why, and
 the feed-forward (patches/fp8.py) runs the two kernels.
 
-It is off by default (``GEGLU_EPILOGUE``): it halves the traffic between the GEMM and the quantizer, but the GEMM
-with this epilogue is slower than the plain one by more than the quantizer saves, most of all inside a step
-(docs/fp8.md, "The GEGLU epilogue").
+It is off by default (``GEGLU_EPILOGUE``): it halves the traffic between the GEMM and the quantizer, and alone the
+pair measured 1-9% faster than the two kernels at SD's shapes, but inside SDXL's and SD1.5's graphed steps the GEMM
+with this epilogue cost more than the quantizer saved (docs/fp8.md, "The GEGLU epilogue").
 """
 
 from __future__ import annotations
@@ -33,31 +33,24 @@ import torch
 import triton
 import triton.language as tl
 
-from sd_kernels import reference
-from sd_kernels.ops.fp8_linear import (
-    E4M3,
-    OUT_DTYPES,
-    _activate,
-    _programs,
-    _rows_view,
-    _scratch_allocator,
-    _tma_ready,
-    fp8_reason,
-)
+from sd_kernels import profiles, reference
+from sd_kernels.ops.fp8_linear import _check_gemm, _programs, _scratch_allocator, _tma_ready, fp8_gemm, input_codes
+from sd_kernels.ops.fp8_quant import _activate, _rows_view, fp8_reason, quantize_rows
 from sd_kernels.ops.layout import vectors
 from sd_kernels.ops.tiles import grouped_tile
-from sd_kernels.runtime.dispatch import interpreting, use_kernel
+from sd_kernels.runtime.dispatch import backend, device_reason, interpreting, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv
 
 # Off: the feed-forward runs the GEMM and the GEGLU quantizer apart. Alone, at SDXL's two GEGLU shapes, this kernel
 # and the quantizer took 105.0 and 72.0 µs against the two-kernel path's 106.3 and 73.5; in SDXL's graphed FP8 step
-# the GEGLU GEMMs took 5.5 ms against 3.9 (+1.1 ms of quantizer saved), the step 29.2 against 28.5 ms (H200,
-# 2026-11-30, bench/results/2026-11-30-h200-unet-fp8-geglu-scaled-mm). True: bench.fp8's fp8+geglu-epilogue row.
+# the GEGLU GEMMs took 5.5 ms against the plain ones' 3.7 (and 1.1 ms of quantizer saved), the step 29.2 against
+# 28.5 ms (H200, 2026-11-30, bench/results/2026-11-30-h200-unet-fp8-geglu-scaled-mm, both with every GEMM on our
+# Triton kernels). True: bench.fp8's fp8+geglu-epilogue row.
 GEGLU_EPILOGUE = False
 
 
-def _config(m: int, n: int, warps: int, stages: int, persistent: bool, flatten: bool) -> triton.Config:
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 128, "GROUP_M": 8, "PERSISTENT": persistent,
+def _config(m: int, n: int, warps: int, stages: int, persistent: bool, flatten: bool, k: int = 128) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PERSISTENT": persistent,
                           "FLATTEN": flatten}, num_warps=warps, num_stages=stages)
 
 
@@ -67,7 +60,7 @@ def _config(m: int, n: int, warps: int, stages: int, persistent: bool, flatten: 
 CONFIGS = [_config(128, 128, 8, 3, True, True), _config(128, 64, 8, 4, True, True),
            _config(128, 128, 8, 3, False, False), _config(128, 64, 8, 4, False, False)]
 # the interpreter's one config: two row tiles and two K steps at the tests' odd shapes, few programs elsewhere
-_INTERPRETED = _config(64, 32, 4, 1, True, True)
+_INTERPRETED = _config(64, 32, 4, 1, True, True, k=32)
 _KEY = ["M", "F", "K", "HAS_BIAS", "ACT"]
 
 
@@ -122,34 +115,37 @@ _GEGLU = Launcher(_fp8_geglu_tma_kernel)
 
 
 def geglu_epilogue_reason(x: torch.Tensor, w_q: torch.Tensor) -> str | None:
-    """Why the GEGLU feed-forward whose input is ``x`` [..., K] (or its codes) and first weight's codes ``w_q``
-    [2F, K] does not take ``fp8_gemm_geglu`` (None: it does): ``GEGLU_EPILOGUE`` off, the kernels' own reasons,
-    or operands the TMA kernel cannot read (a GPU before Hopper, K not a multiple of 16)."""
+    """Why the GEGLU feed-forward whose input is ``x`` [..., K] and first weight's codes ``w_q`` [2F, K] does not
+    take ``fp8_gemm_geglu`` (None: it may, ``geglu_rows`` deciding on the input's codes): ``GEGLU_EPILOGUE`` off,
+    the reference backend, the active profile's disabled ops, the kernels' own reasons, or a weight the TMA kernel
+    cannot read (a GPU before Hopper, K not a multiple of 16)."""
     if not GEGLU_EPILOGUE:
         return "fp8_geglu.GEGLU_EPILOGUE is off"
-    reason = fp8_reason(x, w_q)
+    if backend() == "reference":
+        return "SD_KERNELS_BACKEND=reference"
+    if x.device != w_q.device:
+        return f"the input on {x.device}, the weight on {w_q.device}"
+    reason = (device_reason(x.device) or fp8_reason(x, w_q)
+              or profiles.active_profile().disabled_reason("fp8_geglu"))
     if reason is not None:
         return reason
     if w_q.dim() != 2 or w_q.shape[0] % 2 or x.shape[-1] != w_q.shape[1]:
         return f"weight codes {tuple(w_q.shape)} are not a GEGLU projection of {x.shape[-1]} features"
-    if not _tma_ready(w_q[:1], w_q):  # the input's codes are made contiguous, as the weight's are
-        return "the TMA kernel cannot read the operands (Hopper or later, 16-byte aligned rows)"
+    if not _tma_ready(w_q[:1], w_q):
+        return "the TMA kernel cannot read the weight (Hopper or later, 16-byte aligned rows)"
     return None
 
 
-def _check(a_q, s_a, w_q, s_w, bias, out_dtype) -> None:
-    if a_q.dtype != E4M3 or w_q.dtype != E4M3:
-        raise TypeError(f"fp8_gemm_geglu takes float8_e4m3fn operands, got {a_q.dtype} and {w_q.dtype}")
-    if w_q.dim() != 2 or w_q.shape[0] % 2 or a_q.dim() == 0 or a_q.shape[-1] != w_q.shape[1]:
-        raise ValueError(f"fp8_gemm_geglu: a_q [..., K] and w_q [2F, K] do not match: {tuple(a_q.shape)} and "
-                         f"{tuple(w_q.shape)}")
-    if tuple(s_a.shape) != tuple(a_q.shape[:-1]) or tuple(s_w.shape) != (w_q.shape[0],):
-        raise ValueError(f"fp8_gemm_geglu: scales must be [...] per row of a_q and [2F] per row of w_q, got "
-                         f"{tuple(s_a.shape)} and {tuple(s_w.shape)}")
-    if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
-        raise ValueError(f"fp8_gemm_geglu: bias must have shape ({w_q.shape[0]},), got {tuple(bias.shape)}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"fp8_gemm_geglu: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+def geglu_rows(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None,
+               act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' GEGLU of the FP8 projection (w_q, s_w, bias) of x, ``a · gelu(g)`` with a and g its output's
+    halves, as the codes and row scales the next GEMM reads: x's carried codes (or its quantization), then
+    ``fp8_gemm_geglu`` and the row quantizer where ``geglu_epilogue_reason`` and the TMA kernel take the codes;
+    else the GEMM writing both halves and the GEGLU quantizer."""
+    q, s = input_codes(x)
+    if geglu_epilogue_reason(x, w_q) is None and _tma_ready(_rows_view(q), w_q):
+        return quantize_rows(fp8_gemm_geglu(q, s, w_q, s_w, bias, act, x.dtype))
+    return quantize_rows(fp8_gemm(q, s, w_q, s_w, bias, out_dtype=x.dtype), act, gated=True)
 
 
 def fp8_gemm_geglu(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
@@ -159,10 +155,13 @@ def fp8_gemm_geglu(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w:
     ``out_dtype``, a new contiguous tensor; ``act`` the GELU's approximation ("none": erf, "tanh")."""
     if act not in ("none", "tanh"):
         raise ValueError(f"fp8_gemm_geglu: act must be 'none' or 'tanh' (the GELU's approximation), got {act!r}")
-    _check(a_q, s_a, w_q, s_w, bias, out_dtype)
+    if w_q.dim() != 2 or w_q.shape[0] % 2:
+        raise ValueError(f"fp8_gemm_geglu: w_q [2F, K] needs an even number of rows, got {tuple(w_q.shape)}")
     m, f, k = s_a.numel(), w_q.shape[0] // 2, w_q.shape[1]
+    _check_gemm(a_q, s_a, w_q, s_w, bias, None, (*a_q.shape[:-1], f), out_dtype)
     a2 = _rows_view(a_q)
-    reason = fp8_reason(a_q, s_a, w_q, s_w, bias) or ("no input features (K = 0)" if k == 0 else None)
+    reason = (fp8_reason(a_q, s_a, w_q, s_w, bias) or device_reason(a_q.device)
+              or ("no input features (K = 0)" if k == 0 else None))
     if reason is None and not _tma_ready(a2, w_q):
         reason = "operands the TMA kernel cannot read (Hopper or later; unit column stride, 16-byte aligned rows)"
     if not use_kernel("fp8_geglu", a_q, w_q, bias, unsupported=reason):

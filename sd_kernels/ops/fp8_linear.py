@@ -332,13 +332,40 @@ def _torch_gemm_ready(a2: torch.Tensor, sa: torch.Tensor, w_q: torch.Tensor, s_w
     ``fp8_torch_gemm``, a GPU of ``TORCH_GEMM_CAPABILITY`` or later, not the interpreter), a shape and epilogue
     ``torch_gemm_shape_reason`` accepts (at least ``TORCH_GEMM_ROWS`` rows, an output dtype of
     ``TORCH_GEMM_DTYPES``, no activation, dimensions that are multiples of 16), a bias of the output's dtype or
-    none, both operands contiguous, fp32 scales, and operands, scales and bias at 16-byte aligned addresses (what
-    cuBLASLt requires: a scale vector 4 bytes off raised CUBLAS_STATUS_NOT_SUPPORTED on an H200)."""
+    none, both operands contiguous, fp32 scales, operands, scales and bias at 16-byte aligned addresses (what
+    cuBLASLt requires: a scale vector 4 bytes off raised CUBLAS_STATUS_NOT_SUPPORTED on an H200), and an output
+    dtype this torch's ``_scaled_mm`` writes (``_torch_gemm_takes``)."""
     if (torch_gemm_shape_reason(a2.shape[0], a2.shape[1], w_q.shape[0], out_dtype, act, gated) is not None
             or (bias is not None and bias.dtype != out_dtype) or not _torch_gemm_device(a2.device)):
         return False
     return (a2.is_contiguous() and w_q.is_contiguous() and s_w.dtype == torch.float32  # sa: fp32 (fp8_gemm's)
-            and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None))
+            and all(t.data_ptr() % 16 == 0 for t in (a2, sa, w_q, s_w, bias) if t is not None)
+            and _torch_gemm_takes(a2.device, out_dtype))
+
+
+_TORCH_GEMM_TAKES: dict[tuple, bool] = {}  # (device, dtype) -> whether this torch's _scaled_mm writes it (below)
+
+
+def _torch_gemm_takes(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether this torch's row-wise ``_scaled_mm`` writes ``out_dtype`` with a bias on ``device``: bf16 always;
+    fp16 only in the releases that added it (earlier ones raise "Only bf16 high precision output types are
+    supported for row-wise scaling"), so it is tried once per device on a 16 × 16 GEMM, outside a CUDA graph
+    capture (during one, our kernels serve the call and nothing is tried)."""
+    if out_dtype == torch.bfloat16:
+        return True
+    key = (device, out_dtype)
+    if key not in _TORCH_GEMM_TAKES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        one = torch.ones(16, 1, device=device)
+        codes = torch.zeros(16, 16, device=device).to(E4M3)
+        try:
+            torch._scaled_mm(codes, codes.t(), scale_a=one, scale_b=one.t(), out_dtype=out_dtype,
+                             bias=torch.zeros(16, dtype=out_dtype, device=device), use_fast_accum=True)
+            _TORCH_GEMM_TAKES[key] = True
+        except RuntimeError:
+            _TORCH_GEMM_TAKES[key] = False
+    return _TORCH_GEMM_TAKES[key]
 
 
 def _torch_gemm_device(device: torch.device) -> bool:

@@ -2,12 +2,13 @@
 against a float64 evaluation of the same quantized math, and against the two-kernel path it replaces. Tiny
 shapes: the CPU runs them through the interpreter."""
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
-from sd_kernels import reference
+from sd_kernels import profiles, reference
 from sd_kernels.testing import rel_err
 
 fg = importlib.import_module("sd_kernels.ops.fp8_geglu")
@@ -77,13 +78,50 @@ def test_geglu_gemm_refuses_what_it_cannot_compute(device):
 
 
 def test_the_epilogue_reason(device, monkeypatch):
-    """The feed-forward asks once whether the fused GEMM serves: with the switch on, not for codes whose rows the
-    TMA unit cannot read (K not a multiple of 16); with it off (the default), never."""
+    """The feed-forward asks at each call whether the fused GEMM may serve: with the switch on, not for a weight
+    whose rows the TMA unit cannot read (K not a multiple of 16), nor under the reference backend or a profile
+    that disables the op; with the switch off (the default), never."""
     monkeypatch.setattr(fg, "GEGLU_EPILOGUE", True)
     a_q, _, w_q, _, _ = _operands(device)
-    if _tma_device(device):
-        assert fg.geglu_epilogue_reason(a_q, w_q) is None
+    x = torch.zeros(3, 80, device=device, dtype=torch.float16)
     _, _, odd_w, _, _ = _operands(device, k=50)
-    assert "TMA" in fg.geglu_epilogue_reason(torch.zeros(3, 50, device=device), odd_w)
+    if _tma_device(device):
+        assert fg.geglu_epilogue_reason(x, w_q) is None
+        assert "TMA" in fg.geglu_epilogue_reason(torch.zeros(3, 50, device=device), odd_w)
+    else:
+        assert fg.geglu_epilogue_reason(x, w_q) is not None
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    assert "reference" in fg.geglu_epilogue_reason(x, w_q)
+    monkeypatch.delenv("SD_KERNELS_BACKEND")
+    off = dataclasses.replace(profiles.active_profile(), disabled_ops=frozenset({"fp8_geglu"}))
+    with profiles.using_profile(off):
+        assert fg.geglu_epilogue_reason(x, w_q) is not None
     monkeypatch.setattr(fg, "GEGLU_EPILOGUE", False)
-    assert "GEGLU_EPILOGUE" in fg.geglu_epilogue_reason(a_q, w_q)
+    assert "GEGLU_EPILOGUE" in fg.geglu_epilogue_reason(x, w_q)
+
+
+@pytest.mark.parametrize("codes", ["carried", "offset"])
+def test_geglu_rows_takes_the_two_kernels_where_the_fused_one_cannot_read_the_codes(device, monkeypatch, codes,
+                                                                                  count_calls):
+    """``geglu_rows``: the fused GEMM on codes the TMA unit reads; codes carried on the input whose rows start off
+    the 16-byte grid go to the GEMM writing both halves and the GEGLU quantizer, the same result to fp16's
+    roundings."""
+    if not _tma_device(device):
+        pytest.skip("the GEGLU epilogue kernel reads through the TMA unit: Hopper or later")
+    monkeypatch.setattr(fg, "GEGLU_EPILOGUE", True)
+    a_q, s_a, w_q, s_w, b = _operands(device, m=40, scale=2.0)
+    x = torch.randn(40, 80, device=device, dtype=torch.float16)
+    q, s = fp8.quantize_rows(x)
+    if codes == "offset":  # the same codes in rows 96 bytes apart, one byte off the grid
+        wide = torch.zeros(40, 96, device=device).to(fp8.E4M3)
+        wide[:, 1:81] = q
+        q = wide[:, 1:81]
+    fp8.attach_quantized(x, q, s)
+    launched = count_calls(fg, fused="_GEGLU")
+    got = fg.geglu_rows(x, w_q, s_w, b.half(), "none")
+    assert launched == {"fused": int(codes == "carried")}
+    monkeypatch.setattr(fg, "GEGLU_EPILOGUE", False)
+    apart = fg.geglu_rows(x, w_q, s_w, b.half(), "none")
+    assert launched == {"fused": int(codes == "carried")}
+    one, two = got[0].float() * got[1][:, None], apart[0].float() * apart[1][:, None]
+    assert torch.allclose(one, two, rtol=2**-3, atol=1e-6 * float(apart[1].max()) * 448)

@@ -397,11 +397,11 @@ def test_gpu_model_shapes_against_the_reference_and_scaled_mm(monkeypatch, count
                                            (2, 4096, 6144, 1536, torch.float16), (2, 666, 6144, 1536, torch.float16)])
 def test_gpu_gated_projections_against_the_reference(monkeypatch, count_calls, b, t, k, n, dtype):
     """A DiT block's gated down-projection (bias, per-sample gate, residual) at FLUX's (bf16) and SD3's (fp16,
-    its image and text streams) shapes, as dispatched (on Hopper in bf16: ``torch._scaled_mm`` and one
-    pass of our gated-add kernel, the very computation the route makes; fp16 stays on our kernels) and on our
-    fused epilogue, against the quantized math in float64 (torch's ``addcmul`` beside them): within twice the
-    output's rounding or the FP8 tensor cores' accumulation error at this K, whichever is larger
-    (``_accumulation_floor``: in fp16 at K = 6,144 the accumulation, about 1e-3, exceeds fp16's rounding)."""
+    its image and text streams) shapes, as dispatched (on Hopper: ``torch._scaled_mm`` and one pass of our
+    gated-add kernel, the very computation the route makes) and on our fused epilogue, against the quantized math
+    in float64 (torch's ``addcmul`` beside them): within twice the output's rounding or the FP8 tensor cores'
+    accumulation error at this K, whichever is larger (``_accumulation_floor``: in fp16 at K = 6,144 the
+    accumulation, about 1e-3, exceeds fp16's rounding)."""
     x = torch.randn(b, t, k, device="cuda", dtype=dtype)
     w_q, s_w = fp8.quantize_weight(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5)
     bias, gate = torch.randn(n, device="cuda", dtype=dtype), torch.randn(b, 1, n, device="cuda", dtype=dtype)
@@ -416,7 +416,8 @@ def test_gpu_gated_projections_against_the_reference(monkeypatch, count_calls, b
     bound = max(2 * rel_err(ref.to(dtype), ref), _accumulation_floor(k))
     launched = count_calls(fp8, torch_gemm="_torch_gemm")
     y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, gate=gate, residual=residual, out_dtype=dtype)
-    on_torch = dtype in fp8.TORCH_GEMM_DTYPES and fp8._torch_gemm_device(x.device)  # Hopper: the profile's choice
+    on_torch = (dtype in fp8.TORCH_GEMM_DTYPES and fp8._torch_gemm_device(x.device)  # Hopper: the profile's choice
+                and fp8._torch_gemm_takes(x.device, dtype))
     assert launched == {"torch_gemm": int(on_torch)}
     if on_torch:
         assert torch.equal(y, peer)
@@ -598,7 +599,6 @@ def test_torchs_scaled_gemm_serves_the_epilogues_it_can_make(monkeypatch, count_
     gate's: the GEMM's output is rounded before the gate is applied)."""
     _cpu_routes_only()
     monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
-    monkeypatch.setattr(fp8, "TORCH_GEMM_DTYPES", (torch.bfloat16, torch.float16))  # fp16: the path is the same
     _, _, a_q, s_a, w_q, s_w, extras = _operands("cpu", m=96, k=64, n=48, batch=4)
     kw = {k: (v.to(dtype) if k != "gate" else v.to(dtype)[:, None]) for k, v in extras.items() if k in epilogue}
     a3, s3 = a_q.view(4, 24, 64), s_a.view(4, 24)
@@ -610,6 +610,30 @@ def test_torchs_scaled_gemm_serves_the_epilogues_it_can_make(monkeypatch, count_
     ref = reference.fp8_gemm(a3, s3, w_q, s_w, out_dtype=torch.float64, compute=torch.float64, **kw)
     assert y.shape == (4, 24, 48) and y.dtype == dtype
     assert rel_err(y, ref) <= 2 * (2 if "gate" in kw else 1) * rel_err(ref.to(dtype), ref)
+
+
+def test_fp16_goes_to_torchs_gemm_only_where_this_torch_writes_it(monkeypatch, count_calls):
+    """fp16 output with row-wise scales arrived in torch's ``_scaled_mm`` after bf16: it is tried once per device
+    (a torch that refuses it keeps fp16 GEMMs on our kernels), and bf16 is never tried."""
+    _cpu_routes_only()
+    monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
+    monkeypatch.setattr(fp8, "_TORCH_GEMM_TAKES", {})
+    real = torch._scaled_mm
+
+    def older_torch(*args, out_dtype=None, **kwargs):
+        if out_dtype != torch.bfloat16:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+        return real(*args, out_dtype=out_dtype, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", older_torch)
+    tried = count_calls(torch, scaled_mm="_scaled_mm")
+    fp16 = _route_case(out_dtype=torch.float16, bias=torch.float16)
+    assert not fp8._torch_gemm_ready(*fp16) and not fp8._torch_gemm_ready(*fp16)
+    assert tried["scaled_mm"] == 1 and fp8._TORCH_GEMM_TAKES == {(torch.device("cpu"), torch.float16): False}
+    assert fp8._torch_gemm_ready(*_route_case()) and tried["scaled_mm"] == 1  # bf16: taken, nothing tried
+    monkeypatch.setattr(torch, "_scaled_mm", real)
+    monkeypatch.setattr(fp8, "_TORCH_GEMM_TAKES", {})
+    assert fp8._torch_gemm_ready(*fp16)  # a torch that writes fp16
 
 
 def _route_case(**change):
@@ -644,10 +668,10 @@ def _route_case(**change):
     ({"vector_offset": {"sa": 4, "s_w": 4, "bias": 8}}, {}, True), ({"scale_dtype": torch.float16}, {}, False)],
     ids=str)
 def test_torchs_scaled_gemm_takes_only_what_it_can_make(monkeypatch, change, switch, taken):
-    """The rule: bf16 or fp16 output (``TORCH_GEMM_DTYPES``) with a bias of that dtype or none, no activation, at least
-    TORCH_GEMM_ROWS rows, contiguous operands with K and N multiples of 16, fp32 scales, operands, scales and
-    bias at 16-byte aligned addresses (cuBLASLt refuses others); gated GEMMs while
-    TORCH_GEMM_GATED; nothing while TORCH_GEMM is off; and only on a device that has it (a CPU tensor
+    """The rule: bf16 or fp16 output (``TORCH_GEMM_DTYPES``; fp16 where this torch writes it) with a bias of that
+    dtype or none, no activation, at least TORCH_GEMM_ROWS rows, contiguous operands with K and N multiples of 16,
+    fp32 scales, operands, scales and bias at 16-byte aligned addresses (cuBLASLt refuses others); gated GEMMs
+    while TORCH_GEMM_GATED; nothing while TORCH_GEMM is off; and only on a device that has it (a CPU tensor
     never: our kernels run there)."""
     for name, value in switch.items():
         monkeypatch.setattr(fp8, name, value)
