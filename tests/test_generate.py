@@ -138,6 +138,7 @@ def test_cli_batch_writes_the_folder(tmp_path, prompts_file, capsys):
     assert len(_pixels(out)) == 5 and len(_manifest(out)) == 5
 
 
+@pytest.mark.integration
 def test_two_processes_make_the_same_images_as_one(tmp_path, prompts_file):
     """torchrun (what `accelerate launch` runs for several processes): the prompts are split between
     two processes, and each image is bit-identical to the one-process run's (same thread count:

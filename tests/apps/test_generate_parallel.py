@@ -87,6 +87,7 @@ def test_parallel_with_a_prompts_file_points_to_the_batch_mode(tmp_path, no_buil
     assert "argument --parallel: invalid choice: 'tree' (choose from 'cfg', 'ulysses', 'ring')" in err
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode,model", [("cfg", "tiny"), ("ulysses", "tiny-flux")])
 def test_two_processes_make_the_one_process_image_and_the_first_writes_it(tmp_path, mode, model):
     """torchrun --nproc_per_node 2, a seed drawn at random (the first process's, on both: a seed per

@@ -71,6 +71,7 @@ def test_a_second_run_on_the_same_folder_stops_before_any_work(tmp_path, no_buil
     assert not list(out.glob("*.png"))
 
 
+@pytest.mark.integration
 def test_two_runs_at_once_make_each_image_once(tmp_path):
     """Two processes started together on one folder: one renders, the other stops at once (or, if it
     came after, finds everything done); never both."""

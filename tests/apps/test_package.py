@@ -107,6 +107,7 @@ def _pip_install(python: pathlib.Path, *requirements: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_the_wheel_installs_in_a_fresh_venv_and_runs_outside_the_source_tree(dists, tmp_path):
     """The wheel (built from the sdist) and its declared dependencies into a new virtual environment
     (torch pinned to this environment's build, from the configured package index), then, from a folder
