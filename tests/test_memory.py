@@ -470,21 +470,33 @@ def test_a_packed_plan_decodes_close_to_the_untiled_decode(tiny_vae, shape, budg
     assert not torch.equal(out, ref)
 
 
-def test_sd15_under_64_mib_keeps_its_512_activations_in_8_bits():
+def test_sd15_under_64_mib_keeps_its_512_activations_in_8_bits(monkeypatch):
     """SD1.5's decode under mobile-small's 64 MiB cannot keep a 128-channel 512² activation in fp16
     (64 MiB); packed (36 MiB) it can, and the plan then runs each 512² ResNet from it instead of
     recomputing the last stage from 256² for each of its norms. Under 84 MiB nothing is packed: the
-    fp16 plan is as fast."""
+    fp16 plan is as fast. ``plan(pack=True)`` makes the plan without packing too (``_plan``), the very plan
+    ``plan(pack=False)`` returns: each budget's is taken from there rather than searched again."""
     from sd_kernels.patches import stream_decode as sd
+    from sd_kernels.patches import stream_plan
 
     from sd_kernels import models
+
+    made = []  # (packing, the plan) of each search, in order
+    search = stream_plan._plan
+    monkeypatch.setattr(stream_plan, "_plan", lambda *a: made.append((a[-1], p := search(*a))) or p)
+
+    def plans(budget):  # (the plan chosen with packing allowed, the plan without)
+        made.clear()
+        chosen = sd.plan(us, 1, 64, 64, 2, budget, head, pack=True)
+        assert [packing for packing, _ in made] == [False, True]
+        return chosen, made[0][1]
 
     vae = models.build_model("sd15", "vae", device="meta", dtype=torch.float16)
     us = sd.units(vae.decoder)
     head = 512 * 64 * 64 * 2
-    roomy = sd.plan(us, 1, 64, 64, 2, 84 * 2**20, head, pack=True)
-    assert roomy == sd.plan(us, 1, 64, 64, 2, 84 * 2**20, head) and not any(s.packed for s in roomy.segments)
-    tight, plain = (sd.plan(us, 1, 64, 64, 2, 64 * 2**20, head, pack=pack) for pack in (True, False))
+    roomy, unpacked = plans(84 * 2**20)
+    assert roomy == unpacked and not any(s.packed for s in roomy.segments)
+    tight, plain = plans(64 * 2**20)
     assert tight.peak <= 64 * 2**20 - sd._UNSEEN and tight.seconds < plain.seconds / 1.5, (tight.format(us),
                                                                                            plain.format(us))
     packed = {us[s.stop - 1].name for s in tight.segments if s.packed}

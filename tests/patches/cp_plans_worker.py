@@ -1,24 +1,23 @@
-"""The multi-process half of test_cp_plans.py: each process of ``torchrun --nproc_per_node 2`` (gloo, CPU)
-runs every case on the tiny configs and writes what it saw to ``OUT/rank<r>.json``.
+"""The multi-process half of test_cp_plans.py: ``cases()``, which each process of parallel_worker.py's launch
+(``torchrun --nproc_per_node 2``, gloo, CPU) runs after its own, on the tiny configs, into its
+``OUT/rank<r>.json`` (under "cp_plans").
 
 Cases: SD3 and PixArt-Σ under ``enable_context_parallel`` (sd_kernels' plans, Ulysses degree 2) with
-sd_kernels' attention (the kernels, through the interpreter), patched after and before it, against one
-process; diffusers' processors under the plan refused (never patched, and after unpatch); unpatch
-exact; FLUX through the same function (diffusers' plan); the clear errors (heads or image tokens the
-degree does not divide, a model without a plan).
+sd_kernels' attention (the kernels, through the interpreter), patched after it, against one process; then,
+on the reference ops (the plan's exchange is what they test), patched before it, unpatched and patched
+again; diffusers' processors under the plan refused (never patched, and after unpatch); unpatch exact; FLUX
+through the same function (diffusers' plan); the clear errors (heads or image tokens the degree does not
+divide, a model without a plan).
 """
 
 import os
-import pathlib
-import sys
-import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SD_KERNELS_AUTOTUNE_CACHE", "off")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from parallel_worker import PROMPT, TEXT, build, error_of, rel  # noqa: E402
+from parallel_worker import PROMPT, TEXT, build, env, error_of, flux_one, rel  # noqa: E402
 from parallel_worker import latents as latents_at_side  # noqa: E402
 from sd_kernels.patches import context_parallel_plans as plans  # noqa: E402
 
@@ -66,6 +65,15 @@ def plan_case(name):
     out["after_rel"] = rel(ours, one)
     out["sum"] = float(ours.double().sum())
     out["calls"], out["first_call"] = len(CALLS), CALLS[0] if CALLS else None
+    with env("SD_KERNELS_BACKEND", "reference"):
+        _plan_rest(name, after, stock, out)
+    return out
+
+
+def _plan_rest(name, after, stock, out):
+    """``plan_case`` after its call through the kernels: unpatched, patched again, and patched before
+    ``enable_context_parallel``, each compared with the first of these calls."""
+    ours = latents(after)
     sd_kernels.unpatch(after)
     back = _processors(after.transformer)
     out["unpatched_same_processors"] = all(back[p] is stock[p] and not vars(stock[p]) for p in stock)
@@ -80,16 +88,13 @@ def plan_case(name):
     out["before_equal_after"] = torch.equal(latents(before), ours)
     sd_kernels.unpatch(before)
     out["before_unpatched_error"] = error_of(lambda: latents(before))
-    return out
 
 
 def flux_case():
-    with sd_kernels.patched(pipe := build("tiny-flux")):
-        one = latents(pipe)
     split = build("tiny-flux")
     sd_kernels.enable_context_parallel(split)
     with sd_kernels.patched(split):
-        return {"rel": rel(latents(split), one)}
+        return {"rel": rel(latents(split), flux_one())}
 
 
 def errors_case():
@@ -130,25 +135,11 @@ def errors_case():
     return out
 
 
-def main(out_dir: pathlib.Path) -> None:
-    import json
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def cases() -> list:
+    """(name, case) for parallel_worker.run_cases, in the launch's process group."""
     # diffusers' enable_parallelism places each process on accelerator rank % device_count(), which a
     # CPU-only torch counts as 0; on CPU every process's "device" is the CPU.
     torch.accelerator.device_count = lambda: 1
     _counting()
-    report = {"world": dist.get_world_size()}
-    for name, case in [("sd3", lambda: plan_case("tiny-sd3")), ("pixart", lambda: plan_case("tiny-pixart")),
-                       ("flux", flux_case), ("errors", errors_case)]:
-        try:
-            report[name] = case()
-        except Exception:
-            report[name] = {"crashed": traceback.format_exc()}
-    dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    return [("sd3", lambda: plan_case("tiny-sd3")), ("pixart", lambda: plan_case("tiny-pixart")),
+            ("flux", flux_case), ("errors", errors_case)]

@@ -1,6 +1,6 @@
-"""The multi-process half of test_parallel.py: each process of ``torchrun --nproc_per_node 2`` (gloo, CPU)
-runs every case on the tiny configs and writes what it saw to ``OUT/rank<r>.json``; the tests read those.
-One launch for every case: each process pays its imports once.
+"""The multi-process half of test_parallel.py and test_cp_plans.py: each process of ``torchrun --nproc_per_node 2``
+(gloo, CPU) runs every case on the tiny configs, then cp_plans_worker.py's, and writes what it saw to
+``OUT/rank<r>.json``; the tests read those. One launch for every case: each process pays its imports once.
 
 Cases: CFG-parallel SD1.5- and SDXL-shaped pipelines against one process (latents; the reference ops:
 the split is what is tested, the ops have their own tests) and exactly unpatched; FLUX under diffusers'
@@ -8,11 +8,14 @@ Ulysses context parallelism with sd_kernels' attention (the kernels, through the
 after and before ``enable_parallelism``, against one process, and exactly unpatched; FLUX under a ring
 config, with the keys and values gathered for one attention call; the clear errors
 (a batch the processes do not divide, a seed per process, mixed profiles under either split, heads the
-Ulysses degree does not divide); the VAE decode split by rows (``enable_split_decode``).
+Ulysses degree does not divide); the VAE decode split by rows (``enable_split_decode``). The splits of
+the modulations and of the decode run on the reference ops too: the kernels under context parallelism are
+the attention's, in the Ulysses and ring cases.
 """
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -61,6 +64,14 @@ def latents(pipe, seed=0, **kw):
     with torch.no_grad():
         return pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(seed), height=SIDE,
                     width=SIDE, output_type="latent", **kw).images
+
+
+@functools.cache
+def flux_one() -> torch.Tensor:
+    """One process's latents of the tiny FLUX pipeline through the kernels (the same seeded weights as every
+    ``build("tiny-flux")``): what the cases under context parallelism compare with, made once."""
+    with sd_kernels.patched(pipe := build("tiny-flux")):
+        return latents(pipe)
 
 
 def rel(a, b) -> float:
@@ -134,8 +145,7 @@ def _stock_processors(transformer) -> bool:
 
 
 def ulysses_case():
-    with sd_kernels.patched(pipe := build("tiny-flux")):
-        one = latents(pipe)
+    one = flux_one()
     out = {}
     counts = []
     _counting_forward_op(counts)
@@ -171,8 +181,7 @@ def ring_case():
     from sd_kernels.patches import flux_attention
     from sd_kernels.patches.context_parallel_plans import enable_context_parallel
 
-    with sd_kernels.patched(pipe := build("tiny-flux")):
-        one = latents(pipe)
+    one = flux_one()
     shapes, begun, in_parts_calls = [], [], []
     attend, begin = context_parallel.attend_gathered, flux_attention.SDKernelsFluxAttnProcessor.begin
 
@@ -211,7 +220,13 @@ def ring_case():
 
 def ring_anything_case():
     """``ring_anything`` (shards of different lengths: 15 T5 tokens, 8 and 7 a process): diffusers' dispatch, not
-    the gathered attention (which takes shards of one length): one process's latents or diffusers' refusal."""
+    the gathered attention (which takes shards of one length): one process's latents or diffusers' refusal. On
+    the reference ops: which attention serves the call is decided whichever backend runs the ops."""
+    with env("SD_KERNELS_BACKEND", "reference"):
+        return _ring_anything()
+
+
+def _ring_anything():
     from diffusers import ContextParallelConfig
 
     with sd_kernels.patched(pipe := build("tiny-flux")):
@@ -282,7 +297,14 @@ def heads_case():
 def split_modulation_case():
     """FLUX under ring and under Ulysses with ``split_modulation``: each process computes half of every block
     norm's modulation product, one all-gather a transformer call; the latents one process's within fp32
-    rounding; every patched block norm takes its product from the split."""
+    rounding; every patched block norm takes its product from the split. On the reference ops, as in
+    ``cfg_case``: the split is what is tested (the patched block norms ask it for their products whichever
+    backend runs the ops; the kernels under context parallelism are ``ulysses_case``'s and ``ring_case``'s)."""
+    with env("SD_KERNELS_BACKEND", "reference"):
+        return _split_modulation()
+
+
+def _split_modulation():
     from sd_kernels.patches import modulation_split
     from sd_kernels.patches.context_parallel_plans import enable_context_parallel
 
@@ -326,20 +348,24 @@ def split_modulation_case():
 
 
 def split_decode_case():
-    """The VAE decode split by rows over the two processes (``enable_split_decode``), the norms' kernels through
-    the interpreter: a decode equal to one process's, then one image end to end under ``parallel="cfg"`` (its
-    pipeline calls on the reference ops, as in ``cfg_case``: the UNet's kernels in the interpreter took most of
-    this launch's time and test nothing of the split); processes decoding different latents both raise;
-    unpatched, the decoder's own forward."""
+    """The VAE decode split by rows over the two processes (``enable_split_decode``): a decode equal to one
+    process's, then one image end to end under ``parallel="cfg"``; processes decoding different latents both
+    raise; unpatched, the decoder's own forward. On the reference ops, as in ``cfg_case``: the split is what is
+    tested (its bands, margins, statistics and gathers are the same whichever backend runs the norms; the band
+    kernels are tests/ops/test_group_stats.py's and the streamed decode's in tests/test_memory.py)."""
+    with env("SD_KERNELS_BACKEND", "reference"):
+        return _split_decode()
+
+
+def _split_decode():
     from sd_kernels.patches import split_decode
 
     pipe = build("tiny-xl")
     z = torch.randn(1, 4, SIDE // 4, SIDE // 4, generator=torch.Generator().manual_seed(1))  # alike on both
     with torch.no_grad(), sd_kernels.patched(pipe):
         whole = pipe.vae.decode(z, return_dict=False)[0]
-        with env("SD_KERNELS_BACKEND", "reference"):
-            one = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
-                       width=SIDE, output_type="pt").images
+        one = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
+                   width=SIDE, output_type="pt").images
     bands = []
     decode_band = split_decode.decode_band
     split_decode.decode_band = lambda *a: bands.append(1) or decode_band(*a)
@@ -348,9 +374,8 @@ def split_decode_case():
             sd_kernels.patch(pipe, parallel="cfg")
             record = sd_kernels.enable_split_decode(pipe)
             split = pipe.vae.decode(z, return_dict=False)[0]
-            with env("SD_KERNELS_BACKEND", "reference"):
-                image = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
-                             width=SIDE, output_type="pt").images
+            image = pipe(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=SIDE,
+                         width=SIDE, output_type="pt").images
             differ = error_of(lambda: pipe.vae.decode(z + dist.get_rank(), return_dict=False))
             summary = record.summary()
             sd_kernels.unpatch(pipe)
@@ -360,6 +385,18 @@ def split_decode_case():
             "differ": differ, "sum": float(split.double().sum()), "restored": "forward" not in vars(pipe.vae.decoder)}
 
 
+def run_cases(report: dict, cases) -> None:
+    """Each (name, case) of ``cases`` run into ``report[name]``: what it returned, or its traceback as
+    ``{"crashed": ...}``; its seconds in ``report["seconds"]``."""
+    for name, case in cases:
+        start = time.perf_counter()
+        try:
+            report[name] = case()
+        except Exception:
+            report[name] = {"crashed": traceback.format_exc()}
+        report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+
+
 def main(out_dir: pathlib.Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -367,19 +404,20 @@ def main(out_dir: pathlib.Path) -> None:
     # CPU-only torch counts as 0; on CPU every process's "device" is the CPU.
     torch.accelerator.device_count = lambda: 1
     report = {"world": dist.get_world_size()}
-    for name, case in [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
+    run_cases(report, [("sd15", lambda: cfg_case("tiny")), ("sdxl", lambda: cfg_case("tiny-xl")),
                        ("errors", lambda: errors_case(rank)), ("ulysses", ulysses_case), ("ring", ring_case),
                        ("ring_anything", ring_anything_case), ("split_modulation", split_modulation_case),
                        ("split_decode", split_decode_case),
                        ("ring_mixed_processors", lambda: ring_mixed_processors_case(rank)),
                        ("heads", heads_case),
-                       ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))]:
-        start = time.perf_counter()
-        try:
-            report[name] = case()
-        except Exception:
-            report[name] = {"crashed": traceback.format_exc()}
-        report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+                       ("ulysses_mixed_profiles", lambda: ulysses_mixed_profiles_case(rank))])
+    # test_cp_plans.py's cases in the same launch (its processes' imports paid once); cp_plans_worker imports
+    # this module by name and finds this one, with its FLUX latents made once
+    sys.modules.setdefault("parallel_worker", sys.modules[__name__])
+    import cp_plans_worker
+
+    report["cp_plans"] = {"world": dist.get_world_size()}
+    run_cases(report["cp_plans"], cp_plans_worker.cases())
     report["no_group_after_destroy"] = None
     dist.destroy_process_group()
     report["no_group_after_destroy"] = error_of(lambda: cfg_parallel.check_setup([], None, (), None, None))

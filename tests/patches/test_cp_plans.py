@@ -1,26 +1,24 @@
 """One image's tokens over several processes for SD3 and PixArt-Σ: ``enable_context_parallel`` with sd_kernels'
 context-parallel plans and its Ulysses exchange (patches/context_parallel_plans.py).
 
-Two processes for real: one ``torchrun --nproc_per_node 2`` launch (gloo, CPU) runs every case of
-cp_plans_worker.py on the tiny configs, and the tests here read what each process saw: the latents
+Two processes for real: test_parallel.py's ``torchrun --nproc_per_node 2`` launch (gloo, CPU) also runs every
+case of cp_plans_worker.py on the tiny configs, and the tests here read what each process saw: the latents
 equal one process's, patched after or before ``enable_context_parallel``; diffusers' own processors
 under the plan refused, never patched or after unpatch; the clear errors. In this process: no process
 group, one process.
 """
 
-import pathlib
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
 from sd_kernels.patches import context_parallel_plans, patch_record
-from test_parallel import RTOL, launch_once, needs_gloo, one_process_group  # noqa: F401  (a fixture)
+from test_parallel import RTOL, WORKER, launch_once, launched, needs_gloo, one_process_group  # noqa: F401
 
 import sd_kernels
 from sd_kernels import models
 
-WORKER = pathlib.Path(__file__).with_name("cp_plans_worker.py")
 # The tiny pipelines at 64²: 8×8 = 64 image tokens, 32 a process; SD3's text: 77 CLIP + 16 T5 tokens, whole
 # on each process. Two steps of two blocks, a guidance batch of 2, 2 heads of 24.
 FIRST_CALL = {"sd3": [[2, 2, 32 + 93, 24], 32], "pixart": [[2, 2, 32, 24], 32]}
@@ -28,16 +26,22 @@ FIRST_CALL = {"sd3": [[2, 2, 32 + 93, 24], 32], "pixart": [[2, 2, 32, 24], 32]}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, pytestconfig):
-    return launch_once(WORKER, tmp_path_factory, pytestconfig)
+    """What each process of parallel_worker.py's launch saw in cp_plans_worker.py's cases."""
+    reports = [r["cp_plans"] for r in launch_once(WORKER, tmp_path_factory, pytestconfig)]
+    for report in reports:
+        crashed = {k: v["crashed"] for k, v in report.items() if isinstance(v, dict) and "crashed" in v}
+        assert not crashed, crashed
+    return reports
 
 
 @needs_gloo
+@launched
 @pytest.mark.parametrize("case", ["sd3", "pixart"])
 def test_tokens_over_two_processes_give_one_process_latents(ranks, case):
     """Every joint (SD3) or self (PixArt) attention call exchanges: this process's 32 image tokens (SD3: and
-    the whole text) in, all 64 attended; the latents equal one process's within fp32 rounding, the same on
-    both processes, whichever came first, the patch or enable_context_parallel; unpatched and patched
-    again, the same latents."""
+    the whole text) in, all 64 attended; the latents (through the kernels) equal one process's within fp32
+    rounding, the same on both processes; whichever came first, the patch or enable_context_parallel, and
+    unpatched and patched again, the same latents (on the reference ops)."""
     for r in ranks:
         got = r[case]
         assert got["after_rel"] < RTOL
@@ -47,6 +51,7 @@ def test_tokens_over_two_processes_give_one_process_latents(ranks, case):
 
 
 @needs_gloo
+@launched
 @pytest.mark.parametrize("case", ["sd3", "pixart"])
 def test_diffusers_processors_under_the_plan_are_refused_and_unpatch_is_exact(ranks, case):
     """diffusers' SD3 and PixArt processors would attend over a process's tokens only: never patched, or after
@@ -62,6 +67,7 @@ def test_diffusers_processors_under_the_plan_are_refused_and_unpatch_is_exact(ra
 
 
 @needs_gloo
+@launched
 def test_bad_setups_are_clear_errors_on_every_process(ranks):
     for r in ranks:
         for case in ("sd3", "pixart"):
@@ -79,6 +85,7 @@ def test_bad_setups_are_clear_errors_on_every_process(ranks):
 
 
 @needs_gloo
+@launched
 def test_flux_goes_to_diffusers_plan(ranks):
     for r in ranks:
         assert r["flux"]["rel"] < RTOL

@@ -1,7 +1,8 @@
 """The FP8 tier's modulations of every step made before a call's first step and served from a table
 (patches/modulation_table.py): the denoising loops of FluxPipeline and StableDiffusion3Pipeline re-stated over the
 tiny transformers (the pipelines' own arithmetic on the timestep), their outputs bit for bit those of the tier
-without the table."""
+without the table. The tier alone (``ops=[]``): the table serves the tier's modulation GEMM, and the other
+families' kernels would only run beside it through the interpreter."""
 
 from types import SimpleNamespace
 
@@ -60,7 +61,7 @@ def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(na
     model = _model(name)
     x, kw = _inputs(name, model)
     scheduler = FlowMatchEulerDiscreteScheduler()
-    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
+    with sd_kernels.patched(model, precision="fp8", ops=[], cuda_graph=False) as record:
         tables, groups = _install(model, record, scheduler)
         assert tables is not None and len(groups) == 1
         served = _loop(name, model, scheduler, x, kw)
@@ -75,7 +76,7 @@ def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(na
         again = _loop(name, model, scheduler, x, kw)  # the first prompt again: its first step too
         assert table.served.item() == 2 * (STEPS - 1) + STEPS
     assert groups[0].table is None  # unpatch dropped it
-    with sd_kernels.patched(model, precision="fp8", cuda_graph=False):
+    with sd_kernels.patched(model, precision="fp8", ops=[], cuda_graph=False):
         assert not _groups(model)[0].table
         own = _loop(name, model, scheduler, x, kw)
         own_other = _loop(name, model, scheduler, x, other)
@@ -89,7 +90,7 @@ def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_bias_or_weigh
     x, kw = _inputs(name, model)
     scheduler = FlowMatchEulerDiscreteScheduler()
     strange = {**kw, "hidden_states": x, "timestep": torch.full((1,), 0.123, dtype=x.dtype), "return_dict": False}
-    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record, torch.no_grad():
+    with sd_kernels.patched(model, precision="fp8", ops=[], cuda_graph=False) as record, torch.no_grad():
         tables, (group,) = _install(model, record, scheduler)
         _loop(name, model, scheduler, x, kw)
         assert group.table.served.item() == STEPS - 1
@@ -120,7 +121,7 @@ def test_what_installs_no_table(monkeypatch):
     """A bare model (no scheduler to read), a compiling patch, the switch off, a class with no step embedding
     here."""
     model = _model("tiny-flux")
-    with sd_kernels.patched(model, precision="fp8", cuda_graph=False) as record:
+    with sd_kernels.patched(model, precision="fp8", ops=[], cuda_graph=False) as record:
         groups = _groups(model)
         assert modulation_table.install(model, groups, record) is None
         assert "served from a table" not in record.format()

@@ -2,11 +2,11 @@
 attention inside diffusers' Ulysses context parallelism (patches/context_parallel.py).
 
 Two processes for real: one ``torchrun --nproc_per_node 2`` launch (gloo, CPU) runs every case of
-parallel_worker.py, and the tests here read what each process saw: the CFG split of the SD1.5- and
-SDXL-shaped tiny pipelines equal to one process within fp32 rounding, every process ending with the
-same latents; FLUX's Ulysses attention through sd_kernels' kernels, patched after or before
-``enable_parallelism``; exact unpatching; the clear errors. In this process, on a one-process group and
-the stand-in for CUDA graphs: the split wraps the graphed UNet (its all-gather outside the graphs),
+parallel_worker.py (then test_cp_plans.py's, cp_plans_worker.py), and the tests here read what each process
+saw: the CFG split of the SD1.5- and SDXL-shaped tiny pipelines equal to one process within fp32 rounding,
+every process ending with the same latents; FLUX's Ulysses attention through sd_kernels' kernels, patched
+after or before ``enable_parallelism``; exact unpatching; the clear errors. In this process, on a one-process
+group and the stand-in for CUDA graphs: the split wraps the graphed UNet (its all-gather outside the graphs),
 ``cuda_graph="step"`` is refused with it; a model under context parallelism is not captured, and
 unpatch hands diffusers' hooks the original forward back.
 """
@@ -35,6 +35,8 @@ RTOL = 1e-5
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
+# the tests that read the torchrun launch of parallel_worker.py (its two processes' imports and pipelines)
+launched = pytest.mark.integration
 
 
 def launch(worker: pathlib.Path, out: pathlib.Path) -> list[dict]:
@@ -83,6 +85,7 @@ def ranks(tmp_path_factory, pytestconfig):
 
 
 @needs_gloo
+@launched
 @pytest.mark.parametrize("case", ["sd15", "sdxl"])
 def test_cfg_split_over_two_processes_is_one_process_image(ranks, case):
     """Each process runs half the guidance batch (batch 1 of 2 on every UNet call) and ends with the
@@ -98,6 +101,7 @@ def test_cfg_split_over_two_processes_is_one_process_image(ranks, case):
 
 
 @needs_gloo
+@launched
 def test_ulysses_local_attention_is_ours_patched_after_or_before_enable_parallelism(ranks):
     """FLUX under diffusers' Ulysses (degree 2): every attention call's local attention (2 steps × 4 blocks)
     is sd_kernels' on the whole sequence (64 image + 16 text tokens) and one of the two heads, whichever
@@ -115,6 +119,7 @@ def test_ulysses_local_attention_is_ours_patched_after_or_before_enable_parallel
 
 
 @needs_gloo
+@launched
 def test_ring_gathers_keys_and_values_for_one_attention_call(ranks):
     """FLUX under a ring config of degree 2: each of the 8 attention calls (2 steps × 4 blocks) takes this
     process's 40 of the 80 tokens as queries against both processes' keys and values (one gathered
@@ -139,11 +144,12 @@ def test_ring_gathers_keys_and_values_for_one_attention_call(ranks):
 
 
 @needs_gloo
+@launched
 def test_split_modulation_is_one_process_image_with_one_product_a_call(ranks):
     """split_modulation under ring and Ulysses (2 processes, each computing half of every block norm's
-    modulation columns): the latents one process's within fp32 rounding, also for a batch of two; the
-    shares computed once per transformer call (2 steps: 2) and every patched block norm's product taken
-    from them."""
+    modulation columns; on the reference ops): the latents one process's within fp32 rounding, also for a batch
+    of two; the shares computed once per transformer call (2 steps: 2) and every patched block norm's product
+    taken from them."""
     for r in ranks:
         got = r["split_modulation"]
         assert "crashed" not in got, got.get("crashed")
@@ -155,11 +161,12 @@ def test_split_modulation_is_one_process_image_with_one_product_a_call(ranks):
 
 
 @needs_gloo
+@launched
 def test_split_decode_is_one_process_decode_and_image(ranks):
-    """The VAE decode split by rows over two processes (each decoding 8 of the 16 latent rows, the norms'
-    kernels through the interpreter): one process's decode within fp32 rounding, the same on both; one
-    image end to end under parallel="cfg" (on the reference ops) equal to one process's; processes decoding
-    different latents both raise; unpatched, the decoder's own forward is back."""
+    """The VAE decode split by rows over two processes (each decoding 8 of the 16 latent rows; on the reference
+    ops: the split is under test, the band kernels have their own tests): one process's decode within fp32
+    rounding, the same on both; one image end to end under parallel="cfg" equal to one process's; processes
+    decoding different latents both raise; unpatched, the decoder's own forward is back."""
     for r in ranks:
         got = r["split_decode"]
         assert "crashed" not in got, got.get("crashed")
@@ -174,6 +181,7 @@ def test_split_decode_is_one_process_decode_and_image(ranks):
 
 
 @needs_gloo
+@launched
 def test_ring_anything_with_uneven_shards_is_one_process_image_or_a_clear_error(ranks):
     """ring_anything (40 and 39 tokens a process) is diffusers' to run: the gathered attention takes shards of one
     length (an uneven gather aborts the process under gloo)."""
@@ -183,6 +191,7 @@ def test_ring_anything_with_uneven_shards_is_one_process_image_or_a_clear_error(
 
 
 @needs_gloo
+@launched
 def test_ring_on_processes_with_different_processors_is_refused(ranks):
     for r in ranks:
         got = r["ring_mixed_processors"]
@@ -191,6 +200,7 @@ def test_ring_on_processes_with_different_processors_is_refused(ranks):
 
 
 @needs_gloo
+@launched
 def test_bad_setups_are_clear_errors_on_every_process(ranks):
     errors = [r["errors"] for r in ranks]
     for e in errors:

@@ -5,8 +5,7 @@ decoding its band, against the decoder's own forward (W = 1 to 4, even and uneve
 the norms on the PyTorch reference: the interpreter is not thread-safe, and the kernels' own tests
 are in tests/ops/test_group_norm.py); processes holding different latents all raise; the public
 ``enable_split_decode`` on a one-process group (its refusals, the record, exact unpatch); the split
-VAE kept out of CUDA graphs. Two real processes (gloo), with the kernels through the interpreter:
-test_parallel.py."""
+VAE kept out of CUDA graphs. Two real processes (gloo): test_parallel.py."""
 
 import threading
 
