@@ -25,8 +25,9 @@ parameter of such a model that is not channels_last yet, in place (``param.data`
 objects stay, their storage is re-laid, no extra copy is kept), and unpatch converts exactly those
 back to contiguous NCHW: the values never change, so outputs are bit-identical after unpatch. A weight whose
 data a ``.to()`` re-made while patched (the layout carries over) is laid back too, also after a round trip to
-its own dtype (SDXL's pipeline upcasts its VAE for every decode: before, 56 of its weights stayed NHWC after
-unpatch); a few values compared at unpatch tell that data from new values assigned since, which stay as given.
+its own dtype (SDXL's pipeline upcasts its VAE for every decode: until 2026-11-30 52-58 of the pipeline's weights
+stayed NHWC after unpatch); a few values compared at unpatch tell that data from new values assigned since, which
+stay as given.
 """
 
 from __future__ import annotations
@@ -82,20 +83,30 @@ def patch_layout(model: nn.Module, record: PatchRecord) -> None:
 _PROBES = 8  # elements of a weight compared at unpatch, spread over it
 
 
-def _probe(p: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """(the indices of ``_PROBES`` elements spread over ``p``, their values): what ``_same_probe`` compares."""
-    flat = torch.linspace(0, p.numel() - 1, min(_PROBES, p.numel()), device=p.device).long()
+def _probe(p: torch.Tensor) -> tuple[torch.Size, tuple[torch.Tensor, ...], torch.Tensor]:
+    """(``p``'s shape, the indices of ``_PROBES`` elements spread over it, their values): what ``_same_probe``
+    compares."""
+    n = p.numel()
+    k = min(_PROBES, n)
+    flat = torch.arange(k, device=p.device) * (n - 1) // max(k - 1, 1)  # integer steps: the last is element n - 1
     index = torch.unravel_index(flat, p.shape)
-    return index, p.detach()[index].clone()
+    return p.shape, index, p.detach()[index].clone()
 
 
-def _same_probe(p: torch.Tensor, probe: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> bool:
-    """Whether ``p``'s data holds the probed values at the probed elements (in p's dtype and device now)."""
-    index, values = probe
-    try:
-        return torch.equal(p.detach()[tuple(i.to(p.device) for i in index)], values.to(p.device, p.dtype))
-    except (RuntimeError, IndexError):  # a shape changed since: not the data the patch re-laid
+def _same_probe(p: torch.Tensor, probe: tuple[torch.Size, tuple[torch.Tensor, ...], torch.Tensor]) -> bool:
+    """Whether ``p``'s data has the shape the patch saw and holds the probed values at the probed elements, bit
+    for bit (a NaN included), once cast to p's dtype and device now."""
+    shape, index, values = probe
+    if p.shape != shape:  # compared before indexing: an index out of range on a GPU is not an error to catch
         return False
+    here = p.detach()[tuple(i.to(p.device) for i in index)]
+    then = values.to(p.device, p.dtype)
+    if here.is_floating_point() and here.element_size() in _BITS:
+        here, then = here.view(_BITS[here.element_size()]), then.view(_BITS[then.element_size()])
+    return torch.equal(here, then)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits as an integer of its width
 
 
 def _keep_transformer_outputs_nhwc(model: nn.Module, record: PatchRecord) -> None:

@@ -98,6 +98,22 @@ def test_weights_cast_away_and_back_while_patched_are_laid_back(pipe):
     assert all(torch.equal(p, v) for p, v in zip(params, values))
 
 
+def test_the_unpatch_probe_spans_the_weight_and_compares_bits():
+    """The probe's last element is the weight's last (integer steps: a float32 step lands past the end of a
+    59-million-element weight), a NaN there compares equal to itself, and a weight of another shape or other
+    values is not the one the patch re-laid."""
+    from sd_kernels.patches import channels_last
+
+    _, index, _ = channels_last._probe(torch.empty((2560, 2560, 3, 3), dtype=torch.float8_e4m3fn))
+    assert [int(i[-1]) for i in index] == [2559, 2559, 2, 2] and [int(i[0]) for i in index] == [0, 0, 0, 0]
+    w = torch.randn(4, 3, 3, 3)
+    w[3, 2, 2, 2] = float("nan")
+    probe = channels_last._probe(w)
+    assert channels_last._same_probe(w.contiguous(memory_format=torch.channels_last).double(), probe)
+    assert not channels_last._same_probe(w[:2], probe)
+    assert not channels_last._same_probe(torch.randn(4, 3, 3, 3), probe)
+
+
 def test_profile_validation_of_channels_last():
     with pytest.raises(sd_kernels.profiles.ProfileError, match="channels_last"):
         sd_kernels.profiles.from_dict({"name": "x", "description": "x", "channels_last": ["text_encoder"]})
