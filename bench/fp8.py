@@ -1,6 +1,6 @@
 """The FP8 tier: its kernels at the models' GEMM shapes, whole pipelines beside their peers, and the quality.
 
-    python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl] [--modes ops,e2e,layers]
+    python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl,sd15] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
                         [--rows stock,compile,compile+no-cublaslt-workspace,patched,patched+cat-join,
                                 patched+unfused-qkv,patched+two-pass-residual,patched+addcmul-residual,fp8,
@@ -23,11 +23,11 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   Triton kernels alone (``triton``), on inputs already quantized and from bf16 input (our quantizer
   first); the epilogues (bias + GELU-tanh; bias + gate + residual) as dispatched (``ours``: on
   ``_scaled_mm`` + one gated-add pass where it serves the call) and fused in our kernel (``triton``) against
-  ``_scaled_mm`` + torch's ops; and the fused producers (GELU +
-  quantization, modulated LayerNorm + quantization; SDXL's GEGLU projection with a · gelu(g) in its epilogue, then
-  the quantizer, against the GEMM writing both halves and the GEGLU quantizer, ``two_kernels``) against the op,
-  then the quantizer. Device time
-  from CUDA graphs (bench/common.py), TFLOP/s and ratios.
+  ``_scaled_mm`` + torch's ops; the fused producers (GELU + quantization, modulated LayerNorm + quantization)
+  against the op, then the quantizer; and SDXL's GEGLU projections with a · gelu(g) in the GEMM's epilogue, then
+  the quantizer (``ours``), against the GEMM as dispatched writing both halves and the GEGLU quantizer
+  (``two_kernels``) and fp16's ``F.linear`` + GEGLU, unquantized (stock). Device time from CUDA graphs
+  (bench/common.py), TFLOP/s and ratios.
 - ``e2e`` (fp8_e2e.csv): one pipeline call, ``--steps`` steps, in one process per model: stock eager;
   torch.compile (``--compile recipe``: bench/setups.py's ``stock+compile-graphs``, diffusers' recipe;
   ``regional``: fused QKV + ``compile_repeated_blocks(fullgraph=True)``, or the whole transformer

@@ -22,7 +22,8 @@ selection table of ``sd-kernels info`` needs no GPU):
   partial softmax; the Hopper wgmma kernel or stock SDPA at the head dims measured for them);
 - ``winograd_tile(n, c, h, w, k, dtype)``: the Winograd F(m, 3) tile for one conv, or None;
 - ``gelu_epilogue``, ``fp8_torch_gemm``: whether cuBLASLt serves a tanh-GELU projection with its GELU
-  epilogue, and the FP8 tier's bf16 GEMMs through torch's ``_scaled_mm`` (ops/gelu.py, ops/fp8_linear.py);
+  epilogue, and the FP8 tier's bf16 and fp16 GEMMs through torch's ``_scaled_mm`` (ops/gelu.py,
+  ops/fp8_linear.py);
 - ``chunk_bytes()``: how large one chunked intermediate (attention scores, a feed-forward slice) may
   be, from the intermediate budget;
 - ``memory_budget_bytes()``: the whole process's budget (weights + intermediates), enforced by
@@ -137,9 +138,9 @@ class Profile:
     # runs as one cuBLASLt matmul with its bias + GELU epilogue instead of cuBLAS's linear and our
     # gelu kernel (sd_kernels.ops.gelu.linear_gelu; CUDA only; docs/kernels/gelu.md).
     gelu_epilogue: bool = False
-    # The FP8 tier's bf16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate and residual)
-    # run on torch's row-wise torch._scaled_mm (cuBLASLt, fast accumulation) instead of our Triton kernels
-    # (sd_kernels.ops.fp8_linear; CUDA only; docs/fp8.md, "The GEMM").
+    # The FP8 tier's bf16 and fp16 GEMMs of at least 64 rows whose epilogue is a bias (or a bias, gate and
+    # residual) run on torch's row-wise torch._scaled_mm (cuBLASLt, fast accumulation) instead of our Triton
+    # kernels (sd_kernels.ops.fp8_linear.TORCH_GEMM_DTYPES; CUDA only; docs/fp8.md, "The GEMM").
     fp8_torch_gemm: bool = False
     # Upsample2D (nearest 2× + 3×3 conv) runs as the polyphase 2×2 conv (ops.upsample_conv2d) when its
     # input has at least this many pixels (H·W), else as diffusers runs it. On the H100 the SD1.5 UNet's
