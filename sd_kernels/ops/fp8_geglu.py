@@ -23,7 +23,7 @@ persistent programs or one tile a program as the tables choose. Elsewhere ``gegl
 the feed-forward (patches/fp8.py) runs the two kernels.
 
 It is off by default (``GEGLU_EPILOGUE``): it halves the traffic between the GEMM and the quantizer, and alone the
-pair measured 1-9% faster than the two kernels at SD's shapes, but inside SDXL's and SD1.5's graphed steps the GEMM
+pair measured 2-9% faster than the two kernels at SD's shapes, but inside SDXL's and SD1.5's graphed steps the GEMM
 with this epilogue cost more than the quantizer saved (docs/fp8.md, "The GEGLU epilogue").
 """
 
