@@ -56,6 +56,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_a_compiler_process_compiles_what_tritons_preload_then_finds(tmp_path):
     result = cuda_standin.run(SCRIPT, str(tmp_path), env={"TRITON_CACHE_DIR": str(tmp_path), compile_pool.ENV: "1"})
     # the whole precompile: both kernels compiled once each (by a thread or the process), both in the cache
@@ -65,6 +66,7 @@ def test_a_compiler_process_compiles_what_tritons_preload_then_finds(tmp_path):
     assert result["loaded"] == [True, True]  # ...and in the kernel cache after the preloads
 
 
+@pytest.mark.integration
 def test_a_worker_answers_what_it_cannot_do_and_is_stopped_when_it_hangs(tmp_path):
     worker = compile_pool.Worker(str(tmp_path))
     try:

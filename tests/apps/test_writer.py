@@ -82,6 +82,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.name == "nt", reason="SIGINT to a child process is POSIX")
 def test_sigint_during_a_run_then_a_rerun_makes_every_image_exactly_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")  # the plumbing is under test, not the kernels
