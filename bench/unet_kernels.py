@@ -45,7 +45,7 @@ CATEGORIES = (
     ("group_norm (ours)", r"^_(group_norm|group_stats|given_norm|pixel_(stats|merge|norm))"),
     ("layer_norm (ours)", r"^_layer_norm_kernel"),
     ("rope (ours)", r"^_qk_norm_rope_(stats_)?kernel"),
-    ("fp8 gemm (ours)", r"^_fp8_gemm_(tma_)?kernel|^_(match|serve)_kernel"),
+    ("fp8 gemm (ours)", r"^_fp8_gemm_(tma_)?kernel|^_fp8_geglu_tma_kernel|^_(match|serve)_kernel"),
     ("fp8 quantize (ours)", r"^_(quantize|kv_stats|kv_quant)_kernel"),
     ("conv (ours)", r"^_conv_kernel"),
     ("residual / layout (ours)", r"^_(bias_residual|gated_add|pack8|unpack8)_kernel"),

@@ -99,6 +99,8 @@ def _same_probe(p: torch.Tensor, probe: tuple[torch.Size, tuple[torch.Tensor, ..
     shape, index, values = probe
     if p.shape != shape:  # compared before indexing: an index out of range on a GPU is not an error to catch
         return False
+    if p.is_meta or values.is_meta:  # no values to compare (a model built on the meta device): left as it is
+        return False
     here = p.detach()[tuple(i.to(p.device) for i in index)]
     then = values.to(p.device, p.dtype)
     if here.is_floating_point() and here.element_size() in _BITS:
