@@ -302,14 +302,15 @@ class _Watch:
                         getattr(m, "_disable_adapters", None), tuple(m.merged_adapters)) for m in self.tuners)
         return procs, tuners, flags, tuple(m.graph_state() for m in self.derived)
 
-    def hook(self, tree: tuple) -> str | None:
-        """A forward hook on the model's modules (or on every module) that a replay would skip, or None
-        (``hooks.replay_skipped``). Registering a hook takes a handle from torch's counter, so the modules are
-        read again only when it moved; while they hold such a hook, on every call (a removal moves nothing)."""
+    def hook(self, tree: tuple, again: bool = False) -> str | None:
+        """A forward hook on the model's modules (or on every module), or a diffusers hook on them, that a replay
+        would skip, or None (``hooks.replay_skipped``). Registering a forward hook takes a handle from torch's
+        counter, so the modules are read again when it moved; while they hold such a hook, on every call (a
+        removal moves nothing); and with ``again``, before each capture (a diffusers hook moves no counter)."""
         if tree != self.tree:
             self._find(tree)
         handles = RemovableHandle.next_id
-        if handles != self.handles or self.skipped is not None:
+        if again or handles != self.handles or self.skipped is not None:
             self.handles, self.skipped = handles, replay_skipped(self.named)
         return self.skipped
 
@@ -483,6 +484,8 @@ class GraphedCall:
             return self._eager(reason, args, kwargs, level)
         graph = self.graphs.get(key)
         if graph is None and key not in self.eager_keys:
+            if hook := self.watch.hook(self.state[0], again=True):  # one the counter did not show
+                return self._eager(f"{hook}: a graph's replay would not run it", args, kwargs, logging.WARNING)
             self.prepare(leaves, tree)
             try:
                 graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)

@@ -10,12 +10,18 @@ import torch.nn as nn
 
 from sd_kernels.runtime.graph_hooks import REPLAY_SAFE, replay_safe
 
-__all__ = ["REPLAY_SAFE_MODULES", "called_beside", "global_hooks", "hooked", "replay_safe", "replay_skipped"]
+__all__ = ["REPLAY_SAFE_DIFFUSERS_HOOKS", "REPLAY_SAFE_MODULES", "called_beside", "global_hooks", "hooked",
+           "replay_safe", "replay_skipped"]
 
 # Modules whose hook functions a replay may skip: transformers' output-capturing hooks (installed on a text
 # encoder's layers at its first call) only gather the hidden states its output returns, and a graph returns the
 # captured output whole.
 REPLAY_SAFE_MODULES = frozenset({"transformers.utils.output_capturing"})
+# diffusers' hooks (a module's ``_diffusers_hook`` registry) a replay may run as captured: context parallelism's
+# split and gather, the same collectives on the same buffers every call (patches/context_parallel.py). Every other
+# diffusers hook (the caches: pyramid attention broadcast, FasterCache, first-block cache; layer skip; ...) keeps
+# state across calls or decides per call what to compute: captured, one call's decision would be replayed.
+REPLAY_SAFE_DIFFUSERS_HOOKS = frozenset({"diffusers.hooks.context_parallel"})
 
 
 def global_hooks() -> bool:
@@ -47,8 +53,9 @@ def called_beside(m: nn.Module) -> bool:
 
 def replay_skipped(named: Iterable[tuple[str, nn.Module]]) -> str | None:
     """The first forward (pre-)hook, global or on one of the ``named`` modules (those a graphed call runs inside
-    it), that a CUDA graph's replay would skip (neither marked ``replay_safe`` nor from ``REPLAY_SAFE_MODULES``), as
-    a phrase; None if there is none."""
+    it), that a CUDA graph's replay would skip (neither marked ``replay_safe`` nor from ``REPLAY_SAFE_MODULES``), or
+    the first diffusers hook on one of them (in its ``_diffusers_hook`` registry) not marked ``replay_safe`` nor
+    from ``REPLAY_SAFE_DIFFUSERS_HOOKS``, as a phrase; None if there is none."""
     from torch.nn.modules import module
 
     def unsafe(hooks: dict) -> bool:
@@ -60,4 +67,8 @@ def replay_skipped(named: Iterable[tuple[str, nn.Module]]) -> str | None:
     for name, m in named:
         if unsafe(m._forward_pre_hooks) or unsafe(m._forward_hooks):
             return f"a forward hook on {name} ({type(m).__name__})"
+        held = getattr(vars(m).get("_diffusers_hook"), "hooks", None) or {}
+        for hook_name, hook in held.items():
+            if not (getattr(hook, REPLAY_SAFE, False) or type(hook).__module__ in REPLAY_SAFE_DIFFUSERS_HOOKS):
+                return f"diffusers' hook {hook_name!r} ({type(hook).__name__}) on {name} ({type(m).__name__})"
     return None

@@ -467,6 +467,48 @@ def test_forward_hooks_inside_the_model_run_eagerly_until_removed(fake_cuda, mon
     assert len([r for r in caplog.records if "conv_in (Conv2d)" in r.message]) == 1
 
 
+def test_a_diffusers_hook_inside_the_model_makes_the_calls_eager_until_removed(fake_cuda, monkeypatch):
+    """diffusers' hooks (a cache, layer skip: state across calls, a decision per call) on a module inside the
+    graphed model, registered before any capture: a capture would replay one call's decision, so the calls run
+    eagerly and the hook runs on each; removed, the model captures. Registering one moves no counter torch keeps:
+    the modules are read again before each capture. Context parallelism's split and gather (and hooks marked
+    ``replay_safe``) are replay-safe."""
+    from diffusers.hooks import HookRegistry, ModelHook
+    from sd_kernels.patches import hooks
+
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(type(module).__name__)
+            return args, kwargs
+
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    call, eager_calls, seen = graphed.forward, [], []
+    real = call._eager
+    monkeypatch.setattr(call, "_eager", lambda reason, *a, **k: eager_calls.append(reason) or real(reason, *a, **k))
+    registry = HookRegistry.check_if_exists_or_initialize(graphed.conv_in)
+    registry.register_hook(Counting(), "counting")
+    with torch.no_grad():
+        want = eager(x, 10, **kw).sample
+        for _ in range(3):
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert seen == ["Conv2d"] * 3 and not fake_cuda
+        assert "diffusers' hook 'counting' (Counting) on conv_in (Conv2d)" in eager_calls[-1]
+        registry.remove_hook("counting", recurse=False)
+        for _ in range(3):
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert len(fake_cuda) == 1 and seen == ["Conv2d"] * 3
+    inside = list(graphed.named_modules())[1:]
+    registry.register_hook(hooks.replay_safe(Counting()), "marked")
+    assert hooks.replay_skipped(inside) is None
+    registry.remove_hook("marked", recurse=False)
+    split = type("Split", (ModelHook,), {"__module__": "diffusers.hooks.context_parallel"})
+    registry.register_hook(split(), "split")
+    assert hooks.replay_skipped(inside) is None
+    registry.register_hook(Counting(), "counting")
+    assert "'counting'" in hooks.replay_skipped(inside)
+
+
 def test_transformers_output_capturing_hooks_are_replay_safe():
     """SDXL's CLIP encoders, asked for their hidden states, carry transformers' output-capturing hooks on their
     layers from their first call: they only gather what the call returns (a graph returns its captured output
