@@ -65,7 +65,7 @@ from sd_kernels.ops.custom_ops import (
     layer_norm_modulated,
     layer_norm_modulated_fp8,
 )
-from sd_kernels.ops.fp8_geglu import geglu_epilogue_reason, geglu_rows
+from sd_kernels.ops.fp8_geglu import geglu_rows
 from sd_kernels.ops.fp8_linear import (
     E4M3,
     FP8_CAPABILITY,
@@ -250,9 +250,9 @@ class Fp8Linear(nn.Module):
 
     def geglu_codes(self, x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
         """diffusers' GEGLU of this projection (``a · gelu(g)``, a and g its output's halves) as the FP8 codes
-        and row scales the next GEMM reads: one GEMM with the GEGLU in its epilogue, then the row quantizer, where
-        the kernel takes x's codes (ops/fp8_geglu.py's ``geglu_rows``); x's carried codes are read where it has
-        them. Eager calls (the caller checks)."""
+        and row scales the next GEMM reads (ops/fp8_geglu.py's ``geglu_rows``: one GEMM with the GEGLU in its
+        epilogue where that is on and the kernel takes x's codes, else the GEMM writing both halves and the GEGLU
+        quantizer); x's carried codes are read where it has them. Eager calls (the caller checks)."""
         self.fresh()
         return geglu_rows(x, self.w_q, self.s_w, self.bias, act)
 
@@ -327,19 +327,12 @@ class Fp8FeedForward(nn.Module):
             out = out if gate is None else gate.unsqueeze(1) * out
             return out if residual is None else residual + out
         first, second = self.net[0].proj, self.net[2]
-        if self._geglu_epilogue(hidden_states):
+        if self.gated and not torch.compiler.is_compiling() and not called_beside(first):
+            # ops/fp8_geglu.py's one decision: the GEGLU in the GEMM's epilogue, or the GEMM and the GEGLU quantizer
             q, s = first.geglu_codes(hidden_states, self.act)
-        else:
+        else:  # a GELU; a compiled graph; a projection with hooks, called as itself
             q, s = fp8_quantize_rows(first(hidden_states), self.act, self.gated)
         return second.from_codes(q, s, hidden_states.dtype, gate, residual)
-
-    def _geglu_epilogue(self, x: torch.Tensor) -> bool:
-        """Whether the GEGLU's first GEMM writes ``a · gelu(g)`` itself (ops/fp8_geglu.py: half the columns
-        written and read back): a GEGLU, in eager (a compiled graph runs the GEMM and the GEGLU quantizer), the
-        projection not called beside (hooks), and no reason against it from ``geglu_epilogue_reason``."""
-        first = self.net[0].proj
-        return (self.gated and not torch.compiler.is_compiling() and not called_beside(first)
-                and geglu_epilogue_reason(x, first.fresh().w_q) is None)
 
     def extra_repr(self) -> str:
         return f"{'GEGLU' if self.gated else 'GELU'}(approximate={self.act!r}) fused with the FP8 quantization"

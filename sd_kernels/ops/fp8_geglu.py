@@ -19,8 +19,9 @@ the two-kernel path rounds a and g and keeps h in fp32 up to its codes. Both are
 rounding of each other; the tests compare each with a float64 reference of the quantized computation.
 
 The operands come in through the Tensor Memory Accelerator (Hopper and later, and Triton's interpreter), in
-persistent programs or one tile a program as the tables choose. Elsewhere ``geglu_epilogue_reason`` says why, and
-the feed-forward (patches/fp8.py) runs the two kernels.
+persistent programs or one tile a program as the tables choose. ``geglu_rows`` is the feed-forward's one decision
+(patches/fp8.py): where ``geglu_epilogue_reason`` gives a reason or the TMA unit cannot read the input's codes, it
+runs the two kernels.
 
 It is off by default (``GEGLU_EPILOGUE``): it halves the traffic between the GEMM and the quantizer, and alone the
 pair measured 2-9% faster than the two kernels at SD's shapes, but inside SDXL's and SD1.5's graphed steps the GEMM
