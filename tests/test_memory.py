@@ -326,6 +326,7 @@ def test_units_of_the_tiny_decoder(tiny_vae):
     assert us[0].need(3, 5, 6) == (1, 6)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("shape", [(1, 4, 24, 21), (2, 4, 13, 9), (1, 4, 7, 30)])
 @pytest.mark.parametrize("share", [1.0, 0.4, 0.2, 0.0])
 def test_streamed_decode_is_the_untiled_decode(tiny_vae, shape, share, monkeypatch):
@@ -346,6 +347,7 @@ def test_streamed_decode_is_the_untiled_decode(tiny_vae, shape, share, monkeypat
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
 
 
+@pytest.mark.integration
 def test_streamed_decode_of_a_channels_last_decoder(tiny_vae):
     import copy
 
@@ -413,6 +415,7 @@ def test_a_measured_norm_sees_each_row_once(tiny_vae, pack, monkeypatch):
         assert torch.all(count == pixels * norm.num_channels // norm.num_groups), (us[i].name, count)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("budget, pack", [(400_000, False), (150_000, False), (10**12, False), (400_000, True)])
 def test_convs_of_a_plan_are_the_convs_it_runs(tiny_vae, budget, pack, monkeypatch):
     """``convs_of`` (what the workspace probe measures and the model charges) names exactly the
@@ -446,6 +449,7 @@ def test_convs_of_a_plan_are_the_convs_it_runs(tiny_vae, budget, pack, monkeypat
     assert p.untiled == (budget == 10**12)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("shape, budget, kernels", [
     ((1, 4, 12, 7), 250_000, False), ((1, 4, 32, 32), 1_000_000, False), ((1, 4, 12, 7), 250_000, True)])
 def test_a_packed_plan_decodes_close_to_the_untiled_decode(tiny_vae, shape, budget, kernels, monkeypatch):
@@ -470,6 +474,7 @@ def test_a_packed_plan_decodes_close_to_the_untiled_decode(tiny_vae, shape, budg
     assert not torch.equal(out, ref)
 
 
+@pytest.mark.integration
 def test_sd15_under_64_mib_keeps_its_512_activations_in_8_bits(monkeypatch):
     """SD1.5's decode under mobile-small's 64 MiB cannot keep a 128-channel 512² activation in fp16
     (64 MiB); packed (36 MiB) it can, and the plan then runs each 512² ResNet from it instead of
@@ -533,6 +538,7 @@ def test_plan_fits_the_budget_and_prefers_fewer_passes(tiny_vae):
     assert impossible.peak > 1  # the smallest-peak plan, over the budget: still a plan
 
 
+@pytest.mark.integration
 def test_sd15_plan_under_s23_ultra_keeps_the_model_peak_under_84_mb():
     from sd_kernels.patches import stream_decode as sd
 
@@ -577,6 +583,7 @@ def test_an_unsupported_decoder_runs_untiled_and_says_so(tiny_vae, caplog):
     torch.testing.assert_close(out, vae.decoder(z), rtol=0, atol=0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("ops, pack", [(["memory"], False), (["group_norm", "memory"], False), (["memory"], True)])
 def test_patched_vae_decode_streams_under_a_small_budget(tiny_vae, ops, pack, monkeypatch):
     """``pack``: the profile's ``stream_pack8`` reaches the plan (the image within 40 dB, not 60); a

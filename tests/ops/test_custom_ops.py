@@ -134,6 +134,7 @@ def _count_backend(graphs):
     return backend
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_patched_unet_compiles_fullgraph():
     """torch.compile(fullgraph=True) of the patched tiny UNet: no graph break (fullgraph raises on

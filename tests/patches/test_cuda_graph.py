@@ -862,6 +862,7 @@ def _controlnet_run(pipe, steps=3, scale=1.0):
     return _pipe_run(pipe, steps, image=cond, controlnet_conditioning_scale=scale)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("controlnets", [1, 2])
 def test_pipeline_mode_graphs_the_controlnet_call(fake_cuda, controlnets):
     """ControlNet pipelines (one ControlNet, or a MultiControlNetModel of two): the ControlNet call is

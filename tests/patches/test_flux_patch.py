@@ -172,6 +172,7 @@ def _count_streams(monkeypatch) -> list:
     return launches
 
 
+@pytest.mark.integration
 def test_attention_inputs_are_one_kernel_launch_per_stream(transformer, monkeypatch):
     """Between the projections and the attention each call runs qk_norm_rope's kernel: the double blocks one
     launch for the text stream (9 tokens) and one for the image's (64), the single blocks one for their joined
@@ -352,6 +353,7 @@ def test_calls_the_native_backend_would_not_serve_go_to_diffusers_dispatch(trans
     assert type(processor) is FluxAttnProcessor and processor._attention_backend == "_native_math"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_patched_transformer_compiles_fullgraph(transformer):
     """torch.compile(fullgraph=True) of the patched transformer: no graph break, one
@@ -545,6 +547,7 @@ def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatc
         **T5_COUNTS})
 
 
+@pytest.mark.integration
 def test_pipeline_through_kernels_close_to_stock(pipe):
     check_transformer_kernels_close_to_stock(pipe, _pipe_run)
 

@@ -50,6 +50,7 @@ def flux():
     ("tiny-pixart", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward"}),
     ("tiny", {"fp8.attention", "fp8.feed_forward", "fp8.FeedForward", "fp8.LayerNorm"}),
 ])
+@pytest.mark.integration
 def test_fp8_image_close_to_stock_and_unpatch_exact(name, families):
     _image_close_and_unpatch_exact(build_pipeline(name), families)
 
@@ -174,6 +175,7 @@ def test_unet_self_attention_is_one_fp8_gemm_and_the_text_projections_stay_exact
     assert all(type(a.to_k) is nn.Linear for a in attentions)
 
 
+@pytest.mark.integration
 @cpu_only
 def test_unet_block_norms_write_the_codes_their_projections_read(count_calls, monkeypatch):
     """A UNet block's norm1, norm2 and norm3 write their outputs' FP8 codes (``Fp8LayerNorm``): the projections
@@ -202,6 +204,7 @@ def park_from_the_cpu(monkeypatch):
     monkeypatch.setattr(fp8, "_PARK_FROM_THE_CPU", True)
 
 
+@pytest.mark.integration
 @cpu_only
 def test_offloaded_originals_change_no_result_and_unpatch_brings_them_back_exactly(park_from_the_cpu):
     """``offload_originals`` moves each FP8 layer's original weight to storage of its own in the CPU's memory
@@ -848,6 +851,7 @@ HOOKED = {  # modules a fused block path applies without calling them, and the f
 }
 
 
+@pytest.mark.integration
 @cpu_only
 @pytest.mark.parametrize("name", sorted(HOOKED))
 def test_fp8_fused_blocks_call_a_hooked_module_as_itself(name, fused_calls):
@@ -888,6 +892,7 @@ def test_lossless_single_blocks_call_a_hooked_gelu_as_itself():
         sd_kernels.unpatch(model)
 
 
+@pytest.mark.integration
 @cpu_only
 def test_fp8_compiled_blocks_take_the_gated_residuals_not_the_join(fused_calls):
     """Traced (aot_eager: the custom ops' fakes), the double blocks' gated residuals still go to the

@@ -72,6 +72,7 @@ MODELS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(MODELS))
 def test_patch_tiny_model(name):
     build, call_of = MODELS[name]

@@ -45,6 +45,7 @@ def ip_unet(n: int = 1):
     return unet
 
 
+@pytest.mark.integration
 def test_ip_adapter_processors_are_served_and_undone_exactly():
     """Two adapters: the processor's loop over them is the code one adapter runs too. A 4x4 latent
     (16 queries; the kernels' tiling is tested in tests/ops/test_attention.py) keeps the interpreter

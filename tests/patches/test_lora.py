@@ -66,6 +66,7 @@ def test_lora_before_patch(unets, monkeypatch):
     assert torch.equal(_out(ours), expected)
 
 
+@pytest.mark.integration
 def test_patch_kernels_with_lora(unets):
     """With the kernels (interpreter on CPU): close to the unpatched LoRA model."""
     never, ours = unets

@@ -55,6 +55,7 @@ def _install(model, record, scheduler):
     return modulation_table.install(model, groups, record), groups
 
 
+@pytest.mark.integration
 @cpu_only
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
 def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(name):
@@ -83,6 +84,7 @@ def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(na
     assert torch.equal(served, own) and torch.equal(served_other, own_other) and torch.equal(again, own)
 
 
+@pytest.mark.integration
 @cpu_only
 def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_bias_or_weight_clears_the_table():
     name = "tiny-flux"

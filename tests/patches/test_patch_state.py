@@ -86,6 +86,7 @@ def test_a_bare_string_for_a_list_is_refused(pipe, kwargs):
     assert patch_record(pipe) is None
 
 
+@pytest.mark.integration
 def test_two_models_patched_with_different_profiles_each_run_under_their_own(monkeypatch):
     """A patch's profile belongs to what it patched: the ops of each model see its own profile, in any
     order of calls, and neither patch, unpatch nor report changes the process default."""

@@ -119,6 +119,7 @@ def test_runs_patched_exactly_as_stock_with_reference_ops(pipe, kind, monkeypatc
     assert np.array_equal(_run(variant, **_inputs(kind)), stock)  # and after unpatch
 
 
+@pytest.mark.integration
 def test_unet_step_through_kernels(pipe):
     """One UNet call with the kernels (interpreter on CPU), SDXL's added conditions included, against
     a float64 copy."""

@@ -281,6 +281,7 @@ def _error(exact: torch.Tensor):
     return lambda t: ((t.double().cpu() - exact).norm() / exact.norm()).item()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fused", [False, True], ids=["three-gemms", "fused-qkv"])
 def test_fp8_projections_write_the_join_in_place(monkeypatch, device, fused):
     """Under the FP8 tier the projections of a joint attention write their rows of the join where they lie
@@ -321,6 +322,7 @@ def test_fp8_projections_write_the_join_in_place(monkeypatch, device, fused):
     assert error(in_place) <= 1.5 * error(joined_by_cat) + 1e-7, (error(in_place), error(joined_by_cat))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fused", [False, True], ids=["three-gemms", "fused-qkv"])
 @pytest.mark.parametrize("batch, per_sample_rows", [(1, 1), (2, 1), (2, 32)])
 def test_lossless_projections_write_the_join_in_place(monkeypatch, device, batch, per_sample_rows, fused):
@@ -508,6 +510,7 @@ def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatc
         "qkv_fusion": 4 + 2, **T5_COUNTS})  # and the VAE's two mid-block self-attentions
 
 
+@pytest.mark.integration
 def test_pipeline_through_kernels_close_to_stock(pipe):
     check_transformer_kernels_close_to_stock(pipe, _pipe_run)
 

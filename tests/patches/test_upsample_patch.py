@@ -199,6 +199,7 @@ def test_unsupported_upsamplers_are_named():
     assert upp.unsupported(Upsample2D(4, use_conv=True, name="Conv2d_0")) is None
 
 
+@pytest.mark.integration
 def test_compiled_unet_runs_each_upsampler_as_one_custom_op():
     """Under torch.compile(fullgraph=True) each covered upsampler is one sd_kernels.upsample_conv2d
     node, which finds the patched module's cached phases. (The UNet: the tiny VAE's decode does not

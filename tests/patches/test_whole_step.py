@@ -42,6 +42,7 @@ def _steps(pipe):
     return vars(pipe)[whole_step._ATTR]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name, scheduler", [("tiny", s) for s in SCHEDULERS]
                          + [("tiny-xl", "EulerAncestralDiscreteScheduler"), ("tiny-xl", "UniPCMultistepScheduler")])
 def test_whole_steps_match_the_eager_loop(fake_step, name, scheduler):

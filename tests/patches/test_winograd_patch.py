@@ -224,6 +224,7 @@ def test_gpu_sd15_unet_routed_by_the_profile():
     assert torch.equal(after, stock)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_compiled_unet_runs_routed_convs_as_one_custom_op(route):
     """torch.compile(fullgraph=True) of a UNet with routed convs: the routing is decided at trace time,
