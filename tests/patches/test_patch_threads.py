@@ -72,6 +72,9 @@ def test_calls_on_another_thread_while_patching_give_the_stock_result(pipe, call
                 sd_kernels.patch(pipe)
                 sd_kernels.unpatch(pipe)
                 cycles += 1
+                # a pause between changes, as between a user's: back to back, a held-off call seldom takes the
+                # interpreter lock before the next change holds it off again (one call in 60 s on two cores)
+                time.sleep(0.005)
         finally:
             stop.set()
             caller.join()
