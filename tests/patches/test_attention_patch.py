@@ -97,12 +97,14 @@ def round_trip(model, run, **run_kwargs):
     return n
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "text-mask"])
 def test_unet(mask):
     n = round_trip(tiny_unet(), unet_out, mask=mask)
     assert n == 8  # self + cross attention in 4 transformer blocks (down 1, mid 1, up 2)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "text-mask"])
 def test_unet_with_fused_qkv_projections(mask):
     """After diffusers' ``fuse_qkv_projections()`` (FusedAttnProcessor2_0: one to_qkv GEMM for
@@ -165,6 +167,24 @@ def test_vae(path, monkeypatch):
     monkeypatch.setattr(attn_mod, "_choose_path", lambda *a: calls.append(choose(*a)) or calls[-1])
     round_trip(vae, vae_out)
     assert set(calls) == {path}
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_rescale_output_factor_divides_unless_it_is_one(factor, monkeypatch):
+    vae = tiny_vae()
+    mid = vae.decoder.mid_block.attentions[0]
+    mid.rescale_output_factor = factor
+    inside, divisions = [False], []
+    mid.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    mid.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    divide = torch.Tensor.__truediv__
+    monkeypatch.setattr(torch.Tensor, "__truediv__",
+                        lambda a, b: (inside[0] and divisions.append(b)) or divide(a, b))
+    round_trip(vae, vae_out)  # the same output as the stock processor's, which divides by any factor
+    divisions.clear()
+    with sd_kernels.patched(vae, ops=["attention"]):
+        vae_out(vae)
+    assert divisions == ([] if factor == 1 else [factor])  # x / 1 is x: no kernel for it
 
 
 def test_legacy_processor_keeps_its_scale_and_custom_processors_stay():
