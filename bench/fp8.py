@@ -62,9 +62,11 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   value projections (of the text) in FP8 too (``fp8+cross-kv-fp8``: ``patches.fp8.CROSS_KV_FP8``), with the UNet
   blocks' LayerNorms as stock's and each projection quantizing their outputs (``fp8+plain-norms``: no
   ``patches.fp8.Fp8LayerNorm``), with the GEGLU feed-forwards' first GEMM writing a · gelu(g) itself, half its
-  columns, for the quantizer (``fp8+geglu-epilogue``: ``ops.fp8_geglu.GEGLU_EPILOGUE`` on), with the original
-  weights moved to the CPU's memory (``fp8+offloaded-originals``: ``sd_kernels.offload_originals``), and
-  with ``compile=True``
+  columns, for the quantizer (``fp8+geglu-epilogue``: ``ops.fp8_geglu.GEGLU_EPILOGUE`` on), with an output our
+  kernels can write where it lies (SD3's joined q, k, v) written by our kernel rather than by torch's GEMM a sample
+  (``fp8+into-ours``) or by one torch GEMM copied in (``fp8+into-copy``: ``ops.fp8_linear.TORCH_GEMM_INTO``),
+  with the original weights moved to the CPU's memory (``fp8+offloaded-originals``:
+  ``sd_kernels.offload_originals``), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
@@ -99,7 +101,8 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
-        "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+offloaded-originals", "fp8+compile", "torchao")
+        "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours", "fp8+into-copy", "fp8+offloaded-originals",
+        "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -369,7 +372,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+cross-kv-fp8": (fp8_patch, "CROSS_KV_FP8", True),
                    "fp8+plain-norms": (fp8_patch, "_unet_norm", lambda *args: False),
                    "fp8+geglu-epilogue": (importlib.import_module("sd_kernels.ops.fp8_geglu"), "GEGLU_EPILOGUE",
-                                          True)}.get(row)
+                                          True),
+                   "fp8+into-ours": (fp8_ops, "TORCH_GEMM_INTO", "ours"),
+                   "fp8+into-copy": (fp8_ops, "TORCH_GEMM_INTO", "copy")}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -397,8 +402,8 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
                                                     "fp8+own-modulations", "fp8+own-step-modulations",
                                                     "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
-                                                    "fp8+plain-norms", "fp8+geglu-epilogue",
-                                                    "fp8+offloaded-originals")}
+                                                    "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours",
+                                                    "fp8+into-copy", "fp8+offloaded-originals")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 

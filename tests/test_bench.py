@@ -473,6 +473,7 @@ def test_switch_bench_sees_every_state_take_effect_on_cpu(tmp_path, monkeypatch)
     assert all(float(r["stale_diff"]) > 1e-2 for r in rows[1:]), rows
 
 
+@pytest.mark.integration
 def test_step_ops_count_kernels_outside_the_models():
     import torch
 
@@ -904,6 +905,8 @@ PATCH_FP8, OPS_ATTENTION, FP8_LINEAR = "sd_kernels.patches.fp8", "sd_kernels.ops
     ("fp8+fused-gate-gemm", [(FP8_LINEAR, "TORCH_GEMM_GATED", False)]),
     ("fp8+pointer-gemm", [(FP8_LINEAR, "TMA_GEMM", False)]),
     ("fp8+geglu-epilogue", [("sd_kernels.ops.fp8_geglu", "GEGLU_EPILOGUE", True)]),
+    ("fp8+into-ours", [(FP8_LINEAR, "TORCH_GEMM_INTO", "ours")]),
+    ("fp8+into-copy", [(FP8_LINEAR, "TORCH_GEMM_INTO", "copy")]),
 ])
 def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypatch, row, switches):
     """The tier's experiment rows set the switches the patch reads (``sd_kernels.patches.fp8``, not the

@@ -304,6 +304,13 @@ TORCH_GEMM_GATED = True
 TORCH_GEMM_DTYPES = (torch.bfloat16, torch.float16)
 # cuBLASLt without a workspace for the GEMMs a CUDA graph captures (runtime/blas.py: no memset before each)
 NO_CUBLASLT_WORKSPACE = True
+# An ``out`` our kernels can write where it lies (a token slice of a batch: SD3's joined q, k and v), where torch's
+# GEMM serves the shape: "samples" runs torch's GEMM once a segment of out's rows (a sample's, one contiguous
+# block) into it, where each has at least TORCH_GEMM_SEGMENT_ROWS rows (else as "ours"); "ours": our kernel writes
+# it; "copy": one torch GEMM into a new tensor, copied in (2.5 ms of copies an SD3-medium FP8 step, 1024² with
+# guidance, H200, 2026-11-30: bench/results/2026-11-30-h200-fp8-gemm-into).
+TORCH_GEMM_INTO = "samples"
+TORCH_GEMM_SEGMENT_ROWS = 1024  # as joint_attention.PER_SAMPLE_ROWS: shorter samples gain less than a GEMM costs
 
 
 def torch_gemm_shape_reason(rows: int, k: int, n: int, out_dtype: torch.dtype, act: str = "",
@@ -405,6 +412,27 @@ def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, ou
     return out
 
 
+def _torch_gemm_into(a2, sa, w_q, s_w, bias, y_rows: Segments, out_dtype) -> bool:
+    """torch's GEMM a segment of ``y_rows`` (``fp8_gemm``'s ``out``, which our kernels could write in place)
+    into it, with the bias in its epilogue, where ``TORCH_GEMM_INTO`` is "samples", each segment is one
+    contiguous block of at least ``TORCH_GEMM_SEGMENT_ROWS`` rows (any length where there is one segment), and
+    every segment's output, input rows and row scales are 16-byte aligned (cuBLASLt's requirement); returns
+    whether it ran. No gate or residual (the caller checks)."""
+    seg, parts = y_rows.seg, y_rows.rows // max(y_rows.seg, 1)
+    if (TORCH_GEMM_INTO != "samples" or y_rows.stride_c != 1 or y_rows.stride_r != y_rows.cols
+            or (parts > 1 and seg < TORCH_GEMM_SEGMENT_ROWS) or parts * seg != y_rows.rows):
+        return False
+    outs = list(y_rows.base) if y_rows.base.dim() == 3 else [y_rows.base]
+    pieces = [(a2[i * seg:(i + 1) * seg], sa[i * seg:(i + 1) * seg], o) for i, o in enumerate(outs)]
+    if len(pieces) != parts or not all(t.data_ptr() % 16 == 0 for piece in pieces for t in piece):
+        return False
+    with blas.no_workspace() if NO_CUBLASLT_WORKSPACE else contextlib.nullcontext():
+        for a, scale, o in pieces:
+            torch._scaled_mm(a, w_q.t(), scale_a=scale.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
+                             out_dtype=out_dtype, use_fast_accum=True, out=o)
+    return True
+
+
 def _programs(device: torch.device) -> int:
     """The persistent grid: one program per SM (one program under the interpreter, so that its tests walk
     every tile in the persistent loop)."""
@@ -501,9 +529,12 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
         return copied_in(y if skip is None else torch.where(skip.to(out.device) != 0, out, y))
     a2 = _rows_view(a_q)
     sa, s_w, bias = vectors(s_a.reshape(-1).float(), s_w, bias)
-    if (n and skip is None
-            and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gate is not None or residual is not None, out_dtype)):
-        return copied_in(_torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype))
+    gated = gate is not None or residual is not None
+    if n and skip is None and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gated, out_dtype):
+        if y_rows is None or TORCH_GEMM_INTO == "copy":
+            return copied_in(_torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype))
+        if not gated and _torch_gemm_into(a2, sa, w_q, s_w, bias, y_rows, out_dtype):
+            return _written(out)
     in_place = y_rows is not None  # else a new tensor, copied into out if there is one
     y = out if in_place else torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
     if y.numel() == 0:

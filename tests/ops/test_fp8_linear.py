@@ -737,6 +737,59 @@ def test_the_output_is_contiguous_in_out_dtype_on_either_gemm(monkeypatch, count
         assert ((y.double() - want).abs() <= 2**-7 * want.abs()).all()
 
 
+@pytest.mark.parametrize("mode,rows,want", [
+    ("samples", 24, {"scaled_mm": 2, "torch_gemm": 0, "ours": 0}),
+    ("samples", 16, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),  # samples shorter than TORCH_GEMM_SEGMENT_ROWS
+    ("ours", 24, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),
+    ("copy", 24, {"scaled_mm": 1, "torch_gemm": 1, "ours": 0})], ids=str)
+def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_calls, mode, rows, want):
+    """``out=`` a token slice of a batch (SD3's joined q, k, v: ``buffer[:, :rows]``) where torch's GEMM serves the
+    shape: "samples" runs it once a sample into the slice (each sample's rows are one block), "ours" our kernel in
+    place, "copy" one torch GEMM then a copy; the rows around the slice stay as they were, the values are the
+    reference's within four times bf16's rounding (the interpreter's cast to bf16 truncates)."""
+    _cpu_routes_only()
+    monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
+    monkeypatch.setattr(fp8, "TORCH_GEMM_INTO", mode)
+    monkeypatch.setattr(fp8, "TORCH_GEMM_SEGMENT_ROWS", 20)
+    monkeypatch.setattr(fp8, "TORCH_GEMM_ROWS", 16)
+    torch.manual_seed(0)
+    a_q, s_a = reference.fp8_quantize_rows(torch.randn(2, rows, 64))
+    w_q, s_w = fp8.quantize_weight(torch.randn(32, 64) / 8)
+    bias = torch.randn(32, dtype=torch.bfloat16)
+    buffer = torch.randn(2, rows + 8, 32, dtype=torch.bfloat16)
+    around = buffer[:, rows:].clone()
+    launched = count_calls(fp8, torch_gemm="_torch_gemm", tma="_GEMM_TMA", pointer="_GEMM")
+    scaled = count_calls(torch, scaled_mm="_scaled_mm")
+    y = fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.bfloat16, out=buffer[:, :rows])
+    ours = launched["tma"] + launched["pointer"]
+    assert {"scaled_mm": scaled["scaled_mm"], "torch_gemm": launched["torch_gemm"], "ours": ours} == want
+    assert y.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:, rows:], around)
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
+    assert rel_err(buffer[:, :rows], ref) <= 4 * rel_err(ref.to(torch.bfloat16), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["samples", "ours", "copy"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_sd3s_joined_projection_in_every_out_mode(monkeypatch, mode, dtype):
+    """SD3-medium's q projection at 1024² with guidance written into its join (``buffer[:, :4096]`` of 4,096
+    image and 154 text tokens a sample) in each ``TORCH_GEMM_INTO`` mode on the GPU: the text rows untouched,
+    the image rows the quantized math's within twice the dtype's rounding or the FP8 tensor cores' accumulation
+    error at this K, whichever is larger (``_accumulation_floor``: in fp16 the accumulation's)."""
+    monkeypatch.setattr(fp8, "TORCH_GEMM_INTO", mode)
+    torch.manual_seed(0)
+    x = torch.randn(2, 4096, 1536, device="cuda", dtype=dtype)
+    a_q, s_a = fp8.quantize_rows(x)
+    w_q, s_w = fp8.quantize_weight(torch.randn(1536, 1536, device="cuda", dtype=dtype) / 40)
+    bias = torch.randn(1536, device="cuda", dtype=dtype)
+    buffer = torch.randn(2, 4096 + 154, 1536, device="cuda", dtype=dtype)
+    text = buffer[:, 4096:].clone()
+    fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype, out=buffer[:, :4096])
+    ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
+    assert torch.equal(buffer[:, 4096:], text)
+    assert rel_err(buffer[:, :4096], ref) <= max(2 * rel_err(ref.to(dtype), ref), _accumulation_floor(1536))
+
+
 def test_torchs_gemm_runs_where_the_profile_says(monkeypatch):
     """A CUDA device (faked: capability and the interpreter) takes torch's GEMM under a profile that sets
     ``fp8_torch_gemm`` (``hopper`` alone: measured there); not under another profile, at a capability below
