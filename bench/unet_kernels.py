@@ -11,7 +11,8 @@ cudagraph trees' input copies: captured alike, the two sides compare kernel for 
 autotuned kernels, graphed the same way); ``patched``: ``patch(unet, cuda_graph="unet")``;
 ``patched-no-winograd``: the same without the winograd family; ``patched-compile``: with
 ``compile=True``; ``patched-compile-max-autotune``: ``compile="max-autotune"``; a patched setup ending
-in ``-fused-qkv`` fuses the QKV projections before the patch, like the recipe), one call is captured in a
+in ``-fused-qkv`` fuses the QKV projections before the patch, like the recipe; one with ``-fp8`` in its name
+patches with ``precision="fp8"``, the opt-in FP8 tier), one call is captured in a
 CUDA graph (the patch's own graph for patched setups), and one replay is profiled. ``warmup_s`` is
 the time from the set-up to a replayable graph (compilation, autotuning, capture).
 Kernels are grouped by what they compute (name patterns, ``CATEGORIES``); ``DIR/unet_kernels.json``
@@ -143,7 +144,8 @@ def measure(model: str, size: int, setup: str) -> dict:
                 ops = sorted(set(PATCHERS) - ({"winograd"} if "-no-winograd" in setup else set()))
                 if setup.endswith("-fused-qkv"):
                     unet.fuse_qkv_projections()
-                sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=compiled)
+                sd_kernels.patch(unet, ops=ops, cuda_graph="unet", compile=compiled,
+                                 precision="fp8" if "-fp8" in setup else None)
                 # conv_in runs once per executed forward (warm-up, capture), not on replays; compiled,
                 # the routing is decided once, when the forward is traced (no hook: it would be traced)
                 forwards = [1 if compiled else 0]
