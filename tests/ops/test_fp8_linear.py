@@ -737,12 +737,13 @@ def test_the_output_is_contiguous_in_out_dtype_on_either_gemm(monkeypatch, count
         assert ((y.double() - want).abs() <= 2**-7 * want.abs()).all()
 
 
-@pytest.mark.parametrize("mode,rows,want", [
-    ("samples", 24, {"scaled_mm": 2, "torch_gemm": 0, "ours": 0}),
-    ("samples", 16, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),  # samples shorter than TORCH_GEMM_SEGMENT_ROWS
-    ("ours", 24, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),
-    ("copy", 24, {"scaled_mm": 1, "torch_gemm": 1, "ours": 0})], ids=str)
-def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_calls, mode, rows, want):
+@pytest.mark.parametrize("mode,batch,rows,want", [
+    ("samples", 2, 24, {"scaled_mm": 2, "torch_gemm": 0, "ours": 0}),
+    ("samples", 1, 48, {"scaled_mm": 1, "torch_gemm": 0, "ours": 0}),  # one sample: its rows are one block
+    ("samples", 2, 16, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),  # samples under TORCH_GEMM_SEGMENT_ROWS
+    ("ours", 2, 24, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),
+    ("copy", 2, 24, {"scaled_mm": 1, "torch_gemm": 1, "ours": 0})], ids=str)
+def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_calls, mode, batch, rows, want):
     """``out=`` a token slice of a batch (SD3's joined q, k, v: ``buffer[:, :rows]``) where torch's GEMM serves the
     shape: "samples" runs it once a sample into the slice (each sample's rows are one block), "ours" our kernel in
     place, "copy" one torch GEMM then a copy; the rows around the slice stay as they were, the values are the
@@ -753,10 +754,10 @@ def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_c
     monkeypatch.setattr(fp8, "TORCH_GEMM_SEGMENT_ROWS", 20)
     monkeypatch.setattr(fp8, "TORCH_GEMM_ROWS", 16)
     torch.manual_seed(0)
-    a_q, s_a = reference.fp8_quantize_rows(torch.randn(2, rows, 64))
+    a_q, s_a = reference.fp8_quantize_rows(torch.randn(batch, rows, 64))
     w_q, s_w = fp8.quantize_weight(torch.randn(32, 64) / 8)
     bias = torch.randn(32, dtype=torch.bfloat16)
-    buffer = torch.randn(2, rows + 8, 32, dtype=torch.bfloat16)
+    buffer = torch.randn(batch, rows + 8, 32, dtype=torch.bfloat16)
     around = buffer[:, rows:].clone()
     launched = count_calls(fp8, torch_gemm="_torch_gemm", tma="_GEMM_TMA", pointer="_GEMM")
     scaled = count_calls(torch, scaled_mm="_scaled_mm")
