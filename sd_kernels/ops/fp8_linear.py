@@ -307,10 +307,14 @@ NO_CUBLASLT_WORKSPACE = True
 # An ``out`` our kernels can write where it lies (a token slice of a batch: SD3's joined q, k and v), where torch's
 # GEMM serves the shape: "samples" runs torch's GEMM once a segment of out's rows (a sample's, one contiguous
 # block) into it, where each has at least TORCH_GEMM_SEGMENT_ROWS rows (else as "ours"); "ours": our kernel writes
-# it; "copy": one torch GEMM into a new tensor, copied in (2.5 ms of copies an SD3-medium FP8 step, 1024² with
-# guidance, H200, 2026-11-30: bench/results/2026-11-30-h200-fp8-gemm-into).
+# it; "copy": one torch GEMM into a new tensor, copied in (2.6 ms of copies an SD3-medium FP8 step, 1024² with
+# guidance: the image 636.2 ms, against 604.6 with "samples" and 611.6 with "ours"; H200, 2026-11-30,
+# bench/results/2026-11-30-h200-fp8-gemm-into).
 TORCH_GEMM_INTO = "samples"
-TORCH_GEMM_SEGMENT_ROWS = 1024  # as joint_attention.PER_SAMPLE_ROWS: shorter samples gain less than a GEMM costs
+# Shorter samples (SD3's 333 text tokens) are written by our kernel, all samples in one launch, as
+# joint_attention.PER_SAMPLE_ROWS keeps them from a GEMM a sample in the lossless patch; one torch GEMM and a copy
+# for them was not measured.
+TORCH_GEMM_SEGMENT_ROWS = 1024
 
 
 def torch_gemm_shape_reason(rows: int, k: int, n: int, out_dtype: torch.dtype, act: str = "",
@@ -511,9 +515,11 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     it lies, a token slice of a batch (``buffer[:, :n]``) included: SD3's joined q, k and v are written by
     their projections (patches/joint_attention.py). On our kernels the epilogue (bias, act, gate, residual)
     is applied on the accumulator; where torch's ``_scaled_mm`` serves the call (``_torch_gemm_ready``), the
-    bias in its epilogue and a gate and residual in one pass after it. ``skip`` (int32 [1] on the device, with
-    ``out``): where it holds a nonzero value, ``out`` is left as it is (its rows were served from a table of
-    known rows, ops/fp8_rows.py); our kernels read it on the device (a captured graph decides each replay)."""
+    bias in its epilogue and a gate and residual in one pass after it; an ``out`` our kernels can write in place
+    goes as ``TORCH_GEMM_INTO`` says (torch's GEMM a sample into it, or our kernel). ``skip`` (int32 [1] on the
+    device, with ``out``): where it holds a nonzero value, ``out`` is left as it is (its rows were served from a
+    table of known rows, ops/fp8_rows.py); our kernels read it on the device (a captured graph decides each
+    replay)."""
     reference.check_fp8_activation(act)
     if skip is not None and out is None:
         raise ValueError("fp8_gemm: skip= needs out= (the output it leaves as it is)")

@@ -742,7 +742,8 @@ def test_the_output_is_contiguous_in_out_dtype_on_either_gemm(monkeypatch, count
     ("samples", 1, 48, {"scaled_mm": 1, "torch_gemm": 0, "ours": 0}),  # one sample: its rows are one block
     ("samples", 2, 16, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),  # samples under TORCH_GEMM_SEGMENT_ROWS
     ("ours", 2, 24, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1}),
-    ("copy", 2, 24, {"scaled_mm": 1, "torch_gemm": 1, "ours": 0})], ids=str)
+    ("copy", 2, 24, {"scaled_mm": 1, "torch_gemm": 1, "ours": 0}),
+    ("misaligned", 2, 24, {"scaled_mm": 0, "torch_gemm": 0, "ours": 1})], ids=str)  # a block off 16 bytes: ours
 def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_calls, mode, batch, rows, want):
     """``out=`` a token slice of a batch (SD3's joined q, k, v: ``buffer[:, :rows]``) where torch's GEMM serves the
     shape: "samples" runs it once a sample into the slice (each sample's rows are one block), "ours" our kernel in
@@ -750,14 +751,15 @@ def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_c
     reference's within four times bf16's rounding (the interpreter's cast to bf16 truncates)."""
     _cpu_routes_only()
     monkeypatch.setattr(fp8, "_torch_gemm_device", lambda device: True)
-    monkeypatch.setattr(fp8, "TORCH_GEMM_INTO", mode)
+    monkeypatch.setattr(fp8, "TORCH_GEMM_INTO", "samples" if mode == "misaligned" else mode)
     monkeypatch.setattr(fp8, "TORCH_GEMM_SEGMENT_ROWS", 20)
     monkeypatch.setattr(fp8, "TORCH_GEMM_ROWS", 16)
     torch.manual_seed(0)
     a_q, s_a = reference.fp8_quantize_rows(torch.randn(batch, rows, 64))
     w_q, s_w = fp8.quantize_weight(torch.randn(32, 64) / 8)
     bias = torch.randn(32, dtype=torch.bfloat16)
-    buffer = torch.randn(batch, rows + 8, 32, dtype=torch.bfloat16)
+    shift = int(mode == "misaligned")  # the buffer 2 bytes off a 16-byte address
+    buffer = torch.randn(batch * (rows + 8) * 32 + shift, dtype=torch.bfloat16)[shift:].view(batch, rows + 8, 32)
     around = buffer[:, rows:].clone()
     launched = count_calls(fp8, torch_gemm="_torch_gemm", tma="_GEMM_TMA", pointer="_GEMM")
     scaled = count_calls(torch, scaled_mm="_scaled_mm")
@@ -772,20 +774,24 @@ def test_an_out_in_a_larger_buffer_is_written_where_it_lies(monkeypatch, count_c
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["samples", "ours", "copy"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_sd3s_joined_projection_in_every_out_mode(monkeypatch, mode, dtype):
+def test_gpu_sd3s_joined_projection_in_every_out_mode(monkeypatch, count_calls, mode, dtype):
     """SD3-medium's q projection at 1024² with guidance written into its join (``buffer[:, :4096]`` of 4,096
-    image and 154 text tokens a sample) in each ``TORCH_GEMM_INTO`` mode on the GPU: the text rows untouched,
-    the image rows the quantized math's within twice the dtype's rounding or the FP8 tensor cores' accumulation
-    error at this K, whichever is larger (``_accumulation_floor``: in fp16 the accumulation's)."""
+    image and 333 text tokens a sample) in each ``TORCH_GEMM_INTO`` mode on the GPU: on Hopper, "samples" runs
+    torch's GEMM twice, into the buffer; the text rows untouched, the image rows the quantized math's within twice
+    the dtype's rounding or the FP8 tensor cores' accumulation error at this K, whichever is larger
+    (``_accumulation_floor``: in fp16 the accumulation's)."""
     monkeypatch.setattr(fp8, "TORCH_GEMM_INTO", mode)
+    scaled = count_calls(torch, scaled_mm="_scaled_mm")
     torch.manual_seed(0)
     x = torch.randn(2, 4096, 1536, device="cuda", dtype=dtype)
     a_q, s_a = fp8.quantize_rows(x)
     w_q, s_w = fp8.quantize_weight(torch.randn(1536, 1536, device="cuda", dtype=dtype) / 40)
     bias = torch.randn(1536, device="cuda", dtype=dtype)
-    buffer = torch.randn(2, 4096 + 154, 1536, device="cuda", dtype=dtype)
+    buffer = torch.randn(2, 4096 + 333, 1536, device="cuda", dtype=dtype)
     text = buffer[:, 4096:].clone()
     fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype, out=buffer[:, :4096])
+    on_torch = fp8._torch_gemm_device(x.device) and fp8._torch_gemm_takes(x.device, dtype)
+    assert scaled["scaled_mm"] == {"samples": 2 if on_torch else 0, "ours": 0, "copy": int(on_torch)}[mode]
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
     assert torch.equal(buffer[:, 4096:], text)
     assert rel_err(buffer[:, :4096], ref) <= max(2 * rel_err(ref.to(dtype), ref), _accumulation_floor(1536))

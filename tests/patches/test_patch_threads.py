@@ -69,12 +69,14 @@ def test_calls_on_another_thread_while_patching_give_the_stock_result(pipe, call
         cycles, start = 0, time.monotonic()
         try:  # at least ``seconds``, and until the caller has finished two calls during the cycling
             while time.monotonic() < start + seconds or (len(outcomes) < 2 and time.monotonic() < start + 60):
+                # a pause after each change, as between a user's: back to back, a held-off call seldom takes the
+                # interpreter lock before the next change holds it off again (one call in 60 s on two cores); after
+                # both, so that calls run patched as well as stock
                 sd_kernels.patch(pipe)
-                sd_kernels.unpatch(pipe)
-                cycles += 1
-                # a pause between changes, as between a user's: back to back, a held-off call seldom takes the
-                # interpreter lock before the next change holds it off again (one call in 60 s on two cores)
                 time.sleep(0.005)
+                sd_kernels.unpatch(pipe)
+                time.sleep(0.005)
+                cycles += 1
         finally:
             stop.set()
             caller.join()
