@@ -55,6 +55,7 @@ def test_group_norm_fuses_the_silu_after_it():
     assert ops[0].cost["baseline"][1] == 8 * n and ops[0].cost["optimized"][1] == 3 * n
 
 
+@pytest.mark.integration
 def test_sd15_trace_counts_the_references_flops_and_the_model_runs():
     prof = _prof(fp16_tflops=4.0, bandwidth_gbps=64.0)
     comps = {c.name: c for c in latency.sd_components("sd15", prof, steps=20)}

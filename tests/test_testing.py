@@ -67,3 +67,20 @@ def test_ssim_is_one_for_equal_images_and_falls_with_noise():
     assert 0 < ssim(img, noisy) < 0.95
     with pytest.raises(ValueError, match="one shape"):
         ssim(img, img[:, :, :16])
+
+
+def test_sweeps_first_tier_covers_every_value_and_every_combination_of_the_others():
+    """tests/sweeps.py: the cross product, split so that the README's tier still runs every value of the first axis
+    and every combination of the others; the rest marked ``integration``."""
+    import itertools
+
+    from sweeps import one, sweep
+
+    first, dtypes, paths = [(1, "a"), (2, "b"), (3, "c"), (4, "d")], one("xyz"), one("pq")
+    params = sweep(first, dtypes, paths)
+    assert sorted(p.values for p in params) == sorted((*f, d, q) for f, (d,), (q,) in
+                                                      itertools.product(first, dtypes, paths))
+    quick = [p.values for p in params if not p.marks]
+    assert all([m.name for m in p.marks] == ["integration"] for p in params if p.marks)
+    assert {v[:2] for v in quick} == set(first) and {v[2:] for v in quick} == set(itertools.product("xyz", "pq"))
+    assert len(quick) == 6

@@ -89,6 +89,7 @@ def _run(name: str, size: int) -> None:
         vae.decode(torch.zeros(1, vae.config.latent_channels, side, side, device="meta", dtype=dtype))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, size", MODELS)
 def test_shipped_tables_cover_every_group_norm_of_the_sd_models(name, size, device, recorded):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from sweeps import one, sweep
 
 from sd_kernels import profiles, reference
 from sd_kernels.ops import group_norm
@@ -121,9 +122,7 @@ def _check(x, g, w, b, activation, ours, eps=1e-5, factor=4.0, floor_ulps=2.0):
     return assert_close_to_reference(ours, stock, ref64, factor=factor, floor_ulps=floor_ulps)
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape, g, kind", CASES)
+@pytest.mark.parametrize("shape, g, kind, dtype, path", sweep(CASES, one(DTYPES), one(PATHS)))
 def test_group_norm_silu(shape, g, kind, dtype, path, force_path, device):
     kw = force_path(path)
     x, w, b = _inputs(shape, dtype, device)
@@ -152,8 +151,8 @@ PIXEL_CASES = [  # (shape, num_groups, layout): channels-fast inputs, odd sizes
 
 # The activation is the normalize launch's epilogue, in fp32 before the store: without it once (fp32);
 # with it in every dtype (the dtype changes only the loads and the store).
-@pytest.mark.parametrize("dtype, activation", [(torch.float32, None), *((d, "silu") for d in DTYPES)])
-@pytest.mark.parametrize("shape, g, kind", PIXEL_CASES)
+@pytest.mark.parametrize("shape, g, kind, dtype, activation",
+                         sweep(PIXEL_CASES, [(torch.float32, None), *((d, "silu") for d in DTYPES)]))
 def test_pixel_path(shape, g, kind, dtype, activation, force_path, plans, device):
     kw = force_path("pixels")
     x, w, b = _inputs(shape, dtype, device)

@@ -8,6 +8,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from sweeps import one, sweep
 
 from sd_kernels import reference
 from sd_kernels.ops import group_norm_given, group_stats, mean_rstd, merge_group_stats
@@ -37,12 +38,11 @@ def _banded(x, g, weight, bias, activation, cuts):
     return torch.cat([group_norm_given(x[:, :, a:b], mr, weight, bias, activation) for a, b in bands], 2), st
 
 
-@pytest.mark.parametrize("shape, g, cuts", [((2, 32, 9, 7), 8, (0, 4, 9)), ((1, 48, 5, 13), 16, (0, 1, 3, 5)),
-                                            ((1, 12, 20, 3), 3, (0, 20))])
-@pytest.mark.parametrize("kind", ["nchw", "nhwc", "strided"])
 # The activation is the normalize launch's epilogue, in fp32 before the store: without it once (fp32);
 # with it in every dtype (the dtype changes only the loads and the store).
-@pytest.mark.parametrize("dtype, activation", [(torch.float32, None), *((d, "silu") for d in DTYPES)])
+@pytest.mark.parametrize("shape, g, cuts, kind, dtype, activation", sweep(
+    [((2, 32, 9, 7), 8, (0, 4, 9)), ((1, 48, 5, 13), 16, (0, 1, 3, 5)), ((1, 12, 20, 3), 3, (0, 20))],
+    one(["nchw", "nhwc", "strided"]), [(torch.float32, None), *((d, "silu") for d in DTYPES)]))
 def test_bands_normalized_with_the_whole_statistics_are_group_norm(shape, g, cuts, kind, dtype, activation, device):
     x = _layout((torch.randn(shape) * 2 + 3).to(device, dtype), kind)  # a mean off zero: no cancellation
     w, b = torch.randn(shape[1], device=device), torch.randn(shape[1], device=device)

@@ -17,6 +17,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from sweeps import one, sweep
 
 from sd_kernels import reference
 from sd_kernels.runtime import dispatch
@@ -91,10 +92,9 @@ SHAPES = [  # N, C, H, W, K: H, W not multiples of any tile; 1×1 spatial; odd c
 ]
 
 
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tile", wg.TILES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape, tile, dtype, layout",
+                         sweep(one(SHAPES), one(wg.TILES), one([torch.float32, torch.float16]),
+                               one(["nchw", "channels_last"])))
 def test_matches_float64(shape, tile, dtype, layout, device):
     x, w, b = _conv_inputs(*shape, dtype, device)
     if layout == "channels_last":

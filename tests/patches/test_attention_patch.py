@@ -132,6 +132,7 @@ def test_fusing_while_patched_then_unfusing_after_unpatch_gives_the_stock_proces
     sd_kernels.unpatch(model)
 
 
+@pytest.mark.integration
 def test_self_attention_is_one_gemm_after_diffusers_fused_and_unfused_it():
     """diffusers' ``unfuse_qkv_projections()`` of a UNet puts its processors back but leaves each attention's
     ``fused_projections`` flag set (and its ``to_qkv``): the stock processors call q, k and v one by one, so the

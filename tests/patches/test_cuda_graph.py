@@ -578,6 +578,7 @@ def _pipe_run(pipe, steps=3, **kwargs):
                 generator=torch.Generator().manual_seed(0), **kwargs).images
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["tiny", "tiny-xl"])
 def test_pipeline_mode_graphs_every_model_call(fake_cuda, name):
     eager, graphed, record = _pipe_pair(name)
@@ -599,6 +600,7 @@ def test_pipeline_mode_graphs_every_model_call(fake_cuda, name):
     assert all("forward" not in vars(getattr(graphed, p)) for p in encoders)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_host_timesteps_keep_images(fake_cuda, scheduler):
     """Each scheduler the pipeline mode gives host timesteps: the same images as with its own."""

@@ -45,6 +45,7 @@ def _norms(model):
     return [m for m in model.modules() if isinstance(m, fp8.Fp8AdaLayerNormZero)]
 
 
+@pytest.mark.integration
 @cpu_only
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
 def test_block_norms_take_one_modulation_gemm_a_call(name, joined_calls, monkeypatch):
@@ -84,6 +85,7 @@ def test_the_joined_product_is_each_norms_own_in_fp32():
             torch.testing.assert_close(mine, norm.linear(norm.silu(emb)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration
 @cpu_only
 def test_a_changed_weight_a_hook_autograd_and_inference_mode_take_each_norms_own(joined_calls):
     """Where the joined GEMM cannot serve (module docstring), each norm computes its own product, once a call:

@@ -552,6 +552,7 @@ def _processors(model):
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
 
 
+@pytest.mark.integration
 @cpu_only
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3", "tiny"])
 def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(name, fp8_attention_calls):
@@ -576,6 +577,7 @@ def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(nam
     assert torch.equal(_call(model, name), stock) and len(fp8_attention_calls) == calls
 
 
+@pytest.mark.integration
 @cpu_only
 def test_flux_fp8_attention_takes_its_key_statistics_from_the_norm_and_rotation(fp8_attention_calls, monkeypatch):
     """FLUX's processors under the FP8 tier write the keys with qk_norm_rope_fp8 and hand its K/V statistics to
@@ -772,6 +774,7 @@ def fused_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.integration
 @cpu_only
 @pytest.mark.parametrize("joined", [True, False], ids=["modulations-joined", "modulations-apart"])
 def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, count_calls, monkeypatch, joined):
@@ -804,6 +807,7 @@ def test_fp8_flux_blocks_take_the_fused_join_and_gated_residuals(fused_calls, co
     assert torch.equal(_call(model, "tiny-flux"), stock)
 
 
+@pytest.mark.integration
 @cpu_only
 def test_fp8_flux_q_k_v_are_one_gemm_a_stream(monkeypatch):
     """Where the attention patcher laid a FLUX attention's q, k, v weights out in one buffer, the FP8 tier

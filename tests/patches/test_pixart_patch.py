@@ -245,6 +245,7 @@ def test_cli_generate_tiny_pixart(tmp_path, capsys, monkeypatch):
     assert "layer_norm.BasicTransformerBlock: 2" in text and out.exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_patched_transformer_compiles_fullgraph(transformer):
     """torch.compile(fullgraph=True) of the patched transformer: no graph break, the fused adaLN ops as

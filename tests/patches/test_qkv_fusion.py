@@ -101,6 +101,7 @@ def test_a_dtype_change_while_patched_falls_back_and_unpatches_as_changed(transf
     assert torch.equal(_run(transformer, x, kw, torch.float64), want)
 
 
+@pytest.mark.integration
 def test_fused_and_separate_calls_agree_on_the_kernels(transformer):  # noqa: F811
     """On the kernels (the interpreter here), the fused GEMM's q, k, v feed the same attention as three
     GEMMs would: the outputs agree to fp32 rounding."""

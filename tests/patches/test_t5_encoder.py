@@ -206,6 +206,7 @@ def test_compile_patches_without_the_joins():
     assert sum("not joined: compile=True" in s.reason for s in record.skipped) == 4
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", ["flex_attention", "config_output_attentions", "output_attentions"])
 def test_implementations_and_weights_the_patch_does_not_take_go_to_transformers(case):
     """Flex attention (its BlockMask) and attention weights asked for, by argument or by the config, run

@@ -77,6 +77,7 @@ CHANGES = [{}, {"prompt": "a dog"}, {"size": 64}, {"num_images_per_prompt": 2}, 
            {"guidance_scale": 1.0}, {"guidance_rescale": 0.7}, {"eta": 0.5}, {}]
 
 
+@pytest.mark.integration
 def test_changes_between_calls_recapture_or_replay_correctly(fake_step):
     """The prompt (embeddings copied in), resolution, batch, step count, guidance (none at 1.0: a
     batch of one), guidance_rescale, DDIM's eta (noise from the generator), and a scheduler swapped
