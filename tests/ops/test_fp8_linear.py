@@ -781,16 +781,17 @@ def test_gpu_sd3s_joined_projection_in_every_out_mode(monkeypatch, count_calls, 
     the dtype's rounding or the FP8 tensor cores' accumulation error at this K, whichever is larger
     (``_accumulation_floor``: in fp16 the accumulation's)."""
     monkeypatch.setattr(fp8, "TORCH_GEMM_INTO", mode)
-    scaled = count_calls(torch, scaled_mm="_scaled_mm")
     torch.manual_seed(0)
     x = torch.randn(2, 4096, 1536, device="cuda", dtype=dtype)
+    # asked before the count: the first ask per device and dtype tries torch's GEMM once (_torch_gemm_takes)
+    on_torch = fp8._torch_gemm_device(x.device) and fp8._torch_gemm_takes(x.device, dtype)
+    scaled = count_calls(torch, scaled_mm="_scaled_mm")
     a_q, s_a = fp8.quantize_rows(x)
     w_q, s_w = fp8.quantize_weight(torch.randn(1536, 1536, device="cuda", dtype=dtype) / 40)
     bias = torch.randn(1536, device="cuda", dtype=dtype)
     buffer = torch.randn(2, 4096 + 333, 1536, device="cuda", dtype=dtype)
     text = buffer[:, 4096:].clone()
     fp8.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=dtype, out=buffer[:, :4096])
-    on_torch = fp8._torch_gemm_device(x.device) and fp8._torch_gemm_takes(x.device, dtype)
     assert scaled["scaled_mm"] == {"samples": 2 if on_torch else 0, "ours": 0, "copy": int(on_torch)}[mode]
     ref = reference.fp8_gemm(a_q, s_a, w_q, s_w, bias, out_dtype=torch.float64, compute=torch.float64)
     assert torch.equal(buffer[:, 4096:], text)
