@@ -394,9 +394,8 @@ def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, ou
     in fp32 and written into a new contiguous ``out_dtype`` tensor as the kernels' output is, whatever the
     gate's and residual's dtypes and strides (the GEMM's output is rounded once more than in our fused
     epilogue)."""
-    with blas.no_workspace() if NO_CUBLASLT_WORKSPACE else contextlib.nullcontext():
-        y = torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
-                             out_dtype=out_dtype, use_fast_accum=True)
+    with _workspace():
+        y = _scaled_mm(a2, sa, w_q, s_w, bias, out_dtype)
     if g2 is None and residual is None:
         return y.view(out_shape)
     n = y.shape[1]
@@ -416,24 +415,36 @@ def _torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens: int, residual, out_shape, ou
     return out
 
 
+def _workspace():
+    """The block torch's GEMMs run in: cuBLASLt without a workspace where ``NO_CUBLASLT_WORKSPACE``
+    (runtime/blas.py)."""
+    return blas.no_workspace() if NO_CUBLASLT_WORKSPACE else contextlib.nullcontext()
+
+
+def _scaled_mm(a2, sa, w_q, s_w, bias, out_dtype, **out) -> torch.Tensor:
+    """torch's row-wise scaled GEMM of the codes a2 [M, K] and w_q [N, K] with fast accumulation (the tensor cores'
+    FP8 accumulation, as our kernels run it), the bias in its epilogue; into ``out=`` where given."""
+    return torch._scaled_mm(a2, w_q.t(), scale_a=sa.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
+                            out_dtype=out_dtype, use_fast_accum=True, **out)
+
+
 def _torch_gemm_into(a2, sa, w_q, s_w, bias, y_rows: Segments, out_dtype) -> bool:
     """torch's GEMM a segment of ``y_rows`` (``fp8_gemm``'s ``out``, which our kernels could write in place)
-    into it, with the bias in its epilogue, where ``TORCH_GEMM_INTO`` is "samples", each segment is one
-    contiguous block of at least ``TORCH_GEMM_SEGMENT_ROWS`` rows (any length where there is one segment), and
-    every segment's output, input rows and row scales are 16-byte aligned (cuBLASLt's requirement); returns
-    whether it ran. No gate or residual (the caller checks)."""
-    seg, parts = y_rows.seg, y_rows.rows // max(y_rows.seg, 1)
-    if (TORCH_GEMM_INTO != "samples" or y_rows.stride_c != 1 or y_rows.stride_r != y_rows.cols
-            or (parts > 1 and seg < TORCH_GEMM_SEGMENT_ROWS) or parts * seg != y_rows.rows):
+    into it, with the bias in its epilogue, where each segment is one contiguous block of at least
+    ``TORCH_GEMM_SEGMENT_ROWS`` rows (any length where there is one segment) and every segment's output, input
+    rows and row scales are 16-byte aligned (cuBLASLt's requirement); returns whether it ran. No gate or
+    residual (the caller checks)."""
+    seg = y_rows.seg
+    outs = list(y_rows.base) if y_rows.base.dim() == 3 else [y_rows.base]  # ``segments``: [samples, seg, cols]
+    if (y_rows.stride_c != 1 or y_rows.stride_r != y_rows.cols
+            or (len(outs) > 1 and seg < TORCH_GEMM_SEGMENT_ROWS)):
         return False
-    outs = list(y_rows.base) if y_rows.base.dim() == 3 else [y_rows.base]
     pieces = [(a2[i * seg:(i + 1) * seg], sa[i * seg:(i + 1) * seg], o) for i, o in enumerate(outs)]
-    if len(pieces) != parts or not all(t.data_ptr() % 16 == 0 for piece in pieces for t in piece):
+    if not all(t.data_ptr() % 16 == 0 for piece in pieces for t in piece):
         return False
-    with blas.no_workspace() if NO_CUBLASLT_WORKSPACE else contextlib.nullcontext():
+    with _workspace():
         for a, scale, o in pieces:
-            torch._scaled_mm(a, w_q.t(), scale_a=scale.view(-1, 1), scale_b=s_w.view(1, -1), bias=bias,
-                             out_dtype=out_dtype, use_fast_accum=True, out=o)
+            _scaled_mm(a, scale, w_q, s_w, bias, out_dtype, out=o)
     return True
 
 
@@ -539,7 +550,8 @@ def fp8_gemm(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, s_w: torch
     if n and skip is None and _torch_gemm_ready(a2, sa, w_q, s_w, bias, act, gated, out_dtype):
         if y_rows is None or TORCH_GEMM_INTO == "copy":
             return copied_in(_torch_gemm(a2, sa, w_q, s_w, bias, g2, tokens, residual, out_shape, out_dtype))
-        if not gated and _torch_gemm_into(a2, sa, w_q, s_w, bias, y_rows, out_dtype):
+        into = not gated and TORCH_GEMM_INTO == "samples"
+        if into and _torch_gemm_into(a2, sa, w_q, s_w, bias, y_rows, out_dtype):
             return _written(out)
     in_place = y_rows is not None  # else a new tensor, copied into out if there is one
     y = out if in_place else torch.empty(out_shape, dtype=out_dtype, device=a_q.device)
