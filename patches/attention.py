@@ -35,7 +35,7 @@ import torch.nn as nn
 from sd_kernels.profiles import scoped
 
 from . import attention_processor_steps as steps
-from . import flux_attention, qkv_fusion
+from . import flux_attention, qkv_fusion, text_projections
 from .context_parallel_plans import ulysses_of
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .group_norm import SCALE_DEPRECATION
@@ -60,6 +60,9 @@ class SDKernelsAttnProcessor:
     # A self-attention's q, k, v as one GEMM on the buffer the three weights share (patches/qkv_fusion.py),
     # installed by patch_attention on modules that are not cross-attentions; None: three GEMMs
     qkv = added_qkv = None
+    # A cross-attention's keys and values of the text as column slices of one GEMM for all the UNet's
+    # cross-attentions (patches/text_projections.py), installed by patch_attention; None: two GEMMs
+    text_kv = None
 
     def __init__(self, legacy: bool = False, fused: bool = False) -> None:
         self.legacy = legacy
@@ -98,7 +101,9 @@ class SDKernelsAttnProcessor:
                 kv = attn.to_kv(source)
                 key, value = torch.split(kv, kv.shape[-1] // 2, dim=-1)
             else:
-                key, value = attn.to_k(source), attn.to_v(source)
+                kv = None if self.text_kv is None or encoder_hidden_states is None else self.text_kv.keys_values(
+                    attn, source)
+                key, value = (attn.to_k(source), attn.to_v(source)) if kv is None else kv
         head_dim = key.shape[-1] // attn.heads
         query, key, value = (steps.heads(t, batch, attn.heads, head_dim) for t in (query, key, value))
         if not self.legacy:
@@ -173,6 +178,7 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
 
     flux = flux_attention.flux_attention_class()
     replaced: dict[int, tuple] = {}  # id of each processor installed -> (it, the one it replaced)
+    ours: list[tuple[str, nn.Module, SDKernelsAttnProcessor]] = []
     record.on_undo(lambda: _give_back_originals(model, replaced), "attention_processor", 0)
     for path, module in model.named_modules():
         processor = getattr(module, "processor", None)
@@ -191,8 +197,11 @@ def patch_attention(model: nn.Module, record: PatchRecord) -> None:
             record.set_attr(module, "processor", new, _KINDS.get(type(new), "attention_processor"))
             if _fusable(module, new):
                 qkv_fusion.install(module, new, path, record)
+            if type(new) is SDKernelsAttnProcessor:
+                ours.append((path, module, new))
         else:
             record.skip(path, type(processor).__name__, f"custom attention processor (only {SERVED} are served)")
+    text_projections.install(ours, record)
 
 
 def _give_back_originals(model: nn.Module, replaced: dict[int, tuple]) -> None:

@@ -65,8 +65,9 @@ def plain_parameters(linear: nn.Module) -> bool:
     return plain(linear.weight) and (linear.bias is None or plain(linear.bias))
 
 
-def unfit(linears: list) -> str | None:
-    """Why these Linears (None where a module lacks one) cannot share one buffer, or None."""
+def unfit(linears: list, whole_shape: bool = True) -> str | None:
+    """Why these Linears (None where a module lacks one) cannot share one buffer, or None; ``whole_shape`` False:
+    their widths (in_features) must agree, not their output sizes (patches/text_projections.py)."""
     if any(m is None for m in linears):
         return "missing"
     if any(type(m) is not nn.Linear for m in linears):
@@ -76,7 +77,8 @@ def unfit(linears: list) -> str | None:
     first = linears[0].weight
     if not all(map(plain_parameters, linears)):
         return "weights that are not plain tensors with storage (a tensor subclass, the meta device)"
-    if any(m.weight.shape != first.shape or m.weight.dtype != first.dtype or m.weight.device != first.device
+    shape = (lambda w: w.shape) if whole_shape else (lambda w: w.shape[1:])
+    if any(shape(m.weight) != shape(first) or m.weight.dtype != first.dtype or m.weight.device != first.device
            for m in linears):
         return "projections of different shapes, dtypes or devices"
     if len({m.bias is None for m in linears}) != 1:

@@ -65,6 +65,9 @@ def _census(model):
         "qkv_fusion": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0
                           and not m.is_cross_attention for m in model.modules()),
         "gelu.GELU": sum(type(m) is GELU and m.approximate == "tanh" for m in model.modules()),
+        # the cross-attentions' keys and values of the text as one GEMM (patches/text_projections.py)
+        "text_kv": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0 and m.is_cross_attention
+                       for m in model.modules()),
         "layer_norm.BasicTransformerBlock": sum(type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"
                                                 for m in model.modules()),
     }
@@ -210,7 +213,7 @@ def test_pipeline_patched_per_part_and_exact_with_reference_ops(pipe, monkeypatc
     check_pipeline_exact_with_reference_ops(pipe, _pipe_run, monkeypatch, {
         "layer_norm.BasicTransformerBlock": 2, "gelu.GELU": 2,
         # 2 blocks × (self, cross) + the VAE's mid-blocks
-        "attention_processor": 4 + 2, "qkv_fusion": 2 + 2, "text_padding": 2, **T5_COUNTS})
+        "attention_processor": 4 + 2, "qkv_fusion": 2 + 2, "text_kv": 2, "text_padding": 2, **T5_COUNTS})
 
 
 def test_pipeline_through_kernels_close_to_stock(pipe):

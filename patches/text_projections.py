@@ -1,0 +1,148 @@
+"""One GEMM for the keys and values of the text, for every cross-attention of a UNet at once.
+
+A UNet's cross-attentions (SD 1.x's 16, SDXL's 70) all read the same text, the ``encoder_hidden_states`` its
+forward hands to every transformer block, and each projects it to keys and values: two GEMMs of a few hundred
+rows each (SDXL with guidance: 154 rows of 2,048 to 640 or 1,280 columns). On an H200 those 140 small GEMMs take
+0.9 ms of SDXL's 27 ms FP8 step, each a few µs with most of the GPU idle
+(bench/results/2026-11-30-h200-fp8-gemm-into/unet_kernels-sdxl-fp8-before.json). Here every such projection's
+weight (and bias) is laid out in one buffer, k then v, attention after attention (``qkv_fusion.lay_out``: the
+Parameters become views of it, the same objects and values, nothing held twice), and the first cross-attention a
+forward calls projects the text for all of them in one GEMM; each attention reads its keys and values as column
+slices of that product. Each output column is the same dot product as before, over the same inputs: only the
+GEMM's tiling, and so the order of its fp32 sums, changes.
+
+When the product serves (``TextProjections.keys_values``):
+
+- the first member (in module order, the first cross-attention a UNet forward calls: a down block's) makes it,
+  from the context it is given, and only while its own projections are exactly ``nn.Linear``, unhooked, held by
+  the module, outside autograd and compilation, every weight still laid out (``qkv_fusion.stacked``);
+- another member reads its slice where the product was made from the very tensor it is given (the same object,
+  data pointer and version counter) and it has not read that product before; otherwise (its own projections
+  changed, hooked or wrapped by a LoRA; another context) it projects as diffusers does;
+- the product is dropped once every member has read it, and made again by the first member's next call: one per
+  forward, so a CUDA graph captures it with the rest of the call.
+
+Installed by the attention patcher on the cross-attentions it gives ``SDKernelsAttnProcessor`` (not diffusers'
+fused one, whose ``to_kv`` serves; none whose ``norm_cross`` normalizes the text per attention), those whose
+projections share one width, dtype and device forming a group, in the lossless patch and the FP8 tier (where a
+cross-attention's keys and values stay in the model's dtype: patches/fp8.py ``CROSS_KV_FP8``), not with
+``compile=True`` or a memory budget (``qkv_fusion.wanted``). Unpatch gives each Parameter storage of its own again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import qkv_fusion
+from .record import PatchRecord
+
+KIND = "text_kv"
+NAMES = ("to_k", "to_v")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's version counter (None for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
+
+
+class _Product:
+    """The text's projections by every member: made from ``context``, read once by each member."""
+
+    def __init__(self, context: torch.Tensor, product: torch.Tensor, members: int) -> None:
+        self.context, self.ptr, self.version = context, context.data_ptr(), _version(context)
+        self.product = product
+        self.unread = set(range(members))
+
+    def made_from(self, context: torch.Tensor) -> bool:
+        return context is self.context and context.data_ptr() == self.ptr and _version(context) == self.version
+
+
+class TextProjections:
+    """The key and value projections of ``members`` (cross-attentions reading the same text), their weights laid out
+    as one buffer; ``keys_values`` serves a member's call from one product a forward (module docstring)."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        self.members = tuple(members)
+        self.linears = tuple(getattr(attn, n) for attn in members for n in NAMES)
+        weight = qkv_fusion.lay_out([m.weight for m in self.linears])
+        self.has_bias = self.linears[0].bias is not None
+        bias = qkv_fusion.lay_out([m.bias for m in self.linears]) if self.has_bias else None
+        self.storages = qkv_fusion.WeakStorages((weight, bias))
+        self._index = {id(attn): i for i, attn in enumerate(members)}
+        starts = [0]
+        for m in self.linears:
+            starts.append(starts[-1] + m.out_features)
+        self._columns = starts  # member i's keys: columns [starts[2i], starts[2i+1]), its values up to starts[2i+2]
+        self._product: _Product | None = None
+
+    def _operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, bias) of the one GEMM while every projection is exactly ``nn.Linear`` and still laid out."""
+        if any(type(m) is not nn.Linear for m in self.linears):
+            return None
+        weight = qkv_fusion.stacked([m.weight for m in self.linears])
+        if weight is None or any((m.bias is None) == self.has_bias for m in self.linears):
+            return None
+        bias = qkv_fusion.stacked([m.bias for m in self.linears]) if self.has_bias else None
+        return None if self.has_bias and bias is None else (weight, bias)
+
+    def keys_values(self, attn: nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(attn.to_k(context), attn.to_v(context))`` as column slices of the product where it serves (module
+        docstring), else None: the caller projects as diffusers does."""
+        i = self._index.get(id(attn))
+        if i is None or torch.compiler.is_compiling():
+            return None
+        own = self.linears[2 * i:2 * i + 2]
+        if not qkv_fusion.held(attn, NAMES, own) or any(type(m) is not nn.Linear for m in own):
+            return None
+        product = self._product
+        if product is None or i not in product.unread or not product.made_from(context):
+            self._product = None
+            operands = self._operands() if i == 0 else None
+            if operands is None or context.dtype != operands[0].dtype:
+                return None
+            product = self._product = _Product(context, F.linear(context, *operands), len(self.members))
+        product.unread.discard(i)
+        if not product.unread:
+            self._product = None
+        k0, v0, end = self._columns[2 * i:2 * i + 3]
+        return product.product[..., k0:v0], product.product[..., v0:end]
+
+    def release(self) -> None:
+        """Each Parameter back in storage of its own (``qkv_fusion.release``); no product kept."""
+        self._product = None
+        qkv_fusion.release(self.linears, self.storages)
+
+
+def _member(attn: nn.Module, processor) -> bool:
+    """Whether ``attn`` (given ``processor``, ours) projects a text its group shares: a cross-attention whose keys
+    and values come from two Linears of the text as it is."""
+    return attn.is_cross_attention and not processor.fused and not attn.norm_cross
+
+
+def install(candidates: list[tuple[str, nn.Module, object]], record: PatchRecord) -> None:
+    """A ``TextProjections`` for each group of ``candidates`` ((path, attention, our processor), in module order)
+    that are members (``_member``) with projections of one width, dtype and device (at least two of them); each
+    member's processor gets it as ``text_kv``; recorded for unpatch."""
+    if qkv_fusion.wanted(record) is not None:
+        return
+    groups: dict[tuple, list[tuple[nn.Module, object]]] = {}
+    for path, attn, processor in candidates:
+        if not _member(attn, processor):
+            continue
+        linears = [attn._modules.get(n) for n in NAMES]
+        why = qkv_fusion.unfit(linears, whole_shape=False)
+        if why is not None:
+            record.skip(f"{path}.to_k", type(linears[0]).__name__, f"the text's keys and values not joined: {why}")
+            continue
+        w = linears[0].weight
+        key = (w.shape[1], w.dtype, w.device, linears[0].bias is None, w.is_inference())
+        groups.setdefault(key, []).append((attn, processor))
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        joined = TextProjections([attn for attn, _ in members])
+        for _, processor in members:
+            processor.text_kv = joined
+        record.on_undo(joined.release, KIND, len(members))
