@@ -15,7 +15,9 @@ known, the quantization moves into the op that produces the input:
 | ``AdaLayerNormZero`` / ``…Single``      | the modulated LayerNorm writes its FP8 codes in the same pass, |
 |                                       | and attention's q, k, v projections read them                |
 | a UNet block's ``nn.LayerNorm``s       | the LayerNorm writes its FP8 codes in the same pass          |
-| (``norm1``-``norm3``, SD's and SDXL's)  | (``Fp8LayerNorm``), which the projections after it read      |
+| (``norm1``-``norm3``, SD's and SDXL's)  | (``Fp8LayerNorm``), which the projections after it read;     |
+|                                       | norm2's and norm3's kernel also makes the residual add       |
+|                                       | before them (patches/layer_norm.py)                          |
 | any other ``nn.Linear`` in a block    | quantize the input (once per input tensor) → GEMM             |
 
 The block forwards of patches/layer_norm.py (FLUX's, SD3's) go further where they call these: a
@@ -381,6 +383,7 @@ class Fp8LayerNorm(nn.Module):
     not [B, T, D] are the original's."""
 
     profile_scoped = True
+    writes_codes = True  # patches/layer_norm.py's UNet block forward writes them with the residual add before
 
     def __init__(self, norm: nn.LayerNorm) -> None:
         super().__init__()
@@ -389,10 +392,14 @@ class Fp8LayerNorm(nn.Module):
         self._norm = [norm]
         self.train(norm.training)
 
+    def codes_travel(self, x: torch.Tensor) -> bool:
+        """Whether the codes of this norm's output for input ``x`` can travel on it (above)."""
+        return not (self.training or x.dim() != 3 or x.is_inference() or torch.is_grad_enabled()
+                    or torch.compiler.is_compiling())
+
     @scoped
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.training or x.dim() != 3 or x.is_inference() or torch.is_grad_enabled()
-                or torch.compiler.is_compiling()):
+        if not self.codes_travel(x):
             return nn.LayerNorm.forward(self, x)
         y, q, s = layer_norm_modulated_fp8(x, self.weight, self.bias, self.eps)
         return attach_quantized(y, q, s)

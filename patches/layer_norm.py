@@ -1,4 +1,5 @@
-"""Patch the adaLN glue of PixArt's DiT blocks onto sd_kernels' fused LayerNorm ops (ops/layer_norm.py).
+"""Patch the adaLN glue of the DiT blocks (PixArt's, SD3's, FLUX's) onto sd_kernels' fused LayerNorm ops
+(ops/layer_norm.py); the UNets' blocks: patches/unet_blocks.py, which the same op family installs.
 
 diffusers' ``BasicTransformerBlock`` with ``norm_type="ada_norm_single"`` (every block of
 PixArtTransformer2DModel) modulates its LayerNorms with six per-sample vectors [B, 1, D], chunks of
@@ -107,17 +108,19 @@ def _plain_layer_norm(norm: nn.Module | None) -> bool:
     return type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1
 
 
-def _modulated(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _modulated(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor | None,
+              shift: torch.Tensor | None) -> torch.Tensor:
     return layer_norm_modulated(x, norm.weight, norm.bias, norm.eps, scale, shift)
 
 
 def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None,
-                scale: torch.Tensor, shift: torch.Tensor, codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h = (gate ·) branch + residual, norm(h) · (1 + scale) + shift): one kernel where branch has the
-    [B, T, D] residual's shape; else stock's ops (a branch that broadcasts), with the squeeze of a
-    4-D sum that diffusers applies after the gated (self-attention) residual. ``codes`` (the FP8 tier's
-    feed-forward reads the normed output next; the caller asks for them in eager calls only): the kernel also
-    writes its FP8 codes, which travel on it (``attach_quantized``) to the feed-forward's first GEMM."""
+                scale: torch.Tensor | None, shift: torch.Tensor | None, codes: bool = False,
+                squeeze: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = (gate ·) branch + residual, norm(h) · (1 + scale) + shift; scale and shift None: norm(h)): one kernel
+    where branch has the [B, T, D] residual's shape; else stock's ops (a branch that broadcasts), with the squeeze
+    of a 4-D sum that diffusers applies after the gated (self-attention) residual (``squeeze``; default: with a
+    gate). ``codes`` (an FP8 projection reads the normed output next; the caller asks for them in eager calls
+    only): the kernel also writes its FP8 codes, which travel on it (``attach_quantized``) to that GEMM."""
     if residual.dim() == 3 and branch.shape == residual.shape:
         if codes:
             h, y, q, s = gated_residual_layer_norm_fp8(residual, branch, gate, norm.weight, norm.bias, norm.eps,
@@ -125,9 +128,9 @@ def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor
             return h, attach_quantized(y, q, s)
         return gated_residual_layer_norm(residual, branch, gate, norm.weight, norm.bias, norm.eps, scale, shift)
     h = (branch if gate is None else gate * branch) + residual
-    if gate is not None and h.ndim == 4:
+    if (gate is not None if squeeze is None else squeeze) and h.ndim == 4:
         h = h.squeeze(1)
-    return h, norm(h) * (1 + scale) + shift
+    return h, norm(h) if scale is None else norm(h) * (1 + scale) + shift
 
 
 def _feed_forward(block: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -558,7 +561,8 @@ def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
     verified ones, every ``FluxTransformerBlock`` a ``FluxBlockForward`` alike, every
     ``FluxSingleTransformerBlock`` a ``FluxSingleBlockForward`` while its forward and
     ``AdaLayerNormZeroSingle.forward`` are, every ``BasicTransformerBlock`` (exact type) with
-    ``norm_type="ada_norm_single"`` (PixArt) an ``AdaNormSingleForward`` while the block's forward is."""
+    ``norm_type="ada_norm_single"`` (PixArt) an ``AdaNormSingleForward`` while the block's forward is (the UNets'
+    blocks: patches/unet_blocks.py)."""
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 

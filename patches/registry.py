@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from . import attention, channels_last, gelu, group_norm, layer_norm, memory_budget, upsample, winograd
+from . import attention, channels_last, gelu, group_norm, layer_norm, memory_budget, unet_blocks, upsample, winograd
 from .record import PatchRecord
 
 Patcher = Callable[[nn.Module, PatchRecord], None]
@@ -34,7 +34,8 @@ PATCHERS: dict[str, Patcher] = {
     "channels_last": channels_last.patch_layout,
     "gelu": gelu.patch_gelu,
     "group_norm": group_norm.patch_group_norm,
-    "layer_norm": layer_norm.patch_layer_norm,
+    "layer_norm": lambda model, record: (layer_norm.patch_layer_norm(model, record),
+                                         unet_blocks.patch_unet_blocks(model, record)),
     "memory": memory_budget.patch_memory,
     "upsample": upsample.patch_upsample,
     "winograd": winograd.patch_winograd,

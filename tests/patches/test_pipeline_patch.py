@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 from diffusers.models.activations import GEGLU
+from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.resnet import ResnetBlock2D
 from sd_kernels.patches import patch_record
@@ -65,6 +66,12 @@ def _census(model: nn.Module) -> dict[str, int]:
         "silu_folded": sum(type(m) in (UNet2DConditionModel, Encoder, Decoder) for m in model.modules()),
         "upsample.polyphase": sum(type(m) is Upsample2D and m.use_conv and not m.use_conv_transpose
                                   for m in model.modules()),
+        # the cross-attentions' keys and values of the text as one GEMM (patches/text_projections.py)
+        "text_kv": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0 and m.is_cross_attention
+                       for m in model.modules()) if isinstance(model, UNet2DConditionModel) else 0,
+        # each residual add and the LayerNorm after it in one kernel (patches/layer_norm.py)
+        "layer_norm.LayerNormBlock": sum(type(m) is BasicTransformerBlock and m.norm_type == "layer_norm"
+                                         for m in model.modules()),
     }
 
 
