@@ -261,10 +261,16 @@ def _active_attention_backend() -> Any:
     return None if dispatch is None else dispatch._AttentionBackendRegistry._active_backend
 
 
+# What an Attention module's processor reads from it on each call, baked into a capture: a division by
+# ``rescale_output_factor`` (skipped at 1: patches/attention_processor_steps.py) and the residual connection.
+_ATTENTION_FLAGS = ("rescale_output_factor", "residual_connection")
+
+
 class _Watch:
     """The Python-side state a captured call bakes in and a user may change between calls: the
     attention processors (``set_attn_processor``, IP-Adapter's, with their ``scale`` and the backend
-    set on them or for the process, which processors that call diffusers' dispatch read) and, once peft
+    set on them or for the process, which processors that call diffusers' dispatch read; the attention modules'
+    ``_ATTENTION_FLAGS``) and, once peft
     adapters are loaded, every tuner layer's active adapters, scales, disabled flag and merged
     adapters (``set_adapters`` with names or weights, ``disable_lora``, ``fuse_lora``, LoRA
     hot-swap), the VAE's tiling and slicing switches, and the weights behind state that a patched
@@ -295,7 +301,8 @@ class _Watch:
     def state(self, tree: tuple) -> tuple:
         if tree != self.tree:
             self._find(tree)
-        procs = tuple((id(p := m.processor), repr(getattr(p, "scale", None)), getattr(p, "_attention_backend", None))
+        procs = tuple((id(p := m.processor), repr(getattr(p, "scale", None)), getattr(p, "_attention_backend", None),
+                       *(getattr(m, name, None) for name in _ATTENTION_FLAGS))
                       for m in self.attention)
         flags = (*(getattr(self.model, f, None) for f in _MODEL_FLAGS), _active_attention_backend())
         tuners = tuple((repr(getattr(m, "_active_adapter", None)), repr(getattr(m, "scaling", None)),

@@ -13,7 +13,7 @@ import re
 import diffusers.loaders.peft  # noqa: F401  (its annotations read torch.cuda.Stream, which fake_cuda replaces)
 import pytest
 import torch
-from diffusers.models.attention_processor import AttnProcessor
+from diffusers.models.attention_processor import Attention, AttnProcessor
 from sd_kernels.patches import cuda_graph, graph_capture
 
 import sd_kernels
@@ -235,7 +235,16 @@ CHANGES = {
     "unfuse_lora": (lambda m: m.fuse_lora(), lambda m: m.unfuse_lora()),
     "delete_adapters": (lambda m: m.set_adapters(["a", "b"]), lambda m: m.delete_adapters("b")),
     "processor": (None, lambda m: m.set_attn_processor(AttnProcessor())),
+    # read by the processors when a call is captured (the division by it is skipped at 1)
+    "rescale_output_factor": (None, lambda m: _every_attention(m, "rescale_output_factor", 2.0)),
+    "residual_connection": (None, lambda m: _every_attention(m, "residual_connection", True)),
 }
+
+
+def _every_attention(model, name, value):
+    for m in model.modules():
+        if isinstance(m, Attention):
+            setattr(m, name, value)
 
 
 @pytest.mark.parametrize("change", CHANGES)
