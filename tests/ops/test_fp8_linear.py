@@ -176,6 +176,17 @@ def test_quantize_with_activation(device, act, gated):
     assert torch.allclose(ours, ref, rtol=2**-3, atol=1e-6)  # one e4m3 step at most
 
 
+def test_the_quantizers_erf_gelu_polynomial_gives_erffs_codes(device, monkeypatch):
+    """The quantizer's erf GELU from Abramowitz & Stegun's polynomial (``GELU_ERF_POLY``): the scales of libdevice
+    erff's GELU to fp32 rounding, and its codes but for the few products sitting at a rounding boundary."""
+    x = torch.randn(64, 1024, device=device) * 3
+    q, s = fp8.quantize_rows(x, "none", True)
+    monkeypatch.setattr(fq, "GELU_ERF_POLY", False)
+    q_erff, s_erff = fp8.quantize_rows(x, "none", True)
+    assert torch.allclose(s, s_erff, rtol=1e-6, atol=0)
+    assert (_codes(q) == _codes(q_erff)).float().mean() > 0.999
+
+
 def _operands(device, m=77, k=50, n=37, batch=7):
     x = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device) / k**0.5
