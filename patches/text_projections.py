@@ -1,22 +1,25 @@
-"""One GEMM for the keys and values of the text, for every cross-attention of a UNet at once.
+"""One batched GEMM for the keys and values of the text, for every cross-attention of a UNet at once.
 
 A UNet's cross-attentions (SD 1.x's 16, SDXL's 70) all read the same text, the ``encoder_hidden_states`` its
 forward hands to every transformer block, and each projects it to keys and values: two GEMMs of a few hundred
 rows each (SDXL with guidance: 154 rows of 2,048 to 640 or 1,280 columns). On an H200 those 140 small GEMMs take
 0.9 ms of SDXL's 27 ms FP8 step, each a few µs with most of the GPU idle
-(bench/results/2026-11-30-h200-fp8-gemm-into/unet_kernels-sdxl-fp8-before.json). Here every such projection's
-weight (and bias) is laid out in one buffer, k then v, attention after attention (``qkv_fusion.lay_out``: the
-Parameters become views of it, the same objects and values, nothing held twice), and the first cross-attention a
-forward calls projects the text for all of them in one GEMM; each attention reads its keys and values as column
-slices of that product. Each output column is the same dot product as before, over the same inputs: only the
-GEMM's tiling, and so the order of its fp32 sums, changes.
+(bench/results/2026-11-30-h200-fp8-gemm-into/unet_kernels-sdxl-fp8-before.json). Here the projections' weights
+(and biases) are laid out in one buffer per output width, [n, width, D], k then v, attention after attention
+(``qkv_fusion.lay_out``: the Parameters become views of it, the same objects and values, nothing held twice), and
+the first cross-attention a forward calls projects the text for all of them: one batched GEMM per width (SDXL: two),
+which writes each projection's output as a contiguous [B·T, width] block; each attention reads its two blocks.
+(One GEMM writing a [B·T, Σ width] product was tried first: the attention kernels reading its column slices, rows
+up to 129 kB apart, measured slower, most in PixArt-Σ's FP8 step: 12.6 ms of attention against 11.6 before, in
+another process.) Each output is the same dot
+product as before, over the same inputs: only the GEMM's tiling, and so the order of its fp32 sums, changes.
 
 When the product serves (``TextProjections.keys_values``):
 
-- the first member (in module order, the first cross-attention a UNet forward calls: a down block's) makes it,
+- the first member (in module order, the first cross-attention a model's forward calls: a down block's) makes it,
   from the context it is given, and only while its own projections are exactly ``nn.Linear``, unhooked, held by
   the module, outside autograd and compilation, every weight still laid out (``qkv_fusion.stacked``);
-- another member reads its slice where the product was made from the very tensor it is given (the same object,
+- another member reads its blocks where the product was made from the very tensor it is given (the same object,
   data pointer and version counter) and it has not read that product before; otherwise (its own projections
   changed, hooked or wrapped by a LoRA; another context) it projects as diffusers does;
 - the product is dropped once every member has read it, and made again by the first member's next call: one per
@@ -24,7 +27,7 @@ When the product serves (``TextProjections.keys_values``):
 
 Installed by the attention patcher on the cross-attentions it gives ``SDKernelsAttnProcessor`` (not diffusers'
 fused one, whose ``to_kv`` serves; none whose ``norm_cross`` normalizes the text per attention), those whose
-projections share one width, dtype and device forming a group, in the lossless patch and the FP8 tier (where a
+projections share one input width, dtype and device forming a group, in the lossless patch and the FP8 tier (where a
 cross-attention's keys and values stay in the model's dtype: patches/fp8.py ``CROSS_KV_FP8``), not with
 ``compile=True`` or a memory budget (``qkv_fusion.wanted``). Unpatch gives each Parameter storage of its own again.
 """
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import qkv_fusion
 from .record import PatchRecord
@@ -50,7 +52,7 @@ def _version(t: torch.Tensor) -> int | None:
 class _Product:
     """The text's projections by every member: made from ``context``, read once by each member."""
 
-    def __init__(self, context: torch.Tensor, product: torch.Tensor, members: int) -> None:
+    def __init__(self, context: torch.Tensor, product: list[torch.Tensor], members: int) -> None:
         self.context, self.ptr, self.version = context, context.data_ptr(), _version(context)
         self.product = product
         self.unread = set(range(members))
@@ -61,35 +63,57 @@ class _Product:
 
 class TextProjections:
     """The key and value projections of ``members`` (cross-attentions reading the same text), their weights laid out
-    as one buffer; ``keys_values`` serves a member's call from one product a forward (module docstring)."""
+    as one buffer per projection width; ``keys_values`` serves a member's call from one product a forward (module
+    docstring)."""
 
     def __init__(self, members: list[nn.Module]) -> None:
         self.members = tuple(members)
         self.linears = tuple(getattr(attn, n) for attn in members for n in NAMES)
-        weight = qkv_fusion.lay_out([m.weight for m in self.linears])
         self.has_bias = self.linears[0].bias is not None
-        bias = qkv_fusion.lay_out([m.bias for m in self.linears]) if self.has_bias else None
-        self.storages = qkv_fusion.WeakStorages((weight, bias))
+        # a bank a width: its projections' weights one [n, width, D] buffer, so that a batched GEMM writes each
+        # projection's keys or values as a contiguous [B·T, width] block (column slices of one [B·T, Σ] product,
+        # rows far apart, cost the attention kernels more than the GEMMs they saved: the TLB)
+        banks: dict[int, list[int]] = {}
+        for j, m in enumerate(self.linears):
+            banks.setdefault(m.out_features, []).append(j)
+        self.banks = tuple(banks.values())
+        self._slots = {j: (b, i) for b, bank in enumerate(self.banks) for i, j in enumerate(bank)}
+        made = []
+        for bank in self.banks:
+            made.append(qkv_fusion.lay_out([self.linears[j].weight for j in bank]))
+            if self.has_bias:
+                made.append(qkv_fusion.lay_out([self.linears[j].bias for j in bank]))
+        self.storages = qkv_fusion.WeakStorages(made)
         self._index = {id(attn): i for i, attn in enumerate(members)}
-        starts = [0]
-        for m in self.linears:
-            starts.append(starts[-1] + m.out_features)
-        self._columns = starts  # member i's keys: columns [starts[2i], starts[2i+1]), its values up to starts[2i+2]
         self._product: _Product | None = None
 
-    def _operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, bias) of the one GEMM while every projection is exactly ``nn.Linear`` and still laid out."""
-        if any(type(m) is not nn.Linear for m in self.linears):
+    def _operands(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """Each bank's (weight [n, width, D], bias [n, 1, width] or None) while every projection is exactly
+        ``nn.Linear`` and still laid out; else None."""
+        if any(type(m) is not nn.Linear for m in self.linears) or any(
+                (m.bias is None) == self.has_bias for m in self.linears):
             return None
-        weight = qkv_fusion.stacked([m.weight for m in self.linears])
-        if weight is None or any((m.bias is None) == self.has_bias for m in self.linears):
-            return None
-        bias = qkv_fusion.stacked([m.bias for m in self.linears]) if self.has_bias else None
-        return None if self.has_bias and bias is None else (weight, bias)
+        out = []
+        for bank in self.banks:
+            n, width = len(bank), self.linears[bank[0]].out_features
+            weight = qkv_fusion.stacked([self.linears[j].weight for j in bank])
+            bias = qkv_fusion.stacked([self.linears[j].bias for j in bank]) if self.has_bias else None
+            if weight is None or (self.has_bias and bias is None):
+                return None
+            out.append((weight.view(n, width, -1), None if bias is None else bias.view(n, 1, width)))
+        return out
+
+    @staticmethod
+    def _project(context: torch.Tensor, operands: list) -> list[torch.Tensor]:
+        """Each bank's projections of ``context`` [..., D] as [n, rows, width]: one batched GEMM a bank."""
+        x = context.reshape(1, -1, context.shape[-1])
+        return [torch.matmul(x, w.transpose(1, 2)) if b is None else torch.baddbmm(b, x.expand(w.shape[0], -1, -1),
+                                                                                   w.transpose(1, 2))
+                for w, b in operands]
 
     def keys_values(self, attn: nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(attn.to_k(context), attn.to_v(context))`` as column slices of the product where it serves (module
-        docstring), else None: the caller projects as diffusers does."""
+        """``(attn.to_k(context), attn.to_v(context))`` from the product where it serves (module docstring), else
+        None: the caller projects as diffusers does."""
         i = self._index.get(id(attn))
         if i is None or torch.compiler.is_compiling():
             return None
@@ -100,14 +124,14 @@ class TextProjections:
         if product is None or i not in product.unread or not product.made_from(context):
             self._product = None
             operands = self._operands() if i == 0 else None
-            if operands is None or context.dtype != operands[0].dtype:
+            if operands is None or context.dtype != operands[0][0].dtype:
                 return None
-            product = self._product = _Product(context, F.linear(context, *operands), len(self.members))
+            product = self._product = _Product(context, self._project(context, operands), len(self.members))
         product.unread.discard(i)
         if not product.unread:
             self._product = None
-        k0, v0, end = self._columns[2 * i:2 * i + 3]
-        return product.product[..., k0:v0], product.product[..., v0:end]
+        shape = (*context.shape[:-1], -1)
+        return tuple(product.product[b][k].view(shape) for b, k in (self._slots[2 * i], self._slots[2 * i + 1]))
 
     def release(self) -> None:
         """Each Parameter back in storage of its own (``qkv_fusion.release``); no product kept."""
