@@ -61,14 +61,20 @@ def _gelu_erf_poly(x):
 
 @triton.jit
 def _activate(x, ACT: tl.constexpr):
-    """``x`` (fp32) through the activation: "" none, "tanh" / "none" the GELUs of ops/gelu.py, "erf-poly" the
-    erf GELU of ``_gelu_erf_poly``."""
+    """``x`` (fp32) through the activation: "" none, "tanh" / "none" the GELUs of ops/gelu.py."""
     if ACT == "":
         return x
-    elif ACT == "erf-poly":
-        return _gelu_erf_poly(x)
     else:
         return _act(x, ACT)
+
+
+@triton.jit
+def _quantizer_activate(x, ACT: tl.constexpr):
+    """The quantizer's activation: ``_activate``'s, and "erf-poly", the erf GELU of ``_gelu_erf_poly``."""
+    if ACT == "erf-poly":
+        return _gelu_erf_poly(x)
+    else:
+        return _activate(x, ACT)
 
 
 @triton.jit
@@ -146,8 +152,8 @@ def _x_loads(x_ptrs, mask, gate_step, GATED: tl.constexpr):
 def _activated(a, g, ACT: tl.constexpr, GATED: tl.constexpr):
     """act(a) (gated: a · act(g)) in fp32 from ``_x_loads``' values; 0 where they were masked (act(0) = 0)."""
     if GATED:
-        return a.to(tl.float32) * _activate(g.to(tl.float32), ACT)
-    return _activate(a.to(tl.float32), ACT)
+        return a.to(tl.float32) * _quantizer_activate(g.to(tl.float32), ACT)
+    return _quantizer_activate(a.to(tl.float32), ACT)
 
 
 @triton.jit
