@@ -23,8 +23,8 @@ serve: ``cross_attention_kwargs`` with anything in it (GLIGEN, a LoRA ``scale``)
 [B, T, D], no timestep (diffusers' own error). Blocks are left alone (``record.skip``) where
 diffusers' forward is not the verified source this re-states (patches/diffusers_sources.py), where a norm is
 not a plain ``nn.LayerNorm`` over the last dim, or where a ``pos_embed`` sits between norm1 and the
-attention; blocks of another ``norm_type`` (the UNet's "layer_norm" blocks) and subclasses are not
-this patcher's to touch.
+attention; subclasses are not this patcher's to touch, and the UNets' "layer_norm" blocks are
+patches/unet_blocks.py's.
 
 SD3's ``JointTransformerBlock`` (every block of SD3Transformer2DModel) runs two streams, the image
 tokens and the text context, through one joint attention (``attn``). Each stream has an
@@ -162,18 +162,16 @@ class _BlockForward:
         return type(block).forward(block, *args)
 
 
-class AdaNormSingleForward(_BlockForward):
-    """The instance ``forward`` of one ada_norm_single ``BasicTransformerBlock``: diffusers 0.42.1's
-    forward for that norm type, with its modulated LayerNorms (and the gated residual before norm2) in
-    sd_kernels' fused ops; any call it does not serve goes to the class's forward."""
+class _BasicBlockForward(_BlockForward):
+    """The instance ``forward`` of one diffusers ``BasicTransformerBlock``, in its signature: ``_fused`` serves the
+    calls ``_unserved`` lets through, the class's forward the others (``cross_attention_kwargs`` with anything in it:
+    GLIGEN, a LoRA ``scale``, IP-Adapter masks; hidden states not [B, T, D])."""
 
     def _unserved(self, hidden_states, timestep, cross_attention_kwargs) -> str | None:
         if cross_attention_kwargs:
             return f"cross_attention_kwargs {sorted(cross_attention_kwargs)}"
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             return "hidden states that are not [B, T, D]"
-        if timestep is None:
-            return "no timestep"
         return None
 
     @scoped
@@ -188,12 +186,25 @@ class AdaNormSingleForward(_BlockForward):
         class_labels: torch.LongTensor | None = None,
         added_cond_kwargs: dict | None = None,
     ) -> torch.Tensor:
-        block = self.block
         reason = self._unserved(hidden_states, timestep, cross_attention_kwargs)
         if reason is not None:
             return self._fallback(reason, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                   timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+        return self._fused(self.block, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                           timestep)
 
+
+class AdaNormSingleForward(_BasicBlockForward):
+    """The instance ``forward`` of one ada_norm_single ``BasicTransformerBlock``: diffusers 0.42.1's
+    forward for that norm type, with its modulated LayerNorms (and the gated residual before norm2) in
+    sd_kernels' fused ops; any call it does not serve goes to the class's forward."""
+
+    def _unserved(self, hidden_states, timestep, cross_attention_kwargs) -> str | None:
+        reason = super()._unserved(hidden_states, timestep, cross_attention_kwargs)
+        return reason or ("no timestep" if timestep is None else None)
+
+    @staticmethod
+    def _fused(block, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep):
         batch_size = hidden_states.shape[0]
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
             block.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)

@@ -23,10 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sd_kernels.profiles import scoped
-
 from .hooks import called_beside
-from .layer_norm import _BlockForward, _feed_forward, _gated_norm, _install, _modulated, _plain_layer_norm
+from .layer_norm import _BasicBlockForward, _feed_forward, _gated_norm, _install, _modulated, _plain_layer_norm
 from .record import PatchRecord
 
 
@@ -56,7 +54,7 @@ def _residual_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor
     return _gated_norm(norm, residual, branch, None, None, None, codes=codes, squeeze=squeeze)
 
 
-class LayerNormBlockForward(_BlockForward):
+class LayerNormBlockForward(_BasicBlockForward):
     """The instance ``forward`` of one UNet ``BasicTransformerBlock`` (``norm_type="layer_norm"``: SD's, SDXL's):
     diffusers 0.42.1's forward for that norm type with the residual add after each attention and the LayerNorm
     after it (norm2 after the self-attention, norm3 after the cross-attention) in one kernel
@@ -70,30 +68,7 @@ class LayerNormBlockForward(_BlockForward):
 
     following: LayerNormBlockForward | None = None  # the next block's, set by link_blocks
 
-    def _unserved(self, hidden_states, cross_attention_kwargs) -> str | None:
-        if cross_attention_kwargs:
-            return f"cross_attention_kwargs {sorted(cross_attention_kwargs)}"
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            return "hidden states that are not [B, T, D]"
-        return None
-
-    @scoped
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        timestep: torch.LongTensor | None = None,
-        cross_attention_kwargs: dict | None = None,
-        class_labels: torch.LongTensor | None = None,
-        added_cond_kwargs: dict | None = None,
-    ) -> torch.Tensor:
-        block = self.block
-        reason = self._unserved(hidden_states, cross_attention_kwargs)
-        if reason is not None:
-            return self._fallback(reason, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                                  timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+    def _fused(self, block, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep):
         norm1 = block.norm1
         normed = _handed_norm(hidden_states, norm1)  # made by the block before, with the residual add
         if normed is None:  # a plain LayerNorm on our kernel; the FP8 tier's (which writes codes) as itself
