@@ -9,10 +9,11 @@ rows each (SDXL with guidance: 154 rows of 2,048 to 640 or 1,280 columns). On an
 (``qkv_fusion.lay_out``: the Parameters become views of it, the same objects and values, nothing held twice), and
 the first cross-attention a forward calls projects the text for all of them: one batched GEMM per width (SDXL: two),
 which writes each projection's output as a contiguous [B·T, width] block; each attention reads its two blocks.
-(One GEMM writing a [B·T, Σ width] product was tried first: the attention kernels reading its column slices, rows
-up to 129 kB apart, measured slower, most in PixArt-Σ's FP8 step: 12.6 ms of attention against 11.6 before, in
-another process.) Each output is the same dot
-product as before, over the same inputs: only the GEMM's tiling, and so the order of its fp32 sums, changes.
+One GEMM writing a [B·T, Σ width] product was tried first: the attention kernels reading its column slices, rows
+129 kB (PixArt-Σ) to 333 kB (SDXL) apart, measured slower. PixArt-Σ's FP8 step took 25.74 ms with them, 25.55
+before the product and 25.20 with these blocks, on an H200 (bench/results/2026-11-30-h200-unet-block-fusions/).
+Each output is the same dot product as before, over the same inputs: only the GEMM's tiling, and so the order of
+its fp32 sums, changes.
 
 When the product serves (``TextProjections.keys_values``):
 
