@@ -1,6 +1,7 @@
 """patches/text_projections.py: a UNet's cross-attentions project the text to keys and values in one batched
-GEMM a forward (one a projection width), each reading its blocks; the result stock's; a member changed, hooked or given another context projects
-for itself; nothing joined where it cannot be; unpatch gives each weight storage of its own, the same values."""
+GEMM a forward (one a projection width), each reading its blocks; the result stock's; a member changed, hooked or
+given another context projects for itself; nothing joined where it cannot be; unpatch gives each weight storage of
+its own, the same values."""
 
 import copy
 
