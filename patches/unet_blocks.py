@@ -7,7 +7,8 @@ LayerNorms, each after a residual add but the first: ``x = attn1(norm1(x)) + x``
 written once, instead of an add kernel (two reads, a write) and a LayerNorm (a read, a write). In the FP8 tier,
 where the norms are patches/fp8.py's ``Fp8LayerNorm``, the same kernel writes the FP8 codes the next projection
 reads. Where a transformer model has several blocks (SDXL's: 2 or 10), the feed-forward residual that ends a block
-and the next block's norm1 are one kernel as well, the sum carrying the normed output to the next block; the first
+and the next block's norm1 are one kernel as well, the sum carrying the normed output to the next block (not under
+``torch.inference_mode()``, autograd or compilation: ``_hands_on``); the first
 block's norm1 runs on the same kernel alone (``layer_norm_modulated``, where the norm is a plain LayerNorm) instead
 of torch's. ``LayerNormBlockForward`` (counted as ``layer_norm.LayerNormBlock``) calls the original forward for
 ``cross_attention_kwargs`` with anything in it (GLIGEN, a LoRA ``scale``) and hidden states not [B, T, D]; a
@@ -88,7 +89,7 @@ class LayerNormBlockForward(_BasicBlockForward):
                                                            squeeze=block.attn2 is None)
         ff_output = _feed_forward(block, block.ff, norm_hidden_states)
         after = self.next_norm()
-        if after is not None and ff_output.shape == hidden_states.shape and not hidden_states.is_inference():
+        if after is not None and ff_output.shape == hidden_states.shape and _hands_on(hidden_states):
             hidden_states, normed = _residual_norm(after, hidden_states, ff_output, squeeze=True)
             return _hand_norm(hidden_states, after, normed)
         hidden_states = ff_output + hidden_states
@@ -109,10 +110,17 @@ class LayerNormBlockForward(_BasicBlockForward):
 _HANDED = "_sd_kernels_handed_norm"
 
 
+def _hands_on(h: torch.Tensor) -> bool:
+    """Whether a normed output can travel on ``h`` (``_hand_norm``): h has a version counter (not made under inference
+    mode), autograd is off (a recomputing checkpoint would see the next block normalize where the first pass did
+    not) and no compiler traces the call (it cannot trace an attribute set on a tensor and deleted)."""
+    return not (h.is_inference() or torch.is_grad_enabled() or torch.compiler.is_compiling())
+
+
 def _hand_norm(h: torch.Tensor, norm: nn.Module, normed: torch.Tensor) -> torch.Tensor:
     """Let the residual stream ``h`` carry ``norm(h)`` (``normed``) to the next block, whose norm1 ``norm`` is; returns
-    h. Only on a tensor with a version counter (not made under inference mode): a change of h in place between the
-    blocks is then seen, and the next block normalizes h itself."""
+    h. Only where ``_hands_on``: h's version counter then shows a change of h in place between the blocks, and the
+    next block normalizes h itself."""
     setattr(h, _HANDED, (normed, norm, h._version))
     return h
 
@@ -120,7 +128,7 @@ def _hand_norm(h: torch.Tensor, norm: nn.Module, normed: torch.Tensor) -> torch.
 def _handed_norm(h: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
     """``norm(h)`` as the block before handed it on h (``_hand_norm``), taken off h, unless it was made by another
     norm or h changed in place since; else None."""
-    handed = getattr(h, _HANDED, None)
+    handed = None if torch.compiler.is_compiling() else getattr(h, _HANDED, None)
     if handed is None:
         return None
     delattr(h, _HANDED)

@@ -98,9 +98,7 @@ def test_a_blocks_last_residual_and_the_next_blocks_norm1_are_one_kernel(monkeyp
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     unet = models.build_model("tiny-xl", "unet")
     assert _linked(unet) > 0
-    x, ctx = _inputs(unet)
-    text_embeds = torch.randn(2, 32, generator=torch.Generator().manual_seed(4))
-    added = {"time_ids": torch.zeros(2, 6), "text_embeds": text_embeds}
+    x, ctx, added = _tiny_xl_inputs(unet)
     if in_place:
         second = [m.transformer_blocks[1] for m in unet.modules() if type(m).__name__ == "Transformer2DModel"
                   and len(m.transformer_blocks) > 1]
@@ -115,6 +113,45 @@ def test_a_blocks_last_residual_and_the_next_blocks_norm1_are_one_kernel(monkeyp
         assert torch.equal(_run(unet, x, ctx, added_cond_kwargs=added), stock)
     assert len(calls) == 2 * len(_blocks(unet)) + _linked(unet)
     assert sum(t is not None for t in taken) == (0 if in_place else _linked(unet))
+
+
+def _tiny_xl_inputs(unet):
+    x, ctx = _inputs(unet)
+    text_embeds = torch.randn(2, 32, generator=torch.Generator().manual_seed(4))
+    return x, ctx, {"time_ids": torch.zeros(2, 6), "text_embeds": text_embeds}
+
+
+def test_no_norm_is_handed_on_with_autograd_on(monkeypatch):
+    """With autograd on (training; a recomputing checkpoint would see the next block normalize where the first pass
+    did not) each block normalizes its own input: nothing handed on, stock's result."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    unet = models.build_model("tiny-xl", "unet")
+    x, ctx, added = _tiny_xl_inputs(unet)
+    stock = _run(unet, x, ctx, added_cond_kwargs=added)
+    handed = []
+    real = unet_blocks._hand_norm
+    monkeypatch.setattr(unet_blocks, "_hand_norm", lambda *a: handed.append(1) or real(*a))
+    with sd_kernels.patched(unet, ops=["layer_norm"], cuda_graph=False):
+        out = unet(x, 500, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False)[0]
+        assert torch.is_grad_enabled() and torch.equal(out.detach(), stock) and not handed
+        with torch.no_grad():
+            _run(unet, x, ctx, added_cond_kwargs=added)
+    assert len(handed) == _linked(unet)
+
+
+@pytest.mark.integration
+def test_a_compiled_patched_unet_hands_nothing_on(monkeypatch):
+    """torch.compile of a patched tiny-xl UNet (dynamo cannot trace an attribute set on a tensor and deleted): each
+    block normalizes its own input under the compiler, and the compiled call gives the eager patched call's result."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    unet = models.build_model("tiny-xl", "unet")
+    x, ctx, added = _tiny_xl_inputs(unet)
+    with sd_kernels.patched(unet, ops=["layer_norm"], cuda_graph=False):
+        eager = _run(unet, x, ctx, added_cond_kwargs=added)
+        compiled = torch.compile(unet, backend="eager", fullgraph=False)
+        with torch.no_grad():
+            out = compiled(x, 500, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False)[0]
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
 
 
 def _block(cross: bool) -> BasicTransformerBlock:
@@ -198,11 +235,16 @@ def test_a_block_with_a_pos_embed_is_reported_not_patched(unet):
 
 
 @cpu_only
-def test_fp8_tier_norms_write_their_codes_with_the_residual_add(unet, count_calls, monkeypatch):
-    """In the FP8 tier norm2's and norm3's codes come from the fused residual + LayerNorm kernel: no quantization
-    more than the tier's own norms make (``Fp8LayerNorm``), and the output as close to stock's as theirs."""
-    x, ctx = _inputs(unet)
-    stock = _run(unet, x, ctx)
+@pytest.mark.parametrize("config", ["tiny", "tiny-xl"])
+def test_fp8_tier_norms_write_their_codes_with_the_residual_add(config, count_calls, monkeypatch):
+    """In the FP8 tier norm2's and norm3's codes come from the fused residual + LayerNorm kernel, and (tiny-xl's
+    transformer models of two blocks) the second block's norm1's from the first block's last residual add: no
+    quantization more than the tier's own norms make (``Fp8LayerNorm``), and the output as close to stock's as
+    theirs."""
+    unet = models.build_model(config, "unet")
+    x, ctx, *added = _tiny_xl_inputs(unet) if config == "tiny-xl" else _inputs(unet)
+    kwargs = {"added_cond_kwargs": added[0]} if added else {}
+    stock = _run(unet, x, ctx, **kwargs)
     blocks = _blocks(unet)
     quantized = count_calls(fp8_ops, quantize="quantize_rows")
     runs = {}
@@ -212,8 +254,8 @@ def test_fp8_tier_norms_write_their_codes_with_the_residual_add(unet, count_call
             assert record.counts["fp8.LayerNorm"] == 3 * len(blocks)
             assert record.counts.get("layer_norm.LayerNormBlock", 0) == len(blocks) * bool(ops)
             before = quantized["quantize"]
-            runs[bool(ops)] = _run(unet, x, ctx), quantized["quantize"] - before
-        assert len(calls) == 2 * len(blocks) * bool(ops)
+            runs[bool(ops)] = _run(unet, x, ctx, **kwargs), quantized["quantize"] - before
+        assert len(calls) == (2 * len(blocks) + _linked(unet)) * bool(ops)
     assert runs[True][1] == runs[False][1]
     errors = [rel_err(runs[fused][0], stock) for fused in (True, False)]
     assert errors[0] < 1.5 * errors[1], errors
