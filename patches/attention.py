@@ -60,7 +60,7 @@ class SDKernelsAttnProcessor:
     # A self-attention's q, k, v as one GEMM on the buffer the three weights share (patches/qkv_fusion.py),
     # installed by patch_attention on modules that are not cross-attentions; None: three GEMMs
     qkv = added_qkv = None
-    # A cross-attention's keys and values of the text as column slices of one GEMM for all the UNet's
+    # A cross-attention's keys and values of the text from one batched GEMM a projection width for all the model's
     # cross-attentions (patches/text_projections.py), installed by patch_attention; None: two GEMMs
     text_kv = None
 

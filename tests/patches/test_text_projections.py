@@ -101,6 +101,31 @@ def test_a_member_hooked_or_given_another_weight_projects_for_itself(unet, produ
     assert torch.equal(patched, _run(unet, x, ctx))  # unpatched, with the new weight
 
 
+def test_a_product_left_unread_is_not_read_in_the_next_forward(unet, products, monkeypatch):
+    """A member that projected for itself (hooked) leaves the product unread by it; the next forward's first member
+    drops it, served or not. Here the first member is hooked in the next forward and a weight changed in place
+    through its view (the product of the first forward is stale): every member projects with the new weights."""
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    made, served = products
+    x, ctx = _inputs(unet)
+    cross = _cross(unet)
+    with sd_kernels.patched(unet, ops=["attention"], cuda_graph=False):
+        joined = cross[0].processor.text_kv
+        first = joined.members[0]
+        late = unet.mid_block.attentions[0].transformer_blocks[0].attn2  # the one a forward calls after the first
+        assert late in joined.members and first is not late
+        handle = late.to_k.register_forward_hook(lambda *a: None)
+        _run(unet, x, ctx)
+        handle.remove()
+        assert joined._product is not None  # left unread by the hooked member
+        first.to_k.register_forward_hook(lambda *a: None)
+        with torch.no_grad():
+            late.to_k.weight.data.mul_(2)  # in place, through its view of the bank
+        patched = _run(unet, x, ctx)
+        assert not any(ok for a, ok in served[len(cross):])
+    assert torch.equal(patched, _run(unet, x, ctx))  # unpatched, the same weights
+
+
 def test_a_member_given_another_context_projects_for_itself(unet, products, monkeypatch):
     monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
     made, served = products
