@@ -83,7 +83,11 @@ def round_trip(model, run, **run_kwargs):
     # each self-attention's q, k, v laid out as one GEMM (patches/qkv_fusion.py) unless diffusers fused them
     selfs = sum(type(p) in stock_kinds and type(p) is not FusedAttnProcessor2_0 and not m.is_cross_attention
                 for m, p in ((dict(model.named_modules())[k], p) for k, p in before.items()))
-    assert n > 0 and record.counts == {"attention_processor": n, **({"qkv_fusion": selfs} if selfs else {})}
+    # the cross-attentions' keys and values of the text as one GEMM a width (patches/text_projections.py), two or more
+    crosses = sum(type(p) in stock_kinds and type(p) is not FusedAttnProcessor2_0 and m.is_cross_attention
+                  for m, p in ((dict(model.named_modules())[k], p) for k, p in before.items()))
+    assert n > 0 and record.counts == {"attention_processor": n, **({"qkv_fusion": selfs} if selfs else {}),
+                                       **({"text_kv": crosses} if crosses > 1 else {})}
     assert all(type(p) is attn_patch.SDKernelsAttnProcessor for p in processors(model).values())
     dispatch.reset_fallbacks()
     assert_close_to_reference(run(model, **run_kwargs), stock, ref64)
