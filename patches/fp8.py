@@ -17,7 +17,7 @@ known, the quantization moves into the op that produces the input:
 | a UNet block's ``nn.LayerNorm``s       | the LayerNorm writes its FP8 codes in the same pass          |
 | (``norm1``-``norm3``, SD's and SDXL's)  | (``Fp8LayerNorm``), which the projections after it read;     |
 |                                       | norm2's and norm3's kernel also makes the residual add       |
-|                                       | before them (patches/layer_norm.py)                          |
+|                                       | before them (patches/unet_blocks.py)                         |
 | any other ``nn.Linear`` in a block    | quantize the input (once per input tensor) → GEMM             |
 
 The block forwards of patches/layer_norm.py (FLUX's, SD3's) go further where they call these: a
@@ -383,7 +383,7 @@ class Fp8LayerNorm(nn.Module):
     not [B, T, D] are the original's."""
 
     profile_scoped = True
-    writes_codes = True  # patches/layer_norm.py's UNet block forward writes them with the residual add before
+    writes_codes = True  # patches/unet_blocks.py's block forward writes them with the residual add before
 
     def __init__(self, norm: nn.LayerNorm) -> None:
         super().__init__()

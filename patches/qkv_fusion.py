@@ -154,6 +154,17 @@ def held(module: nn.Module, names: tuple[str, ...], layers: tuple[nn.Module, ...
                                                for m, n in zip(layers, names))
 
 
+def laid_out(linears: tuple[nn.Module, ...], has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias or None) of ``linears`` as one GEMM's operands, views of the storage ``lay_out`` gave them, while
+    each is exactly ``nn.Linear``, has a bias exactly where they were laid out with one (``has_bias``) and its weight
+    and bias are still consecutive rows of one storage (``stacked``); None otherwise."""
+    if any(type(m) is not nn.Linear or (m.bias is None) == has_bias for m in linears):
+        return None
+    weight = stacked([m.weight for m in linears])
+    bias = stacked([m.bias for m in linears]) if has_bias else None
+    return None if weight is None or (has_bias and bias is None) else (weight, bias)
+
+
 class FusedProjections:
     """Three Linears whose weights (and biases) are consecutive rows of one storage; called, one GEMM on
     it for all three. Only their Parameters hold that storage: weights moved, offloaded or dropped take
@@ -176,15 +187,7 @@ class FusedProjections:
         unhooked, their weights (and biases) still laid out as one, outside autograd (the fused operands are
         views it would not trace to the Parameters, nor run a projection's backward hooks for); None
         otherwise."""
-        if not held(module, names, self.linears) or any(type(m) is not nn.Linear for m in self.linears):
-            return None
-        weight = stacked([m.weight for m in self.linears])
-        if weight is None or any((m.bias is None) == self.has_bias for m in self.linears):
-            return None
-        if not self.has_bias:
-            return weight, None
-        bias = stacked([m.bias for m in self.linears])
-        return None if bias is None else (weight, bias)
+        return laid_out(self.linears, self.has_bias) if held(module, names, self.linears) else None
 
     def project(self, module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
         """The three projections of ``x`` as one [..., 3·out] tensor while the layout holds, else None."""

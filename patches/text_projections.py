@@ -93,17 +93,13 @@ class TextProjections:
 
     def _operands(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         """Each bank's (weight [n, width, D], bias [n, 1, width] or None) while every projection is exactly
-        ``nn.Linear`` and still laid out; else None."""
-        if any(type(m) is not nn.Linear for m in self.linears) or any(
-                (m.bias is None) == self.has_bias for m in self.linears):
-            return None
+        ``nn.Linear`` and still laid out (``qkv_fusion.laid_out``); else None."""
         out = []
         for bank in self.banks:
-            n, width = len(bank), self.linears[bank[0]].out_features
-            weight = qkv_fusion.stacked([self.linears[j].weight for j in bank])
-            bias = qkv_fusion.stacked([self.linears[j].bias for j in bank]) if self.has_bias else None
-            if weight is None or (self.has_bias and bias is None):
+            operands = qkv_fusion.laid_out(tuple(self.linears[j] for j in bank), self.has_bias)
+            if operands is None:
                 return None
+            (weight, bias), n, width = operands, len(bank), self.linears[bank[0]].out_features
             out.append((weight.view(n, width, -1), None if bias is None else bias.view(n, 1, width)))
         return out
 

@@ -47,12 +47,9 @@ def _residual_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor
     norm then writing its codes in the same kernel, in the calls where its own forward would
     (``Fp8LayerNorm.codes_travel``); another norm (one swapped in after the patch, a hooked one) is called as itself
     after stock's add. ``squeeze``: a 4-D sum squeezed, as diffusers does after the self-attention."""
-    if not _fusable_norm(norm):
-        h = branch + residual
-        h = h.squeeze(1) if squeeze and h.ndim == 4 else h
-        return h, norm(h)
-    codes = _writes_codes(norm) and norm.codes_travel(residual)
-    return _gated_norm(norm, residual, branch, None, None, None, codes=codes, squeeze=squeeze)
+    fused = _fusable_norm(norm)
+    codes = fused and _writes_codes(norm) and norm.codes_travel(residual)
+    return _gated_norm(norm, residual, branch, None, None, None, codes=codes, squeeze=squeeze, fused=fused)
 
 
 class LayerNormBlockForward(_BasicBlockForward):

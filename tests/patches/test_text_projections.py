@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.attention_processor import Attention
 from sd_kernels.patches import text_projections
+from test_unet_blocks import _inputs, _run
 
 import sd_kernels
 from sd_kernels import models
@@ -19,17 +20,6 @@ from sd_kernels.testing import assert_close_to_reference
 @pytest.fixture
 def unet():
     return models.build_model("tiny", "unet")
-
-
-def _inputs(unet, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, unet.config.in_channels, 16, 16, generator=g),
-            torch.randn(2, 7, unet.config.cross_attention_dim, generator=g))
-
-
-def _run(unet, x, ctx, dtype=torch.float32):
-    with torch.no_grad():
-        return unet(x.to(dtype), 500, encoder_hidden_states=ctx.to(dtype), return_dict=False)[0]
 
 
 def _cross(model):
