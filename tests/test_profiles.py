@@ -118,6 +118,19 @@ def test_stock_attention_head_dims_route_only_those_to_sdpa():
     assert profiles.from_dict(saved, "x.json") == hopper
 
 
+def test_stock_attention_fp32_head_dims_route_only_fp32_calls():
+    """hopper sends fp32 attention at head dim 512 (the VAE's mid-block in SDXL's fp32 decode) to stock SDPA; the
+    same head dim in fp16 or bf16 and fp32 at other head dims keep the path they took."""
+    hopper = profiles.get_profile("hopper")
+    assert hopper.stock_attention_fp32_head_dims == (512,)
+    assert hopper.attention_choice(16384, 16384, 512, "float32")[0] == "sdpa"
+    for dtype in ("float16", "bfloat16"):
+        assert hopper.attention_choice(16384, 16384, 512, dtype)[0] == "partial_softmax"
+    assert hopper.attention_choice(4096, 4096, 160, "float32")[0] == "flash"
+    assert dataclasses.replace(hopper, stock_attention_fp32_head_dims=()).attention_choice(
+        16384, 16384, 512, "float32")[0] == "partial_softmax"
+
+
 def test_stock_attention_ragged_keys():
     """hopper, for a call the wgmma kernel cannot take: 1,024 keys or more that are not a multiple of 64
     (SD3's joint 4,429) go to stock SDPA; SD's cross-attention (77 keys), SD2.1's 144 and every multiple

@@ -45,6 +45,7 @@ from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 _ELEMS = 2048  # elements per program: rows of small D (up to 1,024) are batched up to this
 _INTERPRETED_ELEMS = 4096  # ... under the interpreter, whose cost is per program: fewer, larger programs
 _MAX_D = 8192  # the widest row one program holds: 32 fp32 registers a thread per tensor at 8 warps
+_ONE_WARP_MAX_D = 1280  # rows up to this wide: a warp per 2,048 elements of a program (``blocks``)
 
 
 @triton.jit
@@ -120,9 +121,13 @@ def blocks(n_rows: int, d: int, elems: int = _ELEMS) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``elems``
     (``_ELEMS`` on a GPU) elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor
     in flight), 4 to 16: small programs, many of them resident on an SM, so that one's loads run under
-    another's reductions (docs/kernels/layer_norm.md, "Benchmark")."""
+    another's reductions (docs/kernels/layer_norm.md, "Benchmark"). Rows of at most ``_ONE_WARP_MAX_D``
+    features take a warp per 2,048 elements, down to one: measured faster at SD's, SDXL's and PixArt-Σ's
+    widths, slower at SD3's 1,536 and FLUX's 3,072 (docs/kernels/layer_norm.md, "The kernel")."""
     block_d = next_pow2(d)
     rows = max(1, min(elems // block_d, next_pow2(n_rows)))
+    if d <= _ONE_WARP_MAX_D:
+        return rows, block_d, min(16, max(1, rows * block_d // 2048))
     return rows, block_d, min(16, max(4, rows * block_d // 1024))
 
 

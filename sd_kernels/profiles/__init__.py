@@ -127,6 +127,8 @@ class Profile:
     wgmma_attention_head_dims: tuple[int, ...] = ()
     # "auto": head dims where stock SDPA was measured faster than our kernels on this device (run there)
     stock_attention_head_dims: tuple[int, ...] = ()
+    # "auto": the same for fp32 calls only (the VAEs' mid-block attention, head dim 512, in SDXL's fp32 decode)
+    stock_attention_fp32_head_dims: tuple[int, ...] = ()
     # "auto": at least this many keys, not a multiple of 64, go to stock SDPA (None: never). The flash
     # kernel then masks every key block (docs/kernels/attention.md); SD3's joint 4,429 tokens measured slower.
     stock_attention_ragged_keys: int | None = None
@@ -221,6 +223,9 @@ class Profile:
                                    "Triton 3.6, else that path)")
         if head_dim in self.stock_attention_head_dims:
             return "sdpa", f"head dim {head_dim}: stock SDPA measured faster here (stock_attention_head_dims)"
+        if dtype == "float32" and head_dim in self.stock_attention_fp32_head_dims:
+            return "sdpa", (f"fp32 at head dim {head_dim}: stock SDPA measured faster here "
+                            "(stock_attention_fp32_head_dims)")
         ragged = self.stock_attention_ragged_keys
         if ragged is not None and sk >= ragged and sk % 64:
             return "sdpa", (f"{sk} keys, not a multiple of 64: every key block masked; stock SDPA measured faster "
@@ -320,7 +325,7 @@ def _validate(p: Profile) -> None:
     for key in ("gelu_epilogue", "fp8_torch_gemm", "stream_pack8"):
         if not isinstance(getattr(p, key), bool):
             _fail(where, key, getattr(p, key), "true or false")
-    for key in ("stock_attention_head_dims", "wgmma_attention_head_dims"):
+    for key in ("stock_attention_head_dims", "stock_attention_fp32_head_dims", "wgmma_attention_head_dims"):
         for d in getattr(p, key):
             _check_int(where, key, d, 1, 2**12, optional=False)
     if any(d > 128 or d % 8 for d in p.wgmma_attention_head_dims):
@@ -406,6 +411,7 @@ def from_dict(data: dict[str, Any], where: str = "<dict>") -> Profile:
     kw["disabled_ops"] = frozenset(ops)
     for key, expected in (("channels_last", f"a list of part names from {LAYOUT_PARTS}"),
                           ("stock_attention_head_dims", "a list of head dims"),
+                          ("stock_attention_fp32_head_dims", "a list of head dims"),
                           ("wgmma_attention_head_dims", "a list of head dims")):  # JSON lists, tuples here
         value = kw.get(key, [])
         if not isinstance(value, list):
@@ -423,6 +429,7 @@ def _to_json(p: Profile) -> dict[str, Any]:
     out["flash_block"] = list(p.flash_block)
     out["channels_last"] = list(p.channels_last)
     out["stock_attention_head_dims"] = list(p.stock_attention_head_dims)
+    out["stock_attention_fp32_head_dims"] = list(p.stock_attention_fp32_head_dims)
     out["wgmma_attention_head_dims"] = list(p.wgmma_attention_head_dims)
     if p.match is not None:
         out["match"] = {"capability": [list(c) for c in p.match.capability], "names": list(p.match.names),

@@ -203,15 +203,17 @@ def test_empty(shape, device):
 
 
 def test_blocks():
-    """A whole row per program, padded to a power of two; small rows batched up to _ELEMS elements; a warp
-    per 1,024 of them, at least 4."""
-    assert ln.blocks(8192, 1152) == (1, 2048, 4)  # PixArt-Σ
+    """A whole row per program, padded to a power of two; small rows batched up to _ELEMS elements; rows up to
+    1,280 wide a warp per 2,048 of them, at least 1; wider rows a warp per 1,024, at least 4."""
+    assert ln.blocks(8192, 640) == (2, 1024, 1)  # SDXL's 64² level
+    assert ln.blocks(2048, 1280) == (1, 2048, 1)  # SDXL's 32² level
+    assert ln.blocks(8192, 1152) == (1, 2048, 1)  # PixArt-Σ
     assert ln.blocks(8192, 1536) == (1, 2048, 4)  # SD3-medium
     assert ln.blocks(4608, 3072) == (1, 4096, 4)  # FLUX
     assert ln.blocks(8192, 8192) == (1, 8192, 8)
-    assert ln.blocks(8192, 40) == (32, 64, 4)
-    assert ln.blocks(3, 40) == (4, 64, 4)
-    assert ln.blocks(8192, 40, ln._INTERPRETED_ELEMS) == (64, 64, 4)  # the interpreter: fewer, larger programs
+    assert ln.blocks(8192, 40) == (32, 64, 1)
+    assert ln.blocks(3, 40) == (4, 64, 1)
+    assert ln.blocks(8192, 40, ln._INTERPRETED_ELEMS) == (64, 64, 2)  # the interpreter: fewer, larger programs
 
 
 @pytest.mark.parametrize(
