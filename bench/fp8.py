@@ -66,7 +66,8 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   kernels can write where it lies (SD3's joined q, k, v) written by our kernel rather than by torch's GEMM a sample
   (``fp8+into-ours``) or by one torch GEMM copied in (``fp8+into-copy``: ``ops.fp8_linear.TORCH_GEMM_INTO``),
   with the original weights moved to the CPU's memory (``fp8+offloaded-originals``:
-  ``sd_kernels.offload_originals``), and with ``compile=True``
+  ``sd_kernels.offload_originals``), with the UNets' ResNet convolutions in FP8 too (``fp8+fp8-conv``:
+  ``patches.fp8_conv.FP8_CONV`` on), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
@@ -102,7 +103,7 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
         "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours", "fp8+into-copy", "fp8+offloaded-originals",
-        "fp8+compile", "torchao")
+        "fp8+fp8-conv", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -349,6 +350,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         base = VARIANTS["patched+graph+compile+fp8" if row == "fp8+compile" else "patched+graph+fp8"]
         setup = dataclasses.replace(base, name=FP8_ROWS[row])
         from sd_kernels.patches import fp8 as fp8_patch
+        from sd_kernels.patches import fp8_conv as fp8_conv_patch
         from sd_kernels.patches import modulation_table
 
         attention_ops = importlib.import_module("sd_kernels.ops.attention")
@@ -374,7 +376,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+geglu-epilogue": (importlib.import_module("sd_kernels.ops.fp8_geglu"), "GEGLU_EPILOGUE",
                                           True),
                    "fp8+into-ours": (fp8_ops, "TORCH_GEMM_INTO", "ours"),
-                   "fp8+into-copy": (fp8_ops, "TORCH_GEMM_INTO", "copy")}.get(row)
+                   "fp8+into-copy": (fp8_ops, "TORCH_GEMM_INTO", "copy"),
+                   "fp8+fp8-conv": (fp8_conv_patch, "FP8_CONV", True)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -403,7 +406,7 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+own-modulations", "fp8+own-step-modulations",
                                                     "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
                                                     "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours",
-                                                    "fp8+into-copy", "fp8+offloaded-originals")}
+                                                    "fp8+into-copy", "fp8+offloaded-originals", "fp8+fp8-conv")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
@@ -532,6 +535,7 @@ E2E_COLUMNS = ["model", "size", "steps", "dtype", "variant", "status", "warmup_s
 def _layer_reference(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the layer in fp32, the layer in the model's dtype) on the same input, with its weights."""
     from sd_kernels.patches.fp8 import Fp8FeedForward
+    from sd_kernels.patches.fp8_conv import Fp8Conv2d
 
     def run(dtype):
         xi = x.to(dtype)
@@ -544,13 +548,17 @@ def _layer_reference(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
             else:
                 h = F.gelu(h, approximate=module.act)
             return F.linear(h, second.weight.to(dtype), None if second.bias is None else second.bias.to(dtype))
-        return F.linear(xi, module.weight.to(dtype), None if module.bias is None else module.bias.to(dtype))
+        bias = None if module.bias is None else module.bias.to(dtype)
+        if isinstance(module, Fp8Conv2d):
+            return F.conv2d(xi, module.weight.to(dtype), bias, padding=1)
+        return F.linear(xi, module.weight.to(dtype), bias)
 
     return run(torch.float32), run(x.dtype)
 
 
 def run_layers(model: str, args, out: pathlib.Path) -> list[dict]:
     from sd_kernels.patches.fp8 import Fp8FeedForward, Fp8Linear, _family
+    from sd_kernels.patches.fp8_conv import Fp8Conv2d
 
     import sd_kernels
     from sd_kernels.models import build_pipeline, image_side
@@ -569,8 +577,10 @@ def run_layers(model: str, args, out: pathlib.Path) -> list[dict]:
             if len(rows) >= 4000 or not isinstance(inputs[0], torch.Tensor):
                 return
             exact, own = _layer_reference(module, inputs[0])
-            rows.append({"model": model, "layer": name, "family": "feed_forward_fused" if isinstance(
-                module, Fp8FeedForward) else _family(name), "rows": inputs[0].numel() // inputs[0].shape[-1],
+            family = ("feed_forward_fused" if isinstance(module, Fp8FeedForward)
+                      else "conv" if isinstance(module, Fp8Conv2d) else _family(name))
+            rows.append({"model": model, "layer": name, "family": family,
+                         "rows": inputs[0].numel() // inputs[0].shape[-1],
                 "fp8_rel_err": f"{rel_err(output, exact):.3e}", "own_dtype_rel_err": f"{rel_err(own, exact):.3e}"})
         return record_error
 

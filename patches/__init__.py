@@ -28,6 +28,7 @@ from . import (
     context_parallel,
     families,
     fp8,
+    fp8_conv,
     memory_budget,
     split_decode,
     t5_encoder,
@@ -124,6 +125,8 @@ def _apply(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord
             PATCHERS[op](model, record)
         if record.precision == "fp8":  # last: it quantizes the Linears the op families left (theirs too)
             fp8.patch_fp8(model, record)
+            if families.is_denoiser(model):  # the ResNet blocks' 3×3 convolutions, the denoiser's only
+                fp8_conv.patch_convs(model, record)
     t5_encoder.install_all(obj, record)
     text_padding.install_all(obj, models, record)
     cuda_graph_mod.install_mode(obj, models, record)

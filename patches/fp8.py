@@ -163,16 +163,25 @@ class Fp8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.train(linear.training)
+        self._hold(linear)
+
+    def _hold(self, layer: nn.Module) -> None:
+        """Take ``layer``'s Parameters (the same objects) and mode, and quantize its weight."""
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.train(layer.training)
         self._home: torch.device | None = None  # the codes' device when ``offload`` parked the weight on the CPU
         self._parked = 0  # id of the Parameter ``offload`` moved
         self._quantize()
 
+    @staticmethod
+    def _weight_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight's (e4m3 codes, fp32 scales) this layer's GEMM reads (patches/fp8_conv.py: a convolution's)."""
+        return quantize_weight(weight)
+
     def _quantize(self) -> None:
         target = self.weight.device if self._home is None else self._buffers["w_q"].device  # parked: the codes'
-        w_q, s_w = quantize_weight(self.weight.to(target))
+        w_q, s_w = self._weight_codes(self.weight.to(target))
         self.register_buffer("w_q", w_q, persistent=False)
         self.register_buffer("s_w", s_w, persistent=False)
         self._source = self.graph_state(), w_q.data_ptr()
@@ -209,7 +218,7 @@ class Fp8Linear(nn.Module):
     def _requantize_in_place(self) -> None:
         """The codes made again into their own buffers, which may be views of a layout several layers share
         (``Fp8Projections``): a weight that came back from the CPU keeps that layout."""
-        w_q, s_w = quantize_weight(self.weight)
+        w_q, s_w = self._weight_codes(self.weight)
         with torch.inference_mode(self.w_q.is_inference()), torch.no_grad():
             self.w_q.copy_(w_q)
             self.s_w.copy_(s_w)
@@ -526,7 +535,10 @@ class Fp8Summary:
                        f"{modulation_table.ROWS} rows ({mib(self.step_table_bytes)}, patches/modulation_table.py)")
         kept = (f"; {self.cross_kv_kept} cross-attention key/value projections (of the text: a few hundred rows a "
                 f"call) stay in the model's dtype" if self.cross_kv_kept else "")
-        return (f"fp8: {sum(self.layers.values())} linear layers as E4M3 GEMMs ({counts}){kept}; their weights "
+        convs = self.layers.get("conv", 0)
+        layers = f"{sum(self.layers.values()) - convs} linear layers" + (
+            f" and {convs} 3×3 convolutions" if convs else "")
+        return (f"fp8: {layers} as E4M3 GEMMs ({counts}){kept}; their weights "
                 f"{mib(self.original_bytes)} {where} for an exact unpatch, the codes and scales add "
                 f"{mib(self.fp8_bytes)}; {self.attention_processors} attention processors run FP8 attention where "
                 f"a call takes it (docs/kernels/attention_fp8.md){joined}")

@@ -94,8 +94,11 @@ def _fused_silu(norm: nn.Module) -> bool:
 
 
 def _plain_conv(conv: nn.Module | None) -> bool:
-    """A plain, hook-free nn.Conv2d (a LoRA layer, a WinogradConv2d or an offloading hook runs its own forward)."""
-    return type(conv) is nn.Conv2d and not (conv._forward_hooks or conv._forward_pre_hooks or global_hooks())
+    """A plain, hook-free nn.Conv2d (a LoRA layer, a WinogradConv2d or an offloading hook runs its own forward),
+    or a module that is one as far as ``_conv_forward(x, weight, bias)`` goes (``plain_conv``: the FP8 tier's
+    ``Fp8Conv2d``, patches/fp8_conv.py)."""
+    return ((type(conv) is nn.Conv2d or getattr(type(conv), "plain_conv", False))
+            and not (conv._forward_hooks or conv._forward_pre_hooks or global_hooks()))
 
 
 def _folds_into_norm2(block: nn.Module, temb: torch.Tensor | None) -> bool:

@@ -6,6 +6,7 @@ from .attention import flash_attention
 from .attention_fp8 import attention_fp8
 from .attention_parts import attention_lse, merge_attention
 from .conv import conv2d
+from .fp8_conv import conv3x3_fp8
 from .fp8_linear import fp8_gemm, fp8_linear, quantize_rows
 from .gelu import geglu, gelu, linear_geglu, linear_gelu
 from .group_norm import group_norm
@@ -28,6 +29,7 @@ __all__ = [
     "attention_lse",
     "bias_residual",
     "conv2d",
+    "conv3x3_fp8",
     "flash_attention",
     "fp8_gemm",
     "fp8_linear",

@@ -54,7 +54,7 @@ WINOGRAD_TILES = (2, 4, 6, 8)  # ops.winograd.TILES (a test keeps them equal; no
 KNOWN_OPS = ("flash_attention", "partial_softmax_attention", "softmax_matmul", "group_norm", "gelu", "geglu",
              "linear_geglu", "linear_gelu", "winograd_conv2d", "conv2d", "layer_norm", "residual",
              "upsample_conv2d", "pack8", "fp8_linear", "fp8_quant", "attention_fp8", "qk_norm_rope",
-             "attention_merge", "gated_add", "fp8_geglu")
+             "attention_merge", "gated_add", "fp8_geglu", "fp8_conv")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # With an intermediate budget, one chunked intermediate (a slice of attention scores or of the
 # feed-forward's 2n-wide projection) may take this share of it: the rest holds the activations
