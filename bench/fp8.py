@@ -580,7 +580,7 @@ def run_layers(model: str, args, out: pathlib.Path) -> list[dict]:
             family = ("feed_forward_fused" if isinstance(module, Fp8FeedForward)
                       else "conv" if isinstance(module, Fp8Conv2d) else _family(name))
             rows.append({"model": model, "layer": name, "family": family,
-                         "rows": inputs[0].numel() // inputs[0].shape[-1],
+                         "rows": inputs[0].numel() // inputs[0].shape[1 if family == "conv" else -1],
                 "fp8_rel_err": f"{rel_err(output, exact):.3e}", "own_dtype_rel_err": f"{rel_err(own, exact):.3e}"})
         return record_error
 

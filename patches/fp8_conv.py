@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sd_kernels.ops.fp8_conv import conv3x3_fp8, conv_reason, quantize_conv_weight
+from sd_kernels.ops.fp8_conv import DTYPES, conv3x3_fp8, conv_reason, quantize_conv_weight
 from sd_kernels.profiles import scoped
+from sd_kernels.runtime.dispatch import declined
 
 from .fp8 import Fp8Linear, Fp8Summary
 from .hooks import called_beside
@@ -55,9 +56,14 @@ class Fp8Conv2d(Fp8Linear):
         return quantize_conv_weight(weight)
 
     def _serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the call runs in FP8; an input the kernel refuses is also counted in ``dispatch.fallbacks()``."""
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        return (weight is self.weight and not self.training and not grad and not torch.compiler.is_compiling()
-                and conv_reason(x, self.w_q) is None)
+        if weight is not self.weight or self.training or grad or torch.compiler.is_compiling():
+            return False
+        reason = conv_reason(x, self.w_q)
+        if reason is not None:
+            declined("fp8_conv", reason)
+        return reason is None
 
     @scoped
     def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,15 +76,22 @@ class Fp8Conv2d(Fp8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, self.weight, self.bias)
 
+    def offload(self) -> int:
+        """Nothing: the calls it does not serve (autograd, compilation, ``_serves``) read the original weight where
+        the input is, so ``offload_originals`` leaves it on the device."""
+        return 0
+
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, kernel_size=(3, 3), padding=(1, 1), e4m3"
 
 
 def unserved(conv: nn.Module) -> str | None:
     """Why ``conv`` (a ResNet block's conv1 or conv2) stays as it is, or None: a plain, unhooked 3×3 ``nn.Conv2d``
-    of stride 1, padding 1, one group, zero padding, input channels a multiple of 32."""
+    of stride 1, padding 1, one group, zero padding, an fp16, bf16 or fp32 weight, input channels a multiple of 32."""
     if type(conv) is not nn.Conv2d:
         return "not an nn.Conv2d (a subclass or an adapter-wrapped one keeps its forward)"
+    if conv.weight.dtype not in DTYPES:
+        return f"a {conv.weight.dtype} weight (the kernel takes fp16, bf16 and fp32 inputs)"
     if called_beside(conv):
         return "hooks on the convolution"
     if (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode) != (

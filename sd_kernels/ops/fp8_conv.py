@@ -14,12 +14,14 @@ pixel's K runs over nine source pixels, so a scale a pixel would have to be appl
 loop, while a sample's comes out of the sum and is applied once in the epilogue with the weight's (tiles
 never straddle two samples' scales: the epilogue reads each row's). E4M3 is a floating-point format (3
 mantissa bits over 18 binades), so a scale set by the sample's largest value keeps every smaller value's
-relative precision down to 2⁻⁶ of the maximum, then the subnormals'.
+relative precision down to about 2⁻¹⁵ of the maximum (448 maps to it; 2⁻⁶ is the smallest normal code), then
+the subnormals'.
 
 The quantization is two kernels: each program finds the max |x| of a block of one sample's pixels
 (``_sample_amax_kernel``), then each program reduces its sample's partial maxima and writes its block's codes
 (``_sample_quantize_kernel``): x read twice, the codes written once, no atomics (the same bits every run).
-Non-finite inputs: a NaN makes its sample's scale NaN, so the sample's output is NaN, as torch's would be.
+Non-finite inputs: a NaN or an infinity makes its sample's scale non-finite, so the whole sample's output is NaN
+(torch's convolution spreads it only as far as the kernel reaches).
 
 Numerics against the exact convolution: the codes' rounding (2⁻⁴ relative at most, each) makes a relative
 error of about 3% of the output (H200, SDXL's shapes, 2026-11-30: docs/kernels/fp8_conv.md), the FP8 tier's
@@ -38,7 +40,7 @@ from sd_kernels.ops.fp8_quant import E4M3, fp8_reason, row_amax, row_quantize
 from sd_kernels.runtime.dispatch import interpreting, use_kernel
 from sd_kernels.runtime.launch import Launcher, cdiv, next_pow2
 
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PARTIALS = 1024  # at most this many partial maxima a sample: a quantize program reduces them all
 _MIN_PIXELS = 32  # pixels a quantization program at least
 
@@ -130,8 +132,9 @@ _CONV = Launcher(_conv3x3_fp8_kernel)
 
 def blocks(c: int, co: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for C → C_out channels: BLOCK_K 128 where it divides C,
-    else 64 or 32; 256 output channels a tile from 1,280 on, else 128. The fastest of eight tiles at each of eight SDXL
-    ResNet shapes (H200, 2026-11-30: docs/kernels/fp8_conv.md); under the interpreter, small tiles."""
+    else 64 or 32; 256 output channels a tile from 1,280 on, else 128. Of eight tiles timed at eight SDXL ResNet
+    shapes, the fastest at seven; at 640 → 640 at 64² 2% behind the fastest (H200, 2026-11-30:
+    docs/kernels/fp8_conv.md). Under the interpreter, small tiles."""
     if interpreting():
         return 32, 32, 64 if c % 64 == 0 else 32, 4, 1
     wide_k = c % 128 == 0
@@ -143,7 +146,7 @@ def conv_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why ``conv3x3_fp8`` cannot take input x [N, C, H, W] for a weight [C_out, C, 3, 3] (or its codes
     [C_out, 9·C]), or None."""
     if x.dim() != 4 or x.dtype not in DTYPES:
-        return f"input {x.dim()}-D {x.dtype} (a 4-D fp16 or bf16 one is served)"
+        return f"input {x.dim()}-D {x.dtype} (a 4-D fp16, bf16 or fp32 one is served)"
     if x.shape[1] % 32:
         return f"{x.shape[1]} input channels, not a multiple of 32"
     if weight.dim() == 2 and weight.shape[1] != 9 * x.shape[1]:
@@ -205,7 +208,7 @@ def reference_conv3x3_fp8(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
 def conv3x3_fp8(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.conv2d(x, W, bias, padding=1)`` for a 3×3 weight W given as ``quantize_conv_weight``'s codes w_q
-    [C_out, 9·C] and scales s_w [C_out], x [N, C, H, W] fp16 or bf16 (any strides; NHWC reads best) quantized
+    [C_out, 9·C] and scales s_w [C_out], x [N, C, H, W] fp16, bf16 or fp32 (any strides; NHWC reads best) quantized
     a sample at the call (``quantize_samples``); the output [N, C_out, H, W] in x's dtype, channels_last."""
     reason = conv_reason(x, w_q)
     if reason is not None and (x.dim() != 4 or (w_q.dim() == 2 and w_q.shape[1] != 9 * x.shape[1])):
@@ -216,6 +219,8 @@ def conv3x3_fp8(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
         return reference_conv3x3_fp8(x, w_q, s_w, bias)
     nb, c, h, w = x.shape
     co = w_q.shape[0]
+    w_q, s_w = w_q.contiguous(), s_w.contiguous()  # the kernel reads them densely (quantize_conv_weight's are)
+    bias = None if bias is None else bias.contiguous()
     x_q, s_x = quantize_samples(x)
     y = torch.empty((nb, h, w, co), device=x.device, dtype=x.dtype)
     if y.numel():

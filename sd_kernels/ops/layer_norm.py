@@ -122,8 +122,9 @@ def blocks(n_rows: int, d: int, elems: int = _ELEMS) -> tuple[int, int, int]:
     (``_ELEMS`` on a GPU) elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor
     in flight), 4 to 16: small programs, many of them resident on an SM, so that one's loads run under
     another's reductions (docs/kernels/layer_norm.md, "Benchmark"). Rows of at most ``_ONE_WARP_MAX_D``
-    features take a warp per 2,048 elements, down to one: measured faster at SD's, SDXL's and PixArt-Σ's
-    widths, slower at SD3's 1,536 and FLUX's 3,072 (docs/kernels/layer_norm.md, "The kernel")."""
+    features take a warp per 2,048 elements, down to one: measured faster at SD's 320 and 640, SDXL's and
+    PixArt-Σ's widths (SD1.5's 256 rows of 1,280 0.2 µs slower), slower at SD3's 1,536 and FLUX's 3,072
+    (docs/kernels/layer_norm.md, "The kernel")."""
     block_d = next_pow2(d)
     rows = max(1, min(elems // block_d, next_pow2(n_rows)))
     if d <= _ONE_WARP_MAX_D:

@@ -14,7 +14,7 @@ from sd_kernels.testing import channels_last, non_contiguous, rel_err
 
 fc = importlib.import_module("sd_kernels.ops.fp8_conv")
 E4M3 = torch.float8_e4m3fn
-ULP = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+ULP = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
 def _inputs(nb, c, h, w, co, dtype, device="cpu", seed=0):
@@ -47,21 +47,41 @@ def _check(x, weight, bias, accumulation: float = 0.0):
     return rel_err(y, exact), rel_err(ref, exact)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# Each case on the CPU (through the interpreter) and on a GPU's compiled kernels: on a GPU host the CPU tensors run
+# the reference, so the "cuda" cases are what checks the compiled kernel there.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _device(device: str) -> float:
+    """The FP8 tensor cores' accumulation bound for ``_check`` (0 on the CPU); skips without FP8 tensor cores."""
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9)):
+        pytest.skip("needs a GPU with FP8 tensor cores (sm_89 or later)")
+    return 0.0
+
+
+def _accumulation(device: str, c: int) -> float:
+    return 2.0**-12 * math.sqrt(9 * c / 64) if device == "cuda" else 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("nb,c,h,w,co", [(2, 64, 5, 7, 48), (1, 32, 3, 9, 40), (3, 96, 4, 4, 16)])
-def test_conv_against_the_quantized_reference_and_the_exact_conv(nb, c, h, w, co, dtype):
+def test_conv_against_the_quantized_reference_and_the_exact_conv(nb, c, h, w, co, dtype, device):
     """Odd sizes (output channels not a multiple of the tile, an image edge in every tile, 96 input channels:
     BLOCK_K 32), channels_last input, several samples of different ranges."""
-    x, weight, bias = _inputs(nb, c, h, w, co, dtype)
-    ours, quantized = _check(channels_last(x), weight, bias)
-    assert ours < 0.06 and ours <= quantized + 2 * ULP[dtype], (ours, quantized)  # e4m3's 2⁻⁴ a code, at most
+    _device(device)
+    x, weight, bias = _inputs(nb, c, h, w, co, dtype, device)
+    ours, quantized = _check(channels_last(x), weight, bias, _accumulation(device, c))
+    assert ours < 0.06 and ours <= quantized * 1.05 + 2 * ULP[dtype], (ours, quantized)  # e4m3's 2⁻⁴ a code
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_any_input_strides_and_no_bias(layout):
-    x, weight, _ = _inputs(2, 32, 4, 6, 24, torch.float16)
+def test_any_input_strides_and_no_bias(layout, device):
+    _device(device)
+    x, weight, _ = _inputs(2, 32, 4, 6, 24, torch.float16, device)
     x = non_contiguous(x) if layout == "strided" else x.contiguous()
-    _check(x, weight, None)
+    _check(x, weight, None, _accumulation(device, 32))
 
 
 def test_the_weight_codes_are_laid_out_tap_by_tap():
@@ -80,10 +100,12 @@ def test_the_weight_codes_are_laid_out_tap_by_tap():
         fc.quantize_conv_weight(weight[:, :, :1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
-def test_quantize_samples_matches_the_reference(layout):
+def test_quantize_samples_matches_the_reference(layout, device):
     """One scale a sample (its max |x| / 448), the codes NHWC; more pixels than one program's (partial maxima)."""
-    x, _, _ = _inputs(3, 32, 9, 17, 8, torch.bfloat16)
+    _device(device)
+    x, _, _ = _inputs(3, 32, 9, 17, 8, torch.bfloat16, device)
     x = channels_last(x) if layout == "channels_last" else x
     q, s = fc.quantize_samples(x)
     rq, rs = fc.reference_quantize_samples(x)
@@ -92,10 +114,12 @@ def test_quantize_samples_matches_the_reference(layout):
     assert torch.equal(q.float(), rq.float())
 
 
-def test_a_zero_sample_and_a_nan_sample():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_zero_sample_and_a_nan_sample(device):
     """A zero sample: codes and scale 0, so its output is the bias. A NaN: that sample's output is NaN, the
     others' are not."""
-    x, weight, bias = _inputs(3, 32, 3, 4, 16, torch.float16)
+    _device(device)
+    x, weight, bias = _inputs(3, 32, 3, 4, 16, torch.float16, device)
     x[0] = 0
     x[2, 5, 1, 1] = float("nan")
     q, s = fc.quantize_samples(x)
@@ -110,7 +134,7 @@ def test_refusals():
     w_q, s_w = fc.quantize_conv_weight(weight)
     assert fc.conv_reason(x, w_q) is None
     assert "multiple of 32" in fc.conv_reason(x[:, :24], w_q)
-    assert "fp16 or bf16" in fc.conv_reason(x.float(), w_q)
+    assert "fp16, bf16 or fp32" in fc.conv_reason(x.double(), w_q)
     assert "weight codes" in fc.conv_reason(torch.cat([x, x], 1), w_q)
     with pytest.raises(ValueError, match="weight codes"):
         fc.conv3x3_fp8(torch.cat([x, x], 1), w_q, s_w)

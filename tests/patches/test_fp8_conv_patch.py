@@ -77,10 +77,26 @@ def test_fp8_conv_off_and_unserved_convs_are_listed(fp8_convs, monkeypatch):
 
 def test_unserved_names_each_reason():
     assert fp8_conv.unserved(_conv()) is None
-    assert "stride 1" in fp8_conv.unserved(nn.Conv2d(32, 16, 3, stride=2, padding=1))
-    assert "stride 1" in fp8_conv.unserved(nn.Conv2d(32, 16, 1))
-    assert "multiple of 32" in fp8_conv.unserved(nn.Conv2d(24, 16, 3, padding=1))
-    assert "subclass" in fp8_conv.unserved(type("MyConv", (nn.Conv2d,), {})(32, 16, 3, padding=1))
+    half = lambda *args, **kwargs: nn.Conv2d(*args, **kwargs).half()  # noqa: E731
+    for other in (half(32, 16, 3, stride=2, padding=1), half(32, 16, 1), half(32, 16, 3, padding=2, dilation=2),
+                  half(32, 16, 3, padding=1, groups=2), half(32, 16, 3, padding=1, padding_mode="reflect")):
+        assert "stride 1" in fp8_conv.unserved(other)
+    assert "multiple of 32" in fp8_conv.unserved(half(24, 16, 3, padding=1))
+    assert "torch.float64 weight" in fp8_conv.unserved(nn.Conv2d(32, 16, 3, padding=1).double())
+    assert "subclass" in fp8_conv.unserved(type("MyConv", (nn.Conv2d,), {})(32, 16, 3, padding=1).half())
+
+
+def test_offload_leaves_the_weight_its_fallback_reads(monkeypatch):
+    """``offload_originals`` parks the linear layers' weights; a convolution's stays, since a call it does not serve
+    (autograd here) reads it."""
+    from sd_kernels.patches import fp8
+
+    monkeypatch.setattr(fp8, "_PARK_FROM_THE_CPU", True)
+    conv = _conv()
+    layer = fp8_conv.Fp8Conv2d(conv)
+    assert layer.offload() == 0 and layer.weight is conv.weight and layer._home is None
+    x = torch.randn(1, 32, 4, 4).half().requires_grad_()
+    assert torch.equal(layer(x), conv(x))
 
 
 def test_a_call_is_the_fp8_conv_and_falls_back_to_the_original_where_not_served():
