@@ -30,9 +30,10 @@ def _inputs(nb, c, h, w, co, dtype, device="cpu", seed=0):
 def _check(x, weight, bias, accumulation: float = 0.0):
     """Ours against the float64 convolution of the same codes and against the exact one; returns (ours, the
     codes' reference) against the exact one. On the CPU every element within 2 ulps of the output's dtype of the
-    largest; on a GPU (``accumulation`` > 0), where the FP8 tensor cores add the products into fewer mantissa bits
-    than fp32 has (tests/ops/test_fp8_linear.py ``_accumulation_floor``), within the output's rounding plus that,
-    relative to the whole output (its norm)."""
+    largest, plus fp32's worst-case accumulation over the K = 9·C products (K ulps of fp32: the reference's own,
+    where a GPU host runs the reference for CPU tensors). On a GPU (``accumulation`` > 0), where the FP8 tensor
+    cores add the products into fewer mantissa bits than fp32 has (tests/ops/test_fp8_linear.py
+    ``_accumulation_floor``), within the output's rounding plus that, relative to the whole output (its norm)."""
     w_q, s_w = fc.quantize_conv_weight(weight)
     y = fc.conv3x3_fp8(x, w_q, s_w, bias)
     assert y.shape == (x.shape[0], weight.shape[0], *x.shape[2:]) and y.dtype == x.dtype
@@ -41,8 +42,9 @@ def _check(x, weight, bias, accumulation: float = 0.0):
     if accumulation:
         assert rel_err(y, ref) <= ULP[x.dtype] + accumulation, rel_err(y, ref)
     else:
-        scale = ref.abs().amax()
-        assert (y.double() - ref).abs().max() <= 2 * ULP[x.dtype] * scale, float((y.double() - ref).abs().max() / scale)
+        scale, k = ref.abs().amax(), 9 * x.shape[1]
+        bound = (2 * ULP[x.dtype] + k * ULP[torch.float32]) * scale
+        assert (y.double() - ref).abs().max() <= bound, float((y.double() - ref).abs().max() / scale)
     exact = F.conv2d(x.double(), weight.double(), None if bias is None else bias.double(), padding=1)
     return rel_err(y, exact), rel_err(ref, exact)
 
