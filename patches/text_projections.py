@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from sd_kernels.ops.weight_cache import weight_version
+
 from . import qkv_fusion
 from .record import PatchRecord
 
@@ -48,21 +50,16 @@ KIND = "text_kv"
 NAMES = ("to_k", "to_v")
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """t's version counter (None for an inference tensor, which has none)."""
-    return None if t.is_inference() else t._version
-
-
 class _Product:
     """The text's projections by every member: made from ``context``, read once by each member."""
 
     def __init__(self, context: torch.Tensor, product: list[torch.Tensor], members: int) -> None:
-        self.context, self.ptr, self.version = context, context.data_ptr(), _version(context)
+        self.context, self.state = context, weight_version(context)  # its data pointer and version counter
         self.product = product
         self.unread = set(range(members))
 
     def made_from(self, context: torch.Tensor) -> bool:
-        return context is self.context and context.data_ptr() == self.ptr and _version(context) == self.version
+        return context is self.context and weight_version(context) == self.state
 
 
 class TextProjections:

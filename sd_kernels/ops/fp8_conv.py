@@ -174,9 +174,14 @@ def reference_quantize_samples(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def quantize_samples(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, C, H, W] (any strides) as (e4m3 codes [N, H, W, C] contiguous, one fp32 scale a sample [N]):
     e4m3(x · 448 / max|x over the sample|), the scale max / 448 (a zero sample: codes and scale 0)."""
-    nb, c, h, w = x.shape
     if not use_kernel("fp8_conv", x, unsupported=fp8_reason(x)):
         return reference_quantize_samples(x)
+    return _quantize_samples(x)
+
+
+def _quantize_samples(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_samples`` on the kernels (the dispatch already asked)."""
+    nb, c, h, w = x.shape
     hw = h * w
     pix = max(_MIN_PIXELS, next_pow2(cdiv(hw, _PARTIALS)))
     parts, block_c = cdiv(hw, pix), min(next_pow2(c), max(16, 4096 // pix))
@@ -210,18 +215,19 @@ def conv3x3_fp8(x: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
     """``F.conv2d(x, W, bias, padding=1)`` for a 3×3 weight W given as ``quantize_conv_weight``'s codes w_q
     [C_out, 9·C] and scales s_w [C_out], x [N, C, H, W] fp16, bf16 or fp32 (any strides; NHWC reads best) quantized
     a sample at the call (``quantize_samples``); the output [N, C_out, H, W] in x's dtype, channels_last."""
-    reason = conv_reason(x, w_q)
-    if reason is not None and (x.dim() != 4 or (w_q.dim() == 2 and w_q.shape[1] != 9 * x.shape[1])):
-        raise ValueError(f"conv3x3_fp8: {reason}")
+    if x.dim() != 4:
+        raise ValueError(f"conv3x3_fp8: input {x.dim()}-D, not [N, C, H, W]")
+    if w_q.dim() != 2 or w_q.shape[1] != 9 * x.shape[1]:
+        raise ValueError(f"conv3x3_fp8: weight codes {tuple(w_q.shape)} for {x.shape[1]} input channels")
     if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
         raise ValueError(f"conv3x3_fp8: bias must have shape ({w_q.shape[0]},), got {tuple(bias.shape)}")
-    if not use_kernel("fp8_conv", x, w_q, s_w, bias, unsupported=reason):
+    if not use_kernel("fp8_conv", x, w_q, s_w, bias, unsupported=conv_reason(x, w_q)):
         return reference_conv3x3_fp8(x, w_q, s_w, bias)
     nb, c, h, w = x.shape
     co = w_q.shape[0]
     w_q, s_w = w_q.contiguous(), s_w.contiguous()  # the kernel reads them densely (quantize_conv_weight's are)
     bias = None if bias is None else bias.contiguous()
-    x_q, s_x = quantize_samples(x)
+    x_q, s_x = _quantize_samples(x)
     y = torch.empty((nb, h, w, co), device=x.device, dtype=x.dtype)
     if y.numel():
         bm, bn, bk, warps, stages = blocks(c, co)
