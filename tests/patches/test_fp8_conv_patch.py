@@ -118,12 +118,16 @@ def test_a_call_is_the_fp8_conv_and_falls_back_to_the_original_where_not_served(
 
 
 def test_a_weight_changed_in_place_is_quantized_again():
+    """And its ``graph_state`` changes with it: the CUDA graphs' watch (patches/cuda_graph.py) reads it, so a graph
+    that baked the old codes in is captured anew."""
     conv = _conv()
     layer = fp8_conv.Fp8Conv2d(conv)
     x = torch.randn(1, 32, 4, 4).half()
+    state = layer.graph_state()
     with torch.no_grad():
         before = layer(x)
         conv.weight.mul_(-2)
+        assert layer.graph_state() != state
         after = layer(x)
         assert torch.equal(after, ops.conv3x3_fp8(x, *ops.quantize_conv_weight(conv.weight), conv.bias))
         assert not torch.equal(before, after)
