@@ -23,6 +23,7 @@ import torch.nn as nn
 from sd_kernels.profiles import Profile, get_profile
 
 from . import (
+    bf16_decode,
     call_gate,
     cfg_parallel,
     context_parallel,
@@ -121,8 +122,7 @@ def _apply(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord
     for part, model in models:
         record.scope = part  # skipped modules' paths start with it
         record.set_attr(model, _OWNER, record, kind=None)
-        for op in patch_order(record.ops):
-            PATCHERS[op](model, record)
+        _patch_model(model, record)
         if record.precision == "fp8":  # last: it quantizes the Linears the op families left (theirs too)
             fp8.patch_fp8(model, record)
             if families.is_denoiser(model):  # the ResNet blocks' 3×3 convolutions, the denoiser's only
@@ -130,8 +130,15 @@ def _apply(obj: object, models: list[tuple[str, nn.Module]], record: PatchRecord
     t5_encoder.install_all(obj, record)
     text_padding.install_all(obj, models, record)
     cuda_graph_mod.install_mode(obj, models, record)
+    bf16_decode.install(obj, _patch_model, record)  # the FP8 tier's decode where the pipeline upcasts to fp32
     if record.memory_plan is not None and record.memory_plan.swapped:
         memory_budget.install_swap(obj, record)
+
+
+def _patch_model(model: nn.Module, record: PatchRecord) -> None:
+    """The record's op families on ``model``, in their order."""
+    for op in patch_order(record.ops):
+        PATCHERS[op](model, record)
 
 
 def _note_others(obj: object, models: list, others: list[tuple[str, str]], record: PatchRecord) -> None:

@@ -510,6 +510,7 @@ class Fp8Summary:
     cross_kv_kept: int = 0  # cross-attention key/value projections left in the model's dtype (CROSS_KV_FP8 off)
     step_tables: int = 0  # of those, the ones whose rows of every step are made in one GEMM a call
     step_table_bytes: int = 0  # their tables' (made before the first call, kept until unpatch)
+    decode_copy_bytes: int = 0  # the VAE decoder's bf16 copy, where the pipeline upcasts it (patches/bf16_decode.py)
 
     def add(self, family: str, layer: Fp8Linear) -> None:
         self.layers[family] += 1
@@ -535,6 +536,9 @@ class Fp8Summary:
                        f"{modulation_table.ROWS} rows ({mib(self.step_table_bytes)}, patches/modulation_table.py)")
         kept = (f"; {self.cross_kv_kept} cross-attention key/value projections (of the text: a few hundred rows a "
                 f"call) stay in the model's dtype" if self.cross_kv_kept else "")
+        if self.decode_copy_bytes:
+            joined += (f"; the decode the pipeline would upcast to fp32 runs on a bf16 copy of the VAE's decoder "
+                       f"({mib(self.decode_copy_bytes)}, patches/bf16_decode.py)")
         convs = self.layers.get("conv", 0)
         layers = f"{sum(self.layers.values()) - convs} linear layers" + (
             f" and {convs} 3×3 convolutions" if convs else "")

@@ -704,11 +704,11 @@ def test_fp8_feed_forward_gated_residual():
     assert rel_err(fused.gated_residual(h, None, residual), residual + fused(h)) < 1e-2
 
 
-def _geglu_feed_forward(dim=32):
+def _geglu_feed_forward(dim=32, device="cpu"):
     from diffusers.models.attention import FeedForward
 
     torch.manual_seed(0)
-    ff = FeedForward(dim, activation_fn="geglu").half().eval()
+    ff = FeedForward(dim, activation_fn="geglu").half().eval().to(device)
     fused = fp8.Fp8FeedForward(ff, "none", True)
     ff.net[0].proj, ff.net[2] = fp8.Fp8Linear(ff.net[0].proj), fp8.Fp8Linear(ff.net[2])
     return ff, fused
@@ -719,11 +719,13 @@ def test_fp8_geglu_feed_forward_takes_the_epilogue_and_matches_the_two_kernel_pa
     """With the GEGLU epilogue switched on, a GEGLU feed-forward's first GEMM writes a · gelu(g)
     (ops/fp8_geglu.py) and reads the codes its input carries: the output within fp16's roundings of the two-kernel
     path (GEMM, then the GEGLU quantizer), which the switch off (the default), a hook on the projection or a K the
-    TMA unit cannot read bring back."""
+    TMA unit cannot read bring back. On the CPU through the interpreter; a GPU host runs it on CUDA tensors (CPU
+    tensors there take the reference)."""
     fg = importlib.import_module("sd_kernels.ops.fp8_geglu")
     monkeypatch.setattr(fg, "GEGLU_EPILOGUE", True)  # opt-in
-    ff, fused = _geglu_feed_forward()
-    h = _half(2, 6, 32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ff, fused = _geglu_feed_forward(device=device)
+    h = _half(2, 6, 32).to(device)
     launched = count_calls(fg, geglu="_GEGLU")
     quantized = count_calls(fp8_ops, rows="quantize_rows")
     q, s = fp8_ops.quantize_rows(h)
@@ -742,8 +744,8 @@ def test_fp8_geglu_feed_forward_takes_the_epilogue_and_matches_the_two_kernel_pa
     fused(h)
     handle.remove()
     assert launched == {"geglu": 1}
-    _, odd = _geglu_feed_forward(dim=24)  # K = 24: rows of 24 bytes, off the TMA unit's 16-byte grid
-    odd(_half(2, 6, 24))
+    _, odd = _geglu_feed_forward(dim=24, device=device)  # K = 24: rows of 24 bytes, off the TMA unit's 16-byte grid
+    odd(_half(2, 6, 24).to(device))
     assert launched == {"geglu": 1}
 
 
