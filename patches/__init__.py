@@ -63,8 +63,9 @@ def patch(obj: object, profile: str | Profile | None = None, ops: Iterable[str] 
     ``compile``: the graphs capture ``torch.compile`` of what they replay (True = "default",
     "max-autotune"); ``parallel``: "cfg" splits the denoiser's guidance batch over the processes of
     torch.distributed's default group (every process patches alike; docs/parallel.md); ``precision``:
-    "fp8" also runs the transformer blocks' linear layers as FP8 GEMMs, attention staying exact
-    (lossy, opt-in: docs/fp8.md; None or "fp16", the default: lossless). docs/patch.md describes each.
+    "fp8" also runs the transformer blocks' linear layers as FP8 GEMMs, attention staying exact, and the
+    decode a pipeline upcasts to fp32 (SDXL's) in bf16 (lossy, opt-in: docs/fp8.md; None or "fp16", the
+    default: lossless). docs/patch.md describes each.
     The same patch asked again changes nothing; another one unpatches first. Nothing is half-patched:
     if a patcher raises, what was done is undone.
     """
