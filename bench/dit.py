@@ -92,7 +92,9 @@ def measure(pipe, name: str, size: int, steps: int, calls: int, ref: dict, conte
         torch.cuda.synchronize()
         warmup = time.perf_counter() - start
         hook.remove()
-        held = torch.cuda.memory_allocated(device)  # the row's weights, codes, caches and graph pools, warm
+        # the row's weights, codes, caches and its graphs' outputs, warm: a CUDA graph's private pool holds the
+        # intermediates of its replays as reserved memory, which neither figure counts
+        held = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         e2e = statistics.median(wall_ms(lambda: call("pt")) for _ in range(calls))
         peak = torch.cuda.max_memory_allocated(device)

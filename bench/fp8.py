@@ -73,8 +73,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
-  latents' relative error; and the GPU memory the row holds once warm (``gpu_gib``: allocated tensors, CUDA
-  graphs' pools included) and its peak during the timed calls (``peak_gib``).
+  latents' relative error; and the GPU memory the row holds once warm (``gpu_gib``: allocated tensors, the CUDA
+  graphs' outputs included) and its peak during the timed calls (``peak_gib``), both torch's allocated bytes: the
+  intermediates a CUDA graph's replay writes lie in the graph's private pool, reserved and not counted, so rows
+  that replay graphs and rows that run eagerly do not compare.
 - ``layers`` (fp8_layers.csv): one transformer call patched with ``precision="fp8"``; for every
   quantized GEMM (a fused feed-forward counts as one), its relative error against the same layer in
   fp32 beside the error of the layer in the model's own dtype.

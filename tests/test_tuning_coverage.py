@@ -5,7 +5,8 @@ on the main thread), which is what kept SD1.5's first image at 17–22 s after t
 
 Each model is built on the meta device (no memory) and patched with the ``hopper`` profile; one
 forward at the resolution its tables were tuned for (bench/tune.py: batch 1 with CFG, so the UNet at
-batch 2, the VAE decoder at batch 1; SDXL's pipeline decodes in fp32, ``force_upcast``) records the
+batch 2, the VAE decoder at batch 1; SDXL's pipeline decodes in fp32, ``force_upcast``, and the FP8
+tier's copy of its decoder in bf16) records the
 launcher key of every GroupNorm call, computed by ``group_norm`` itself, with its launchers replaced
 by recorders. A meta-device conv returns NCHW whatever its operands; the fixture makes it return
 channels_last when an operand is, as cuDNN does, so that every layout after it is the GPU's (this
@@ -83,10 +84,12 @@ def _run(name: str, size: int) -> None:
         sd_kernels.patch(unet, profile="hopper", cuda_graph=False)
         x, ctx, kwargs = unet_inputs(cfg["unet"], 2, side, "meta", torch.float16, None, size)
         unet(x, torch.zeros(2, device="meta"), ctx, **kwargs)
-        dtype = torch.float32 if cfg["vae"].get("force_upcast") and name == "sdxl" else torch.float16
-        vae = models.build_model(name, "vae", device="meta", dtype=dtype)
-        sd_kernels.patch(vae, profile="hopper", cuda_graph=False)
-        vae.decode(torch.zeros(1, vae.config.latent_channels, side, side, device="meta", dtype=dtype))
+        # SDXL's pipeline decodes in fp32 (force_upcast), and the FP8 tier's copy of its decoder in bf16
+        upcast = cfg["vae"].get("force_upcast") and name == "sdxl"
+        for dtype in (torch.float32, torch.bfloat16) if upcast else (torch.float16,):
+            vae = models.build_model(name, "vae", device="meta", dtype=dtype)
+            sd_kernels.patch(vae, profile="hopper", cuda_graph=False)
+            vae.decode(torch.zeros(1, vae.config.latent_channels, side, side, device="meta", dtype=dtype))
 
 
 @pytest.mark.integration

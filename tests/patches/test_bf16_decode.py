@@ -5,6 +5,7 @@ wrongly (the kernels' tests say so); the GPU case runs every op family, its deco
 import pytest
 import torch
 import torch.nn as nn
+from diffusers import StableDiffusionXLPipeline
 from dit_checks import cpu_only
 from sd_kernels.patches import PATCHERS, bf16_decode
 
@@ -13,14 +14,37 @@ from sd_kernels.models import build_pipeline
 from sd_kernels.testing import psnr, rel_err
 
 NO_ATTENTION = [op for op in PATCHERS if op != "attention"]
+KW = dict(num_inference_steps=1, height=64, width=64, return_dict=False)
 
 
-def _xl(device="cpu", force_upcast=True):
+def _xl(device="cpu", force_upcast=True, cls=None):
     """Tiny SDXL in fp16; its VAE asks for the fp32 upcast as SDXL's does."""
     pipe = build_pipeline("tiny-xl", device, torch.float16)
     pipe.vae.register_to_config(force_upcast=force_upcast)
+    if cls is not None:
+        pipe = cls(**pipe.components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+class TwoDecodes(StableDiffusionXLPipeline):
+    """A pipeline that upcasts once and then decodes twice (and may fail after), casting the latents as SDXL's
+    pipeline does."""
+
+    def __call__(self, z, fail=False):
+        self.upcast_vae()
+        z = z.to(next(iter(self.vae.post_quant_conv.parameters())).dtype)
+        out = [self.vae.decode(z).sample for _ in range(2)]
+        if fail:
+            raise RuntimeError("the call fails after its decodes")
+        self.vae.to(dtype=torch.float16)
+        return out
+
+
+@pytest.fixture
+def two_decodes(monkeypatch):
+    monkeypatch.setattr(bf16_decode, "_verified", lambda cls: True)  # this test class's source is not diffusers'
+    return _xl(cls=TwoDecodes)
 
 
 def _latents(pipe):
@@ -41,41 +65,86 @@ def _decoder_calls(route):
     return calls
 
 
+def _dtypes(module):
+    return {p.dtype for p in module.parameters()}
+
+
 @cpu_only
-def test_the_upcast_decode_runs_on_the_bf16_copy_and_unpatch_is_exact():
+def test_the_pipelines_decode_runs_on_the_bf16_copy_and_unpatch_is_exact():
+    """The image is the bf16 decode of the call's latents, within 2x stock bf16's error against float64."""
     pipe = _xl()
     z = _latents(pipe)
-    ref = _decoded(pipe.vae, z, torch.float64)
-    bf16_err = rel_err(_decoded(pipe.vae, z, torch.bfloat16), ref)  # stock's own error in bf16
     stock16 = pipe.vae.decode(z).sample
     record = sd_kernels.patch(pipe, precision="fp8", ops=NO_ATTENTION)
     try:
         assert record.counts[bf16_decode.KIND] == 1
         assert "runs on a bf16 copy of the VAE's decoder" in record.format()
-        route = pipe.vae.decode.route
-        calls = _decoder_calls(route)
+        calls = _decoder_calls(pipe.vae.decode.route)
         with torch.no_grad():
-            pipe.upcast_vae()  # as the pipeline calls it: the VAE stays fp16
-            assert {p.dtype for p in pipe.vae.parameters()} == {torch.float16}
-            out = pipe.vae.decode(z, return_dict=False)[0]
-            assert out.dtype == torch.float32 and calls == [1]  # the dtype the upcast VAE returns
-            assert 0 < rel_err(out, ref) <= 2 * bf16_err, (rel_err(out, ref), bf16_err)
-            pipe.vae.to(dtype=torch.float16)  # the pipeline's cast back: nothing moves
-            assert pipe.vae.decode(z).sample.dtype == torch.float16 and calls == [1]  # unarmed: the VAE's own
-            # the whole pipeline: its one decode on the copy, an fp32 image
-            image = pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="pt",
-                         generator=torch.Generator().manual_seed(0), return_dict=False)[0]
-            assert image.dtype == torch.float32 and calls == [1, 1]
+            latents = pipe("a cat", output_type="latent", generator=torch.Generator().manual_seed(0), **KW)[0]
+            image = pipe("a cat", output_type="pt", generator=torch.Generator().manual_seed(0), **KW)[0]
+            assert image.dtype == torch.float32 and calls == [1] and _dtypes(pipe.vae) == {torch.float16}
+            z_call = latents / pipe.vae.config.scaling_factor
+            ref = (_decoded(pipe.vae, z_call, torch.float64) / 2 + 0.5).clamp(0, 1)
+            bf16 = (_decoded(pipe.vae, z_call, torch.bfloat16) / 2 + 0.5).clamp(0, 1)
+            assert 0 < rel_err(image, ref) <= 2 * rel_err(bf16, ref), (rel_err(image, ref), rel_err(bf16, ref))
+            # outside a pipeline call: the VAE's own decode, and upcast_vae upcasts
+            assert pipe.vae.decode(z).sample.dtype == torch.float16 and calls == [1]
+            pipe.upcast_vae()
+            assert _dtypes(pipe.vae) == {torch.float32}
+            pipe.vae.to(dtype=torch.float16)
     finally:
         assert sd_kernels.unpatch(pipe)
-    assert "upcast_vae" not in vars(pipe) and "decode" not in vars(pipe.vae)
+    assert "upcast_vae" not in vars(pipe) and not {"decode", "encode"} & set(vars(pipe.vae))
+    assert type(pipe) is StableDiffusionXLPipeline
     with torch.no_grad():
         assert torch.equal(pipe.vae.decode(z).sample, stock16)
 
 
 @cpu_only
-def test_weights_changed_in_place_are_copied_again():
-    pipe = _xl()
+def test_every_decode_of_the_call_is_served_and_its_end_disarms(two_decodes):
+    pipe = two_decodes
+    z = _latents(pipe)
+    sd_kernels.patch(pipe, precision="fp8", ops=NO_ATTENTION)
+    try:
+        calls = _decoder_calls(pipe.vae.decode.route)
+        with torch.no_grad():
+            out = pipe(z)
+            assert [o.dtype for o in out] == [torch.float32] * 2 and calls == [1, 1]
+            with pytest.raises(RuntimeError, match="fails after its decodes"):
+                pipe(z, fail=True)
+            assert calls == [1] * 4 and _dtypes(pipe.vae) == {torch.float16}
+            assert pipe.vae.decode(z).sample.dtype == torch.float16 and len(calls) == 4  # disarmed
+    finally:
+        sd_kernels.unpatch(pipe)
+
+
+class EncodeThenDecode(StableDiffusionXLPipeline):
+    """A pipeline that upcasts, then encodes (a path the copy does not serve) and decodes."""
+
+    def __call__(self, z):
+        self.upcast_vae()
+        return self.vae.encode(torch.zeros(1, 3, 16, 16)).latent_dist.mean, self.vae.decode(z).sample
+
+
+@cpu_only
+def test_an_encode_after_the_upcast_gets_stocks_upcast(monkeypatch):
+    monkeypatch.setattr(bf16_decode, "_verified", lambda cls: True)
+    pipe = _xl(cls=EncodeThenDecode)
+    sd_kernels.patch(pipe, precision="fp8", ops=NO_ATTENTION)
+    try:
+        calls = _decoder_calls(pipe.vae.decode.route)
+        with torch.no_grad():
+            encoded, decoded = pipe(_latents(pipe).float())
+        assert encoded.dtype == decoded.dtype == torch.float32 and _dtypes(pipe.vae) == {torch.float32} and not calls
+    finally:
+        pipe.vae.to(dtype=torch.float16)
+        sd_kernels.unpatch(pipe)
+
+
+@cpu_only
+def test_weights_changed_in_place_are_copied_again(two_decodes):
+    pipe = two_decodes
     z = _latents(pipe)
     sd_kernels.patch(pipe, precision="fp8", ops=NO_ATTENTION)
     try:
@@ -84,44 +153,58 @@ def test_weights_changed_in_place_are_copied_again():
             pipe.vae.post_quant_conv.bias.add_(0.5)
             ref = _decoded(pipe.vae, z, torch.float64)
             bf16_err = rel_err(_decoded(pipe.vae, z, torch.bfloat16), ref)
-            pipe.upcast_vae()
-            assert rel_err(pipe.vae.decode(z).sample, ref) <= 2 * bf16_err
+            assert rel_err(pipe(z)[0], ref) <= 2 * bf16_err
     finally:
         sd_kernels.unpatch(pipe)
 
 
 @cpu_only
-def test_a_decoder_with_other_modules_falls_back_to_the_fp32_upcast(caplog):
-    pipe = _xl()
+@pytest.mark.parametrize("change", ["module added", "vae replaced"])
+def test_a_changed_decoder_or_vae_gets_stocks_fp32_upcast(two_decodes, change, caplog):
+    pipe = two_decodes
+    z = _latents(pipe)
     sd_kernels.patch(pipe, precision="fp8", ops=NO_ATTENTION)
+    calls = _decoder_calls(pipe.vae.decode.route)
     try:
-        pipe.vae.decoder.extra = nn.Linear(2, 2).half()  # a module the copy does not have
-        pipe.upcast_vae()
-        assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}  # stock's upcast
-        assert "changed its modules since the patch" in caplog.text
-        assert pipe.vae.decode(_latents(pipe).float()).sample.dtype == torch.float32
-        pipe.vae.to(dtype=torch.float16)
+        if change == "module added":
+            pipe.vae.decoder.extra = nn.Linear(2, 2).half()  # a module the copy does not have
+        else:
+            pipe.vae = type(pipe.vae).from_config(pipe.vae.config).half()
+        upcast = []
+        pipe.vae.decoder.register_forward_pre_hook(lambda m, args: upcast.append(args[0].dtype))
+        with torch.no_grad():
+            out = pipe(z)
+        assert upcast == [torch.float32] * 2 and [o.dtype for o in out] == [torch.float32] * 2 and not calls
+        assert (change == "module added") == ("changed its modules since the patch" in caplog.text)
     finally:
         sd_kernels.unpatch(pipe)
 
 
 @cpu_only
-@pytest.mark.parametrize("case", ["lossless", "no force_upcast", "vae ignored", "fp32 vae"])
-def test_where_the_copy_is_not_made(case):
+@pytest.mark.parametrize("case", ["lossless", "no force_upcast", "vae ignored", "fp32 vae", "bf16 vae",
+                                  "unverified", "lora"])
+def test_where_the_copy_is_not_made(case, monkeypatch):
     pipe = _xl(force_upcast=case != "no force_upcast")
-    if case == "fp32 vae":
-        pipe.vae.float()
+    if case in ("fp32 vae", "bf16 vae"):
+        pipe.vae.to(torch.float32 if case == "fp32 vae" else torch.bfloat16)
+    if case == "unverified":
+        monkeypatch.setattr(bf16_decode, "_verified", lambda cls: False)
+    if case == "lora":
+        from peft import LoraConfig
+
+        pipe.vae.add_adapter(LoraConfig(r=2, target_modules=["conv_out"]))
     record = sd_kernels.patch(pipe, ops=NO_ATTENTION, precision=None if case == "lossless" else "fp8",
                               ignore=["vae"] if case == "vae ignored" else ())
     try:
-        assert bf16_decode.KIND not in record.counts and "upcast_vae" not in vars(pipe)
+        assert bf16_decode.KIND not in record.counts and not hasattr(type(pipe), "_sd_kernels_bf16_route")
         noted = [s for s in record.skipped if "decodes in fp32 as the pipeline asks" in s.reason]
-        assert bool(noted) == (case == "fp32 vae"), record.format()
+        assert bool(noted) == (case in ("unverified", "lora")), record.format()
+        assert all(s.path == "vae" for s in noted)
     finally:
         sd_kernels.unpatch(pipe)
 
 
-def test_only_pipelines_that_upcast_once_for_their_one_decode_are_served():
+def test_only_pipelines_that_upcast_once_for_their_decode_are_served():
     import diffusers
 
     assert bf16_decode._verified(diffusers.StableDiffusionXLPipeline)
@@ -133,24 +216,32 @@ def test_only_pipelines_that_upcast_once_for_their_one_decode_are_served():
 
 
 @pytest.mark.gpu
-def test_gpu_sdxl_decodes_on_the_graphed_bf16_copy():
-    """Every op family on CUDA, the pipeline's graphs: the image close to stock's fp32 decode, the copy's decode
-    captured once and replayed."""
+@pytest.mark.parametrize("mode", ["pipeline", "step"])
+def test_gpu_sdxl_decodes_on_the_graphed_bf16_copy(mode):
+    """Every op family on CUDA, the pipeline's graphs (and the whole-step graphs' class under ours): the image
+    close to stock's fp32 decode, the copy's decode captured once and replayed, and a weight changed in place
+    served by the copy."""
     pipe = _xl("cuda")
     kwargs = dict(num_inference_steps=2, height=64, width=64, output_type="pt", return_dict=False)
     stock = pipe("a cat", generator=torch.Generator("cuda").manual_seed(0), **kwargs)[0]
-    record = sd_kernels.patch(pipe, precision="fp8")
+    record = sd_kernels.patch(pipe, precision="fp8", cuda_graph=mode)
     try:
-        assert record.counts[bf16_decode.KIND] == 1 and record.cuda_graph == "pipeline"
+        assert record.counts[bf16_decode.KIND] == 1 and record.cuda_graph == mode
+        assert (record.counts["whole_step"] == 1) == (mode == "step")
         route = pipe.vae.decode.route
         images = [pipe("a cat", generator=torch.Generator("cuda").manual_seed(0), **kwargs)[0] for _ in range(3)]
         assert all(torch.equal(images[0], im) for im in images[1:])
         assert images[0].dtype == torch.float32 and psnr(images[0], stock) > 30, psnr(images[0], stock)
-        assert len(route.copy.decode.graphs) == 1 and not route.copy.decode.eager_keys  # captured, then replayed
-        assert {p.dtype for p in pipe.vae.parameters()} == {torch.float16}
+        graphed = route.copy.decode
+        assert len(graphed.graphs) == 1 and not graphed.eager_keys  # captured, then replayed
+        assert _dtypes(pipe.vae) == {torch.float16}
+        served = []
+        route.copy.decode = lambda *a, **k: served.append(1) or graphed(*a, **k)  # counts the copy's calls
         with torch.no_grad():  # a weight changed in place (one the patch's fused q, k, v reads) reaches the copy
             pipe.vae.decoder.mid_block.attentions[0].to_v.weight.mul_(-1)
         changed = pipe("a cat", generator=torch.Generator("cuda").manual_seed(0), **kwargs)[0]
+        assert served == [1] and len(graphed.graphs) == 1
+        route.copy.decode = graphed
     finally:
         sd_kernels.unpatch(pipe)
     stock = pipe("a cat", generator=torch.Generator("cuda").manual_seed(0), **kwargs)[0]
