@@ -43,9 +43,13 @@ class TwoDecodes(StableDiffusionXLPipeline):
 
 
 @pytest.fixture
-def two_decodes(monkeypatch):
+def routed(monkeypatch):
+    """A TwoDecodes pipeline patched in the FP8 tier, unpatched after the test."""
     monkeypatch.setattr(bf16_decode, "_verified", lambda cls: True)  # this test class's source is not diffusers'
-    return _xl(cls=TwoDecodes)
+    pipe = _xl(cls=TwoDecodes)
+    sd_kernels.patch(pipe, precision="fp8", ops=[], ignore=["unet"])
+    yield pipe
+    sd_kernels.unpatch(pipe)
 
 
 def _latents(pipe):
@@ -107,21 +111,16 @@ def test_the_pipelines_decode_runs_on_the_bf16_copy_and_unpatch_is_exact():
 
 
 @cpu_only
-def test_every_decode_of_the_call_is_served_and_its_end_disarms(two_decodes):
-    pipe = two_decodes
-    z = _latents(pipe)
-    sd_kernels.patch(pipe, precision="fp8", ops=[], ignore=["unet"])
-    try:
-        calls = _decoder_calls(pipe.vae.decode.route)
-        with torch.no_grad():
-            out = pipe(z)
-            assert [o.dtype for o in out] == [torch.float32] * 2 and calls == [1, 1]
-            with pytest.raises(RuntimeError, match="fails after its decodes"):
-                pipe(z, fail=True)
-            assert calls == [1] * 4 and _dtypes(pipe.vae) == {torch.float16}
-            assert pipe.vae.decode(z).sample.dtype == torch.float16 and len(calls) == 4  # disarmed
-    finally:
-        sd_kernels.unpatch(pipe)
+def test_every_decode_of_the_call_is_served_and_its_end_disarms(routed):
+    pipe, z = routed, _latents(routed)
+    calls = _decoder_calls(pipe.vae.decode.route)
+    with torch.no_grad():
+        out = pipe(z)
+        assert [o.dtype for o in out] == [torch.float32] * 2 and calls == [1, 1]
+        with pytest.raises(RuntimeError, match="fails after its decodes"):
+            pipe(z, fail=True)
+        assert calls == [1] * 4 and _dtypes(pipe.vae) == {torch.float16}
+        assert pipe.vae.decode(z).sample.dtype == torch.float16 and len(calls) == 4  # disarmed
 
 
 class EncodeThenDecode(StableDiffusionXLPipeline):
@@ -148,41 +147,31 @@ def test_an_encode_after_the_upcast_gets_stocks_upcast(monkeypatch):
 
 
 @cpu_only
-def test_weights_changed_in_place_are_copied_again(two_decodes):
-    pipe = two_decodes
-    z = _latents(pipe)
-    sd_kernels.patch(pipe, precision="fp8", ops=[], ignore=["unet"])
-    try:
-        with torch.no_grad():
-            pipe.vae.decoder.conv_out.weight.mul_(-2)
-            pipe.vae.post_quant_conv.bias.add_(0.5)
-            ref = _decoded(pipe.vae, z, torch.float64)
-            bf16_err = rel_err(_decoded(pipe.vae, z, torch.bfloat16), ref)
-            assert rel_err(pipe(z)[0], ref) <= 2 * bf16_err
-    finally:
-        sd_kernels.unpatch(pipe)
+def test_weights_changed_in_place_are_copied_again(routed):
+    pipe, z = routed, _latents(routed)
+    with torch.no_grad():
+        pipe.vae.decoder.conv_out.weight.mul_(-2)
+        pipe.vae.post_quant_conv.bias.add_(0.5)
+        ref = _decoded(pipe.vae, z, torch.float64)
+        bf16_err = rel_err(_decoded(pipe.vae, z, torch.bfloat16), ref)
+        assert rel_err(pipe(z)[0], ref) <= 2 * bf16_err
 
 
 @cpu_only
 @pytest.mark.parametrize("change", ["module added", "vae replaced"])
-def test_a_changed_decoder_or_vae_gets_stocks_fp32_upcast(two_decodes, change, caplog):
-    pipe = two_decodes
-    z = _latents(pipe)
-    sd_kernels.patch(pipe, precision="fp8", ops=[], ignore=["unet"])
+def test_a_changed_decoder_or_vae_gets_stocks_fp32_upcast(routed, change, caplog):
+    pipe, z = routed, _latents(routed)
     calls = _decoder_calls(pipe.vae.decode.route)
-    try:
-        if change == "module added":
-            pipe.vae.decoder.extra = nn.Linear(2, 2).half()  # a module the copy does not have
-        else:
-            pipe.vae = type(pipe.vae).from_config(pipe.vae.config).half()
-        upcast = []
-        pipe.vae.decoder.register_forward_pre_hook(lambda m, args: upcast.append(args[0].dtype))
-        with torch.no_grad():
-            out = pipe(z)
-        assert upcast == [torch.float32] * 2 and [o.dtype for o in out] == [torch.float32] * 2 and not calls
-        assert (change == "module added") == ("changed its modules since the patch" in caplog.text)
-    finally:
-        sd_kernels.unpatch(pipe)
+    if change == "module added":
+        pipe.vae.decoder.extra = nn.Linear(2, 2).half()  # a module the copy does not have
+    else:
+        pipe.vae = type(pipe.vae).from_config(pipe.vae.config).half()
+    upcast = []
+    pipe.vae.decoder.register_forward_pre_hook(lambda m, args: upcast.append(args[0].dtype))
+    with torch.no_grad():
+        out = pipe(z)
+    assert upcast == [torch.float32] * 2 and [o.dtype for o in out] == [torch.float32] * 2 and not calls
+    assert (change == "module added") == ("changed its modules since the patch" in caplog.text)
 
 
 @cpu_only
