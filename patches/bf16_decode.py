@@ -57,7 +57,6 @@ BF16_DECODE = True  # False: the FP8 tier decodes in fp32 where the pipeline upc
 _ATTR = "_sd_kernels_bf16_decode"  # on the pipeline: its Bf16Decode
 _PARTS = ("decoder.", "post_quant_conv.")  # what AutoencoderKL.decode reads
 _FLAGS = ("use_tiling", "use_slicing", "tile_sample_min_size", "tile_latent_min_size", "tile_overlap_factor")
-_VERIFIED: dict[type, bool] = {}
 _LOCAL = threading.local()  # this thread's pipeline calls in flight (depth) and the Bf16Decode armed in them
 
 
@@ -65,16 +64,14 @@ class Unserved(Exception):
     """Why a VAE's decode cannot run on a bf16 copy."""
 
 
+@functools.cache
 def _verified(cls: type) -> bool:
     """Whether ``cls``'s source upcasts its VAE once, in ``__call__``, which decodes there."""
-    if cls not in _VERIFIED:
-        try:
-            whole, call = inspect.getsource(inspect.getmodule(cls)), inspect.getsource(cls.__call__)
-        except (OSError, TypeError):
-            whole = call = ""
-        _VERIFIED[cls] = (whole.count("self.upcast_vae()") == 1 and call.count("self.upcast_vae()") == 1
-                          and "self.vae.decode(" in call)
-    return _VERIFIED[cls]
+    try:
+        whole, call = inspect.getsource(inspect.getmodule(cls)), inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return False
+    return whole.count("self.upcast_vae()") == 1 and call.count("self.upcast_vae()") == 1 and "self.vae.decode(" in call
 
 
 def _decoder_params(vae: nn.Module) -> dict[str, torch.Tensor]:
@@ -125,6 +122,7 @@ class Bf16Decode:
         patch_model(copy, self.record)
         if record.cuda_graph in cuda_graph_mod.PIPELINE_MODES:
             cuda_graph_mod.install(copy, self.record, "decode", ("generator",), compile=record.compile)
+        self.copied = copy.state_dict(keep_vars=True)  # its Parameters by name, patched (only this patch changes it)
         self.hooks: dict[str, object] = {}
 
     def serves(self, pipe: object) -> bool:
@@ -136,8 +134,7 @@ class Bf16Decode:
         if (why := _reason(vae, self.device)) is not None:
             log.info("sd_kernels: the VAE decodes in fp32 as the pipeline asks: %s", why)
             return False
-        held = _decoder_params(vae)
-        copied = self.copy.state_dict(keep_vars=True)
+        held, copied = _decoder_params(vae), self.copied
         if sorted(held) != self.held or any(copied[n].shape != held[n].shape for n in self.names):
             log.warning("sd_kernels: the VAE's decoder changed its modules since the patch: it decodes in fp32 as "
                         "the pipeline asks (patch again for the bf16 copy)")
