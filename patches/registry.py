@@ -13,7 +13,18 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from . import attention, channels_last, gelu, group_norm, layer_norm, memory_budget, unet_blocks, upsample, winograd
+from . import (
+    attention,
+    channels_last,
+    conv_bias,
+    gelu,
+    group_norm,
+    layer_norm,
+    memory_budget,
+    unet_blocks,
+    upsample,
+    winograd,
+)
 from .record import PatchRecord
 
 Patcher = Callable[[nn.Module, PatchRecord], None]
@@ -26,7 +37,9 @@ Patcher = Callable[[nn.Module, PatchRecord], None]
 # and feed-forward modules (attn1 / attn2 / ff, SD3's attn / ff / ff_context) as they are when they
 # run (attention's processors, gelu's modules, memory's chunked feed-forward, whichever ran before
 # or after); upsample changes the Upsample2D modules' class in place and reads their conv's weight,
-# whatever winograd makes of the conv module (a WinogradConv2d holds the same weight). The order is
+# whatever winograd makes of the conv module (a WinogradConv2d holds the same weight); the winograd family then
+# gives the convs left on cuDNN (exact nn.Conv2d, a WinogradConv2d is not) their bias add (patches/conv_bias.py),
+# which the group_norm family's ResNet forward calls through ``_conv_forward``. The order is
 # fixed (alphabetical, as it happens) so that a record undoes in the same order whatever ``ops=``
 # says, and a new dependency goes here, with its reason.
 PATCHERS: dict[str, Patcher] = {
@@ -38,7 +51,8 @@ PATCHERS: dict[str, Patcher] = {
                                          unet_blocks.patch_unet_blocks(model, record)),
     "memory": memory_budget.patch_memory,
     "upsample": upsample.patch_upsample,
-    "winograd": winograd.patch_winograd,
+    "winograd": lambda model, record: (winograd.patch_winograd(model, record),
+                                       conv_bias.patch_conv_bias(model, record)),
 }
 ORDER = tuple(PATCHERS)
 
