@@ -9,8 +9,8 @@
                                 fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,
                                 fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+cross-kv-fp8,
                                 fp8+plain-norms,fp8+geglu-epilogue,fp8+into-ours,fp8+into-copy,
-                                fp8+offloaded-originals,fp8+fp8-conv,fp8+fp32-decode,
-                                fp8+compile,torchao]
+                                fp8+offloaded-originals,fp8+fp8-conv,fp8+fp32-decode,fp8+norm-values,
+                                fp8+torch-conv-bias,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -69,7 +69,10 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   with the original weights moved to the CPU's memory (``fp8+offloaded-originals``:
   ``sd_kernels.offload_originals``), with the UNets' ResNet convolutions in FP8 too (``fp8+fp8-conv``:
   ``patches.fp8_conv.FP8_CONV`` on), with the decode its pipeline upcasts to fp32 run so (``fp8+fp32-decode``:
-  ``patches.bf16_decode.BF16_DECODE`` off, not the bf16 copy of the VAE's decoder), and with ``compile=True``
+  ``patches.bf16_decode.BF16_DECODE`` off, not the bf16 copy of the VAE's decoder), with every UNet block norm's
+  values written though its reader takes the codes alone (``fp8+norm-values``: ``patches.unet_blocks.CODES_ONLY``
+  off), with torch adding the cuDNN convolutions' biases (``fp8+torch-conv-bias``: patches/conv_bias.py's
+  ``serves`` false), and with ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
@@ -107,7 +110,7 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
         "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours", "fp8+into-copy", "fp8+offloaded-originals",
-        "fp8+fp8-conv", "fp8+fp32-decode", "fp8+compile", "torchao")
+        "fp8+fp8-conv", "fp8+fp32-decode", "fp8+norm-values", "fp8+torch-conv-bias", "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -353,7 +356,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     if row in FP8_ROWS:
         base = VARIANTS["patched+graph+compile+fp8" if row == "fp8+compile" else "patched+graph+fp8"]
         setup = dataclasses.replace(base, name=FP8_ROWS[row])
-        from sd_kernels.patches import bf16_decode, modulation_table
+        from sd_kernels.patches import bf16_decode, conv_bias, modulation_table, unet_blocks
         from sd_kernels.patches import fp8 as fp8_patch
         from sd_kernels.patches import fp8_conv as fp8_conv_patch
 
@@ -382,7 +385,9 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+into-ours": (fp8_ops, "TORCH_GEMM_INTO", "ours"),
                    "fp8+into-copy": (fp8_ops, "TORCH_GEMM_INTO", "copy"),
                    "fp8+fp8-conv": (fp8_conv_patch, "FP8_CONV", True),
-                   "fp8+fp32-decode": (bf16_decode, "BF16_DECODE", False)}.get(row)
+                   "fp8+fp32-decode": (bf16_decode, "BF16_DECODE", False),
+                   "fp8+norm-values": (unet_blocks, "CODES_ONLY", False),
+                   "fp8+torch-conv-bias": (conv_bias, "serves", lambda *args: False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         return setup.name, lambda p: _applied_with(p, setup, changed)
@@ -413,7 +418,8 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
                                                     "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours",
                                                     "fp8+into-copy", "fp8+offloaded-originals", "fp8+fp8-conv",
-                                                    "fp8+fp32-decode")}
+                                                    "fp8+fp32-decode", "fp8+norm-values",
+                                                    "fp8+torch-conv-bias")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 

@@ -115,17 +115,20 @@ def _modulated(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor | None,
 
 def _gated_norm(norm: nn.LayerNorm, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None,
                 scale: torch.Tensor | None, shift: torch.Tensor | None, codes: bool = False,
-                squeeze: bool | None = None, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                squeeze: bool | None = None, fused: bool = True,
+                values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = (gate ·) branch + residual, norm(h) · (1 + scale) + shift; scale and shift None: norm(h)): one kernel
     where branch has the [B, T, D] residual's shape; else stock's ops (a branch that broadcasts), with the squeeze
     of a 4-D sum that diffusers applies after the gated (self-attention) residual (``squeeze``; default: with a
     gate). ``codes`` (an FP8 projection reads the normed output next; the caller asks for them in eager calls
     only): the kernel also writes its FP8 codes, which travel on it (``attach_quantized``) to that GEMM. ``fused``
-    False: stock's ops whatever the shapes, ``norm`` called as itself (a module the kernel does not serve)."""
+    False: stock's ops whatever the shapes, ``norm`` called as itself (a module the kernel does not serve).
+    ``values`` False, with ``codes``: the reader takes the codes alone, and the kernel does not write the normed
+    values (``gated_residual_layer_norm_fp8``: a NaN stand-in carries the codes)."""
     if fused and residual.dim() == 3 and branch.shape == residual.shape:
         if codes:
             h, y, q, s = gated_residual_layer_norm_fp8(residual, branch, gate, norm.weight, norm.bias, norm.eps,
-                                                       scale, shift)
+                                                       scale, shift, values=values)
             return h, attach_quantized(y, q, s)
         return gated_residual_layer_norm(residual, branch, gate, norm.weight, norm.bias, norm.eps, scale, shift)
     h = (branch if gate is None else gate * branch) + residual

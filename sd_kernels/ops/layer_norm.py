@@ -62,7 +62,7 @@ def _layer_norm_kernel(
     stride_gb, stride_gd, stride_sb, stride_sd, stride_tb, stride_td,
     GATED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, QUANT: tl.constexpr, GRID: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr = False,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr = False, VALUES: tl.constexpr = True,
 ):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of the [B·T, D] outputs.
 
@@ -70,7 +70,8 @@ def _layer_norm_kernel(
     is normalized. y = ((x − mean)·rstd·w + b)·(1 + scale) + shift; RMS: the mean is taken as 0 (T5's
     RMSNorm: y = x·w/√(mean(x²) + eps)). Outputs are contiguous. QUANT:
     y's fp32 rows are also stored as e4m3 codes (q_ptr) with one scale per row (qs_ptr), the input of
-    an FP8 projection (ops/fp8_quant.py; GRID as there).
+    an FP8 projection (ops/fp8_quant.py; GRID as there); VALUES False: y itself is not stored (its codes are
+    all its reader takes).
     """
     # int64: row·D and sample·stride pass 2³¹ on large activations.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -107,7 +108,8 @@ def _layer_norm_kernel(
         y = y * (1.0 + _per_sample(scale_ptr, sample, d, mask, stride_sb, stride_sd))
     if HAS_SHIFT:
         y = y + _per_sample(shift_ptr, sample, d, mask, stride_tb, stride_td)
-    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if VALUES:
+        tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
     if QUANT:
         row_quantize(y, row_amax(y, mask, GRID), q_ptr + out, qs_ptr + rows, mask, rows < n_rows, GRID)
 
@@ -161,13 +163,14 @@ def _alloc(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | None = None, rms: bool = False,
-            out_dtype: torch.dtype | None = None):
+            out_dtype: torch.dtype | None = None, values: bool = True):
     """y (and h when ``branch`` is given) for inputs that passed the checks and dispatch; with
-    ``quant`` = (codes, row scales), y's FP8 quantization is written there too; ``rms``: no mean taken;
-    y in ``out_dtype`` (default: x's)."""
+    ``quant`` = (codes, row scales), y's FP8 quantization is written there too, and with ``values`` False
+    only that: y is then ``unwritten``'s stand-in; ``rms``: no mean taken; y in ``out_dtype`` (default: x's)."""
     weight, bias = vectors(weight, bias)
     bsz, t, d = x.shape
-    y = _alloc(x, out_dtype)
+    values = values or quant is None
+    y = _alloc(x, out_dtype) if values else unwritten(x, out_dtype or x.dtype)
     h = None if branch is None else _alloc(x)
     n_rows = bsz * t
     if y.numel() == 0:
@@ -176,7 +179,7 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
     flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
                  HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None,
-                 QUANT=quant is not None, GRID=quant is not None and interpreting(), RMS=rms)
+                 QUANT=quant is not None, GRID=quant is not None and interpreting(), RMS=rms, VALUES=values)
     key = (*flags.values(), rows, block_d, num_warps)
     r = x if branch is None else branch
     _LAYER_NORM(
@@ -253,25 +256,42 @@ def gated_residual_layer_norm(
 def gated_residual_layer_norm_fp8(residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor | None = None,
                                   weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                                   eps: float = 1e-6, scale: torch.Tensor | None = None,
-                                  shift: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                                  shift: torch.Tensor | None = None, values: bool = True) -> tuple[torch.Tensor, ...]:
     """``gated_residual_layer_norm`` that also quantizes the normed output for an FP8 projection, in the same
     kernel: (h, y, codes [B, T, D] e4m3, row scales [B, T] fp32), the codes those of
-    ``reference.fp8_quantize_rows`` of y's fp32 values (a DiT block's norm2 before the FP8 tier's feed-forward)."""
+    ``reference.fp8_quantize_rows`` of y's fp32 values (a DiT block's norm2 before the FP8 tier's feed-forward).
+    ``values`` False (the caller's reader takes the codes alone): the kernel does not write y, which is ``unwritten``'s
+    NaN stand-in; the reference path (no kernel for the call) returns y as ever."""
     reference.check_gated_residual_args(residual, branch, gate, weight, bias, scale, shift)
     tensors = (residual, branch, gate, weight, bias, scale, shift)
     reason = _kernel_reason(tensors, residual.shape[-1]) or fp8_reason(*tensors)
     if not use_kernel("layer_norm", *tensors, unsupported=reason):
         h = reference.gated_residual(residual, branch, gate)
         return (h, *_modulated_fp8_reference(h, weight, bias, eps, scale, shift, tensors))
-    y, h, q, s = _launch_fp8(residual, branch, gate, weight, bias, eps, scale, shift)
+    y, h, q, s = _launch_fp8(residual, branch, gate, weight, bias, eps, scale, shift, values)
     return h, y, q, s
 
 
-def _launch_fp8(x, branch, gate, weight, bias, eps, scale, shift) -> tuple:
+_NAN: dict[tuple, torch.Tensor] = {}
+
+
+def unwritten(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stand-in for a normed output whose values were not written (``values=False``: its reader takes its FP8
+    codes alone): x's shape, one NaN broadcast (kept per dtype and device), so that a reader of the values gets NaN,
+    never stale memory, and a write into it fails (its elements share one address)."""
+    key = (dtype, x.device)
+    nan = _NAN.get(key)
+    if nan is None:
+        with torch.inference_mode(False):  # codes travel on a tensor with a version counter (attach_quantized)
+            nan = _NAN[key] = torch.full((1,) * x.dim(), float("nan"), dtype=dtype, device=x.device)
+    return nan.expand(x.shape)
+
+
+def _launch_fp8(x, branch, gate, weight, bias, eps, scale, shift, values: bool = True) -> tuple:
     """``_launch`` with the FP8 output: (y, h or None, e4m3 codes of y, row scales; zero scales for no rows)."""
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    y, h = _launch(x, branch, gate, weight, bias, eps, scale, shift, quant=(q, s))
+    y, h = _launch(x, branch, gate, weight, bias, eps, scale, shift, quant=(q, s), values=values)
     return y, h, q, s if y.numel() else s.zero_()
 
 

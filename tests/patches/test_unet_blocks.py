@@ -71,6 +71,7 @@ def test_reference_ops_compute_what_stock_computes(unet, monkeypatch):
     assert torch.equal(_run(unet, x, ctx), stock)
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unet_through_the_kernel_close_to_float64(unet, dtype):
     """Through the kernel (the interpreter on the CPU): the UNet's output against a float64 copy, as close as
@@ -287,3 +288,44 @@ def test_gpu_unet_blocks_eager_and_graphed(precision):
                 else:
                     assert rel_err(out, stock) < 1.5 * apart, (rel_err(out, stock), apart)
     assert torch.equal(_run(unet, x, ctx, torch.float16), stock)
+
+
+@cpu_only
+def test_fp8_norms_whose_readers_take_codes_write_no_values(monkeypatch):
+    """In the FP8 tier, with sd_kernels' attention processors, every fused norm's reader takes its codes alone
+    (norm2's the cross-attention's query, norm3's the feed-forward, a handed norm1 the next self-attention's q, k,
+    v): no fused call writes values, and the UNet's output is the one with every value written, bit for bit. A hook
+    on the cross-attention's query projection (a reader of values) keeps norm2's written, the output the same."""
+    unet = models.build_model("tiny-xl", "unet")
+    x, ctx, added = _tiny_xl_inputs(unet)
+    blocks = _blocks(unet)
+    values, real = [], ln_patch.gated_residual_layer_norm_fp8
+    monkeypatch.setattr(ln_patch, "gated_residual_layer_norm_fp8",
+                        lambda *a, **k: values.append(k["values"]) or real(*a, **k))
+    outs = {}
+    with sd_kernels.patched(unet, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
+        for codes_only in (False, True):
+            monkeypatch.setattr(unet_blocks, "CODES_ONLY", codes_only)
+            values.clear()
+            outs[codes_only] = _run(unet, x, ctx, added_cond_kwargs=added)
+            assert len(values) == 2 * len(blocks) + _linked(unet)
+            assert values == [not codes_only] * len(values)
+        hook = blocks[0].attn2.to_q.register_forward_pre_hook(lambda *_: None)
+        values.clear()
+        hooked = _run(unet, x, ctx, added_cond_kwargs=added)
+        hook.remove()
+    assert values.count(True) == 1  # the hooked block's norm2
+    assert torch.equal(outs[True], outs[False]) and torch.equal(hooked, outs[False])
+    assert not torch.isnan(outs[True]).any()
+
+
+def test_a_norm_written_without_values_carries_nan():
+    """``values=False``: the normed output is a NaN stand-in (broadcast, no memory of its own) that carries the
+    codes; its reader of codes gets the same codes as with values written."""
+    g = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU host, CPU tensors take the reference
+    r, b, w, bias = (torch.randn(*shape, generator=g).to(device) for shape in ((2, 5, 16), (2, 5, 16), (16,), (16,)))
+    h, y, q, s = layer_norm_ops.gated_residual_layer_norm_fp8(r, b, None, w, bias, 1e-6)
+    h2, y2, q2, s2 = layer_norm_ops.gated_residual_layer_norm_fp8(r, b, None, w, bias, 1e-6, values=False)
+    assert torch.equal(h, h2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    assert y2.shape == y.shape and y2.dtype == y.dtype and y2.stride() == (0, 0, 0) and torch.isnan(y2).all()
