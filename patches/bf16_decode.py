@@ -139,11 +139,12 @@ class Bf16Decode:
             log.warning("sd_kernels: the VAE's decoder changed its modules since the patch: it decodes in fp32 as "
                         "the pipeline asks (patch again for the bf16 copy)")
             return False
-        with torch.no_grad():
-            for i, name in enumerate(self.names):
-                if (version := weight_version(held[name])) != self.versions[i]:
-                    copied[name].copy_(held[name])
-                    self.versions[i] = version
+        versions = [weight_version(held[name]) for name in self.names]
+        stale = [name for name, now, then in zip(self.names, versions, self.versions) if now != then]
+        if stale:  # one launch for all (an img2img call's fp32 round trip of the VAE moves every storage)
+            with torch.no_grad():
+                torch._foreach_copy_([copied[n] for n in stale], [held[n] for n in stale])
+            self.versions = versions
         return True
 
     def install(self, record: PatchRecord) -> None:
