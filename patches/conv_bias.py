@@ -11,8 +11,8 @@ Which convolutions: every module of exact type ``nn.Conv2d`` with a bias that a 
 cuDNN (``WinogradConv2d`` runs its own forward). Its class stays ``nn.Conv2d`` — every check of an exact type
 (the upsampler's polyphase path, the streamed decode, the FP8 convolutions) sees what it saw — and the instance
 gets a ``_conv_forward``, the method ``nn.Conv2d.forward`` calls and the patched ResNet forward calls without a bias
-where it folds that bias elsewhere (patches/group_norm.py). A call it does not serve (autograd, compilation, the
-reference backend, a device or dtype the kernels refuse) is ``nn.Conv2d._conv_forward`` with the bias. Installed by
+where it folds that bias elsewhere (patches/group_norm.py). A call it does not serve (autograd, compilation, autocast,
+the reference backend, a device or dtype the kernels refuse) is ``nn.Conv2d._conv_forward`` with the bias. Installed by
 the ``winograd`` op family (the convolutions' family); exactly reversible with the record.
 """
 
@@ -33,8 +33,11 @@ KIND = "conv_bias_add"
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a convolution of ``x`` with ``weight`` adds ``bias`` with ``ops.bias_residual``."""
+    """Whether a convolution of ``x`` with ``weight`` adds ``bias`` with ``ops.bias_residual``: not under autocast
+    (torch rounds the bias to the convolution's lower-precision output first, then adds: other values), nor for an
+    empty input."""
     return (bias is not None and not reference_backend() and not torch.compiler.is_compiling()
+            and x.numel() > 0 and not torch.is_autocast_enabled(x.device.type)
             and device_reason(x.device) is None and tensor_reason(x, weight, bias) is None
             and active_profile().disabled_reason("residual") is None)
 

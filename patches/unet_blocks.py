@@ -65,16 +65,20 @@ def _residual_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor
 def reads_codes_only(module: nn.Module, cross: bool = False) -> bool:
     """Whether ``module``, a UNet block's attention (``cross``: called with the text, so only its query reads the
     normed output) or feed-forward, called by the block forward on a normed output that carries its FP8 codes,
-    reads nothing of that output but the codes and its shape. An attention: sd_kernels' processor, with nothing
+    reads nothing of that output but the codes and its shape. An attention: diffusers' ``Attention.forward`` calling
+    sd_kernels' processor, with nothing
     before its projections that reads the values (no spatial or group norm, no residual connection), each
     projection that reads the output an unhooked ``Fp8Linear`` (which takes the carried codes: ``input_codes``),
     no hook on the module. A feed-forward: ``Fp8FeedForward`` on its fused path (``reads_codes``), unhooked. A
     reader that takes values (a LoRA-wrapped projection, a hook, IP-Adapter's processor) keeps them written."""
-    if isinstance(module, Fp8FeedForward):
-        return module.reads_codes() and not called_beside(module)
+    from diffusers.models.attention_processor import Attention
+
+    if isinstance(module, Fp8FeedForward):  # a hooked first GEMM is called as a module, its hooks given the output
+        return module.reads_codes() and not called_beside(module) and not called_beside(module.net[0].proj)
     processor = getattr(module, "processor", None)
-    if (type(processor) is not SDKernelsAttnProcessor or called_beside(module) or module.residual_connection
-            or module.spatial_norm is not None or module.group_norm is not None):
+    if (type(processor) is not SDKernelsAttnProcessor or type(module).forward is not Attention.forward
+            or called_beside(module) or module.residual_connection or module.spatial_norm is not None
+            or module.group_norm is not None):
         return False
     names = ("to_q",) if cross else ("to_qkv",) if processor.fused else ("to_q", "to_k", "to_v")
     return all(type(p := getattr(module, n, None)) is Fp8Linear and not called_beside(p) for n in names)

@@ -169,7 +169,9 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     only that: y is then ``unwritten``'s stand-in; ``rms``: no mean taken; y in ``out_dtype`` (default: x's)."""
     weight, bias = vectors(weight, bias)
     bsz, t, d = x.shape
-    values = values or quant is None
+    # the stand-in is made outside a CUDA graph's capture (made in one, its fill would not have run)
+    values = values or quant is None or ((out_dtype or x.dtype, x.device) not in _NAN and x.is_cuda
+                                         and torch.cuda.is_current_stream_capturing())
     y = _alloc(x, out_dtype) if values else unwritten(x, out_dtype or x.dtype)
     h = None if branch is None else _alloc(x)
     n_rows = bsz * t

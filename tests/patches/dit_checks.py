@@ -17,7 +17,8 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available() and not os.environ.get("
                               reason="CPU pipelines through the interpreter; the GPU runs the gpu-marked test")
 
 # What the patch counts in the tiny configs' VAE (every DiT tiny config shares tiny.json's VAE blocks).
-VAE_COUNTS = {"group_norm", "group_norm_silu", "resnet_fused_forward", "silu_folded", "upsample.polyphase"}
+VAE_COUNTS = {"conv_bias_add", "group_norm", "group_norm_silu", "resnet_fused_forward", "silu_folded",
+              "upsample.polyphase"}
 
 
 def check_transformer_kernels_close_to_stock(pipe, run) -> None:

@@ -59,7 +59,7 @@ def test_bias_added_as_torch_adds_it(dtype, layout):
 
 
 def test_where_torch_adds_the_bias(monkeypatch):
-    """Autograd, compilation and the reference backend keep torch's conv with its bias; a bias-free call (the
+    """Autograd, autocast and the reference backend keep torch's conv with its bias; a bias-free call (the
     patched ResNet's, which folds the bias elsewhere) is the conv alone."""
     conv = nn.Conv2d(4, 6, 3, padding=1).to(DEVICE)
     x = torch.randn(1, 4, 5, 5, device=DEVICE)
@@ -78,6 +78,9 @@ def test_where_torch_adds_the_bias(monkeypatch):
         assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias, 1, 1))
         assert not calls
         monkeypatch.delenv("SD_KERNELS_BACKEND")
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):  # torch rounds the bias to bf16 first
+            assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias, 1, 1))
+        assert not calls
         conv(x)
         assert calls == [1]
     record.undo()

@@ -69,6 +69,8 @@ def _census(model: nn.Module) -> dict[str, int]:
         # the cross-attentions' keys and values of the text as one GEMM (patches/text_projections.py)
         "text_kv": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0 and m.is_cross_attention
                        for m in model.modules()) if isinstance(model, UNet2DConditionModel) else 0,
+        # the convolutions' biases added by ops.bias_residual (patches/conv_bias.py)
+        "conv_bias_add": sum(type(m) is nn.Conv2d and m.bias is not None for m in model.modules()),
         # each residual add and the LayerNorm after it in one kernel (patches/layer_norm.py)
         "layer_norm.LayerNormBlock": sum(type(m) is BasicTransformerBlock and m.norm_type == "layer_norm"
                                          for m in model.modules()),

@@ -68,6 +68,8 @@ def _census(model):
         # the cross-attentions' keys and values of the text as one GEMM (patches/text_projections.py)
         "text_kv": sum(isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0 and m.is_cross_attention
                        for m in model.modules()),
+        # the patch embedding's convolution, its bias added by ops.bias_residual (patches/conv_bias.py)
+        "conv_bias_add": sum(type(m) is torch.nn.Conv2d and m.bias is not None for m in model.modules()),
         "layer_norm.BasicTransformerBlock": sum(type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"
                                                 for m in model.modules()),
     }

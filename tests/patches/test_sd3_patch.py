@@ -66,6 +66,8 @@ def _census(model):
         "joint_attention_processor": sum(isinstance(m, Attention) and type(m.processor) is JointAttnProcessor2_0
                                          for m in model.modules()),
         "gelu.GELU": sum(type(m) is GELU and m.approximate == "tanh" for m in model.modules()),
+        # the patch embedding's convolution, its bias added by ops.bias_residual (patches/conv_bias.py)
+        "conv_bias_add": sum(type(m) is torch.nn.Conv2d and m.bias is not None for m in model.modules()),
         "layer_norm.JointTransformerBlock": sum(type(m) is JointTransformerBlock for m in model.modules()),
     }
 
@@ -90,7 +92,8 @@ def test_tiny_config_is_sd3_shaped(transformer):
 def test_patch_and_unpatch_restore_exactly(transformer):
     x, kw = _inputs(transformer)
     expected, tree = _census(transformer), _tree(transformer)
-    assert expected == {"joint_attention_processor": 2, "gelu.GELU": 3, "layer_norm.JointTransformerBlock": 2}
+    assert expected == {"joint_attention_processor": 2, "gelu.GELU": 3, "layer_norm.JointTransformerBlock": 2,
+                        "conv_bias_add": 1}
     params = dict(transformer.state_dict(keep_vars=True))
     stock = _run(transformer, x, kw)
     record = sd_kernels.patch(transformer)

@@ -295,7 +295,8 @@ def test_fp8_norms_whose_readers_take_codes_write_no_values(monkeypatch):
     """In the FP8 tier, with sd_kernels' attention processors, every fused norm's reader takes its codes alone
     (norm2's the cross-attention's query, norm3's the feed-forward, a handed norm1 the next self-attention's q, k,
     v): no fused call writes values, and the UNet's output is the one with every value written, bit for bit. A hook
-    on the cross-attention's query projection (a reader of values) keeps norm2's written, the output the same."""
+    on the cross-attention's query projection or the feed-forward's first GEMM (readers of values) keeps norm2's or
+    norm3's written, the output the same."""
     unet = models.build_model("tiny-xl", "unet")
     x, ctx, added = _tiny_xl_inputs(unet)
     blocks = _blocks(unet)
@@ -310,12 +311,14 @@ def test_fp8_norms_whose_readers_take_codes_write_no_values(monkeypatch):
             outs[codes_only] = _run(unet, x, ctx, added_cond_kwargs=added)
             assert len(values) == 2 * len(blocks) + _linked(unet)
             assert values == [not codes_only] * len(values)
-        hook = blocks[0].attn2.to_q.register_forward_pre_hook(lambda *_: None)
-        values.clear()
-        hooked = _run(unet, x, ctx, added_cond_kwargs=added)
-        hook.remove()
-    assert values.count(True) == 1  # the hooked block's norm2
-    assert torch.equal(outs[True], outs[False]) and torch.equal(hooked, outs[False])
+        hooked = []
+        for reader in (blocks[0].attn2.to_q, blocks[0].ff.net[0].proj):  # norm2's, norm3's
+            hook = reader.register_forward_pre_hook(lambda *_: None)
+            values.clear()
+            hooked.append(_run(unet, x, ctx, added_cond_kwargs=added))
+            hook.remove()
+            assert values.count(True) == 1  # the hooked block's norm
+    assert torch.equal(outs[True], outs[False]) and all(torch.equal(h, outs[False]) for h in hooked)
     assert not torch.isnan(outs[True]).any()
 
 
