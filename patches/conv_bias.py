@@ -37,8 +37,8 @@ def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     (torch rounds the bias to the convolution's lower-precision output first, then adds: other values), nor for an
     empty input."""
     return (bias is not None and not reference_backend() and not torch.compiler.is_compiling()
-            and x.numel() > 0 and not torch.is_autocast_enabled(x.device.type)
-            and device_reason(x.device) is None and tensor_reason(x, weight, bias) is None
+            and x.numel() > 0 and device_reason(x.device) is None  # a kernel device (autocast knows no other)
+            and not torch.is_autocast_enabled(x.device.type) and tensor_reason(x, weight, bias) is None
             and active_profile().disabled_reason("residual") is None)
 
 

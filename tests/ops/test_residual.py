@@ -162,14 +162,16 @@ def test_gated_add_takes_batches_the_grid_holds_only(device, monkeypatch):
     fp8_linear = importlib.import_module("sd_kernels.ops.fp8_linear")  # the module, not the op of that name
     y = torch.empty(70_000, 1, 8, device=device)
     assert "batch of 70000" in residual_ops.gated_reason(None, None, y)
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: torch.ones(a.shape[0], b.shape[1]))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: torch.ones(a.shape[0], b.shape[1], device=a.device))
     seen = []
     monkeypatch.setattr(fp8_linear, "gated_add_into", lambda x, g, y, out: seen.append(y.shape) or out.copy_(x + y))
-    a2, w = torch.zeros(70_000, 16, dtype=torch.float8_e4m3fn), torch.zeros(8, 16, dtype=torch.float8_e4m3fn)
-    residual = torch.zeros(70_000, 8)
-    out = fp8_linear._torch_gemm(a2, torch.ones(70_000), w, torch.ones(8), None, None, 1, residual, (70_000, 8),
-                                 torch.float32)
-    assert seen == [(1, 70_000, 8)] and torch.equal(out, torch.ones(70_000, 8))
+    # on the test's device: on a GPU host, CPU tensors would take torch's add (no kernel device), not the kernel's pass
+    e4m3 = torch.float8_e4m3fn
+    a2, w = torch.zeros(70_000, 16, device=device, dtype=e4m3), torch.zeros(8, 16, device=device, dtype=e4m3)
+    residual = torch.zeros(70_000, 8, device=device)
+    out = fp8_linear._torch_gemm(a2, torch.ones(70_000, device=device), w, torch.ones(8, device=device), None, None, 1,
+                                 residual, (70_000, 8), torch.float32)
+    assert seen == [(1, 70_000, 8)] and torch.equal(out, torch.ones(70_000, 8, device=device))
 
 
 def test_gated_add_into_writes_a_view_without_gate_or_residual(device):
