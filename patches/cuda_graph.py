@@ -96,7 +96,7 @@ from sd_kernels.runtime import precompile
 from . import execution_device, whole_step
 from .families import DENOISERS, GRAPH_PARTS, PARTS, family_of, is_denoiser
 from .graph_capture import HOST_NUMEL, capture, copy_in, timestep_tensor
-from .hooks import replay_skipped
+from .hooks import registrations, replay_skipped, watch_registrations
 from .scheduler import host_timesteps
 
 log = logging.getLogger(__name__)
@@ -286,12 +286,12 @@ class _Watch:
         self.tuners: list[nn.Module] = []
         self.derived: list[nn.Module] = []
         self.tensors: list[torch.Tensor] = []
-        self.handles = -1  # torch's hook handle counter when the modules' hooks were last read
+        self.handles = None  # torch's hook handle counter (and diffusers' registrations) when last read
         self.skipped: str | None = None  # ...and the hook a replay would skip that they held
 
     def _find(self, tree: tuple) -> None:
         self.tree = tree
-        self.handles = -1
+        self.handles = None
         self.named = list(self.model.named_modules())[1:]  # the model's own hooks run around the graphed call
         self.tensors = [*self.model.parameters(), *self.model.buffers()]
         self.attention = [m for m in self.model.modules() if hasattr(m, "processor")]
@@ -312,11 +312,12 @@ class _Watch:
     def hook(self, tree: tuple, again: bool = False) -> str | None:
         """A forward hook on the model's modules (or on every module), or a diffusers hook on them, that a replay
         would skip, or None (``hooks.replay_skipped``). Registering a forward hook takes a handle from torch's
-        counter, so the modules are read again when it moved; while they hold such a hook, on every call (a
-        removal moves nothing); and with ``again``, before each capture (a diffusers hook moves no counter)."""
+        counter, and a diffusers hook is counted while graphs watch (``hooks.registrations``), so the modules are
+        read again when either moved; while they hold such a hook, on every call (a removal moves nothing); and
+        with ``again``, before each capture."""
         if tree != self.tree:
             self._find(tree)
-        handles = RemovableHandle.next_id
+        handles = (RemovableHandle.next_id, registrations())
         if again or handles != self.handles or self.skipped is not None:
             self.handles, self.skipped = handles, replay_skipped(self.named)
         return self.skipped
@@ -532,6 +533,7 @@ def install(model: nn.Module, record, method: str = "forward", drop: Iterable[st
                           eager=eager)
     record.set_attr(model, method, graphed, "cuda_graph")
     record.on_undo(lambda: _release(model, method, graphed, eager), "cuda_graph", count=0)
+    record.on_undo(watch_registrations(), "cuda_graph", count=0)  # a diffusers hook registered after a capture
     return graphed
 
 

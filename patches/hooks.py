@@ -4,6 +4,7 @@ the call must step aside for (hooks it would skip); and the forward hooks a CUDA
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch.nn as nn
@@ -11,7 +12,7 @@ import torch.nn as nn
 from sd_kernels.runtime.graph_hooks import REPLAY_SAFE, replay_safe
 
 __all__ = ["REPLAY_SAFE_DIFFUSERS_HOOKS", "REPLAY_SAFE_MODULES", "called_beside", "global_hooks", "hooked",
-           "replay_safe", "replay_skipped"]
+           "registrations", "replay_safe", "replay_skipped", "watch_registrations"]
 
 # Modules whose hook functions a replay may skip: transformers' output-capturing hooks (installed on a text
 # encoder's layers at its first call) only gather the hidden states its output returns, and a graph returns the
@@ -72,3 +73,57 @@ def replay_skipped(named: Iterable[tuple[str, nn.Module]]) -> str | None:
             if not (getattr(hook, REPLAY_SAFE, False) or type(hook).__module__ in REPLAY_SAFE_DIFFUSERS_HOOKS):
                 return f"diffusers' hook {hook_name!r} ({type(hook).__name__}) on {name} ({type(m).__name__})"
     return None
+
+
+class _Registrations:
+    """diffusers' ``HookRegistry.register_hook`` counted while a patch's CUDA graphs watch the models
+    (``watch_registrations``): registering a diffusers hook moves no counter torch keeps, and a graph captured
+    before a hook was registered inside its model would replay the call without it."""
+
+    def __init__(self) -> None:
+        self.count = 0  # diffusers hooks registered while watched
+        self.watchers = 0
+        self.original = None
+        self.wrapper = None
+
+    def watch(self):
+        """Count registrations until the returned function is called (once per watcher; the class's method is
+        given back when the last stops watching, unless another wrapped it since)."""
+        from diffusers.hooks.hooks import HookRegistry
+
+        if self.watchers == 0:
+            original = HookRegistry.register_hook
+
+            @functools.wraps(original)
+            def register_hook(registry, *args, **kwargs):
+                self.count += 1
+                return original(registry, *args, **kwargs)
+
+            self.original, self.wrapper = original, register_hook
+            HookRegistry.register_hook = register_hook
+        self.watchers += 1
+        stopped = []
+
+        def stop() -> None:
+            if stopped:
+                return
+            stopped.append(True)
+            self.watchers -= 1
+            if self.watchers == 0 and HookRegistry.__dict__.get("register_hook") is self.wrapper:
+                HookRegistry.register_hook = self.original
+
+        return stop
+
+
+_REGISTRATIONS = _Registrations()
+
+
+def watch_registrations():
+    """Start counting diffusers' hook registrations (``registrations``); returns the function that stops."""
+    return _REGISTRATIONS.watch()
+
+
+def registrations() -> int:
+    """How many diffusers hooks were registered while watched: a watcher reads the modules' hooks again when this
+    moved."""
+    return _REGISTRATIONS.count

@@ -518,6 +518,43 @@ def test_a_diffusers_hook_inside_the_model_makes_the_calls_eager_until_removed(f
     assert "'counting'" in hooks.replay_skipped(inside)
 
 
+def test_a_diffusers_hook_registered_after_a_capture_makes_the_calls_eager(fake_cuda, monkeypatch):
+    """A diffusers hook registered inside the graphed model after its graph was captured: the next calls run
+    eagerly with the hook (a replay would pass it by: diffusers' registrations move no counter torch keeps, so the
+    patch counts them while its graphs watch); removed, the graph captured before replays again. The count stops
+    with the patch: diffusers' own ``register_hook`` is back after unpatch."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    import sd_kernels
+
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(type(module).__name__)
+            return args, kwargs
+
+    stock_register = HookRegistry.__dict__["register_hook"]
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    call, eager_calls, seen = graphed.forward, [], []
+    real = call._eager
+    monkeypatch.setattr(call, "_eager", lambda reason, *a, **k: eager_calls.append(reason) or real(reason, *a, **k))
+    with torch.no_grad():
+        want = eager(x, 10, **kw).sample
+        for _ in range(2):  # the capture, then a replay
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert len(fake_cuda) == 1 and not eager_calls
+        registry = HookRegistry.check_if_exists_or_initialize(graphed.conv_in)
+        registry.register_hook(Counting(), "counting")
+        for _ in range(2):
+            assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert seen == ["Conv2d"] * 2 and len(eager_calls) == 2 and "'counting'" in eager_calls[0]
+        registry.remove_hook("counting", recurse=False)
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
+        assert len(eager_calls) == 2 and len(fake_cuda) == 1 and seen == ["Conv2d"] * 2
+    sd_kernels.unpatch(graphed)
+    assert HookRegistry.__dict__["register_hook"] is stock_register
+
+
 def test_transformers_output_capturing_hooks_are_replay_safe():
     """SDXL's CLIP encoders, asked for their hidden states, carry transformers' output-capturing hooks on their
     layers from their first call: they only gather what the call returns (a graph returns its captured output
