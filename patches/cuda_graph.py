@@ -285,7 +285,7 @@ class _Watch:
         self.attention: list[nn.Module] = []
         self.tuners: list[nn.Module] = []
         self.derived: list[nn.Module] = []
-        self.tensors: list[torch.Tensor] = []
+        self.held: list[dict] = []  # each module's _parameters and _buffers: where the tensors are held
         self.handles = None  # torch's hook handle counter (and diffusers' registrations) when last read
         self.skipped: str | None = None  # ...and the hook a replay would skip that they held
 
@@ -293,7 +293,8 @@ class _Watch:
         self.tree = tree
         self.handles = None
         self.named = list(self.model.named_modules())[1:]  # the model's own hooks run around the graphed call
-        self.tensors = [*self.model.parameters(), *self.model.buffers()]
+        # the modules holding tensors (containers hold none): the tensors are read from these on every call
+        self.held = [held for m in self.model.modules() for held in (m._parameters, m._buffers) if held]
         self.attention = [m for m in self.model.modules() if hasattr(m, "processor")]
         self.tuners = [m for m in self.model.modules() if hasattr(m, "merged_adapters")] if tree else []
         self.derived = [m for m in self.model.modules() if hasattr(m, "graph_state")]
@@ -322,19 +323,21 @@ class _Watch:
             self.handles, self.skipped = handles, replay_skipped(self.named)
         return self.skipped
 
-    def placement(self, tree: tuple) -> tuple[int, ...]:
-        """Every parameter's and buffer's address: the graphs read them there."""
+    def placement(self, tree: tuple) -> tuple[int | None, ...]:
+        """Every parameter's and buffer's address: the graphs read them there. Read from the modules' slots on every
+        call, so that a Parameter or buffer set anew (``module.weight = nn.Parameter(...)``,
+        ``load_state_dict(assign=True)``), added or removed is seen: a replay would read the one it replaced."""
         if tree != self.tree:
             self._find(tree)
-        return tuple(map(torch.Tensor.data_ptr, self.tensors))  # read on every call: no generator
+        return tuple([None if t is None else t.data_ptr() for held in self.held for t in held.values()])
 
 
 def _model_state(model: nn.Module, watch: _Watch) -> tuple:
     """What invalidates captured graphs: peft adapters added or removed (the module tree changes with
-    them), the weights moved (``.to(device or dtype)``, offloading: the graphs read every parameter and
-    buffer by address), what ``watch`` reads (adapter switches and scales, fused LoRA, swapped
-    processors), and context parallelism or a split decode turned on (a graph captured before holds no
-    collectives)."""
+    them), the weights moved or set anew (``.to(device or dtype)``, offloading, ``module.weight =
+    nn.Parameter(...)``: the graphs read every parameter and buffer by address), what ``watch`` reads
+    (adapter switches and scales, fused LoRA, swapped processors), and context parallelism or a split
+    decode turned on (a graph captured before holds no collectives)."""
     cfg = getattr(model, "peft_config", None)
     tree = tuple(sorted(cfg)) if isinstance(cfg, dict) else ()
     return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree), runs_collectives(model)

@@ -555,6 +555,30 @@ def test_a_diffusers_hook_registered_after_a_capture_makes_the_calls_eager(fake_
     assert HookRegistry.__dict__["register_hook"] is stock_register
 
 
+def test_a_parameter_set_anew_is_not_replayed_from_the_old_one(fake_cuda, monkeypatch):
+    """A Parameter of a module inside the graphed model set anew after a capture (``conv.weight =
+    nn.Parameter(...)``, ``load_state_dict(assign=True)``): the graph reads the old one's address, so the graphs
+    are dropped, the next call runs eagerly with the new weight and the one after captures again; so with a buffer
+    set to None."""
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    call, eager_calls = graphed.forward, []
+    real = call._eager
+    monkeypatch.setattr(call, "_eager", lambda reason, *a, **k: eager_calls.append(reason) or real(reason, *a, **k))
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(x, 10, **kw)
+        assert len(fake_cuda) == 1 and not eager_calls
+        for model in (eager, graphed):
+            model.conv_in.weight = torch.nn.Parameter(model.conv_in.weight.detach() * 2)
+        want = eager(x, 10, **kw).sample
+        assert torch.equal(graphed(x, 10, **kw).sample, want) and eager_calls == [cuda_graph.MOVED]
+        assert torch.equal(graphed(x, 10, **kw).sample, want) and len(fake_cuda) == 2
+        graphed.conv_in.bias = None
+        graphed(x, 10, **kw)
+        assert len(eager_calls) == 2
+
+
 def test_transformers_output_capturing_hooks_are_replay_safe():
     """SDXL's CLIP encoders, asked for their hidden states, carry transformers' output-capturing hooks on their
     layers from their first call: they only gather what the call returns (a graph returns its captured output
