@@ -48,18 +48,20 @@ def _fusable_norm(norm: nn.Module) -> bool:
     return (_plain_layer_norm(norm) or _writes_codes(norm)) and not called_beside(norm)
 
 
-def _residual_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor,
-                   squeeze: bool, reader_takes_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _residual_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, squeeze: bool,
+                   reader: nn.Module | None = None, cross: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A UNet block's ``h = branch + residual`` and ``norm(h)``: one kernel where ``_fusable_norm``, the FP8 tier's
     norm then writing its codes in the same kernel, in the calls where its own forward would
     (``Fp8LayerNorm.codes_travel``); another norm (one swapped in after the patch, a hooked one) is called as itself
     after stock's add. ``squeeze``: a 4-D sum squeezed, as diffusers does after the self-attention.
-    ``reader_takes_codes`` (``reads_codes_only`` of the module that reads the output next): with codes, the
-    kernel writes no values (``CODES_ONLY``)."""
+    ``reader`` (with ``cross``: the module that reads the output next, None where that is not one module called on
+    it whole): with codes, where ``reads_codes_only(reader, cross)``, the kernel writes no values (``CODES_ONLY``;
+    asked only then)."""
     fused = _fusable_norm(norm)
     codes = fused and _writes_codes(norm) and norm.codes_travel(residual)
+    values = not (codes and CODES_ONLY and reader is not None and reads_codes_only(reader, cross))
     return _gated_norm(norm, residual, branch, None, None, None, codes=codes, squeeze=squeeze, fused=fused,
-                       values=not (codes and reader_takes_codes and CODES_ONLY))
+                       values=values)
 
 
 def reads_codes_only(module: nn.Module, cross: bool = False) -> bool:
@@ -110,23 +112,22 @@ class LayerNormBlockForward(_BasicBlockForward):
             attention_mask=attention_mask,
         )
         if block.attn2 is not None:
-            cross = encoder_hidden_states is not None
             hidden_states, norm_hidden_states = _residual_norm(block.norm2, hidden_states, attn_output, squeeze=True,
-                                                               reader_takes_codes=reads_codes_only(block.attn2, cross))
+                                                               reader=block.attn2,
+                                                               cross=encoder_hidden_states is not None)
             attn_output = block.attn2(norm_hidden_states, encoder_hidden_states=encoder_hidden_states,
                                       attention_mask=encoder_attention_mask)
         # the self-attention's residual when there is no cross-attention: squeezed as diffusers squeezes it
         chunked = getattr(block, "_chunk_size", None) is not None  # the chunks, slices of the output, carry no codes
-        hidden_states, norm_hidden_states = _residual_norm(
-            block.norm3, hidden_states, attn_output, squeeze=block.attn2 is None,
-            reader_takes_codes=not chunked and reads_codes_only(block.ff))
+        hidden_states, norm_hidden_states = _residual_norm(block.norm3, hidden_states, attn_output,
+                                                           squeeze=block.attn2 is None,
+                                                           reader=None if chunked else block.ff)
         ff_output = _feed_forward(block, block.ff, norm_hidden_states)
         after = self.next_norm()
         if after is not None and ff_output.shape == hidden_states.shape and _hands_on(hidden_states):
             following = self.following.block  # its attn1 a self-attention: it reads the normed output alone
-            hidden_states, normed = _residual_norm(
-                after, hidden_states, ff_output, squeeze=True,
-                reader_takes_codes=not following.only_cross_attention and reads_codes_only(following.attn1))
+            hidden_states, normed = _residual_norm(after, hidden_states, ff_output, squeeze=True,
+                                                   reader=None if following.only_cross_attention else following.attn1)
             return _hand_norm(hidden_states, after, normed)
         hidden_states = ff_output + hidden_states
         if hidden_states.ndim == 4:

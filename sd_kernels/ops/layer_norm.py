@@ -169,10 +169,9 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     only that: y is then ``unwritten``'s stand-in; ``rms``: no mean taken; y in ``out_dtype`` (default: x's)."""
     weight, bias = vectors(weight, bias)
     bsz, t, d = x.shape
-    # the stand-in is made outside a CUDA graph's capture (made in one, its fill would not have run)
-    values = values or quant is None or ((out_dtype or x.dtype, x.device) not in _NAN and x.is_cuda
-                                         and torch.cuda.is_current_stream_capturing())
-    y = _alloc(x, out_dtype) if values else unwritten(x, out_dtype or x.dtype)
+    y = None if values or quant is None else unwritten(x, out_dtype or x.dtype)
+    values = y is None
+    y = _alloc(x, out_dtype) if values else y
     h = None if branch is None else _alloc(x)
     n_rows = bsz * t
     if y.numel() == 0:
@@ -277,12 +276,15 @@ def gated_residual_layer_norm_fp8(residual: torch.Tensor, branch: torch.Tensor, 
 _NAN: dict[tuple, torch.Tensor] = {}
 
 
-def unwritten(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def unwritten(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The stand-in for a normed output whose values were not written (``values=False``: its reader takes its FP8
     codes alone): x's shape, one NaN broadcast (kept per dtype and device), so that a reader of the values gets NaN,
-    never stale memory, and a write into it fails (its elements share one address)."""
+    never stale memory, and a write into it fails (its elements share one address). None where it would be made
+    inside a CUDA graph's capture (its fill would not have run): the values are written then."""
     key = (dtype, x.device)
     nan = _NAN.get(key)
+    if nan is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
     if nan is None:
         with torch.inference_mode(False):  # codes travel on a tensor with a version counter (attach_quantized)
             nan = _NAN[key] = torch.full((1,) * x.dim(), float("nan"), dtype=dtype, device=x.device)
