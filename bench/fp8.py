@@ -2,15 +2,16 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl,sd15] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,patched+cat-join,
-                                patched+unfused-qkv,patched+two-pass-residual,patched+addcmul-residual,fp8,
+                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,patched+inference-mode,
+                                patched+cat-join,patched+unfused-qkv,patched+two-pass-residual,
+                                patched+addcmul-residual,fp8,
                                 fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
                                 fp8+fused-gate-gemm,fp8+pointer-gemm,fp8+tma-gemm,fp8+cat-join,fp8+unfused-qkv,
                                 fp8+addcmul-residual,fp8+previous-glue,fp8+own-modulations,
                                 fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+cross-kv-fp8,
                                 fp8+plain-norms,fp8+geglu-epilogue,fp8+into-ours,fp8+into-copy,
                                 fp8+offloaded-originals,fp8+fp8-conv,fp8+fp32-decode,fp8+norm-values,
-                                fp8+torch-conv-bias,fp8+compile,torchao]
+                                fp8+torch-conv-bias,fp8+inference-mode,fp8+compile,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -72,7 +73,9 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``patches.bf16_decode.BF16_DECODE`` off, not the bf16 copy of the VAE's decoder), with every UNet block norm's
   values written though its reader takes the codes alone (``fp8+norm-values``: ``patches.unet_blocks.CODES_ONLY``
   off), with torch adding the cuDNN convolutions' biases (``fp8+torch-conv-bias``: patches/conv_bias.py's
-  ``serves`` false), and with ``compile=True``
+  ``serves`` false), with every pipeline call under ``torch.inference_mode()`` instead of the pipeline's own
+  ``torch.no_grad()`` (``fp8+inference-mode``; ``patched+inference-mode`` for the lossless patch), and with
+  ``compile=True``
   (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
@@ -104,13 +107,15 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl", "sd15")  # sd15: e2e rows only (no GEMM shapes listed)
-ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+cat-join", "patched+unfused-qkv",
+ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+inference-mode", "patched+cat-join",
+        "patched+unfused-qkv",
         "patched+two-pass-residual", "patched+addcmul-residual", "fp8", "fp8+exact-attention",
         "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
         "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours", "fp8+into-copy", "fp8+offloaded-originals",
-        "fp8+fp8-conv", "fp8+fp32-decode", "fp8+norm-values", "fp8+torch-conv-bias", "fp8+compile", "torchao")
+        "fp8+fp8-conv", "fp8+fp32-decode", "fp8+norm-values", "fp8+torch-conv-bias", "fp8+inference-mode",
+        "fp8+compile", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -337,6 +342,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
+    if row == "patched+inference-mode":
+        return "patched+graph+inference-mode", lambda p: _inference_mode(applied(p, VARIANTS["patched+graph"]))
     from sd_kernels.patches import joint_attention, modulation_split, qkv_fusion
     from sd_kernels.patches import layer_norm as layer_norm_patch
 
@@ -390,6 +397,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+torch-conv-bias": (conv_bias, "serves", lambda *args: False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
+        if row == "fp8+inference-mode":
+            return setup.name, lambda p: _inference_mode(_applied_with(p, setup, None))
         return setup.name, lambda p: _applied_with(p, setup, changed)
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
@@ -419,7 +428,7 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours",
                                                     "fp8+into-copy", "fp8+offloaded-originals", "fp8+fp8-conv",
                                                     "fp8+fp32-decode", "fp8+norm-values",
-                                                    "fp8+torch-conv-bias")}
+                                                    "fp8+torch-conv-bias", "fp8+inference-mode")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 
 
@@ -434,6 +443,14 @@ def _applied_with(pipe, setup, changed: tuple | list | None):
             stack.enter_context(mock.patch.object(*switch))
         with applied(pipe, setup) as record:
             yield record
+
+
+@contextlib.contextmanager
+def _inference_mode(context):
+    """``context`` (the patch applied as usual), then every pipeline call of the row under ``torch.inference_mode()``
+    instead of the pipeline's own ``torch.no_grad()``."""
+    with context as record, torch.inference_mode():
+        yield record
 
 
 @contextlib.contextmanager

@@ -931,6 +931,35 @@ def test_fp8_bench_rows_change_what_the_patch_reads_for_their_time_only(monkeypa
     assert [getattr(mod, name) for mod, (_, name, _) in zip(mods, switches, strict=True)] == before
 
 
+@pytest.mark.parametrize(("row", "precision"), [("fp8+inference-mode", "fp8"), ("patched+inference-mode", None)])
+def test_the_inference_mode_rows_patch_outside_it_and_call_inside_it(monkeypatch, row, precision):
+    """bench.fp8's ``fp8+inference-mode`` and ``patched+inference-mode``: the patch applied as in the plain rows (not
+    under inference mode), the row's pipeline calls under ``torch.inference_mode()``, and inference mode off again
+    after the unpatch."""
+    import contextlib
+
+    import torch
+
+    from bench import fp8, setups
+
+    events = []
+
+    @contextlib.contextmanager
+    def applied(pipe, setup):
+        events.append(("patch", setup.precision, torch.is_inference_mode_enabled()))
+        yield {}
+        events.append(("unpatch", torch.is_inference_mode_enabled()))
+
+    monkeypatch.setattr(setups, "applied", applied)
+    label, context = fp8._setup(row, "regional")
+    with context(object()):
+        events.append(("call", torch.is_inference_mode_enabled()))
+    assert events == [("patch", precision, False), ("call", True), ("unpatch", False)]
+    assert label == {"fp8+inference-mode": fp8.FP8_ROWS["fp8+inference-mode"],
+                     "patched+inference-mode": "patched+graph+inference-mode"}[row]
+    assert not torch.is_inference_mode_enabled()
+
+
 def test_the_offloaded_originals_row_is_the_fp8_tier_with_its_originals_moved(monkeypatch):
     """bench.fp8's ``fp8+offloaded-originals``: the tier's setup, then ``offload_originals`` on the pipeline inside
     it (the row's facts say how many bytes moved); the unpatch at its end brings them back."""

@@ -341,12 +341,13 @@ class KvStats(NamedTuple):
         return KvStats(k_sum, v_max, tuple(_identity(t.transpose(1, 2)) for t in (key, value)), (key, value))
 
     def serves(self, k4: torch.Tensor, v4: torch.Tensor) -> bool:
-        """Whether these are the partials of [B, H, S, D] views k4, v4: the same memory, layout and versions."""
-        return self.source == (_identity(k4), _identity(v4))
+        """Whether these are the partials of [B, H, S, D] views k4, v4: the same memory, layout and versions. Never
+        for inference tensors, whose changes no version counter records."""
+        return None not in (self.source[0][1], self.source[1][1]) and self.source == (_identity(k4), _identity(v4))
 
 
 def _identity(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype
+    return t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.stride(), t.dtype
 
 
 def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,

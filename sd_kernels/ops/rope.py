@@ -271,7 +271,9 @@ def qk_norm_rope_fp8(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, 
 
 def _outputs(args: tuple, stats: bool) -> tuple:
     """(query, key, value, the K/V statistics or None) for ``qk_norm_rope``'s arguments: the kernel's launches
-    (``stats``: the statistics kernel's, which also write the partials), or the reference and no statistics."""
+    (``stats``: the statistics kernel's, which also write the partials), or the reference and no statistics.
+    Inference tensors (the key written under ``torch.inference_mode()``, or an inference value read in place) get
+    no statistics: they keep no version counter, by which the attention would tell a change made to them since."""
     if not _kernel_runs(*args):
         return (*reference.qk_norm_rope(*args), None)
     q, v, head_dim, eq = args[0], args[2], args[3], args[9]
@@ -279,7 +281,7 @@ def _outputs(args: tuple, stats: bool) -> tuple:
     query, key = _alloc(shape, q), _alloc(shape, q)
     value = None if eq is None else _alloc(shape, q)
     partials = None
-    if stats:
+    if stats and not (key.is_inference() or (v if value is None else value).is_inference()):
         s_text = 0 if eq is None else eq.shape[1]
         chunk = stats_chunk(q.shape[1], s_text)
         n_chunks = cdiv(q.shape[1], chunk) + cdiv(s_text, chunk)

@@ -211,6 +211,26 @@ def test_fp8_statistics_are_those_of_the_keys_and_values_written(case, device):
     assert sum(dispatch.fallbacks().values()) == sum(before.values()) + 1
 
 
+@pytest.mark.parametrize("case", ["flux-double", "flux-single"])
+def test_fp8_statistics_of_inference_tensors_are_none_and_never_serve(case, device):
+    """Under ``torch.inference_mode()`` qk_norm_rope_fp8 writes the same query, key and value and hands over no
+    statistics: inference tensors keep no version counter, so a change made to them in place could not be told
+    (the attention runs its own statistics pass). Statistics made of inference tensors some other way never serve."""
+    fp8_ops = importlib.import_module("sd_kernels.ops.attention_fp8")
+    args = make_args(b=1, s_text=77, s=200, heads=2, head_dim=64, dtype=torch.bfloat16, device=device, **CASES[case])
+    *want, _ = rope_ops.qk_norm_rope_fp8(*args)
+    with torch.inference_mode():
+        *got, stats = rope_ops.qk_norm_rope_fp8(*args)
+        assert stats is None and got[1].is_inference()
+        k4, v4 = got[1].transpose(1, 2), got[2].transpose(1, 2)
+        chunks = [torch.zeros(2, 1, 64, device=device)] * 2
+        made = fp8_ops.KvStats.of(got[1], got[2], *chunks)
+        assert not made.serves(k4, v4)
+        own = fp8_ops.quantize_kv(k4, v4, "fp8", "fp8")
+        assert all(torch.equal(a, b) for a, b in zip(own, fp8_ops.quantize_kv(k4, v4, "fp8", "fp8", stats=made)))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_fp8_statistics_off_the_kernels_ground_are_none(device):
     """Where the kernel does not run (float64), qk_norm_rope_fp8 is the reference's three tensors and no
     statistics (the attention's pre-pass computes its own)."""

@@ -579,6 +579,27 @@ def test_fp8_patch_routes_attention_to_the_fp8_op_and_unpatch_restores_stock(nam
 
 @pytest.mark.integration
 @cpu_only
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3", "tiny"])
+def test_the_fp8_tier_under_inference_mode_runs_and_stays_close(name, fp8_attention_calls):
+    """The whole tier, FP8 attention included, called under ``torch.inference_mode()`` (its tensors keep no version
+    counter: the statistics and codes that travel between kernels by version stay home, each kernel makes its own)
+    gives the tier's output within its own rounding of what ``torch.no_grad()`` gives. FLUX's FP8 attention
+    failed here once: its q/k norm + RoPE handed over K/V statistics of inference tensors."""
+    model = _model(name)
+    sd_kernels.patch(model, precision="fp8", cuda_graph=False)
+    try:
+        want = _call(model, name)
+        calls = len(fp8_attention_calls)
+        with torch.inference_mode():
+            got = _call(model, name)
+        assert len(fp8_attention_calls) == 2 * calls > 0
+    finally:
+        sd_kernels.unpatch(model)
+    assert rel_err(got, want) < 2e-2, rel_err(got, want)
+
+
+@pytest.mark.integration
+@cpu_only
 def test_flux_fp8_attention_takes_its_key_statistics_from_the_norm_and_rotation(fp8_attention_calls, monkeypatch):
     """FLUX's processors under the FP8 tier write the keys with qk_norm_rope_fp8 and hand its K/V statistics to
     the attention: every FP8 attention call gets them and the pre-pass's own statistics kernel never runs; the
