@@ -426,7 +426,9 @@ class GraphedCall:
                 except TypeError:
                     return None, f"an unhashable argument of type {type(x).__name__}"
                 parts.append((type(x), x))
-        return (tree, tuple(parts)), None
+        # and the inference mode: a graph captured under torch.inference_mode() holds inference tensors (its static
+        # inputs, a whole step's scheduler state), which a call outside it could not copy into
+        return (tree, tuple(parts), torch.is_inference_mode_enabled()), None
 
     def eager_reason(self) -> tuple[str, int] | None:
         """(why this call must run eagerly, log level), or None where captured graphs may replay. Drops

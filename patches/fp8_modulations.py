@@ -118,8 +118,9 @@ class Fp8Modulations:
     def ensure_table(self) -> RowTable:
         """The table, made empty the first time (before a call that a CUDA graph may capture: the graph reads it
         where it is), in the layers' dtype on their device."""
-        if self.table is None:
-            self.table = RowTable(modulation_table.ROWS, *self.table_shape(), self.layers[0].w_q.device)
+        if self.table is None:  # outside inference mode: a call outside it, after one inside, fills it in place
+            with torch.inference_mode(False):
+                self.table = RowTable(modulation_table.ROWS, *self.table_shape(), self.layers[0].w_q.device)
         return self.table
 
     def table_shape(self) -> tuple[int, int, torch.dtype]:

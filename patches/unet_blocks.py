@@ -148,10 +148,12 @@ _HANDED = "_sd_kernels_handed_norm"
 
 
 def _hands_on(h: torch.Tensor) -> bool:
-    """Whether a normed output can travel on ``h`` (``_hand_norm``): h has a version counter (not made under inference
-    mode), autograd is off (a recomputing checkpoint would see the next block normalize where the first pass did
-    not) and no compiler traces the call (it cannot trace an attribute set on a tensor and deleted)."""
-    return not (h.is_inference() or torch.is_grad_enabled() or torch.compiler.is_compiling())
+    """Whether a normed output can travel on ``h`` (``_hand_norm``): h and the sums made from it have version counters
+    (neither h nor the call made under inference mode), autograd is off (a recomputing checkpoint would see the next
+    block normalize where the first pass did not) and no compiler traces the call (it cannot trace an attribute set on
+    a tensor and deleted)."""
+    return not (h.is_inference() or torch.is_inference_mode_enabled() or torch.is_grad_enabled()
+                or torch.compiler.is_compiling())
 
 
 def _hand_norm(h: torch.Tensor, norm: nn.Module, normed: torch.Tensor) -> torch.Tensor:

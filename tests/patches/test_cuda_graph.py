@@ -671,6 +671,20 @@ def test_pipeline_mode_graphs_every_model_call(fake_cuda, name):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("mode", [True, "step"])
+def test_calls_in_and_out_of_inference_mode_take_graphs_of_their_own(fake_cuda, mode):
+    """A pipeline called under ``torch.inference_mode()``, then outside it, then under it again: each call's images
+    are eager's. A graph captured in inference mode holds inference tensors (its static inputs), which a call
+    outside it may not copy into: the mode is part of a call's signature, so each mode captures its own graphs."""
+    eager, graphed, _ = _pipe_pair("tiny", mode=mode)
+    want = _pipe_run(eager, 2)
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            assert torch.equal(_pipe_run(graphed, 2), want)
+    assert len(graphed.unet.forward.graphs) == 2
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_host_timesteps_keep_images(fake_cuda, scheduler):
     """Each scheduler the pipeline mode gives host timesteps: the same images as with its own."""

@@ -600,6 +600,25 @@ def test_the_fp8_tier_under_inference_mode_runs_and_stays_close(name, fp8_attent
 
 @pytest.mark.integration
 @cpu_only
+def test_the_fp8_tier_first_called_under_inference_mode_then_outside_it(monkeypatch):
+    """FLUX's FP8 pipeline called under ``torch.inference_mode()`` first, then outside it: the joined modulations'
+    step table, made at the first call, is filled in place by the second (made outside inference mode, it can be),
+    and both give the tier's latents of a call outside it."""
+    pipe = build_pipeline("tiny-flux")
+    pipe.set_progress_bar_config(disable=True)
+    record = sd_kernels.patch(pipe, precision="fp8", cuda_graph=False)
+    try:
+        assert record.quantized.step_tables
+        with torch.inference_mode():
+            first = _run(pipe, "latent")
+        second, third = _run(pipe, "latent"), _run(pipe, "latent")
+    finally:
+        sd_kernels.unpatch(pipe)
+    assert torch.equal(second, third) and rel_err(first, second) < 2e-2, rel_err(first, second)
+
+
+@pytest.mark.integration
+@cpu_only
 def test_flux_fp8_attention_takes_its_key_statistics_from_the_norm_and_rotation(fp8_attention_calls, monkeypatch):
     """FLUX's processors under the FP8 tier write the keys with qk_norm_rope_fp8 and hand its K/V statistics to
     the attention: every FP8 attention call gets them and the pre-pass's own statistics kernel never runs; the
