@@ -19,8 +19,9 @@ import torch
 
 def weight_version(w: torch.Tensor) -> tuple:
     """What identifies a weight's values for a cache: its storage and version counter. Inference
-    tensors (made under torch.inference_mode) have no version counter, and cannot be updated in place
-    outside it: their storage alone identifies them."""
+    tensors (made under torch.inference_mode) have no version counter: their storage alone identifies
+    them, so an in-place change made to one inside inference mode is not seen (outside it they cannot be
+    changed in place). docs/fp8.md and docs/patch.md say so to the user: unpatch and patch again."""
     return w.data_ptr(), None if w.is_inference() else w._version
 
 
