@@ -109,7 +109,8 @@ class Bf16Decode:
         held = _decoder_params(vae)
         if not set(self.names) <= held.keys():
             raise Unserved("its decoder is not the one its config builds (a LoRA, another module)")
-        copy.load_state_dict({n: held[n].detach().to(torch.bfloat16) for n in self.names}, assign=True)
+        with torch.inference_mode(False):  # a patch made under inference mode: ``serves`` copies into them in place
+            copy.load_state_dict({n: held[n].detach().to(torch.bfloat16) for n in self.names}, assign=True)
         copy.eval().requires_grad_(False)
         self.copy, self.device = copy, next(copy.parameters()).device
         self.held = sorted(held)  # what the decoder holds now: another module tree falls back

@@ -157,8 +157,9 @@ def _make(group, shard: torch.Tensor) -> _Exchange | None:
         if wanted == "copy":
             log.warning("sd_kernels: the ring's exchange runs on NCCL: another process set %s=nccl", ENV)
         return None
-    try:
-        exchange, ok = _Exchange(group, tuple(shard.shape), shard.dtype, shard.device), True
+    try:  # outside inference mode: a call outside it, after one inside, copies into the buffers in place
+        with torch.inference_mode(False):
+            exchange, ok = _Exchange(group, tuple(shard.shape), shard.dtype, shard.device), True
     except (RuntimeError, ImportError, AttributeError) as e:  # no peer access, no symmetric memory in this torch
         log.warning("sd_kernels: the ring's exchange runs on NCCL (symmetric memory could not be set up: %s)", e)
         exchange, ok = None, False

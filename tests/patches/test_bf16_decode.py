@@ -158,6 +158,25 @@ def test_weights_changed_in_place_are_copied_again(routed):
 
 
 @cpu_only
+def test_a_copy_made_under_inference_mode_takes_changed_weights_outside_it(monkeypatch):
+    """The tier applied under ``torch.inference_mode()``: the bf16 copy holds no inference tensors, so a weight
+    changed in place after it, outside inference mode, is copied again into it."""
+    monkeypatch.setattr(bf16_decode, "_verified", lambda cls: True)
+    pipe = _xl(cls=TwoDecodes)
+    with torch.inference_mode():
+        sd_kernels.patch(pipe, precision="fp8", ops=[], ignore=["unet"])
+    try:
+        assert not any(p.is_inference() for p in pipe.vae.decode.route.copy.parameters())
+        z = _latents(pipe)
+        with torch.no_grad():
+            pipe.vae.decoder.conv_out.weight.mul_(-2)
+            ref = _decoded(pipe.vae, z, torch.float64)
+            assert rel_err(pipe(z)[0], ref) <= 2 * rel_err(_decoded(pipe.vae, z, torch.bfloat16), ref)
+    finally:
+        sd_kernels.unpatch(pipe)
+
+
+@cpu_only
 @pytest.mark.parametrize("change", ["module added", "vae replaced"])
 def test_a_changed_decoder_or_vae_gets_stocks_fp32_upcast(routed, change, caplog):
     pipe, z = routed, _latents(routed)

@@ -72,6 +72,31 @@ def test_the_switch_to_nccl_is_read_once_per_shape_and_checked(one_process_group
         peer_gather.start(torch.randn(2, 4, 2, 3, 8), one_process_group)
 
 
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with the gloo backend")
+def test_the_exchange_made_under_inference_mode_holds_no_inference_tensors(one_process_group, monkeypatch):
+    """The first call under ``torch.inference_mode()`` sets the exchange up outside it: a later call outside inference
+    mode copies its shard into the buffers in place, which inference tensors would refuse."""
+    made = []
+
+    class Exchange:
+        def __init__(self, group, shape, dtype, device):
+            self.full = torch.zeros(shape, dtype=dtype)
+            made.append(torch.is_inference_mode_enabled())
+
+        def start(self, shard):
+            self.full.copy_(shard)
+            return self.full
+
+    monkeypatch.setattr(peer_gather, "_usable", lambda shard: True)
+    monkeypatch.setattr(peer_gather, "_Exchange", Exchange)
+    x = torch.randn(1, 4, 2, 3, 8)
+    with torch.inference_mode():
+        assert torch.equal(peer_gather.start(x, one_process_group), x)
+    with torch.no_grad():
+        assert torch.equal(peer_gather.start(x * 2, one_process_group), x * 2)
+    assert made == [False]
+
+
 class _Arrived:
     """A stand-in for an exchange whose slots arrive in a given order (``Gathered.arrivals``' contract)."""
 
