@@ -53,6 +53,7 @@ from . import attention_fp8_wgmma as _hopper
 from . import attention_wgmma as _wgmma
 from .attention_common import LOG2E, as_4d, check_attention_args, default_scale, from_4d, kernel_reason
 from .fp8_quant import inv_scale
+from .weight_cache import weight_version
 
 HEAD_DIMS = (64, 128)
 QK_MODES = ("int8", "fp8")
@@ -347,7 +348,8 @@ class KvStats(NamedTuple):
 
 
 def _identity(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.stride(), t.dtype
+    """(data pointer, version counter or None for an inference tensor, shape, strides, dtype)."""
+    return *weight_version(t), tuple(t.shape), t.stride(), t.dtype
 
 
 def quantize_kv(k4: torch.Tensor, v4: torch.Tensor, qk: str = "int8", pv: str = "fp8", key_block: int = KEY_BLOCK,
