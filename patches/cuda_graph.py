@@ -41,6 +41,11 @@ the graphs asked for cannot be captured) and ``install_mode`` installs it.
    **clones** of the outputs, so that the next replay (which rewrites the static outputs) cannot
    change what an earlier call returned. The clone of a latent is a few hundred kB: negligible.
 
+A call made under ``torch.inference_mode()`` is prepared, captured and replayed outside it, autograd off
+(``modes.outside_inference_mode``): its static buffers and outputs are normal tensors, so calls in and out of
+inference mode share one graph per signature, and the captured call takes the paths that check tensors by
+version counter. Eager calls keep the caller's mode.
+
 Under ``torch.compile`` the wrapper steps aside (compile's mode="reduce-overhead" is its own way to
 graph a model); ``patch(..., compile=True)`` instead compiles the method that the graphs capture.
 Calls that cannot be captured run eagerly (logged once per reason): autograd enabled, a tensor
@@ -97,6 +102,7 @@ from . import execution_device, whole_step
 from .families import DENOISERS, GRAPH_PARTS, PARTS, family_of, is_denoiser
 from .graph_capture import HOST_NUMEL, capture, copy_in, timestep_tensor
 from .hooks import registrations, replay_skipped, watch_registrations
+from .modes import outside_inference_mode
 from .scheduler import host_timesteps
 
 log = logging.getLogger(__name__)
@@ -343,6 +349,12 @@ def _model_state(model: nn.Module, watch: _Watch) -> tuple:
     return tree, watch.placement(tree), hasattr(model, "_hf_hook"), watch.state(tree), runs_collectives(model)
 
 
+def _writable(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it where it is an inference tensor and the call runs outside inference mode (which may not
+    change it in place)."""
+    return x.clone() if x.is_inference() and not torch.is_inference_mode_enabled() else x
+
+
 class _Graph:
     """One captured call: static inputs (the tensor leaves), the graph, the static outputs."""
 
@@ -426,9 +438,7 @@ class GraphedCall:
                 except TypeError:
                     return None, f"an unhashable argument of type {type(x).__name__}"
                 parts.append((type(x), x))
-        # and the inference mode: a graph captured under torch.inference_mode() holds inference tensors (its static
-        # inputs, a whole step's scheduler state), which a call outside it could not copy into
-        return (tree, tuple(parts), torch.is_inference_mode_enabled()), None
+        return (tree, tuple(parts)), None
 
     def eager_reason(self) -> tuple[str, int] | None:
         """(why this call must run eagerly, log level), or None where captured graphs may replay. Drops
@@ -457,8 +467,8 @@ class GraphedCall:
         would otherwise compile one by one in the capture's warm-up call; a dry run that finds nothing
         costs one eager call beside the capture's own."""
         if self.precompile:  # on the inputs as the graph will hold them: a host timestep on the device
-            dry_args, dry_kwargs = pytree.tree_unflatten(
-                [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in leaves], tree)
+            dry_args, dry_kwargs = pytree.tree_unflatten(  # inference tensors copied: outside inference mode
+                [_writable(x.to(self.device)) if isinstance(x, torch.Tensor) else x for x in leaves], tree)
             precompile.precompile(lambda: self.eager_fn(*dry_args, **dry_kwargs), self.device)
 
     def normalise(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -499,16 +509,20 @@ class GraphedCall:
         if graph is None and key not in self.eager_keys:
             if hook := self.watch.hook(self.state[0], again=True):  # one the counter did not show
                 return self._eager(f"{hook}: a graph's replay would not run it", args, kwargs, logging.WARNING)
-            self.prepare(leaves, tree)
+            with outside_inference_mode():
+                self.prepare(leaves, tree)
             try:
-                graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool, self.stream)
+                with outside_inference_mode():
+                    graph = self.graphs[key] = _Graph(self.forward, tree, leaves, self.device, self.pool,
+                                                      self.stream)
             except Exception as exc:  # a capture that fails runs eagerly from then on, for this signature
                 out, self.eager_keys[key], how = self._after_failed_capture(args, kwargs)
                 self._eager_note(f"capture failed ({type(exc).__name__}: {exc}){how}")
                 return out
         if graph is None:
             return self.eager_keys.get(key, self.forward)(*args, **kwargs)
-        return graph(leaves)
+        with outside_inference_mode():
+            return graph(leaves)
 
     def _after_failed_capture(self, args, kwargs) -> tuple[Any, Any, str]:
         """(output, the function this signature runs from now on, a note) after a failed capture: the

@@ -548,8 +548,10 @@ class WholeStep:
         state_key, state = scheduler_key(scheduler, graphed.device)
         generator = bound.arguments.get("generator")
         values = _hashable_values(extra, (t, pending.t_scale, args[1]))
+        # and the inference mode: a step captured under torch.inference_mode() holds inference tensors (its slab, the
+        # scheduler's state), which a call outside it could not copy into
         inputs_key = (kw_key, (tuple(latents.shape), tuple(latents.stride()), latents.dtype),
-                      tuple(pending.sample.shape))
+                      tuple(pending.sample.shape), torch.is_inference_mode_enabled())
         key = (inputs_key, state_key, values, guide.cfg, guide.scale, guide.rescale, generator is not None)
         if key in self.failed:
             return self._eager(scheduler, pending, bound, guide, None)

@@ -672,16 +672,41 @@ def test_pipeline_mode_graphs_every_model_call(fake_cuda, name):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", [True, "step"])
-def test_calls_in_and_out_of_inference_mode_take_graphs_of_their_own(fake_cuda, mode):
+def test_calls_in_and_out_of_inference_mode_share_one_graph(fake_cuda, mode):
     """A pipeline called under ``torch.inference_mode()``, then outside it, then under it again: each call's images
-    are eager's. A graph captured in inference mode holds inference tensors (its static inputs), which a call
-    outside it may not copy into: the mode is part of a call's signature, so each mode captures its own graphs."""
+    are eager's, and the UNet's calls of all three replay one graph (captured and replayed outside inference mode,
+    its static inputs are normal tensors, which a call outside it can copy into)."""
     eager, graphed, _ = _pipe_pair("tiny", mode=mode)
     want = _pipe_run(eager, 2)
     for inference in (True, False, True):
         with torch.inference_mode(inference):
             assert torch.equal(_pipe_run(graphed, 2), want)
-    assert len(graphed.unet.forward.graphs) == 2
+    assert len(graphed.unet.forward.graphs) == 1
+
+
+def test_a_call_under_inference_mode_is_captured_and_replayed_outside_it_with_autograd_off(fake_cuda):
+    """What the graphs run of a call made under ``torch.inference_mode()`` runs outside it (so the kernels' paths that
+    need version counters serve it) and without autograd; its output is a normal tensor with the eager call's values.
+    A call that runs eagerly (here: a forward hook inside the model, which a replay would skip) keeps the caller's
+    mode."""
+    eager, graphed = _cpu_pair("tiny")
+    seen = []
+    call = graphed.forward
+    method = call.forward
+    call.forward = lambda *a, **kw: seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled())) or \
+        method(*a, **kw)
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.no_grad():
+        want = eager(x, 10, **kw).sample
+    with torch.inference_mode():
+        first, second = graphed(x, 10, **kw).sample, graphed(x, 10, **kw).sample
+    assert torch.equal(first, want) and torch.equal(second, want) and not first.is_inference()
+    assert len(seen) >= 2 and set(seen) == {(False, False)}, seen  # the capture's calls and each replay
+    seen.clear()
+    graphed.conv_in.register_forward_hook(lambda *a: None)
+    with torch.inference_mode():
+        assert torch.equal(graphed(x, 10, **kw).sample, want)
+    assert seen == [(True, False)]
 
 
 @pytest.mark.integration
