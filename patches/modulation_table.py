@@ -12,7 +12,8 @@ once, and each step serves its row from a table (ops/fp8_rows.py).
   computes the embedding of each of the scheduler's timesteps (from its ``begin_index``) as the transformer's own
   ``forward`` would from the timestep the pipeline passes (``EMBEDDINGS``: FLUX's pipelines pass
   ``t.to(latents' dtype) / 1000``, SD3's ``t``), with this call's guidance and pooled prompt, one step at a
-  time at the call's batch (the same kernels, shapes and so bits as the step computes it). Their SiLU is
+  time at the call's batch (the same kernels, shapes and so bits as the step computes it; for a call made under
+  ``torch.inference_mode()``, outside it: patches/modes.py). Their SiLU is
   multiplied in one GEMM and kept with it, in a ring of ``ROWS`` rows (the oldest overwritten first). The first
   step itself is served where an earlier call left its row (the same prompt and settings), else computed.
 - **Served by bit equality.** Each step's joined GEMM gets the table: on the device, its input rows are compared
@@ -41,6 +42,7 @@ from torch import nn
 from sd_kernels.ops.fp8_rows import MAX_ROWS
 from sd_kernels.ops.fp8_rows import table_bytes as row_table_bytes
 
+from .modes import outside_inference_mode
 from .record import PatchRecord
 
 ROWS = 64  # rows the table keeps: 64 steps of one sample, 32 of a CFG pair
@@ -91,8 +93,7 @@ class StepTables:
         scheduler = getattr(self.target(), "scheduler", None)
         timesteps = getattr(scheduler, "timesteps", None)
         if (args or any(kwargs.get(name) is None for name in self.needs) or not isinstance(timesteps, torch.Tensor)
-                or getattr(scheduler, "step_index", 0) is not None or torch.is_inference_mode_enabled()
-                or torch.is_grad_enabled()):
+                or getattr(scheduler, "step_index", 0) is not None or torch.is_grad_enabled()):
             return
         batch = kwargs["hidden_states"].shape[0]
         if batch > MAX_ROWS:  # a step of more rows is never served (fp8_rows.RowTable.fits): nothing to make
@@ -101,10 +102,11 @@ class StepTables:
         steps = timesteps[begin:begin + ROWS // batch]
         if not len(steps):
             return
-        emb = torch.cat([self.embedding(model, kwargs, t) for t in steps])
-        self.fills += 1
-        for group in self.groups:
-            group.fill(emb)
+        with outside_inference_mode():  # a call under inference mode fills the table as one outside it does
+            emb = torch.cat([self.embedding(model, kwargs, t) for t in steps])
+            self.fills += 1
+            for group in self.groups:
+                group.fill(emb)
 
 
 def _capturing() -> bool:

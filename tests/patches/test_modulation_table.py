@@ -86,6 +86,32 @@ def test_every_step_is_served_and_the_outputs_are_the_tiers_without_the_table(na
 
 @pytest.mark.integration
 @cpu_only
+def test_a_call_under_inference_mode_fills_the_table_as_one_outside_it():
+    """The fill runs outside inference mode (patches/modes.py) for a call made under it: the same rows, keys and
+    products bit for bit, in a table a later call outside inference mode can still write. Eagerly under inference
+    mode the joined GEMM does not run (fp8_modulations: no version counters), so nothing is served there; a CUDA
+    graph's replay, outside inference mode, is (the GPU test below)."""
+    name = "tiny-flux"
+    model = _model(name)
+    x, kw = _inputs(name, model)
+    tables_seen = {}
+    for inference in (False, True):
+        with sd_kernels.patched(model, precision="fp8", ops=[], cuda_graph=False) as record:
+            scheduler = FlowMatchEulerDiscreteScheduler()
+            tables, groups = _install(model, record, scheduler)
+            with torch.inference_mode(inference):
+                _loop(name, model, scheduler, x, kw)
+            table = groups[0].table
+            assert tables.fills == 1 and not table.values.is_inference()
+            tables_seen[inference] = (table.keys.clone(), table.values.clone(), table.valid.clone())
+            _loop(name, model, scheduler, x, _inputs(name, model, seed=1)[1])  # outside it: a second fill
+            assert tables.fills == 2
+    for a, b in zip(tables_seen[False], tables_seen[True], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.integration
+@cpu_only
 def test_a_timestep_the_fill_did_not_see_is_computed_and_a_changed_bias_or_weight_clears_the_table():
     name = "tiny-flux"
     model = _model(name)
@@ -139,10 +165,11 @@ def test_what_installs_no_table(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_flux_pipeline_graphs_serve_every_step_and_make_the_tiers_image(monkeypatch):
+@pytest.mark.parametrize("inference", [False, True])
+def test_gpu_flux_pipeline_graphs_serve_every_step_and_make_the_tiers_image(monkeypatch, inference):
     """FluxPipeline patched with the tier (its transformer replayed from CUDA graphs): once captured, a call of a
     prompt seen before serves all of its steps from the table, and every image is the one the tier makes without
-    the table, bit for bit."""
+    the table, bit for bit; under ``torch.inference_mode()`` as well (the fill and the replays run outside it)."""
     from sd_kernels import models
 
     pipe = models.build_pipeline("tiny-flux", device="cuda", dtype=torch.bfloat16)
@@ -152,12 +179,14 @@ def test_gpu_flux_pipeline_graphs_serve_every_step_and_make_the_tiers_image(monk
         monkeypatch.setattr(modulation_table, "STEP_TABLE", table)
         with sd_kernels.patched(pipe, precision="fp8") as record:
             assert ("served from a table of 64 rows (" in record.format()) == table
-            latents[table] = [pipe(**kw, generator=torch.Generator("cuda").manual_seed(0)).images for _ in range(3)]
-            if table:
-                group, = _groups(pipe.transformer)
-                served.append(group.table.served.item())
-                pipe(**kw, generator=torch.Generator("cuda").manual_seed(0))
-                served.append(group.table.served.item())
+            with torch.inference_mode(inference):
+                latents[table] = [pipe(**kw, generator=torch.Generator("cuda").manual_seed(0)).images
+                                  for _ in range(3)]
+                if table:
+                    group, = _groups(pipe.transformer)
+                    served.append(group.table.served.item())
+                    pipe(**kw, generator=torch.Generator("cuda").manual_seed(0))
+                    served.append(group.table.served.item())
     assert served[1] - served[0] == kw["num_inference_steps"]
     for a, b in zip(latents[True], latents[False], strict=True):
         assert torch.equal(a, b)
