@@ -30,12 +30,15 @@ the graphs asked for cannot be captured) and ``install_mode`` installs it.
    SDXL, ``encoder_hidden_states``, ``return_dict``, ``cross_attention_kwargs=None`` …): the tensor
    leaves' (shape, strides, dtype, device) and every other leaf's value, with the tree's structure,
    make the signature;
-3. on a new signature: copies the inputs into static buffers; the first time, compiles the Triton
-   kernels the call needs in parallel (``sd_kernels.runtime.precompile``: a dry run of the eager method
-   records them, a thread pool compiles them; no longer tried once a dry run found nothing to
-   compile); runs one warm-up call on a side stream (Triton autotuning, torch.compile, cuDNN/cuBLAS
-   set-up happen there, outside the capture), then captures one call into a graph that draws from a
-   memory pool shared by all of this model's graphs;
+3. on a new signature: copies the inputs into static buffers; the first time, compiles the Triton kernels the call
+   needs in parallel (``sd_kernels.runtime.precompile``: a dry run of the eager method records them, a thread pool
+   compiles them; no longer tried once a dry run found nothing to compile); runs one warm-up call on a side stream
+   (Triton autotuning, torch.compile, cuDNN/cuBLAS set-up happen there, outside the capture), then captures one call
+   into a graph that draws from a memory pool shared by all of this model's graphs. Each of those runs gets argument
+   containers of its own and finds every static tensor marked changed (``graph_capture.fresh_call``): diffusers'
+   UNet pops a T2I-Adapter's residuals off its list (FLUX and SD3 an IP-Adapter's embeddings off their dict), which
+   would leave the captured call without them, and what the warm-up kept on a static input by version counter (FP8
+   codes of the text) must not stand in for the captured call's own work;
 4. copies the inputs into that signature's static buffers (a small host tensor — a timestep on the
    host — through pinned memory, asynchronously: the host does not wait), replays, and returns
    **clones** of the outputs, so that the next replay (which rewrites the static outputs) cannot
@@ -100,7 +103,7 @@ from sd_kernels.runtime import precompile
 
 from . import execution_device, whole_step
 from .families import DENOISERS, GRAPH_PARTS, PARTS, family_of, is_denoiser
-from .graph_capture import HOST_NUMEL, capture, copy_in, timestep_tensor
+from .graph_capture import HOST_NUMEL, capture, copy_in, fresh_call, timestep_tensor
 from .hooks import registrations, replay_skipped, watch_registrations
 from .modes import outside_inference_mode
 from .scheduler import host_timesteps
@@ -362,8 +365,12 @@ class _Graph:
         # On the model's device (a host timestep too: the model's own .to(device) is then a no-op),
         # in the argument's strides (clone keeps them).
         self.static = [x.to(device).clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-        args, kwargs = pytree.tree_unflatten(self.static, tree)
-        self.graph, self.out = capture(lambda: fn(*args, **kwargs), pool, stream)
+
+        def run():  # the warm-up and the captured call each on arguments of their own (``fresh_call``)
+            args, kwargs = fresh_call(self.static, tree)
+            return fn(*args, **kwargs)
+
+        self.graph, self.out = capture(run, pool, stream)
 
     def __call__(self, leaves: list) -> Any:
         for dst, src in zip(self.static, leaves):
@@ -380,6 +387,7 @@ class GraphedCall:
     a UNet's timestep (a number becomes the tensor diffusers makes of it)."""
 
     profile_scoped = True  # captures and eager fallbacks run under the patch's profile
+    replays_outside_inference_mode = True  # read by patches/modulation_table.py (no import: a duck type)
 
     def __init__(self, model: nn.Module, fn, label: str, drop: Iterable[str] = (), timestep: bool = False,
                  eager=None) -> None:

@@ -7,6 +7,7 @@ import numbers
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from sd_kernels.runtime import blas
 
@@ -28,6 +29,18 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+def fresh_call(static: list, tree: Any) -> Any:
+    """The arguments of one captured run, rebuilt from the static leaves: containers of its own (a model that takes from
+    a list or dict argument, as diffusers' UNet pops a T2I-Adapter's residuals and FLUX and SD3 an IP-Adapter's
+    image embeddings, would otherwise leave the next run, the captured one, without them), and every static tensor
+    marked changed in place, so that nothing kept on it by version counter in an earlier run (FP8 codes of the
+    text) serves the captured run: the graph computes it, and each replay again from the values copied in."""
+    for x in static:
+        if isinstance(x, torch.Tensor) and not x.is_inference():
+            torch.autograd.graph.increment_version(x)
+    return pytree.tree_unflatten(static, tree)
 
 
 def capture(run, pool=None, stream=None, warmup: int = 1, calls: int = 1) -> tuple[Any, Any]:

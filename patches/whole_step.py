@@ -72,7 +72,7 @@ from sd_kernels.profiles import scoped
 
 from . import call_gate
 from .diffusers_sources import VERIFIED_WITH, is_verified
-from .graph_capture import capture, copy_in, timestep_tensor
+from .graph_capture import capture, copy_in, fresh_call, timestep_tensor
 from .record import PatchRecord, same_name_subclass
 from .scheduler import HOST_SCHEDULERS, HostScalars, host_timesteps
 
@@ -324,10 +324,10 @@ class _StepGraph:
         pre_ids = {id(t) for t in state_tensors(pre)}
         self.pre_tensors = pre_tensors
         device = graphed.device
-        kwargs = slab.kwargs
 
         def run():
             restore(scheduler, pre)  # every run (warm-up, capture, a stand-in's replay) starts from here
+            kwargs = fresh_call(slab.static, slab.tree)  # containers of its own, the slab marked changed
             with self.tape.recording(module, bound.arguments.get("generator")), _keep_pinned(self.pinned):
                 out = loop_body(scheduler, graphed.forward, self.latents, None, pending, self.t_unet, kwargs,
                                 guide, _copy_bound(bound))
@@ -359,7 +359,7 @@ class _Slab:
 
     def __init__(self, leaves: list, tree, device: torch.device) -> None:
         self.static = [x.to(device).clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.kwargs = pytree.tree_unflatten(self.static, tree)
+        self.tree = tree
         self.sources = [(x, _version(x)) if isinstance(x, torch.Tensor) else None for x in leaves]
 
     def copy_in(self, leaves: list) -> None:

@@ -7,6 +7,7 @@ exact unpatch. The same logic runs on CPU against a stand-in graph (FakeGraph be
 """
 
 import copy
+import importlib
 import logging
 import re
 
@@ -14,6 +15,7 @@ import diffusers.loaders.peft  # noqa: F401  (its annotations read torch.cuda.St
 import pytest
 import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor
+from dit_checks import cpu_only
 from sd_kernels.patches import cuda_graph, graph_capture
 
 import sd_kernels
@@ -707,6 +709,84 @@ def test_a_call_under_inference_mode_is_captured_and_replayed_outside_it_with_au
     with torch.inference_mode():
         assert torch.equal(graphed(x, 10, **kw).sample, want)
     assert seen == [(True, False)]
+
+
+def _adapter_residuals(unet, x, seed):
+    """A T2I-Adapter's residuals for ``unet`` (one per down block with cross-attention, at its input's size)."""
+    g = torch.Generator().manual_seed(seed)
+    out, side = [], x.shape[-1]
+    for channels, block in zip(unet.config.block_out_channels, unet.down_blocks, strict=True):
+        if getattr(block, "has_cross_attention", False):
+            out.append(torch.randn(x.shape[0], channels, side, side, generator=g))
+        if block.downsamplers is not None:
+            side //= 2
+    return out
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_list_argument_the_model_takes_from_reaches_the_capture_and_every_replay(fake_cuda, inference):
+    """diffusers' UNet pops a T2I-Adapter's residuals off the list it is given (``down_intrablock_additional_
+    residuals``): each run of a capture gets containers of its own, so the captured call and every replay add them,
+    the new ones at each call."""
+    eager, graphed = _cpu_pair("tiny")
+    x, kw = _cpu_args(eager, 2, 8)
+    with torch.inference_mode(inference), torch.no_grad():
+        plain = eager(x, 10, **kw).sample
+        for seed in (0, 1, 2):
+            residuals = _adapter_residuals(eager, x, seed)
+            want = eager(x, 10, **kw, down_intrablock_additional_residuals=list(residuals)).sample
+            got = graphed(x, 10, **kw, down_intrablock_additional_residuals=list(residuals)).sample
+            assert torch.equal(got, want) and not torch.equal(got, plain)
+
+
+@cpu_only
+@pytest.mark.parametrize("inference", [False, True])
+def test_codes_kept_on_a_static_input_by_the_warm_up_do_not_serve_the_captured_call(monkeypatch, inference):
+    """A capture's warm-up and its captured call run on the same static inputs. With the FP8 tier's cross-attention
+    keys and values in FP8 (``CROSS_KV_FP8``) the warm-up's quantization of the text stays on the static text (by
+    version counter); the captured call must quantize it again, or every replay reads the warm-up's prompt."""
+    from sd_kernels.patches import fp8 as fp8_patch
+    from test_fp8_patch import _model
+
+    fp8_linear = importlib.import_module("sd_kernels.ops.fp8_linear")
+    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
+    monkeypatch.setattr(cuda_graph, "check_graphable", lambda model: None)
+    monkeypatch.setattr(cuda_graph, "graphable_reason", lambda model: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")
+    monkeypatch.setattr(fp8_patch, "CROSS_KV_FP8", True)
+    phase, quantized = [None], {"warm-up": [], "capture": []}
+    quantize = fp8_linear.quantize_rows
+
+    def spy(x, *a, **k):
+        if phase[0]:
+            quantized[phase[0]].append(x)
+        return quantize(x, *a, **k)
+
+    def capture(run, pool, stream, warmup=1):  # as graph_capture.capture: a warm-up call, then the captured one
+        phase[0] = "warm-up"
+        run()
+        phase[0] = "capture"
+        graph = FakeGraph(run)
+        phase[0] = None
+        return graph, graph.out
+
+    monkeypatch.setattr(fp8_linear, "quantize_rows", spy)
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    model = _model("tiny")
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 4, 8, 8, generator=g).half(), torch.randn(1, 4, 32, generator=g).half()
+    sd_kernels.patch(model, precision="fp8", cuda_graph="unet", ops=[])
+    try:
+        vars(model)["forward"].precompile = False
+        with torch.inference_mode(inference), torch.no_grad():
+            model(x, 10, encoder_hidden_states=text)
+        (graph,) = vars(model)["forward"].graphs.values()
+        static = next(t for t in graph.static if isinstance(t, torch.Tensor) and t.shape == text.shape)
+        counts = {k: sum(t is static for t in v) for k, v in quantized.items()}
+        assert counts["warm-up"] > 0 and counts["capture"] == counts["warm-up"], counts
+    finally:
+        sd_kernels.unpatch(model)
 
 
 @pytest.mark.integration
