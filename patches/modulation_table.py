@@ -12,8 +12,9 @@ once, and each step serves its row from a table (ops/fp8_rows.py).
   computes the embedding of each of the scheduler's timesteps (from its ``begin_index``) as the transformer's own
   ``forward`` would from the timestep the pipeline passes (``EMBEDDINGS``: FLUX's pipelines pass
   ``t.to(latents' dtype) / 1000``, SD3's ``t``), with this call's guidance and pooled prompt, one step at a
-  time at the call's batch (the same kernels, shapes and so bits as the step computes it; for a call made under
-  ``torch.inference_mode()``, outside it: patches/modes.py). Their SiLU is
+  time at the call's batch (the same kernels, shapes and so bits as the step computes it). A call made under
+  ``torch.inference_mode()`` fills it outside that mode (patches/modes.py) where the transformer's calls replay
+  CUDA graphs, which run outside it too; an eager call there takes no table, and makes none. Their SiLU is
   multiplied in one GEMM and kept with it, in a ring of ``ROWS`` rows (the oldest overwritten first). The first
   step itself is served where an earlier call left its row (the same prompt and settings), else computed.
 - **Served by bit equality.** Each step's joined GEMM gets the table: on the device, its input rows are compared
@@ -93,7 +94,8 @@ class StepTables:
         scheduler = getattr(self.target(), "scheduler", None)
         timesteps = getattr(scheduler, "timesteps", None)
         if (args or any(kwargs.get(name) is None for name in self.needs) or not isinstance(timesteps, torch.Tensor)
-                or getattr(scheduler, "step_index", 0) is not None or torch.is_grad_enabled()):
+                or getattr(scheduler, "step_index", 0) is not None or torch.is_grad_enabled()
+                or (torch.is_inference_mode_enabled() and not _replays_outside_inference_mode(model))):
             return
         batch = kwargs["hidden_states"].shape[0]
         if batch > MAX_ROWS:  # a step of more rows is never served (fp8_rows.RowTable.fits): nothing to make
@@ -107,6 +109,13 @@ class StepTables:
             self.fills += 1
             for group in self.groups:
                 group.fill(emb)
+
+
+def _replays_outside_inference_mode(model: nn.Module) -> bool:
+    """Whether the model's calls replay CUDA graphs captured outside inference mode (patches/cuda_graph.py), where
+    a table filled for a call under inference mode serves; an eager call there computes each norm's own product
+    (patches/fp8_modulations.py), and a fill would be work for nothing."""
+    return getattr(vars(model).get("forward"), "replays_outside_inference_mode", False)
 
 
 def _capturing() -> bool:
