@@ -48,6 +48,7 @@ from sd_kernels.runtime.dispatch import interpreting
 
 from . import call_gate
 from . import cuda_graph as cuda_graph_mod
+from .modes import outside_inference_mode
 from .record import PatchRecord, same_name_subclass
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Bf16Decode:
         held = _decoder_params(vae)
         if not set(self.names) <= held.keys():
             raise Unserved("its decoder is not the one its config builds (a LoRA, another module)")
-        with torch.inference_mode(False):  # a patch made under inference mode: ``serves`` copies into them in place
+        with outside_inference_mode():  # a patch made under inference mode: ``serves`` copies into them in place
             copy.load_state_dict({n: held[n].detach().to(torch.bfloat16) for n in self.names}, assign=True)
         copy.eval().requires_grad_(False)
         self.copy, self.device = copy, next(copy.parameters()).device

@@ -41,6 +41,7 @@ from sd_kernels.ops.weight_cache import weight_version
 
 from . import fp8_layout, modulation_split, modulation_table, qkv_fusion
 from .hooks import called_beside
+from .modes import outside_inference_mode
 from .qkv_fusion import lay_out, plain
 
 
@@ -119,7 +120,7 @@ class Fp8Modulations:
         """The table, made empty the first time (before a call that a CUDA graph may capture: the graph reads it
         where it is), in the layers' dtype on their device."""
         if self.table is None:  # outside inference mode: a call outside it, after one inside, fills it in place
-            with torch.inference_mode(False):
+            with outside_inference_mode():
                 self.table = RowTable(modulation_table.ROWS, *self.table_shape(), self.layers[0].w_q.device)
         return self.table
 

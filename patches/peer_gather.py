@@ -41,6 +41,8 @@ import warnings
 
 import torch
 
+from .modes import outside_inference_mode
+
 log = logging.getLogger(__name__)
 
 ENV = "SD_KERNELS_RING_EXCHANGE"  # "copy" (the default where it works) or "nccl"
@@ -158,7 +160,7 @@ def _make(group, shard: torch.Tensor) -> _Exchange | None:
             log.warning("sd_kernels: the ring's exchange runs on NCCL: another process set %s=nccl", ENV)
         return None
     try:  # outside inference mode: a call outside it, after one inside, copies into the buffers in place
-        with torch.inference_mode(False):
+        with outside_inference_mode():
             exchange, ok = _Exchange(group, tuple(shard.shape), shard.dtype, shard.device), True
     except (RuntimeError, ImportError, AttributeError) as e:  # no peer access, no symmetric memory in this torch
         log.warning("sd_kernels: the ring's exchange runs on NCCL (symmetric memory could not be set up: %s)", e)

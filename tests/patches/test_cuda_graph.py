@@ -741,7 +741,8 @@ def test_a_list_argument_the_model_takes_from_reaches_the_capture_and_every_repl
 
 @cpu_only
 @pytest.mark.parametrize("inference", [False, True])
-def test_codes_kept_on_a_static_input_by_the_warm_up_do_not_serve_the_captured_call(monkeypatch, inference):
+def test_codes_kept_on_a_static_input_by_the_warm_up_do_not_serve_the_captured_call(fake_cuda, monkeypatch,
+                                                                                     inference):
     """A capture's warm-up and its captured call run on the same static inputs. With the FP8 tier's cross-attention
     keys and values in FP8 (``CROSS_KV_FP8``) the warm-up's quantization of the text stays on the static text (by
     version counter); the captured call must quantize it again, or every replay reads the warm-up's prompt."""
@@ -749,11 +750,6 @@ def test_codes_kept_on_a_static_input_by_the_warm_up_do_not_serve_the_captured_c
     from test_fp8_patch import _model
 
     fp8_linear = importlib.import_module("sd_kernels.ops.fp8_linear")
-    monkeypatch.setenv("SD_KERNELS_BACKEND", "reference")
-    monkeypatch.setattr(cuda_graph, "check_graphable", lambda model: None)
-    monkeypatch.setattr(cuda_graph, "graphable_reason", lambda model: None)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")
     monkeypatch.setattr(fp8_patch, "CROSS_KV_FP8", True)
     phase, quantized = [None], {"warm-up": [], "capture": []}
     quantize = fp8_linear.quantize_rows
@@ -763,7 +759,7 @@ def test_codes_kept_on_a_static_input_by_the_warm_up_do_not_serve_the_captured_c
             quantized[phase[0]].append(x)
         return quantize(x, *a, **k)
 
-    def capture(run, pool, stream, warmup=1):  # as graph_capture.capture: a warm-up call, then the captured one
+    def capture(run, pool, stream, warmup=1):  # fake_cuda's, with graph_capture.capture's warm-up call first
         phase[0] = "warm-up"
         run()
         phase[0] = "capture"
