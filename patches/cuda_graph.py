@@ -36,9 +36,9 @@ the graphs asked for cannot be captured) and ``install_mode`` installs it.
    (Triton autotuning, torch.compile, cuDNN/cuBLAS set-up happen there, outside the capture), then captures one call
    into a graph that draws from a memory pool shared by all of this model's graphs. Each of those runs gets argument
    containers of its own and finds every static tensor marked changed (``graph_capture.fresh_call``): diffusers'
-   UNet pops a T2I-Adapter's residuals off its list (FLUX and SD3 an IP-Adapter's embeddings off their dict), which
-   would leave the captured call without them, and what the warm-up kept on a static input by version counter (FP8
-   codes of the text) must not stand in for the captured call's own work;
+   UNet pops a T2I-Adapter's residuals off its list, which would leave the captured call without them (FLUX and SD3
+   take an IP-Adapter's embeddings off a copy of their dict: tested for FLUX), and what the warm-up kept on a static
+   input by version counter (FP8 codes of the text) must not stand in for the captured call's own work;
 4. copies the inputs into that signature's static buffers (a small host tensor — a timestep on the
    host — through pinned memory, asynchronously: the host does not wait), replays, and returns
    **clones** of the outputs, so that the next replay (which rewrites the static outputs) cannot

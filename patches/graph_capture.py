@@ -33,10 +33,10 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def fresh_call(static: list, tree: Any) -> Any:
     """The arguments of one captured run, rebuilt from the static leaves: containers of its own (a model that takes from
-    a list or dict argument, as diffusers' UNet pops a T2I-Adapter's residuals and FLUX and SD3 an IP-Adapter's
-    image embeddings, would otherwise leave the next run, the captured one, without them), and every static tensor
-    marked changed in place, so that nothing kept on it by version counter in an earlier run (FP8 codes of the
-    text) serves the captured run: the graph computes it, and each replay again from the values copied in."""
+    a list or dict argument, as diffusers' UNet pops a T2I-Adapter's residuals, would otherwise leave the next run,
+    the captured one, without them), and every static tensor marked changed in place, so that nothing kept on it by
+    version counter in an earlier run (FP8 codes of the text) serves the captured run: the graph computes it, and
+    each replay again from the values copied in."""
     for x in static:
         if isinstance(x, torch.Tensor) and not x.is_inference():
             torch.autograd.graph.increment_version(x)

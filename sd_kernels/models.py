@@ -255,13 +255,20 @@ def build_controlnet_pipeline(
     return cls(**parts)
 
 
-def load_random_ip_adapters(unet, adapters: int = 1, image_embed_dim: int = 16, seed: int = 0) -> None:
+def load_random_ip_adapters(model, adapters: int = 1, image_embed_dim: int = 16, seed: int = 0) -> None:
     """Load ``adapters`` random IP-Adapters (the original format: 4 image tokens from one image
-    embedding of ``image_embed_dim``) into ``unet`` with diffusers' own loader (offline, no weights):
-    ``IPAdapterAttnProcessor2_0`` on every cross-attention, ``encoder_hid_proj`` for the embeddings.
-    Call the UNet with ``added_cond_kwargs={"image_embeds": [tensor [B, 1, image_embed_dim]] * adapters}``."""
-    cross = unet.config.cross_attention_dim
-    names = [k.removesuffix(".processor") for k in unet.attn_processors if not k.endswith("attn1.processor")]
+    embedding of ``image_embed_dim``) into a UNet or a FLUX transformer with diffusers' own loader (offline, no
+    weights): ``IPAdapterAttnProcessor2_0`` on every cross-attention of a UNet, ``FluxIPAdapterAttnProcessor`` on
+    every double block of FLUX; ``encoder_hid_proj`` for the embeddings. Call a UNet with
+    ``added_cond_kwargs={"image_embeds": [tensor [B, 1, image_embed_dim]] * adapters}``, FLUX with
+    ``joint_attention_kwargs={"ip_adapter_image_embeds": [the same]}``."""
+    flux = hasattr(model, "single_transformer_blocks")
+    cross = model.config.joint_attention_dim if flux else model.config.cross_attention_dim
+    if flux:  # diffusers numbers FLUX's double blocks 0, 1, 2, ...
+        names = [(f"{j}", model.inner_dim) for j in range(len(model.transformer_blocks))]
+    else:  # and a UNet's cross-attentions 1, 3, 5, ...
+        names = [(f"{1 + 2 * j}", model.get_submodule(k.removesuffix(".processor")).to_q.out_features)
+                 for j, k in enumerate(k for k in model.attn_processors if not k.endswith("attn1.processor"))]
     state_dicts = []
     for a in range(adapters):
         g = torch.Generator().manual_seed(seed + a)
@@ -272,13 +279,14 @@ def load_random_ip_adapters(unet, adapters: int = 1, image_embed_dim: int = 16, 
         image_proj = {"proj.weight": rand(4 * cross, image_embed_dim), "proj.bias": rand(4 * cross),
                       "norm.weight": 1 + rand(cross), "norm.bias": rand(cross)}
         ip = {}
-        for j, name in enumerate(names):  # diffusers numbers the cross-attentions 1, 3, 5, ...
-            hidden = unet.get_submodule(name).to_q.out_features
-            ip[f"{1 + 2 * j}.to_k_ip.weight"] = rand(hidden, cross)
-            ip[f"{1 + 2 * j}.to_v_ip.weight"] = rand(hidden, cross)
+        for key, hidden in names:
+            for kind in ("k", "v"):
+                ip[f"{key}.to_{kind}_ip.weight"] = rand(hidden, cross)
+                if flux:
+                    ip[f"{key}.to_{kind}_ip.bias"] = rand(hidden)
         state_dicts.append({"image_proj": image_proj, "ip_adapter": ip})
     with _quiet_diffusers():
-        unet._load_ip_adapter_weights(state_dicts, low_cpu_mem_usage=False)
+        model._load_ip_adapter_weights(state_dicts, low_cpu_mem_usage=False)
 
 
 def load_pipeline(

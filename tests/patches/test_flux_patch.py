@@ -611,6 +611,29 @@ def test_unet_mode_graphs_the_transformer_alone(fake_cuda):  # noqa: F811
     sd_kernels.unpatch(pipe)
 
 
+def test_an_ip_adapter_image_reaches_every_replay(fake_cuda):  # noqa: F811
+    """FLUX with an IP-Adapter (diffusers' loader, random weights): the transformer takes the image embeddings out of
+    ``joint_attention_kwargs`` (on a copy of the dict: diffusers' ``apply_lora_scale``), the graphed call replays
+    one graph, and each call's image reaches it: eager's output at every call, a new one for each image, the
+    caller's dict as it was."""
+    eager = models.build_model("tiny-flux", "transformer")
+    models.load_random_ip_adapters(eager, 1, image_embed_dim=16)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False)
+    sd_kernels.patch(graphed, cuda_graph="unet")
+    x, kw = _inputs(eager)
+    seen = []
+    for seed in (0, 1, 2):
+        image = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(seed))
+        want = _run(eager, x, {**kw, "joint_attention_kwargs": {"ip_adapter_image_embeds": [image]}})
+        given = {"ip_adapter_image_embeds": [image]}
+        got = _run(graphed, x, {**kw, "joint_attention_kwargs": given})
+        assert torch.equal(got, want) and not any(torch.equal(got, s) for s in seen)
+        assert list(given) == ["ip_adapter_image_embeds"] and given["ip_adapter_image_embeds"][0] is image
+        seen.append(got)
+    assert len(fake_cuda) == 1
+
+
 @pytest.mark.parametrize("command", ["generate", "demo"])
 def test_cli_tiny_flux(tmp_path, capsys, monkeypatch, command):
     from sd_kernels.apps import cli
