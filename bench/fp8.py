@@ -2,7 +2,8 @@
 
     python -m bench.fp8 --out DIR [--models flux-dev,sd3-medium,pixart-sigma,sdxl,sd15] [--modes ops,e2e,layers]
                         [--shapes NAME,...]
-                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,patched+inference-mode,
+                        [--rows stock,compile,compile+no-cublaslt-workspace,patched,patched+step-graph,
+                                patched+inference-mode,
                                 patched+cat-join,patched+unfused-qkv,patched+two-pass-residual,
                                 patched+addcmul-residual,fp8,
                                 fp8+exact-attention,fp8+attention-everywhere,fp8+attention-int8,fp8+triton-gemm,
@@ -11,7 +12,7 @@
                                 fp8+own-step-modulations,fp8+cublaslt-workspace,fp8+cross-kv-fp8,
                                 fp8+plain-norms,fp8+geglu-epilogue,fp8+into-ours,fp8+into-copy,
                                 fp8+offloaded-originals,fp8+fp8-conv,fp8+fp32-decode,fp8+norm-values,
-                                fp8+torch-conv-bias,fp8+inference-mode,fp8+compile,torchao]
+                                fp8+torch-conv-bias,fp8+inference-mode,fp8+compile,fp8+step-graph,torchao]
                         [--steps 20] [--calls 2]
                         [--compile recipe|regional]
                         [--compile-mode default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs]
@@ -74,9 +75,11 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   values written though its reader takes the codes alone (``fp8+norm-values``: ``patches.unet_blocks.CODES_ONLY``
   off), with torch adding the cuDNN convolutions' biases (``fp8+torch-conv-bias``: patches/conv_bias.py's
   ``serves`` false), with every pipeline call under ``torch.inference_mode()`` instead of the pipeline's own
-  ``torch.no_grad()`` (``fp8+inference-mode``; ``patched+inference-mode`` for the lossless patch), and with
+  ``torch.no_grad()`` (``fp8+inference-mode``; ``patched+inference-mode`` for the lossless patch), with
   ``compile=True``
-  (``fp8+compile``: the graphs capture torch.compile'd calls); torchao's float8 dynamic row-wise quantization +
+  (``fp8+compile``: the graphs capture torch.compile'd calls), and with each denoising step (the guidance batch,
+  the denoiser, the guidance combine, the scheduler's step) replayed from one graph (``fp8+step-graph``,
+  ``patched+step-graph``: ``cuda_graph="step"``); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
   last). Per row the times of bench.dit and, against stock's image of the same seed, PSNR, SSIM and the final
   latents' relative error; and the GPU memory the row holds once warm (``gpu_gib``: allocated tensors, the CUDA
@@ -107,15 +110,15 @@ import torch.nn.functional as F
 from bench import common
 
 MODELS = ("flux-dev", "sd3-medium", "pixart-sigma", "sdxl", "sd15")  # sd15: e2e rows only (no GEMM shapes listed)
-ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+inference-mode", "patched+cat-join",
-        "patched+unfused-qkv",
+ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched+step-graph", "patched+inference-mode",
+        "patched+cat-join", "patched+unfused-qkv",
         "patched+two-pass-residual", "patched+addcmul-residual", "fp8", "fp8+exact-attention",
         "fp8+attention-everywhere", "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm", "fp8+pointer-gemm",
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
         "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours", "fp8+into-copy", "fp8+offloaded-originals",
         "fp8+fp8-conv", "fp8+fp32-decode", "fp8+norm-values", "fp8+torch-conv-bias", "fp8+inference-mode",
-        "fp8+compile", "torchao")
+        "fp8+compile", "fp8+step-graph", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
 # guidance (batch 2): SD3 4096 image tokens, PixArt-Σ 4096, SDXL 4096 (640 ch) and 1024 (1280 ch) a sample.
@@ -342,6 +345,8 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return PEER, lambda p: applied(p, VARIANTS[PEER])
     if row == "patched":
         return "patched+graph", lambda p: applied(p, VARIANTS["patched+graph"])
+    if row == "patched+step-graph":  # each denoising step one graph (``cuda_graph="step"``)
+        return row, lambda p: applied(p, VARIANTS[row])
     if row == "patched+inference-mode":
         return "patched+graph+inference-mode", lambda p: _inference_mode(applied(p, VARIANTS["patched+graph"]))
     from sd_kernels.patches import joint_attention, modulation_split, qkv_fusion
@@ -362,7 +367,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
         return label, lambda p: _applied_with(p, VARIANTS["patched+graph"], ablations[row.removeprefix("patched+")])
     if row in FP8_ROWS:
         base = VARIANTS["patched+graph+compile+fp8" if row == "fp8+compile" else "patched+graph+fp8"]
-        setup = dataclasses.replace(base, name=FP8_ROWS[row])
+        setup = dataclasses.replace(base, name=FP8_ROWS[row], graph="step" if row == "fp8+step-graph" else base.graph)
         from sd_kernels.patches import bf16_decode, conv_bias, modulation_table, unet_blocks
         from sd_kernels.patches import fp8 as fp8_patch
         from sd_kernels.patches import fp8_conv as fp8_conv_patch
@@ -418,7 +423,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
 # (patches.fp8.CROSS_KV_FP8), with the UNet blocks' LayerNorms writing no codes (no patches.fp8.Fp8LayerNorm), with
 # the GEGLU feed-forwards' first GEMM writing a · gelu(g) itself (fp8_geglu.GEGLU_EPILOGUE on), with
 # the originals moved to the CPU's memory, with the pipeline's fp32 decode (no bf16 copy: patches.bf16_decode), and
-# with compile=True
+# with compile=True, and with each denoising step one graph (``cuda_graph="step"``)
 FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention", "fp8+attention-everywhere",
                                                     "fp8+attention-int8", "fp8+triton-gemm", "fp8+fused-gate-gemm",
                                                     "fp8+pointer-gemm", "fp8+tma-gemm", "fp8+cat-join",
@@ -430,6 +435,7 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+fp32-decode", "fp8+norm-values",
                                                     "fp8+torch-conv-bias", "fp8+inference-mode")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
+FP8_ROWS["fp8+step-graph"] = "patched+step-graph+fp8"
 
 
 @contextlib.contextmanager

@@ -960,6 +960,31 @@ def test_the_inference_mode_rows_patch_outside_it_and_call_inside_it(monkeypatch
     assert not torch.is_inference_mode_enabled()
 
 
+@pytest.mark.parametrize(("row", "precision"), [("fp8+step-graph", "fp8"), ("patched+step-graph", None)])
+def test_the_step_graph_rows_patch_with_one_graph_a_step(monkeypatch, row, precision):
+    """bench.fp8's ``fp8+step-graph`` and ``patched+step-graph``: the tier's (or the lossless patch's) setup with
+    ``cuda_graph="step"``, everything else as in their plain rows."""
+    import contextlib
+
+    from bench import fp8, setups
+
+    seen = []
+
+    @contextlib.contextmanager
+    def applied(pipe, setup):
+        seen.append(setup)
+        yield {}
+
+    monkeypatch.setattr(setups, "applied", applied)
+    for name in (row, "fp8" if precision else "patched"):
+        label, context = fp8._setup(name, "regional")
+        with context(object()):
+            pass
+    step, plain = seen
+    assert step.graph == "step" and step.precision == precision == plain.precision and plain.graph != "step"
+    assert label != fp8._setup(row, "regional")[0] == (fp8.FP8_ROWS.get(row) or row)
+
+
 def test_the_offloaded_originals_row_is_the_fp8_tier_with_its_originals_moved(monkeypatch):
     """bench.fp8's ``fp8+offloaded-originals``: the tier's setup, then ``offload_originals`` on the pipeline inside
     it (the row's facts say how many bytes moved); the unpatch at its end brings them back."""

@@ -634,6 +634,35 @@ def test_an_ip_adapter_image_reaches_every_replay(fake_cuda):  # noqa: F811
     assert len(fake_cuda) == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [None, "fp8"])
+def test_gpu_an_ip_adapter_image_reaches_every_replay(precision):
+    """Compiled kernels, real CUDA graphs (a warm-up, then the captured call), bf16, both tiers: FLUX with an
+    IP-Adapter replays one graph, each call's image reaches it (the eager patched output of that image, within
+    bf16's rounding), and each image gives its own output."""
+    eager = models.build_model("tiny-flux", "transformer")
+    models.load_random_ip_adapters(eager, 1, image_embed_dim=16)
+    eager = eager.to("cuda", torch.bfloat16)
+    graphed = copy.deepcopy(eager)
+    sd_kernels.patch(eager, cuda_graph=False, precision=precision)
+    sd_kernels.patch(graphed, cuda_graph="unet", precision=precision)
+    x, kw = _inputs(eager)
+    to = lambda v: v.to("cuda", torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    x, kw = to(x), {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    seen = []
+    for seed in (0, 1, 2):
+        image = to(torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(seed)))
+        want = _run(eager, x, {**kw, "joint_attention_kwargs": {"ip_adapter_image_embeds": [image]}}, torch.bfloat16)
+        got = _run(graphed, x, {**kw, "joint_attention_kwargs": {"ip_adapter_image_embeds": [image]}},
+                   torch.bfloat16)
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+        assert all((got - s).abs().max() > 0.1 for s in seen)
+        seen.append(got)
+    assert len(vars(graphed)["forward"].graphs) == 1
+    sd_kernels.unpatch(graphed)
+    sd_kernels.unpatch(eager)
+
+
 @pytest.mark.parametrize("command", ["generate", "demo"])
 def test_cli_tiny_flux(tmp_path, capsys, monkeypatch, command):
     from sd_kernels.apps import cli
