@@ -71,13 +71,14 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   with the original weights moved to the CPU's memory (``fp8+offloaded-originals``:
   ``sd_kernels.offload_originals``), with the UNets' ResNet convolutions in FP8 too (``fp8+fp8-conv``:
   ``patches.fp8_conv.FP8_CONV`` on), with the decode its pipeline upcasts to fp32 run so (``fp8+fp32-decode``:
-  ``patches.bf16_decode.BF16_DECODE`` off, not the bf16 copy of the VAE's decoder), with every UNet block norm's
-  values written though its reader takes the codes alone (``fp8+norm-values``: ``patches.unet_blocks.CODES_ONLY``
-  off), with torch adding the cuDNN convolutions' biases (``fp8+torch-conv-bias``: patches/conv_bias.py's
-  ``serves`` false), with every pipeline call under ``torch.inference_mode()`` instead of the pipeline's own
-  ``torch.no_grad()`` (``fp8+inference-mode``; ``patched+inference-mode`` for the lossless patch), with
-  ``compile=True``
-  (``fp8+compile``: the graphs capture torch.compile'd calls), and with each denoising step (the guidance batch,
+  ``patches.bf16_decode.BF16_DECODE`` off, not the bf16 copy of the VAE's decoder), with every block norm's
+  values written though its readers take the codes alone (``fp8+norm-values``: ``patches.codes_readers.CODES_ONLY``
+  off), with each FLUX block's norm1 its own kernel, not made by the block before with its last residual
+  (``fp8+own-norms``: ``patches.dit_handoff.HAND_ON`` off), with torch adding the cuDNN convolutions' biases
+  (``fp8+torch-conv-bias``: patches/conv_bias.py's ``serves`` false), with every pipeline call under
+  ``torch.inference_mode()`` instead of the pipeline's own ``torch.no_grad()`` (``fp8+inference-mode``;
+  ``patched+inference-mode`` for the lossless patch), with ``compile=True`` (``fp8+compile``: the graphs capture
+  torch.compile'd calls), and with each denoising step (the guidance batch,
   the denoiser, the guidance combine, the scheduler's step) replayed from one graph (``fp8+step-graph``,
   ``patched+step-graph``: ``cuda_graph="step"``); torchao's float8 dynamic row-wise quantization +
   fused QKV + regional compile (imported only here, only if installed; it changes the model in place, so it runs
@@ -117,7 +118,8 @@ ROWS = ("stock", "compile", "compile+no-cublaslt-workspace", "patched", "patched
         "fp8+tma-gemm", "fp8+cat-join", "fp8+unfused-qkv", "fp8+addcmul-residual", "fp8+previous-glue",
         "fp8+own-modulations", "fp8+own-step-modulations", "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
         "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours", "fp8+into-copy", "fp8+offloaded-originals",
-        "fp8+fp8-conv", "fp8+fp32-decode", "fp8+norm-values", "fp8+torch-conv-bias", "fp8+inference-mode",
+        "fp8+fp8-conv", "fp8+fp32-decode", "fp8+norm-values", "fp8+own-norms", "fp8+torch-conv-bias",
+        "fp8+inference-mode",
         "fp8+compile", "fp8+step-graph", "torchao")
 MODES = ("ops", "e2e", "layers")
 # (name, M, K, N, epilogue) at 1024²: FLUX batch 1 (4096 image + 512 text tokens), the others with
@@ -368,7 +370,7 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
     if row in FP8_ROWS:
         base = VARIANTS["patched+graph+compile+fp8" if row == "fp8+compile" else "patched+graph+fp8"]
         setup = dataclasses.replace(base, name=FP8_ROWS[row], graph="step" if row == "fp8+step-graph" else base.graph)
-        from sd_kernels.patches import bf16_decode, conv_bias, modulation_table, unet_blocks
+        from sd_kernels.patches import bf16_decode, codes_readers, conv_bias, dit_handoff, modulation_table
         from sd_kernels.patches import fp8 as fp8_patch
         from sd_kernels.patches import fp8_conv as fp8_conv_patch
 
@@ -398,13 +400,16 @@ def _setup(row: str, compile_mode: str, torch_mode: str = "default"):
                    "fp8+into-copy": (fp8_ops, "TORCH_GEMM_INTO", "copy"),
                    "fp8+fp8-conv": (fp8_conv_patch, "FP8_CONV", True),
                    "fp8+fp32-decode": (bf16_decode, "BF16_DECODE", False),
-                   "fp8+norm-values": (unet_blocks, "CODES_ONLY", False),
+                   "fp8+norm-values": (codes_readers, "CODES_ONLY", False),
+                   "fp8+own-norms": (dit_handoff, "HAND_ON", False),
                    "fp8+torch-conv-bias": (conv_bias, "serves", lambda *args: False)}.get(row)
         if row == "fp8+offloaded-originals":
             return setup.name, lambda p: _offloaded(p, setup)
         if row == "fp8+inference-mode":
             return setup.name, lambda p: _inference_mode(_applied_with(p, setup, None))
         return setup.name, lambda p: _applied_with(p, setup, changed)
+    if row != "torchao":  # a row named in ROWS but set up nowhere here
+        raise ValueError(f"bench.fp8: no setup for the row {row!r}")
     return TORCHAO + suffix, lambda p: _regional_compile(p, quantize=True, mode=torch_mode)
 
 
@@ -432,7 +437,7 @@ FP8_ROWS = {row: "patched+graph+" + row for row in ("fp8", "fp8+exact-attention"
                                                     "fp8+cublaslt-workspace", "fp8+cross-kv-fp8",
                                                     "fp8+plain-norms", "fp8+geglu-epilogue", "fp8+into-ours",
                                                     "fp8+into-copy", "fp8+offloaded-originals", "fp8+fp8-conv",
-                                                    "fp8+fp32-decode", "fp8+norm-values",
+                                                    "fp8+fp32-decode", "fp8+norm-values", "fp8+own-norms",
                                                     "fp8+torch-conv-bias", "fp8+inference-mode")}
 FP8_ROWS["fp8+compile"] = "patched+graph+compile+fp8"
 FP8_ROWS["fp8+step-graph"] = "patched+step-graph+fp8"

@@ -356,6 +356,7 @@ class Fp8AdaLayerNormZero(nn.Module):
     still find them)."""
 
     profile_scoped = True
+    skips_values = True  # forward's ``values``: the block forwards of patches/layer_norm.py say when
     modulations = None  # the transformer's joined modulation GEMM (patches/fp8_modulations.py), where it has one
 
     def __init__(self, norm: nn.Module, chunks: int) -> None:
@@ -365,20 +366,28 @@ class Fp8AdaLayerNormZero(nn.Module):
         self._norm = [norm]
         self.train(norm.training)
 
-    @scoped
-    def forward(self, x: torch.Tensor, *args, emb: torch.Tensor | None = None, **kwargs):
-        if args or kwargs or emb is None or x.dim() != 3:  # a call the blocks do not make: diffusers' forward
-            return type(self._norm[0]).forward(self, x, *args, emb=emb, **kwargs)
+    def modulation(self, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``linear(silu(emb))`` in its chunks (shift, scale, then the gates and the MLP's)."""
         modulation = None if self.modulations is None else self.modulations.product(self, emb)  # one GEMM a call
         if modulation is None:
             modulation = self.linear(modulation_split.silu(self, emb))  # one SiLU and its codes a call
-        chunks = modulation.chunk(self.chunks, dim=1)
+        return modulation.chunk(self.chunks, dim=1)
+
+    @scoped
+    def forward(self, x: torch.Tensor, *args, emb: torch.Tensor | None = None, values: bool = True, **kwargs):
+        """``values`` False (the block forward's word that every reader takes the codes alone:
+        patches/codes_readers.py): where the codes travel, the output is a NaN stand-in that carries them."""
+        if args or kwargs or emb is None or x.dim() != 3:  # a call the blocks do not make: diffusers' forward
+            return type(self._norm[0]).forward(self, x, *args, emb=emb, **kwargs)
+        chunks = self.modulation(emb)
         shift, scale = chunks[0], chunks[1]
         norm = self.norm
         if torch.compiler.is_compiling():
             y = layer_norm_modulated(x, norm.weight, norm.bias, norm.eps, scale, shift)
-        else:
-            y, q, s = layer_norm_modulated_fp8(x, norm.weight, norm.bias, norm.eps, scale, shift)
+        else:  # codes travel on a tensor with a version counter, outside autograd (attach_quantized)
+            travel = not (x.is_inference() or torch.is_inference_mode_enabled() or torch.is_grad_enabled())
+            y, q, s = layer_norm_modulated_fp8(x, norm.weight, norm.bias, norm.eps, scale, shift,
+                                               values=values or not travel)
             attach_quantized(y, q, s)
         return (y, *chunks[2:])
 

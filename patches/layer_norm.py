@@ -87,7 +87,8 @@ from sd_kernels.ops.layer_norm import gated_residual_layer_norm_fp8
 from sd_kernels.ops.residual import gated_add
 from sd_kernels.profiles import scoped
 
-from . import modulation_split
+from . import dit_handoff, modulation_split
+from .codes_readers import IMAGE, TEXT, codes_only
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .flux_attention import flux_module
 from .hooks import called_beside
@@ -252,15 +253,21 @@ def _unfit(block: nn.Module) -> str | None:
     return None
 
 
-def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor,
+                   *readers: tuple[nn.Module, tuple[str, ...] | None]) -> tuple[torch.Tensor, ...]:
     """diffusers' ``AdaLayerNormZero.forward`` (no class embedding: ``norm.emb`` is None; 6 chunks) or
     ``AdaLayerNormZeroSingle.forward`` (3) with its modulated LayerNorm in one kernel: (normed x, the
     chunks after shift_msa and scale_msa: gate_msa, shift_mlp, scale_mlp, gate_mlp, or gate). A module
-    that replaced the norm after the patch (the FP8 tier's, whose LayerNorm also quantizes) runs as itself."""
+    that replaced the norm after the patch (the FP8 tier's, whose LayerNorm also quantizes) runs as itself,
+    writing no values where it can skip them (``skips_values``), is unhooked and ``readers`` (what reads the
+    normed x: ``codes_readers.codes_only``) take the codes alone."""
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
     chunks = {AdaLayerNormZero: 6, AdaLayerNormZeroSingle: 3}.get(type(norm))
     if chunks is None:
+        if (readers and getattr(type(norm), "skips_values", False) and not torch.compiler.is_compiling()
+                and not called_beside(norm) and codes_only(*readers)):
+            return norm(x, emb=emb, values=False)
         return norm(x, emb=emb)
     modulation = modulation_split.product(norm, emb)  # 1/W of it a process under context parallelism, if enabled
     if modulation is None:
@@ -271,11 +278,13 @@ def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor) -> tuple
 
 def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: torch.Tensor, attn_output: torch.Tensor,
                      gate_msa: torch.Tensor, shift_mlp: torch.Tensor, scale_mlp: torch.Tensor,
-                     gate_mlp: torch.Tensor) -> torch.Tensor:
+                     gate_mlp: torch.Tensor, hand: tuple | None = None) -> torch.Tensor:
     """One stream of an adaLN-Zero block after its attention: ``x + gate_msa.unsqueeze(1) * attn_output``
     and ``norm2`` of it modulated with scale/shift_mlp in one kernel, then ``x + gate_mlp.unsqueeze(1) *
     ff(normed)``: one ``gated_add`` pass, or by the second GEMM of the FP8 tier's feed-forward (``fp8_gemm``: its
-    epilogue, or one pass after torch's GEMM) where ``ff`` is one, unchunked and called as nothing but its forward."""
+    epilogue, or one pass after torch's GEMM) where ``ff`` is one, unchunked and called as nothing but its forward;
+    there, with ``hand`` (the next block's norm, the step embedding, that norm's readers: patches/dit_handoff.py),
+    the add and that norm in one kernel, the normed output handed on the sum."""
     gated = getattr(ff, "gated_residual", None)  # the FP8 tier's feed-forward (patches/fp8.py)
     fp8 = gated is not None and getattr(block, "_chunk_size", None) is None and not called_beside(ff)
     # eager calls; codes travel only on tensors with a version counter (not made under inference mode:
@@ -283,7 +292,10 @@ def _after_attention(block: nn.Module, norm2: nn.LayerNorm, ff: nn.Module, x: to
     codes = (fp8 and not torch.compiler.is_compiling() and ff.reads_codes()
              and not torch.is_inference_mode_enabled())
     x, normed = _gated_norm(norm2, x, attn_output, gate_msa.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None],
-                            codes=codes)
+                            codes=codes, values=not (codes and codes_only((ff, None))))
+    if fp8 and hand:
+        h, handed = dit_handoff.gated_norm(hand[0], x, gated(normed), gate_mlp.unsqueeze(1), *hand[1:])
+        return dit_handoff.hand_on(h, hand[0], hand[1], handed)
     if fp8:
         return gated(normed, gate_mlp, x)  # the gate and the add made by its second GEMM
     return gated_add(x, gate_mlp.unsqueeze(1), _feed_forward(block, ff, normed))
@@ -319,12 +331,13 @@ class JointBlockForward(_BlockForward):
         if reason is not None:
             return self._fallback(reason, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
 
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(block.norm1, hidden_states, temb)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(
+            block.norm1, hidden_states, temb, (block.attn, IMAGE))
         if block.context_pre_only:
             norm_encoder_hidden_states = block.norm1_context(encoder_hidden_states, temb)
         else:
             norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_norm_zero(
-                block.norm1_context, encoder_hidden_states, temb)
+                block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT))
 
         attn_output, context_attn_output = block.attn(
             hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states)
@@ -359,29 +372,37 @@ class _FluxForward(_BlockForward):
                                   joint_attention_kwargs)
         return self._fused(self.block, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
 
+    following: _FluxForward | None = None  # the next block's, set by dit_handoff.link
+
 
 class FluxBlockForward(_FluxForward):
     """``FluxTransformerBlock`` (double-stream): diffusers 0.42.1's forward with each stream's adaLN-Zero
     LayerNorm in ``layer_norm_modulated`` and each stream's gated attention residual + norm2 in
     ``gated_residual_layer_norm``."""
 
-    @staticmethod
-    def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(block.norm1, hidden_states, temb)
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_norm_zero(
-            block.norm1_context, encoder_hidden_states, temb)
+    def _fused(self, block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            dit_handoff.taken(hidden_states, block.norm1, temb)
+            or _ada_norm_zero(block.norm1, hidden_states, temb, (block.attn, IMAGE)))
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+            dit_handoff.taken(encoder_hidden_states, block.norm1_context, temb)
+            or _ada_norm_zero(block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT)))
         attention_outputs = block.attn(hidden_states=norm_hidden_states,
                                        encoder_hidden_states=norm_encoder_hidden_states,
                                        image_rotary_emb=image_rotary_emb)
         attn_output, context_attn_output = attention_outputs[:2]
 
+        after = self.following.block if self.following is not None else None  # the next block's norms' readers
+        hand = len(attention_outputs) == 2 and dit_handoff.next_norm(self, "norm1", hidden_states)
         hidden_states = _after_attention(block, block.norm2, block.ff, hidden_states, attn_output, gate_msa,
-                                         shift_mlp, scale_mlp, gate_mlp)
+                                         shift_mlp, scale_mlp, gate_mlp,
+                                         hand and (hand, temb, ((after.attn, IMAGE),)))
         if len(attention_outputs) == 3:  # an IP-Adapter processor's image residual, after the feed-forward's
             hidden_states = hidden_states + attention_outputs[2]
+        hand = dit_handoff.next_norm(self, "norm1_context", encoder_hidden_states)
         encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context, encoder_hidden_states,
                                                  context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp,
-                                                 c_gate_mlp)
+                                                 c_gate_mlp, hand and (hand, temb, ((after.attn, TEXT),)))
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
         return encoder_hidden_states, hidden_states
@@ -392,11 +413,12 @@ class FluxSingleBlockForward(_FluxForward):
     with its ``AdaLayerNormZeroSingle`` LayerNorm in ``layer_norm_modulated``, and the text + image join
     of the previous single block's output (its two halves) without a copy (``_joined``)."""
 
-    @staticmethod
-    def _fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+    def _fused(self, block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = _joined(encoder_hidden_states, hidden_states)
-        norm_hidden_states, gate = _ada_norm_zero(block.norm, hidden_states, temb)
+        norm_hidden_states, gate = (dit_handoff.taken(encoder_hidden_states, block.norm, temb, hidden_states)
+                                    or _ada_norm_zero(block.norm, hidden_states, temb, (block.attn, IMAGE),
+                                                      (block.proj_mlp, None)))
         # sd_kernels' FLUX processor in two halves: the MLP runs while a ring exchange of keys and values
         # (context parallelism) is under way; without one, the same ops in another order
         finish = _begun(block.attn, norm_hidden_states, image_rotary_emb)
@@ -410,6 +432,13 @@ class FluxSingleBlockForward(_FluxForward):
             # torch.cat([attn_output, act_mlp(proj_mlp(norm_hidden_states))], dim=2), the GELU written in its place
             joined = _mlp_beside(block, norm_hidden_states)
             attn_output = _attention_output(block, norm_hidden_states, image_rotary_emb, finish)
+        hand = None if joined is not None else dit_handoff.next_norm(self, "norm", hidden_states)
+        if hand is not None:  # the gated residual and the next block's norm in one kernel, handed on the text half
+            after = self.following.block
+            y = fp8_joined(attn_output, mlp, block.act_mlp.approximate, None, None)
+            h, handed = dit_handoff.gated_norm(hand, hidden_states, y, gate.unsqueeze(1), temb,
+                                               ((after.attn, IMAGE), (after.proj_mlp, None)))
+            return dit_handoff.hand_on(h, hand, temb, handed, on=h[:, :text_seq_len]), h[:, text_seq_len:]
         if joined is None:
             hidden_states = fp8_joined(attn_output, mlp, block.act_mlp.approximate, gate, hidden_states)
         else:
@@ -592,6 +621,11 @@ def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
         _install(record, [(path, m) for path, m in modules if type(m) is single_stream],
                  (single_stream.forward, AdaLayerNormZeroSingle.forward), _unfit_flux_single, FluxSingleBlockForward,
                  "FluxSingleTransformerBlock")
+        for _, m in modules:  # FluxTransformer2DModel calls each list's blocks in order (ControlNet's adds between)
+            for name in ("transformer_blocks", "single_transformer_blocks"):
+                blocks = getattr(m, name, None) if hasattr(m, "single_transformer_blocks") else None
+                if isinstance(blocks, nn.ModuleList):
+                    dit_handoff.link([vars(b).get("forward") for b in blocks])
     single = [(path, m) for path, m in modules
               if type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"]
     _install(record, single, (BasicTransformerBlock.forward,), _unfit, AdaNormSingleForward,

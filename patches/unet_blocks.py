@@ -24,16 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .attention import SDKernelsAttnProcessor
-from .fp8 import Fp8FeedForward, Fp8Linear
+from .codes_readers import codes_only
 from .hooks import called_beside
 from .layer_norm import _BasicBlockForward, _feed_forward, _gated_norm, _install, _modulated, _plain_layer_norm
 from .record import PatchRecord
-
-# In the FP8 tier, a norm whose every reader takes its FP8 codes alone (``reads_codes_only``) writes no values:
-# measured on SDXL's step (bench/results/2026-12-01-h200-conv-bias-and-norm-codes/). False: every normed output
-# written (bench.fp8's ``fp8+norm-values`` row).
-CODES_ONLY = True
 
 
 def _writes_codes(norm: nn.Module) -> bool:
@@ -49,41 +43,19 @@ def _fusable_norm(norm: nn.Module) -> bool:
 
 
 def _residual_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, squeeze: bool,
-                   reader: nn.Module | None = None, cross: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   reader: nn.Module | None = None, part: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A UNet block's ``h = branch + residual`` and ``norm(h)``: one kernel where ``_fusable_norm``, the FP8 tier's
     norm then writing its codes in the same kernel, in the calls where its own forward would
     (``Fp8LayerNorm.codes_travel``); another norm (one swapped in after the patch, a hooked one) is called as itself
     after stock's add. ``squeeze``: a 4-D sum squeezed, as diffusers does after the self-attention.
-    ``reader`` (with ``cross``: the module that reads the output next, None where that is not one module called on
-    it whole): with codes, where ``reads_codes_only(reader, cross)``, the kernel writes no values (``CODES_ONLY``;
-    asked only then)."""
+    ``reader`` (with ``part``: the module that reads the output next, None where that is not one module called on
+    it whole; ``"cross"`` or ``"self"`` for an attention, as ``codes_readers.codes_only`` takes them): with codes,
+    where ``codes_only((reader, part))``, the kernel writes no values (asked only then)."""
     fused = _fusable_norm(norm)
     codes = fused and _writes_codes(norm) and norm.codes_travel(residual)
-    values = not (codes and CODES_ONLY and reader is not None and reads_codes_only(reader, cross))
+    values = not (codes and reader is not None and codes_only((reader, part)))
     return _gated_norm(norm, residual, branch, None, None, None, codes=codes, squeeze=squeeze, fused=fused,
                        values=values)
-
-
-def reads_codes_only(module: nn.Module, cross: bool = False) -> bool:
-    """Whether ``module``, a UNet block's attention (``cross``: called with the text, so only its query reads the
-    normed output) or feed-forward, called by the block forward on a normed output that carries its FP8 codes,
-    reads nothing of that output but the codes and its shape. An attention: diffusers' ``Attention.forward`` calling
-    sd_kernels' processor, with nothing
-    before its projections that reads the values (no spatial or group norm, no residual connection), each
-    projection that reads the output an unhooked ``Fp8Linear`` (which takes the carried codes: ``input_codes``),
-    no hook on the module. A feed-forward: ``Fp8FeedForward`` on its fused path (``reads_codes``), unhooked. A
-    reader that takes values (a LoRA-wrapped projection, a hook, IP-Adapter's processor) keeps them written."""
-    from diffusers.models.attention_processor import Attention
-
-    if isinstance(module, Fp8FeedForward):  # a hooked first GEMM is called as a module, its hooks given the output
-        return module.reads_codes() and not called_beside(module) and not called_beside(module.net[0].proj)
-    processor = getattr(module, "processor", None)
-    if (type(processor) is not SDKernelsAttnProcessor or type(module).forward is not Attention.forward
-            or called_beside(module) or module.residual_connection or module.spatial_norm is not None
-            or module.group_norm is not None):
-        return False
-    names = ("to_q",) if cross else ("to_qkv",) if processor.fused else ("to_q", "to_k", "to_v")
-    return all(type(p := getattr(module, n, None)) is Fp8Linear and not called_beside(p) for n in names)
 
 
 class LayerNormBlockForward(_BasicBlockForward):
@@ -112,9 +84,9 @@ class LayerNormBlockForward(_BasicBlockForward):
             attention_mask=attention_mask,
         )
         if block.attn2 is not None:
+            part = "self" if encoder_hidden_states is None else "cross"
             hidden_states, norm_hidden_states = _residual_norm(block.norm2, hidden_states, attn_output, squeeze=True,
-                                                               reader=block.attn2,
-                                                               cross=encoder_hidden_states is not None)
+                                                               reader=block.attn2, part=part)
             attn_output = block.attn2(norm_hidden_states, encoder_hidden_states=encoder_hidden_states,
                                       attention_mask=encoder_attention_mask)
         # the self-attention's residual when there is no cross-attention: squeezed as diffusers squeezes it
@@ -127,7 +99,8 @@ class LayerNormBlockForward(_BasicBlockForward):
         if after is not None and ff_output.shape == hidden_states.shape and _hands_on(hidden_states):
             following = self.following.block  # its attn1 a self-attention: it reads the normed output alone
             hidden_states, normed = _residual_norm(after, hidden_states, ff_output, squeeze=True,
-                                                   reader=None if following.only_cross_attention else following.attn1)
+                                                   reader=None if following.only_cross_attention else following.attn1,
+                                                   part="self")
             return _hand_norm(hidden_states, after, normed)
         hidden_states = ff_output + hidden_states
         if hidden_states.ndim == 4:

@@ -850,6 +850,18 @@ def test_fp8_bench_undoes_the_fusion_of_a_compile_row_whose_set_up_fails():
     assert not Pipe.transformer.fused and "decode" not in vars(Pipe.vae)
 
 
+def test_every_fp8_bench_row_has_a_setup_of_its_own():
+    """Each row ``--rows`` takes is set up as itself: only the torchao row quantizes with torchao (a row left out of
+    the setups once ran torchao's row in its place), and a name outside ROWS is refused."""
+    from bench import fp8
+
+    labels = {row: fp8._setup(row, "regional")[0] for row in fp8.ROWS}
+    assert [row for row, label in labels.items() if label.startswith(fp8.TORCHAO)] == ["torchao"], labels
+    assert len(set(labels.values())) == len(labels), labels
+    with pytest.raises(ValueError, match="no setup"):
+        fp8._setup("fp8+no-such-row", "regional")
+
+
 def test_fp8_bench_names_the_regional_peers_mode_and_finds_its_peers_by_label():
     from bench import fp8
 

@@ -406,11 +406,12 @@ def fp8_linear(x, w_q, s_w, bias=None, act="", gate=None, residual=None, table=N
     return fp8_ops.fp8_linear(x, w_q, s_w, bias, act, gate, residual, table=table)
 
 
-def layer_norm_modulated_fp8(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None):
-    """(modulated LayerNorm, its FP8 codes, row scales): ``sd_kernels.ops.layer_norm_modulated_fp8``."""
+def layer_norm_modulated_fp8(x, weight=None, bias=None, eps=1e-6, scale=None, shift=None, values=True):
+    """(modulated LayerNorm, its FP8 codes, row scales): ``sd_kernels.ops.layer_norm_modulated_fp8``; ``values``
+    False (eager calls; a traced call writes them): the LayerNorm a NaN stand-in (``ops.layer_norm.unwritten``)."""
     if torch.compiler.is_compiling():
         return torch.ops.sd_kernels.layer_norm_modulated_fp8(x, weight, bias, float(eps), scale, shift)
-    return layer_norm_ops.layer_norm_modulated_fp8(x, weight, bias, eps, scale, shift)
+    return layer_norm_ops.layer_norm_modulated_fp8(x, weight, bias, eps, scale, shift, values=values)
 
 
 def qk_norm_rope(q, k, v, head_dim, q_weight=None, k_weight=None, eps=None, cos=None, sin=None, eq=None, ek=None,

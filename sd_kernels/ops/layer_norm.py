@@ -315,14 +315,17 @@ def layer_norm_modulated_fp8(
     eps: float = 1e-6,
     scale: torch.Tensor | None = None,
     shift: torch.Tensor | None = None,
+    values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``layer_norm_modulated`` that also quantizes its output for an FP8 projection, in the same
     kernel: (y [B, T, D] in x's dtype, codes [B, T, D] e4m3, row scales [B, T] fp32), the codes those
-    of ``reference.fp8_quantize_rows`` of y's fp32 values (before y's rounding to x's dtype)."""
+    of ``reference.fp8_quantize_rows`` of y's fp32 values (before y's rounding to x's dtype). ``values`` False
+    (the caller's readers take the codes alone): y is ``unwritten``'s NaN stand-in; the reference path (no
+    kernel for the call) returns y as ever."""
     reference.check_layer_norm_args("layer_norm_modulated", x, weight, bias, scale=scale, shift=shift)
     tensors = (x, weight, bias, scale, shift)
     reason = _kernel_reason(tensors, x.shape[-1]) or fp8_reason(*tensors)
     if not use_kernel("layer_norm", *tensors, unsupported=reason):
         return _modulated_fp8_reference(x, weight, bias, eps, scale, shift, tensors)
-    y, _, q, s = _launch_fp8(x, None, None, weight, bias, eps, scale, shift)
+    y, _, q, s = _launch_fp8(x, None, None, weight, bias, eps, scale, shift, values)
     return y, q, s

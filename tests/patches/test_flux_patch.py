@@ -510,19 +510,21 @@ def test_unverified_block_sources_are_left_alone(transformer, monkeypatch, qualn
 def test_fp8_adaln_runs_as_itself_inside_the_fused_forwards(monkeypatch):
     """Under precision="fp8" the FP8 tier swaps the blocks' adaLN modules after the layer_norm patcher
     installed its forwards: those call the swapped module (its LayerNorm writes the FP8 codes the q/k/v
-    projections read), once per stream and block."""
+    projections read), once per stream and block: as its forward in the first block of each kind, made by the block
+    before (patches/dit_handoff.py: its modulation, the norm in that block's last residual kernel) in the others."""
     from sd_kernels.patches import fp8
 
     model = models.build_model("tiny-flux", "transformer")
-    calls = []
-    original = fp8.Fp8AdaLayerNormZero.forward
-    monkeypatch.setattr(fp8.Fp8AdaLayerNormZero, "forward",
-                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    calls = {"forward": 0, "modulation": 0}
+    for name in calls:
+        original = getattr(fp8.Fp8AdaLayerNormZero, name)
+        monkeypatch.setattr(fp8.Fp8AdaLayerNormZero, name, lambda self, *a, _name=name, _original=original, **k:
+                            calls.__setitem__(_name, calls[_name] + 1) or _original(self, *a, **k))
     x, kw = _inputs(model, batch=1, side=2, text=3)
     with sd_kernels.patched(model, ops=["layer_norm"], precision="fp8", cuda_graph=False) as record:
         assert record.counts["layer_norm.FluxTransformerBlock"] == 2 and record.counts["fp8.AdaLayerNormZero"] == 6
         _run(model, x, kw)
-    assert len(calls) == 2 * 2 + 2
+    assert calls == {"forward": 2 + 1, "modulation": 2 * 2 + 2}, calls
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from diffusers.models.attention import BasicTransformerBlock
 from dit_checks import cpu_only
+from sd_kernels.patches import codes_readers, unet_blocks
 from sd_kernels.patches import layer_norm as ln_patch
-from sd_kernels.patches import unet_blocks
 from sd_kernels.patches.record import PatchRecord
 from sd_kernels.patches.registry import PATCHERS
 from sd_kernels.patches.unet_blocks import LayerNormBlockForward
@@ -306,7 +306,7 @@ def test_fp8_norms_whose_readers_take_codes_write_no_values(monkeypatch):
     outs = {}
     with sd_kernels.patched(unet, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
         for codes_only in (False, True):
-            monkeypatch.setattr(unet_blocks, "CODES_ONLY", codes_only)
+            monkeypatch.setattr(codes_readers, "CODES_ONLY", codes_only)
             values.clear()
             outs[codes_only] = _run(unet, x, ctx, added_cond_kwargs=added)
             assert len(values) == 2 * len(blocks) + _linked(unet)

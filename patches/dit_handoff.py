@@ -1,0 +1,103 @@
+"""The FP8 tier's FLUX blocks hand the next block its norm: a block's last gated residual and the next block's
+adaLN-Zero LayerNorm in one kernel.
+
+A FLUX block ends each stream with ``h = x + gate · y`` (y: the feed-forward's second GEMM in a double block,
+``proj_out`` of the join in a single block), and the block the transformer calls next begins with its
+``Fp8AdaLayerNormZero`` on h: the modulated LayerNorm and its FP8 codes. On Hopper the GEMM is torch's, so the gated
+residual is one pass of its own after it (x, y read, h written) and the norm another (h read again). Here the block
+computes the next block's modulation (the same joined GEMM or step table that norm would use:
+``Fp8AdaLayerNormZero.modulation``) and runs ``gated_residual_layer_norm_fp8`` once: x and y read, h and the codes
+written (no values where every reader of the normed output takes the codes alone: patches/codes_readers.py). The
+normed output and the modulation's other chunks travel on h (``hand_on``); the next block takes them (``taken``) if h
+reaches it unchanged (the same storage, shape and version counter; the same step embedding, the same norm), and
+normalizes h itself otherwise (a ControlNet residual added between the blocks, an in-place change, another caller).
+
+Where: consecutive double blocks (each stream: norm1, norm1_context), consecutive single blocks (norm; the halves the
+block returns joined again without a copy by the next: patches/layer_norm.py's ``_joined``). Not across the last
+double block and the first single one (their streams are concatenated there), not after an IP-Adapter's image
+residual, not in fp16 (diffusers clips each block's output there), and only where codes travel (eager calls with a
+version counter: not under inference mode, autograd or compilation). Where the GEMM is ours (fewer rows than
+``ops.fp8_linear.TORCH_GEMM_ROWS``, or no ``torch._scaled_mm`` row scaling), its epilogue would add the gated residual
+to the fp32 accumulator; handed on, its output is rounded to the model's dtype first, as torch's GEMM path always
+rounds it. ``HAND_ON`` False: each block's norm its own kernel (bench.fp8's ``fp8+own-norms`` row). Measured on an
+H200 (FLUX.1-dev 1024², bf16): the norms and gated residuals 3.36 → 2.76 ms a step, the image 1,640.2 → 1,629.0 ms
+(bench/results/2026-12-02-h200-dit-norm-codes-and-handoff/).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from sd_kernels.ops.fp8_linear import attach_quantized
+from sd_kernels.ops.layer_norm import gated_residual_layer_norm_fp8
+
+from .codes_readers import codes_only
+from .hooks import called_beside
+
+HAND_ON = True
+_HANDED = "_sd_kernels_handed_ada_norm"
+
+
+def link(forwards: list) -> None:
+    """Tell each block forward among ``forwards`` (one kind, in the order the transformer calls the blocks) which
+    one follows it."""
+    for this, following in zip(forwards, forwards[1:]):
+        if this is not None and type(this) is type(following):
+            this.following = following
+
+
+def next_norm(forward, name: str, h: torch.Tensor) -> nn.Module | None:
+    """The ``name`` norm (``norm1``, ``norm1_context``, ``norm``) of the block after ``forward``'s, where the block's
+    residual ``h`` may carry it there: the next block still served by its linked forward, its norm the FP8 tier's
+    (``Fp8AdaLayerNormZero``), unhooked, and a call in which codes travel; else None."""
+    following = getattr(forward, "following", None)
+    if (not HAND_ON or following is None or not _travel(h) or vars(following.block).get("forward") is not following
+            or h.dtype == torch.float16 or h.dim() != 3):
+        return None
+    norm = getattr(following.block, name, None)
+    if not hasattr(norm, "modulation") or called_beside(norm):
+        return None
+    return norm
+
+
+def _travel(h: torch.Tensor) -> bool:
+    return not (torch.compiler.is_compiling() or h.is_inference() or torch.is_inference_mode_enabled()
+                or torch.is_grad_enabled())
+
+
+def gated_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,
+               emb: torch.Tensor, readers: tuple) -> tuple[torch.Tensor, tuple]:
+    """``h = residual + gate · branch`` and ``norm(h, emb=emb)`` (``norm`` from ``next_norm``) in one kernel: (h,
+    the normed output with its codes, without values where ``readers`` take the codes alone, and the modulation's
+    other chunks: what ``norm``'s forward returns), for ``hand_on``."""
+    chunks = norm.modulation(emb)
+    shift, scale = chunks[0], chunks[1]
+    ln = norm.norm
+    h, y, q, s = gated_residual_layer_norm_fp8(residual, branch, gate, ln.weight, ln.bias, ln.eps, scale[:, None],
+                                               shift[:, None], values=not codes_only(*readers))
+    return h, (attach_quantized(y, q, s), *chunks[2:])
+
+
+def hand_on(h: torch.Tensor, norm: nn.Module, emb: torch.Tensor, normed: tuple,
+            on: torch.Tensor | None = None) -> torch.Tensor:
+    """Let ``on`` (default h: the tensor the next block receives) carry ``normed`` (``norm(h, emb=emb)``'s result)
+    to the next block, with what ``taken`` checks of h; returns ``on``."""
+    on = h if on is None else on
+    setattr(on, _HANDED, (normed, norm, emb, h.data_ptr(), h.shape, h._version))
+    return on
+
+
+def taken(carrier: torch.Tensor, norm: nn.Module, emb: torch.Tensor, h: torch.Tensor | None = None) -> tuple | None:
+    """``norm(h, emb=emb)`` as the block before handed it on ``carrier`` (``hand_on``; h default: the carrier
+    itself), taken off it, unless made by another norm or embedding or h is not the tensor it was made for,
+    unchanged since; else None."""
+    held = None if torch.compiler.is_compiling() else getattr(carrier, _HANDED, None)
+    if held is None:
+        return None
+    delattr(carrier, _HANDED)
+    h = carrier if h is None else h
+    normed, by, e, ptr, shape, version = held
+    if by is norm and e is emb and h.data_ptr() == ptr and h.shape == shape and h._version == version:
+        return normed
+    return None
