@@ -145,7 +145,7 @@ SUMMARY: tuple[tuple[str, str, str, str, str, str], ...] = (
      "2026-11-30-h200-t5-encoder-resnet-tail/fp8_e2e-flux.csv", "flux-dev", "compile-regional+no-cublaslt-workspace",
      "patched+graph"),
     ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, FP8 vs compile",
-     "2026-12-01-h200-fp8-targets-sd3-flux/fp8_e2e-flux.csv", "flux-dev",
+     "2026-12-02-h200-dit-norm-codes-and-handoff/fp8_e2e-flux.csv", "flux-dev",
      "compile-regional+no-cublaslt-workspace", "patched+graph+fp8"),
     ("the transformers: patch(pipe) and the FP8 tier", "FLUX.1-dev, FP8 vs torchao's FP8",
      "2026-11-29-h200-fp8-vs-torchao/fp8_e2e-flux-peers.csv", "flux-dev", "torchao-fp8+regional-compile",

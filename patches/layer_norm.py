@@ -61,12 +61,13 @@ fp16, as in diffusers' forward. The single-stream ``FluxSingleTransformerBlock``
 concatenated) has one ``AdaLayerNormZeroSingle`` (``linear(silu(temb))`` in three chunks):
 ``norm(x) * (1 + scale) + shift`` is ``layer_norm_modulated`` (``FluxSingleBlockForward``, counted as
 ``layer_norm.FluxSingleTransformerBlock``); its gated ``proj_out`` residual, followed by the next block's
-norm (a fusion across blocks, not done), is one ``gated_add`` pass, as every feed-forward residual here (the
+norm, is one ``gated_add`` pass, as every feed-forward residual here (the
 FP8 tier puts it, with the join, in
 ``proj_out``'s GEMM: ``_fp8_joined``; and every stream's feed-forward residual in the feed-forward's
-second GEMM: ``_after_attention``). Both call the original forward for
-``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, a mask) and for
-streams not [B, T, D]; blocks are left alone where the block's forward or its adaLN's is not the
+second GEMM: ``_after_attention``; and where the next block of the same kind follows, it runs that residual with the
+next block's norm in one kernel instead and hands the normed output on: patches/dit_handoff.py). Both call the
+original forward for ``joint_attention_kwargs`` with anything in it (an IP-Adapter's ``ip_hidden_states``, a mask)
+and for streams not [B, T, D]; blocks are left alone where the block's forward or its adaLN's is not the
 verified source or a norm is not the plain module assumed. A norm module swapped in after the patch
 (the FP8 tier's ``Fp8AdaLayerNormZero``, which quantizes in the same pass) runs as itself, in every
 block forward here.
@@ -448,7 +449,7 @@ class FluxSingleBlockForward(_FluxForward):
                 joined[..., :inner].copy_(attn_output)
             else:  # another attention output than the width planned for: stock's concatenation (and its errors)
                 joined = torch.cat([attn_output, joined[..., inner:]], dim=2)
-            # the gated residual in one pass: the next block's norm follows (a fusion across blocks, not done)
+            # the gated residual in one pass (across blocks with the next norm: the FP8 tier's dit_handoff, above)
             hidden_states = gated_add(hidden_states, gate.unsqueeze(1), block.proj_out(joined))
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
