@@ -54,6 +54,19 @@ def _call32(model):
         return model(x, **kw, return_dict=False)[0]
 
 
+def _both_ways(monkeypatch, asked, call, switch, expected):
+    """``call()`` with the module flag ``switch`` off, then on: ({on: output}, {on: the norms' (kind, values)}), each
+    call's norm counts as ``expected(on)`` says."""
+    outs, seen = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(*switch, on)
+        asked.clear()
+        outs[on] = call()
+        seen[on] = list(asked)
+        assert _counts(asked) == expected(on), asked
+    return outs, seen
+
+
 def _counts(asked):
     kinds = [kind for kind, _ in asked]
     return {kind: kinds.count(kind) for kind in ("norm1", "norm2", "handed")}
@@ -77,14 +90,10 @@ def test_dit_norms_whose_readers_take_codes_write_no_values(name, values_asked, 
     same; under ``torch.inference_mode()`` (codes do not travel) the modulated norms write them."""
     model = _flux32() if name == "tiny-flux" else _model(name)
     call = _call32 if name == "tiny-flux" else lambda m: _call(m, name)
-    outs = {}
     with sd_kernels.patched(model, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
-        for codes_only in (False, True):
-            monkeypatch.setattr(codes_readers, "CODES_ONLY", codes_only)
-            values_asked.clear()
-            outs[codes_only] = call(model)
-            assert _counts(values_asked) == _norms(model, name), values_asked
-            assert [v for _, v in values_asked] == [not codes_only] * len(values_asked)
+        outs, asked = _both_ways(monkeypatch, values_asked, lambda: call(model), (codes_readers, "CODES_ONLY"),
+                                 lambda on: _norms(model, name))
+        assert all([v for _, v in asked[on]] == [not on] * len(asked[on]) for on in asked)
         hooked = []
         for reader in [*_readers(model, name), model.transformer_blocks[0].norm1]:
             hook = reader.register_forward_pre_hook(lambda *_: None)
@@ -121,13 +130,9 @@ def test_flux_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(values_a
     join then copies) is normalized by the block itself, the output as before; unpatched, stock's bits."""
     model = _flux32()
     stock = _call32(model)
-    outs = {}
     with sd_kernels.patched(model, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
-        for on in (False, True):
-            monkeypatch.setattr(dit_handoff, "HAND_ON", on)
-            values_asked.clear()
-            outs[on] = _call32(model)
-            assert _counts(values_asked) == _norms(model, "tiny-flux", handed=on), values_asked
+        outs, _ = _both_ways(monkeypatch, values_asked, lambda: _call32(model), (dit_handoff, "HAND_ON"),
+                             lambda on: _norms(model, "tiny-flux", handed=on))
 
         def in_place(module, args, kwargs):
             kwargs["encoder_hidden_states"].mul_(1)
