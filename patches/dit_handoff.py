@@ -9,8 +9,11 @@ computes the next block's modulation (the same joined GEMM or step table that no
 ``Fp8AdaLayerNormZero.modulation``) and runs ``gated_residual_layer_norm_fp8`` once: x and y read, h and the codes
 written (no values where every reader of the normed output takes the codes alone: patches/codes_readers.py). The
 normed output and the modulation's other chunks travel on h (``hand_on``); the next block takes them (``taken``) if h
-reaches it unchanged (the same storage, shape and version counter; the same step embedding, the same norm), and
-normalizes h itself otherwise (a ControlNet residual added between the blocks, an in-place change, another caller).
+reaches it unchanged (the same storage, shape and version counter; the same step embedding, unchanged; the same
+norm), and normalizes h itself otherwise (a ControlNet residual added between the blocks, an in-place change,
+another caller); after such a refusal the block before makes ``RETRY_AFTER`` calls without handing that norm on. No
+norm is handed to a block with hooks (a pre-hook could change what its norm reads after the block before made it) or
+one compiled on its own (``Module.compile()``).
 
 Where: consecutive double blocks (each stream: norm1, norm1_context), consecutive single blocks (norm; the halves the
 block returns joined again without a copy by the next: patches/layer_norm.py's ``_joined``). Not across the last
@@ -26,6 +29,8 @@ H200 (FLUX.1-dev 1024², bf16): the norms and gated residuals 3.36 → 2.76 ms a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -36,29 +41,47 @@ from .codes_readers import codes_only
 from .hooks import called_beside
 
 HAND_ON = True
+# After a block refused a handed norm (its stream changed between the blocks: a ControlNet's residual), the block
+# before makes this many calls without handing that norm on, then tries again: the norm made twice at most once in
+# that many calls. A CUDA graph captured meanwhile keeps the path its capture took.
+RETRY_AFTER = 16
 _HANDED = "_sd_kernels_handed_ada_norm"
 
 
 def link(forwards: list) -> None:
-    """Tell each block forward among ``forwards`` (one kind, in the order the transformer calls the blocks) which
-    one follows it."""
+    """Tell each block forward among ``forwards`` (the transformer's blocks of one kind, in the order it calls them;
+    None for a block another forward serves) which one follows it."""
     for this, following in zip(forwards, forwards[1:]):
-        if this is not None and type(this) is type(following):
+        if this is not None and following is not None:
             this.following = following
 
 
-def next_norm(forward, name: str, h: torch.Tensor) -> nn.Module | None:
+class Hand(NamedTuple):
+    """A norm to hand on: the next block's forward, the norm's name there and the norm."""
+
+    following: object
+    name: str
+    norm: nn.Module
+
+
+def next_norm(forward, name: str, h: torch.Tensor) -> Hand | None:
     """The ``name`` norm (``norm1``, ``norm1_context``, ``norm``) of the block after ``forward``'s, where the block's
-    residual ``h`` may carry it there: the next block still served by its linked forward, its norm the FP8 tier's
-    (``Fp8AdaLayerNormZero``), unhooked, and a call in which codes travel; else None."""
+    residual ``h`` may carry it there: the next block still served by its linked forward and called as nothing but
+    that (no hooks: one could change what the norm reads after this block made it), its norm the FP8 tier's
+    (``Fp8AdaLayerNormZero``), its norm and modulation layer unhooked, a call in which codes travel, and no norm that
+    block refused lately (``taken``); else None."""
     following = getattr(forward, "following", None)
     if (not HAND_ON or following is None or not _travel(h) or vars(following.block).get("forward") is not following
-            or h.dtype == torch.float16 or h.dim() != 3):
+            or h.dtype == torch.float16 or h.dim() != 3 or called_beside(following.block, installed=following)):
         return None
     norm = getattr(following.block, name, None)
-    if not hasattr(norm, "modulation") or called_beside(norm):
+    if not hasattr(norm, "modulation") or called_beside(norm) or called_beside(norm.linear):
         return None
-    return norm
+    skips = following.skips.get(name, 0)
+    if skips:  # refused lately (a ControlNet's residual between the blocks): made by the block itself a while
+        following.skips[name] = skips - 1
+        return None
+    return Hand(following, name, norm)
 
 
 def _travel(h: torch.Tensor) -> bool:
@@ -66,11 +89,12 @@ def _travel(h: torch.Tensor) -> bool:
                 or torch.is_grad_enabled())
 
 
-def gated_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,
+def gated_norm(hand: Hand, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,
                emb: torch.Tensor, readers: tuple) -> tuple[torch.Tensor, tuple]:
-    """``h = residual + gate · branch`` and ``norm(h, emb=emb)`` (``norm`` from ``next_norm``) in one kernel: (h,
-    the normed output with its codes, without values where ``readers`` take the codes alone, and the modulation's
-    other chunks: what ``norm``'s forward returns), for ``hand_on``."""
+    """``h = residual + gate · branch`` and ``norm(h, emb=emb)`` (``hand.norm``, from ``next_norm``) in one kernel:
+    (h, the normed output with its codes, without values where ``readers`` take the codes alone, and the modulation's
+    other chunks: what the norm's forward returns), for ``hand_on``."""
+    norm = hand.norm
     chunks = norm.modulation(emb)
     shift, scale = chunks[0], chunks[1]
     ln = norm.norm
@@ -79,25 +103,32 @@ def gated_norm(norm: nn.Module, residual: torch.Tensor, branch: torch.Tensor, ga
     return h, (attach_quantized(y, q, s), *chunks[2:])
 
 
-def hand_on(h: torch.Tensor, norm: nn.Module, emb: torch.Tensor, normed: tuple,
+def hand_on(h: torch.Tensor, hand: Hand, emb: torch.Tensor, normed: tuple,
             on: torch.Tensor | None = None) -> torch.Tensor:
-    """Let ``on`` (default h: the tensor the next block receives) carry ``normed`` (``norm(h, emb=emb)``'s result)
-    to the next block, with what ``taken`` checks of h; returns ``on``."""
+    """Let ``on`` (default h: the tensor the next block receives) carry ``normed`` (``hand.norm(h, emb=emb)``'s
+    result) to the next block, with what ``taken`` checks of h and emb; the next block expects it. Returns ``on``."""
     on = h if on is None else on
-    setattr(on, _HANDED, (normed, norm, emb, h.data_ptr(), h.shape, h._version))
+    setattr(on, _HANDED, (normed, hand.norm, emb, emb._version, h.data_ptr(), h.shape, h._version))
+    hand.following.expected[hand.name] = True
     return on
 
 
-def taken(carrier: torch.Tensor, norm: nn.Module, emb: torch.Tensor, h: torch.Tensor | None = None) -> tuple | None:
-    """``norm(h, emb=emb)`` as the block before handed it on ``carrier`` (``hand_on``; h default: the carrier
-    itself), taken off it, unless made by another norm or embedding or h is not the tensor it was made for,
-    unchanged since; else None."""
+def taken(forward, name: str, carrier: torch.Tensor, emb: torch.Tensor,
+          h: torch.Tensor | None = None) -> tuple | None:
+    """``norm(h, emb=emb)`` (``norm``: ``forward``'s block's ``name``) as the block before handed it on ``carrier``
+    (``hand_on``; h default: the carrier itself), taken off it; else None. A refusal, after which the block before
+    hands that norm on again only after ``RETRY_AFTER`` calls: a norm handed on that did not arrive (the stream
+    replaced between the blocks: a ControlNet's residual), or one made by another norm or for another embedding, or
+    for another h, or with h or emb changed in place since."""
+    expected = forward.expected.pop(name, False)
     held = None if torch.compiler.is_compiling() else getattr(carrier, _HANDED, None)
-    if held is None:
-        return None
-    delattr(carrier, _HANDED)
-    h = carrier if h is None else h
-    normed, by, e, ptr, shape, version = held
-    if by is norm and e is emb and h.data_ptr() == ptr and h.shape == shape and h._version == version:
-        return normed
+    if held is not None:
+        delattr(carrier, _HANDED)
+        h = carrier if h is None else h
+        normed, by, e, e_version, ptr, shape, version = held
+        if (by is getattr(forward.block, name, None) and e is emb and emb._version == e_version
+                and h.data_ptr() == ptr and h.shape == shape and h._version == version):
+            return normed
+    if expected or held is not None:
+        forward.skips[name] = RETRY_AFTER
     return None

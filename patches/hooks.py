@@ -32,24 +32,26 @@ def global_hooks() -> bool:
     return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
-def hooked(m: nn.Module, own: tuple = ()) -> bool:
+def hooked(m: nn.Module, own: tuple = (), installed: object = None) -> bool:
     """Whether calling ``m`` runs more than its class's ``forward``: its own or global forward (pre-)hooks,
     diffusers' hook registry holding hooks, accelerate's hook, a ``forward`` set on the instance. Not a
-    ``forward`` that is the class's own bound to ``m`` (what accelerate's hook removal leaves behind) or one
-    of ``own`` bound to it (a patch's re-statement of the class's forward), nor a registry emptied."""
+    ``forward`` that is the class's own bound to ``m`` (what accelerate's hook removal leaves behind), one
+    of ``own`` bound to it (a patch's re-statement of the class's forward) or ``installed`` itself (a patch's
+    instance forward: patches/layer_norm.py's block forwards), nor a registry emptied."""
     forward = vars(m).get("forward")
-    replaced = forward is not None and not (getattr(forward, "__self__", None) is m
-                                            and getattr(forward, "__func__", None) in (type(m).forward, *own))
+    replaced = forward is not None and forward is not installed and not (
+        getattr(forward, "__self__", None) is m and getattr(forward, "__func__", None) in (type(m).forward, *own))
     registry = getattr(m, "_diffusers_hook", None)
     return bool(m._forward_hooks or m._forward_pre_hooks or replaced or getattr(registry, "hooks", registry)
                 or hasattr(m, "_hf_hook") or global_hooks())
 
 
-def called_beside(m: nn.Module) -> bool:
+def called_beside(m: nn.Module, installed: object = None) -> bool:
     """Whether a fused path must call ``m`` itself rather than a method of it, its parts or its processor:
     what calling it runs besides its class's ``forward`` (hooks: a user's, accelerate's, bench.fp8's
-    per-layer ones) or instead of it (``Module.compile()``) would be passed by."""
-    return hooked(m) or getattr(m, "_compiled_call_impl", None) is not None
+    per-layer ones) or instead of it (``Module.compile()``) would be passed by. ``installed``: an instance forward a
+    patch set on ``m``, not counted (``hooked``)."""
+    return hooked(m, installed=installed) or getattr(m, "_compiled_call_impl", None) is not None
 
 
 def replay_skipped(named: Iterable[tuple[str, nn.Module]]) -> str | None:

@@ -375,6 +375,11 @@ class _FluxForward(_BlockForward):
 
     following: _FluxForward | None = None  # the next block's, set by dit_handoff.link
 
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__(block)
+        self.skips: dict[str, int] = {}  # calls left without a handed norm, by its name (dit_handoff.taken)
+        self.expected: dict[str, bool] = {}  # norms the block before handed on, by name (dit_handoff.hand_on)
+
 
 class FluxBlockForward(_FluxForward):
     """``FluxTransformerBlock`` (double-stream): diffusers 0.42.1's forward with each stream's adaLN-Zero
@@ -383,10 +388,10 @@ class FluxBlockForward(_FluxForward):
 
     def _fused(self, block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            dit_handoff.taken(hidden_states, block.norm1, temb)
+            dit_handoff.taken(self, "norm1", hidden_states, temb)
             or _ada_norm_zero(block.norm1, hidden_states, temb, (block.attn, IMAGE)))
         norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
-            dit_handoff.taken(encoder_hidden_states, block.norm1_context, temb)
+            dit_handoff.taken(self, "norm1_context", encoder_hidden_states, temb)
             or _ada_norm_zero(block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT)))
         attention_outputs = block.attn(hidden_states=norm_hidden_states,
                                        encoder_hidden_states=norm_encoder_hidden_states,
@@ -417,7 +422,7 @@ class FluxSingleBlockForward(_FluxForward):
     def _fused(self, block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = _joined(encoder_hidden_states, hidden_states)
-        norm_hidden_states, gate = (dit_handoff.taken(encoder_hidden_states, block.norm, temb, hidden_states)
+        norm_hidden_states, gate = (dit_handoff.taken(self, "norm", encoder_hidden_states, temb, hidden_states)
                                     or _ada_norm_zero(block.norm, hidden_states, temb, (block.attn, IMAGE),
                                                       (block.proj_mlp, None)))
         # sd_kernels' FLUX processor in two halves: the MLP runs while a ring exchange of keys and values
@@ -626,7 +631,8 @@ def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
             for name in ("transformer_blocks", "single_transformer_blocks"):
                 blocks = getattr(m, name, None) if hasattr(m, "single_transformer_blocks") else None
                 if isinstance(blocks, nn.ModuleList):
-                    dit_handoff.link([vars(b).get("forward") for b in blocks])
+                    forwards = [vars(b).get("forward") for b in blocks]
+                    dit_handoff.link([f if isinstance(f, _FluxForward) else None for f in forwards])
     single = [(path, m) for path, m in modules
               if type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"]
     _install(record, single, (BasicTransformerBlock.forward,), _unfit, AdaNormSingleForward,

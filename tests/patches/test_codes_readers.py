@@ -3,6 +3,8 @@
 the gated norm2 before each feed-forward; the UNets' norms: tests/patches/test_unet_blocks.py. FLUX's blocks hand
 the next block's norm1 on with their last residual (patches/dit_handoff.py)."""
 
+import types
+
 import pytest
 import torch
 from dit_checks import cpu_only
@@ -48,10 +50,10 @@ def _flux32():
     return _model("tiny-flux").float()
 
 
-def _call32(model):
+def _call32(model, **extra):
     x, kw = flux_inputs(model, batch=1, side=4, text=4)
     with torch.no_grad():
-        return model(x, **kw, return_dict=False)[0]
+        return model(x, **kw, **extra, return_dict=False)[0]
 
 
 def _both_ways(monkeypatch, asked, call, switch, expected):
@@ -73,12 +75,19 @@ def _counts(asked):
 
 
 def _readers(model, name):
-    """One reader of values for each kind of norm: a hook on it makes exactly that norm write its values."""
+    """One reader of values for each kind of norm: a hook on it makes exactly that norm write its values (FLUX's
+    second blocks' norms: made by the block before and handed on)."""
     first = model.transformer_blocks[0]
     readers = [first.attn.to_q, first.attn.add_k_proj, first.ff.net[0].proj]
     if name == "tiny-flux":
-        readers.append(model.single_transformer_blocks[0].proj_mlp)
+        readers += [model.single_transformer_blocks[0].proj_mlp, model.transformer_blocks[1].attn.to_q,
+                    model.transformer_blocks[1].attn.add_k_proj, model.single_transformer_blocks[1].proj_mlp]
     return readers
+
+
+def _values_read(module, args):
+    """A hook of a reader of values: the values it is given were written."""
+    assert not torch.isnan(args[0]).any(), module
 
 
 @cpu_only
@@ -96,7 +105,7 @@ def test_dit_norms_whose_readers_take_codes_write_no_values(name, values_asked, 
         assert all([v for _, v in asked[on]] == [not on] * len(asked[on]) for on in asked)
         hooked = []
         for reader in [*_readers(model, name), model.transformer_blocks[0].norm1]:
-            hook = reader.register_forward_pre_hook(lambda *_: None)
+            hook = reader.register_forward_pre_hook(_values_read)
             values_asked.clear()
             hooked.append(call(model))
             hook.remove()
@@ -125,32 +134,80 @@ def test_a_flux_attention_whose_projections_diffusers_fused_reads_values():
 @cpu_only
 def test_flux_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(values_asked, monkeypatch):
     """Each FLUX block but the last of its kind makes the next block's norm1 with its last gated residual, and the
-    output is the one with every norm its own kernel, bit for bit. A stream changed between the blocks (in place: the
-    text stream into the second double block; replaced: the image stream into the second single block, which the
-    join then copies) is normalized by the block itself, the output as before; unpatched, stock's bits."""
+    output is the one with every norm its own kernel, bit for bit. With a ControlNet's residuals added between the
+    blocks (new image streams), the second blocks refuse the handed image norms and make them, and the call after
+    the blocks before hand those on no more (``RETRY_AFTER``), the output again the one without the hand-on; a
+    forward pre-hook on a block (which may change what its norm reads: here the step embedding, in place) gets no
+    norm handed on. Unpatched, stock's bits."""
     model = _flux32()
     stock = _call32(model)
+    g = torch.Generator().manual_seed(1)
+    control = {"controlnet_block_samples": [torch.randn(1, 16, 64, generator=g) for _ in range(2)],
+               "controlnet_single_block_samples": [torch.randn(1, 16, 64, generator=g) for _ in range(2)]}
+
+    def scaled_emb(module, args, kwargs):
+        kwargs["temb"].mul_(1.5)
+        return args, kwargs
+
+    expected = _norms(model, "tiny-flux")
     with sd_kernels.patched(model, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
         outs, _ = _both_ways(monkeypatch, values_asked, lambda: _call32(model), (dit_handoff, "HAND_ON"),
                              lambda on: _norms(model, "tiny-flux", handed=on))
-
-        def in_place(module, args, kwargs):
-            kwargs["encoder_hidden_states"].mul_(1)
-            return args, kwargs
-
-        def replaced(module, args, kwargs):
-            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 1}
-
-        hooks = [model.transformer_blocks[1].register_forward_pre_hook(in_place, with_kwargs=True),
-                 model.single_transformer_blocks[1].register_forward_pre_hook(replaced, with_kwargs=True)]
+        hook = model.transformer_blocks[1].register_forward_pre_hook(scaled_emb, with_kwargs=True)
         values_asked.clear()
-        changed = _call32(model)
-        for hook in hooks:
-            hook.remove()
-        expected = _norms(model, "tiny-flux")
-        assert _counts(values_asked) == {**expected, "norm1": expected["norm1"] + 2}, values_asked
-    assert torch.equal(outs[True], outs[False]) and torch.equal(changed, outs[False])
+        hooked = _call32(model)
+        assert _counts(values_asked) == {**expected, "norm1": expected["norm1"] + 2, "handed": expected["handed"] - 2}
+        hook.remove()
+        controlled = []
+        for handed in (3, 1):  # three made, the image streams' two refused; then the text stream's alone
+            values_asked.clear()
+            controlled.append(_call32(model, **control))
+            assert _counts(values_asked) == {**expected, "norm1": expected["norm1"] + 2, "handed": handed}
+        monkeypatch.setattr(dit_handoff, "HAND_ON", False)
+        assert all(torch.equal(out, _call32(model, **control)) for out in controlled)
+        hook = model.transformer_blocks[1].register_forward_pre_hook(scaled_emb, with_kwargs=True)
+        assert torch.equal(hooked, _call32(model))
+        hook.remove()
+    assert torch.equal(outs[True], outs[False]) and not torch.equal(controlled[0], outs[False])
     assert torch.equal(_call32(model), stock)
+
+
+def test_a_handed_norm_is_taken_only_for_the_tensor_and_embedding_it_was_made_for():
+    """``taken`` gives the handed norm once, to the block whose norm made it, for the same embedding unchanged and
+    the same h unchanged (a view joined from its halves included); any other case, and a norm handed on that never
+    arrived (its stream replaced), is a refusal, after which the block before hands that norm on no more for
+    ``RETRY_AFTER`` calls. Nothing handed and nothing expected: no refusal."""
+    norm, other = torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)
+    refused = {"norm": dit_handoff.RETRY_AFTER}
+
+    def forward():
+        return types.SimpleNamespace(block=types.SimpleNamespace(norm=norm), skips={}, expected={})
+
+    def handed(f, h, emb, on=None):
+        return dit_handoff.hand_on(h, dit_handoff.Hand(f, "norm", norm), emb, ("normed",), on=on)
+
+    h, emb = torch.zeros(1, 6, 4), torch.zeros(1, 4)
+    f = forward()
+    assert dit_handoff.taken(f, "norm", handed(f, h, emb), emb) == ("normed",)
+    assert dit_handoff.taken(f, "norm", h, emb) is None and f.skips == {}  # taken off; nothing expected
+    text = handed(f, h, emb, on=h[:, :2])
+    assert dit_handoff.taken(f, "norm", text, emb, h.as_strided(h.shape, h.stride())) == ("normed",)
+    for change in (lambda: h.add_(1), lambda: h[:, 2:].add_(1), lambda: emb.add_(1)):
+        f = forward()
+        handed(f, h, emb)
+        change()
+        assert dit_handoff.taken(f, "norm", h, emb) is None and f.skips == refused
+    for case in ((h, emb.clone()), (h.clone(), emb)):
+        f = forward()
+        handed(f, h, emb, on=case[0])
+        assert dit_handoff.taken(f, "norm", *case) is None and f.skips == refused
+    f = forward()
+    handed(f, h, emb)
+    assert dit_handoff.taken(f, "norm", h + 0, emb) is None and f.skips == refused  # a new stream: never arrived
+    f = forward()
+    handed(f, h, emb)
+    f.block.norm = other
+    assert dit_handoff.taken(f, "norm", h, emb) is None and f.skips == refused
 
 
 @pytest.mark.gpu
