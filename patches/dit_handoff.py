@@ -38,6 +38,7 @@ from sd_kernels.ops.fp8_linear import attach_quantized
 from sd_kernels.ops.layer_norm import gated_residual_layer_norm_fp8
 
 from .codes_readers import codes_only
+from .fp8 import Fp8AdaLayerNormZero, codes_travel
 from .hooks import called_beside
 
 HAND_ON = True
@@ -71,22 +72,17 @@ def next_norm(forward, name: str, h: torch.Tensor) -> Hand | None:
     (``Fp8AdaLayerNormZero``), its norm and modulation layer unhooked, a call in which codes travel, and no norm that
     block refused lately (``taken``); else None."""
     following = getattr(forward, "following", None)
-    if (not HAND_ON or following is None or not _travel(h) or vars(following.block).get("forward") is not following
+    if (not HAND_ON or following is None or not codes_travel(h) or vars(following.block).get("forward") is not following
             or h.dtype == torch.float16 or h.dim() != 3 or called_beside(following.block, installed=following)):
         return None
     norm = getattr(following.block, name, None)
-    if not hasattr(norm, "modulation") or called_beside(norm) or called_beside(norm.linear):
+    if not isinstance(norm, Fp8AdaLayerNormZero) or called_beside(norm) or called_beside(norm.linear):
         return None
     skips = following.skips.get(name, 0)
     if skips:  # refused lately (a ControlNet's residual between the blocks): made by the block itself a while
         following.skips[name] = skips - 1
         return None
     return Hand(following, name, norm)
-
-
-def _travel(h: torch.Tensor) -> bool:
-    return not (torch.compiler.is_compiling() or h.is_inference() or torch.is_inference_mode_enabled()
-                or torch.is_grad_enabled())
 
 
 def gated_norm(hand: Hand, residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,

@@ -349,6 +349,15 @@ class Fp8FeedForward(nn.Module):
         return f"{'GEGLU' if self.gated else 'GELU'}(approximate={self.act!r}) fused with the FP8 quantization"
 
 
+def codes_travel(x: torch.Tensor) -> bool:
+    """Whether FP8 codes (and what else a block hands on: ``attach_quantized``) can travel on a tensor made from
+    ``x`` in this call: it has a version counter (neither x nor the call made under inference mode: an in-place change
+    shows), autograd is off (a recomputing checkpoint would see a later block take what the first pass did not) and
+    no compiler traces the call (it cannot trace an attribute set on a tensor and deleted)."""
+    return not (torch.compiler.is_compiling() or x.is_inference() or torch.is_inference_mode_enabled()
+                or torch.is_grad_enabled())
+
+
 class Fp8AdaLayerNormZero(nn.Module):
     """diffusers' ``AdaLayerNormZero`` (6 chunks) or ``AdaLayerNormZeroSingle`` (3): the modulated
     LayerNorm also writes its FP8 codes, which travel on its output to the projections that read it.
@@ -356,7 +365,6 @@ class Fp8AdaLayerNormZero(nn.Module):
     still find them)."""
 
     profile_scoped = True
-    skips_values = True  # forward's ``values``: the block forwards of patches/layer_norm.py say when
     modulations = None  # the transformer's joined modulation GEMM (patches/fp8_modulations.py), where it has one
 
     def __init__(self, norm: nn.Module, chunks: int) -> None:
@@ -384,10 +392,9 @@ class Fp8AdaLayerNormZero(nn.Module):
         norm = self.norm
         if torch.compiler.is_compiling():
             y = layer_norm_modulated(x, norm.weight, norm.bias, norm.eps, scale, shift)
-        else:  # codes travel on a tensor with a version counter, outside autograd (attach_quantized)
-            travel = not (x.is_inference() or torch.is_inference_mode_enabled() or torch.is_grad_enabled())
+        else:
             y, q, s = layer_norm_modulated_fp8(x, norm.weight, norm.bias, norm.eps, scale, shift,
-                                               values=values or not travel)
+                                               values=values or not codes_travel(x))
             attach_quantized(y, q, s)
         return (y, *chunks[2:])
 

@@ -92,6 +92,7 @@ from . import dit_handoff, modulation_split
 from .codes_readers import IMAGE, TEXT, codes_only
 from .diffusers_sources import VERIFIED_WITH, is_verified
 from .flux_attention import flux_module
+from .fp8 import Fp8AdaLayerNormZero
 from .hooks import called_beside
 from .record import PatchRecord
 
@@ -260,13 +261,13 @@ def _ada_norm_zero(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor,
     ``AdaLayerNormZeroSingle.forward`` (3) with its modulated LayerNorm in one kernel: (normed x, the
     chunks after shift_msa and scale_msa: gate_msa, shift_mlp, scale_mlp, gate_mlp, or gate). A module
     that replaced the norm after the patch (the FP8 tier's, whose LayerNorm also quantizes) runs as itself,
-    writing no values where it can skip them (``skips_values``), is unhooked and ``readers`` (what reads the
-    normed x: ``codes_readers.codes_only``) take the codes alone."""
+    writing no values where it is ``Fp8AdaLayerNormZero``, unhooked, and ``readers`` (what reads the normed x:
+    ``codes_readers.codes_only``) take the codes alone."""
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
     chunks = {AdaLayerNormZero: 6, AdaLayerNormZeroSingle: 3}.get(type(norm))
     if chunks is None:
-        if (readers and getattr(type(norm), "skips_values", False) and not torch.compiler.is_compiling()
+        if (readers and isinstance(norm, Fp8AdaLayerNormZero) and not torch.compiler.is_compiling()
                 and not called_beside(norm) and codes_only(*readers)):
             return norm(x, emb=emb, values=False)
         return norm(x, emb=emb)

@@ -8,7 +8,7 @@ written once, instead of an add kernel (two reads, a write) and a LayerNorm (a r
 where the norms are patches/fp8.py's ``Fp8LayerNorm``, the same kernel writes the FP8 codes the next projection
 reads. Where a transformer model has several blocks (SDXL's: 2 or 10), the feed-forward residual that ends a block
 and the next block's norm1 are one kernel as well, the sum carrying the normed output to the next block (not under
-``torch.inference_mode()``, autograd or compilation: ``_hands_on``); the first
+``torch.inference_mode()``, autograd or compilation: ``fp8.codes_travel``); the first
 block's norm1 runs on the same kernel alone (``layer_norm_modulated``, where the norm is a plain LayerNorm) instead
 of torch's. ``LayerNormBlockForward`` (counted as ``layer_norm.LayerNormBlock``) calls the original forward for
 ``cross_attention_kwargs`` with anything in it (GLIGEN, a LoRA ``scale``) and hidden states not [B, T, D]; a
@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from .codes_readers import codes_only
+from .fp8 import codes_travel
 from .hooks import called_beside
 from .layer_norm import _BasicBlockForward, _feed_forward, _gated_norm, _install, _modulated, _plain_layer_norm
 from .record import PatchRecord
@@ -96,7 +97,7 @@ class LayerNormBlockForward(_BasicBlockForward):
                                                            reader=None if chunked else block.ff)
         ff_output = _feed_forward(block, block.ff, norm_hidden_states)
         after = self.next_norm()
-        if after is not None and ff_output.shape == hidden_states.shape and _hands_on(hidden_states):
+        if after is not None and ff_output.shape == hidden_states.shape and codes_travel(hidden_states):
             following = self.following.block  # its attn1 a self-attention: it reads the normed output alone
             hidden_states, normed = _residual_norm(after, hidden_states, ff_output, squeeze=True,
                                                    reader=None if following.only_cross_attention else following.attn1,
@@ -120,19 +121,10 @@ class LayerNormBlockForward(_BasicBlockForward):
 _HANDED = "_sd_kernels_handed_norm"
 
 
-def _hands_on(h: torch.Tensor) -> bool:
-    """Whether a normed output can travel on ``h`` (``_hand_norm``): h and the sums made from it have version counters
-    (neither h nor the call made under inference mode), autograd is off (a recomputing checkpoint would see the next
-    block normalize where the first pass did not) and no compiler traces the call (it cannot trace an attribute set on
-    a tensor and deleted)."""
-    return not (h.is_inference() or torch.is_inference_mode_enabled() or torch.is_grad_enabled()
-                or torch.compiler.is_compiling())
-
-
 def _hand_norm(h: torch.Tensor, norm: nn.Module, normed: torch.Tensor) -> torch.Tensor:
     """Let the residual stream ``h`` carry ``norm(h)`` (``normed``) to the next block, whose norm1 ``norm`` is; returns
-    h. Only where ``_hands_on``: h's version counter then shows a change of h in place between the blocks, and the
-    next block normalizes h itself."""
+    h. Only where ``fp8.codes_travel``: h's version counter then shows a change of h in place between the blocks, and
+    the next block normalizes h itself."""
     setattr(h, _HANDED, (normed, norm, h._version))
     return h
 
