@@ -1,9 +1,9 @@
-"""The FP8 tier's FLUX blocks hand the next block its norm: a block's last gated residual and the next block's
-adaLN-Zero LayerNorm in one kernel.
+"""The FP8 tier's DiT blocks (SD3's, FLUX's) hand the next block its norm: a block's last gated residual and the
+next block's adaLN-Zero LayerNorm in one kernel.
 
-A FLUX block ends each stream with ``h = x + gate · y`` (y: the feed-forward's second GEMM in a double block,
-``proj_out`` of the join in a single block), and the block the transformer calls next begins with its
-``Fp8AdaLayerNormZero`` on h: the modulated LayerNorm and its FP8 codes. On Hopper the GEMM is torch's, so the gated
+An SD3 or FLUX block ends each stream with ``h = x + gate · y`` (y: the feed-forward's second GEMM in SD3's and FLUX's
+double blocks, ``proj_out`` of the join in FLUX's single blocks), and the block the transformer calls next begins with
+its ``Fp8AdaLayerNormZero`` on h: the modulated LayerNorm and its FP8 codes. On Hopper the GEMM is torch's, so the gated
 residual is one pass of its own after it (x, y read, h written) and the norm another (h read again). Here the block
 computes the next block's modulation (the same joined GEMM or step table that norm would use:
 ``Fp8AdaLayerNormZero.modulation``) and runs ``gated_residual_layer_norm_fp8`` once: x and y read, h and the codes
@@ -15,10 +15,11 @@ another caller); after such a refusal the block before makes ``RETRY_AFTER`` cal
 norm is handed to a block with hooks (a pre-hook could change what its norm reads after the block before made it) or
 one compiled on its own (``Module.compile()``).
 
-Where: consecutive double blocks (each stream: norm1, norm1_context), consecutive single blocks (norm; the halves the
-block returns joined again without a copy by the next: patches/layer_norm.py's ``_joined``). Not across the last
-double block and the first single one (their streams are concatenated there), not after an IP-Adapter's image
-residual, not in fp16 (diffusers clips each block's output there), and only where codes travel (eager calls with a
+Where: consecutive SD3 joint blocks and FLUX double blocks (each stream: norm1, norm1_context; not SD3's last
+block's text stream, whose norm is not adaLN-Zero), consecutive FLUX single blocks (norm; the halves the block returns
+joined again without a copy by the next: patches/layer_norm.py's ``_joined``). Not across FLUX's last double block and
+its first single one (their streams are concatenated there), not after an IP-Adapter's image residual, not in FLUX
+in fp16 (diffusers clips its blocks' outputs there: new tensors), and only where codes travel (eager calls with a
 version counter: not under inference mode, autograd or compilation). Where the GEMM is ours (fewer rows than
 ``ops.fp8_linear.TORCH_GEMM_ROWS``, or no ``torch._scaled_mm`` row scaling), its epilogue would add the gated residual
 to the fp32 accumulator; handed on, its output is rounded to the model's dtype first, as torch's GEMM path always
@@ -73,7 +74,8 @@ def next_norm(forward, name: str, h: torch.Tensor) -> Hand | None:
     block refused lately (``taken``); else None."""
     following = getattr(forward, "following", None)
     if (not HAND_ON or following is None or not codes_travel(h) or vars(following.block).get("forward") is not following
-            or h.dtype == torch.float16 or h.dim() != 3 or called_beside(following.block, installed=following)):
+            or (h.dtype == torch.float16 and forward.clips_fp16) or h.dim() != 3
+            or called_beside(following.block, installed=following)):
         return None
     norm = getattr(following.block, name, None)
     if not isinstance(norm, Fp8AdaLayerNormZero) or called_beside(norm) or called_beside(norm.linear):

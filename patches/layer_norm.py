@@ -37,8 +37,9 @@ and here:
 - ``norm1.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]``: ``layer_norm_modulated``;
 - ``x = x + gate_msa.unsqueeze(1) * attn_output`` then
   ``norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]``: ``gated_residual_layer_norm``;
-- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: ``gated_add``, one pass (our kernel) instead of two (the
-  next block's norm1 follows: a fusion across blocks, not done).
+- ``x = x + gate_mlp.unsqueeze(1) * ff(...)``: ``gated_add``, one pass (our kernel) instead of two; in the FP8
+  tier the feed-forward's second GEMM makes it, and where the next block's adaLN-Zero norm follows, that residual
+  and the next block's norm run as one kernel (patches/dit_handoff.py).
 
 The last block of an SD3 transformer is ``context_pre_only``: its context goes through an
 ``AdaLayerNormContinuous`` into the attention and no further; that norm runs as diffusers' module,
@@ -314,10 +315,31 @@ def _unserved_joint(hidden_states, encoder_hidden_states, joint_attention_kwargs
     return None
 
 
-class JointBlockForward(_BlockForward):
+class _HandingForward(_BlockForward):
+    """A DiT block forward that may make the next block's adaLN-Zero norm with its last residual and take the one
+    the block before made (patches/dit_handoff.py)."""
+
+    following: _HandingForward | None = None  # the next block's, set by dit_handoff.link
+    clips_fp16 = False  # diffusers' forward clips the block's output in fp16 (a new tensor): nothing handed on there
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__(block)
+        self.skips: dict[str, int] = {}  # calls left without a handed norm, by its name (dit_handoff.taken)
+        self.expected: dict[str, bool] = {}  # norms the block before handed on, by name (dit_handoff.hand_on)
+
+    def _hand(self, name: str, h: torch.Tensor, temb: torch.Tensor, readers: tuple) -> tuple | None:
+        """What ``_after_attention`` needs to make the next block's ``name`` norm with this stream's last residual
+        ``h`` (``dit_handoff.next_norm``; ``readers``: the names of the projections of the next block's attention
+        that read it), or None."""
+        hand = dit_handoff.next_norm(self, name, h)
+        return hand and (hand, temb, ((self.following.block.attn, readers),))
+
+
+class JointBlockForward(_HandingForward):
     """The instance ``forward`` of one SD3 ``JointTransformerBlock``: diffusers 0.42.1's forward with
     each stream's adaLN-Zero LayerNorm in ``layer_norm_modulated`` and each stream's gated attention
-    residual + norm2 in ``gated_residual_layer_norm``; any call it does not serve goes to the class's
+    residual + norm2 in ``gated_residual_layer_norm``; in the FP8 tier each stream's last residual makes the next
+    block's norm1 / norm1_context (patches/dit_handoff.py); any call it does not serve goes to the class's
     forward."""
 
     @scoped
@@ -333,29 +355,32 @@ class JointBlockForward(_BlockForward):
         if reason is not None:
             return self._fallback(reason, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
 
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_norm_zero(
-            block.norm1, hidden_states, temb, (block.attn, IMAGE))
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            dit_handoff.taken(self, "norm1", hidden_states, temb)
+            or _ada_norm_zero(block.norm1, hidden_states, temb, (block.attn, IMAGE)))
         if block.context_pre_only:
             norm_encoder_hidden_states = block.norm1_context(encoder_hidden_states, temb)
         else:
-            norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_norm_zero(
-                block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT))
+            norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+                dit_handoff.taken(self, "norm1_context", encoder_hidden_states, temb)
+                or _ada_norm_zero(block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT)))
 
         attn_output, context_attn_output = block.attn(
             hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states)
 
+        hand = self._hand("norm1", hidden_states, temb, IMAGE)
         hidden_states = _after_attention(block, block.norm2, block.ff, hidden_states, attn_output, gate_msa,
-                                         shift_mlp, scale_mlp, gate_mlp)
+                                         shift_mlp, scale_mlp, gate_mlp, hand)
         if block.context_pre_only:
             encoder_hidden_states = None
         else:
-            encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context,
-                                                     encoder_hidden_states, context_attn_output, c_gate_msa,
-                                                     c_shift_mlp, c_scale_mlp, c_gate_mlp)
+            encoder_hidden_states = _after_attention(
+                block, block.norm2_context, block.ff_context, encoder_hidden_states, context_attn_output, c_gate_msa,
+                c_shift_mlp, c_scale_mlp, c_gate_mlp, self._hand("norm1_context", encoder_hidden_states, temb, TEXT))
         return encoder_hidden_states, hidden_states
 
 
-class _FluxForward(_BlockForward):
+class _FluxForward(_HandingForward):
     """The instance ``forward`` of one FLUX block, in diffusers' signature: ``_fused`` serves the calls
     ``_unserved_joint`` lets through, the class's forward the others."""
 
@@ -374,12 +399,7 @@ class _FluxForward(_BlockForward):
                                   joint_attention_kwargs)
         return self._fused(self.block, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
 
-    following: _FluxForward | None = None  # the next block's, set by dit_handoff.link
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__(block)
-        self.skips: dict[str, int] = {}  # calls left without a handed norm, by its name (dit_handoff.taken)
-        self.expected: dict[str, bool] = {}  # norms the block before handed on, by name (dit_handoff.hand_on)
+    clips_fp16 = True
 
 
 class FluxBlockForward(_FluxForward):
@@ -399,17 +419,15 @@ class FluxBlockForward(_FluxForward):
                                        image_rotary_emb=image_rotary_emb)
         attn_output, context_attn_output = attention_outputs[:2]
 
-        after = self.following.block if self.following is not None else None  # the next block's norms' readers
-        hand = len(attention_outputs) == 2 and dit_handoff.next_norm(self, "norm1", hidden_states)
+        hand = len(attention_outputs) == 2 and self._hand("norm1", hidden_states, temb, IMAGE)
         hidden_states = _after_attention(block, block.norm2, block.ff, hidden_states, attn_output, gate_msa,
-                                         shift_mlp, scale_mlp, gate_mlp,
-                                         hand and (hand, temb, ((after.attn, IMAGE),)))
+                                         shift_mlp, scale_mlp, gate_mlp, hand)
         if len(attention_outputs) == 3:  # an IP-Adapter processor's image residual, after the feed-forward's
             hidden_states = hidden_states + attention_outputs[2]
-        hand = dit_handoff.next_norm(self, "norm1_context", encoder_hidden_states)
         encoder_hidden_states = _after_attention(block, block.norm2_context, block.ff_context, encoder_hidden_states,
                                                  context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp,
-                                                 c_gate_mlp, hand and (hand, temb, ((after.attn, TEXT),)))
+                                                 c_gate_mlp, self._hand("norm1_context", encoder_hidden_states, temb,
+                                                                        TEXT))
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
         return encoder_hidden_states, hidden_states
@@ -628,12 +646,12 @@ def patch_layer_norm(model: nn.Module, record: PatchRecord) -> None:
         _install(record, [(path, m) for path, m in modules if type(m) is single_stream],
                  (single_stream.forward, AdaLayerNormZeroSingle.forward), _unfit_flux_single, FluxSingleBlockForward,
                  "FluxSingleTransformerBlock")
-        for _, m in modules:  # FluxTransformer2DModel calls each list's blocks in order (ControlNet's adds between)
-            for name in ("transformer_blocks", "single_transformer_blocks"):
-                blocks = getattr(m, name, None) if hasattr(m, "single_transformer_blocks") else None
-                if isinstance(blocks, nn.ModuleList):
-                    forwards = [vars(b).get("forward") for b in blocks]
-                    dit_handoff.link([f if isinstance(f, _FluxForward) else None for f in forwards])
+    for _, m in modules:  # SD3's and FLUX's transformers call each list's blocks in order (ControlNets' adds between)
+        for name in ("transformer_blocks", "single_transformer_blocks"):
+            blocks = getattr(m, name, None)
+            if isinstance(blocks, nn.ModuleList):
+                forwards = [vars(b).get("forward") for b in blocks]
+                dit_handoff.link([f if isinstance(f, _HandingForward) else None for f in forwards])
     single = [(path, m) for path, m in modules
               if type(m) is BasicTransformerBlock and m.norm_type == "ada_norm_single"]
     _install(record, single, (BasicTransformerBlock.forward,), _unfit, AdaNormSingleForward,

@@ -1,7 +1,7 @@
 """The FP8 tier's DiT block norms write no values where every reader takes their codes alone
 (patches/codes_readers.py): FLUX's and SD3's adaLN-Zero norms (norm1, norm1_context, the single blocks' norm) and
-the gated norm2 before each feed-forward; the UNets' norms: tests/patches/test_unet_blocks.py. FLUX's blocks hand
-the next block's norm1 on with their last residual (patches/dit_handoff.py)."""
+the gated norm2 before each feed-forward; the UNets' norms: tests/patches/test_unet_blocks.py. FLUX's and SD3's
+blocks hand the next block's norm1 on with their last residual (patches/dit_handoff.py)."""
 
 import types
 
@@ -12,6 +12,7 @@ from sd_kernels.patches import codes_readers, dit_handoff, fp8
 from sd_kernels.patches import layer_norm as ln_patch
 from test_flux_patch import _inputs as flux_inputs
 from test_fp8_patch import _call, _model
+from test_sd3_patch import _inputs as sd3_inputs
 
 import sd_kernels
 
@@ -41,19 +42,41 @@ def _norms(model, name, handed=True):
         return {"norm1": 2 * doubles + singles - on, "norm2": 2 * doubles, "handed": on}
     pre_only = sum(b.context_pre_only for b in model.transformer_blocks)
     blocks = len(model.transformer_blocks)
-    return {"norm1": 2 * blocks - pre_only, "norm2": 2 * blocks - pre_only, "handed": 0}
+    on = 2 * (blocks - 1) - pre_only if handed else 0  # the last block's text norm is not adaLN-Zero
+    return {"norm1": 2 * blocks - pre_only - on, "norm2": 2 * blocks - pre_only, "handed": on}
 
 
 def _flux32():
-    """tiny-flux at head dim 64 in fp32: the blocks hand norms on in every dtype but fp16 (where diffusers clips each
-    block's output: a new tensor), and the interpreter's bf16 dot is broken."""
+    """tiny-flux at head dim 64 in fp32: FLUX's blocks hand norms on in every dtype but fp16 (where diffusers clips
+    each block's output: a new tensor), and the interpreter's bf16 dot is broken."""
     return _model("tiny-flux").float()
 
 
+def _sd3_32():
+    """tiny-sd3 at head dim 64 with three blocks, in fp32: the second block's two streams and the last block's image
+    stream take handed norms. In fp16 our GEMM's epilogue adds the gated residual to its fp32 accumulator, which the
+    hand-on rounds first: equal within rounding, not bit for bit (FLUX's GPU test below)."""
+    model = _model("tiny-sd3")
+    torch.manual_seed(0)
+    return type(model).from_config({**model.config, "num_layers": 3}).float().eval().requires_grad_(False)
+
+
 def _call32(model, **extra):
-    x, kw = flux_inputs(model, batch=1, side=4, text=4)
+    x, kw = (flux_inputs(model, batch=1, side=4, text=4) if hasattr(model, "single_transformer_blocks")
+             else sd3_inputs(model, batch=1, side=8))
     with torch.no_grad():
         return model(x, **kw, **extra, return_dict=False)[0]
+
+
+def _controlnet_residuals(model) -> dict:
+    """A ControlNet's residuals for ``_call32``: one per double (FLUX: and single) block, [1, 16 tokens, width]; the
+    transformer adds them to the image stream between the blocks."""
+    g = torch.Generator().manual_seed(1)
+    width = model.transformer_blocks[0].norm2.normalized_shape[0]
+    res = lambda n: [torch.randn(1, 16, width, generator=g) for _ in range(n)]  # noqa: E731
+    if hasattr(model, "single_transformer_blocks"):
+        return {"controlnet_block_samples": res(2), "controlnet_single_block_samples": res(2)}
+    return {"block_controlnet_hidden_states": res(len(model.transformer_blocks) - 1)}
 
 
 def _both_ways(monkeypatch, asked, call, switch, expected):
@@ -79,9 +102,10 @@ def _readers(model, name):
     second blocks' norms: made by the block before and handed on)."""
     first = model.transformer_blocks[0]
     readers = [first.attn.to_q, first.attn.add_k_proj, first.ff.net[0].proj]
+    readers.append(model.transformer_blocks[1].attn.to_q)  # its norm made by the block before
     if name == "tiny-flux":
-        readers += [model.single_transformer_blocks[0].proj_mlp, model.transformer_blocks[1].attn.to_q,
-                    model.transformer_blocks[1].attn.add_k_proj, model.single_transformer_blocks[1].proj_mlp]
+        readers += [model.single_transformer_blocks[0].proj_mlp, model.transformer_blocks[1].attn.add_k_proj,
+                    model.single_transformer_blocks[1].proj_mlp]
     return readers
 
 
@@ -132,27 +156,26 @@ def test_a_flux_attention_whose_projections_diffusers_fused_reads_values():
 
 
 @cpu_only
-def test_flux_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(values_asked, monkeypatch):
-    """Each FLUX block but the last of its kind makes the next block's norm1 with its last gated residual, and the
-    output is the one with every norm its own kernel, bit for bit. With a ControlNet's residuals added between the
-    blocks (new image streams), the second blocks refuse the handed image norms and make them, and the call after
-    the blocks before hand those on no more (``RETRY_AFTER``), the output again the one without the hand-on; a
-    forward pre-hook on a block (which may change what its norm reads: here the step embedding, in place) gets no
-    norm handed on. Unpatched, stock's bits."""
-    model = _flux32()
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+def test_dit_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(name, values_asked, monkeypatch):
+    """Each FLUX and SD3 block but the last of its kind makes the next block's norm1 (and norm1_context) with its
+    last gated residual, and the output is the one with every norm its own kernel, bit for bit. With a ControlNet's
+    residuals added between the blocks (new image streams), the blocks after refuse the handed image norms and make
+    them, and the call after the blocks before hand those on no more (``RETRY_AFTER``), the output again the one
+    without the hand-on; a forward pre-hook on a block (which may change what its norm reads: here the step
+    embedding, in place) gets no norm handed on. Unpatched, stock's bits."""
+    model = _flux32() if name == "tiny-flux" else _sd3_32()
     stock = _call32(model)
-    g = torch.Generator().manual_seed(1)
-    control = {"controlnet_block_samples": [torch.randn(1, 16, 64, generator=g) for _ in range(2)],
-               "controlnet_single_block_samples": [torch.randn(1, 16, 64, generator=g) for _ in range(2)]}
+    control = _controlnet_residuals(model)
 
     def scaled_emb(module, args, kwargs):
         kwargs["temb"].mul_(1.5)
         return args, kwargs
 
-    expected = _norms(model, "tiny-flux")
+    expected = _norms(model, name)
     with sd_kernels.patched(model, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
         outs, _ = _both_ways(monkeypatch, values_asked, lambda: _call32(model), (dit_handoff, "HAND_ON"),
-                             lambda on: _norms(model, "tiny-flux", handed=on))
+                             lambda on: _norms(model, name, handed=on))
         hook = model.transformer_blocks[1].register_forward_pre_hook(scaled_emb, with_kwargs=True)
         values_asked.clear()
         hooked = _call32(model)
@@ -210,26 +233,35 @@ def test_a_handed_norm_is_taken_only_for_the_tensor_and_embedding_it_was_made_fo
     assert dit_handoff.taken(f, "norm", h, emb) is None and f.skips == refused
 
 
+# The GPU transformers: FLUX's head dim 128 in bf16 (4 blocks of each kind), SD3's 64 in fp16 (4 joint blocks, 4 heads).
+_GPU_CONFIGS = {
+    "tiny-flux": ({"num_layers": 4, "num_single_layers": 4, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]},
+                  torch.bfloat16, lambda m: flux_inputs(m, batch=1, side=16, text=8)),
+    "tiny-sd3": ({"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 64, "caption_projection_dim": 256},
+                 torch.float16, lambda m: sd3_inputs(m, batch=2, side=32)),
+}
+
+
 @pytest.mark.gpu
-def test_gpu_flux_norms_handed_on_without_values_stay_with_the_written_ones(values_asked, monkeypatch):
-    """On the GPU, compiled, in bf16 at FLUX's head dim 128 (4 blocks of each kind, 256 image tokens): with the
-    norms handed on and without values, the transformer's output differs from the one with every norm its own kernel
-    and its values written by less than half the tier's own error against stock bf16. Not bit for bit as on the CPU:
-    the text stream's 8 rows stay on our GEMM (fewer than ``TORCH_GEMM_ROWS``), whose epilogue adds the gated residual
-    to the fp32 accumulator; handed on, that GEMM's output is rounded to bf16 before the norm's kernel adds it (as
-    torch's GEMM path, which FLUX's rows take, always rounds it), and a bf16 rounding that moves can flip an e4m3 code,
-    which the next blocks carry on. A norm made from the wrong block's modulation or a stale stream would be far
-    off. Measured on an H200 (2026-12-02): 4.3e-3 against the tier's 9.6e-3; the two kernels' h and codes equal bit
-    for bit on the same inputs; in fp32 the outputs equal."""
+@pytest.mark.parametrize("name", list(_GPU_CONFIGS))
+def test_gpu_dit_norms_handed_on_without_values_stay_with_the_written_ones(name, values_asked, monkeypatch):
+    """On the GPU, compiled, in the model's dtype (FLUX's bf16 at head dim 128, 256 image tokens; SD3's fp16, 256
+    image tokens, batch 2): with the norms handed on and without values, the transformer's output differs from the
+    one with every norm its own kernel and its values written by less than half the tier's own error against stock.
+    Not bit for bit as on the CPU: the text stream's rows stay on our GEMM (fewer than ``TORCH_GEMM_ROWS``), whose
+    epilogue adds the gated residual to the fp32 accumulator; handed on, that GEMM's output is rounded to the model's
+    dtype before the norm's kernel adds it (as torch's GEMM path, which the image rows take, always rounds it), and a
+    rounding that moves can flip an e4m3 code, which the next blocks carry on. A norm made from the wrong block's
+    modulation or a stale stream would be far off. FLUX measured on an H200 (2026-12-02): 4.3e-3 against the tier's
+    9.6e-3; the two kernels' h and codes equal bit for bit on the same inputs; in fp32 the outputs equal."""
     from sd_kernels.testing import rel_err
 
-    model = _model("tiny-flux")  # fp16 at head dim 64; FLUX's width here
-    config = {**model.config, "num_layers": 4, "num_single_layers": 4, "attention_head_dim": 128,
-              "axes_dims_rope": [16, 56, 56]}
+    changes, dtype, inputs = _GPU_CONFIGS[name]
+    model = _model(name)
     torch.manual_seed(0)
-    model = type(model).from_config(config).to("cuda", torch.bfloat16).eval().requires_grad_(False)
-    x, kw = flux_inputs(model, batch=1, side=16, text=8)
-    cast = lambda v: v.to("cuda", torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+    model = type(model).from_config({**model.config, **changes}).to("cuda", dtype).eval().requires_grad_(False)
+    x, kw = inputs(model)
+    cast = lambda v: v.to("cuda", dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
     x, kw = cast(x), {k: cast(v) for k, v in kw.items()}
 
     def call():
@@ -244,7 +276,8 @@ def test_gpu_flux_norms_handed_on_without_values_stay_with_the_written_ones(valu
             monkeypatch.setattr(dit_handoff, "HAND_ON", on)
             values_asked.clear()
             outs[on] = call()
-            assert _counts(values_asked)["handed"] == (3 + 3 + 3 if on else 0), values_asked
+            assert _counts(values_asked)["handed"] == _norms(model, name, handed=on)["handed"], values_asked
     tier, apart = rel_err(outs[False], stock), rel_err(outs[True], outs[False])
-    print(f"handed on, codes only against every norm its own, values written: {apart:.2e}; the tier: {tier:.2e}")
+    print(f"{name}: handed on, codes only against every norm its own, values written: {apart:.2e}; "
+          f"the tier: {tier:.2e}")
     assert torch.isfinite(outs[True]).all() and apart < 0.5 * tier, (apart, tier)
