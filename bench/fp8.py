@@ -73,7 +73,7 @@ of the same random model, not image quality). Three modes, each writing its CSV 
   ``patches.fp8_conv.FP8_CONV`` on), with the decode its pipeline upcasts to fp32 run so (``fp8+fp32-decode``:
   ``patches.bf16_decode.BF16_DECODE`` off, not the bf16 copy of the VAE's decoder), with every block norm's
   values written though its readers take the codes alone (``fp8+norm-values``: ``patches.codes_readers.CODES_ONLY``
-  off), with each FLUX block's norm1 its own kernel, not made by the block before with its last residual
+  off), with each FLUX or SD3 block's norm1 its own kernel, not made by the block before with its last residual
   (``fp8+own-norms``: ``patches.dit_handoff.HAND_ON`` off), with torch adding the cuDNN convolutions' biases
   (``fp8+torch-conv-bias``: patches/conv_bias.py's ``serves`` false), with every pipeline call under
   ``torch.inference_mode()`` instead of the pipeline's own ``torch.no_grad()`` (``fp8+inference-mode``;

@@ -154,7 +154,7 @@ SUMMARY: tuple[tuple[str, str, str, str, str, str], ...] = (
      "2026-12-01-h200-fp8-targets-sd3-flux/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
      "patched+graph"),
     ("the transformers: patch(pipe) and the FP8 tier", "SD3-medium, FP8 vs the recipe",
-     "2026-12-01-h200-fp8-targets-sd3-flux/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
+     "2026-12-02-h200-sd3-norm-handoff/fp8_e2e-sd3.csv", "sd3-medium", "stock+compile-graphs",
      "patched+graph+fp8"),
 )
 

@@ -20,8 +20,9 @@ from .joint_attention import SDKernelsJointAttnProcessor
 
 # A norm whose every reader takes its FP8 codes alone writes no values: SDXL's norms 2.04 → 1.88 ms a step
 # (bench/results/2026-12-01-h200-conv-bias-and-norm-codes/), FLUX.1-dev's 2.86 → 2.78 ms, its step even
-# (bench/results/2026-12-02-h200-dit-norm-codes-and-handoff/); SD3's not measured. False: every normed output written
-# (bench.fp8's ``fp8+norm-values`` row).
+# (bench/results/2026-12-02-h200-dit-norm-codes-and-handoff/), SD3-medium's 1.87 → 1.78 ms, its step 26.92 → 26.68 ms
+# (bench/results/2026-12-02-h200-sd3-norm-handoff/). False: every normed output written (bench.fp8's
+# ``fp8+norm-values`` row).
 CODES_ONLY = True
 
 IMAGE = ("to_q", "to_k", "to_v")  # a DiT attention's projections of the image stream (or FLUX's single stream)

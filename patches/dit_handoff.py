@@ -24,8 +24,9 @@ version counter: not under inference mode, autograd or compilation). Where the G
 ``ops.fp8_linear.TORCH_GEMM_ROWS``, or no ``torch._scaled_mm`` row scaling), its epilogue would add the gated residual
 to the fp32 accumulator; handed on, its output is rounded to the model's dtype first, as torch's GEMM path always
 rounds it. ``HAND_ON`` False: each block's norm its own kernel (bench.fp8's ``fp8+own-norms`` row). Measured on an
-H200 (FLUX.1-dev 1024², bf16): the norms and gated residuals 3.36 → 2.76 ms a step, the image 1,640.2 → 1,629.0 ms
-(bench/results/2026-12-02-h200-dit-norm-codes-and-handoff/).
+H200 at 1024²: FLUX.1-dev (bf16), the norms and gated residuals 3.36 → 2.76 ms a step, the image 1,640.2 → 1,629.0 ms
+(bench/results/2026-12-02-h200-dit-norm-codes-and-handoff/); SD3-medium (fp16, guidance), 2.04 → 1.81 ms a step, the
+image 596.9 → 589.0 ms (bench/results/2026-12-02-h200-sd3-norm-handoff/).
 """
 
 from __future__ import annotations
