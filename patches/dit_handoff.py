@@ -117,17 +117,21 @@ def taken(forward, name: str, carrier: torch.Tensor, emb: torch.Tensor,
     """``norm(h, emb=emb)`` (``norm``: ``forward``'s block's ``name``) as the block before handed it on ``carrier``
     (``hand_on``; h default: the carrier itself), taken off it; else None. A refusal, after which the block before
     hands that norm on again only after ``RETRY_AFTER`` calls: a norm handed on that did not arrive (the stream
-    replaced between the blocks: a ControlNet's residual), or one made by another norm or for another embedding, or
-    for another h, or with h or emb changed in place since."""
+    replaced between the blocks: a ControlNet's residual), or one made for another embedding, or for another h, or
+    with h or emb changed in place since. A norm another block's norm made (the block it was made for was not called:
+    SD3's skip-layer guidance) is dropped without a refusal: the block that made it hands on as before, to a block
+    that is called in the other calls."""
     expected = forward.expected.pop(name, False)
     held = None if torch.compiler.is_compiling() else getattr(carrier, _HANDED, None)
+    ours = False
     if held is not None:
         delattr(carrier, _HANDED)
         h = carrier if h is None else h
         normed, by, e, e_version, ptr, shape, version = held
-        if (by is getattr(forward.block, name, None) and e is emb and emb._version == e_version
+        ours = by is getattr(forward.block, name, None)
+        if (ours and e is emb and emb._version == e_version
                 and h.data_ptr() == ptr and h.shape == shape and h._version == version):
             return normed
-    if expected or held is not None:
+    if expected or ours:
         forward.skips[name] = RETRY_AFTER
     return None

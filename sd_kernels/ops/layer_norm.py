@@ -46,6 +46,13 @@ _ELEMS = 2048  # elements per program: rows of small D (up to 1,024) are batched
 _INTERPRETED_ELEMS = 4096  # ... under the interpreter, whose cost is per program: fewer, larger programs
 _MAX_D = 8192  # the widest row one program holds: 32 fp32 registers a thread per tensor at 8 warps
 _ONE_WARP_MAX_D = 1280  # rows up to this wide: a warp per 2,048 elements of a program (``blocks``)
+# The FP8 launches' program shapes (``blocks``' elems, warp_elems, min_warps) for rows up to ``_ONE_WARP_MAX_D`` wide
+# ("narrow") and wider ("wide"). The row maximum and the codes make a program's chain longer than the values-only
+# kernel's: narrow rows take two rows and two warps a program at SDXL's 1,280 (9.27 → 8.13 µs at 2×1024×1280, 14.0 →
+# 14.9 at 2×4096×640; SDXL's FP8 norms 1.87 → 1.72 ms a step, its step 25.29 → 25.10 ms, H200, 2026-12-02,
+# bench/results/2026-12-02-h200-fp8-norm-program-shapes/). Wide rows as the values-only launches: SD3's 1,536 was
+# faster on one warp (29.7 → 28.2 µs), FLUX's 3,072 slower (30.0 → 31.0).
+QUANT_BLOCKS = {"narrow": (2 * _ELEMS, 2048, 1), "wide": (_ELEMS, 1024, 4)}
 
 
 @triton.jit
@@ -119,19 +126,22 @@ def _layer_norm_kernel(
 _LAYER_NORM = Launcher(_layer_norm_kernel)
 
 
-def blocks(n_rows: int, d: int, elems: int = _ELEMS) -> tuple[int, int, int]:
+def blocks(n_rows: int, d: int, elems: int = _ELEMS, warp_elems: int | None = None,
+           min_warps: int | None = None) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``elems``
     (``_ELEMS`` on a GPU) elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor
     in flight), 4 to 16: small programs, many of them resident on an SM, so that one's loads run under
     another's reductions (docs/kernels/layer_norm.md, "Benchmark"). Rows of at most ``_ONE_WARP_MAX_D``
     features take a warp per 2,048 elements, down to one: measured faster at SD's 320 and 640, SDXL's and
     PixArt-Σ's widths (SD1.5's 256 rows of 1,280 0.2 µs slower), slower at SD3's 1,536 and FLUX's 3,072
-    (docs/kernels/layer_norm.md, "The kernel")."""
+    (docs/kernels/layer_norm.md, "The kernel"). ``warp_elems`` and ``min_warps`` replace those two figures (the FP8
+    launches': ``QUANT_BLOCKS``)."""
     block_d = next_pow2(d)
     rows = max(1, min(elems // block_d, next_pow2(n_rows)))
-    if d <= _ONE_WARP_MAX_D:
-        return rows, block_d, min(16, max(1, rows * block_d // 2048))
-    return rows, block_d, min(16, max(4, rows * block_d // 1024))
+    narrow = d <= _ONE_WARP_MAX_D
+    warp_elems = warp_elems or (2048 if narrow else 1024)
+    min_warps = min_warps or (1 if narrow else 4)
+    return rows, block_d, min(16, max(min_warps, rows * block_d // warp_elems))
 
 
 def _modulation(m: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
@@ -177,7 +187,11 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     if y.numel() == 0:
         return y, h
     (g, sgb, sgd), (sc, ssb, ssd), (sh, stb, std) = map(_modulation, (gate, scale, shift))
-    rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS if interpreting() else _ELEMS)
+    if interpreting():
+        rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS)
+    else:
+        rows, block_d, num_warps = blocks(n_rows, d, *(
+            QUANT_BLOCKS["narrow" if d <= _ONE_WARP_MAX_D else "wide"] if quant is not None else (_ELEMS,)))
     flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
                  HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None,
                  QUANT=quant is not None, GRID=quant is not None and interpreting(), RMS=rms, VALUES=values)

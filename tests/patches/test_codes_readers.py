@@ -69,14 +69,15 @@ def _call32(model, **extra):
 
 
 def _controlnet_residuals(model) -> dict:
-    """A ControlNet's residuals for ``_call32``: one per double (FLUX: and single) block, [1, 16 tokens, width]; the
-    transformer adds them to the image stream between the blocks."""
+    """A ControlNet's residuals for ``_call32``, [1, 16 tokens, width]: FLUX's, one a double and one a single block;
+    SD3's one, which its transformer adds after every block but the last. The transformers add them to the image
+    stream between the blocks."""
     g = torch.Generator().manual_seed(1)
     width = model.transformer_blocks[0].norm2.normalized_shape[0]
     res = lambda n: [torch.randn(1, 16, width, generator=g) for _ in range(n)]  # noqa: E731
     if hasattr(model, "single_transformer_blocks"):
         return {"controlnet_block_samples": res(2), "controlnet_single_block_samples": res(2)}
-    return {"block_controlnet_hidden_states": res(len(model.transformer_blocks) - 1)}
+    return {"block_controlnet_hidden_states": res(1)}
 
 
 def _both_ways(monkeypatch, asked, call, switch, expected):
@@ -181,6 +182,11 @@ def test_dit_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(name, val
         hooked = _call32(model)
         assert _counts(values_asked) == {**expected, "norm1": expected["norm1"] + 2, "handed": expected["handed"] - 2}
         hook.remove()
+        skipped = None
+        if name == "tiny-sd3":  # skip-layer guidance's call: the second block not called, its handed norms dropped
+            values_asked.clear()
+            skipped = [_call32(model, skip_layers=[1]), _call32(model)]  # the normal call after hands on as before
+            assert _counts(values_asked)["handed"] == 2 + expected["handed"], values_asked
         controlled = []
         for handed in (3, 1):  # three made, the image streams' two refused; then the text stream's alone
             values_asked.clear()
@@ -188,6 +194,8 @@ def test_dit_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(name, val
             assert _counts(values_asked) == {**expected, "norm1": expected["norm1"] + 2, "handed": handed}
         monkeypatch.setattr(dit_handoff, "HAND_ON", False)
         assert all(torch.equal(out, _call32(model, **control)) for out in controlled)
+        if skipped is not None:
+            assert torch.equal(skipped[0], _call32(model, skip_layers=[1])) and torch.equal(skipped[1], outs[False])
         hook = model.transformer_blocks[1].register_forward_pre_hook(scaled_emb, with_kwargs=True)
         assert torch.equal(hooked, _call32(model))
         hook.remove()
@@ -199,7 +207,8 @@ def test_a_handed_norm_is_taken_only_for_the_tensor_and_embedding_it_was_made_fo
     """``taken`` gives the handed norm once, to the block whose norm made it, for the same embedding unchanged and
     the same h unchanged (a view joined from its halves included); any other case, and a norm handed on that never
     arrived (its stream replaced), is a refusal, after which the block before hands that norm on no more for
-    ``RETRY_AFTER`` calls. Nothing handed and nothing expected: no refusal."""
+    ``RETRY_AFTER`` calls. Nothing handed and nothing expected: no refusal; a norm made by another block's norm
+    (the block it was made for was skipped) is dropped without one."""
     norm, other = torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)
     refused = {"norm": dit_handoff.RETRY_AFTER}
 
@@ -231,6 +240,10 @@ def test_a_handed_norm_is_taken_only_for_the_tensor_and_embedding_it_was_made_fo
     handed(f, h, emb)
     f.block.norm = other
     assert dit_handoff.taken(f, "norm", h, emb) is None and f.skips == refused
+    skipped, f = forward(), forward()  # made for a block that was not called (skip-layer guidance): dropped
+    handed(skipped, h, emb)
+    f.block.norm = other
+    assert dit_handoff.taken(f, "norm", h, emb) is None and f.skips == {} and not hasattr(h, dit_handoff._HANDED)
 
 
 # The GPU transformers: FLUX's head dim 128 in bf16 (4 blocks of each kind), SD3's 64 in fp16 (4 joint blocks, 4 heads).
@@ -252,8 +265,9 @@ def test_gpu_dit_norms_handed_on_without_values_stay_with_the_written_ones(name,
     epilogue adds the gated residual to the fp32 accumulator; handed on, that GEMM's output is rounded to the model's
     dtype before the norm's kernel adds it (as torch's GEMM path, which the image rows take, always rounds it), and a
     rounding that moves can flip an e4m3 code, which the next blocks carry on. A norm made from the wrong block's
-    modulation or a stale stream would be far off. FLUX measured on an H200 (2026-12-02): 4.3e-3 against the tier's
-    9.6e-3; the two kernels' h and codes equal bit for bit on the same inputs; in fp32 the outputs equal."""
+    modulation or a stale stream would be far off. Measured on an H200 (2026-12-02): FLUX 4.3e-3 against the tier's
+    9.6e-3, SD3 3.0e-4 against 3.2e-3; the two kernels' h and codes equal bit for bit on the same inputs; in fp32 the
+    outputs equal."""
     from sd_kernels.testing import rel_err
 
     changes, dtype, inputs = _GPU_CONFIGS[name]
