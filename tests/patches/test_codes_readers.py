@@ -203,6 +203,16 @@ def test_dit_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(name, val
     assert torch.equal(_call32(model), stock)
 
 
+@cpu_only
+def test_flux_blocks_hand_no_norm_on_in_fp16(values_asked):
+    """diffusers clips FLUX's block outputs in fp16 (new tensors), so its blocks hand no norm on there; SD3's blocks,
+    which do not clip, do (``test_dit_norms_whose_readers_take_codes_write_no_values`` runs tiny-sd3 in fp16)."""
+    model = _model("tiny-flux")
+    with sd_kernels.patched(model, precision="fp8", ops=["attention", "layer_norm"], cuda_graph=False):
+        _call(model, "tiny-flux")
+    assert _counts(values_asked) == _norms(model, "tiny-flux", handed=False)
+
+
 def test_a_handed_norm_is_taken_only_for_the_tensor_and_embedding_it_was_made_for():
     """``taken`` gives the handed norm once, to the block whose norm made it, for the same embedding unchanged and
     the same h unchanged (a view joined from its halves included); any other case, and a norm handed on that never
