@@ -157,7 +157,7 @@ def test_a_flux_attention_whose_projections_diffusers_fused_reads_values():
 
 
 @cpu_only
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["tiny-flux", pytest.param("tiny-sd3", marks=pytest.mark.integration)])
 def test_dit_blocks_hand_the_next_norm_on_and_the_next_block_checks_it(name, values_asked, monkeypatch):
     """Each FLUX and SD3 block but the last of its kind makes the next block's norm1 (and norm1_context) with its
     last gated residual, and the output is the one with every norm its own kernel, bit for bit. With a ControlNet's
