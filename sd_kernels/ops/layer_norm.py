@@ -53,6 +53,7 @@ _ONE_WARP_MAX_D = 1280  # rows up to this wide: a warp per 2,048 elements of a p
 # bench/results/2026-12-02-h200-fp8-norm-program-shapes/). Wide rows as the values-only launches: SD3's 1,536 was
 # faster on one warp (29.7 → 28.2 µs), FLUX's 3,072 slower (30.0 → 31.0).
 QUANT_BLOCKS = {"narrow": (2 * _ELEMS, 2048, 1), "wide": (_ELEMS, 1024, 4)}
+_VALUES_BLOCKS = {"narrow": (_ELEMS, 2048, 1), "wide": (_ELEMS, 1024, 4)}  # the launches without codes (``blocks``)
 
 
 @triton.jit
@@ -126,21 +127,19 @@ def _layer_norm_kernel(
 _LAYER_NORM = Launcher(_layer_norm_kernel)
 
 
-def blocks(n_rows: int, d: int, elems: int = _ELEMS, warp_elems: int | None = None,
-           min_warps: int | None = None) -> tuple[int, int, int]:
+def blocks(n_rows: int, d: int, elems: int | None = None, quant: bool = False) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps): the whole row padded to a power of two, rows up to ``elems``
     (``_ELEMS`` on a GPU) elements a program, and a warp per 1,024 of them (32 fp32 a thread, per tensor
     in flight), 4 to 16: small programs, many of them resident on an SM, so that one's loads run under
     another's reductions (docs/kernels/layer_norm.md, "Benchmark"). Rows of at most ``_ONE_WARP_MAX_D``
     features take a warp per 2,048 elements, down to one: measured faster at SD's 320 and 640, SDXL's and
     PixArt-Σ's widths (SD1.5's 256 rows of 1,280 0.2 µs slower), slower at SD3's 1,536 and FLUX's 3,072
-    (docs/kernels/layer_norm.md, "The kernel"). ``warp_elems`` and ``min_warps`` replace those two figures (the FP8
-    launches': ``QUANT_BLOCKS``)."""
+    (docs/kernels/layer_norm.md, "The kernel"). ``quant``: a launch that writes FP8 codes, whose figures are
+    ``QUANT_BLOCKS``'; ``elems`` given (the interpreter's) replaces the elements a program."""
+    shapes = QUANT_BLOCKS if quant else _VALUES_BLOCKS
+    own_elems, warp_elems, min_warps = shapes["narrow" if d <= _ONE_WARP_MAX_D else "wide"]
     block_d = next_pow2(d)
-    rows = max(1, min(elems // block_d, next_pow2(n_rows)))
-    narrow = d <= _ONE_WARP_MAX_D
-    warp_elems = warp_elems or (2048 if narrow else 1024)
-    min_warps = min_warps or (1 if narrow else 4)
+    rows = max(1, min((elems or own_elems) // block_d, next_pow2(n_rows)))
     return rows, block_d, min(16, max(min_warps, rows * block_d // warp_elems))
 
 
@@ -187,11 +186,7 @@ def _launch(x, branch, gate, weight, bias, eps, scale, shift, quant: tuple | Non
     if y.numel() == 0:
         return y, h
     (g, sgb, sgd), (sc, ssb, ssd), (sh, stb, std) = map(_modulation, (gate, scale, shift))
-    if interpreting():
-        rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS)
-    else:
-        rows, block_d, num_warps = blocks(n_rows, d, *(
-            QUANT_BLOCKS["narrow" if d <= _ONE_WARP_MAX_D else "wide"] if quant is not None else (_ELEMS,)))
+    rows, block_d, num_warps = blocks(n_rows, d, _INTERPRETED_ELEMS if interpreting() else None, quant is not None)
     flags = dict(GATED=branch is not None, HAS_GATE=g is not None, HAS_WEIGHT=weight is not None,
                  HAS_BIAS=bias is not None, HAS_SCALE=sc is not None, HAS_SHIFT=sh is not None,
                  QUANT=quant is not None, GRID=quant is not None and interpreting(), RMS=rms, VALUES=values)

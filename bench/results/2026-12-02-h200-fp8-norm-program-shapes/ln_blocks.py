@@ -41,7 +41,7 @@ for (b, t, d, per_step) in shapes:
                                                                                         (out[3], ref[3])))
         ms = time_graph_ms(fp8)
         row["configs"][str(cfg)] = {"us": ms * 1e3, "TBps": b * t * d * 7 / ms / 1e9, "same_bits": same,
-                                    "blocks": ln.blocks(b * t, d, *cfg)}
+                                    "blocks": ln.blocks(b * t, d, quant=True)}
     ln.QUANT_BLOCKS.update(shipped)
     row["shipped"] = str(shipped[kind])
     best = min(row["configs"].items(), key=lambda kv: kv[1]["us"])
