@@ -327,6 +327,14 @@ class _HandingForward(_BlockForward):
         self.skips: dict[str, int] = {}  # calls left without a handed norm, by its name (dit_handoff.taken)
         self.expected: dict[str, bool] = {}  # norms the block before handed on, by name (dit_handoff.hand_on)
 
+    def _stream_norm(self, name: str, x: torch.Tensor, temb: torch.Tensor, readers: tuple) -> tuple:
+        """The block's ``name`` adaLN-Zero norm (norm1, norm1_context) of the stream x, with its chunks: as the block
+        before handed it on (``dit_handoff.taken``), else made here (``_ada_norm_zero``; ``readers``: the names of
+        the block's attention's projections that read it)."""
+        block = self.block
+        return (dit_handoff.taken(self, name, x, temb)
+                or _ada_norm_zero(getattr(block, name), x, temb, (block.attn, readers)))
+
     def _hand(self, name: str, h: torch.Tensor, temb: torch.Tensor, readers: tuple) -> tuple | None:
         """What ``_after_attention`` needs to make the next block's ``name`` norm with this stream's last residual
         ``h`` (``dit_handoff.next_norm``; ``readers``: the names of the projections of the next block's attention
@@ -355,15 +363,13 @@ class JointBlockForward(_HandingForward):
         if reason is not None:
             return self._fallback(reason, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
 
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            dit_handoff.taken(self, "norm1", hidden_states, temb)
-            or _ada_norm_zero(block.norm1, hidden_states, temb, (block.attn, IMAGE)))
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self._stream_norm(
+            "norm1", hidden_states, temb, IMAGE)
         if block.context_pre_only:
             norm_encoder_hidden_states = block.norm1_context(encoder_hidden_states, temb)
         else:
-            norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
-                dit_handoff.taken(self, "norm1_context", encoder_hidden_states, temb)
-                or _ada_norm_zero(block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT)))
+            norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self._stream_norm(
+                "norm1_context", encoder_hidden_states, temb, TEXT)
 
         attn_output, context_attn_output = block.attn(
             hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states)
@@ -408,12 +414,10 @@ class FluxBlockForward(_FluxForward):
     ``gated_residual_layer_norm``."""
 
     def _fused(self, block, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            dit_handoff.taken(self, "norm1", hidden_states, temb)
-            or _ada_norm_zero(block.norm1, hidden_states, temb, (block.attn, IMAGE)))
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
-            dit_handoff.taken(self, "norm1_context", encoder_hidden_states, temb)
-            or _ada_norm_zero(block.norm1_context, encoder_hidden_states, temb, (block.attn, TEXT)))
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self._stream_norm(
+            "norm1", hidden_states, temb, IMAGE)
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self._stream_norm(
+            "norm1_context", encoder_hidden_states, temb, TEXT)
         attention_outputs = block.attn(hidden_states=norm_hidden_states,
                                        encoder_hidden_states=norm_encoder_hidden_states,
                                        image_rotary_emb=image_rotary_emb)
